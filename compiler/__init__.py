@@ -1,0 +1,1 @@
+"""ignis.compiler: checkpoint import, family configs, quantization, grafting, TVM codegen, manifest."""

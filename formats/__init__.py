@@ -1,0 +1,1 @@
+"""ignis.formats: the bytes of ignis (the .ninfer container, Q4 block layouts, constants, errors)."""

@@ -1,0 +1,1 @@
+"""ignis.runtime: artifact loading, executors, drafters, acceptance, lanes, the server."""

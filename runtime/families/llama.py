@@ -1,0 +1,1 @@
+"""llama and qwen2 families (to be written: issue 3)."""

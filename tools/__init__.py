@@ -1,0 +1,1 @@
+"""ignis.tools: benchmarks, inspect, the client, test-drafter writers."""
