@@ -138,12 +138,15 @@ class Family:
         config_cls: the frozen config dataclass.
         tensor_shapes: config -> {HF tensor name: shape} of every tensor the executor uses.
         make_executor: (config, weights: name -> tensor, device, dtype) -> Executor.
+        map_hf_name: HF checkpoint tensor name -> canonical name, or None to drop it (e.g. a vision
+            tower of a multimodal checkpoint). Identity by default.
     """
 
     model_type: str
     config_cls: type[FamilyConfig]
     tensor_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
     make_executor: Callable[..., Executor]
+    map_hf_name: Callable[[str], str | None] = staticmethod(lambda name: name)  # type: ignore[assignment]
 
 
 FAMILIES: dict[str, Family] = {}
