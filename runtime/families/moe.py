@@ -1,0 +1,98 @@
+"""SwiGLU MLP and the Qwen sparse mixture-of-experts block (top-k routing plus a gated shared expert).
+
+Math (HF reference: `transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextSparseMoeBlock`,
+`Qwen3NextTopKRouter`, `Qwen3NextExperts`; `qwen3_5_moe` is the same block with the top-k weights
+always renormalized)::
+
+    p        = softmax(x W_router^T)                  (float32)
+    (w, idx) = top_k(p)                                (w renormalized to sum 1 if norm_topk_prob)
+    y        = sum_j w_j * E_idx_j(x) + sigmoid(x W_sg^T) * E_shared(x)
+    E(x)     = W_down (silu(W_gate x) * (W_up x))      (SwiGLU, Shazeer 2020)
+
+Every function takes all R rows of a verify round at once ([R, hidden]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SparseMoeWeights", "SwiGLUWeights", "sparse_moe_block", "swiglu_mlp"]
+
+
+@dataclass(frozen=True)
+class SwiGLUWeights:
+    """One SwiGLU MLP (dense layer, one routed expert, or the shared expert).
+
+    Attributes:
+        gate: [intermediate, hidden] (HF `gate_proj.weight`, or the first half of a fused `gate_up_proj[e]`).
+        up: [intermediate, hidden] (HF `up_proj.weight`, or the second half of `gate_up_proj[e]`).
+        down: [hidden, intermediate] (HF `down_proj.weight`).
+    """
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SparseMoeWeights:
+    """A sparse MoE block's weights.
+
+    Attributes:
+        router: [num_experts, hidden] (HF `mlp.gate.weight`).
+        experts: one SwiGLUWeights per routed expert, in expert-index order.
+        shared_expert: the always-on expert (HF `mlp.shared_expert.*`).
+        shared_expert_gate: [1, hidden] (HF `mlp.shared_expert_gate.weight`), a sigmoid gate per row.
+    """
+
+    router: torch.Tensor
+    experts: Sequence[SwiGLUWeights]
+    shared_expert: SwiGLUWeights
+    shared_expert_gate: torch.Tensor
+
+
+def swiglu_mlp(x: torch.Tensor, w: SwiGLUWeights) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` for x [R, hidden] -> [R, hidden], in x's dtype."""
+    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+
+
+def route_top_k(
+    x: torch.Tensor, router: torch.Tensor, *, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing.
+
+    Args:
+        x: [R, hidden].
+        router: [num_experts, hidden].
+
+    Returns:
+        (weights [R, top_k] in x's dtype, expert indices [R, top_k] int64). The softmax is taken in
+        float32 over all experts; with `norm_topk_prob` the k kept probabilities are divided by their sum.
+    """
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    top_w, top_i = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(x.dtype), top_i
+
+
+def sparse_moe_block(
+    x: torch.Tensor, w: SparseMoeWeights, *, top_k: int, norm_topk_prob: bool
+) -> torch.Tensor:
+    """The sparse MoE block on x [R, hidden] -> [R, hidden] (x's dtype).
+
+    Each routed expert runs once on exactly the rows routed to it (experts visited in index order,
+    contributions accumulated with `index_add_`, as HF's eager expert loop does).
+    """
+    top_w, top_i = route_top_k(x, w.router, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    out = torch.zeros_like(x)
+    for expert in torch.unique(top_i).tolist():
+        rows, slot = torch.where(top_i == expert)
+        y = swiglu_mlp(x[rows], w.experts[expert]) * top_w[rows, slot, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    shared = swiglu_mlp(x, w.shared_expert) * torch.sigmoid(F.linear(x, w.shared_expert_gate))
+    return out + shared
