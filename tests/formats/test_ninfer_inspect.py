@@ -1,0 +1,83 @@
+"""`ignis-inspect`: the table and metadata are printed; --verify exits non-zero on a flipped data byte;
+invalid files and directories exit non-zero with a message."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner
+from ninfer_golden import GOLDEN_PATH
+
+from ignis.formats import write_ninfer
+from ignis.tools.inspect import EXIT_CORRUPT_DATA, EXIT_INVALID, main
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_prints_metadata_and_table() -> None:
+    code, out, _ = run(str(GOLDEN_PATH))
+    assert code == 0
+    assert ".ninfer v1" in out and "metadata: 8 key(s)" in out and "tensors: 11" in out
+    assert "ignis.family = 'llama'" in out and "blob = <8 bytes>" in out
+    line = next(row for row in out.splitlines() if row.strip().startswith("q4.weight"))
+    assert line.split() == ["q4.weight", "q4_g32", "[4,", "64]", "36864", "144", "b2bbbbef"]
+
+
+def test_verify_ok() -> None:
+    code, out, _ = run(str(GOLDEN_PATH), "--verify")
+    assert code == 0 and "verify: ok: 11 tensor(s)" in out
+
+
+def test_verify_flipped_data_byte(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.ninfer"
+    data = bytearray(GOLDEN_PATH.read_bytes())
+    data[36864 + 3] ^= 0x08  # inside q4.weight
+    bad.write_bytes(bytes(data))
+    code, _, _ = run(str(bad))  # without --verify the header alone is valid
+    assert code == 0
+    code, _, err = run(str(bad), "--verify")
+    assert code == EXIT_CORRUPT_DATA
+    assert "MISMATCH" in err and "'q4.weight'" in err and "36864" in err and "FAILED" in err
+
+
+def test_verify_bad_padding(tmp_path: Path) -> None:
+    bad = tmp_path / "pad.ninfer"
+    data = bytearray(GOLDEN_PATH.read_bytes())
+    data[4096 + 1024 + 5] = 1  # padding after f32.weight
+    bad.write_bytes(bytes(data))
+    code, _, err = run(str(bad), "--verify")
+    assert code == EXIT_CORRUPT_DATA and "padding" in err
+
+
+def test_invalid_file_and_directory(tmp_path: Path) -> None:
+    bad = tmp_path / "t.ninfer"
+    bad.write_bytes(GOLDEN_PATH.read_bytes()[:-1])
+    code, _, err = run(str(bad))
+    assert code == EXIT_INVALID and "TruncatedFileError" in err and str(bad) in err
+    code, _, err = run(str(tmp_path))
+    assert code == EXIT_INVALID and "issue 5" in err and "not implemented yet" in err
+
+
+def test_long_metadata_is_truncated(tmp_path: Path) -> None:
+    path = write_ninfer(
+        tmp_path / "m.ninfer",
+        {"t": np.zeros(1, np.float32)},
+        metadata={"tokenizer.json": "x" * 10_000, "list": list(range(1000))},
+    )
+    code, out, _ = run(path)
+    assert code == 0 and "(10000 chars)" in out and "(1000 items)" in out
+    assert max(len(line) for line in out.splitlines()) < 200
+
+
+def test_console_script_is_installed() -> None:
+    exe = shutil.which("ignis-inspect", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    proc = subprocess.run([exe, str(GOLDEN_PATH)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "q4.weight" in proc.stdout
