@@ -1,0 +1,140 @@
+"""Acceptance: which of a lane's draft tokens the model keeps, and the model's own token after them.
+
+A lane's verify round runs the columns [anchor, d_1, ..., d_k] through the model. Row i of the model's
+output (i = 0..k) is the model's prediction for the token after column i, so row i judges draft
+d_{i+1} and row k predicts the token after the last draft. Vocabulary (vLLM's, used everywhere):
+
+- `draft_token_ids`  int64 [k]: d_1..d_k, the drafter's proposal for one lane (k may be 0).
+- `target_probs`     float [k+1, vocab]: p, the model's distribution at each row after temperature,
+                     top-k and top-p (`ignis.runtime.sampling.logits_to_probs`).
+- `draft_probs`      float [k, vocab] or None: q, the distribution each draft was sampled from;
+                     None means a greedy (deterministic) drafter, whose q is a point mass on its draft.
+- `target_token_ids` int64 [k+1]: the model's argmax at each row (greedy acceptance).
+- bonus token: the model's own token after the accepted drafts. When every draft is accepted it is
+  drawn from p at row k (the *bonus* token proper); after a rejection at row n it is the *recovered*
+  token drawn from the residual distribution at row n. Either way it becomes the lane's next anchor.
+
+The committed run is the accepted drafts plus that token: 1..k+1 tokens (`AcceptanceResult`).
+
+Greedy acceptance is exact by construction: every committed token is the model's argmax given the
+tokens before it. Rejection sampling (Leviathan, Kalman & Matias 2023, "Fast Inference from
+Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language
+Model Decoding with Speculative Sampling", Algorithm 2) keeps the output distribution exactly p:
+
+    for i = 1..k:  accept d_i with probability min(1, p_i(d_i) / q_i(d_i))
+    first rejection at i:  emit x ~ norm(max(0, p_i - q_i)) and stop
+    all accepted:          emit x ~ p_{k+1}
+
+so P(emit x at a position) = min(p(x), q(x)) + (1 - sum_y min(p(y), q(y))) * norm(max(0, p - q))(x) = p(x).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AcceptanceResult", "greedy_accept", "rejection_sample"]
+
+
+@dataclass(frozen=True)
+class AcceptanceResult:
+    """One lane's outcome of a verify round.
+
+    Attributes:
+        output_token_ids: int64 [num_accepted + 1], on the inputs' device: the committed run, i.e. the
+            accepted drafts d_1..d_n followed by the bonus (or recovered) token, the lane's next anchor.
+        num_accepted: n, how many drafts were accepted (0..k). The executor keeps n + 1 columns
+            (the anchor and the n accepted drafts).
+    """
+
+    output_token_ids: torch.Tensor
+    num_accepted: int
+
+    @property
+    def bonus_token_id(self) -> int:
+        """The model's own token after the accepted drafts (the last token of the run)."""
+        return int(self.output_token_ids[-1].item())
+
+
+def _check_drafts(draft_token_ids: torch.Tensor, num_rows: int, what: str) -> int:
+    if draft_token_ids.dim() != 1:
+        raise ValueError(f"draft_token_ids must be 1-D [k], got shape {tuple(draft_token_ids.shape)}")
+    k = draft_token_ids.numel()
+    if num_rows != k + 1:
+        raise ValueError(f"{what} must have k + 1 = {k + 1} rows for {k} drafts, got {num_rows}")
+    return k
+
+
+def greedy_accept(
+    draft_token_ids: torch.Tensor,  # int64 [k]: d_1..d_k
+    target_token_ids: torch.Tensor,  # int64 [k+1]: the model's argmax at rows 0..k
+) -> AcceptanceResult:
+    """Greedy acceptance: the longest prefix of drafts equal to the model's argmax, plus the model's token.
+
+    n = the largest n with d_i == target_token_ids[i-1] for all i <= n; the run is
+    target_token_ids[:n+1] (equal to d_1..d_n followed by the model's argmax at row n).
+
+    Raises:
+        ValueError: shapes disagree (target_token_ids must have k + 1 entries).
+    """
+    if target_token_ids.dim() != 1:
+        raise ValueError(f"target_token_ids must be 1-D [k+1], got shape {tuple(target_token_ids.shape)}")
+    k = _check_drafts(draft_token_ids, target_token_ids.shape[0], "target_token_ids")
+    matches = draft_token_ids == target_token_ids[:k]  # bool [k]
+    n = int(torch.cumprod(matches.to(torch.int64), dim=0).sum().item()) if k else 0
+    return AcceptanceResult(
+        output_token_ids=target_token_ids[: n + 1].to(torch.int64).clone(), num_accepted=n
+    )
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # int64 [k]: d_1..d_k
+    target_probs: torch.Tensor,  # float [k+1, vocab]: p at rows 0..k
+    draft_probs: torch.Tensor | None,  # float [k, vocab]: q for each draft, or None for a point mass at d_i
+    generator: torch.Generator,
+) -> AcceptanceResult:
+    """Speculative rejection sampling (Leviathan et al. 2023 Alg. 1; Chen et al. 2023 Alg. 2).
+
+    Draws k uniforms u_i in [0, 1) from `generator` (always k, whatever the outcome, so the stream's
+    consumption depends only on k), accepts d_i while u_i * q_i(d_i) < p_i(d_i) (i.e. u_i < p/q, with
+    probability min(1, p/q); a draft with q = 0 is accepted iff p > 0), then draws one token with
+    `torch.multinomial`: from norm(max(0, p_n - q_n)) after a rejection at row n (q_n a one-hot of d_n
+    when `draft_probs` is None), or from p_k when all drafts were accepted. If the residual has no mass
+    (possible only through rounding, since a rejection implies p_n(d_n) < q_n(d_n)), p_n is used.
+    Arithmetic is float64. With k = 0 this is plain sampling from p_0.
+
+    Raises:
+        ValueError: shapes disagree.
+    """
+    if target_probs.dim() != 2:
+        raise ValueError(f"target_probs must be [k+1, vocab], got shape {tuple(target_probs.shape)}")
+    k = _check_drafts(draft_token_ids, target_probs.shape[0], "target_probs")
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_probs.shape[1]):
+        raise ValueError(
+            f"draft_probs must be [k, vocab] = {(k, target_probs.shape[1])}, got {tuple(draft_probs.shape)}"
+        )
+    device = target_probs.device
+    p = target_probs.double()
+    n = k
+    if k:
+        rows = torch.arange(k, device=device)
+        drafts = draft_token_ids.to(device=device, dtype=torch.int64)
+        p_d = p[rows, drafts]  # [k]
+        q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.double()[rows, drafts]  # [k]
+        u = torch.rand(k, generator=generator, device=device, dtype=torch.float64)  # [k]
+        accepted = u * q_d < p_d  # [k]
+        n = int(torch.cumprod(accepted.to(torch.int64), dim=0).sum().item())
+    if n < k:
+        if draft_probs is None:
+            q_n = torch.zeros_like(p[n])
+            q_n[drafts[n]] = 1.0
+        else:
+            q_n = draft_probs[n].double()
+        residual = (p[n] - q_n).clamp_min(0.0)  # [vocab]
+        dist = residual if float(residual.sum().item()) > 0.0 else p[n]
+    else:
+        dist = p[k]
+    last = torch.multinomial(dist, 1, generator=generator)  # [1]
+    run = torch.cat([draft_token_ids[:n].to(device=device, dtype=torch.int64), last])
+    return AcceptanceResult(output_token_ids=run, num_accepted=n)

@@ -1,0 +1,520 @@
+"""The speculative round loop: lanes, prefill, verify rounds, acceptance, stops, commits, metrics.
+
+`SpeculativeEngine` drives one `Executor` (a family's forward pass over several lanes) and an
+optional `Drafter` (None = backend `off`, plain decode rounds). Each `step()`:
+
+1. **Admit and prefill.** Waiting lanes join (up to `max_lanes`). Their prompts run through the model in
+   one forward (`record=False`, `logits="last"`) and are committed whole. The first output token is
+   chosen from the last prompt position's logits (argmax, or sampled from p with the lane's stream),
+   stop-checked and emitted.
+2. **One verify round over every active lane** (newly prefilled lanes included):
+   a. the scheduler gives each lane its drafts (`ignis.runtime.scheduler`), capped so that no draft is
+      proposed whose token could not be emitted (max_tokens, context end);
+   b. the drafter proposes for lanes with >= 1 draft;
+   c. ONE `executor.forward` over every lane's columns [anchor, d_1..d_k] (lanes of different lengths
+      and draft counts together; `record=True` whenever some lane drafts);
+   d. acceptance per lane: greedy (temperature 0) or rejection sampling (`ignis.runtime.acceptance`);
+   e. the committed run is stop-checked token by token (`ignis.runtime.stops`) and cut at a stop;
+   f. `executor.commit` keeps exactly the columns whose next token was emitted;
+   g. the drafter is told the committed columns (its context advances by them only);
+   h. the speculative counters are updated (`ignis.runtime.metrics`).
+
+**Anchor convention.** Prefill feeds the whole prompt; the first output token, chosen from the logits
+of the last prompt position, is the first anchor. The anchor is always the lane's last token: emitted
+to the client, not yet fed to the model. Invariant between steps, for every running lane:
+`state.num_tokens == len(prompt) + len(output) - 1`, and the anchor is `output[-1]`. A verify round's
+columns sit at positions state.num_tokens .. state.num_tokens + k; row i of its logits predicts the
+token after column i. A run of n accepted drafts plus the bonus token keeps n + 1 columns (fewer when
+a stop cuts the run: the columns whose next token was emitted), and the bonus token is the new anchor.
+
+Randomness: each lane has its own stream (`ignis.runtime.sampling.LaneRandom`), seeded by the request's
+seed. Lanes never share state: each lane's output is what it would produce alone (for greedy decoding
+up to the executor's numerics, which the families guarantee per lane).
+
+Errors raised by the executor or the drafter propagate out of `step()`; the engine is then in an
+undefined state and must be discarded (a server restarts its lanes).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ignis.runtime.acceptance import AcceptanceResult, greedy_accept, rejection_sample
+from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
+from ignis.runtime.errors import ConfigError, IgnisRuntimeError
+from ignis.runtime.families.base import Executor, LaneState
+from ignis.runtime.metrics import SpeculativeMetrics
+from ignis.runtime.sampling import LaneRandom, SamplingParams, logits_to_probs, sample_token
+from ignis.runtime.scheduler import MAX_DRAFT_TOKENS, LaneScheduler
+from ignis.runtime.stops import Detokenize, StopChecker
+
+__all__ = ["LaneRequestError", "LaneResult", "LaneUpdate", "SpeculativeEngine"]
+
+
+class LaneRequestError(IgnisRuntimeError, ValueError):
+    """A lane cannot be served as asked: empty prompt, a token id outside the vocabulary, a prompt
+    that leaves no room in the context, or an unknown lane id."""
+
+
+@dataclass(frozen=True)
+class LaneUpdate:
+    """What one `step()` emitted for one lane.
+
+    Attributes:
+        lane_id: the lane.
+        new_token_ids: tokens emitted this step, in order (the committed run cut at a stop; may be
+            empty for an aborted lane).
+        finish_reason: None while running; "stop", "length" or "abort" once finished.
+        stop_reason: the stop token id or stop string that finished it, else None.
+    """
+
+    lane_id: int
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        """True on the lane's last update."""
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class LaneResult:
+    """A finished lane.
+
+    Attributes:
+        lane_id: the lane.
+        prompt_token_ids: its prompt.
+        output_token_ids: every emitted token (a stop token included as the last one).
+        finish_reason: "stop", "length" or "abort".
+        stop_reason: the stop token id or stop string, else None.
+        text: the detokenized output cut before a stop string ("" unless the request had stop strings).
+        seed: the seed of the lane's random stream (replays an unseeded sampling run).
+        num_rounds: verify rounds the lane took part in (prefill not counted).
+    """
+
+    lane_id: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    finish_reason: str
+    stop_reason: int | str | None
+    text: str
+    seed: int
+    num_rounds: int
+
+
+@dataclass(eq=False)  # identity: lanes are removed from lists by identity, not field by field
+class _Lane:
+    lane_id: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    stops: StopChecker
+    random: LaneRandom
+    state: LaneState | None = None
+    num_rounds: int = 0
+
+    @property
+    def output(self) -> list[int]:
+        return self.stops.output_token_ids
+
+    @property
+    def num_committed(self) -> int:
+        return len(self.prompt) + len(self.output) - 1
+
+
+class SpeculativeEngine:
+    """Decode several lanes with speculative verify rounds (module docstring).
+
+    Args:
+        executor: the model (`ignis.runtime.families.base.Executor`).
+        drafter: the drafter, or None for backend `off` (plain decode rounds, one column per lane).
+        draft_tokens: k, drafts per lane per round (1..7); required with a drafter, ignored without.
+        draft_rows: row budget for row-budgeted drafters (0 means 8, at most 32).
+        eos_token_ids: the model's end-of-sequence ids (a lane stops on them unless `ignore_eos`).
+        detokenize: output token ids -> text, needed for requests with stop strings.
+        max_context: context limit in tokens (prompt + output); defaults to the executor config's
+            `max_position_embeddings` (unlimited if it has none) and may not exceed it.
+        max_lanes: most lanes decoding at once (others wait, first come first served); None = no limit.
+        device: where column tensors and lane generators live; defaults to `executor.device` if the
+            executor has one, else CPU.
+        metrics: the counters to update (a fresh `SpeculativeMetrics` by default).
+
+    Raises:
+        ConfigError: draft_tokens missing or outside 1..7 with a drafter, draft_rows outside 0..32,
+            max_context above the model's limit or < 2, max_lanes < 1.
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        drafter: Drafter | None = None,
+        *,
+        draft_tokens: int | None = None,
+        draft_rows: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        detokenize: Detokenize | None = None,
+        max_context: int | None = None,
+        max_lanes: int | None = None,
+        device: torch.device | str | None = None,
+        metrics: SpeculativeMetrics | None = None,
+    ) -> None:
+        if drafter is not None and draft_tokens is None:
+            raise ConfigError(f"drafter {drafter.name!r} needs draft_tokens (1..{MAX_DRAFT_TOKENS})")
+        if drafter is not None and draft_tokens == 0:
+            raise ConfigError(
+                f"draft_tokens must be 1..{MAX_DRAFT_TOKENS} with drafter {drafter.name!r}, got 0"
+            )
+        self.executor = executor
+        self.drafter = drafter
+        self.scheduler = LaneScheduler(
+            draft_tokens=0 if drafter is None else int(draft_tokens),  # type: ignore[arg-type]
+            draft_rows=draft_rows,
+            is_row_budgeted=bool(drafter is not None and drafter.is_row_budgeted),
+            max_lanes=max_lanes,
+        )
+        model_max = getattr(executor.config, "max_position_embeddings", None)
+        if max_context is None:
+            max_context = model_max
+        elif model_max is not None and max_context > model_max:
+            raise ConfigError(
+                f"max_context {max_context} exceeds the model's max_position_embeddings {model_max}"
+            )
+        if max_context is not None and max_context < 2:
+            raise ConfigError(
+                f"max_context must be >= 2 (a prompt token and an output token), got {max_context}"
+            )
+        self.max_context: int | None = max_context
+        self.vocab_size: int | None = getattr(executor.config, "vocab_size", None)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.detokenize = detokenize
+        self.device = torch.device(device if device is not None else getattr(executor, "device", "cpu"))
+        self.metrics = metrics if metrics is not None else SpeculativeMetrics()
+        self._ids = itertools.count()
+        self._waiting: list[_Lane] = []
+        self._active: list[_Lane] = []
+        self._results: dict[int, LaneResult] = {}
+
+    # ------------------------------------------------------------------ lanes
+
+    def add_lane(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; it is prefilled at the next `step()`. Returns its lane id.
+
+        Raises:
+            LaneRequestError: empty prompt, token ids outside [0, vocab), or a prompt of max_context
+                tokens or more (no room for an output token).
+            SamplingParamsError: the request has stop strings and the engine has no detokenize callback.
+        """
+        params = params if params is not None else SamplingParams()
+        prompt = tuple(int(t) for t in prompt_token_ids)
+        if not prompt:
+            raise LaneRequestError("empty prompt: a lane needs at least one prompt token")
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            raise LaneRequestError(
+                f"prompt token ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        if self.max_context is not None and len(prompt) >= self.max_context:
+            raise LaneRequestError(
+                f"prompt of {len(prompt)} tokens leaves no room for output in a context of {self.max_context}"
+            )
+        stops = StopChecker(
+            params,
+            num_prompt_tokens=len(prompt),
+            eos_token_ids=self.eos_token_ids,
+            max_context=self.max_context,
+            detokenize=self.detokenize,
+        )
+        lane = _Lane(
+            lane_id=next(self._ids), prompt=prompt, params=params, stops=stops, random=LaneRandom(params.seed)
+        )
+        self._waiting.append(lane)
+        return lane.lane_id
+
+    def abort(self, lane_id: int) -> None:
+        """Cancel a waiting or running lane between steps (finish_reason "abort"); no-op once finished.
+
+        Raises:
+            LaneRequestError: unknown lane id.
+        """
+        for pool in (self._waiting, self._active):
+            for lane in pool:
+                if lane.lane_id == lane_id:
+                    pool.remove(lane)
+                    lane.stops.abort()
+                    if lane.state is not None and self.drafter is not None:
+                        self.drafter.end_lane(lane_id)
+                    self._finish(lane)
+                    return
+        if lane_id not in self._results:
+            raise LaneRequestError(f"unknown lane id {lane_id}")
+
+    @property
+    def num_waiting(self) -> int:
+        """Lanes queued for prefill."""
+        return len(self._waiting)
+
+    @property
+    def num_active(self) -> int:
+        """Lanes decoding (prefilled, not finished)."""
+        return len(self._active)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """True while some lane waits or decodes."""
+        return bool(self._waiting or self._active)
+
+    def result(self, lane_id: int) -> LaneResult | None:
+        """A finished lane's result (kept until `pop_result`), or None while it runs."""
+        return self._results.get(lane_id)
+
+    def pop_result(self, lane_id: int) -> LaneResult:
+        """Take a finished lane's result out of the engine.
+
+        Raises:
+            LaneRequestError: the lane is unknown or not finished.
+        """
+        try:
+            return self._results.pop(lane_id)
+        except KeyError:
+            raise LaneRequestError(f"lane {lane_id} is unknown or not finished") from None
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[LaneResult]:
+        """Run prompts to completion (together with any lanes already queued); results in prompt order.
+
+        Raises:
+            ValueError: a different number of params than prompts; otherwise as `add_lane` and `step`.
+        """
+        per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per)} sampling params")
+        ids = [self.add_lane(p, sp) for p, sp in zip(prompts, per, strict=True)]
+        while any(self.result(i) is None for i in ids):
+            self.step()
+        return [self.pop_result(i) for i in ids]
+
+    # ------------------------------------------------------------------ the round
+
+    def step(self) -> list[LaneUpdate]:
+        """Admit and prefill waiting lanes, then run one verify round over every active lane.
+
+        Returns:
+            one update per lane that emitted tokens or finished this step (prefill and round merged).
+
+        Raises:
+            DrafterError: the drafter broke its protocol (the message names the lane).
+            StateError: from the executor (e.g. a lane past its context); the engine is then unusable.
+        """
+        emitted: dict[int, list[int]] = {}
+        num_admit = self.scheduler.num_to_admit(len(self._active), len(self._waiting))
+        if num_admit:
+            joining, self._waiting = self._waiting[:num_admit], self._waiting[num_admit:]
+            finished = self._prefill(joining, emitted)
+        else:
+            finished = []
+        if self._active:
+            finished += self._round(emitted)
+        updates = []
+        for lane in finished:
+            self._finish(lane)
+        done = {lane.lane_id: lane for lane in finished}
+        for lane_id, tokens in emitted.items():
+            lane_done = done.get(lane_id)
+            if lane_done is None:
+                updates.append(LaneUpdate(lane_id, tuple(tokens)))
+            else:
+                updates.append(
+                    LaneUpdate(
+                        lane_id, tuple(tokens), lane_done.stops.finish_reason, lane_done.stops.stop_reason
+                    )
+                )
+        return updates
+
+    def _forward_kwargs(self) -> dict[str, Any]:
+        d = self.drafter
+        if d is None:
+            return {}
+        return {"output_hidden_states": bool(d.needs_hidden_states), "tap_layers": tuple(d.tap_layers)}
+
+    def _choose_first(self, lane: _Lane, logits: torch.Tensor) -> int:  # logits: float [vocab]
+        if lane.params.is_greedy:
+            return int(logits.argmax().item())
+        return sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
+
+    def _prefill(self, lanes: list[_Lane], emitted: dict[int, list[int]]) -> list[_Lane]:
+        ex = self.executor
+        for lane in lanes:
+            lane.state = ex.new_lane()
+        states = [lane.state for lane in lanes]
+        columns = [torch.tensor(lane.prompt, dtype=torch.int64, device=self.device) for lane in lanes]
+        out = ex.forward(states, columns, logits="last", record=False, **self._forward_kwargs())
+        ex.commit(states, [len(lane.prompt) for lane in lanes])
+        finished, spans = [], []
+        for i, lane in enumerate(lanes):
+            token = self._choose_first(lane, out.logits[i][-1])
+            lane.stops.extend([token])
+            emitted[lane.lane_id] = [token]
+            if lane.stops.is_finished:
+                finished.append(lane)
+                continue
+            self._active.append(lane)
+            if self.drafter is not None:
+                self.drafter.start_lane(lane.lane_id, lane.prompt)
+                spans.append(
+                    CommittedSpan(
+                        lane_id=lane.lane_id,
+                        start=0,
+                        input_token_ids=lane.prompt,
+                        next_token_ids=(*lane.prompt[1:], token),
+                        hidden_states=None if out.hidden_states is None else out.hidden_states[i],
+                        taps=None if out.taps is None else out.taps[i],
+                    )
+                )
+        if spans and self.drafter is not None:
+            self.drafter.commit(spans)
+        return finished
+
+    def _propose(self, lanes: list[_Lane], num_drafts: list[int]) -> list[DraftProposal]:
+        proposals = [DraftProposal(torch.empty(0, dtype=torch.int64, device=self.device))] * len(lanes)
+        asked = [i for i, k in enumerate(num_drafts) if k > 0]
+        if not asked or self.drafter is None:
+            return proposals
+        requests = [
+            DraftRequest(
+                lane_id=lanes[i].lane_id,
+                num_drafts=num_drafts[i],
+                token_ids=(*lanes[i].prompt, *lanes[i].output),
+                num_prompt_tokens=len(lanes[i].prompt),
+                params=lanes[i].params,
+                generator=lanes[i].random.generator(self.device),
+            )
+            for i in asked
+        ]
+        got = self.drafter.propose(requests)
+        if len(got) != len(requests):
+            raise DrafterError(
+                f"drafter {self.drafter.name!r} returned {len(got)} proposals for {len(requests)} lanes"
+            )
+        for i, req, prop in zip(asked, requests, got, strict=True):
+            self._check_proposal(req, prop)
+            proposals[i] = prop
+        return proposals
+
+    def _check_proposal(self, req: DraftRequest, prop: DraftProposal) -> None:
+        name = self.drafter.name if self.drafter is not None else "?"
+        ids = prop.draft_token_ids
+        if ids.dim() != 1 or ids.numel() > req.num_drafts or ids.dtype not in (torch.int64, torch.int32):
+            raise DrafterError(
+                f"drafter {name!r}, lane {req.lane_id}: draft_token_ids must be int64 [<= "
+                f"{req.num_drafts}], got {ids.dtype} {tuple(ids.shape)}"
+            )
+        if (
+            ids.numel()
+            and self.vocab_size is not None
+            and not (0 <= int(ids.min().item()) and int(ids.max().item()) < self.vocab_size)
+        ):
+            raise DrafterError(
+                f"drafter {name!r}, lane {req.lane_id}: draft ids {ids.tolist()} outside "
+                f"[0, {self.vocab_size})"
+            )
+        q = prop.draft_probs
+        if q is not None and (
+            q.dim() != 2
+            or q.shape[0] != ids.numel()
+            or (self.vocab_size is not None and q.shape[1] != self.vocab_size)
+        ):
+            raise DrafterError(
+                f"drafter {name!r}, lane {req.lane_id}: draft_probs must be [{ids.numel()}, vocab], "
+                f"got {tuple(q.shape)}"
+            )
+
+    def _round(self, emitted: dict[int, list[int]]) -> list[_Lane]:
+        lanes = list(self._active)
+        caps = []
+        for lane in lanes:
+            left = lane.stops.num_tokens_left
+            caps.append(MAX_DRAFT_TOKENS if left is None else left - 1)
+        proposals = self._propose(lanes, self.scheduler.plan(caps))
+        columns = [
+            torch.cat(
+                [
+                    torch.tensor([lane.output[-1]], dtype=torch.int64, device=self.device),
+                    prop.draft_token_ids.to(device=self.device, dtype=torch.int64),
+                ]
+            )
+            for lane, prop in zip(lanes, proposals, strict=True)
+        ]
+        states = [lane.state for lane in lanes]
+        record = any(c.numel() > 1 for c in columns)
+        out = self.executor.forward(states, columns, logits="all", record=record, **self._forward_kwargs())
+        runs: list[list[int]] = []
+        keeps: list[int] = []
+        for i, (lane, prop) in enumerate(zip(lanes, proposals, strict=True)):
+            res = self._accept(lane, prop, out.logits[i])
+            run = res.output_token_ids.tolist()
+            num_emitted = lane.stops.extend(run)
+            k = prop.draft_token_ids.numel()
+            if k:
+                self.metrics.record_round(
+                    num_drafted=k, num_accepted=min(res.num_accepted, num_emitted), num_emitted=num_emitted
+                )
+            lane.num_rounds += 1
+            runs.append(run[:num_emitted])
+            keeps.append(num_emitted)
+            emitted.setdefault(lane.lane_id, []).extend(run[:num_emitted])
+        self.executor.commit(states, keeps)
+        finished, spans = [], []
+        for i, (lane, col, run, keep) in enumerate(zip(lanes, columns, runs, keeps, strict=True)):
+            if lane.stops.is_finished:
+                finished.append(lane)
+                self._active.remove(lane)
+                if self.drafter is not None:
+                    self.drafter.end_lane(lane.lane_id)
+                continue
+            if self.drafter is not None:
+                spans.append(
+                    CommittedSpan(
+                        lane_id=lane.lane_id,
+                        start=lane.num_committed - keep,
+                        input_token_ids=tuple(col[:keep].tolist()),
+                        next_token_ids=tuple(run),
+                        hidden_states=None if out.hidden_states is None else out.hidden_states[i][:keep],
+                        taps=None if out.taps is None else out.taps[i][:keep],
+                    )
+                )
+        if spans and self.drafter is not None:
+            self.drafter.commit(spans)
+        return finished
+
+    def _accept(self, lane: _Lane, prop: DraftProposal, logits: torch.Tensor) -> AcceptanceResult:
+        # logits: float [k+1, vocab], row i predicts the token after column i.
+        drafts = prop.draft_token_ids.to(device=logits.device, dtype=torch.int64)  # [k]
+        if lane.params.is_greedy:
+            return greedy_accept(drafts, logits.argmax(dim=-1))
+        target_probs = logits_to_probs(logits, lane.params)  # [k+1, vocab]
+        q = None if prop.draft_probs is None else prop.draft_probs.to(logits.device)  # [k, vocab]
+        return rejection_sample(drafts, target_probs, q, lane.random.generator(logits.device))
+
+    def _finish(self, lane: _Lane) -> None:
+        lane.state = None
+        s = lane.stops
+        assert s.finish_reason is not None
+        self._results[lane.lane_id] = LaneResult(
+            lane_id=lane.lane_id,
+            prompt_token_ids=lane.prompt,
+            output_token_ids=tuple(s.output_token_ids),
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            text=s.text,
+            seed=lane.random.seed,
+            num_rounds=lane.num_rounds,
+        )
