@@ -51,7 +51,14 @@ def get_drafter_factory(name: str) -> DrafterFactory | None:
     """
     if name == "off":
         return None
+    _register_builtin_backends()
     try:
         return DRAFTERS[name]
     except KeyError:
         raise ConfigError(f"unknown spec backend {name!r}; available: {['off', *sorted(DRAFTERS)]}") from None
+
+
+def _register_builtin_backends() -> None:
+    """Import the built-in backends (each registers itself); lazy, so the protocol module stays light."""
+    from ignis.runtime.drafters import dflash2 as dflash2  # noqa: F401
+    from ignis.runtime.drafters import mtp as mtp  # noqa: F401
