@@ -1,0 +1,120 @@
+// Host side of the q4_g32 CUDA kernels: tvm-ffi exported functions with argument checks.
+// A module built by ignis.compiler.kernels.q4_linear includes this header and instantiates
+// IGNIS_Q4_EXPORT once per exported function.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include "q4_linear.cuh"
+
+namespace ignis_q4 {
+
+using tvm::ffi::TensorView;
+
+inline bool is_contiguous_2d(const TensorView& t) {
+  return t.ndim() == 2 && t.stride(1) == 1 && t.stride(0) == t.size(1);
+}
+
+inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
+  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
+}
+
+// Launch with programmatic stream serialization: the kernel may start while the previous kernel
+// in the stream finishes; it waits (griddepcontrol.wait) before touching activations or outputs.
+template <typename... KArgs, typename... Args>
+void launch_pdl(void (*kernel)(KArgs...), bool pdl, bool& configured, dim3 grid, dim3 block,
+                size_t smem, cudaStream_t stream, Args... args) {
+  if (!configured) {  // the kernel's dynamic shared memory limit, raised once (current device)
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+    TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
+        << "q4_linear: cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
+    configured = true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << "q4_linear: launch failed: " << cudaGetErrorString(e);
+}
+
+template <int NT, int MT, int WARPS, int STAGES, int V, bool PX, bool XR, int MODE, bool PDL, int MINB>
+void q4_linear_launch(const char* name, TensorView x, TensorView qweight, TensorView scales,
+                      TensorView y) {
+  // x: [R, K] f16|bf16; qweight: [N, K/8] u32|i32; scales: [N, K/32] f16; y: [R, N] like x
+  TVM_FFI_CHECK(is_contiguous_2d(x) && is_contiguous_2d(qweight) && is_contiguous_2d(scales) &&
+                    is_contiguous_2d(y),
+                ValueError)
+      << name << ": x, qweight, scales and y must be contiguous 2-d tensors";
+  const int64_t rows = x.size(0), k_in = x.size(1), n_out = qweight.size(0);
+  TVM_FFI_CHECK(rows >= 1 && rows <= 8 * NT, ValueError)
+      << name << ": compiled for 1.." << 8 * NT << " rows, got " << rows;
+  TVM_FFI_CHECK(k_in % (kStepK * V) == 0, ValueError)
+      << name << ": in_features must be a multiple of " << kStepK * V << ", got " << k_in;
+  TVM_FFI_CHECK(qweight.size(1) * 8 == k_in && scales.size(0) == n_out && scales.size(1) * 32 == k_in,
+                ValueError)
+      << name << ": qweight must be [N, K/8] and scales [N, K/32] for K = " << k_in << ", got ["
+      << qweight.size(0) << ", " << qweight.size(1) << "] and [" << scales.size(0) << ", "
+      << scales.size(1) << "]";
+  TVM_FFI_CHECK(y.size(0) == rows && y.size(1) == n_out, ValueError)
+      << name << ": y must be [" << rows << ", " << n_out << "]";
+  TVM_FFI_CHECK((dtype_is(qweight, kDLUInt, 32) || dtype_is(qweight, kDLInt, 32)) &&
+                    dtype_is(scales, kDLFloat, 16),
+                TypeError)
+      << name << ": qweight must be uint32 (or int32 bits) and scales float16";
+  TVM_FFI_CHECK(x.dtype().code == y.dtype().code && x.dtype().bits == y.dtype().bits, TypeError)
+      << name << ": y must have x's dtype";
+  for (const TensorView* t : {&x, &qweight, &scales, &y}) {
+    TVM_FFI_CHECK(t->device().device_type == kDLCUDA && t->device().device_id == x.device().device_id,
+                  ValueError)
+        << name << ": every tensor must be on the same CUDA device";
+  }
+  TVM_FFI_CHECK(k_in <= INT32_MAX && n_out <= INT32_MAX, ValueError) << name << ": shape too large";
+  cudaStream_t stream =
+      static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, x.device().device_id));
+  const dim3 grid(static_cast<unsigned>((n_out + 16 * MT - 1) / (16 * MT)));
+  const dim3 block(WARPS * 32);
+  const size_t smem = size_t(WARPS) * q4_smem_bytes_per_warp<NT, MT, STAGES, V, XR>();
+  const uint32_t* qw = static_cast<const uint32_t*>(qweight.data_ptr());
+  const uint16_t* sc = static_cast<const uint16_t*>(scales.data_ptr());
+  static bool configured_f16 = false, configured_bf16 = false;
+  if (dtype_is(x, kDLFloat, 16)) {
+    launch_pdl(q4_linear_mma_kernel<half, NT, MT, WARPS, STAGES, V, PX, XR, MODE, MINB>, PDL, configured_f16, grid, block,
+               smem, stream,
+               static_cast<const half*>(x.data_ptr()), qw, sc, static_cast<half*>(y.data_ptr()),
+               static_cast<int>(rows), static_cast<int>(n_out), static_cast<int>(k_in));
+  } else if (dtype_is(x, kDLBfloat, 16)) {
+    launch_pdl(q4_linear_mma_kernel<__nv_bfloat16, NT, MT, WARPS, STAGES, V, PX, XR, MODE, MINB>, PDL,
+               configured_bf16,
+               grid, block, smem, stream, static_cast<const __nv_bfloat16*>(x.data_ptr()), qw, sc,
+               static_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<int>(rows),
+               static_cast<int>(n_out), static_cast<int>(k_in));
+  } else {
+    TVM_FFI_THROW(TypeError) << name << ": x must be float16 or bfloat16";
+  }
+  cudaError_t err = cudaGetLastError();
+  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError)
+      << name << ": kernel launch failed: " << cudaGetErrorString(err);
+}
+
+}  // namespace ignis_q4
+
+// Export `NAME(x, qweight, scales, y)` for up to 8*NT rows with the given tile configuration.
+#define IGNIS_Q4_EXPORT(NAME, NT, MT, WARPS, STAGES, V, PX, XR, MODE, PDL, MINB)             \
+  static void ignis_q4_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,           \
+                              tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {          \
+    ::ignis_q4::q4_linear_launch<NT, MT, WARPS, STAGES, V, PX, XR, MODE, PDL, MINB>(          \
+        #NAME, x, qweight, scales, y);                                                        \
+  }                                                                                           \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_q4_##NAME)

@@ -1,0 +1,142 @@
+"""The lean TVM runtime: load compiled modules without the TVM compiler (no ``import tvm``).
+
+A deployment host needs only the ``tvm_ffi`` package (apache-tvm-ffi) and TVM's runtime
+libraries, ``libtvm_runtime.so`` and, for CUDA modules, ``libtvm_runtime_cuda.so`` (about 4 MB,
+from the apache-tvm wheel's ``tvm/lib``). They are loaded once with ``RTLD_GLOBAL`` so that
+exported modules resolve their symbols; then ``tvm_ffi.load_module`` loads a module and torch
+tensors are passed straight in (DLPack). Run CUDA calls under :func:`torch_stream` to launch on
+torch's current stream (and to be captured by CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .errors import IgnisRuntimeError
+
+__all__ = [
+    "TvmRuntimeError",
+    "find_runtime_lib_dir",
+    "load_module",
+    "load_tvm_runtime",
+    "torch_stream",
+]
+
+RUNTIME_LIB_DIR_ENV = "IGNIS_TVM_LIB_DIR"
+_CORE_LIB = "libtvm_runtime.so"
+_CUDA_LIB = "libtvm_runtime_cuda.so"
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL] = {}
+
+
+class TvmRuntimeError(IgnisRuntimeError):
+    """The TVM runtime libraries or a compiled module could not be loaded."""
+
+
+def find_runtime_lib_dir() -> Path:
+    """Where ``libtvm_runtime*.so`` live: ``$IGNIS_TVM_LIB_DIR``, else the installed tvm package.
+
+    The package is located without importing it (importing tvm pulls in the compiler).
+    """
+    env = os.environ.get(RUNTIME_LIB_DIR_ENV)
+    if env:
+        path = Path(env)
+        if not (path / _CORE_LIB).exists():
+            raise TvmRuntimeError(f"{RUNTIME_LIB_DIR_ENV}={env} holds no {_CORE_LIB}")
+        return path
+    spec = importlib.util.find_spec("tvm")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            path = Path(loc) / "lib"
+            if (path / _CORE_LIB).exists():
+                return path
+    raise TvmRuntimeError(
+        f"cannot find {_CORE_LIB}: set {RUNTIME_LIB_DIR_ENV} to a folder holding {_CORE_LIB} "
+        f"(and {_CUDA_LIB} for CUDA modules), e.g. the apache-tvm wheel's tvm/lib"
+    )
+
+
+def _preload_cudart() -> None:
+    """Make ``libcudart.so.13`` resolvable for libtvm_runtime_cuda.so (torch's copy if present)."""
+    try:
+        ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
+        return
+    except OSError:
+        pass
+    spec = importlib.util.find_spec("nvidia")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        for cand in sorted(Path(loc).glob("*/lib/libcudart.so.1*")):
+            try:
+                ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+                return
+            except OSError:
+                continue
+
+
+def load_tvm_runtime(*, cuda: bool = False, lib_dir: str | os.PathLike[str] | None = None) -> None:
+    """Load the TVM runtime libraries once per process (``RTLD_GLOBAL``)."""
+    import tvm_ffi  # noqa: F401  (loads libtvm_ffi.so, which the runtime libraries link against)
+
+    names = [_CORE_LIB] + ([_CUDA_LIB] if cuda else [])
+    with _lock:
+        if all(n in _loaded for n in names):
+            return
+        base = Path(lib_dir) if lib_dir is not None else find_runtime_lib_dir()
+        for name in names:
+            if name in _loaded:
+                continue
+            path = base / name
+            if name == _CUDA_LIB:
+                _preload_cudart()
+            try:
+                _loaded[name] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            except OSError as exc:
+                raise TvmRuntimeError(f"cannot load {path}: {exc}") from exc
+
+
+def load_module(path: str | os.PathLike[str], *, cuda: bool | None = None) -> Any:
+    """Load an exported module (``.so``) with the lean runtime; returns a ``tvm_ffi.Module``.
+
+    ``cuda``: load the CUDA runtime library first (default: when torch sees a CUDA device).
+    """
+    import tvm_ffi
+
+    path = Path(path)
+    if not path.exists():
+        raise TvmRuntimeError(f"compiled module {path} does not exist")
+    if cuda is None:
+        cuda = _torch_has_cuda()
+    load_tvm_runtime(cuda=cuda)
+    try:
+        return tvm_ffi.load_module(str(path))
+    except Exception as exc:  # tvm_ffi raises its own error types
+        raise TvmRuntimeError(f"cannot load module {path}: {exc}") from exc
+
+
+def _torch_has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@contextmanager
+def torch_stream(context: Any = None) -> Iterator[None]:
+    """Launch tvm-ffi CUDA calls on torch's current stream inside this block.
+
+    ``context``: a ``torch.cuda.stream(...)`` or ``torch.cuda.graph(...)`` context to enter and
+    follow (e.g. to capture the calls into a CUDA graph).
+    """
+    import tvm_ffi
+
+    with tvm_ffi.use_torch_stream(context):
+        yield
