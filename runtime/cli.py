@@ -1,26 +1,272 @@
-"""`ignis-run`: memory-map an artifact and serve it over a Unix socket.
+"""`ignis-run`: load an artifact and serve it over a Unix socket (OpenAI-compatible HTTP/1.1).
 
-Not implemented yet (issue 6); the command says so and exits non-zero.
+A thin click layer over `ignis.runtime.server`: it merges the command line with the config file
+(`ignis.runtime.config_file`), resolves the speculative settings (`ignis.runtime.server.settings`),
+loads the model, logs the proposal head (logger `ignis.runtime.draft_head`) and runs the server
+until SIGTERM or SIGINT. Every refusal (a bad knob, a socket held by a live server, `mtp` without its
+companion container) exits with status 1 and one line that names the fix.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
+import sys
+from typing import Any
+
 import click
+import prometheus_client
+
+from ignis.runtime.errors import IgnisRuntimeError
+
+__all__ = ["main", "run_command"]
+
+_DEFAULTS: dict[str, Any] = {
+    "lanes": 8,
+    "queue_size": 64,
+    "retry_after": 1,
+    "shutdown_timeout": 30.0,
+    "log_level": "info",
+}
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+logger = logging.getLogger("ignis.runtime.cli")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--artifact", type=click.Path(exists=True), required=True, help="Artifact directory built by ignis-build.")
-@click.option("--socket", "socket_path", type=click.Path(), default=None,
-              help="Unix socket path to serve on (created with mode 0600).")
-@click.option("--spec-backend", type=click.Choice(["dflash2", "mtp", "off"]), default=None,
-              help="Speculative backend; default from the card profile in the manifest.")
-@click.option("--spec-draft-tokens", type=click.IntRange(1, 7), default=None,
-              help="Draft tokens per lane per round (1..7); required with dflash2.")
-@click.option("--spec-draft-rows", type=click.IntRange(0, 32), default=None,
-              help="Row budget of a verify round across lanes (0 means 8, at most 32).")
-@click.option("--spec-draft-head", type=click.Choice(["full", "shortlist"]), default=None,
-              help="Proposal head of the drafter: the target's full head or the Q4 shortlist head.")
-def main(artifact: str, socket_path: str | None, spec_backend: str | None, spec_draft_tokens: int | None,
-         spec_draft_rows: int | None, spec_draft_head: str | None) -> None:
-    """Serve ARTIFACT over a Unix socket (OpenAI-compatible HTTP)."""
-    raise click.ClickException("ignis-run is not implemented yet (issue 6: the server); nothing is served.")
+def _load_factory(spec: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise click.BadParameter(f"expected MODULE:CALLABLE, got {spec!r}", param_hint="--model-factory")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise click.BadParameter(f"cannot import {spec!r}: {exc}", param_hint="--model-factory") from exc
+    return obj() if callable(obj) else obj
+
+
+def run_command(opts: dict[str, Any]) -> None:
+    """Resolve, load and serve (the body of `ignis-run`; `opts` are its options by parameter name).
+
+    Raises:
+        IgnisRuntimeError, ValueError: a refused setting or a failed load (the CLI prints the message).
+    """
+    from ignis.runtime.config_file import load_config_file
+    from ignis.runtime.server.model import ModelSettings, ModelSource
+    from ignis.runtime.server.runner import IgnisServer, ServerOptions
+    from ignis.runtime.server.settings import BACKENDS, SpecLayer, resolve_spec
+    from ignis.runtime.server.sockets import check_unix_socket_path
+
+    cfg = load_config_file(opts["config"]) if opts.get("config") else None
+    file_server = cfg.server if cfg is not None else {}
+
+    def pick(key: str) -> Any:
+        value = opts.get(key)
+        if value is None:
+            value = file_server.get(key)
+        return _DEFAULTS.get(key) if value is None else value
+
+    logging.getLogger().setLevel(str(pick("log_level")).upper())
+
+    artifact, factory = pick("artifact"), opts.get("model_factory")
+    if (artifact is None) == (factory is None):
+        raise click.UsageError("give exactly one of --artifact DIR and --model-factory MODULE:CALLABLE")
+    if factory is not None:
+        source = _load_factory(factory)
+        if not isinstance(source, ModelSource):
+            raise click.BadParameter(
+                f"{factory} returned {type(source).__name__}, not a ModelSource", param_hint="--model-factory"
+            )
+    else:
+        from ignis.runtime.server.artifact_source import ArtifactSource
+
+        source = ArtifactSource(artifact)
+
+    served_name = pick("served_model_name") or source.name
+    names = [served_name, source.name, *source.aliases]
+    layers = []
+    if cfg is not None:
+        layers.append(SpecLayer(f"{cfg.path} spec", cfg.spec))
+        own = cfg.spec_for(names)
+        if own:
+            section = next(n for n in names if n in cfg.spec_models)
+            layers.append(SpecLayer(f"{cfg.path} spec.{section}", own))
+    layers.append(
+        SpecLayer(
+            "command line",
+            {
+                "backend": opts.get("spec_backend"),
+                "draft_tokens": opts.get("spec_draft_tokens"),
+                "draft_rows": opts.get("spec_draft_rows"),
+                "draft_head": opts.get("spec_draft_head"),
+            },
+        )
+    )
+    resolved = resolve_spec(
+        layers,
+        spec_kinds=source.spec_kinds,
+        profile=pick("profile") or source.profile,
+        missing_backend_reason={b: source.missing_backend_reason(b) for b in BACKENDS if b != "off"},
+    )
+    max_context = opts.get("model_max_context")
+    if max_context is None and cfg is not None:
+        max_context = cfg.max_context_for(names)
+    server_options = ServerOptions(
+        socket=pick("socket"),
+        socket_group=pick("socket_group"),
+        host=pick("host"),
+        port=pick("port"),
+        lanes=int(pick("lanes")),
+        queue_size=int(pick("queue_size")),
+        retry_after=int(pick("retry_after")),
+        shutdown_timeout=float(pick("shutdown_timeout")),
+        log_level=str(pick("log_level")),
+    )
+    if server_options.socket is not None:
+        check_unix_socket_path(server_options.socket)  # refuse a live server's path before a long load
+
+    head = resolved.spec.draft_head if resolved.spec.backend != "off" else "none"
+    logging.getLogger("ignis.runtime.draft_head").info("proposal head: %s; %s", head, resolved.describe())
+    logger.info("loading %s (context %s)", served_name, max_context or "the model's own")
+    model = source.load(ModelSettings(spec=resolved.spec, max_context=max_context, device=pick("device")))
+    if served_name != model.name:
+        model.aliases = (*model.aliases, model.name)
+        model.name = served_name
+    server = IgnisServer(model, server_options)
+    server.bind()
+    server.run()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option(
+    "--artifact",
+    type=click.Path(exists=True, file_okay=False),
+    help="Artifact directory built by ignis-build (the model to serve).",
+)
+@click.option(
+    "--model-factory",
+    metavar="MODULE:CALLABLE",
+    help="Serve the ModelSource a Python callable returns instead of an artifact (development "
+    "and tests; see docs/serving.md).",
+)
+@click.option(
+    "--config",
+    type=click.Path(exists=True, dir_okay=False),
+    help="YAML or TOML config file: any option below by its long name, plus `spec` and `model` "
+    "sections with per-model overrides (e.g. spec: {NAME: {backend: off}}). The command "
+    "line wins over the file.",
+)
+@click.option(
+    "--socket",
+    metavar="PATH",
+    help="Unix socket to serve on, created with mode 0600. A path held by a live server is "
+    "refused, a stale socket replaced, a symlink never followed; removed at shutdown.",
+)
+@click.option(
+    "--socket-group",
+    metavar="GROUP",
+    help="Give the socket to this group with mode 0660 (name or numeric gid).",
+)
+@click.option(
+    "--host", metavar="HOST", help="Also serve TCP on this address (default 127.0.0.1 with --port)."
+)
+@click.option(
+    "--port", type=click.IntRange(0, 65535), help="Also serve TCP on this port (0 picks a free one)."
+)
+@click.option(
+    "--served-model-name",
+    metavar="NAME",
+    help="The model id clients send and /v1/models lists (default: the artifact's name).",
+)
+@click.option(
+    "--lanes",
+    type=click.IntRange(min=1),
+    help=f"Requests decoded at once; a new request joins at the next round. [default: {_DEFAULTS['lanes']}]",
+)
+@click.option(
+    "--queue-size",
+    type=click.IntRange(min=0),
+    help="Requests that may wait for a lane; past them a request gets 503 with Retry-After. "
+    f"[default: {_DEFAULTS['queue_size']}]",
+)
+@click.option(
+    "--retry-after",
+    type=click.IntRange(min=0),
+    metavar="SECONDS",
+    help=f"Retry-After of a 503 when the queue is full. [default: {_DEFAULTS['retry_after']}]",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="On SIGTERM, how long requests in flight may run before they are cancelled. "
+    f"[default: {_DEFAULTS['shutdown_timeout']:g}]",
+)
+@click.option(
+    "--spec-backend",
+    type=click.Choice(["dflash2", "mtp", "off"]),
+    help="Speculative backend: dflash2 (the grafted drafter), mtp (needs the NAME_mtp.ninfer "
+    "companion beside the artifact) or off. [default: the card profile's]",
+)
+@click.option(
+    "--spec-draft-tokens",
+    type=click.IntRange(1, 7),
+    help="Draft tokens per lane per round, 1..7; required with dflash2, refused without a backend.",
+)
+@click.option(
+    "--spec-draft-rows",
+    type=click.IntRange(0, 32),
+    help="Row budget of a verify round across lanes for mtp: each lane drafts "
+    "min(draft tokens, rows / lanes - 1); 0 means 8, at most 32. [default: the profile's]",
+)
+@click.option(
+    "--spec-draft-head",
+    type=click.Choice(["full", "shortlist"]),
+    help="The drafter's proposal head: the target's full head, or the Q4 shortlist head over "
+    "the 131,072 most frequent tokens. Logged at load as ignis.runtime.draft_head. [default: full]",
+)
+@click.option(
+    "--model-max-context",
+    type=click.IntRange(min=2),
+    metavar="TOKENS",
+    help="Context limit per request in tokens (prompt + output); a longer prompt gets 400. "
+    "[default: the model's]",
+)
+@click.option(
+    "--profile",
+    metavar="CARD",
+    help="Card profile whose speculative defaults apply (rtx5090, rtxpro6000, rtx50-16gb, h200, "
+    "...). [default: the artifact's card]",
+)
+@click.option(
+    "--device", metavar="DEVICE", help="Torch device to load on (cuda, cuda:1, cpu). [default: the loader's]"
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(_LOG_LEVELS, case_sensitive=False),
+    help=f"Logging level. [default: {_DEFAULTS['log_level']}]",
+)
+def main(**opts: Any) -> None:
+    """Serve a model over a Unix socket with OpenAI-compatible HTTP: /v1/chat/completions,
+    /v1/completions (SSE streaming), /v1/models, /health, /metrics.
+
+    \b
+    Example:
+      ignis-run --artifact artifacts/smollm2 --socket /run/ignis/ignis.sock
+      curl --unix-socket /run/ignis/ignis.sock http://localhost/v1/models
+    """
+    logging.basicConfig(
+        level=str(opts.get("log_level") or "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    prometheus_client.disable_created_metrics()  # no *_created series beside every counter (as vLLM)
+    try:
+        run_command(opts)
+    except (IgnisRuntimeError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+if __name__ == "__main__":
+    main()

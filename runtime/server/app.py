@@ -1,0 +1,784 @@
+"""The ASGI app (FastAPI): OpenAI-compatible endpoints over one `ServedModel` and its `LaneLoop`.
+
+Endpoints:
+
+- `POST /v1/chat/completions`, `POST /v1/completions`: generation; JSON, or server-sent events with
+  `"stream": true` (one token per chunk, whatever the committed run; then `data: [DONE]`).
+- `GET /v1/models`, `GET /v1/models/{model}`: the served model.
+- `GET /health`: 200 while the lane loop runs, else 503.
+- `GET /metrics`: Prometheus text (`ignis.runtime.server.metrics`).
+- `GET /openapi.json`, `GET /docs`: the API's schema and its browser view.
+
+Errors are OpenAI-style bodies (`{"error": {"message", "type", "param", "code"}}`): 400 for malformed
+JSON, wrong types, out-of-range values, unsupported parameters, a prompt that does not fit the context
+(code "context_length_exceeded"); 404 for an unknown model or path; 405 for a wrong method; 413 for a
+body over MAX_BODY_BYTES; 503 with
+Retry-After when every lane is busy and the waiting queue is full; 500 only for a server fault (an
+engine failure, reported to the requests it hit, after which the lanes restart).
+
+A client that disconnects, streaming or not, has its lane aborted before the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from ignis.runtime.errors import IgnisRuntimeError
+from ignis.runtime.sampling import SamplingParams, SamplingParamsError
+from ignis.runtime.server.errors import APIError, InvalidRequestError, ModelNotFoundError, error_body
+from ignis.runtime.server.lanes import ErrorEvent, LaneLoop, RequestHandle, TokenEvent
+from ignis.runtime.server.metrics import ServerMetrics
+from ignis.runtime.server.model import ChatTokenizer, ServedModel
+from ignis.runtime.server.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+)
+from ignis.runtime.stops import FINISH_STOP, stop_string_holdback
+
+__all__ = ["MAX_BODY_BYTES", "MIN_TEMPERATURE", "create_app"]
+
+logger = logging.getLogger("ignis.runtime.server")
+
+MIN_TEMPERATURE = 0.01  # temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM's rule)
+MAX_BODY_BYTES = 32 * 1024 * 1024  # larger request bodies get 413 (a 262,144-token prompt is ~2 MB of JSON)
+_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_TEMPLATE_RESERVED = frozenset(
+    {
+        "self",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+    }
+)
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers or None)
+
+
+def _sse(obj: Mapping[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop (cancelling the body iterator) as soon as the client disconnects.
+
+    Starlette only listens for `http.disconnect` under ASGI spec < 2.4; this response always does, so
+    a lane is freed when its client goes away even between tokens (e.g. while waiting in the queue).
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:  # the transport broke under us: the client is gone
+                pass
+            tg.cancel_scope.cancel()
+
+        async def listen() -> None:
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stream)
+            tg.start_soon(listen)
+
+
+class _RequestCounter:
+    """Counts requests to the generation endpoints by status code (a pure ASGI middleware, so streaming
+    and disconnect detection pass through untouched)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path") if scope["type"] == "http" else None
+        if path not in _GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint=path, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class _BodyLimit:
+    """413 (OpenAI-style body) for a request body over MAX_BODY_BYTES: at once when its Content-Length
+    says so, else as soon as the bytes read pass the limit (the endpoint's body parser re-raises the
+    HTTPException, and the app's handler renders it)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY_BYTES:
+                body = error_body(_too_large(int(value)), "invalid_request_error", code="request_too_large")
+                await JSONResponse(body, status_code=413, headers={"Connection": "close"})(
+                    scope, receive, send
+                )
+                return
+        num_read = 0
+
+        async def limited_receive() -> Any:
+            nonlocal num_read
+            message = await receive()
+            if message["type"] == "http.request":
+                num_read += len(message.get("body", b""))
+                if num_read > MAX_BODY_BYTES:
+                    raise StarletteHTTPException(413, detail=_too_large(num_read))
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _too_large(num_bytes: int) -> str:
+    return f"the request body has {num_bytes} bytes or more; at most {MAX_BODY_BYTES} are taken"
+
+
+class _TextStream:
+    """One request's text, token by token, as a client sees it.
+
+    Without stop strings the model's incremental detokenizer gives each token's text. With stop
+    strings the text is the decode of the whole output (the way the engine finds stops), and a suffix
+    that could still become a stop string is held back until a later token decides it; the last token
+    of a stop-string finish releases the engine's text cut before the stop. The text of a stop token
+    (EOS, `stop_token_ids`) is never included, as in vLLM.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self._tok = tokenizer
+        self._stop = params.stop
+        self._decoder = None if self._stop else tokenizer.detokenizer(prompt_ids, skip_special_tokens=True)
+        self._ids: list[int] = []
+        self.text = ""  # text sent so far
+
+    def push(self, token_id: int, event: TokenEvent | None) -> str:
+        """Add one token; `event` is the request's last event when this is its last token, else None.
+        Returns the text to send for it (may be "")."""
+        finish = event.finish_reason if event is not None else None
+        reason = event.stop_reason if event is not None else None
+        last = finish is not None
+        stop_string = finish == FINISH_STOP and isinstance(reason, str)
+        stop_token = finish == FINISH_STOP and not isinstance(reason, str)
+        if self._decoder is not None:
+            delta = "" if stop_token else self._decoder.add(token_id)
+            if last:
+                delta += self._decoder.flush()
+            self.text += delta
+            return delta
+        # Stop strings: whole-output decode, as the engine does.
+        if stop_string:
+            final = (event.stop_text if event is not None else None) or ""
+            delta = final[len(self.text) :] if final.startswith(self.text) else ""
+            self.text += delta
+            return delta
+        if not stop_token:
+            self._ids.append(token_id)
+        full = str(self._tok.decode(self._ids, skip_special_tokens=True))
+        if last:
+            end = len(full)
+        else:
+            end = len(full) - stop_string_holdback(full, self._stop)
+            if full[:end].endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its next byte
+                end -= 1
+        if end <= len(self.text) or not full.startswith(self.text):
+            return ""
+        delta = full[len(self.text) : end]
+        self.text += delta
+        return delta
+
+    def finish_empty(self) -> str:
+        """A last event with no token (an abort): release whatever is held back."""
+        if self._decoder is not None:
+            delta = self._decoder.flush()
+        else:
+            full = str(self._tok.decode(self._ids, skip_special_tokens=True))
+            delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta
+
+
+class _Service:
+    """Request handling shared by the endpoints."""
+
+    def __init__(self, model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> None:
+        self.model = model
+        self.lanes = lanes
+        self.metrics = metrics
+
+    # ---------------------------------------------------------------- validation
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and not self.model.accepts(name):
+            raise ModelNotFoundError(
+                f"the model {name!r} does not exist; this server serves {self.model.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling_params(
+        self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None
+    ) -> SamplingParams:
+        for field, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
+            value = getattr(req, field)
+            if value is not None and value != neutral:
+                raise InvalidRequestError(f"{field} is not supported (only {neutral} is served)", param=field)
+        if req.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+        temperature = 1.0 if req.temperature is None else float(req.temperature)
+        if 0 < temperature < MIN_TEMPERATURE:
+            temperature = MIN_TEMPERATURE
+        stop = req.stop if req.stop is not None else ()
+        try:
+            return SamplingParams(
+                temperature=temperature,
+                top_k=0 if req.top_k is None else req.top_k,
+                top_p=1.0 if req.top_p is None else float(req.top_p),
+                seed=req.seed,
+                max_tokens=max_tokens,
+                stop=(stop,) if isinstance(stop, str) else tuple(stop),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+            )
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
+    def check_prompt(self, ids: Sequence[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: it must hold at least one token", param="prompt")
+        vocab = self.lanes.vocab_size
+        if vocab is not None:
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids {bad[:8]} are outside the vocabulary [0, {vocab})", param="prompt"
+                )
+        ctx = self.lanes.max_context
+        if ctx is not None and len(ids) >= ctx:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {ctx} tokens; the prompt has {len(ids)} tokens and "
+                "no room is left for an output token",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if req.logprobs or req.top_logprobs:
+            raise InvalidRequestError("logprobs are not supported", param="logprobs")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise InvalidRequestError(
+                'only response_format {"type": "text"} is supported', param="response_format"
+            )
+        if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
+            raise InvalidRequestError('tool_choice must be "none" or "auto"', param="tool_choice")
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(_TEMPLATE_RESERVED.intersection(kwargs))
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {reserved}; use the request fields",
+                param="chat_template_kwargs",
+            )
+        messages = []
+        for i, m in enumerate(req.messages):
+            msg = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                if any(p.type != "text" or p.text is None for p in m.content):
+                    raise InvalidRequestError(
+                        f"messages[{i}].content: only text parts are supported",
+                        param=f"messages[{i}].content",
+                    )
+                msg["content"] = "".join(p.text or "" for p in m.content)
+            messages.append(msg)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message needs add_generation_prompt false", param="continue_final_message"
+            )
+        try:
+            text = self.model.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tools=req.tools,
+                **kwargs,
+            )
+            return list(self.model.tokenizer.encode(text, add_special_tokens=False))
+        except (IgnisRuntimeError, TypeError) as exc:  # TypeError: a template variable the call rejects
+            raise InvalidRequestError(f"cannot render the chat: {exc}", param="messages") from exc
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if req.echo:
+            raise InvalidRequestError("echo is not supported", param="echo")
+        if req.suffix is not None:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        if req.logprobs is not None:
+            raise InvalidRequestError("logprobs are not supported", param="logprobs")
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise InvalidRequestError(
+                    f"one prompt per request is served, got {len(prompt)}", param="prompt"
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            try:
+                return list(self.model.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
+            except IgnisRuntimeError as exc:
+                raise InvalidRequestError(f"cannot tokenize the prompt: {exc}", param="prompt") from exc
+        return [int(t) for t in prompt]
+
+    # ---------------------------------------------------------------- running
+
+    def submit(self, ids: list[int], params: SamplingParams) -> RequestHandle:
+        self.check_prompt(ids)
+        return self.lanes.submit(ids, params)
+
+    async def events(self, handle: RequestHandle) -> AsyncGenerator[TokenEvent, None]:
+        """The request's events until its last; aborts the lane if the consumer stops early."""
+        try:
+            while True:
+                event = await handle.next_event()
+                if isinstance(event, ErrorEvent):
+                    raise event.error
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if not handle.is_done:
+                self.lanes.abort(handle)
+
+    async def collect(self, handle: RequestHandle, request: Request) -> tuple[list[int], TokenEvent] | None:
+        """Wait for a non-streamed request's tokens; None when the client disconnected first."""
+        ids: list[int] = []
+        events = self.events(handle)
+
+        async def run() -> TokenEvent:
+            async for event in events:
+                ids.extend(event.token_ids)
+                if event.finish_reason is not None:
+                    return event
+            raise AssertionError("events ended without a last event")
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(run())
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                await events.aclose()
+        if work.cancelled():
+            return None
+        return ids, work.result()
+
+
+def _loc(err: Mapping[str, Any]) -> str:
+    return ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+
+
+def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
+
+
+def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> FastAPI:
+    """Build the app. Its lifespan starts the lane loop and stops it (aborting what is left) at shutdown.
+
+    Args:
+        model: the served model.
+        lanes: the lane loop over the model's engine (not started yet, or started).
+        metrics: the server's metrics (`ServerMetrics` over `lanes.snapshot`).
+    """
+    svc = _Service(model, lanes, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        lanes.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(lanes.stop)
+
+    app = FastAPI(
+        title="ignis",
+        summary="OpenAI-compatible speculative-decoding server",
+        version="0.1.0",
+        lifespan=lifespan,
+        redoc_url=None,
+    )
+    errors: dict[int | str, dict[str, Any]] = {
+        400: {"model": ErrorResponse, "description": "Malformed or invalid request"},
+        404: {"model": ErrorResponse, "description": "Unknown model"},
+        500: {"model": ErrorResponse, "description": "Engine failure"},
+        503: {"model": ErrorResponse, "description": "Busy (Retry-After) or shutting down"},
+    }
+
+    # ---------------------------------------------------------------- error handlers
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}"
+            param = None
+        elif first.get("type") == "missing" and not loc:
+            message = "the request needs a JSON object body"
+        else:
+            message = "; ".join(f"{_loc(e)}: {e.get('msg', 'invalid')}" for e in errs[:5])
+        return _error_response(InvalidRequestError(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        code = "request_too_large" if exc.status_code == 413 else None
+        body = error_body(str(exc.detail), kind, code=code)
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", "server_error"), 500)
+
+    app.add_middleware(_RequestCounter, metrics=metrics)
+    app.add_middleware(_BodyLimit)
+
+    # ---------------------------------------------------------------- plain endpoints
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=model.name, created=model.created, max_model_len=lanes.max_context)
+
+    @app.get("/v1/models", response_model=ModelList, tags=["models"])
+    async def list_models() -> ModelList:
+        """The served model."""
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id}", response_model=ModelCard, responses={404: errors[404]}, tags=["models"])
+    async def get_model(model_id: str) -> ModelCard:
+        """One model by id (404 unless it is the served model or an alias of it)."""
+        svc.check_model(model_id)
+        return model_card()
+
+    @app.get("/health", response_model=HealthResponse, responses={503: errors[503]}, tags=["server"])
+    async def health() -> Any:
+        """200 while the lane loop runs; 503 when it stopped (shutdown, or an engine that cannot restart)."""
+        snap = lanes.snapshot
+        if not lanes.is_alive:
+            return JSONResponse(error_body("the lane loop is not running", "service_unavailable_error"), 503)
+        return HealthResponse(lanes_active=snap.num_active, requests_waiting=snap.num_waiting)
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+        tags=["server"],
+    )
+    async def prometheus_metrics() -> Response:
+        """Prometheus metrics (text exposition format)."""
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---------------------------------------------------------------- generation
+
+    def stream_doc(chunk: type) -> dict[str, Any]:
+        event = {
+            "type": "object",
+            "description": "One server-sent event (OpenAPI < 3.2: the schema describes each event).",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "type": "string",
+                    "description": f"A JSON {chunk.__name__} (one token), an error object, or [DONE] last.",
+                    "contentMediaType": "application/json",
+                },
+                "event": {"type": "string"},
+            },
+        }
+        return {
+            "description": "The completion (JSON), or with stream=true server-sent events (a token a chunk)",
+            "content": {"text/event-stream": {"schema": event}},
+        }
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: stream_doc(ChatCompletionChunk), **errors},
+        tags=["generation"],
+    )
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+        """Chat completion: the messages rendered with the model's chat template, then decoded."""
+        svc.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = svc.sampling_params(req, max_tokens)
+        ids = await run_in_threadpool(svc.chat_prompt, req)
+        handle = svc.submit(ids, params)
+        rid, created = f"chatcmpl-{handle.request_id}", int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return EventStreamResponse(
+                _chat_stream(svc, handle, rid, created, req.return_token_ids, include_usage)
+            )
+        got = await svc.collect(handle, request)
+        if got is None:
+            return Response(status_code=499)
+        out_ids, last = got
+        text = _TextStream(model.tokenizer, ids, params)
+        content = "".join(
+            text.push(t, last if i == len(out_ids) - 1 else None) for i, t in enumerate(out_ids)
+        ) + ("" if out_ids else text.finish_empty())
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "finish_reason": last.finish_reason,
+            "stop_reason": last.stop_reason,
+            "logprobs": None,
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = out_ids
+            choice["prompt_token_ids"] = ids
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model.name,
+                "choices": [choice],
+                "usage": _usage(len(ids), len(out_ids)),
+            }
+        )
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: stream_doc(CompletionChunk), **errors},
+        tags=["generation"],
+    )
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        """Text completion of one prompt (a text, or a list of token ids)."""
+        svc.check_model(req.model)
+        if req.best_of not in (None, 1):
+            raise InvalidRequestError("best_of > 1 is not supported", param="best_of")
+        params = svc.sampling_params(req, req.max_tokens)
+        ids = await run_in_threadpool(svc.completion_prompt, req)
+        handle = svc.submit(ids, params)
+        rid, created = f"cmpl-{handle.request_id}", int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            return EventStreamResponse(
+                _completion_stream(svc, handle, rid, created, req.return_token_ids, include_usage)
+            )
+        got = await svc.collect(handle, request)
+        if got is None:
+            return Response(status_code=499)
+        out_ids, last = got
+        text = _TextStream(model.tokenizer, ids, params)
+        content = "".join(
+            text.push(t, last if i == len(out_ids) - 1 else None) for i, t in enumerate(out_ids)
+        ) + ("" if out_ids else text.finish_empty())
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": content,
+            "finish_reason": last.finish_reason,
+            "stop_reason": last.stop_reason,
+            "logprobs": None,
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = out_ids
+            choice["prompt_token_ids"] = ids
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model.name,
+                "choices": [choice],
+                "usage": _usage(len(ids), len(out_ids)),
+            }
+        )
+
+    # Document the chunk schemas (they travel as SSE data, not as a JSON response).
+    app.openapi_schema = None
+    _extra_models = (ChatCompletionChunk, CompletionChunk)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in _extra_models:
+                comps.setdefault(m.__name__, m.model_json_schema(ref_template="#/components/schemas/{model}"))
+                for name, sub in comps[m.__name__].pop("$defs", {}).items():
+                    comps.setdefault(name, sub)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+async def _stream_tokens(
+    svc: _Service,
+    handle: RequestHandle,
+    make_chunk: Callable[[str | None, int | None, TokenEvent | None, bool], dict[str, Any]],
+    include_usage: bool,
+    make_usage_chunk: Callable[[dict[str, int]], dict[str, Any]],
+) -> AsyncIterator[bytes]:
+    """SSE bytes: one chunk per token; the last carries finish_reason and usage; then [DONE]."""
+    text = _TextStream(svc.model.tokenizer, handle.prompt_token_ids, handle.params)
+    num_out = 0
+    try:
+        async for event in svc.events(handle):
+            n = len(event.token_ids)
+            for i, token in enumerate(event.token_ids):
+                last = event if (i == n - 1 and event.finish_reason is not None) else None
+                delta = text.push(token, last)
+                chunk = make_chunk(delta, token, last, num_out == 0)
+                num_out += 1
+                if last is not None:
+                    chunk["usage"] = _usage(len(handle.prompt_token_ids), num_out)
+                yield _sse(chunk)
+            if event.finish_reason is not None and n == 0:
+                chunk = make_chunk(text.finish_empty(), None, event, num_out == 0)
+                chunk["usage"] = _usage(len(handle.prompt_token_ids), num_out)
+                yield _sse(chunk)
+        if include_usage:
+            yield _sse(make_usage_chunk(_usage(len(handle.prompt_token_ids), num_out)))
+    except APIError as exc:
+        yield _sse(exc.body())
+    yield _SSE_DONE
+
+
+def _chat_stream(
+    svc: _Service, handle: RequestHandle, rid: str, created: int, with_ids: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    name = svc.model.name
+
+    def chunk(delta: str | None, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
+        d: dict[str, Any] = {"content": delta or ""}
+        if first:
+            d = {"role": "assistant", **d}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": d,
+            "logprobs": None,
+            "finish_reason": None if last is None else last.finish_reason,
+        }
+        if last is not None:
+            choice["stop_reason"] = last.stop_reason
+        if with_ids:
+            choice["token_ids"] = [] if token is None else [token]
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": name,
+            "choices": [choice],
+        }
+
+    def usage_chunk(usage: dict[str, int]) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": name,
+            "choices": [],
+            "usage": usage,
+        }
+
+    return _stream_tokens(svc, handle, chunk, include_usage, usage_chunk)
+
+
+def _completion_stream(
+    svc: _Service, handle: RequestHandle, rid: str, created: int, with_ids: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    name = svc.model.name
+
+    def chunk(delta: str | None, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": delta or "",
+            "logprobs": None,
+            "finish_reason": None if last is None else last.finish_reason,
+        }
+        if last is not None:
+            choice["stop_reason"] = last.stop_reason
+        if with_ids:
+            choice["token_ids"] = [] if token is None else [token]
+            if first:
+                choice["prompt_token_ids"] = list(handle.prompt_token_ids)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "choices": [choice],
+        }
+
+    def usage_chunk(usage: dict[str, int]) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "choices": [],
+            "usage": usage,
+        }
+
+    return _stream_tokens(svc, handle, chunk, include_usage, usage_chunk)

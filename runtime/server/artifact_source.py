@@ -1,0 +1,205 @@
+"""`ArtifactSource`: the `ModelSource` for an artifact directory built by ignis-build.
+
+It adapts `ignis.runtime.artifact` (manifest, weights, tokenizer, recorded card profile, grafted
+DFlash2 drafter, MTP companion container) to what the server needs:
+
+- before loading: the model's name (the manifest's), the directory's name as an alias, the backends
+  it can run (`dflash2` when a drafter is grafted in, `mtp` when `NAME_mtp.ninfer` is beside it), and
+  the card profile recorded at build (its speculative defaults);
+- `load(settings)`: a `ServedModel` whose engine factory builds the family's executor and the drafter
+  the settings ask for. The drafter shares the executor's embedding and output head (no second copy
+  on the card). The proposal head "shortlist" uses the artifact's Q4 shortlist head, dequantized to
+  the drafter's dtype.
+
+The artifact is validated when the source is opened (`load_artifact(verify=...)`): a corrupt or
+truncated file is refused there, naming the file and offset.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ignis.runtime.engine import SpeculativeEngine
+from ignis.runtime.errors import TokenizerError
+from ignis.runtime.metrics import SpeculativeMetrics
+from ignis.runtime.profiles import CardProfile
+from ignis.runtime.server.model import ModelSettings, ServedModel
+
+__all__ = ["ArtifactSource"]
+
+log = logging.getLogger("ignis.runtime.server")
+
+# Executor attribute names of the shared tensors, per family layout (llama: public; hybrid: private).
+_SHARED_ATTRS = {
+    "model.embed_tokens.weight": ("embed", "_embed"),
+    "lm_head.weight": ("lm_head", "_lm_head"),
+    "model.norm.weight": ("norm", "_final_norm"),
+}
+
+
+def _shared_tensors(art: Any, executor: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """The target's embedding, head and final norm: the executor's own tensors where it exposes them,
+    else read from the artifact (CPU views, then moved)."""
+    out: dict[str, Any] = {}
+    for name, attrs in _SHARED_ATTRS.items():
+        for attr in attrs:
+            value = getattr(executor, attr, None)
+            if isinstance(value, torch.Tensor):
+                out[name] = value
+                break
+    missing = [n for n in _SHARED_ATTRS if n not in out]
+    if missing:
+        cpu = art.target_weights(dtype=dtype, device="cpu")
+        for name in missing:
+            if name in cpu:
+                out[name] = cpu[name].to(device)
+    if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied
+    return out
+
+
+class ArtifactSource:
+    """An artifact directory, opened and validated (weights memory-mapped, nothing on the card yet).
+
+    Args:
+        path: the artifact directory.
+        verify: `load_artifact`'s check level: "none", "fast" (default: every tensor's crc32) or "full".
+
+    Raises:
+        ignis.formats errors: a missing, corrupt or mismatched file (named, with the offset).
+        UnknownModelTypeError: the artifact's family is not in this runtime.
+    """
+
+    def __init__(self, path: str | Path, *, verify: Literal["none", "fast", "full"] = "fast") -> None:
+        from ignis.runtime.artifact import load_artifact
+
+        self.path = Path(path)
+        self.artifact = load_artifact(self.path, verify=verify)
+        art = self.artifact
+        self.name: str = art.manifest.name
+        self.aliases: tuple[str, ...] = tuple(a for a in (self.path.resolve().name,) if a != self.name)
+        kinds = []
+        if art.has_drafter:
+            kinds.append("dflash2")
+        if art.has_mtp:
+            kinds.append("mtp")
+        self.spec_kinds: tuple[str, ...] = tuple(kinds)
+        self.profile: CardProfile | None = art.profile
+
+    def missing_backend_reason(self, backend: str) -> str:
+        """Why the artifact cannot run `backend`."""
+        if backend == "mtp":
+            return (
+                f"the MTP companion container {self.name}_mtp.ninfer is not in {self.path} "
+                "(ignis-build writes it from a checkpoint with mtp.* tensors)"
+            )
+        if backend == "dflash2":
+            return f"the artifact in {self.path} carries no grafted DFlash2 drafter (ignis-build --drafter)"
+        return f"unknown backend {backend}"
+
+    def _device(self, settings: ModelSettings) -> torch.device:
+        if settings.device is not None:
+            return torch.device(settings.device)
+        on_gpu = self.artifact.profile.arch != "llvm" and torch.cuda.is_available()
+        return torch.device("cuda" if on_gpu else "cpu")
+
+    def load(self, settings: ModelSettings) -> ServedModel:
+        """Build the tokenizer and the engine factory for `settings` (the first engine is built by the
+        server at start, so load errors surface before the socket is created). The served model's
+        `close` unmaps the artifact: load once per source.
+
+        Raises:
+            TokenizerError: the artifact carries no tokenizer.
+        """
+        art = self.artifact
+        tokenizer = art.tokenizer()
+        if tokenizer is None:
+            raise TokenizerError(f"{self.path}: the artifact has no tokenizer; the server needs one")
+        device = self._device(settings)
+        dtype = art.default_dtype() if device.type != "cpu" else torch.float32
+        spec = settings.spec
+        linear = None
+        takes_linear = "linear" in inspect.signature(art.family.make_executor).parameters
+        if art.manifest.modules and takes_linear:
+            try:
+                linear = art.linear_backend()
+            except Exception as exc:  # the lean TVM runtime is missing or the modules do not load here
+                log.warning("compiled modules not loaded (%s); the linears run in torch", exc)
+        elif art.manifest.modules:
+            log.info("the %s executor takes no compiled linears yet (torch linears)", art.family.model_type)
+        shortlist: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def make_drafter(executor: Any) -> Any:
+            nonlocal shortlist
+            shared = _shared_tensors(art, executor, dtype, device)
+            if spec.backend == "dflash2":
+                from ignis.runtime.drafters.dflash2 import DFlash2Config, build_dflash2_drafter
+
+                kwargs: dict[str, Any] = {}
+                if spec.draft_head == "shortlist":
+                    if shortlist is None:
+                        head, ids = art.shortlist(device)
+                        shortlist = (head.dequantize(dtype), ids.long())
+                    kwargs = {"shortlist_weight": shortlist[0], "shortlist_token_ids": shortlist[1]}
+                return build_dflash2_drafter(
+                    target_config=art.config,
+                    target_weights=shared,
+                    config=DFlash2Config.from_hf(art.drafter_config()),
+                    weights=art.drafter_weights(dtype=dtype, device=device),
+                    draft_head=spec.draft_head,
+                    device=device,
+                    dtype=dtype,
+                    **kwargs,
+                )
+            from ignis.runtime.drafters.mtp import build_mtp_drafter
+
+            return build_mtp_drafter(
+                target_config=art.config,
+                target_weights=shared,
+                mtp_weights=art.mtp_weights(dtype=dtype, device=device),
+                device=device,
+                dtype=dtype,
+            )
+
+        eos = tuple(tokenizer.eos_token_ids)
+
+        def detokenize(ids: Any) -> str:
+            return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+        def make_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
+            executor = art.make_executor(device=device, dtype=dtype, linear=linear)
+            drafter = None if spec.backend == "off" else make_drafter(executor)
+            return SpeculativeEngine(
+                executor,
+                drafter,
+                draft_tokens=spec.draft_tokens if drafter is not None else None,
+                draft_rows=spec.draft_rows,
+                eos_token_ids=eos,
+                detokenize=detokenize,
+                max_context=settings.max_context,
+                max_lanes=max_lanes,
+                device=device,
+                metrics=metrics,
+            )
+
+        log.info(
+            "artifact %s: family %s, card %s, device %s, dtype %s",
+            self.path,
+            art.manifest.family,
+            art.manifest.card,
+            device,
+            str(dtype).removeprefix("torch."),
+        )
+        return ServedModel(
+            name=self.name,
+            tokenizer=tokenizer,
+            make_engine=make_engine,
+            spec=spec,
+            aliases=self.aliases,
+            close=art.close,
+        )

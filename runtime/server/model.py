@@ -1,0 +1,145 @@
+"""What the server serves: a `ServedModel` (engine factory + tokenizer + name), built by a `ModelSource`.
+
+The server never reads artifacts itself. A `ModelSource` knows a model before it is loaded (its
+name, the speculative backends it can serve, its card profile's defaults) so that the settings can be
+resolved (`ignis.runtime.server.settings`) and refused early; `load(settings)` then builds the
+`ServedModel`. `ArtifactSource` (`ignis.runtime.server.artifact_source`) is the source for artifact
+directories built by ignis-build; tests use a toy source over the toy executor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from ignis.runtime.engine import SpeculativeEngine
+from ignis.runtime.metrics import SpeculativeMetrics
+from ignis.runtime.profiles import CardProfile, SpecDefaults
+
+__all__ = [
+    "ChatTokenizer",
+    "EngineFactory",
+    "IncrementalDecoder",
+    "ModelSettings",
+    "ModelSource",
+    "ServedModel",
+]
+
+
+class IncrementalDecoder(Protocol):
+    """Streams text from generated ids (`ignis.runtime.tokenizer.IncrementalDetokenizer`)."""
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the text it completes ("" while a character is incomplete)."""
+        ...
+
+    def flush(self) -> str:
+        """End of stream: any held-back text."""
+        ...
+
+
+@runtime_checkable
+class ChatTokenizer(Protocol):
+    """The tokenizer interface the server needs (`ignis.runtime.tokenizer.Tokenizer` implements it)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text."""
+        ...
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ids."""
+        ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+        """The prompt text of a conversation (HF `apply_chat_template(tokenize=False)` semantics).
+
+        Raises:
+            TokenizerError: no template, an invalid template, or the template's raise_exception.
+        """
+        ...
+
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> IncrementalDecoder:
+        """A streaming detokenizer for the tokens after prompt_ids."""
+        ...
+
+
+EngineFactory = Callable[[int, SpeculativeMetrics], SpeculativeEngine]
+"""(max_lanes, metrics) -> a fresh engine. Called once at start and again after an engine failure."""
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Resolved settings a source loads a model with.
+
+    Attributes:
+        spec: the speculative settings (backend, draft_tokens, draft_rows, draft_head).
+        max_context: the context limit in tokens (prompt + output), or None for the model's own.
+        device: torch device to load on ("cuda", "cpu", ...), or None for the source's default.
+    """
+
+    spec: SpecDefaults
+    max_context: int | None = None
+    device: str | None = None
+
+
+@dataclass
+class ServedModel:
+    """A loaded model, ready to serve.
+
+    Attributes:
+        name: the model id clients send as "model" and /v1/models lists.
+        tokenizer: encodes prompts, renders chats, streams text.
+        make_engine: builds a fresh `SpeculativeEngine` (max_lanes, metrics); its detokenize callback
+            and eos ids come from the same tokenizer.
+        spec: the speculative settings the engine runs with (reported at load and by /v1/models).
+        aliases: further names accepted as "model" (e.g. the artifact directory's name).
+        created: Unix time of the load (seconds).
+        close: releases what the model holds (GPU memory, mmaps), or None.
+    """
+
+    name: str
+    tokenizer: ChatTokenizer
+    make_engine: EngineFactory
+    spec: SpecDefaults
+    aliases: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+    close: Callable[[], None] | None = None
+
+    def accepts(self, name: str) -> bool:
+        """True when a request's "model" names this model."""
+        return name == self.name or name in self.aliases
+
+
+@runtime_checkable
+class ModelSource(Protocol):
+    """A model known before it is loaded.
+
+    Attributes:
+        name: the default served name.
+        aliases: further names for config-file sections and requests.
+        spec_kinds: speculative backends this model can run besides "off" (e.g. ("dflash2",) when the
+            artifact carries a grafted drafter, ("mtp",) when the MTP companion container is beside it).
+        profile: the model's card profile (an artifact's, recorded in its manifest), a built-in
+            profile's name, or None.
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    spec_kinds: tuple[str, ...]
+    profile: str | CardProfile | None
+
+    def missing_backend_reason(self, backend: str) -> str:
+        """Why `backend` cannot run on this model (used in the refusal message)."""
+        ...
+
+    def load(self, settings: ModelSettings) -> ServedModel:
+        """Load the model with resolved settings.
+
+        Raises:
+            IgnisRuntimeError: the model cannot be loaded (the message names the file and the fix).
+        """
+        ...

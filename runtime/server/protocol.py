@@ -1,0 +1,362 @@
+"""Request and response models of the OpenAI-compatible API (pydantic v2; they make the OpenAPI schema).
+
+Requests are validated strictly (`strict=True`): a string where a number belongs, a number where a
+boolean belongs, NaN or infinity, or a value outside its range is a 400 with an OpenAI-style error
+body, never a coercion. Unknown fields are ignored, as vLLM does, so clients that send extra OpenAI
+parameters keep working; parameters ignis cannot honour (logprobs, n > 1, penalties, logit_bias,
+non-text response formats, echo, suffix) are refused by name rather than silently dropped.
+
+Extensions beyond OpenAI, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
+(generated ids in `choices[i].token_ids`, prompt ids in `choices[i].prompt_token_ids`),
+`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `add_special_tokens`; and
+`/v1/completions` takes the prompt as a list of token ids.
+
+Streaming responses are server-sent events, one token per chunk (`ChatCompletionChunk`,
+`CompletionChunk`), then `data: [DONE]`. The chunk that carries `finish_reason` also carries `usage`;
+with `stream_options.include_usage` a last chunk with empty `choices` and `usage` follows, as OpenAI
+sends it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "MAX_SEED",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatMessage",
+    "CompletionChunk",
+    "CompletionRequest",
+    "CompletionResponse",
+    "ErrorResponse",
+    "HealthResponse",
+    "ModelCard",
+    "ModelList",
+    "StreamOptions",
+    "Usage",
+]
+
+MAX_SEED = 2**64 - 1  # seeds are 0 <= seed < 2**64 (a lane's torch.Generator)
+MAX_STOP_STRINGS = 16  # stop strings per request (each is searched after every token)
+MAX_STOP_STRING_CHARS = 256  # characters per stop string
+
+_REQUEST = ConfigDict(strict=True, extra="ignore")
+_RESPONSE = ConfigDict(extra="allow")
+
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    """OpenAI `stream_options`."""
+
+    model_config = _REQUEST
+
+    include_usage: bool | None = Field(
+        None, description="Send a last chunk with empty `choices` and the request's `usage`."
+    )
+
+
+class TextContentPart(BaseModel):
+    """One part of a message's content; only text parts are served."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str = Field(description='"text" (other part types are refused: the model reads text only).')
+    text: str | None = Field(None, description="The text of a text part.")
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation, handed to the model's chat template.
+
+    Extra fields (e.g. `reasoning_content`, `tool_calls`) are kept and passed to the template.
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Who wrote it.")
+    content: str | list[TextContentPart] | None = Field(
+        None, description="The text, or a list of text parts (joined in order)."
+    )
+    name: str | None = Field(None, description="An optional participant name.")
+    tool_call_id: str | None = Field(None, description="For role tool: the call this answers.")
+
+
+class _SamplingFields(BaseModel):
+    """The sampling and stopping fields both endpoints share (vLLM's names and meanings)."""
+
+    model_config = _REQUEST
+
+    model: str | None = Field(
+        None, description="The served model's id (see /v1/models); omitted means the served model."
+    )
+    temperature: NonNegFloat | None = Field(
+        None,
+        description="Sampling temperature >= 0 (default 1). 0 is greedy decoding; values in (0, 0.01) "
+        "are raised to 0.01 (as vLLM does) to keep the distribution finite.",
+    )
+    top_p: float | None = Field(
+        None, gt=0, le=1, allow_inf_nan=False, description="Nucleus mass in (0, 1]; 1 = off (default)."
+    )
+    top_k: int | None = Field(
+        None, ge=-1, description="Keep the k most likely tokens; 0 or -1 = off (default)."
+    )
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED, description="Seeds the request's random stream (0 <= seed < 2**64)."
+    )
+    stop: StopString | list[StopString] | None = Field(
+        None,
+        max_length=MAX_STOP_STRINGS,
+        description=f"Up to {MAX_STOP_STRINGS} stop strings; the output ends before the first one.",
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        None, max_length=256, description="Token ids that end the output (the stop token is counted)."
+    )
+    ignore_eos: bool = Field(False, description="Keep generating past the model's end-of-sequence tokens.")
+    stream: bool = Field(False, description="Stream server-sent events, one token per chunk.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming options.")
+    n: int = Field(1, ge=1, le=1, description="Number of choices; only 1 is served.")
+    return_token_ids: bool = Field(
+        False,
+        description="Return the generated token ids in choices[0].token_ids and the prompt's in "
+        "choices[0].prompt_token_ids (streamed: each chunk's token id).",
+    )
+    presence_penalty: float | None = Field(
+        None, allow_inf_nan=False, description="Only 0 is served (no penalties)."
+    )
+    frequency_penalty: float | None = Field(
+        None, allow_inf_nan=False, description="Only 0 is served (no penalties)."
+    )
+    repetition_penalty: float | None = Field(
+        None, allow_inf_nan=False, description="Only 1 is served (no penalties)."
+    )
+    logit_bias: dict[str, float] | None = Field(None, description="Only an empty bias is served.")
+    user: str | None = Field(None, description="Ignored.")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(
+        min_length=1, description="The conversation, rendered with the model's chat template."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="Most output tokens (>= 1); omitted means until the context end."
+    )
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="OpenAI's newer name for max_tokens (wins when both are given)."
+    )
+    logprobs: bool | None = Field(None, description="Not served: only false or null.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not served: only 0 or null.")
+    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"} is served.')
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Tool definitions, passed to the chat template (tool calls are not parsed)."
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none" or "auto" (tool calls are returned as text).'
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (e.g. enable_thinking)."
+    )
+    add_generation_prompt: bool = Field(True, description="Append the assistant header to the prompt.")
+    continue_final_message: bool = Field(
+        False, description="Leave the last (assistant) message open and continue it."
+    )
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. The prompt is one text or one list of token ids."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        description="A text, or a list of token ids; a list holding exactly one of these is accepted too."
+    )
+    max_tokens: int | None = Field(16, ge=1, description="Most output tokens (>= 1; default 16, as OpenAI).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Not served: only null.")
+    echo: bool = Field(False, description="Not served: only false.")
+    suffix: str | None = Field(None, description="Not served: only null.")
+    best_of: int | None = Field(None, ge=1, le=1, description="Only 1 is served.")
+    add_special_tokens: bool = Field(
+        True, description="Let the tokenizer add its special tokens (e.g. BOS) to a text prompt."
+    )
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    """Token counts of one request (the stop token is a completion token)."""
+
+    model_config = _RESPONSE
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionMessage(BaseModel):
+    """The assistant's reply."""
+
+    model_config = _RESPONSE
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    model_config = _RESPONSE
+
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: str | None = Field(description='"stop", "length" or "abort".')
+    stop_reason: int | str | None = Field(None, description="The stop token id or stop string, else null.")
+    logprobs: None = None
+    token_ids: list[int] | None = Field(None, description="Generated ids (with return_token_ids).")
+    prompt_token_ids: list[int] | None = Field(None, description="Prompt ids (with return_token_ids).")
+
+
+class ChatCompletionResponse(BaseModel):
+    """Body of a non-streamed chat completion."""
+
+    model_config = _RESPONSE
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What one chunk adds to the reply (the role comes with the first token)."""
+
+    model_config = _RESPONSE
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice of a streamed chunk."""
+
+    model_config = _RESPONSE
+
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (one token)."""
+
+    model_config = _RESPONSE
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a (non-streamed or streamed) completion."""
+
+    model_config = _RESPONSE
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Body of a non-streamed completion."""
+
+    model_config = _RESPONSE
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion (one token)."""
+
+    model_config = _RESPONSE
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """One served model."""
+
+    model_config = _RESPONSE
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ignis"
+    max_model_len: int | None = Field(None, description="Context limit in tokens (prompt + output).")
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    model_config = _RESPONSE
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    """GET /health."""
+
+    model_config = _RESPONSE
+
+    status: Literal["ok"] = "ok"
+    lanes_active: int
+    requests_waiting: int
+
+
+class ErrorDetail(BaseModel):
+    """The OpenAI error object."""
+
+    model_config = _RESPONSE
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Body of every 4xx and 5xx response."""
+
+    model_config = _RESPONSE
+
+    error: ErrorDetail

@@ -1,0 +1,107 @@
+"""Helpers for the server tests: the real server (uvicorn, h11) on a temporary Unix socket.
+
+`serve(...)` starts an `IgnisServer` in a background thread (its `serve()` coroutine, exactly what
+`ignis-run` runs, minus the signal handlers) and yields a `Running` with the socket path and httpx
+clients over the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from toy_model import ToySource
+
+from ignis.runtime.profiles import SpecDefaults
+from ignis.runtime.server import IgnisServer, ModelSettings, ModelSource, ServerOptions
+
+BASE_URL = "http://ignis"
+
+
+_SHORT_DIRS: list[Path] = []
+
+
+def short_tmpdir() -> Path:
+    """A fresh folder with a short path (a Unix socket path must stay under 108 bytes); removed at the
+    end of the session (`remove_short_tmpdirs`)."""
+    path = Path(tempfile.mkdtemp(prefix="ign-", dir="/tmp"))
+    _SHORT_DIRS.append(path)
+    return path
+
+
+def remove_short_tmpdirs() -> None:
+    """Remove every folder `short_tmpdir` made."""
+    while _SHORT_DIRS:
+        shutil.rmtree(_SHORT_DIRS.pop(), ignore_errors=True)
+
+
+@dataclass
+class Running:
+    """A running server: its socket, the server object, and client helpers."""
+
+    socket: Path
+    server: IgnisServer
+
+    def client(self, timeout: float = 30.0) -> httpx.Client:
+        return httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(self.socket)), base_url=BASE_URL, timeout=timeout
+        )
+
+    def async_client(self, timeout: float = 30.0) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=str(self.socket)), base_url=BASE_URL, timeout=timeout
+        )
+
+
+@contextlib.contextmanager
+def serve(
+    source: ModelSource | None = None,
+    spec: SpecDefaults | None = None,
+    *,
+    max_context: int | None = None,
+    **options: object,
+) -> Iterator[Running]:
+    """Start the real server on a temporary Unix socket (the toy model unless `source` is given); stop it
+    (and check the socket is gone) after."""
+    source = source or ToySource()
+    spec = spec or SpecDefaults(backend="dflash2", draft_tokens=3)
+    folder = short_tmpdir()
+    path = folder / "ignis.sock"
+    model = source.load(ModelSettings(spec=spec, max_context=max_context))
+    opts = {
+        "socket": str(path),
+        "log_level": "warning",
+        "access_log": False,
+        "shutdown_timeout": 5.0,
+        **options,
+    }
+    server = IgnisServer(model, ServerOptions(**opts))  # type: ignore[arg-type]
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(server.serve())
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="ignis-test-server", daemon=True)
+    thread.start()
+    try:
+        if not server.started.wait(20):
+            raise RuntimeError(f"server did not start: {errors}")
+        yield Running(path, server)
+    finally:
+        server.request_exit()
+        thread.join(30)
+        assert not thread.is_alive(), "server did not stop"
+        assert not errors, errors
+        assert not os.path.lexists(path), "socket file left behind"
+        shutil.rmtree(folder, ignore_errors=True)

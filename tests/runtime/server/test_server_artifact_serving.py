@@ -1,0 +1,135 @@
+"""Serving artifacts built by ignis-build: a tiny hybrid (qwen3_5) with a grafted DFlash2 drafter.
+
+The artifact is built for the `cpu` card from tiny random checkpoints written by HF transformers'
+own classes (tests/hf_tiny*.py) and a random DFlash2 drafter (`ignis.tools.make_test_drafter`).
+Served with speculation, greedy output over HTTP equals speculation off token for token, with the
+full and the shortlist proposal heads; the card profile recorded in the manifest gives the defaults;
+`--spec-backend mtp` without the companion container refuses to start.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from server_helpers import serve, short_tmpdir
+
+from ignis.runtime import cli
+from ignis.runtime.profiles import SpecDefaults
+from ignis.runtime.server.runner import IgnisServer
+
+build = pytest.importorskip("ignis.compiler.build")
+pytest.importorskip("transformers")
+
+PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 7, 200, 11], [300, 1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import hf_tiny
+    import hf_tiny_hybrid
+
+    from ignis.tools.make_test_drafter import make_dflash2_drafter
+
+    root = tmp_path_factory.mktemp("art")
+    hf_tiny_hybrid.make_tiny_hybrid("qwen3_5", root / "qwen3_5")
+    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(root / "qwen3_5")
+    make_dflash2_drafter(root / "qwen3_5", root / "dflash2", num_layers=2, dtype="float32")
+    recipe = root / "r.toml"
+    recipe.write_text('name = "tiny-hybrid"\n[modules]\nwidths = [1]\n')
+    res = build.build_artifact(
+        card="cpu",
+        model=root / "qwen3_5",
+        drafter=root / "dflash2",
+        recipe=recipe,
+        out=root / "tiny-hybrid",
+        progress=False,
+        echo=lambda _line: None,
+    )
+    return Path(res.out)
+
+
+@pytest.fixture(scope="module")
+def source(artifact: Path):  # type: ignore[no-untyped-def]
+    from ignis.runtime.server.artifact_source import ArtifactSource
+
+    return ArtifactSource(artifact)
+
+
+def _greedy(running, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    with running.client() as c:
+        r = c.post(
+            "/v1/completions",
+            json={
+                "prompt": prompt,
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+
+def test_source_reports_the_artifacts_parts(source) -> None:  # type: ignore[no-untyped-def]
+    assert source.name == "tiny-hybrid"
+    assert source.spec_kinds == ("dflash2",)
+    assert source.profile.name == "cpu" and source.profile.spec["dflash2"].draft_tokens == 7
+    assert "companion" in source.missing_backend_reason("mtp")
+
+
+def test_speculation_on_equals_off_over_http(artifact: Path) -> None:
+    from ignis.runtime.server.artifact_source import ArtifactSource
+
+    # A server closes its model (unmaps the artifact) at exit: each server gets a fresh source.
+    with serve(ArtifactSource(artifact), SpecDefaults("off"), lanes=4) as off:
+        want = [_greedy(off, p) for p in PROMPTS]
+    for spec in (SpecDefaults("dflash2", 3), SpecDefaults("dflash2", 7, 0, "shortlist")):
+        with serve(ArtifactSource(artifact), spec, lanes=4) as on:
+            assert [_greedy(on, p) for p in PROMPTS] == want, spec
+            with on.client() as c:
+                metrics = c.get("/metrics").text
+            assert "ignis_speculative_rounds_total" in metrics
+            chat = on.client().post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True},
+            )
+            assert chat.status_code == 200 and chat.text.endswith("data: [DONE]\n\n")
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> list[IgnisServer]:
+    servers: list[IgnisServer] = []
+
+    def fake_run(self: IgnisServer) -> None:
+        servers.append(self)
+        self._release_sockets()
+
+    monkeypatch.setattr(IgnisServer, "run", fake_run)
+    level = logging.getLogger().level
+    yield servers
+    logging.getLogger().setLevel(level)
+
+
+def test_cli_takes_the_manifests_profile_defaults(artifact: Path, captured, caplog) -> None:  # type: ignore[no-untyped-def]
+    sock = short_tmpdir() / "s.sock"
+    with caplog.at_level(logging.INFO, logger="ignis.runtime.draft_head"):
+        result = CliRunner().invoke(cli.main, ["--artifact", str(artifact), "--socket", str(sock)])
+    assert result.exit_code == 0, result.output
+    spec = captured[0].model.spec
+    assert (spec.backend, spec.draft_tokens, spec.draft_head) == ("dflash2", 7, "full")
+    line = next(r.getMessage() for r in caplog.records if r.name == "ignis.runtime.draft_head")
+    assert line.startswith("proposal head: full; backend dflash2 (profile cpu)")
+
+
+def test_cli_refuses_mtp_without_the_companion(artifact: Path, captured) -> None:  # type: ignore[no-untyped-def]
+    sock = short_tmpdir() / "s.sock"
+    result = CliRunner().invoke(
+        cli.main, ["--artifact", str(artifact), "--socket", str(sock), "--spec-backend", "mtp"]
+    )
+    assert result.exit_code == 1
+    assert "tiny-hybrid_mtp.ninfer" in result.output and "refused" in result.output
+    assert not captured and not sock.exists()

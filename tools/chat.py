@@ -1,0 +1,290 @@
+"""`python -m ignis.tools.chat`: a terminal chat client for an ignis server (Unix socket or TCP).
+
+    python -m ignis.tools.chat --socket /run/ignis/ignis.sock "What is a verify round?"   # one question
+    python -m ignis.tools.chat --socket /run/ignis/ignis.sock                             # conversation
+    echo "summarize: ..." | python -m ignis.tools.chat --socket /run/ignis/ignis.sock
+
+The reply streams as it is generated (POST /v1/chat/completions with "stream": true). With
+`--stats`, each reply is followed by its timings (time to first token, tokens per second seen by
+the client, token counts) and the server's speculative acceptance over that reply (committed tokens
+per verify round, from the `ignis_speculative_*` counters of /metrics). In a conversation, `/reset`
+starts over and `/quit` (or end of input) leaves.
+
+Exit status: 0 on success, 1 when the server refuses a request or cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import click
+import httpx
+
+__all__ = ["ChatClient", "ChatError", "Reply", "main"]
+
+
+class ChatError(Exception):
+    """The server refused a request (the message is its error message) or could not be reached."""
+
+
+@dataclass
+class Reply:
+    """One streamed reply.
+
+    Attributes:
+        text: the reply text.
+        finish_reason: "stop", "length" or "abort".
+        prompt_tokens: tokens of the rendered conversation.
+        completion_tokens: tokens generated (the stop token included).
+        seconds_to_first_token: from sending the request to the first token, seconds.
+        seconds: from sending the request to the last token, seconds.
+    """
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    seconds_to_first_token: float
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Completion tokens after the first over the time after the first token (0 if undefined)."""
+        span = self.seconds - self.seconds_to_first_token
+        return (self.completion_tokens - 1) / span if self.completion_tokens > 1 and span > 0 else 0.0
+
+
+def _speculative(metrics_text: str) -> tuple[float, float]:
+    """(rounds, accepted tokens) from the Prometheus text (0, 0 when speculation never ran)."""
+    rounds = accepted = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("ignis_speculative_rounds_total "):
+            rounds = float(line.split()[1])
+        elif line.startswith("ignis_speculative_accepted_tokens_total "):
+            accepted = float(line.split()[1])
+    return rounds, accepted
+
+
+class ChatClient:
+    """A small client over httpx (no OpenAI SDK needed).
+
+    Args:
+        socket: Unix socket path of the server, or None to use `url`.
+        url: base URL of a TCP server (ignored with a socket).
+        timeout: seconds to wait for the server between bytes.
+    """
+
+    def __init__(
+        self, *, socket: str | None = None, url: str = "http://localhost:8000", timeout: float = 600.0
+    ):
+        transport = httpx.HTTPTransport(uds=socket) if socket else None
+        self.http = httpx.Client(
+            transport=transport, base_url="http://ignis" if socket else url, timeout=timeout
+        )
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.http.close()
+
+    def _check(self, response: httpx.Response) -> None:
+        if response.status_code >= 400:
+            response.read()
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise ChatError(f"HTTP {response.status_code}: {message}")
+
+    def model(self) -> str:
+        """The served model's id (the first of /v1/models).
+
+        Raises:
+            ChatError: the server cannot be reached or lists no model.
+        """
+        try:
+            r = self.http.get("/v1/models")
+        except httpx.HTTPError as exc:
+            raise ChatError(f"cannot reach the server: {exc}") from exc
+        self._check(r)
+        data = r.json().get("data") or []
+        if not data:
+            raise ChatError("the server lists no model")
+        return str(data[0]["id"])
+
+    def speculative_counters(self) -> tuple[float, float]:
+        """(ignis_speculative_rounds_total, ignis_speculative_accepted_tokens_total) now."""
+        try:
+            return _speculative(self.http.get("/metrics").text)
+        except httpx.HTTPError:
+            return 0.0, 0.0
+
+    def stream_chat(self, messages: list[dict[str, Any]], **params: Any) -> Iterator[str | Reply]:
+        """Stream a chat completion: yields text deltas, then the `Reply` last.
+
+        Args:
+            messages: the conversation ({"role", "content"} dicts).
+            **params: request fields (model, temperature, max_tokens, seed, ...); None values are left out.
+
+        Raises:
+            ChatError: the server refused the request, failed mid-stream, or cannot be reached.
+        """
+        body = {"messages": messages, "stream": True, **{k: v for k, v in params.items() if v is not None}}
+        start = time.perf_counter()
+        first: float | None = None
+        parts: list[str] = []
+        finish = None
+        usage: dict[str, int] = {}
+        try:
+            with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
+                self._check(r)
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: ") :]
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise ChatError(f"the server failed mid-reply: {chunk['error'].get('message')}")
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices", []):
+                        if first is None:
+                            first = time.perf_counter() - start
+                        delta = choice.get("delta", {}).get("content") or ""
+                        if delta:
+                            parts.append(delta)
+                            yield delta
+                        finish = choice.get("finish_reason") or finish
+        except httpx.HTTPError as exc:
+            raise ChatError(f"cannot reach the server: {exc}") from exc
+        total = time.perf_counter() - start
+        yield Reply(
+            text="".join(parts),
+            finish_reason=finish,
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            seconds_to_first_token=first if first is not None else total,
+            seconds=total,
+        )
+
+
+def _stats_line(reply: Reply, before: tuple[float, float], after: tuple[float, float]) -> str:
+    rounds, accepted = after[0] - before[0], after[1] - before[1]
+    spec = f", {accepted / rounds:.2f} tokens/round over {rounds:.0f} rounds" if rounds > 0 else ""
+    return (
+        f"[{reply.completion_tokens} tokens ({reply.finish_reason}), prompt {reply.prompt_tokens}; "
+        f"first token {reply.seconds_to_first_token * 1000:.0f} ms, "
+        f"{reply.tokens_per_second:.1f} tok/s{spec}]"
+    )
+
+
+def _answer(
+    client: ChatClient, messages: list[dict[str, Any]], params: dict[str, Any], out: TextIO, stats: bool
+) -> Reply:
+    before = client.speculative_counters() if stats else (0.0, 0.0)
+    reply: Reply | None = None
+    for item in client.stream_chat(messages, **params):
+        if isinstance(item, Reply):
+            reply = item
+        else:
+            out.write(item)
+            out.flush()
+    assert reply is not None
+    out.write("\n")
+    if stats:
+        click.echo(_stats_line(reply, before, client.speculative_counters()), err=True)
+    return reply
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("message", nargs=-1)
+@click.option(
+    "--socket", metavar="PATH", envvar="IGNIS_SOCKET", help="Unix socket of the server (env IGNIS_SOCKET)."
+)
+@click.option(
+    "--url",
+    default="http://localhost:8000",
+    show_default=True,
+    help="Base URL of a TCP server (used without --socket).",
+)
+@click.option("--model", help="Model id to ask for. [default: the server's model]")
+@click.option("--system", "system_prompt", help="A system message to start the conversation with.")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Sampling temperature (0 is greedy).",
+)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass in (0, 1].")
+@click.option("--top-k", type=click.IntRange(min=-1), help="Keep the k most likely tokens (0 or -1: off).")
+@click.option(
+    "--max-tokens", type=click.IntRange(min=1), help="Most tokens per reply. [default: to the context end]"
+)
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Seed of the request's random stream.")
+@click.option(
+    "--stats", is_flag=True, help="After each reply, print timings and tokens per verify round (stderr)."
+)
+def main(
+    message: tuple[str, ...],
+    socket: str | None,
+    url: str,
+    model: str | None,
+    system_prompt: str | None,
+    temperature: float,
+    top_p: float | None,
+    top_k: int | None,
+    max_tokens: int | None,
+    seed: int | None,
+    stats: bool,
+) -> None:
+    """Chat with an ignis server: MESSAGE as one question, stdin when piped, else a conversation."""
+    client = ChatClient(socket=socket, url=url)
+    try:
+        params = {
+            "model": model or client.model(),
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "max_tokens": max_tokens,
+            "seed": seed,
+        }
+        history: list[dict[str, Any]] = (
+            [{"role": "system", "content": system_prompt}] if system_prompt else []
+        )
+        one_shot = " ".join(message) if message else (None if sys.stdin.isatty() else sys.stdin.read())
+        if one_shot is not None:
+            _answer(client, [*history, {"role": "user", "content": one_shot}], params, sys.stdout, stats)
+            return
+        click.echo(f"chatting with {params['model']}; /reset starts over, /quit leaves", err=True)
+        messages = list(history)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                click.echo(err=True)
+                return
+            if line.strip() in ("/quit", "/exit"):
+                return
+            if line.strip() == "/reset":
+                messages = list(history)
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            reply = _answer(client, messages, params, sys.stdout, stats)
+            messages.append({"role": "assistant", "content": reply.text})
+    except ChatError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    main()
