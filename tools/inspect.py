@@ -3,9 +3,14 @@
 Run it as `ignis-inspect FILE` or `python -m ignis.tools.inspect FILE` (not `python tools/inspect.py`:
 that would shadow the standard library's `inspect` module).
 
-Exit status: 0 the file is valid (and, with --verify, every checksum and padding byte is right);
-1 --verify found corrupt data; 2 the file is not a valid container, cannot be read, or is an artifact
-directory (not supported yet).
+`ignis-inspect DIR` prints an artifact directory's manifest (card, widths, files, modules, parts);
+`ignis-inspect DIR --verify` checks the whole artifact against it: every listed file present with its
+size and sha256 (the first corrupt 16 MiB block of each file named by offset), no unlisted file, and
+every `.ninfer` container's tensor crc32s and padding (naming the tensor and offset).
+
+Exit status: 0 the file or artifact is valid (and, with --verify, every checksum and padding byte is
+right); 1 --verify found corrupt data; 2 the file is not a valid container, the directory has no valid
+manifest, or a listed file is missing, unlisted or of the wrong size.
 """
 
 from __future__ import annotations
@@ -16,7 +21,16 @@ from typing import Any
 
 import click
 
-from ignis.formats import ChecksumMismatchError, FormatError, NinferReader, NonZeroPaddingError
+from ignis.formats import (
+    ArtifactChecksumError,
+    ArtifactFileError,
+    ChecksumMismatchError,
+    FormatError,
+    NinferReader,
+    NonZeroPaddingError,
+    read_manifest,
+    verify_artifact,
+)
 
 EXIT_CORRUPT_DATA = 1
 EXIT_INVALID = 2
@@ -102,25 +116,94 @@ def _verify(r: NinferReader) -> bool:
     return True
 
 
+def _print_manifest(path: str, m: Any) -> None:
+    click.echo(f"{path}: ignis artifact {m.name!r} (manifest v{m.version}, .ninfer v{m.ninfer_version})")
+    click.echo(f"card {m.card} (arch {m.arch}), family {m.family}, dtypes linear {m.linear_dtype} / other "
+               f"{m.other_dtype}, widths {list(m.widths)}")
+    click.echo(f"weights {m.weights}; mtp {m.mtp or 'none'}; drafter "
+               f"{'none' if m.drafter is None else repr(m.drafter.get('prefix'))}; shortlist "
+               f"{'none' if m.shortlist is None else m.shortlist.get('size')}; tokenizer "
+               f"{'stored' if m.tokenizer else 'none'}; chat template "
+               f"{'stored' if m.chat_template else 'none'}")
+    total = sum(f.size for f in m.files)
+    click.echo(f"files: {len(m.files)} ({total} bytes, {_size(total)})")
+    rows = [(f.path, f.role, str(f.size), f.sha256[:16]) for f in m.files]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)] if rows else [0] * 4
+    for r in rows:
+        cells = [c.rjust(w) if i == 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        click.echo("  " + "  ".join(cells).rstrip())
+    click.echo(f"modules: {len(m.modules)}")
+    for mod in m.modules:
+        click.echo(f"  width {mod.width:>2}: {mod.file} ({mod.route}, {len(mod.functions)} function(s)"
+                   f"{', dynamic rows' if mod.dynamic_rows else ''})")
+    spec = m.profile.get("spec") or {}
+    for kind, vals in sorted(spec.items()):
+        click.echo(f"profile spec {kind}: {vals}")
+    prov = m.provenance
+    inputs = prov.get("inputs") or []
+    click.echo(f"built by ignis {prov.get('ignis_version')} from {len(inputs)} input file(s)")
+
+
+def _inspect_dir(path: str, verify: bool) -> None:
+    try:
+        m = read_manifest(path)
+    except FormatError as exc:
+        raise _Invalid(f"invalid artifact ({type(exc).__name__}): {exc}") from exc
+    _print_manifest(path, m)
+    if not verify:
+        return
+    start = time.perf_counter()
+    problems: list[str] = []
+    try:
+        verify_artifact(path, m, check_hashes=True, allow_extra=False)
+    except ArtifactFileError as exc:
+        for p in exc.problems:
+            click.echo(f"BAD FILE {p}", err=True)
+        raise _Invalid(f"verify: FAILED: {len(exc.problems)} problem(s) with the artifact's files") from exc
+    except ArtifactChecksumError as exc:
+        for rel, offset in exc.mismatches:
+            click.echo(f"MISMATCH {os.path.join(path, rel)}: sha256 differs from the manifest (first corrupt "
+                       f"block at byte offset {offset})", err=True)
+            problems.append(rel)
+    for rel in [m.weights, *([m.mtp] if m.mtp else [])]:
+        full = os.path.join(path, rel)
+        try:
+            with NinferReader(full) as r:
+                r.verify()
+        except ChecksumMismatchError as exc:
+            click.echo(f"MISMATCH {exc} (corrupt tensor(s): {exc.mismatches})", err=True)
+            problems.append(rel)
+        except FormatError as exc:
+            click.echo(f"INVALID {type(exc).__name__}: {exc}", err=True)
+            problems.append(rel)
+    seconds = time.perf_counter() - start
+    if problems:
+        click.echo(f"verify: FAILED: {len(set(problems))} corrupt file(s): {sorted(set(problems))}", err=True)
+        raise SystemExit(EXIT_CORRUPT_DATA)
+    total = sum(f.size for f in m.files)
+    click.echo(f"verify: ok: {len(m.files)} file(s), {total} bytes, sha256 and .ninfer crc32/padding checked "
+               f"in {seconds:.2f} s")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("path", type=click.Path(exists=True, path_type=str))
 @click.option(
     "--verify",
     is_flag=True,
     help="Also read every tensor and check its crc32 and all padding bytes; exit 1 if any tensor is "
-    "corrupt (every corrupt tensor is listed).",
+    "corrupt (every corrupt tensor is listed). For an artifact directory: also check every file's size "
+    "and sha256 against manifest.json, refuse unlisted files, and check every .ninfer container.",
 )
 def main(path: str, verify: bool) -> None:
-    """Print the metadata and tensor table of the .ninfer container PATH.
+    """Print the metadata and tensor table of the .ninfer container PATH, or the manifest of the
+    artifact directory PATH.
 
     The header is validated in full before anything is printed; an invalid file is reported with the
     offending tensor and byte offset and exits 2.
     """
     if os.path.isdir(path):
-        raise _Invalid(
-            f"{path} is a directory: verifying a whole artifact is not implemented yet -- it needs the "
-            f"artifact manifest (issue 5). Pass one .ninfer file."
-        )
+        _inspect_dir(path, verify)
+        return
     try:
         with NinferReader(path) as r:
             _print_file(r)

@@ -1,0 +1,182 @@
+"""Linear layers for the `cpu` card: TensorIR definitions scheduled for the host CPU, built with LLVM.
+
+Two functions, both destination-passing and row-major (`ignis.formats.manifest` calling convention):
+
+* dense  ``y[W, N] = x[W, K] @ w[N, K]^T``            (f32 for the cpu profile; any float dtype)
+* q4_g32 ``y[W, N] = x[W, K] @ dequant(packed, scales)^T`` with packed u32 [N, K/8] and scales
+  f16 [N, K/32] in the `.ninfer` layout (nibble j of word c is input 8c + j, value (q - 8) * scale),
+  dequantized in registers inside the reduction (float32 accumulation).
+
+Schedule (TensorIR, `tvm.s_tir.Schedule`): the reduction over K is split into a vector of `vec`
+lanes and factored out (`rfactor`), so each output element is `vec` partial sums in a local
+buffer, vectorized over contiguous input features of x and w; output columns are tiled by
+`n_block`, tiles run in parallel over the CPU threads, and inside a tile the rows of the round are
+the inner loop, so every weight vector loaded is used by all W rows before it leaves the cache
+(the verify round's point: W rows for the weight bytes of one). The partial sums are added in a
+fixed order, so results are deterministic; they differ from torch's (another summation order) by
+float32 rounding only.
+
+Everything here imports `tvm` (the compiler); the runtime loads the exported library with the lean
+runtime (`ignis.runtime.tvm_runtime.load_module`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ignis.compiler.build.errors import ModuleBuildError
+
+#: The generic x86-64 / host target (portable to any deployment CPU of the same ISA family).
+DEFAULT_TARGET: dict[str, Any] = {"kind": "llvm"}
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One function to compile.
+
+    Attributes:
+        name: exported symbol (a C identifier).
+        kind: "dense" or "q4_g32".
+        rows: W, the rows per call (the verify width).
+        out_features: N.
+        in_features: K (q4_g32: a multiple of 32).
+        dtype: activation/output dtype ("float32", "float16", "bfloat16").
+    """
+
+    name: str
+    kind: str
+    rows: int
+    out_features: int
+    in_features: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ModuleBuildError(f"function name {self.name!r} is not a C identifier")
+        if self.kind not in ("dense", "q4_g32"):
+            raise ModuleBuildError(f"{self.name}: unknown kind {self.kind!r}")
+        if min(self.rows, self.out_features, self.in_features) < 1:
+            raise ModuleBuildError(f"{self.name}: sizes must be positive")
+        if self.kind == "q4_g32" and self.in_features % 32:
+            raise ModuleBuildError(f"{self.name}: q4_g32 needs in_features % 32 == 0, got {self.in_features}")
+
+
+def _largest_divisor(n: int, candidates: Sequence[int]) -> int:
+    return next(c for c in candidates if n % c == 0)
+
+
+def _definition(spec: LinearSpec) -> Any:
+    from tvm import te, tirx
+
+    r_, n_, k_ = spec.rows, spec.out_features, spec.in_features
+    x = te.placeholder((r_, k_), spec.dtype, name="x")
+    k = te.reduce_axis((0, k_), name="k")
+    if spec.kind == "dense":
+        w = te.placeholder((n_, k_), spec.dtype, name="w")
+        y = te.compute(
+            (r_, n_),
+            lambda r, n: te.sum(x[r, k].astype("float32") * w[n, k].astype("float32"), axis=k),
+            name="acc",
+        )
+        args = [x, w]
+    else:
+        packed = te.placeholder((n_, k_ // 8), "uint32", name="packed")
+        scales = te.placeholder((n_, k_ // 32), "float16", name="scales")
+
+        def weight(n: Any, kk: Any) -> Any:
+            shift = tirx.const(4, "uint32") * (kk % 8).astype("uint32")
+            q = (packed[n, kk // 8] >> shift) & tirx.const(15, "uint32")
+            return (q.astype("int32") - 8).astype("float32") * scales[n, kk // 32].astype("float32")
+
+        y = te.compute(
+            (r_, n_), lambda r, n: te.sum(x[r, k].astype("float32") * weight(n, k), axis=k), name="acc"
+        )
+        args = [x, packed, scales]
+    if spec.dtype != "float32":
+        out = te.compute((r_, n_), lambda r, n: y[r, n].astype(spec.dtype), name="y")
+        return te.create_prim_func([*args, out])
+    return te.create_prim_func([*args, y])
+
+
+def linear_prim_func(spec: LinearSpec) -> Any:
+    """The scheduled TensorIR PrimFunc of `spec` (see the module docstring), named `spec.name`."""
+    import tvm.s_tir as s_tir
+
+    sch = s_tir.Schedule(_definition(spec))
+    block = sch.get_sblock("acc")
+    _r, _n, kk = sch.get_loops(block)
+    vec = _largest_divisor(spec.in_features, (16, 8, 4, 2, 1))
+    if vec > 1:
+        _ko, ki = sch.split(kk, [None, vec])
+        rf = sch.rfactor(ki, 0)
+        r, n, k1 = sch.get_loops(block)
+        n_block = _largest_divisor(spec.out_features, (8, 4, 2, 1))
+        no, ni = sch.split(n, [None, n_block])
+        sch.reorder(no, ni, r, k1)
+        sch.compute_at(rf, ni)
+        inner = sch.get_loops(rf)[2:]
+        # rf loops after compute_at: (k1, r, k0), or (k1, k0) when the row loop has extent 1.
+        k0 = inner[-1]
+        if len(inner) == 3:
+            sch.reorder(inner[2], inner[1], inner[0])
+        else:
+            sch.reorder(inner[1], inner[0])
+        sch.vectorize(inner[0])
+        sch.set_scope(rf, 0, "local")
+        sch.parallel(no)
+        sch.decompose_reduction(rf, k0)
+    else:
+        r, n, kk = sch.get_loops(block)
+        sch.reorder(n, r, kk)
+        sch.parallel(n)
+    return sch.mod["main"].with_attr("global_symbol", spec.name)
+
+
+def llvm_target(mcpu: str | None = None) -> dict[str, Any]:
+    """The target dict for the cpu card (`{"kind": "llvm"}`, plus `mcpu` when given)."""
+    return {**DEFAULT_TARGET, **({"mcpu": mcpu} if mcpu else {})}
+
+
+def build_llvm_module(
+    specs: Sequence[LinearSpec], out_path: str | os.PathLike[str], *, target: dict[str, Any] | None = None
+) -> Path:
+    """Compile `specs` into one shared library exporting one function each.
+
+    The export is written to a temporary name next to `out_path` and renamed. Building the same
+    specs gives the same bytes.
+
+    Raises:
+        ModuleBuildError: no specs, repeated names, or TVM failed.
+    """
+    if not specs:
+        raise ModuleBuildError("build_llvm_module: nothing to compile")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ModuleBuildError(f"build_llvm_module: repeated function names in {names}")
+    import tvm
+
+    tgt = tvm.target.Target(target or DEFAULT_TARGET)
+    out = Path(out_path)
+    tmp = out.with_name(f".{out.name}.tmp.so")
+    try:
+        mod = tvm.IRModule({s.name: linear_prim_func(s) for s in specs})
+        with tgt:
+            ex = tvm.compile(mod, target=tgt)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        ex.export_library(str(tmp))
+        os.replace(tmp, out)
+    except ModuleBuildError:
+        raise
+    except Exception as exc:  # TVM raises its own error types
+        raise ModuleBuildError(f"compiling {len(specs)} linear function(s) for {tgt} failed: {exc}") from exc
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+__all__ = ["DEFAULT_TARGET", "LinearSpec", "build_llvm_module", "linear_prim_func", "llvm_target"]

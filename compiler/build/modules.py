@@ -1,0 +1,402 @@
+"""Step 5: TVM modules for every verify row width of the card, covering every linear shape.
+
+Which linears (`linear_shapes`): every tensor the executors hand to a linear layer as its weight
+(`convert.is_linear_weight`) in the target, the grafted drafter, the MTP head and the shortlist head,
+as [N, K] = (out_features, in_features); fused expert stacks [E, N, K] count per expert (the
+executor slices them: gate_up[e, :I], gate_up[e, I:], down[e]); a tied output head is the embedding;
+and the executors' own fusions (`FUSED_LINEARS`: llama/qwen2 concatenate the trunk's q/k/v and
+gate/up rows into one weight) replace their members.
+
+Which functions, per card:
+
+* `cpu` (arch `llvm`): every linear, `dense` for float weights and `q4_g32` for q4 ones, built by
+  `llvm_linear` (TensorIR scheduled for the CPU), one library per width: `modules/cpu/linear_w{W}.so`.
+* CUDA cards: the q4_g32 linears (float weights run on cuBLAS through torch), through the kernel
+  engineer's builder `ignis.compiler.kernels.q4_linear`: shapes with K % 128 == 0 on the
+  tensor-core mma route (one library per 8-row tile count, serving every width up to its rows:
+  `modules/<card>/q4_mma_nt{T}.so`, dynamic rows), the rest on the TensorIR route with dlight's
+  schedules (`modules/<card>/q4_tir_w{W}.so`, fixed rows). Cross-compiled with nvcc on a host without
+  a GPU (the libcuda stub of `compiler/kernels/cuda_stub.py` keeps TVM from embedding CUDA source);
+  every exported library is checked to hold SASS for the card's arch and neither PTX nor CUDA source.
+  The nvcc-built libraries are stripped of their static symbol table (`strip_local_symbols`), which
+  would otherwise carry nvcc's per-process temporary file names: builds are byte-reproducible.
+
+Function names: `dense_n{N}_k{K}` and `q4_n{N}_k{K}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ignis.compiler.build.convert import is_linear_weight
+from ignis.compiler.build.errors import ModuleBuildError
+from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module, llvm_target
+from ignis.formats.manifest import ModuleEntry, ModuleFunction
+
+#: Executor fusions per family: (module path under each layer, member projections concatenated in
+#: this order along the output rows). The executor runs one linear over the fused weight.
+FUSED_LINEARS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "llama": (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))),
+    "qwen2": (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))),
+}
+
+#: Activation dtype of the compiled functions, by the profile's other_dtype.
+ACTIVATION_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+#: The mma route's k-step: in_features must be a multiple of it.
+MMA_STEP_K = 128
+
+
+@dataclass(frozen=True, order=True)
+class LinearShape:
+    """One linear to compile: weight [out_features, in_features] of `kind` ("dense" or "q4_g32")."""
+
+    kind: str
+    out_features: int
+    in_features: int
+
+    @property
+    def function_name(self) -> str:
+        """The exported symbol: dense_n{N}_k{K} or q4_n{N}_k{K}."""
+        short = "q4" if self.kind == "q4_g32" else "dense"
+        return f"{short}_n{self.out_features}_k{self.in_features}"
+
+
+# The target trunk's layers only: a grafted drafter's and the MTP head's layers run unfused.
+_LAYER = re.compile(r"^(?P<p>model\.layers\.\d+)\.(?P<m>[a-z_]+)\.(?P<w>[a-z_]+)\.weight$")
+
+
+def linear_shapes(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    *,
+    family: str,
+    tie_word_embeddings: bool = False,
+) -> list[LinearShape]:
+    """Every linear shape the executors run over the artifact's tensors (module docstring).
+
+    Args:
+        tensors: stored name -> (stored dtype, logical shape), all parts of the artifact.
+        family: the target's model_type (selects `FUSED_LINEARS`).
+        tie_word_embeddings: the output head is `model.embed_tokens.weight`.
+
+    Returns:
+        Sorted unique shapes.
+    """
+    out: set[LinearShape] = set()
+    fused_members: set[str] = set()
+    for path, members in FUSED_LINEARS.get(family, ()):
+        groups: dict[str, list[str]] = {}
+        for name in tensors:
+            m = _LAYER.match(name)
+            if m and m.group("m") == path and m.group("w") in members:
+                groups.setdefault(m.group("p"), []).append(name)
+        for prefix, names in groups.items():
+            full = [f"{prefix}.{path}.{w}.weight" for w in members]
+            if sorted(names) != sorted(full):
+                continue
+            dtypes = {tensors[n][0] for n in full}
+            ks = {tensors[n][1][-1] for n in full}
+            if len(dtypes) != 1 or len(ks) != 1:
+                continue  # mixed: the executor cannot fuse them into one weight of one dtype
+            fused_members.update(full)
+            rows = sum(tensors[n][1][0] for n in full)
+            out.add(_shape(dtypes.pop(), rows, ks.pop()))
+    for name, (dtype, shape) in tensors.items():
+        if name in fused_members or not is_linear_weight(name, shape):
+            continue
+        if len(shape) == 2:
+            out.add(_shape(dtype, shape[0], shape[1]))
+        elif name.endswith("gate_up_proj"):
+            out.add(_shape(dtype, shape[1] // 2, shape[2]))
+        else:
+            out.add(_shape(dtype, shape[1], shape[2]))
+    if tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        dtype, shape = tensors["model.embed_tokens.weight"]
+        out.add(_shape(dtype, shape[0], shape[1]))
+    return sorted(out)
+
+
+def _shape(dtype: str, n: int, k: int) -> LinearShape:
+    return LinearShape("q4_g32" if dtype == "q4_g32" else "dense", int(n), int(k))
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """What step 5 compiles.
+
+    Attributes:
+        card: card profile name (the folder under modules/).
+        arch: "llvm" or a CUDA arch ("sm_90", "sm_120").
+        widths: verify row widths to compile (ascending).
+        shapes: the linears to compile at every width.
+        dtype: activation dtype ("float32", "bfloat16", "float16").
+        target: the TVM target dict.
+    """
+
+    card: str
+    arch: str
+    widths: tuple[int, ...]
+    shapes: tuple[LinearShape, ...]
+    dtype: str
+    target: dict[str, Any]
+
+    @property
+    def is_cuda(self) -> bool:
+        """CUDA card (else the host CPU)."""
+        return self.arch != "llvm"
+
+    def route(self, shape: LinearShape) -> str:
+        """ "llvm-te", "cuda-mma" or "tir-dlight"."""
+        if not self.is_cuda:
+            return "llvm-te"
+        return "cuda-mma" if shape.in_features % MMA_STEP_K == 0 else "tir-dlight"
+
+    def num_functions(self) -> int:
+        """Functions compiled in all (one per shape and width; mma libraries shared across widths)."""
+        if not self.is_cuda:
+            return len(self.shapes) * len(self.widths)
+        mma = [s for s in self.shapes if self.route(s) == "cuda-mma"]
+        tir = len(self.shapes) - len(mma)
+        tiles = {(w + 7) // 8 for w in self.widths}
+        return len(mma) * len(tiles) + tir * len(self.widths)
+
+
+def plan_modules(
+    *,
+    card: str,
+    arch: str,
+    widths: Sequence[int],
+    shapes: Sequence[LinearShape],
+    other_dtype: str,
+    llvm_mcpu: str | None = None,
+) -> ModulePlan:
+    """Choose what to compile: on CUDA cards only the q4_g32 linears (module docstring)."""
+    dtype = ACTIVATION_DTYPES.get(other_dtype, "bfloat16")
+    if arch == "llvm":
+        target = llvm_target(llvm_mcpu)
+        chosen = tuple(shapes)
+    else:
+        target = {"kind": "cuda", "arch": arch}
+        chosen = tuple(s for s in shapes if s.kind == "q4_g32")
+    return ModulePlan(
+        card=card, arch=arch, widths=tuple(sorted(set(widths))), shapes=chosen, dtype=dtype, target=target
+    )
+
+
+def _functions(shapes: Sequence[LinearShape], dtype: str) -> tuple[ModuleFunction, ...]:
+    return tuple(
+        ModuleFunction(
+            name=s.function_name,
+            kind=s.kind,
+            out_features=s.out_features,
+            in_features=s.in_features,
+            dtype=dtype,
+        )
+        for s in shapes
+    )
+
+
+def check_cuda_binary(path: Path, arch: str) -> None:
+    """Require SASS for `arch` only, with neither PTX nor embedded CUDA source.
+
+    Raises:
+        ModuleBuildError: naming what the library holds instead.
+    """
+    from ignis.compiler.kernels.q4_linear import cuda_binary_info
+
+    info = cuda_binary_info(path)
+    if info.sass_archs != (arch.rstrip("a"),) or info.has_ptx or info.has_cuda_source:
+        raise ModuleBuildError(
+            f"{path}: expected a {arch} binary (SASS) only, found SASS for {list(info.sass_archs)}, "
+            f"PTX {info.has_ptx}, CUDA source {info.has_cuda_source}; a host without a GPU driver "
+            f"needs the libcuda stub loaded before tvm is imported (compiler/kernels/cuda_stub.py) "
+            f"and nvcc on PATH"
+        )
+
+
+def _tile_config(kernels: Any, rows: int, shape: LinearShape, arch: str) -> Any:
+    """The kernel builder's tile choice for this shape, sized for the arch when it takes one."""
+    import inspect
+
+    fn = kernels.default_tile_config
+    if "arch" in inspect.signature(fn).parameters:
+        return fn(rows, shape.out_features, shape.in_features, arch=arch)
+    return fn(rows, shape.out_features, shape.in_features)
+
+
+def strip_local_symbols(path: Path) -> bool:
+    """Drop the static symbol table of an nvcc-built library (`strip --strip-unneeded`).
+
+    nvcc names its intermediate files after the compiler's process id (`tmpxft_<pid>_...`) and those
+    names land in local symbols, so two builds of the same source differ by a few bytes. The exported
+    functions (`.dynsym`), the code and the embedded cubin are untouched. Returns False when no
+    `strip` is installed (the library then stays as built, and the artifact is not byte-reproducible).
+
+    Raises:
+        ModuleBuildError: strip ran and failed.
+    """
+    tool = shutil.which("strip")
+    if tool is None:
+        return False
+    proc = subprocess.run([tool, "--strip-unneeded", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ModuleBuildError(f"strip --strip-unneeded {path} failed: {proc.stderr.strip()}")
+    return True
+
+
+def build_modules(
+    plan: ModulePlan,
+    artifact_dir: Path,
+    *,
+    on_file: Callable[[str], None] | None = None,
+) -> tuple[list[ModuleEntry], list[str]]:
+    """Compile the plan into `artifact_dir/modules/<card>/`.
+
+    Args:
+        plan: from `plan_modules`.
+        artifact_dir: the (temporary) artifact directory.
+        on_file: called with each library's relative path once it is written.
+
+    Returns:
+        (manifest module entries in width order, relative paths of the libraries written).
+
+    Raises:
+        ModuleBuildError: compilation failed, the kernel builder is missing, or a CUDA library does
+            not hold a binary for the arch.
+    """
+    if not plan.shapes or not plan.widths:
+        return [], []
+    rel_dir = f"modules/{plan.card}"
+    (artifact_dir / rel_dir).mkdir(parents=True, exist_ok=True)
+    entries: list[ModuleEntry] = []
+    files: list[str] = []
+
+    def done(rel: str) -> None:
+        files.append(rel)
+        if on_file is not None:
+            on_file(rel)
+
+    if not plan.is_cuda:
+        for w in plan.widths:
+            rel = f"{rel_dir}/linear_w{w}.so"
+            specs = [
+                LinearSpec(s.function_name, s.kind, w, s.out_features, s.in_features, plan.dtype)
+                for s in plan.shapes
+            ]
+            build_llvm_module(specs, artifact_dir / rel, target=plan.target)
+            done(rel)
+            entries.append(
+                ModuleEntry(
+                    width=w,
+                    file=rel,
+                    target=dict(plan.target),
+                    route="llvm-te",
+                    dynamic_rows=False,
+                    functions=_functions(plan.shapes, plan.dtype),
+                )
+            )
+        return entries, files
+
+    try:
+        from ignis.compiler.kernels import q4_linear as kernels
+    except ImportError as exc:
+        raise ModuleBuildError(
+            f"the q4 kernel builder (ignis.compiler.kernels.q4_linear) cannot be imported: {exc}"
+        ) from exc
+    mma = [s for s in plan.shapes if plan.route(s) == "cuda-mma"]
+    tir = [s for s in plan.shapes if plan.route(s) == "tir-dlight"]
+    by_width: dict[int, list[ModuleEntry]] = {w: [] for w in plan.widths}
+    if mma:
+        tiles = sorted({(w + 7) // 8 for w in plan.widths})
+        for nt in tiles:
+            rows = 8 * nt
+            rel = f"{rel_dir}/q4_mma_nt{nt}.so"
+            exports = {s.function_name: _tile_config(kernels, rows, s, plan.arch) for s in mma}
+            try:
+                kernels.build_q4_cuda_bundle(plan.arch, exports, artifact_dir / rel)
+            except Exception as exc:  # Q4KernelError, nvcc failures
+                raise ModuleBuildError(f"building {rel} for {plan.arch} failed: {exc}") from exc
+            strip_local_symbols(artifact_dir / rel)
+            check_cuda_binary(artifact_dir / rel, plan.arch)
+            done(rel)
+            for w in plan.widths:
+                if (w + 7) // 8 == nt:
+                    by_width[w].append(
+                        ModuleEntry(
+                            width=w,
+                            file=rel,
+                            target=dict(plan.target),
+                            route="cuda-mma",
+                            dynamic_rows=True,
+                            functions=_functions(mma, plan.dtype),
+                        )
+                    )
+    if tir:
+        for w in plan.widths:
+            rel = f"{rel_dir}/q4_tir_w{w}.so"
+            funcs = {s.function_name: (w, s.out_features, s.in_features, plan.dtype) for s in tir}
+            try:
+                kernels.build_q4_tir_bundle(plan.target, funcs, artifact_dir / rel, schedule="dlight")
+            except Exception as exc:  # TVM errors
+                raise ModuleBuildError(f"building {rel} for {plan.arch} failed: {exc}") from exc
+            check_cuda_binary(artifact_dir / rel, plan.arch)
+            done(rel)
+            by_width[w].append(
+                ModuleEntry(
+                    width=w,
+                    file=rel,
+                    target=dict(plan.target),
+                    route="tir-dlight",
+                    dynamic_rows=False,
+                    functions=_functions(tir, plan.dtype),
+                )
+            )
+    for w in plan.widths:
+        entries += by_width[w]
+    return entries, files
+
+
+def prepare_cuda_build() -> str:
+    """Before the first `import tvm` of a CUDA build: load the GPU driver, or the build-only stub.
+
+    Returns "driver" or "stub". Raises ModuleBuildError when neither can be loaded.
+    """
+    try:
+        from ignis.compiler.kernels.cuda_stub import ensure_cuda_driver_or_stub
+    except ImportError as exc:
+        raise ModuleBuildError(f"compiler/kernels/cuda_stub.py cannot be imported: {exc}") from exc
+    os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+    already = "tvm" in sys.modules
+    try:
+        source = ensure_cuda_driver_or_stub()
+    except Exception as exc:  # building the stub needs a C compiler
+        raise ModuleBuildError(f"cannot load libcuda.so.1 or build its stub: {exc}") from exc
+    if already and source == "stub":
+        logging.getLogger("ignis.compiler.build").warning(
+            "tvm was imported before the libcuda stub was loaded; if TVM embeds CUDA source instead of "
+            "a binary the build stops with ModuleBuildError: run CUDA builds in a fresh process"
+        )
+    return str(source)
+
+
+__all__ = [
+    "ACTIVATION_DTYPES",
+    "FUSED_LINEARS",
+    "LinearShape",
+    "ModulePlan",
+    "build_modules",
+    "check_cuda_binary",
+    "linear_shapes",
+    "plan_modules",
+    "prepare_cuda_build",
+    "strip_local_symbols",
+]

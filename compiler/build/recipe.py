@@ -1,0 +1,184 @@
+"""Build recipes: what to build for one model, as a small TOML file under `artifacts/recipes/`.
+
+    name = "smollm2-135m"             # artifact NAME (files NAME.ninfer, NAME_mtp.ninfer)
+
+    [shortlist]
+    size = 131072                     # rows of the Q4 shortlist head (the whole vocabulary if smaller)
+    corpus = ["corpus/*.txt"]         # token-frequency source: text files (globs) tokenized with the
+                                      # model's tokenizer ...
+    counts = "counts.tsv"             # ... or a counts file ("id<TAB>count" lines, or JSON); not both
+
+    [modules]
+    widths = [1, 2, 4, 8, 16, 32]     # verify row widths to compile (a subset of the card's; default all)
+    llvm_mcpu = "x86-64-v3"           # cpu card only: LLVM CPU model (default: generic x86-64)
+
+    [drafter]
+    prefix = "dflash2."               # name prefix of the grafted drafter's tensors
+
+Relative paths are resolved against the recipe file's folder. Unknown keys are refused, so a typo
+is an error rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ignis.compiler.build.errors import RecipeError
+
+#: Default size of the shortlist head (rows).
+SHORTLIST_SIZE = 131_072
+
+#: Default prefix of the grafted DFlash2 drafter's tensors.
+DRAFTER_PREFIX = "dflash2."
+
+_TOP = {"name", "description", "shortlist", "modules", "drafter"}
+_SHORTLIST = {"size", "corpus", "counts"}
+_MODULES = {"widths", "llvm_mcpu"}
+_DRAFTER = {"prefix"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A parsed build recipe (defaults when no recipe is given).
+
+    Attributes:
+        path: the recipe file, or None for the defaults.
+        name: artifact NAME, or None to take the output directory's name.
+        description: free text, informational.
+        shortlist_size: rows of the shortlist head (>= 1).
+        corpus: text files (resolved, sorted, globs expanded) whose tokens are counted.
+        counts: a counts file, or None.
+        widths: widths to compile, or None for every width of the card profile.
+        llvm_mcpu: LLVM CPU model for the cpu card's modules, or None for the generic target.
+        drafter_prefix: name prefix of the grafted drafter's tensors (ends with ".").
+        sha256: hex sha256 of the recipe file's bytes ("" for the defaults).
+    """
+
+    path: Path | None = None
+    name: str | None = None
+    description: str = ""
+    shortlist_size: int = SHORTLIST_SIZE
+    corpus: tuple[Path, ...] = ()
+    counts: Path | None = None
+    widths: tuple[int, ...] | None = None
+    llvm_mcpu: str | None = None
+    drafter_prefix: str = DRAFTER_PREFIX
+    sha256: str = ""
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The recipe as recorded in the manifest's provenance (paths by file name only)."""
+        return {
+            "file": None if self.path is None else self.path.name,
+            "sha256": self.sha256 or None,
+            "name": self.name,
+            "shortlist_size": self.shortlist_size,
+            "corpus": [p.name for p in self.corpus],
+            "counts": None if self.counts is None else self.counts.name,
+            "widths": None if self.widths is None else list(self.widths),
+            "llvm_mcpu": self.llvm_mcpu,
+            "drafter_prefix": self.drafter_prefix,
+        }
+
+
+def _table(raw: dict[str, Any], key: str, allowed: set[str], path: Path) -> dict[str, Any]:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise RecipeError(f"{path}: [{key}] must be a table")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise RecipeError(f"{path}: unknown key(s) {unknown} in [{key}]; allowed: {sorted(allowed)}")
+    return value
+
+
+def load_recipe(path: str | os.PathLike[str] | None) -> Recipe:
+    """Read and validate a recipe; `None` gives the defaults.
+
+    Raises:
+        RecipeError: unreadable file, invalid TOML, an unknown key, a value of the wrong type, a corpus
+            glob matching nothing, a missing counts file, both corpus and counts, a bad prefix.
+    """
+    if path is None:
+        return Recipe()
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+        raw = tomllib.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise RecipeError(f"{p}: cannot read the recipe: {exc}") from exc
+    unknown = sorted(set(raw) - _TOP)
+    if unknown:
+        raise RecipeError(f"{p}: unknown key(s) {unknown}; allowed: {sorted(_TOP)}")
+    base = p.resolve().parent
+    name = raw.get("name")
+    if name is not None and (not isinstance(name, str) or not name or "/" in name or name.startswith(".")):
+        raise RecipeError(f"{p}: name must be a plain file name, got {name!r}")
+    description = raw.get("description", "")
+    if not isinstance(description, str):
+        raise RecipeError(f"{p}: description must be a string")
+
+    sl = _table(raw, "shortlist", _SHORTLIST, p)
+    size = sl.get("size", SHORTLIST_SIZE)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise RecipeError(f"{p}: shortlist.size must be a positive integer, got {size!r}")
+    corpus_spec = sl.get("corpus", [])
+    if isinstance(corpus_spec, str):
+        corpus_spec = [corpus_spec]
+    if not isinstance(corpus_spec, list) or not all(isinstance(c, str) for c in corpus_spec):
+        raise RecipeError(f"{p}: shortlist.corpus must be a string or a list of strings (paths or globs)")
+    corpus: list[Path] = []
+    for spec in corpus_spec:
+        pattern = spec if os.path.isabs(spec) else str(base / spec)
+        matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True) if Path(m).is_file())
+        if not matches:
+            raise RecipeError(f"{p}: shortlist.corpus entry {spec!r} matches no file (looked for {pattern})")
+        corpus += matches
+    counts = sl.get("counts")
+    counts_path: Path | None = None
+    if counts is not None:
+        if not isinstance(counts, str):
+            raise RecipeError(f"{p}: shortlist.counts must be a path string")
+        counts_path = Path(counts) if os.path.isabs(counts) else base / counts
+        if not counts_path.is_file():
+            raise RecipeError(f"{p}: shortlist.counts file {counts_path} does not exist")
+    if corpus and counts_path is not None:
+        raise RecipeError(f"{p}: give shortlist.corpus or shortlist.counts, not both")
+
+    mods = _table(raw, "modules", _MODULES, p)
+    widths = mods.get("widths")
+    if widths is not None and (
+        not isinstance(widths, list)
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths)
+    ):
+        raise RecipeError(f"{p}: modules.widths must be a list of positive integers, got {widths!r}")
+    mcpu = mods.get("llvm_mcpu")
+    if mcpu is not None and not isinstance(mcpu, str):
+        raise RecipeError(f"{p}: modules.llvm_mcpu must be a string")
+
+    dr = _table(raw, "drafter", _DRAFTER, p)
+    prefix = dr.get("prefix", DRAFTER_PREFIX)
+    if not isinstance(prefix, str) or not prefix.endswith(".") or len(prefix) < 2:
+        raise RecipeError(f"{p}: drafter.prefix must be a string ending in '.', got {prefix!r}")
+
+    return Recipe(
+        path=p,
+        name=name,
+        description=description,
+        shortlist_size=size,
+        corpus=tuple(dict.fromkeys(corpus)),
+        counts=counts_path,
+        widths=None if widths is None else tuple(sorted(set(widths))),
+        llvm_mcpu=mcpu,
+        drafter_prefix=prefix,
+        sha256=hashlib.sha256(data).hexdigest(),
+        raw=raw,
+    )
+
+
+__all__ = ["DRAFTER_PREFIX", "SHORTLIST_SIZE", "Recipe", "load_recipe"]

@@ -1,0 +1,123 @@
+"""Cross-compiling an artifact's modules for the GPU cards on this host (no GPU, no driver): sm_90 (h200)
+and sm_120 (rtx5090 / rtxpro6000 / rtx50-16gb), checked to hold SASS for that arch only, never PTX or
+CUDA source, and byte-reproducible.
+
+Each build runs in a fresh interpreter: the build-time libcuda stub must be loaded before `tvm` is
+first imported (DESIGN.md, "TVM facts"), and this test session may already have imported tvm.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ignis.compiler.kernels.q4_linear import cuda_binary_info
+from ignis.formats import read_manifest
+
+HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+pytestmark = pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit (nvcc)")
+
+
+def _helper(name: str) -> Any:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_in_subprocess(
+    card: str, model: Path, out: Path, recipe: Path, drafter: Path | None = None
+) -> None:
+    code = textwrap.dedent(
+        f"""
+        from ignis.compiler.build import build_artifact
+        build_artifact(card={card!r}, model={str(model)!r}, recipe={str(recipe)!r}, out={str(out)!r},
+                       drafter={None if drafter is None else str(drafter)!r}, progress=False,
+                       echo=lambda _line: None)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _check_binaries(out: Path, card: str, arch: str) -> dict[str, str]:
+    m = read_manifest(out)
+    assert m.card == card and m.arch == arch and m.linear_dtype == "q4_g32"
+    routes = {}
+    for entry in m.modules:
+        assert entry.target == {"kind": "cuda", "arch": arch}
+        assert all(f.kind == "q4_g32" and f.dtype == "bfloat16" for f in entry.functions)
+        routes[entry.file] = entry.route
+    for rel in routes:
+        info = cuda_binary_info(out / rel)
+        assert info.sass_archs == (arch,), (rel, info)
+        assert not info.has_ptx and not info.has_cuda_source, (rel, info)
+    return routes
+
+
+@pytest.mark.parametrize(("card", "arch"), [("h200", "sm_90"), ("rtx5090", "sm_120")])
+def test_cross_compiled_q4_modules_hold_sass_for_the_arch(tmp_path: Path, card: str, arch: str) -> None:
+    hf_tiny = _helper("hf_tiny")
+    model = hf_tiny.tiny_model(
+        "llama", hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2
+    )
+    ckpt = hf_tiny.save_tiny(model, tmp_path / "ckpt", tokenizer=hf_tiny.tiny_tokenizer())
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "tiny-gpu"\n[modules]\nwidths = [8]\n')
+    _build_in_subprocess(card, ckpt, tmp_path / "a" / "tiny-gpu", recipe)
+    routes = _check_binaries(tmp_path / "a" / "tiny-gpu", card, arch)
+    # in_features 128 -> the tensor-core mma route (nvcc); down_proj's 160 -> TensorIR + dlight (TVM)
+    assert sorted(set(routes.values())) == ["cuda-mma", "tir-dlight"]
+    m = read_manifest(tmp_path / "a" / "tiny-gpu")
+    shapes = {(f.out_features, f.in_features) for e in m.modules for f in e.functions}
+    assert (128, 160) in shapes and (384, 128) in shapes
+    if arch != "sm_120":
+        return
+    # the same input gives the same bytes (nvcc's temporary names are stripped); one arch suffices
+    _build_in_subprocess(card, ckpt, tmp_path / "b" / "tiny-gpu", recipe)
+    for f in m.files:
+        first, second = tmp_path / "a" / "tiny-gpu" / f.path, tmp_path / "b" / "tiny-gpu" / f.path
+        assert first.read_bytes() == second.read_bytes(), f.path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("card", "arch"), [("h200", "sm_90"), ("rtxpro6000", "sm_120")])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_next"])
+def test_cross_compile_every_family_at_every_width(tmp_path: Path, card: str, arch: str, family: str) -> None:
+    hf_tiny = _helper("hf_tiny")
+    hybrid = _helper("hf_tiny_hybrid")
+    drafter = None
+    if family == "llama":
+        model = hf_tiny.save_tiny(
+            hf_tiny.tiny_model("llama", hidden_size=128, intermediate_size=256),
+            tmp_path / "ckpt",
+            tokenizer=hf_tiny.tiny_tokenizer(),
+        )
+    else:
+        from ignis.tools.make_test_drafter import make_dflash2_drafter, make_mtp_drafter
+
+        hybrid.make_tiny_hybrid(family, tmp_path / "base")
+        model = tmp_path / "ckpt"
+        make_mtp_drafter(tmp_path / "base", model)
+        drafter = tmp_path / "dflash2"
+        make_dflash2_drafter(model, drafter, num_layers=1)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "tiny-gpu"\n')
+    _build_in_subprocess(card, model, tmp_path / "tiny-gpu", recipe, drafter)
+    m = read_manifest(tmp_path / "tiny-gpu")
+    assert list(m.widths) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32]
+    assert {e.width for e in m.modules} == set(m.widths)
+    _check_binaries(tmp_path / "tiny-gpu", card, arch)
+    json.dumps(m.to_json())

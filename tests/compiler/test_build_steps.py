@@ -1,0 +1,384 @@
+"""Unit tests of the build steps: dtype rules, expert layouts, the shortlist, recipes, drafter fit,
+linear-shape coverage and the llvm linear kernels (against float64 references)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ignis.compiler.build.convert import (
+    is_linear_weight,
+    is_quantizable,
+    resolve_layout,
+    storage_dtype,
+    write_tensor,
+)
+from ignis.compiler.build.errors import DrafterMismatchError, RecipeError, ShortlistError
+from ignis.compiler.build.graft import check_fit, load_drafter
+from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module
+from ignis.compiler.build.modules import LinearShape, linear_shapes, plan_modules
+from ignis.compiler.build.recipe import load_recipe
+from ignis.compiler.build.shortlist import count_corpus, read_counts, select_tokens, write_shortlist
+from ignis.formats import NinferReader, NinferWriter, dequantize_q4_g32, quantize_q4_g32
+from ignis.runtime.errors import TensorShapeError
+from ignis.runtime.families.llama import LlamaConfig
+
+# ---------------------------------------------------------------------------------------------
+# dtypes
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "linear", "quant"),
+    [
+        ("model.layers.0.self_attn.q_proj.weight", (64, 64), True, True),
+        ("model.layers.0.linear_attn.in_proj_qkv.weight", (96, 64), True, True),
+        ("model.layers.0.linear_attn.in_proj_b.weight", (4, 64), True, False),
+        ("model.layers.0.linear_attn.in_proj_ba.weight", (8, 64), True, False),
+        ("model.layers.0.linear_attn.out_proj.weight", (64, 32), True, True),
+        ("model.layers.0.mlp.experts.gate_up_proj", (4, 64, 64), True, True),
+        ("model.layers.0.mlp.experts.down_proj", (4, 64, 32), True, True),
+        ("model.layers.0.mlp.gate.weight", (4, 64), True, False),
+        ("model.layers.0.mlp.shared_expert_gate.weight", (1, 64), True, False),
+        ("lm_head.weight", (320, 64), True, True),
+        ("mtp.fc.weight", (64, 128), True, True),
+        ("dflash2.fc.weight", (64, 128), True, True),
+        ("shortlist.head.weight", (320, 64), True, True),
+        ("model.embed_tokens.weight", (320, 64), False, False),
+        ("model.layers.0.input_layernorm.weight", (64,), False, False),
+        ("model.layers.0.self_attn.q_proj.bias", (64,), False, False),
+        ("model.layers.0.linear_attn.conv1d.weight", (96, 1, 4), False, False),
+    ],
+)
+def test_linear_and_quantizable(name: str, shape: tuple[int, ...], linear: bool, quant: bool) -> None:
+    assert is_linear_weight(name, shape) == linear
+    assert is_quantizable(name, shape) == quant
+
+
+def test_storage_dtype() -> None:
+    q = dict(linear_dtype="q4_g32", other_dtype="bf16")
+    assert storage_dtype("a.q_proj.weight", (64, 64), **q) == "q4_g32"
+    assert storage_dtype("a.q_proj.weight", (64, 48), **q) == "bf16"  # in_features % 32 != 0
+    assert storage_dtype("a.norm.weight", (64,), **q) == "bf16"
+    assert storage_dtype("a.q_proj.weight", (64, 48), linear_dtype="f32", other_dtype="f32") == "f32"
+
+
+def test_write_tensor_dtypes(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 64, generator=g)
+    with NinferWriter(tmp_path / "t.ninfer") as wr:
+        write_tensor(wr, "f32", w, "f32")
+        write_tensor(wr, "bf16", w, "bf16")
+        write_tensor(wr, "f16", w.to(torch.bfloat16), "f16")
+        write_tensor(wr, "q4", w, "q4_g32")
+        write_tensor(wr, "q4s", w.reshape(2, 35, 64), "q4_g32")
+    with NinferReader(tmp_path / "t.ninfer") as r:
+        assert torch.equal(r.torch("f32"), w)
+        assert torch.equal(r.torch("bf16"), w.to(torch.bfloat16))
+        assert torch.equal(r.torch("f16"), w.to(torch.bfloat16).to(torch.float16))
+        packed, scales = quantize_q4_g32(w.numpy())
+        q = r.q4_g32("q4")
+        np.testing.assert_array_equal(q.packed, packed)
+        np.testing.assert_array_equal(q.scales, scales)
+        np.testing.assert_array_equal(
+            r.q4_g32("q4s").dequantize().reshape(70, 64), dequantize_q4_g32(packed, scales)
+        )
+    with NinferWriter(tmp_path / "u.ninfer") as wr, pytest.raises(ValueError):
+        write_tensor(wr, "i", torch.zeros(3, dtype=torch.int32), "f32")
+
+
+# ---------------------------------------------------------------------------------------------
+# expert layouts
+
+
+def test_resolve_layout_stacks_and_slices() -> None:
+    g = torch.Generator().manual_seed(1)
+    num_experts, inter, hidden = 3, 8, 32
+    per = {}
+    for e in range(num_experts):
+        for w, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            per[f"L.mlp.experts.{e}.{w}_proj.weight"] = torch.randn(shape, generator=g)
+    fused_expected = {
+        "L.mlp.experts.gate_up_proj": (num_experts, 2 * inter, hidden),
+        "L.mlp.experts.down_proj": (num_experts, hidden, inter),
+    }
+    shapes = {k: tuple(v.shape) for k, v in per.items()}
+    loaders, sources, missing, unused = resolve_layout(fused_expected, shapes, per.__getitem__)
+    assert not missing and not unused and "stacked" in sources["L.mlp.experts.gate_up_proj"]
+    gu = loaders["L.mlp.experts.gate_up_proj"]()
+    assert torch.equal(gu[1, :inter], per["L.mlp.experts.1.gate_proj.weight"])
+    assert torch.equal(gu[2, inter:], per["L.mlp.experts.2.up_proj.weight"])
+    assert torch.equal(loaders["L.mlp.experts.down_proj"]()[0], per["L.mlp.experts.0.down_proj.weight"])
+    # and back: per-expert names from fused tensors
+    fused = {
+        "L.mlp.experts.gate_up_proj": gu,
+        "L.mlp.experts.down_proj": loaders["L.mlp.experts.down_proj"](),
+    }
+    loaders2, _, missing2, unused2 = resolve_layout(
+        shapes, {k: tuple(v.shape) for k, v in fused.items()}, fused.__getitem__
+    )
+    assert not missing2 and not unused2
+    for name, t in per.items():
+        assert torch.equal(loaders2[name](), t), name
+    # missing and unexpected names are all reported; wrong shapes raise
+    _, _, missing3, unused3 = resolve_layout({"a": (1,), "b": (2,)}, {"b": (2,), "c": (3,)}, per.__getitem__)
+    assert missing3 == ["a"] and unused3 == ["c"]
+    with pytest.raises(TensorShapeError, match=r"b"):
+        resolve_layout({"b": (2,)}, {"b": (3,)}, per.__getitem__)
+
+
+# ---------------------------------------------------------------------------------------------
+# shortlist
+
+
+def test_select_tokens_order() -> None:
+    counts = np.array([5, 9, 0, 9, 5, 1], dtype=np.int64)
+    assert select_tokens(counts, 4).tolist() == [1, 3, 0, 4]  # count desc, id asc
+    assert select_tokens(counts, 100).tolist() == [1, 3, 0, 4, 5, 2]  # whole vocabulary
+    assert select_tokens(np.zeros(5, dtype=np.int64), 3).tolist() == [0, 1, 2]
+    assert select_tokens(counts, 4).dtype == np.int32
+
+
+def test_read_counts_formats_and_errors(tmp_path: Path) -> None:
+    (tmp_path / "c.tsv").write_text("# id count\n3\t7\n0 2\n\n")
+    assert read_counts(tmp_path / "c.tsv", 5).tolist() == [2, 0, 0, 7, 0]
+    (tmp_path / "c.json").write_text(json.dumps({"1": 4, "4": 1}))
+    assert read_counts(tmp_path / "c.json", 5).tolist() == [0, 4, 0, 0, 1]
+    (tmp_path / "l.json").write_text(json.dumps([1, 2, 3]))
+    assert read_counts(tmp_path / "l.json", 4).tolist() == [1, 2, 3, 0]
+    for text, msg in (
+        ("9 1", "outside"),
+        ("1 1\n1 2", "twice"),
+        ("1 -1", "non-negative"),
+        ("x 1", "integer"),
+        ("1 2 3", "expected"),
+    ):
+        (tmp_path / "bad.txt").write_text(text)
+        with pytest.raises(ShortlistError, match=msg):
+            read_counts(tmp_path / "bad.txt", 5)
+    (tmp_path / "bad.json").write_text("[1, 2, 3, 4, 5, 6]")
+    with pytest.raises(ShortlistError, match="counts for a vocabulary"):
+        read_counts(tmp_path / "bad.json", 5)
+
+
+def test_count_corpus(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("abc\nab\n")
+    (tmp_path / "b.txt").write_text("c")
+
+    def encode(batch: list[str]) -> list[list[int]]:
+        return [[ord(ch) - ord("a") for ch in text if ch != "\n"] for text in batch]
+
+    assert count_corpus([tmp_path / "a.txt", tmp_path / "b.txt"], encode, 4).tolist() == [2, 2, 2, 0]
+    with pytest.raises(ShortlistError, match="outside"):
+        count_corpus([tmp_path / "a.txt"], encode, 2)
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(ShortlistError, match="UTF-8"):
+        count_corpus([tmp_path / "bin.txt"], encode, 4)
+
+
+def test_write_shortlist(tmp_path: Path) -> None:
+    head = torch.randn(10, 64, generator=torch.Generator().manual_seed(2))
+    ids = np.array([7, 2, 9], dtype=np.int32)
+    with NinferWriter(tmp_path / "s.ninfer") as w:
+        write_shortlist(w, head, ids)
+    with NinferReader(tmp_path / "s.ninfer") as r:
+        assert r.numpy("shortlist.token_ids").tolist() == [7, 2, 9]
+        packed, scales = quantize_q4_g32(head[[7, 2, 9]].numpy())
+        q = r.q4_g32("shortlist.head.weight")
+        np.testing.assert_array_equal(q.packed, packed)
+        np.testing.assert_array_equal(q.scales, scales)
+    with NinferWriter(tmp_path / "x.ninfer") as w, pytest.raises(ShortlistError, match="multiple of 32"):
+        write_shortlist(w, torch.zeros(4, 48), np.array([0], dtype=np.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# recipes
+
+
+def test_recipe_defaults_and_parsing(tmp_path: Path) -> None:
+    r = load_recipe(None)
+    assert r.shortlist_size == 131072 and r.widths is None and r.drafter_prefix == "dflash2."
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "b.txt").write_text("b")
+    (tmp_path / "corpus" / "a.txt").write_text("a")
+    (tmp_path / "r.toml").write_text(
+        'name = "x"\n[shortlist]\nsize = 10\ncorpus = ["corpus/*.txt"]\n[modules]\nwidths = [8, 1, 8]\n'
+        'llvm_mcpu = "x86-64-v3"\n[drafter]\nprefix = "d."\n'
+    )
+    r = load_recipe(tmp_path / "r.toml")
+    assert r.name == "x" and r.shortlist_size == 10 and [p.name for p in r.corpus] == ["a.txt", "b.txt"]
+    assert (
+        r.widths == (1, 8) and r.llvm_mcpu == "x86-64-v3" and r.drafter_prefix == "d." and len(r.sha256) == 64
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "msg"),
+    [
+        ("nme = 1", "unknown key"),
+        ("[shortlist]\nsize = 0", "positive"),
+        ("[shortlist]\ncorpus = ['none/*.txt']", "matches no file"),
+        ("[shortlist]\ncounts = 'missing.tsv'", "does not exist"),
+        ("[modules]\nwidths = [0]", "positive"),
+        ("[modules]\nwidth = [1]", "unknown key"),
+        ("[drafter]\nprefix = 'd'", "ending in"),
+        ("name = 'a/b'", "plain file name"),
+        ("[[", "cannot read"),
+    ],
+)
+def test_recipe_errors(tmp_path: Path, text: str, msg: str) -> None:
+    (tmp_path / "r.toml").write_text(text)
+    with pytest.raises(RecipeError, match=msg):
+        load_recipe(tmp_path / "r.toml")
+
+
+# ---------------------------------------------------------------------------------------------
+# drafter fit
+
+
+def _drafter(folder: Path, target_dir: Path, **changes: object) -> Path:
+    """A random DFlash2 drafter for the target (tools/make_test_drafter.py), config fields changed."""
+    from ignis.tools.make_test_drafter import make_dflash2_drafter
+
+    make_dflash2_drafter(target_dir, folder, num_layers=1, dtype="float32")
+    cfg = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if key in cfg.get("dflash_config", {}):
+            cfg["dflash_config"][key] = value
+        else:
+            cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_drafter_fit(tmp_path: Path) -> None:
+    target = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({**target.to_dict(), "model_type": "llama"}))
+    folder = _drafter(tmp_path / "ok", tmp_path / "target")
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["embed_tokens.weight"] = torch.zeros(100, 64)  # a shared tensor: not grafted
+    save_file(tensors, str(folder / "model.safetensors"))
+    d = load_drafter(folder)
+    assert d.dropped == ["embed_tokens.weight"] and "fc.weight" in d.shapes and d.config is not None
+    check_fit(d, target)
+    bad = load_drafter(
+        _drafter(
+            tmp_path / "bad",
+            tmp_path / "target",
+            hidden_size=32,
+            vocab_size=120,
+            target_layer_ids=[1, 2, 7],
+            mask_token_id=110,
+            num_target_layers=0,
+        )
+    )
+    with pytest.raises(DrafterMismatchError) as info:
+        check_fit(bad, target)
+    text = "\n".join(info.value.problems)
+    assert len(info.value.problems) == 4
+    assert (
+        "hidden_size 32" in text
+        and "[2, 7]" in text
+        and "mask_token_id 110" in text
+        and "vocab_size 120" in text
+    )
+    with pytest.raises(DrafterMismatchError, match=r"config\.json"):
+        load_drafter(tmp_path / "nowhere")
+    # a tensor missing from the drafter: every missing name listed
+    del tensors["fc.weight"], tensors["norm.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    from ignis.compiler.build.errors import MissingTensorsError
+
+    with pytest.raises(MissingTensorsError) as minfo:
+        check_fit(load_drafter(folder), target)
+    assert minfo.value.missing == ["fc.weight", "norm.weight"]
+
+
+# ---------------------------------------------------------------------------------------------
+# linear shapes and the llvm kernels
+
+
+def test_linear_shapes_llama_fusions_and_tied_head() -> None:
+    t = {}
+    for i in range(2):
+        p = f"model.layers.{i}"
+        t |= {
+            f"{p}.self_attn.q_proj.weight": ("f32", (64, 64)),
+            f"{p}.self_attn.k_proj.weight": ("f32", (32, 64)),
+            f"{p}.self_attn.v_proj.weight": ("f32", (32, 64)),
+            f"{p}.self_attn.o_proj.weight": ("f32", (64, 64)),
+            f"{p}.mlp.gate_proj.weight": ("f32", (96, 64)),
+            f"{p}.mlp.up_proj.weight": ("f32", (96, 64)),
+            f"{p}.mlp.down_proj.weight": ("f32", (64, 96)),
+            f"{p}.input_layernorm.weight": ("f32", (64,)),
+        }
+    t["model.embed_tokens.weight"] = ("f32", (300, 64))
+    t["shortlist.head.weight"] = ("q4_g32", (300, 64))
+    shapes = linear_shapes(t, family="llama", tie_word_embeddings=True)
+    assert shapes == sorted(
+        [
+            LinearShape("dense", 128, 64),
+            LinearShape("dense", 64, 64),
+            LinearShape("dense", 192, 64),
+            LinearShape("dense", 64, 96),
+            LinearShape("dense", 300, 64),
+            LinearShape("q4_g32", 300, 64),
+        ]
+    )
+    # a hybrid: no fusions, expert stacks per expert
+    h = {
+        "model.layers.0.mlp.experts.gate_up_proj": ("q4_g32", (4, 64, 64)),
+        "model.layers.0.mlp.experts.down_proj": ("q4_g32", (4, 64, 32)),
+        "model.layers.0.mlp.gate.weight": ("bf16", (4, 64)),
+    }
+    assert linear_shapes(h, family="qwen3_5_moe") == [
+        LinearShape("dense", 4, 64),
+        LinearShape("q4_g32", 32, 64),
+        LinearShape("q4_g32", 64, 32),
+    ]
+    plan = plan_modules(
+        card="h200",
+        arch="sm_90",
+        widths=[1, 8, 16, 32],
+        other_dtype="bf16",
+        shapes=[LinearShape("dense", 4, 64), LinearShape("q4_g32", 32, 128), LinearShape("q4_g32", 64, 32)],
+    )
+    assert [s.kind for s in plan.shapes] == ["q4_g32", "q4_g32"] and plan.dtype == "bfloat16"
+    assert plan.route(plan.shapes[0]) == "cuda-mma" and plan.route(plan.shapes[1]) == "tir-dlight"
+    assert plan.num_functions() == 3 + 4  # mma: tiles {1, 2, 4}; tir: one per width
+
+
+def test_llvm_linears_match_float64(tmp_path: Path) -> None:
+    import tvm_ffi
+
+    g = torch.Generator().manual_seed(3)
+    specs = []
+    for rows in (1, 3, 8):
+        for n, k in ((40, 64), (1, 32), (7, 33)):
+            specs.append(LinearSpec(f"d_r{rows}_n{n}_k{k}", "dense", rows, n, k))
+            if k % 32 == 0:
+                specs.append(LinearSpec(f"q_r{rows}_n{n}_k{k}", "q4_g32", rows, n, k))
+    path = build_llvm_module(specs, tmp_path / "lin.so")
+    mod = tvm_ffi.load_module(str(path))
+    for s in specs:
+        x = torch.randn(s.rows, s.in_features, generator=g)
+        w = torch.randn(s.out_features, s.in_features, generator=g)
+        y = torch.empty(s.rows, s.out_features)
+        if s.kind == "dense":
+            mod[s.name](x, w, y)
+            ref = x.double() @ w.double().T
+        else:
+            packed, scales = quantize_q4_g32(w.numpy())
+            mod[s.name](x, torch.from_numpy(packed), torch.from_numpy(scales), y)
+            ref = x.double() @ torch.from_numpy(dequantize_q4_g32(packed, scales)).double().T
+        err = float((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+        assert err < 1e-5, (s, err)

@@ -1,0 +1,251 @@
+"""The artifact manifest (formats/manifest.py): canonical bytes, validation, file checks, fuzzing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ignis.formats import (
+    MANIFEST_NAME,
+    ArtifactChecksumError,
+    ArtifactFileError,
+    FileEntry,
+    FormatError,
+    Manifest,
+    ManifestError,
+    ManifestVersionError,
+    ModuleEntry,
+    ModuleFunction,
+    hash_file,
+    parse_manifest,
+    read_manifest,
+    verify_artifact,
+)
+from ignis.formats.manifest import BLOCK_SIZE, file_entry
+
+
+def _write(root: Path, rel: str, data: bytes) -> None:
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(data)
+
+
+def _artifact(root: Path, *, block_size: int = BLOCK_SIZE) -> Manifest:
+    """A small artifact directory with a weights file, an MTP file and a module, and its manifest."""
+    _write(root, "m.ninfer", bytes(range(256)) * 40)  # 10240 bytes
+    _write(root, "m_mtp.ninfer", b"mtp" * 100)
+    _write(root, "modules/cpu/linear_w1.so", b"\x7fELF" + b"\0" * 60)
+    files = []
+    for rel, role in (
+        ("m.ninfer", "weights"),
+        ("m_mtp.ninfer", "mtp"),
+        ("modules/cpu/linear_w1.so", "module"),
+    ):
+        size, sha, _ = hash_file(root / rel)
+        _, _, blocks = hash_file(root / rel, block_size=block_size)
+        files.append(FileEntry(rel, role, size, sha, blocks))
+    fn = ModuleFunction("dense_n8_k4", "dense", 8, 4, "float32")
+    m = Manifest(
+        name="m",
+        card="cpu",
+        arch="llvm",
+        family="llama",
+        linear_dtype="f32",
+        other_dtype="f32",
+        widths=(1, 2),
+        weights="m.ninfer",
+        files=tuple(sorted(files, key=lambda f: f.path)),
+        mtp="m_mtp.ninfer",
+        tokenizer={
+            "file": "m.ninfer",
+            "tensor": "ignis.tokenizer.json",
+            "metadata_key": "ignis.tokenizer",
+            "sha256": "0" * 64,
+        },
+        chat_template=None,
+        drafter={
+            "kind": "dflash2",
+            "file": "m.ninfer",
+            "prefix": "dflash2.",
+            "config_key": "ignis.dflash2.config",
+        },
+        shortlist={
+            "file": "m.ninfer",
+            "prefix": "shortlist.",
+            "size": 4,
+            "vocab_size": 8,
+            "source": {"kind": "none", "files": []},
+        },
+        modules=(ModuleEntry(1, "modules/cpu/linear_w1.so", {"kind": "llvm"}, "llvm-te", False, (fn,)),),
+        profile={"name": "cpu", "spec": {}},
+        provenance={"ignis_version": "0.1.0", "inputs": []},
+        block_size=block_size,
+    )
+    (root / MANIFEST_NAME).write_bytes(m.to_bytes())
+    return m
+
+
+def _mutated(m: Manifest, change) -> bytes:  # type: ignore[no-untyped-def]
+    obj = m.to_json()
+    change(obj)
+    return json.dumps(obj).encode()
+
+
+def test_roundtrip_and_canonical_bytes(tmp_path: Path) -> None:
+    m = _artifact(tmp_path)
+    data = (tmp_path / MANIFEST_NAME).read_bytes()
+    assert data.endswith(b"\n") and json.loads(data)["format"] == "ignis-artifact"
+    back = read_manifest(tmp_path)
+    assert back == m
+    assert back.to_bytes() == data  # canonical: parse + serialise is the identity
+    assert list(json.loads(data)) == sorted(json.loads(data))  # keys sorted
+    assert back.modules_for(1)[0].functions[0].name == "dense_n8_k4" and back.modules_for(2) == ()
+    assert back.file("m_mtp.ninfer").role == "mtp"
+    with pytest.raises(ManifestError):
+        back.file("nope")
+
+
+def test_hash_file_blocks(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 100  # 25600 bytes
+    (tmp_path / "f").write_bytes(data)
+    size, sha, blocks = hash_file(tmp_path / "f", block_size=4096)
+    assert size == len(data) and sha == hashlib.sha256(data).hexdigest()
+    assert len(blocks) == 7
+    assert blocks[6] == hashlib.sha256(data[6 * 4096 :]).hexdigest()
+    (tmp_path / "empty").write_bytes(b"")
+    assert hash_file(tmp_path / "empty")[2] == ()
+    with pytest.raises(ArtifactFileError):
+        hash_file(tmp_path / "missing")
+    entry = file_entry(tmp_path, "f", "weights")
+    assert entry.size == len(data) and entry.block_sha256 == (sha,)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda o: o.pop("card"), "missing key"),
+        (lambda o: o.update(extra=1), "unknown key"),
+        (lambda o: o.update(widths=[2, 1]), "widths"),
+        (lambda o: o.update(widths=[0]), "widths"),
+        (lambda o: o.update(widths=[1, 33]), "widths"),
+        (lambda o: o.update(weights="../m.ninfer"), "relative POSIX path"),
+        (lambda o: o.update(weights="/abs/m.ninfer"), "relative POSIX path"),
+        (lambda o: o.update(weights="a\\b"), "relative POSIX path"),
+        (lambda o: o.update(weights="m_mtp.ninfer"), "role 'weights'"),
+        (lambda o: o.update(mtp="nope.ninfer"), "does not list"),
+        (lambda o: o["files"].reverse(), "sorted"),
+        (lambda o: o["files"][0].update(sha256="X" * 64), "hex"),
+        (lambda o: o["files"][0].update(size=-1), "integer >= 0"),
+        (lambda o: o["files"][0].update(size=True), "integer"),
+        (lambda o: o["files"][0].update(block_sha256=[]), "block_sha256"),
+        (lambda o: o["files"][0].update(role="other"), "role"),
+        (lambda o: o["modules"][0].update(width=3), "not in widths"),
+        (lambda o: o["modules"].append(dict(o["modules"][0])), "listed twice"),
+        (lambda o: o["modules"][0]["functions"].append(dict(o["modules"][0]["functions"][0])), "repeated"),
+        (lambda o: o["modules"][0]["functions"][0].update(kind="int8"), "kind"),
+        (lambda o: o["modules"][0]["functions"][0].update(name="not an id"), "identifier"),
+        (lambda o: o["shortlist"].update(size=9), "exceeds"),
+        (lambda o: o["drafter"].pop("prefix"), "missing key"),
+        (lambda o: o.update(profile=[]), "JSON object"),
+        (lambda o: o.update(block_size=100), "block_size"),
+    ],
+)
+def test_schema_violations_are_refused(tmp_path: Path, change, message: str) -> None:  # type: ignore[no-untyped-def]
+    m = _artifact(tmp_path)
+    with pytest.raises(ManifestError, match=message) as info:
+        parse_manifest(_mutated(m, change), path="manifest.json")
+    assert "manifest.json" in str(info.value)
+
+
+def test_versions_and_json_errors(tmp_path: Path) -> None:
+    m = _artifact(tmp_path)
+    with pytest.raises(ManifestVersionError) as info:
+        parse_manifest(_mutated(m, lambda o: o.update(version=2)), path=None)
+    assert info.value.version == 2
+    with pytest.raises(ManifestVersionError):
+        parse_manifest(_mutated(m, lambda o: o.update(format="other")), path=None)
+    with pytest.raises(ManifestVersionError):
+        parse_manifest(_mutated(m, lambda o: o.update(ninfer_version=2)), path=None)
+    with pytest.raises(ManifestError, match="JSON"):
+        parse_manifest(b"{not json", path=None)
+    with pytest.raises(ManifestError, match="duplicate"):
+        parse_manifest(b'{"format": "ignis-artifact", "format": "ignis-artifact"}', path=None)
+    with pytest.raises(ManifestError, match="NaN"):
+        parse_manifest(b'{"format": "ignis-artifact", "version": 1, "x": NaN}', path=None)
+    with pytest.raises(ManifestError, match="UTF-8"):
+        parse_manifest(b"\xff\xfe", path=None)
+    with pytest.raises(ManifestError, match="JSON object"):
+        parse_manifest(b"[]", path=None)
+    with pytest.raises(ManifestError, match="cannot read"):
+        read_manifest(tmp_path / "nowhere")
+
+
+def test_verify_artifact_files(tmp_path: Path) -> None:
+    m = _artifact(tmp_path, block_size=4096)
+    verify_artifact(tmp_path, m)
+    # a flipped byte: named by file and the offset of its block
+    data = bytearray((tmp_path / "m.ninfer").read_bytes())
+    data[5000] ^= 0x01
+    (tmp_path / "m.ninfer").write_bytes(bytes(data))
+    verify_artifact(tmp_path, m, check_hashes=False)  # sizes still right
+    with pytest.raises(ArtifactChecksumError) as info:
+        verify_artifact(tmp_path, m)
+    assert info.value.mismatches == [("m.ninfer", 4096)] and info.value.offset == 4096
+    assert "m.ninfer" in str(info.value) and "4096" in str(info.value)
+    data[5000] ^= 0x01
+    (tmp_path / "m.ninfer").write_bytes(bytes(data))
+    # truncation, a missing file and an unlisted file: all listed at once
+    (tmp_path / "m_mtp.ninfer").write_bytes(b"mtp")
+    (tmp_path / "modules/cpu/linear_w1.so").unlink()
+    (tmp_path / "stray.txt").write_text("x")
+    with pytest.raises(ArtifactFileError) as finfo:
+        verify_artifact(tmp_path, m)
+    problems = "\n".join(finfo.value.problems)
+    assert "m_mtp.ninfer: 3 bytes" in problems and "linear_w1.so: missing" in problems
+    assert "stray.txt: not listed" in problems
+
+
+def test_allow_extra(tmp_path: Path) -> None:
+    m = _artifact(tmp_path)
+    (tmp_path / "README").write_text("x")
+    verify_artifact(tmp_path, m, allow_extra=True)
+    with pytest.raises(ArtifactFileError, match="not listed"):
+        verify_artifact(tmp_path, m)
+
+
+def test_to_bytes_refuses_an_invalid_manifest(tmp_path: Path) -> None:
+    m = _artifact(tmp_path)
+    bad = Manifest(**{**m.__dict__, "weights": "absent.ninfer"})
+    with pytest.raises(ManifestError):
+        bad.to_bytes()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_mutated_manifests_raise_only_manifest_errors(tmp_path: Path, data: st.DataObject) -> None:
+    root = tmp_path / "fuzz"
+    if not (root / MANIFEST_NAME).exists():
+        _artifact(root)
+    raw = bytearray((root / MANIFEST_NAME).read_bytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        kind = data.draw(st.sampled_from(["flip", "delete", "insert", "truncate"]))
+        pos = data.draw(st.integers(0, max(0, len(raw) - 1)))
+        if kind == "flip" and raw:
+            raw[pos] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "delete" and raw:
+            del raw[pos]
+        elif kind == "insert":
+            raw[pos:pos] = data.draw(st.binary(min_size=1, max_size=4))
+        else:
+            del raw[pos:]
+    try:
+        m = parse_manifest(bytes(raw), path="fuzz/manifest.json")
+    except FormatError as exc:
+        assert isinstance(exc, ManifestError)
+        return
+    assert isinstance(m, Manifest)
