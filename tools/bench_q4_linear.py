@@ -22,6 +22,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -251,18 +252,25 @@ class Bench:
 
     # -- methods --------------------------------------------------------------------------------
 
-    def chain_buffers(self, rows: int, dtype: Any) -> list[Any]:
+    def chain_buffers(self, rows: int, dtype: Any, zeros: bool = False) -> list[Any]:
         torch = self.torch
-        bufs = [torch.randn(rows, HIDDEN, device=self.dev, dtype=dtype)]
-        for _ in range(NUM_LAYERS):  # random, not empty: never time on zeros
-            bufs.append(torch.randn(rows, INTER, device=self.dev, dtype=dtype))
-            bufs.append(torch.randn(rows, HIDDEN, device=self.dev, dtype=dtype))
+        make = torch.zeros if zeros else torch.randn  # random, not empty: zeros only as a diagnostic
+        bufs = [make(rows, HIDDEN, device=self.dev, dtype=dtype)]
+        for _ in range(NUM_LAYERS):
+            bufs.append(make(rows, INTER, device=self.dev, dtype=dtype))
+            bufs.append(make(rows, HIDDEN, device=self.dev, dtype=dtype))
         return bufs
 
     def q4_chain(
-        self, funcs: dict[str, Any], rows: int, dtype: Any, only: str | None = None, u32: bool = False
+        self,
+        funcs: dict[str, Any],
+        rows: int,
+        dtype: Any,
+        only: str | None = None,
+        u32: bool = False,
+        zeros: bool = False,
     ) -> Any:
-        bufs = self.chain_buffers(rows, dtype)
+        bufs = self.chain_buffers(rows, dtype, zeros)
         key = "qw_u32" if u32 else "qw"
 
         def enqueue() -> None:
@@ -588,6 +596,342 @@ def cmd_profile(args: argparse.Namespace) -> None:
                 print(f"[profile] {tag} {shape} r{rows} done", flush=True)
 
 
+# ----------------------------------------------------------------------------------------------
+# decode: old shipped modules against new kernel variants, rows 1..8 only (one focused run)
+
+DECODE_WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8]
+DECODE_BUCKETS = ((1, 4), (5, 8))  # the width buckets of the frozen rules (_WIDE_RULES / _NARROW_RULES)
+
+
+def decode_configs() -> dict[str, Any]:
+    """Candidates for rows 1..8: the frozen tiles (fragment prefetch off) and prefetch variants."""
+    from ignis.compiler.kernels.q4_linear import Q4TileConfig as C
+
+    return {
+        # the frozen decode tiles (run 7), rebuilt from the current source
+        "A": C(1, 2, 4, 3, False, x_ring=True, min_blocks=4),  # up, 1..4 rows
+        "B": C(1, 2, 8, 3, False, x_ring=True),  # up, 5..8 rows
+        "C": C(1, 1, 8, 4, True),  # down, 1..8 rows
+        # up: fragment prefetch
+        "u1": C(1, 2, 4, 3, False, x_ring=True, min_blocks=4, frag_prefetch=1),
+        "u2": C(1, 2, 4, 3, False, x_ring=True, min_blocks=4, frag_prefetch=2),
+        "u3": C(1, 2, 4, 4, False, x_ring=True, frag_prefetch=1),
+        "u4": C(1, 2, 4, 3, False, x_ring=True, frag_prefetch=1),
+        "u5": C(1, 2, 8, 3, False, x_ring=True, frag_prefetch=1),
+        # down: fragment prefetch
+        "d1": C(1, 1, 8, 4, True, frag_prefetch=1),
+        "d2": C(1, 1, 8, 4, True, min_blocks=3, frag_prefetch=1),
+        "d3": C(1, 1, 8, 5, True, min_blocks=3, frag_prefetch=1),
+        "d5": C(1, 1, 8, 4, False, frag_prefetch=1),
+        "d6": C(1, 1, 8, 5, False, frag_prefetch=1),
+        "d7": C(1, 1, 8, 4, False, min_blocks=3, frag_prefetch=1),
+    }
+
+
+def cmd_build_decode(args: argparse.Namespace) -> None:
+    import contextlib
+    import io
+
+    from ignis.compiler.kernels.q4_linear import build_q4_cuda_bundle
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    cfgs = decode_configs()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        build_q4_cuda_bundle(
+            "sm_90", {f"q4_{k}": c for k, c in cfgs.items()}, out / "decode_sm90.so", verbose=True
+        )
+    ptxas, entry = [], ""
+    for ln in buf.getvalue().splitlines():  # "Compiling entry function '_Z...'" then its figures
+        if "Compiling entry function" in ln:
+            entry = _demangle(ln.split("'")[1]) if "'" in ln else ln
+        elif "spill" in ln:
+            spill = ln.strip()
+        elif "registers" in ln:
+            ptxas.append(f"{entry}: {ln.split(':', 1)[-1].strip()}; {spill}")
+    manifest = {
+        "built": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "configs": {k: c.tag for k, c in cfgs.items()},
+        "ptxas": ptxas,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print("\n".join(ptxas))
+    print(f"[build-decode] {len(cfgs)} configs in {time.time() - t0:.0f}s under {out}")
+
+
+def _demangle(name: str) -> str:
+    """The kernel's template arguments, shortened (c++filt when present)."""
+    try:
+        out = subprocess.run(["c++filt", name], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return name
+    out = (
+        out.replace("ignis_q4::q4_linear_mma_kernel", "k")
+        .replace("__nv_bfloat16", "bf16")
+        .replace("__half", "f16")
+    )
+    return out.split("(")[0]
+
+
+class DecodeBench(Bench):
+    """Old modules (a previous `build`) against the new candidates, same run, same fresh data."""
+
+    def _run(self) -> None:
+        import tvm_ffi
+
+        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+
+        torch = self.torch
+        args = self.args
+        old_dir, new_dir = Path(args.old), Path(args.new)
+        old_man = json.loads((old_dir / "manifest.json").read_text())
+        new_man = json.loads((new_dir / "manifest.json").read_text())
+        load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib or (old_dir / "tvm_lib"))
+        props = torch.cuda.get_device_properties(0)
+        self.results["env"] = {
+            "gpu": props.name,
+            "sms": props.multi_processor_count,
+            "torch": torch.__version__,
+        }
+        self.results["ptxas"] = new_man.get("ptxas", [])
+        self.note(f"[env] {self.results['env']}")
+        t0 = time.time()
+        bw = self.measure_copy_bandwidth()
+        self.make_weights()
+        self.results.update(copy_tbps=bw, weight_bytes=self.weight_bytes)
+        self.results["floor_ms"] = self.weight_bytes / (bw * 1e12) * 1e3
+        self.note(f"[setup] copy {bw:.2f} TB/s, floor {self.results['floor_ms']:.3f} ms")
+        T, E = self.results["timings_ms"], self.results["errors"]
+        old = {k: load_module(old_dir / v["file"], cuda=True)["q4_linear"] for k, v in old_man["api"].items()}
+        nb = load_module(new_dir / "decode_sm90.so", cuda=True)
+        new = {k: nb[f"q4_{k}"] for k in new_man["configs"]}
+        tags = new_man["configs"]
+
+        # Numerics: every candidate, both dtypes, the chain's shapes and a partial-tile shape.
+        w_ref = {
+            s: self.dequant(self.layers[0][s]["qw"], self.layers[0][s]["scales"], torch.float64)
+            for s in SHAPES
+        }
+        small_n, small_k = 272, 1024
+        gen = torch.Generator(device=self.dev)
+        gen.manual_seed(7)
+        sq = torch.randint(
+            -(1 << 31),
+            (1 << 31) - 1,
+            (small_n, small_k // 8),
+            device=self.dev,
+            dtype=torch.int32,
+            generator=gen,
+        )
+        ss = (
+            (torch.rand(small_n, small_k // 32, device=self.dev, generator=gen) + 0.5) / (4.6 * small_k**0.5)
+        ).to(torch.float16)
+        sref = self.dequant(sq, ss, torch.float64)
+        cases = [(s, self.layers[0][s]["qw"], self.layers[0][s]["scales"], w_ref[s]) for s in SHAPES]
+        cases.append(("small", sq, ss, sref))
+
+        def check(f: Any, dtype: Any, rows: int, qw: Any, sc: Any, wd: Any) -> float:
+            x = torch.randn(rows, wd.shape[1], device=self.dev, dtype=dtype)
+            y = torch.full((rows, wd.shape[0]), float("nan"), device=self.dev, dtype=dtype)
+            with tvm_ffi.use_torch_stream():
+                f(x, qw, sc, y)
+            if not torch.isfinite(y).all():
+                return float("nan")
+            ref = x.double() @ wd.T
+            return ((y.double() - ref).norm() / ref.norm()).item()
+
+        for dtype, dn in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+            for rows in DECODE_WIDTHS:
+                for name, qw, sc, wd in cases:
+                    if name != "small":
+                        E[f"old_{dn}_{name}_r{rows}"] = check(old[f"{name}_r{rows}"], dtype, rows, qw, sc, wd)
+                    for k, f in new.items():
+                        if name == "small" or rows in (1, 5, 8):
+                            E[f"{k}_{dn}_{name}_r{rows}"] = check(f, dtype, rows, qw, sc, wd)
+        bad = {k: v for k, v in E.items() if not (v < (2e-3 if "_f16_" in k else 1e-2))}
+        self.results["bad_numerics"] = bad
+        self.note(
+            f"[numerics] {len(E)} checks, worst f16 {max(v for k, v in E.items() if '_f16_' in k):.2e}, "
+            f"worst bf16 {max(v for k, v in E.items() if '_bf16_' in k):.2e}; failing: {sorted(bad)}"
+        )
+        torch.cuda.synchronize()
+
+        # Per shape (8 layers of one shape), every candidate, every decode width, f16.
+        per: dict[str, float] = {}
+        for k, f in new.items():
+            if any(b.startswith(f"{k}_") for b in bad):
+                continue
+            for shape in SHAPES:
+                for rows in DECODE_WIDTHS:
+                    per[f"{k}|{shape}|r{rows}"], _ = self.time_chain(
+                        self.q4_chain({"up": f, "down": f}, rows, torch.float16, only=shape), reps=20
+                    )
+        self.results["per_shape_ms"] = per
+        self.note(f"[per-shape] {len(per)} timings; {time.time() - t0:.0f}s")
+        choice: dict[str, str] = {}
+        for shape in SHAPES:
+            for lo, hi in DECODE_BUCKETS:
+                cands = {k for k in new if f"{k}|{shape}|r1" in per}
+                best = min(cands, key=lambda k: sum(per[f"{k}|{shape}|r{r}"] for r in range(lo, hi + 1)))
+                choice[f"{shape}|{lo}-{hi}"] = best
+                self.note(
+                    f"[choice] {shape} rows {lo}-{hi}: {best} ({tags[best]}) "
+                    + " ".join(
+                        f"{k}:{sum(per[f'{k}|{shape}|r{r}'] for r in range(lo, hi + 1)) / (hi - lo + 1):.4f}"
+                        for k in sorted(cands)
+                    )
+                )
+        self.results["choice"] = {k: tags[v] for k, v in choice.items()}
+
+        def pick(shape: str, rows: int) -> Any:
+            return new[
+                next(
+                    v
+                    for key, v in choice.items()
+                    if key.startswith(shape)
+                    and int(key.split("|")[1].split("-")[0]) <= rows <= int(key.split("|")[1].split("-")[1])
+                )
+            ]
+
+        if args.new_api:  # the modules `build` makes from the current rules: what ships
+            api_dir = Path(args.new_api)
+            api_man = json.loads((api_dir / "manifest.json").read_text())
+            shipped = {
+                k: load_module(api_dir / v["file"], cuda=True)["q4_linear"] for k, v in api_man["api"].items()
+            }
+            self.results["shipped_tiles"] = {
+                k: v["tile"] for k, v in api_man["api"].items() if k.endswith(("r1", "r4", "r8"))
+            }
+            for dtype, dn in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+                for rows in DECODE_WIDTHS:
+                    for name, qw, sc, wd in cases[:2]:
+                        E[f"shipped_{dn}_{name}_r{rows}"] = check(
+                            shipped[f"{name}_r{rows}"], dtype, rows, qw, sc, wd
+                        )
+
+            def pick(shape: str, rows: int) -> Any:
+                return shipped[f"{shape}_r{rows}"]
+
+        # Diagnostic: the same frozen tiles on all-zero activations (data-dependent cost?).
+        for rows in DECODE_WIDTHS:
+            for k, shape in (("A", "up"), ("C", "down")):
+                per[f"{k}|{shape}|r{rows}|zeros"], _ = self.time_chain(
+                    self.q4_chain(
+                        {"up": new[k], "down": new[k]}, rows, torch.float16, only=shape, zeros=True
+                    ),
+                    reps=20,
+                )
+
+        # Whole chain, old shipped modules against the new ones, interleaved per width.
+        for rows in DECODE_WIDTHS:
+            for dtype, dn in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+                T[f"old_{dn}_r{rows}"], _ = self.time_chain(
+                    self.q4_chain({s: old[f"{s}_r{rows}"] for s in SHAPES}, rows, dtype)
+                )
+                T[f"new_{dn}_r{rows}"], _ = self.time_chain(
+                    self.q4_chain({s: pick(s, rows) for s in SHAPES}, rows, dtype)
+                )
+        self.note(f"[chain] done; {time.time() - t0:.0f}s")
+        try:
+            wb = [
+                {s: self.dequant(layer[s]["qw"], layer[s]["scales"], torch.bfloat16) for s in SHAPES}
+                for layer in self.layers
+            ]
+            for rows in DECODE_WIDTHS:
+                bufs = self.chain_buffers(rows, torch.bfloat16)
+
+                def enqueue(bufs: list[Any] = bufs) -> None:
+                    for i, layer in enumerate(wb):
+                        torch.matmul(bufs[2 * i], layer["up"].T, out=bufs[2 * i + 1])
+                        torch.matmul(bufs[2 * i + 1], layer["down"].T, out=bufs[2 * i + 2])
+
+                T[f"cublas_bf16_r{rows}"], _ = self.time_chain(enqueue)
+        except Exception as exc:
+            self.note(f"[cublas] failed: {type(exc).__name__}: {exc}")
+        for rows in (1, 8):
+            T[f"old_f16_r{rows}_again"], _ = self.time_chain(
+                self.q4_chain({s: old[f"{s}_r{rows}"] for s in SHAPES}, rows, torch.float16)
+            )
+            T[f"new_f16_r{rows}_again"], _ = self.time_chain(
+                self.q4_chain({s: pick(s, rows) for s in SHAPES}, rows, torch.float16)
+            )
+        self.results["wall_s"] = time.time() - t0
+
+    def print_table(self) -> None:
+        T, E, r = self.results["timings_ms"], self.results["errors"], self.results
+        print()
+        for line in r.get("ptxas", []):
+            print("[ptxas]", line)
+        per = r.get("per_shape_ms", {})
+        if per:
+            keys = sorted({k.split("|")[0] for k in per})
+            print("per shape, 8 layers, f16, ms:  cfg | " + " | ".join(f"r{x}" for x in DECODE_WIDTHS))
+            for shape in SHAPES:
+                for k in keys + [f"{k}|{shape}" for k in ("A", "C")]:
+                    if "|" in k:
+                        k, sh = k.split("|")
+                        if sh != shape:
+                            continue
+                        print(
+                            f"  {shape:4s} {k}0s | "
+                            + " | ".join(
+                                f"{per.get(f'{k}|{shape}|r{x}|zeros', float('nan')):.4f}"
+                                for x in DECODE_WIDTHS
+                            )
+                        )
+                        continue
+                    print(
+                        f"  {shape:4s} {k:3s} | "
+                        + " | ".join(
+                            f"{per.get(f'{k}|{shape}|r{x}', float('nan')):.4f}" for x in DECODE_WIDTHS
+                        )
+                    )
+        print(f"choice: {r.get('choice')}")
+        if "shipped_tiles" in r:
+            print(f"new = the shipped modules of the current rules: {r['shipped_tiles']}")
+        print(
+            f"q4_g32 chain 8 x (5120->17408->5120), {r['weight_bytes'] / 1e6:.0f} MB Q4; copy "
+            f"{r['copy_tbps']:.2f} TB/s -> floor {r['floor_ms']:.3f} ms; ms per chain (graph replay, median)"
+        )
+        print(
+            "R | old f16 | new f16 | old bf16 | new bf16 | cuBLAS bf16 | new/old f16 | %floor new f16"
+            " | err new f16 | err new bf16"
+        )
+
+        def g(key: str) -> float:
+            return T.get(key, float("nan"))
+
+        for x in DECODE_WIDTHS:
+            ef = max(
+                [
+                    v
+                    for k, v in E.items()
+                    if k.endswith(f"_f16_up_r{x}") or k.endswith(f"_f16_down_r{x}")
+                    if not k.startswith("old")
+                ]
+                or [float("nan")]
+            )
+            eb = max(
+                [
+                    v
+                    for k, v in E.items()
+                    if k.endswith(f"_bf16_up_r{x}") or k.endswith(f"_bf16_down_r{x}")
+                    if not k.startswith("old")
+                ]
+                or [float("nan")]
+            )
+            print(
+                f"{x} | {g(f'old_f16_r{x}'):.3f} | {g(f'new_f16_r{x}'):.3f} | {g(f'old_bf16_r{x}'):.3f} | "
+                f"{g(f'new_bf16_r{x}'):.3f} | {g(f'cublas_bf16_r{x}'):.3f} | "
+                f"{g(f'new_f16_r{x}') / g(f'old_f16_r{x}'):.3f} | "
+                f"{100 * r['floor_ms'] / g(f'new_f16_r{x}'):.1f}% | "
+                f"{ef:.1e} | {eb:.1e}"
+            )
+        print("timed again: " + ", ".join(f"{k}: {T[k]:.3f}" for k in sorted(T) if k.endswith("_again")))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -606,9 +950,22 @@ def main(argv: list[str] | None = None) -> None:
     pr.add_argument("--tvm-lib", default=os.environ.get("IGNIS_TVM_LIB_DIR"))
     pr.add_argument("--tags", required=True, help="comma-separated sweep tags")
     pr.add_argument("--rows", default="1,8")
+    bd = sub.add_parser("build-decode", help="build the decode candidates (build host)")
+    bd.add_argument("--out", default=".device/q4new")
+    d = sub.add_parser("decode", help="old modules vs the decode candidates, rows 1..8 (GPU host)")
+    d.add_argument("--old", default=".device/q4", help="a previous `build` (its api modules)")
+    d.add_argument("--new", default=".device/q4new", help="a `build-decode` output")
+    d.add_argument("--new-api", default=None, help="a `build` of the current rules: the chain's 'new'")
+    d.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    d.add_argument("--tvm-lib", default=os.environ.get("IGNIS_TVM_LIB_DIR"))
+    d.add_argument("--reps", type=int, default=50)
     args = p.parse_args(argv)
     if args.cmd == "build":
         cmd_build(args)
+    elif args.cmd == "build-decode":
+        cmd_build_decode(args)
+    elif args.cmd == "decode":
+        DecodeBench(args).run()
     elif args.cmd == "profile":
         cmd_profile(args)
     else:

@@ -238,8 +238,12 @@ enum : int { kModeCompute = 0, kModeStreamOnly = 1 };
 // PREFETCH_X: (without XR) the next sub-step's activations are loaded before this one's math.
 // XR: the activations travel through the warp's cp.async ring too (coalesced, STAGES deep).
 // MIN_BLOCKS: blocks per SM the register allocation must allow (1: no constraint).
+// FP: fragment prefetch (register double buffering, V == 1, STAGES >= 3). 0: off; 1: the next
+//   k-step's weights and scales are read from shared memory before this step's math, so their
+//   latency hides behind it (each warp waits for one stage less of its ring); 2: the activations
+//   too (XR). The loop is unrolled by two with ping-pong fragment buffers (no register moves).
 template <typename T, int NT, int MT, int WARPS, int STAGES, int V, bool PREFETCH_X, bool XR, int MODE,
-          int MIN_BLOCKS>
+          int MIN_BLOCKS, int FP = 0>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS > 1 ? MIN_BLOCKS : 0)
     q4_linear_mma_kernel(const T* __restrict__ x, const uint32_t* __restrict__ qw,
                          const uint16_t* __restrict__ sc, T* __restrict__ y, int n_rows, int n_out,
@@ -365,8 +369,74 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS > 1 ? MIN_BLOCKS : 0)
   const uint32_t xr_off = MT * kTile + g * kXRow + 64 * V * t;
 
   uint4 xr[NT][4];
-  if (!XR && MODE == kModeCompute && my_steps > 0) load_x(xr, 0);
   uint32_t read_stage = ring_addr;
+  if constexpr (FP > 0 && MODE == kModeCompute) {
+    static_assert(V == 1 && STAGES >= 3, "fragment prefetch needs V == 1 and at least 3 stages");
+    static_assert(FP == 1 || XR, "FP == 2 prefetches the activations from the ring (XR)");
+    // Stage i + 1's fragments are read while stage i is computed: at step i the warp waits for
+    // stage i + 1 (STAGES - 2 groups may stay pending). Slot reuse: step i refills the slot of
+    // step i - 1, whose fragments were consumed by step i - 1's math (and, with XR, every lane
+    // is past it: the __syncwarp at the top of the step).
+    auto load_w = [&](uint32_t base, uint4 (&wq)[MT][2], uint16_t (&scl)[MT][2]) {
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          wq[mi][h] = lds128(base + mi * kTile + h * 32 * 16 + w_off);
+          const uint32_t pair = lds32(base + mi * kTile + h * 32 * kScaleBytes + s_off);
+          scl[mi][h] = static_cast<uint16_t>((t & 1) ? (pair >> 16) : (pair & 0xffffu));
+        }
+      }
+    };
+    auto load_xs = [&](uint32_t base, uint4 (&dst)[NT][4]) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) dst[j][w] = lds128(base + xr_off + 8 * j * kXRow + 16 * w);
+    };
+    auto fp_step = [&](int i, const uint4 (&cw)[MT][2], const uint16_t (&cs)[MT][2], uint4 (&cx)[NT][4],
+                       uint4 (&nw)[MT][2], uint16_t (&ns)[MT][2], uint4 (&nx)[NT][4]) {
+      if (XR) __syncwarp();  // every lane is done with the slot about to be refilled
+      if (i + STAGES - 1 < my_steps) {
+        issue_weights();
+        if (XR) issue_acts();
+      }
+      cp_async_commit();
+      next_issue_stage();
+      cp_async_wait<STAGES - 2>();  // stage i + 1 has landed (this lane's copies)
+      if (XR) __syncwarp();         // ... and every lane's
+      const uint32_t base = read_stage;
+      read_stage += kStage;
+      if (read_stage == ring_end) read_stage = ring_addr;
+      const bool has_next = i + 1 < my_steps;
+      if (XR && FP == 1) load_xs(base, cx);
+      if (has_next) {
+        load_w(read_stage, nw, ns);
+        if (XR && FP == 2) load_xs(read_stage, nx);
+        if (!XR && PREFETCH_X) load_x(nx, kXStride);
+      }
+      compute_step<T, NT, MT>(cx, cw, cs, acc);
+      if (!XR && has_next) {
+        if (!PREFETCH_X) load_x(nx, kXStride);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) xp[j] += kXStride;
+      }
+    };
+    uint4 wa[MT][2], wb[MT][2], xb[NT][4];
+    uint16_t sa[MT][2], sb[MT][2];
+    if (my_steps > 0) {
+      cp_async_wait<STAGES - 2>();  // stage 0
+      if (XR) __syncwarp();
+      load_w(ring_addr, wa, sa);
+      if (XR && FP == 2) load_xs(ring_addr, xr);
+      if (!XR) load_x(xr, 0);
+    }
+    for (int i = 0; i < my_steps; i += 2) {
+      fp_step(i, wa, sa, xr, wb, sb, xb);
+      if (i + 1 < my_steps) fp_step(i + 1, wb, sb, xb, wa, sa, xr);
+    }
+  } else {
+  if (!XR && MODE == kModeCompute && my_steps > 0) load_x(xr, 0);
   for (int i = 0; i < my_steps; ++i) {
     if (XR) __syncwarp();  // every lane is done reading the stage about to be refilled
     if (i + STAGES - 1 < my_steps) {
@@ -429,6 +499,7 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS > 1 ? MIN_BLOCKS : 0)
       }
     }
   }
+  }  // FP == 0
   cp_async_wait<0>();
   __syncwarp();
 

@@ -116,6 +116,7 @@ class Q4TileConfig:
     pdl: bool = True  # programmatic dependent launch (overlap with the previous kernel's tail)
     min_blocks: int = 1  # blocks per SM the register allocation must allow (__launch_bounds__)
     stream_only: bool = False  # diagnostic: stream the weights, skip the math (wrong output)
+    frag_prefetch: int = 0  # 1: next k-step's weights read from smem during this step's math; 2: + x
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -132,6 +133,12 @@ class Q4TileConfig:
             raise Q4KernelError(f"stages must be 2..16, got {self.stages}")
         if self.stages * self.stage_bytes < self.m_tiles * self.n_tiles * 512:
             raise Q4KernelError(f"stages={self.stages} too shallow for {self.n_tiles} n-tiles")
+        if self.frag_prefetch not in (0, 1, 2):
+            raise Q4KernelError(f"frag_prefetch must be 0, 1 or 2, got {self.frag_prefetch}")
+        if self.frag_prefetch and (self.vec != 1 or self.stages < 3 or self.stream_only):
+            raise Q4KernelError("frag_prefetch needs vec=1, stages >= 3 and the compute mode")
+        if self.frag_prefetch == 2 and not self.x_ring:
+            raise Q4KernelError("frag_prefetch=2 prefetches the activation ring: needs x_ring")
         if self.smem_bytes > 227 * 1024:
             raise Q4KernelError(f"tile {self.tag} needs {self.smem_bytes} B of shared memory (> 227 KiB)")
 
@@ -174,16 +181,19 @@ class Q4TileConfig:
             tag += "_nopdl"
         if self.stream_only:
             tag += "_streamonly"
+        if self.frag_prefetch:
+            tag += f"_fp{self.frag_prefetch}"
         return tag
 
     def export_line(self, name: str) -> str:
         def b(v: bool) -> str:
             return "true" if v else "false"
 
+        fp = f", {self.frag_prefetch}" if self.frag_prefetch else ""
         return (
-            f"IGNIS_Q4_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, "
-            f"{self.stages}, {self.vec}, {b(self.prefetch_x)}, {b(self.x_ring)}, "
-            f"{int(self.stream_only)}, {b(self.pdl)}, {self.min_blocks})"
+            f"IGNIS_Q4_EXPORT{'_FP' if fp else ''}({name}, {self.n_tiles}, {self.m_tiles}, "
+            f"{self.warps}, {self.stages}, {self.vec}, {b(self.prefetch_x)}, {b(self.x_ring)}, "
+            f"{int(self.stream_only)}, {b(self.pdl)}, {self.min_blocks}{fp})"
         )
 
 
@@ -193,7 +203,8 @@ class Q4TileConfig:
 # the first rule whose max_rows covers the width. Shapes never measured get their family's rule.
 _C = Q4TileConfig
 _WIDE_RULES: tuple[tuple[int, Q4TileConfig], ...] = (
-    (4, _C(1, 2, 4, 3, False, x_ring=True, min_blocks=4)),  # 0.1435 ms / 8 layers at 1 row
+    # run 8: the 8-warp tile wins from 4 rows on (0.169 vs 0.181 ms at 4 rows), the 4-warp one up to 3
+    (3, _C(1, 2, 4, 3, False, x_ring=True, min_blocks=4)),  # 0.1435 ms / 8 layers at 1 row
     (8, _C(1, 2, 8, 3, False, x_ring=True)),  # 0.194 ms at 8 rows
     (16, _C(2, 4, 4, 3, False, x_ring=True)),  # 0.240 ms at 16 rows
     (24, _C(3, 2, 4, 3, False, x_ring=True)),  # 0.338 ms at 24 rows
@@ -226,8 +237,10 @@ def _fit_smem(cfg: Q4TileConfig, limit: int) -> Q4TileConfig:
     from dataclasses import replace
 
     while cfg.smem_bytes > limit:
-        if cfg.stages > 2:
+        if cfg.stages > 3 or (cfg.stages == 3 and not cfg.frag_prefetch):
             cfg = replace(cfg, stages=cfg.stages - 1)
+        elif cfg.frag_prefetch:  # at 3 stages: drop the prefetch, then keep shrinking the ring
+            cfg = replace(cfg, frag_prefetch=0)
         elif cfg.x_ring:
             cfg = replace(cfg, x_ring=False)
         elif cfg.m_tiles > 1:

@@ -49,7 +49,8 @@ void launch_pdl(void (*kernel)(KArgs...), bool pdl, bool& configured, dim3 grid,
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << "q4_linear: launch failed: " << cudaGetErrorString(e);
 }
 
-template <int NT, int MT, int WARPS, int STAGES, int V, bool PX, bool XR, int MODE, bool PDL, int MINB>
+template <int NT, int MT, int WARPS, int STAGES, int V, bool PX, bool XR, int MODE, bool PDL, int MINB,
+          int FP = 0>
 void q4_linear_launch(const char* name, TensorView x, TensorView qweight, TensorView scales,
                       TensorView y) {
   // x: [R, K] f16|bf16; qweight: [N, K/8] u32|i32; scales: [N, K/32] f16; y: [R, N] like x
@@ -90,12 +91,12 @@ void q4_linear_launch(const char* name, TensorView x, TensorView qweight, Tensor
   const uint16_t* sc = static_cast<const uint16_t*>(scales.data_ptr());
   static bool configured_f16 = false, configured_bf16 = false;
   if (dtype_is(x, kDLFloat, 16)) {
-    launch_pdl(q4_linear_mma_kernel<half, NT, MT, WARPS, STAGES, V, PX, XR, MODE, MINB>, PDL, configured_f16, grid, block,
+    launch_pdl(q4_linear_mma_kernel<half, NT, MT, WARPS, STAGES, V, PX, XR, MODE, MINB, FP>, PDL, configured_f16, grid, block,
                smem, stream,
                static_cast<const half*>(x.data_ptr()), qw, sc, static_cast<half*>(y.data_ptr()),
                static_cast<int>(rows), static_cast<int>(n_out), static_cast<int>(k_in));
   } else if (dtype_is(x, kDLBfloat, 16)) {
-    launch_pdl(q4_linear_mma_kernel<__nv_bfloat16, NT, MT, WARPS, STAGES, V, PX, XR, MODE, MINB>, PDL,
+    launch_pdl(q4_linear_mma_kernel<__nv_bfloat16, NT, MT, WARPS, STAGES, V, PX, XR, MODE, MINB, FP>, PDL,
                configured_bf16,
                grid, block, smem, stream, static_cast<const __nv_bfloat16*>(x.data_ptr()), qw, sc,
                static_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<int>(rows),
@@ -112,9 +113,12 @@ void q4_linear_launch(const char* name, TensorView x, TensorView qweight, Tensor
 
 // Export `NAME(x, qweight, scales, y)` for up to 8*NT rows with the given tile configuration.
 #define IGNIS_Q4_EXPORT(NAME, NT, MT, WARPS, STAGES, V, PX, XR, MODE, PDL, MINB)             \
+  IGNIS_Q4_EXPORT_FP(NAME, NT, MT, WARPS, STAGES, V, PX, XR, MODE, PDL, MINB, 0)
+// The same with fragment prefetch FP (0, 1, 2: see q4_linear_mma_kernel).
+#define IGNIS_Q4_EXPORT_FP(NAME, NT, MT, WARPS, STAGES, V, PX, XR, MODE, PDL, MINB, FP)      \
   static void ignis_q4_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,           \
                               tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {          \
-    ::ignis_q4::q4_linear_launch<NT, MT, WARPS, STAGES, V, PX, XR, MODE, PDL, MINB>(          \
+    ::ignis_q4::q4_linear_launch<NT, MT, WARPS, STAGES, V, PX, XR, MODE, PDL, MINB, FP>(      \
         #NAME, x, qweight, scales, y);                                                        \
   }                                                                                           \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_q4_##NAME)

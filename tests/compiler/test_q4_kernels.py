@@ -291,3 +291,31 @@ def test_cuda_kernel_matches_float64_every_width(tmp_path: Path, dtype_name: str
         ref = x.double() @ wd.T
         err = ((y.double() - ref).norm() / ref.norm()).item()
         assert err < tol, f"rows={rows}: rel err {err:.2e}"
+
+
+def test_frag_prefetch_config_rules() -> None:
+    """Fragment prefetch (measured slower in run 8; kept for sweeps): validated, tagged, shrunk."""
+    cfg = Q4TileConfig(1, 2, 4, 3, False, x_ring=True, min_blocks=4, frag_prefetch=1)
+    assert cfg.tag.endswith("_fp1") and "IGNIS_Q4_EXPORT_FP(" in cfg.export_line("f")
+    assert Q4TileConfig(1, 1, 8, 4, True).export_line("f").startswith("IGNIS_Q4_EXPORT(")
+    with pytest.raises(Q4KernelError):
+        Q4TileConfig(1, 1, 8, 2, True, frag_prefetch=1)  # needs >= 3 stages
+    with pytest.raises(Q4KernelError):
+        Q4TileConfig(1, 1, 8, 4, True, frag_prefetch=2)  # FP2 prefetches the activation ring
+    with pytest.raises(Q4KernelError):
+        Q4TileConfig(1, 1, 8, 4, True, vec=2, frag_prefetch=1)
+    small = _fit_smem(Q4TileConfig(1, 2, 8, 4, False, x_ring=True, frag_prefetch=2), 99 * 1024)
+    assert small.smem_bytes <= 99 * 1024 and small.frag_prefetch in (0, 1, 2)
+    # run 9: the 8-warp up tile from 4 rows on
+    assert default_tile_config(3, 17408, 5120).warps == 4
+    assert default_tile_config(4, 17408, 5120).warps == 8
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_frag_prefetch_tile_cross_compiles(tmp_path: Path) -> None:
+    tile = Q4TileConfig(1, 2, 4, 3, False, x_ring=True, min_blocks=4, frag_prefetch=1)
+    path = build_q4_linear(
+        {"kind": "cuda", "arch": "sm_90"}, 17408, 5120, 4, tile=tile, out_path=tmp_path / "q4.so"
+    )
+    info = cuda_binary_info(path)
+    assert info.sass_archs == ("sm_90",) and info.is_binary_only, info
