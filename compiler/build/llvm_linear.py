@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ignis.compiler.build.errors import ModuleBuildError
+from ignis.compiler.kernels.cuda_stub import import_tvm_for_build
 
 #: The generic x86-64 / host target (portable to any deployment CPU of the same ISA family).
 DEFAULT_TARGET: dict[str, Any] = {"kind": "llvm"}
@@ -70,6 +71,7 @@ def _largest_divisor(n: int, candidates: Sequence[int]) -> int:
 
 
 def _definition(spec: LinearSpec) -> Any:
+    import_tvm_for_build()  # driver or stub before the first `import tvm`: see cuda_stub.py
     from tvm import te, tirx
 
     r_, n_, k_ = spec.rows, spec.out_features, spec.in_features
@@ -104,6 +106,7 @@ def _definition(spec: LinearSpec) -> Any:
 
 def linear_prim_func(spec: LinearSpec) -> Any:
     """The scheduled TensorIR PrimFunc of `spec` (see the module docstring), named `spec.name`."""
+    import_tvm_for_build()
     import tvm.s_tir as s_tir
 
     sch = s_tir.Schedule(_definition(spec))
@@ -157,7 +160,7 @@ def build_llvm_module(
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ModuleBuildError(f"build_llvm_module: repeated function names in {names}")
-    import tvm
+    tvm = import_tvm_for_build()
 
     tgt = tvm.target.Target(target or DEFAULT_TARGET)
     out = Path(out_path)

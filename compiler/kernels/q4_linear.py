@@ -410,6 +410,9 @@ def q4_linear_prim_func(rows: int, out_features: int, in_features: int, dtype: s
     if dtype not in _SUPPORTED_DTYPES:
         raise Q4KernelError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {dtype!r}")
     _check_shape(out_features, in_features, rows, "tir")
+    from .cuda_stub import import_tvm_for_build
+
+    import_tvm_for_build()  # driver or stub before the first `import tvm`, whatever the target
     from tvm import te, tirx
 
     r_, n_, k_ = rows, out_features, in_features
