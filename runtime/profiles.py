@@ -31,7 +31,9 @@ class SpecDefaults:
         if self.backend not in _SPEC_BACKENDS:
             raise ConfigError(f"spec backend {self.backend!r} not in {_SPEC_BACKENDS}")
         if self.backend != "off" and not 1 <= self.draft_tokens <= 7:
-            raise ConfigError(f"spec draft_tokens {self.draft_tokens} outside 1..7 for backend {self.backend}")
+            raise ConfigError(
+                f"spec draft_tokens {self.draft_tokens} outside 1..7 for backend {self.backend}"
+            )
         if not 0 <= self.draft_rows <= 32:
             raise ConfigError(f"spec draft_rows {self.draft_rows} outside 0..32")
         if self.draft_head not in ("full", "shortlist"):

@@ -7,7 +7,12 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP = {"formats": "ignis.formats", "runtime": "ignis.runtime", "compiler": "ignis.compiler", "tools": "ignis.tools"}
+TOP = {
+    "formats": "ignis.formats",
+    "runtime": "ignis.runtime",
+    "compiler": "ignis.compiler",
+    "tools": "ignis.tools",
+}
 
 
 def test_every_subpackage_is_listed() -> None:

@@ -60,5 +60,5 @@ def get_drafter_factory(name: str) -> DrafterFactory | None:
 
 def _register_builtin_backends() -> None:
     """Import the built-in backends (each registers itself); lazy, so the protocol module stays light."""
-    from ignis.runtime.drafters import dflash2 as dflash2  # noqa: F401
-    from ignis.runtime.drafters import mtp as mtp  # noqa: F401
+    from ignis.runtime.drafters import dflash2 as dflash2
+    from ignis.runtime.drafters import mtp as mtp
