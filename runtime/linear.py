@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 __all__ = [
     "CompiledLinears",
     "LinearBackend",
+    "LinearFn",
     "Q4Weight",
     "cat_rows",
     "dequantize_q4",
@@ -53,6 +54,10 @@ log = logging.getLogger("ignis.runtime.linear")
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+#: The executors' linear hook: ``linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N]``
+#: (`F.linear`, or a `LinearBackend`, which also takes `Q4Weight`s).
+LinearFn = Callable[..., torch.Tensor]
 
 # Bound once at import: the torch route must not re-enter a hook that replaced F.linear.
 _F_LINEAR = F.linear

@@ -10,11 +10,18 @@ Layout read (what `save_pretrained` writes and the Hub serves):
 
 Families whose `config.json` nests the text model (e.g. multimodal wrappers) must accept that dict in
 their own `from_hf`; this importer stays generic.
+
+Families with a `canonicalize_tensors` hook (base.py's `Family`; the MoE families, whose routed
+experts come fused or one tensor per expert) see the checkpoint's tensor set rewritten into their
+canonical layout before `check_tensor_set`: the hook runs on `meta` tensors to learn the canonical
+names and shapes, and each rewritten tensor is read lazily from its sources (a fused expert stack is
+stacked from its per-expert tensors when read, one stack at a time).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +29,7 @@ import torch
 
 from ignis.compiler.errors import CheckpointError
 from ignis.compiler.importers import Checkpoint, LazyTensors
-from ignis.runtime.families.base import check_tensor_set, config_from_hf, get_family
+from ignis.runtime.families.base import Family, check_tensor_set, config_from_hf, get_family
 from ignis.runtime.tokenizer import SPECIAL_TOKEN_NAMES, TokenizerSpec
 
 _INDEX = "model.safetensors.index.json"
@@ -147,22 +154,66 @@ def import_hf(path: str | Path, *, ignore_prefixes: tuple[str, ...] = ()) -> Che
         if "lm_head.weight" not in expected:
             del shapes["lm_head.weight"], encodings["lm_head.weight"], where["lm_head.weight"]
 
-    check_tensor_set(config, shapes, source=str(folder), ignore_prefixes=ignore_prefixes)
-
     def load(name: str) -> torch.Tensor:
         p, ckpt_name = where[name]
         return handles[p].get_tensor(ckpt_name)
 
+    loaders: dict[str, Callable[[], torch.Tensor]] = {}
+    if family.canonicalize_tensors is not None:
+        shapes, encodings, loaders = _canonicalize(family, config, shapes, encodings, load)
+
+    check_tensor_set(config, shapes, source=str(folder), ignore_prefixes=ignore_prefixes)
+
+    def read(name: str) -> torch.Tensor:
+        return loaders[name]() if name in loaders else load(name)
+
     tokenizer = read_hf_tokenizer(folder, raw)
     return Checkpoint(
         config=config,
-        tensors=LazyTensors(shapes, encodings, load),
+        tensors=LazyTensors(shapes, encodings, read),
         tokenizer=tokenizer,
         source=folder,
         format="hf",
         raw_config=raw,
         metadata={"safetensors_files": sorted(str(p.name) for p in handles)},
     )
+
+
+def _canonicalize(
+    family: Family,
+    config: Any,
+    shapes: dict[str, tuple[int, ...]],
+    encodings: dict[str, str],
+    load: Callable[[str], torch.Tensor],
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, Callable[[], torch.Tensor]]]:
+    """The family's canonical tensor set over a checkpoint's (names, shapes, lazy loaders).
+
+    Returns:
+        (canonical name -> shape, canonical name -> encoding, loaders of the names the hook created
+        or rewrote; every other name is read as stored).
+    """
+    from ignis.compiler.build.convert import resolve_layout
+
+    assert family.canonicalize_tensors is not None
+    meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+    canonical = family.canonicalize_tensors(config, meta)
+    new_shapes = {n: tuple(int(d) for d in t.shape) for n, t in canonical.items()}
+    derived = {n: s for n, s in new_shapes.items() if n not in meta or canonical[n] is not meta[n]}
+    if not derived:
+        return shapes, encodings, {}
+    consumed = sorted(set(shapes) - set(canonical))
+    loaders, _sources, unresolved, _unused = resolve_layout(derived, shapes, load)
+    if unresolved:  # a rewrite resolve_layout does not know: run the hook on every consumed tensor
+
+        def rewrite(name: str) -> torch.Tensor:
+            assert family.canonicalize_tensors is not None
+            return family.canonicalize_tensors(config, {n: load(n) for n in consumed})[name]
+
+        for name in unresolved:
+            loaders[name] = lambda n=name: rewrite(n)
+    fallback = encodings[consumed[0]] if consumed else "?"  # a rewritten tensor: its sources' encoding
+    new_encodings = {n: encodings[n] if n in encodings and n not in derived else fallback for n in new_shapes}
+    return new_shapes, new_encodings, loaders
 
 
 def _token_str(value: Any) -> str | None:

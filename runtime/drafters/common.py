@@ -160,7 +160,7 @@ def check_names(
             raise TensorShapeError(
                 f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}"
             )
-        if not t.is_floating_point():
+        if isinstance(t, torch.Tensor) and not t.is_floating_point():  # (a q4 `Q4Weight` passes)
             raise ValueError(f"{source}: tensor {name!r} has non-floating dtype {t.dtype}")
 
 

@@ -102,6 +102,7 @@ from ignis.runtime.drafters.common import (
 from ignis.runtime.errors import ConfigError, StateError, TensorShapeError
 from ignis.runtime.families.base import FamilyConfig
 from ignis.runtime.families.moe import SwiGLUWeights, swiglu_mlp
+from ignis.runtime.linear import LinearFn, Q4Weight, to_device
 from ignis.runtime.sampling import logits_to_probs
 
 __all__ = [
@@ -549,20 +550,23 @@ def check_dflash2_fits(config: DFlash2Config, target: Any, *, embed_rows: int | 
 # ------------------------------------------------------------------------------------ network
 
 
+_Weight = torch.Tensor | Q4Weight
+
+
 @dataclass(frozen=True)
 class _Conv:
     base: torch.Tensor  # [2, taps, hidden]: side 0 = sublayer input, side 1 = sublayer output
-    projection: torch.Tensor  # [2 * taps * groups, hidden]
+    projection: _Weight  # [2 * taps * groups, hidden]
 
 
 @dataclass(frozen=True)
 class _Layer:
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    q_proj: torch.Tensor  # [nh * hd, H]
-    k_proj: torch.Tensor  # [nkv * hd, H]
-    v_proj: torch.Tensor  # [nkv * hd, H]
-    o_proj: torch.Tensor  # [H, nh * hd]
+    q_proj: _Weight  # [nh * hd, H]
+    k_proj: _Weight  # [nkv * hd, H]
+    v_proj: _Weight  # [nkv * hd, H]
+    o_proj: _Weight  # [H, nh * hd]
     q_bias: torch.Tensor | None
     k_bias: torch.Tensor | None
     v_bias: torch.Tensor | None
@@ -622,8 +626,11 @@ class DFlash2Network:
 
     Args:
         config: the drafter's config.
-        weights: public name -> tensor (`dflash2_tensor_shapes`; codebook aliases accepted).
+        weights: public name -> tensor (`dflash2_tensor_shapes`; codebook aliases accepted); linear
+            weights may be `Q4Weight`s when `linear` takes them.
         device, dtype: where and in which dtype to compute (selector scores are float32 always).
+        linear: the linear hook ``linear(x, weight, bias)`` every linear layer runs through (an
+            artifact's `LinearBackend`); `F.linear` when None.
 
     Raises:
         TensorSetError / TensorShapeError: the weights do not match the config.
@@ -632,27 +639,36 @@ class DFlash2Network:
     def __init__(
         self,
         config: DFlash2Config,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, _Weight],
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        linear: LinearFn | None = None,
     ) -> None:
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be floating, got {dtype}")
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        w = normalize_dflash2_names(weights)
+        self.linear: LinearFn = linear or F.linear
+        w = normalize_dflash2_names(weights)  # type: ignore[arg-type]
         check_names(dflash2_tensor_shapes(config), w, source="dflash2 weights")
 
         def get(name: str) -> torch.Tensor:
-            return w[name].detach().to(device=self.device, dtype=dtype)
+            t = w[name]
+            if isinstance(t, Q4Weight):
+                raise TypeError(f"dflash2 weights: {name} is q4_g32; only linear weights may be Q4Weight")
+            return t.detach().to(device=self.device, dtype=dtype)
+
+        def lin(name: str) -> _Weight:
+            t = w[name]
+            return to_device(t if isinstance(t, Q4Weight) else t.detach(), self.device, dtype)
 
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in w else None
 
         c = config
-        self.fc = get("fc.weight")
+        self.fc = lin("fc.weight")
         self.hidden_norm = get("hidden_norm.weight")
         self.norm = get("norm.weight")
         self.layers: list[_Layer] = []
@@ -661,7 +677,7 @@ class DFlash2Network:
             convs = {}
             for conv in ("attention_conv", "mlp_conv"):
                 convs[conv] = (
-                    _Conv(get(f"{p}.{conv}.base_kernel"), get(f"{p}.{conv}.kernel_projection.weight"))
+                    _Conv(get(f"{p}.{conv}.base_kernel"), lin(f"{p}.{conv}.kernel_projection.weight"))
                     if c.has_conv
                     else None
                 )
@@ -669,10 +685,10 @@ class DFlash2Network:
                 _Layer(
                     input_norm=get(f"{p}.input_layernorm.weight"),
                     post_norm=get(f"{p}.post_attention_layernorm.weight"),
-                    q_proj=get(f"{p}.self_attn.q_proj.weight"),
-                    k_proj=get(f"{p}.self_attn.k_proj.weight"),
-                    v_proj=get(f"{p}.self_attn.v_proj.weight"),
-                    o_proj=get(f"{p}.self_attn.o_proj.weight"),
+                    q_proj=lin(f"{p}.self_attn.q_proj.weight"),
+                    k_proj=lin(f"{p}.self_attn.k_proj.weight"),
+                    v_proj=lin(f"{p}.self_attn.v_proj.weight"),
+                    o_proj=lin(f"{p}.self_attn.o_proj.weight"),
                     q_bias=opt(f"{p}.self_attn.q_proj.bias"),
                     k_bias=opt(f"{p}.self_attn.k_proj.bias"),
                     v_bias=opt(f"{p}.self_attn.v_proj.bias"),
@@ -680,16 +696,16 @@ class DFlash2Network:
                     q_norm=get(f"{p}.self_attn.q_norm.weight"),
                     k_norm=get(f"{p}.self_attn.k_norm.weight"),
                     mlp=SwiGLUWeights(
-                        get(f"{p}.mlp.gate_proj.weight"),
-                        get(f"{p}.mlp.up_proj.weight"),
-                        get(f"{p}.mlp.down_proj.weight"),
+                        lin(f"{p}.mlp.gate_proj.weight"),
+                        lin(f"{p}.mlp.up_proj.weight"),
+                        lin(f"{p}.mlp.down_proj.weight"),
                     ),
                     attention_conv=convs["attention_conv"],
                     mlp_conv=convs["mlp_conv"],
                 )
             )
         if c.has_selector:
-            self.selector_projection: torch.Tensor | None = get("candidate_selector.hidden_projection.weight")
+            self.selector_projection: _Weight | None = lin("candidate_selector.hidden_projection.weight")
             self.predecessor_codebook: torch.Tensor | None = get(_CODEBOOKS[0])
             self.successor_codebook: torch.Tensor | None = get(_CODEBOOKS[1])
         else:
@@ -700,7 +716,7 @@ class DFlash2Network:
 
     def context_features(self, taps: torch.Tensor) -> torch.Tensor:
         """[n, num_taps * H] tapped target hidden states -> [n, H] context features (fc, hidden_norm)."""
-        x = F.linear(taps.to(device=self.device, dtype=self.dtype), self.fc)
+        x = self.linear(taps.to(device=self.device, dtype=self.dtype), self.fc, None)
         return rms_norm(x, self.hidden_norm, self.config.rms_norm_eps)
 
     def context_keys_values(
@@ -717,10 +733,10 @@ class DFlash2Network:
         """
         c, lw = self.config, self.layers[layer]
         n = features.shape[0]
-        k = F.linear(features, lw.k_proj, lw.k_bias).view(n, c.num_key_value_heads, c.head_dim)
+        k = self.linear(features, lw.k_proj, lw.k_bias).view(n, c.num_key_value_heads, c.head_dim)
         k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
-        v = F.linear(features, lw.v_proj, lw.v_bias).view(n, c.num_key_value_heads, c.head_dim)
+        v = self.linear(features, lw.v_proj, lw.v_bias).view(n, c.num_key_value_heads, c.head_dim)
         return apply_rope(k, cos, sin), v
 
     # ---- block ----
@@ -773,18 +789,19 @@ class DFlash2Network:
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
         eps = c.rms_norm_eps
         groups = c.num_conv_groups if c.has_conv else 0
+        linear = self.linear
         for li, lw in enumerate(self.layers):
             a = rms_norm(x, lw.input_norm, eps)
             att_dyn = None
             if lw.attention_conv is not None:
-                att_dyn = F.linear(a, lw.attention_conv.projection).view(
+                att_dyn = linear(a, lw.attention_conv.projection, None).view(
                     n_blocks, length, 2, c.conv_kernel_size, groups
                 )
                 a = grouped_dynamic_conv(a, att_dyn[:, :, 0], lw.attention_conv.base[0], c.conv_group_size)
             rows = a.reshape(n_blocks * length, h)
-            q = rms_norm(F.linear(rows, lw.q_proj, lw.q_bias).view(-1, nh, hd), lw.q_norm, eps)
-            k = rms_norm(F.linear(rows, lw.k_proj, lw.k_bias).view(-1, nkv, hd), lw.k_norm, eps)
-            v = F.linear(rows, lw.v_proj, lw.v_bias).view(-1, nkv, hd)
+            q = rms_norm(linear(rows, lw.q_proj, lw.q_bias).view(-1, nh, hd), lw.q_norm, eps)
+            k = rms_norm(linear(rows, lw.k_proj, lw.k_bias).view(-1, nkv, hd), lw.k_norm, eps)
+            v = linear(rows, lw.v_proj, lw.v_bias).view(-1, nkv, hd)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = torch.empty_like(q)
             for b in range(n_blocks):
@@ -801,7 +818,7 @@ class DFlash2Network:
                     enable_gqa=nh != nkv,
                 )
                 out[sl] = o[0].transpose(0, 1)
-            attn = F.linear(out.reshape(n_blocks, length, nh * hd), lw.o_proj, lw.o_bias)
+            attn = linear(out.reshape(n_blocks, length, nh * hd), lw.o_proj, lw.o_bias)
             if lw.attention_conv is not None:
                 assert att_dyn is not None
                 attn = grouped_dynamic_conv(
@@ -811,11 +828,11 @@ class DFlash2Network:
             m = rms_norm(x, lw.post_norm, eps)
             mlp_dyn = None
             if lw.mlp_conv is not None:
-                mlp_dyn = F.linear(m, lw.mlp_conv.projection).view(
+                mlp_dyn = linear(m, lw.mlp_conv.projection, None).view(
                     n_blocks, length, 2, c.conv_kernel_size, groups
                 )
                 m = grouped_dynamic_conv(m, mlp_dyn[:, :, 0], lw.mlp_conv.base[0], c.conv_group_size)
-            y = swiglu_mlp(m, lw.mlp)
+            y = swiglu_mlp(m, lw.mlp, linear=linear)
             if lw.mlp_conv is not None:
                 assert mlp_dyn is not None
                 y = grouped_dynamic_conv(y, mlp_dyn[:, :, 1], lw.mlp_conv.base[1], c.conv_group_size)
@@ -846,7 +863,7 @@ class DFlash2Network:
         """
         assert self.selector_projection is not None
         assert self.predecessor_codebook is not None and self.successor_codebook is not None
-        g = F.linear(hidden, self.selector_projection).float()  # [N, R]
+        g = self.linear(hidden, self.selector_projection, None).float()  # [N, R]
         pre = self.predecessor_codebook[previous_ids].float() * g  # [N, R]
         suc = self.successor_codebook[candidate_ids].float()  # [N, K, R]
         return unary + torch.einsum("nr,nkr->nk", pre, suc)
@@ -937,10 +954,14 @@ class DFlash2Drafter(BaseDrafter):
         target_config: the target's family config; when given the fit checks run
             (`check_dflash2_fits`).
         draft_head: "full" (lm_head, default) or "shortlist".
-        shortlist_weight: for "shortlist": [S, H] float tensor, or a q4_g32 tensor
+        shortlist_weight: for "shortlist": [S, H] float tensor, a `Q4Weight` (kept as such when a
+            `linear` hook is given, else dequantized) or a q4_g32 tensor
             (`ignis.formats.q4.Q4G32Tensor`, dequantized here).
         shortlist_token_ids: for "shortlist": int [S] full-vocabulary id of each shortlist row (unique).
         device, dtype: where and in which dtype the drafter runs.
+        linear: the linear hook ``linear(x, weight, bias)`` the network and the proposal head run
+            through (an artifact's `LinearBackend`; weights, lm_head and the shortlist head may then
+            be `Q4Weight`s); `F.linear` when None.
 
     Raises:
         DrafterFitError (and subclasses): the drafter does not fit the target.
@@ -955,16 +976,17 @@ class DFlash2Drafter(BaseDrafter):
     def __init__(
         self,
         config: DFlash2Config,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, _Weight],
         *,
         embed_tokens: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: _Weight,
         target_config: Any | None = None,
         draft_head: DraftHead = "full",
         shortlist_weight: Any | None = None,
         shortlist_token_ids: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        linear: LinearFn | None = None,
     ) -> None:
         c = config
         if embed_tokens.dim() != 2 or embed_tokens.shape[1] != c.hidden_size:
@@ -972,7 +994,7 @@ class DFlash2Drafter(BaseDrafter):
                 f"target embedding has shape {tuple(embed_tokens.shape)}; the drafter needs "
                 f"[vocab, {c.hidden_size}]"
             )
-        if lm_head.dim() != 2 or lm_head.shape[1] != c.hidden_size:
+        if len(lm_head.shape) != 2 or lm_head.shape[1] != c.hidden_size:
             raise HiddenSizeMismatchError(
                 f"target lm_head has shape {tuple(lm_head.shape)}; the drafter needs [vocab, {c.hidden_size}]"
             )
@@ -989,12 +1011,15 @@ class DFlash2Drafter(BaseDrafter):
             )
         self.config = c
         self.tap_layers = tuple(c.target_layer_ids)
-        self.network = DFlash2Network(c, weights, device=device, dtype=dtype)
+        self.network = DFlash2Network(c, weights, device=device, dtype=dtype, linear=linear)
+        self.linear: LinearFn = self.network.linear
+        self._takes_q4 = linear is not None
         self.device, self.dtype = self.network.device, dtype
         self.embed_tokens = embed_tokens.detach().to(device=self.device, dtype=dtype)
         self.vocab_size = c.vocab_size
+        self.head_weight: _Weight
         if draft_head == "full":
-            self.head_weight = lm_head.detach().to(device=self.device, dtype=dtype)
+            self.head_weight = self._head(lm_head)
             self.head_token_ids: torch.Tensor | None = None
         elif draft_head == "shortlist":
             self.head_weight, self.head_token_ids = self._shortlist(shortlist_weight, shortlist_token_ids)
@@ -1010,20 +1035,30 @@ class DFlash2Drafter(BaseDrafter):
             rows,
         )
 
-    def _shortlist(self, weight: Any, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _head(self, weight: _Weight) -> _Weight:
+        """A proposal head weight on the drafter's device: a `Q4Weight` stays one when the linear
+        hook takes it, else it is dequantized to the drafter's dtype."""
+        if isinstance(weight, Q4Weight):
+            if self._takes_q4:
+                return weight.to(self.device)
+            return weight.dequantize(self.dtype).to(self.device)
+        return weight.detach().to(device=self.device, dtype=self.dtype)
+
+    def _shortlist(self, weight: Any, token_ids: torch.Tensor | None) -> tuple[_Weight, torch.Tensor]:
         c = self.config
         if weight is None or token_ids is None:
             raise ConfigError("draft_head 'shortlist' needs shortlist_weight and shortlist_token_ids")
-        if not isinstance(weight, torch.Tensor):
+        if not isinstance(weight, torch.Tensor | Q4Weight):
             from ignis.formats.q4 import Q4G32Tensor
 
             if not isinstance(weight, Q4G32Tensor):
                 raise ConfigError(
-                    f"shortlist_weight must be a torch.Tensor or a Q4G32Tensor, got {type(weight).__name__}"
+                    "shortlist_weight must be a torch.Tensor, a Q4Weight or a Q4G32Tensor, got "
+                    f"{type(weight).__name__}"
                 )
             weight = torch.from_numpy(weight.dequantize())
         ids = torch.as_tensor(token_ids).detach().to(torch.int64).reshape(-1)
-        if weight.dim() != 2 or weight.shape[1] != c.hidden_size or weight.shape[0] != ids.numel():
+        if len(weight.shape) != 2 or weight.shape[1] != c.hidden_size or weight.shape[0] != ids.numel():
             raise TensorShapeError(
                 f"shortlist head weight has shape {tuple(weight.shape)}; expected "
                 f"[{ids.numel()}, {c.hidden_size}] "
@@ -1033,7 +1068,7 @@ class DFlash2Drafter(BaseDrafter):
             raise ConfigError(f"shortlist token ids must lie in 0..{c.vocab_size - 1}")
         if torch.unique(ids).numel() != ids.numel():
             raise ConfigError("shortlist token ids must be unique")
-        return weight.detach().to(device=self.device, dtype=self.dtype), ids.to(self.device)
+        return self._head(weight), ids.to(self.device)
 
     # ---- lanes ----
 
@@ -1144,7 +1179,7 @@ class DFlash2Drafter(BaseDrafter):
             contexts = [[lane.keys_values(li) for li in range(c.num_hidden_layers)] for lane in lanes]
             pos = torch.tensor([r.position for r in requests], dtype=torch.long)
             hidden = net.block_hidden(x, pos, contexts)[:, 1 : 1 + kmax]  # [N, kmax, H]
-            logits = net.head_logits(F.linear(hidden, self.head_weight).float())  # [N, kmax, V or S]
+            logits = net.head_logits(self.linear(hidden, self.head_weight, None).float())  # [N, kmax, V or S]
             if c.has_selector:
                 return self._walk(requests, ks, hidden, logits, anchors)
             return self._argmax_or_sample(requests, ks, logits)
@@ -1221,9 +1256,7 @@ class DFlash2Drafter(BaseDrafter):
 # ------------------------------------------------------------------------------------ factory
 
 
-def _target_head(
-    target_config: Any, target_weights: Mapping[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _target_head(target_config: Any, target_weights: Mapping[str, Any]) -> tuple[torch.Tensor, _Weight]:
     """(embed_tokens, lm_head) from a target's canonical weights (`model.embed_tokens.weight`,
     `lm_head.weight`, tied when the config says so or lm_head is absent)."""
     try:
@@ -1237,15 +1270,16 @@ def _target_head(
 def build_dflash2_drafter(
     *,
     target_config: Any,
-    target_weights: Mapping[str, torch.Tensor],
+    target_weights: Mapping[str, Any],
     checkpoint: str | Path | None = None,
     config: DFlash2Config | None = None,
-    weights: Mapping[str, torch.Tensor] | None = None,
+    weights: Mapping[str, Any] | None = None,
     draft_head: DraftHead = "full",
     shortlist_weight: Any | None = None,
     shortlist_token_ids: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    linear: LinearFn | None = None,
 ) -> DFlash2Drafter:
     """The registered `dflash2` factory: a drafter for a target from a checkpoint folder or tensors.
 
@@ -1253,7 +1287,7 @@ def build_dflash2_drafter(
         target_config: the target's family config.
         target_weights: the target's canonical tensors (the embedding and head are taken from here).
         checkpoint: a drafter folder as published; or give `config` and `weights`.
-        draft_head, shortlist_weight, shortlist_token_ids, device, dtype: see `DFlash2Drafter`.
+        draft_head, shortlist_weight, shortlist_token_ids, device, dtype, linear: see `DFlash2Drafter`.
 
     Raises:
         ConfigError: neither a checkpoint nor config+weights; plus everything `DFlash2Drafter` raises.
@@ -1274,6 +1308,7 @@ def build_dflash2_drafter(
         shortlist_token_ids=shortlist_token_ids,
         device=device,
         dtype=dtype,
+        linear=linear,
     )
 
 

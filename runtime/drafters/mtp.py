@@ -74,7 +74,10 @@ from ignis.runtime.families.qwen3_5 import (
     Qwen3NextConfig,
     mtp_tensor_shapes,
 )
+from ignis.runtime.linear import LinearFn, Q4Weight, to_device
 from ignis.runtime.sampling import logits_to_probs
+
+_Weight = torch.Tensor | Q4Weight
 
 __all__ = [
     "MTPDrafter",
@@ -193,8 +196,11 @@ class MTPHead:
 
     Args:
         config: the target's hybrid config (head_dim, heads, rotary, MoE sizes, eps).
-        weights: canonical names; the `mtp.*` ones are used (fused or per-expert routed experts).
+        weights: canonical names; the `mtp.*` ones are used (fused or per-expert routed experts);
+            linear weights may be `Q4Weight`s when `linear` takes them.
         device, dtype: where and in which dtype to compute.
+        linear: the linear hook ``linear(x, weight, bias)`` every linear layer runs through (an
+            artifact's `LinearBackend`); `F.linear` when None.
 
     Raises:
         see `check_mtp_fits`.
@@ -203,26 +209,35 @@ class MTPHead:
     def __init__(
         self,
         config: HybridConfig,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, _Weight],
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        linear: LinearFn | None = None,
     ) -> None:
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be floating, got {dtype}")
-        check_mtp_fits(config, weights)
+        check_mtp_fits(config, weights)  # type: ignore[arg-type]
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.linear: LinearFn = linear or F.linear
         w = {k: v for k, v in weights.items() if k.startswith("mtp.")}
 
         def get(name: str) -> torch.Tensor:
-            return w[name].detach().to(device=self.device, dtype=dtype)
+            t = w[name]
+            if isinstance(t, Q4Weight):
+                raise TypeError(f"mtp weights: {name} is q4_g32; only linear weights may be Q4Weight")
+            return t.detach().to(device=self.device, dtype=dtype)
+
+        def lin(name: str) -> _Weight:
+            t = w[name]
+            return to_device(t if isinstance(t, Q4Weight) else t.detach(), self.device, dtype)
 
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in w else None
 
-        self.fc = get("mtp.fc.weight")
+        self.fc = lin("mtp.fc.weight")
         self.norm_embedding = get("mtp.pre_fc_norm_embedding.weight")
         self.norm_hidden = get("mtp.pre_fc_norm_hidden.weight")
         self.norm = get("mtp.norm.weight")
@@ -231,10 +246,10 @@ class MTPHead:
         self.input_norm = get(f"{p}.input_layernorm.weight")
         self.post_norm = get(f"{p}.post_attention_layernorm.weight")
         self.attn = _Attention(
-            q_proj=get(f"{a}.q_proj.weight"),
-            k_proj=get(f"{a}.k_proj.weight"),
-            v_proj=get(f"{a}.v_proj.weight"),
-            o_proj=get(f"{a}.o_proj.weight"),
+            q_proj=lin(f"{a}.q_proj.weight"),
+            k_proj=lin(f"{a}.k_proj.weight"),
+            v_proj=lin(f"{a}.v_proj.weight"),
+            o_proj=lin(f"{a}.o_proj.weight"),
             q_norm=get(f"{a}.q_norm.weight"),
             k_norm=get(f"{a}.k_norm.weight"),
             q_bias=opt(f"{a}.q_proj.bias"),
@@ -247,7 +262,7 @@ class MTPHead:
             assert isinstance(config, Qwen3_5MoeConfig | Qwen3NextConfig)
             m, inter = f"{p}.mlp", config.moe_intermediate_size
             if f"{m}.experts.gate_up_proj" in w:
-                gate_up, down = get(f"{m}.experts.gate_up_proj"), get(f"{m}.experts.down_proj")
+                gate_up, down = lin(f"{m}.experts.gate_up_proj"), lin(f"{m}.experts.down_proj")
                 experts = [
                     SwiGLUWeights(gate_up[e, :inter], gate_up[e, inter:], down[e])
                     for e in range(config.num_experts)
@@ -255,27 +270,27 @@ class MTPHead:
             else:
                 experts = [
                     SwiGLUWeights(
-                        get(f"{m}.experts.{e}.gate_proj.weight"),
-                        get(f"{m}.experts.{e}.up_proj.weight"),
-                        get(f"{m}.experts.{e}.down_proj.weight"),
+                        lin(f"{m}.experts.{e}.gate_proj.weight"),
+                        lin(f"{m}.experts.{e}.up_proj.weight"),
+                        lin(f"{m}.experts.{e}.down_proj.weight"),
                     )
                     for e in range(config.num_experts)
                 ]
             self.mlp = SparseMoeWeights(
-                router=get(f"{m}.gate.weight"),
+                router=lin(f"{m}.gate.weight"),
                 experts=experts,
                 shared_expert=SwiGLUWeights(
-                    get(f"{m}.shared_expert.gate_proj.weight"),
-                    get(f"{m}.shared_expert.up_proj.weight"),
-                    get(f"{m}.shared_expert.down_proj.weight"),
+                    lin(f"{m}.shared_expert.gate_proj.weight"),
+                    lin(f"{m}.shared_expert.up_proj.weight"),
+                    lin(f"{m}.shared_expert.down_proj.weight"),
                 ),
-                shared_expert_gate=get(f"{m}.shared_expert_gate.weight"),
+                shared_expert_gate=lin(f"{m}.shared_expert_gate.weight"),
             )
         else:
             self.mlp = SwiGLUWeights(
-                get(f"{p}.mlp.gate_proj.weight"),
-                get(f"{p}.mlp.up_proj.weight"),
-                get(f"{p}.mlp.down_proj.weight"),
+                lin(f"{p}.mlp.gate_proj.weight"),
+                lin(f"{p}.mlp.up_proj.weight"),
+                lin(f"{p}.mlp.down_proj.weight"),
             )
         self.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta, self.device)
 
@@ -288,7 +303,7 @@ class MTPHead:
         eps = self.config.rms_norm_eps
         e = rms_norm_one_plus(embeds.to(self.dtype), self.norm_embedding, eps)
         h = rms_norm_one_plus(hidden.to(self.dtype), self.norm_hidden, eps)
-        return F.linear(torch.cat([e, h], dim=-1), self.fc)
+        return self.linear(torch.cat([e, h], dim=-1), self.fc, None)
 
     def layer(self, x: torch.Tensor, caches: Sequence[_KV], counts: Sequence[int]) -> torch.Tensor:
         """The decoder layer and `mtp.norm` over R rows of several lanes.
@@ -313,13 +328,14 @@ class MTPHead:
         )
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
         hn = rms_norm_one_plus(x, self.input_norm, eps)
-        qg = F.linear(hn, a.q_proj, a.q_bias).view(rows, nh, 2 * hd)
+        linear = self.linear
+        qg = linear(hn, a.q_proj, a.q_bias).view(rows, nh, 2 * hd)
         gate = qg[..., hd:].reshape(rows, nh * hd)
         q = apply_rope(rms_norm_one_plus(qg[..., :hd], a.q_norm, eps), cos, sin)
         k = apply_rope(
-            rms_norm_one_plus(F.linear(hn, a.k_proj, a.k_bias).view(rows, nkv, hd), a.k_norm, eps), cos, sin
+            rms_norm_one_plus(linear(hn, a.k_proj, a.k_bias).view(rows, nkv, hd), a.k_norm, eps), cos, sin
         )
-        v = F.linear(hn, a.v_proj, a.v_bias).view(rows, nkv, hd)
+        v = linear(hn, a.v_proj, a.v_bias).view(rows, nkv, hd)
         out = torch.empty_like(q)
         start = 0
         for kv, n in zip(caches, counts, strict=True):
@@ -343,15 +359,15 @@ class MTPHead:
             )
             out[start : start + n] = o[0].transpose(0, 1)
             start += n
-        h = x + F.linear(out.reshape(rows, nh * hd) * torch.sigmoid(gate), a.o_proj, a.o_bias)
+        h = x + linear(out.reshape(rows, nh * hd) * torch.sigmoid(gate), a.o_proj, a.o_bias)
         m = rms_norm_one_plus(h, self.post_norm, eps)
         if isinstance(self.mlp, SparseMoeWeights):
             assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
             h = h + sparse_moe_block(
-                m, self.mlp, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob
+                m, self.mlp, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob, linear=linear
             )
         else:
-            h = h + swiglu_mlp(m, self.mlp)
+            h = h + swiglu_mlp(m, self.mlp, linear=linear)
         return rms_norm_one_plus(h, self.norm, eps)
 
 
@@ -392,6 +408,9 @@ class MTPDrafter(BaseDrafter):
         lm_head: the target's output head [V, H] (the embedding when tied).
         final_norm: the target's final norm weight [H] (`model.norm.weight`), (1 + w) RMSNorm.
         device, dtype: where and in which dtype the head runs.
+        linear: the linear hook ``linear(x, weight, bias)`` the head and lm_head run through (an
+            artifact's `LinearBackend`; the weights and lm_head may then be `Q4Weight`s); `F.linear`
+            when None.
 
     Raises:
         MissingDrafterWeightsError, ConfigError, TensorSetError, TensorShapeError: see `check_mtp_fits`.
@@ -406,17 +425,18 @@ class MTPDrafter(BaseDrafter):
     def __init__(
         self,
         config: HybridConfig,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, _Weight],
         *,
         embed_tokens: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: _Weight,
         final_norm: torch.Tensor,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        linear: LinearFn | None = None,
     ) -> None:
         h, v = config.hidden_size, config.vocab_size
         for what, t in (("embedding", embed_tokens), ("lm_head", lm_head)):
-            if t.dim() != 2 or t.shape[1] != h:
+            if len(t.shape) != 2 or t.shape[1] != h:
                 raise HiddenSizeMismatchError(
                     f"mtp: target {what} has shape {tuple(t.shape)}, expected [{v}, {h}]"
                 )
@@ -429,10 +449,16 @@ class MTPDrafter(BaseDrafter):
                 f"mtp: target final norm has shape {tuple(final_norm.shape)}, expected [{h}]"
             )
         self.config = config
-        self.head = MTPHead(config, weights, device=device, dtype=dtype)
+        self.head = MTPHead(config, weights, device=device, dtype=dtype, linear=linear)
+        self.linear: LinearFn = self.head.linear
         self.device, self.dtype = self.head.device, dtype
         self.embed_tokens = embed_tokens.detach().to(device=self.device, dtype=dtype)
-        self.lm_head = lm_head.detach().to(device=self.device, dtype=dtype)
+        self.lm_head: _Weight
+        if isinstance(lm_head, Q4Weight):  # packed for the hook, else dequantized for F.linear
+            q4 = lm_head.to(self.device)
+            self.lm_head = q4 if linear is not None else q4.dequantize(dtype)
+        else:
+            self.lm_head = lm_head.detach().to(device=self.device, dtype=dtype)
         self.final_norm = final_norm.detach().to(device=self.device, dtype=dtype)
         self._lanes: dict[int, MTPLaneState] = {}
 
@@ -550,7 +576,7 @@ class MTPDrafter(BaseDrafter):
                             kv.length += 1  # speculative: undone below
                         hidden = hidden.clone()
                         hidden[live_now] = out
-                    logits = F.linear(hidden[live_now], self.lm_head).float()  # [live, vocab]
+                    logits = self.linear(hidden[live_now], self.lm_head, None).float()  # [live, vocab]
                     for row, i in enumerate(live_now):
                         r = requests[i]
                         if r.params.is_greedy:
@@ -579,13 +605,15 @@ class MTPDrafter(BaseDrafter):
 def build_mtp_drafter(
     *,
     target_config: HybridConfig,
-    target_weights: Mapping[str, torch.Tensor],
-    mtp_weights: Mapping[str, torch.Tensor] | None = None,
+    target_weights: Mapping[str, Any],
+    mtp_weights: Mapping[str, Any] | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    linear: LinearFn | None = None,
 ) -> MTPDrafter:
     """The registered `mtp` factory: the head from `mtp_weights` (default: the `mtp.*` tensors among
-    `target_weights`), sharing the target's embedding, lm_head and final norm.
+    `target_weights`), sharing the target's embedding, lm_head and final norm; `linear` is the
+    head's linear hook (see `MTPDrafter`).
 
     Raises:
         ConfigError: target weights lack the embedding or the final norm; plus `MTPDrafter`'s errors.
@@ -605,6 +633,7 @@ def build_mtp_drafter(
         final_norm=tw["model.norm.weight"],
         device=device,
         dtype=dtype,
+        linear=linear,
     )
 
 

@@ -97,6 +97,14 @@ class LaneState(Protocol):
 class Executor(Protocol):
     """A family's forward pass over several lanes at once.
 
+    Linear layers: every model-weight matrix product goes through `self.linear`, the executor's
+    linear hook, ``linear(x [R, in], weight, bias | None) -> [R, out]`` (x may have more leading
+    dims; they are flattened into R). It defaults to `torch.nn.functional.linear`; an artifact passes
+    its `ignis.runtime.linear.LinearBackend`, which runs the compiled module for width R (and keeps
+    q4 weights as `Q4Weight`s, which only the hook may consume). Executors therefore fuse linear
+    weights with `ignis.runtime.linear.cat_rows`, move them with `to_device`, and never slice their
+    input dimension; embeddings, norms, convolutions and biases stay plain tensors.
+
     Protocol:
         1. `state = ex.new_lane()` for each lane.
         2. `ex.forward(states, columns)`: columns[i] (int64 [n_i], n_i >= 1) are the next tokens of
@@ -112,6 +120,7 @@ class Executor(Protocol):
     """
 
     config: FamilyConfig
+    linear: Callable[..., torch.Tensor]
 
     def new_lane(self) -> LaneState: ...
 
@@ -137,16 +146,27 @@ class Family:
         model_type: HF `model_type` string.
         config_cls: the frozen config dataclass.
         tensor_shapes: config -> {HF tensor name: shape} of every tensor the executor uses.
-        make_executor: (config, weights: name -> tensor, device, dtype) -> Executor.
+        make_executor: ``(config, weights, device, dtype, *, linear=None) -> Executor``. `weights`
+            maps name -> tensor (linear weights may be `ignis.runtime.linear.Q4Weight`s when a hook
+            is given); `linear` is the hook ``linear(x [R, in], weight, bias | None) -> [R, out]``
+            the executor calls for every linear layer (None: `torch.nn.functional.linear`); it lets
+            an artifact run its compiled module for width R (`Executor`).
         map_hf_name: HF checkpoint tensor name -> canonical name, or None to drop it (e.g. a vision
             tower of a multimodal checkpoint). Identity by default.
+        canonicalize_tensors: optional ``(config, tensors: name -> tensor) -> dict`` rewriting a
+            checkpoint's tensor set (after `map_hf_name`) into the layout `tensor_shapes` lists, e.g.
+            per-expert MoE tensors into fused stacks. Returns a new dict (input unchanged); tensors
+            it does not rewrite pass through as the same objects. It must work on `meta` tensors:
+            the HF importer runs it on them to learn the canonical names and shapes before
+            `check_tensor_set`. None: the checkpoint's layout is the canonical one.
     """
 
     model_type: str
     config_cls: type[FamilyConfig]
     tensor_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
     make_executor: Callable[..., Executor]
-    map_hf_name: Callable[[str], str | None] = staticmethod(lambda name: name)  # type: ignore[assignment]
+    map_hf_name: Callable[[str], str | None] = staticmethod(lambda name: name)  # type: ignore[assignment]  # noqa: RUF009
+    canonicalize_tensors: Callable[[Any, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -189,7 +209,11 @@ def config_from_hf(raw: Mapping[str, Any]) -> FamilyConfig:
 
 
 def check_tensor_set(
-    config: FamilyConfig, shapes: Mapping[str, Sequence[int]], *, source: str, ignore_prefixes: Sequence[str] = ()
+    config: FamilyConfig,
+    shapes: Mapping[str, Sequence[int]],
+    *,
+    source: str,
+    ignore_prefixes: Sequence[str] = (),
 ) -> None:
     """Check a checkpoint's tensor names and shapes against the family's table.
 
@@ -209,10 +233,13 @@ def check_tensor_set(
     unexpected = sorted(set(present) - set(expected))
     if missing or unexpected:
         raise TensorSetError(
-            f"{source}: {len(missing)} missing tensor(s) {missing}; {len(unexpected)} unexpected {unexpected}",
+            f"{source}: {len(missing)} missing tensor(s) {missing}; "
+            f"{len(unexpected)} unexpected {unexpected}",
             missing=missing,
             unexpected=unexpected,
         )
     for name, shape in expected.items():
         if tuple(present[name]) != tuple(shape):
-            raise TensorShapeError(f"{source}: tensor {name!r} has shape {tuple(present[name])}, expected {tuple(shape)}")
+            raise TensorShapeError(
+                f"{source}: tensor {name!r} has shape {tuple(present[name])}, expected {tuple(shape)}"
+            )

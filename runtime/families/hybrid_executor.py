@@ -27,6 +27,11 @@ Per-layer math follows HF transformers (`models/qwen3_5/modeling_qwen3_5.py`,
   value heads -> beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) -> gated delta rule
   (`gated_deltanet.py`) -> gated RMSNorm ``weight * norm(o) * silu(z)`` -> out_proj;
 * MLP: SwiGLU, or the sparse MoE block with its sigmoid-gated shared expert (`moe.py`).
+
+Every linear layer (projections, MoE experts, router and gates, the LM head) runs through the
+executor's `linear` hook (base.py's `Executor`; `F.linear` by default), so its weights may be
+`ignis.runtime.linear.Q4Weight`s; embedding, norms, conv kernels and the GDN decay parameters stay
+plain tensors.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ from ignis.runtime.families.gated_deltanet import (
 )
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig, tensor_shapes
+from ignis.runtime.linear import LinearFn, Q4Weight, to_device
+
+_Weight = torch.Tensor | Q4Weight
 
 __all__ = ["HybridExecutor", "HybridLaneState", "gated_rms_norm", "rms_norm_one_plus"]
 
@@ -85,10 +93,10 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 @dataclass(frozen=True)
 class _AttentionWeights:
-    q_proj: torch.Tensor  # [2 * heads * head_dim, hidden]: per head [query | gate]
-    k_proj: torch.Tensor  # [kv_heads * head_dim, hidden]
-    v_proj: torch.Tensor  # [kv_heads * head_dim, hidden]
-    o_proj: torch.Tensor  # [hidden, heads * head_dim]
+    q_proj: _Weight  # [2 * heads * head_dim, hidden]: per head [query | gate]
+    k_proj: _Weight  # [kv_heads * head_dim, hidden]
+    v_proj: _Weight  # [kv_heads * head_dim, hidden]
+    o_proj: _Weight  # [hidden, heads * head_dim]
     q_norm: torch.Tensor  # [head_dim]
     k_norm: torch.Tensor  # [head_dim]
     q_bias: torch.Tensor | None
@@ -99,17 +107,17 @@ class _AttentionWeights:
 
 @dataclass(frozen=True)
 class _GdnWeights:
-    in_proj_qkv: torch.Tensor | None  # [conv_dim, hidden] (split projections)
-    in_proj_z: torch.Tensor | None  # [value_dim, hidden]
-    in_proj_b: torch.Tensor | None  # [v_heads, hidden]
-    in_proj_a: torch.Tensor | None  # [v_heads, hidden]
-    in_proj_qkvz: torch.Tensor | None  # [2 key_dim + 2 value_dim, hidden] (qwen3_next, grouped per k-head)
-    in_proj_ba: torch.Tensor | None  # [2 v_heads, hidden] (qwen3_next, grouped per k-head)
+    in_proj_qkv: _Weight | None  # [conv_dim, hidden] (split projections)
+    in_proj_z: _Weight | None  # [value_dim, hidden]
+    in_proj_b: _Weight | None  # [v_heads, hidden]
+    in_proj_a: _Weight | None  # [v_heads, hidden]
+    in_proj_qkvz: _Weight | None  # [2 key_dim + 2 value_dim, hidden] (qwen3_next, grouped per k-head)
+    in_proj_ba: _Weight | None  # [2 v_heads, hidden] (qwen3_next, grouped per k-head)
     conv: torch.Tensor  # [conv_dim, kernel]
     dt_bias: torch.Tensor  # [v_heads]
     a_log: torch.Tensor  # [v_heads]
     norm: torch.Tensor  # [v_head_dim]
-    out_proj: torch.Tensor  # [hidden, value_dim]
+    out_proj: _Weight  # [hidden, value_dim]
 
 
 @dataclass(frozen=True)
@@ -224,6 +232,9 @@ class HybridExecutor:
         device: where weights, states and outputs live (CPU or CUDA).
         dtype: compute/weight dtype (torch.float32 or torch.bfloat16; float16 untested). Recurrent
             state and the delta-rule math are float32 whatever this is.
+        linear: the linear hook ``linear(x, weight, bias)`` every linear layer runs through
+            (`ignis.runtime.linear.LinearBackend` for an artifact; linear weights may then be
+            `Q4Weight`s); `F.linear` when None.
 
     Raises:
         TensorSetError: missing or unexpected trunk tensors, all listed at once.
@@ -234,29 +245,41 @@ class HybridExecutor:
     def __init__(
         self,
         config: HybridConfig,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, _Weight],
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        linear: LinearFn | None = None,
     ) -> None:
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.linear: LinearFn = linear or F.linear
         c = config
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         _check_weights(c, trunk)
 
         def get(name: str) -> torch.Tensor:
-            return trunk[name].detach().to(device=self.device, dtype=dtype)
+            t = trunk[name]
+            if isinstance(t, Q4Weight):
+                raise TypeError(f"{name} is q4_g32; only linear weights may be Q4Weight")
+            return t.detach().to(device=self.device, dtype=dtype)
+
+        def lin(name: str) -> _Weight:
+            t = trunk[name]
+            return to_device(t if isinstance(t, Q4Weight) else t.detach(), self.device, dtype)
 
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in trunk else None
 
+        def opt_lin(name: str) -> _Weight | None:
+            return lin(name) if name in trunk else None
+
         self._embed = get("model.embed_tokens.weight")
         self._final_norm = get("model.norm.weight")
-        self._lm_head = self._embed if c.tie_word_embeddings else get("lm_head.weight")
+        self._lm_head: _Weight = self._embed if c.tie_word_embeddings else lin("lm_head.weight")
         self._layers: list[_Layer] = []
         self._attn_slot: dict[int, int] = {}
         self._gdn_slot: dict[int, int] = {}
@@ -267,10 +290,10 @@ class HybridExecutor:
                 slot = self._attn_slot[i] = len(self._attn_slot)
                 a = f"{p}.self_attn"
                 attn = _AttentionWeights(
-                    q_proj=get(f"{a}.q_proj.weight"),
-                    k_proj=get(f"{a}.k_proj.weight"),
-                    v_proj=get(f"{a}.v_proj.weight"),
-                    o_proj=get(f"{a}.o_proj.weight"),
+                    q_proj=lin(f"{a}.q_proj.weight"),
+                    k_proj=lin(f"{a}.k_proj.weight"),
+                    v_proj=lin(f"{a}.v_proj.weight"),
+                    o_proj=lin(f"{a}.o_proj.weight"),
                     q_norm=get(f"{a}.q_norm.weight"),
                     k_norm=get(f"{a}.k_norm.weight"),
                     q_bias=opt(f"{a}.q_proj.bias"),
@@ -282,26 +305,26 @@ class HybridExecutor:
                 slot = self._gdn_slot[i] = len(self._gdn_slot)
                 g = f"{p}.linear_attn"
                 gdn = _GdnWeights(
-                    in_proj_qkv=opt(f"{g}.in_proj_qkv.weight"),
-                    in_proj_z=opt(f"{g}.in_proj_z.weight"),
-                    in_proj_b=opt(f"{g}.in_proj_b.weight"),
-                    in_proj_a=opt(f"{g}.in_proj_a.weight"),
-                    in_proj_qkvz=opt(f"{g}.in_proj_qkvz.weight"),
-                    in_proj_ba=opt(f"{g}.in_proj_ba.weight"),
+                    in_proj_qkv=opt_lin(f"{g}.in_proj_qkv.weight"),
+                    in_proj_z=opt_lin(f"{g}.in_proj_z.weight"),
+                    in_proj_b=opt_lin(f"{g}.in_proj_b.weight"),
+                    in_proj_a=opt_lin(f"{g}.in_proj_a.weight"),
+                    in_proj_qkvz=opt_lin(f"{g}.in_proj_qkvz.weight"),
+                    in_proj_ba=opt_lin(f"{g}.in_proj_ba.weight"),
                     conv=get(f"{g}.conv1d.weight").squeeze(1),
                     dt_bias=get(f"{g}.dt_bias"),
                     a_log=get(f"{g}.A_log"),
                     norm=get(f"{g}.norm.weight"),
-                    out_proj=get(f"{g}.out_proj.weight"),
+                    out_proj=lin(f"{g}.out_proj.weight"),
                 )
             mlp: SwiGLUWeights | SparseMoeWeights
             if c.is_moe_layer(i):
-                mlp = self._moe_weights(f"{p}.mlp", get, trunk)
+                mlp = self._moe_weights(f"{p}.mlp", lin, trunk)
             else:
                 mlp = SwiGLUWeights(
-                    get(f"{p}.mlp.gate_proj.weight"),
-                    get(f"{p}.mlp.up_proj.weight"),
-                    get(f"{p}.mlp.down_proj.weight"),
+                    lin(f"{p}.mlp.gate_proj.weight"),
+                    lin(f"{p}.mlp.up_proj.weight"),
+                    lin(f"{p}.mlp.down_proj.weight"),
                 )
             self._layers.append(
                 _Layer(
@@ -319,7 +342,7 @@ class HybridExecutor:
         self._inv_freq = inv_freq.to(self.device)
 
     def _moe_weights(
-        self, p: str, get: Callable[[str], torch.Tensor], trunk: Mapping[str, torch.Tensor]
+        self, p: str, get: Callable[[str], _Weight], trunk: Mapping[str, _Weight]
     ) -> SparseMoeWeights:
         c = self.config
         assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
@@ -436,20 +459,24 @@ class HybridExecutor:
             if isinstance(layer.mlp, SparseMoeWeights):
                 assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
                 h = h + sparse_moe_block(
-                    x, layer.mlp, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob
+                    x,
+                    layer.mlp,
+                    top_k=c.num_experts_per_tok,
+                    norm_topk_prob=c.norm_topk_prob,
+                    linear=self.linear,
                 )
             else:
-                h = h + swiglu_mlp(x, layer.mlp)
+                h = h + swiglu_mlp(x, layer.mlp, linear=self.linear)
             if layer.index in taps_wanted:
                 tapped[layer.index] = h
 
         if logits == "last":
             rows = torch.tensor([s + n - 1 for s, n in zip(starts, lens, strict=True)], device=self.device)
             normed = rms_norm_one_plus(h[rows], self._final_norm, c.rms_norm_eps)
-            out_logits = list(F.linear(normed, self._lm_head).float().split(1))
+            out_logits = list(self.linear(normed, self._lm_head, None).float().split(1))
         else:
             normed = rms_norm_one_plus(h, self._final_norm, c.rms_norm_eps)
-            out_logits = list(F.linear(normed, self._lm_head).float().split(lens))
+            out_logits = list(self.linear(normed, self._lm_head, None).float().split(lens))
         for i, state in enumerate(states):
             state._pending = _Pending(lens[i], record, windows[i], recs[i])
         hidden = list(h.split(lens)) if output_hidden_states else None
@@ -558,11 +585,12 @@ class HybridExecutor:
         c, a = self.config, layer.attn
         assert a is not None
         rows, hd, nh, nkv = x.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        qg = F.linear(x, a.q_proj, a.q_bias).view(rows, nh, 2 * hd)
+        linear = self.linear
+        qg = linear(x, a.q_proj, a.q_bias).view(rows, nh, 2 * hd)
         gate = qg[..., hd:].reshape(rows, nh * hd)
         q = rms_norm_one_plus(qg[..., :hd], a.q_norm, c.rms_norm_eps)
-        k = rms_norm_one_plus(F.linear(x, a.k_proj, a.k_bias).view(rows, nkv, hd), a.k_norm, c.rms_norm_eps)
-        v = F.linear(x, a.v_proj, a.v_bias).view(rows, nkv, hd)
+        k = rms_norm_one_plus(linear(x, a.k_proj, a.k_bias).view(rows, nkv, hd), a.k_norm, c.rms_norm_eps)
+        v = linear(x, a.v_proj, a.v_bias).view(rows, nkv, hd)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         out = x.new_empty(rows, nh, hd)
         for state, start, n in zip(states, starts, lens, strict=True):
@@ -586,7 +614,7 @@ class HybridExecutor:
                 enable_gqa=nh != nkv,
             )
             out[start : start + n] = o[0].transpose(0, 1)
-        return F.linear(out.reshape(rows, nh * hd) * torch.sigmoid(gate), a.o_proj, a.o_bias)
+        return linear(out.reshape(rows, nh * hd) * torch.sigmoid(gate), a.o_proj, a.o_bias)
 
     def _gdn_projections(
         self, g: _GdnWeights, x: torch.Tensor
@@ -594,6 +622,7 @@ class HybridExecutor:
         """(qkv [R, conv_dim], z [R, v_heads, v_dim], b [R, v_heads], a [R, v_heads]) in the model dtype."""
         c = self.config
         rows = x.shape[0]
+        linear = self.linear
         nk, nv, dk, dv = (
             c.linear_num_key_heads,
             c.linear_num_value_heads,
@@ -604,21 +633,21 @@ class HybridExecutor:
             assert g.in_proj_qkv is not None and g.in_proj_z is not None
             assert g.in_proj_b is not None and g.in_proj_a is not None
             return (
-                F.linear(x, g.in_proj_qkv),
-                F.linear(x, g.in_proj_z).view(rows, nv, dv),
-                F.linear(x, g.in_proj_b),
-                F.linear(x, g.in_proj_a),
+                linear(x, g.in_proj_qkv, None),
+                linear(x, g.in_proj_z, None).view(rows, nv, dv),
+                linear(x, g.in_proj_b, None),
+                linear(x, g.in_proj_a, None),
             )
         # qwen3_next: outputs grouped per key head:
         # [q (dk) | k (dk) | v (r*dv) | z (r*dv)] and [b (r) | a (r)].
         assert g.in_proj_ba is not None
         r = nv // nk
         q, k, v, z = (
-            F.linear(x, g.in_proj_qkvz)
+            linear(x, g.in_proj_qkvz, None)
             .view(rows, nk, 2 * dk + 2 * r * dv)
             .split([dk, dk, r * dv, r * dv], -1)
         )
-        b, a = F.linear(x, g.in_proj_ba).view(rows, nk, 2 * r).split([r, r], -1)
+        b, a = linear(x, g.in_proj_ba, None).view(rows, nk, 2 * r).split([r, r], -1)
         qkv = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], dim=-1)
         return qkv, z.reshape(rows, nv, dv), b.reshape(rows, nv), a.reshape(rows, nv)
 
@@ -666,10 +695,10 @@ class HybridExecutor:
             windows[lane].append(window)
             recs[lane].append(new_state)
         out = gated_rms_norm(core, z, g.norm, c.rms_norm_eps)
-        return F.linear(out.reshape(x.shape[0], nv * dv), g.out_proj)
+        return self.linear(out.reshape(x.shape[0], nv * dv), g.out_proj, None)
 
 
-def _check_weights(config: HybridConfig, trunk: Mapping[str, torch.Tensor]) -> None:
+def _check_weights(config: HybridConfig, trunk: Mapping[str, _Weight]) -> None:
     """Refuse a weight set that does not match the config (all missing / unexpected names at once)."""
     layout = "fused" if any(k.endswith(".mlp.experts.gate_up_proj") for k in trunk) else "per_expert"
     expected = tensor_shapes(config, expert_layout=layout)
@@ -689,7 +718,7 @@ def _check_weights(config: HybridConfig, trunk: Mapping[str, torch.Tensor]) -> N
                 f"{config.model_type} weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"expected {shape}"
             )
-        if not tensor.is_floating_point():
+        if not isinstance(tensor, Q4Weight) and not tensor.is_floating_point():
             raise ValueError(
                 f"{config.model_type} weights: tensor {name!r} has non-floating dtype {tensor.dtype}"
             )

@@ -34,6 +34,7 @@ from ignis.runtime.families.base import (
     check_tensor_set,
     register_family,
 )
+from ignis.runtime.linear import LinearFn, Q4Weight, cat_rows, to_device
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -339,13 +340,13 @@ class LlamaLaneState:
 
 @dataclass
 class _Layer:
-    w_qkv: torch.Tensor  # [(nh + 2 nkv) * hd, H]
+    w_qkv: torch.Tensor | Q4Weight  # [(nh + 2 nkv) * hd, H]
     b_qkv: torch.Tensor | None
-    w_o: torch.Tensor  # [H, nh * hd]
+    w_o: torch.Tensor | Q4Weight  # [H, nh * hd]
     b_o: torch.Tensor | None
-    w_gate_up: torch.Tensor  # [2 I, H]
+    w_gate_up: torch.Tensor | Q4Weight  # [2 I, H]
     b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor  # [H, I]
+    w_down: torch.Tensor | Q4Weight  # [H, I]
     b_down: torch.Tensor | None
     norm_in: torch.Tensor  # [H]
     norm_post: torch.Tensor  # [H]
@@ -361,8 +362,11 @@ class LlamaExecutor:
         config: a `LlamaConfig` or `Qwen2Config`.
         weights: HF tensor name -> tensor, exactly the set `tensor_shapes(config)` names (any float
             dtype, any device; converted to `dtype` on `device`; q/k/v and gate/up are fused).
+            Linear weights may be `Q4Weight`s (kept as such, for the `linear` hook).
         device: torch device for weights, caches and activations.
         dtype: torch.float32 or torch.bfloat16 (activations, weights, KV cache); logits are float32.
+        linear: the linear hook ``linear(x, weight, bias)`` every projection and the LM head run
+            through (`ignis.runtime.linear.LinearBackend` for an artifact); `F.linear` when None.
 
     Raises:
         TensorSetError / TensorShapeError: the weights do not match the config.
@@ -375,6 +379,8 @@ class LlamaExecutor:
         weights: Mapping[str, torch.Tensor],
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        *,
+        linear: LinearFn | None = None,
     ) -> None:
         config._require(
             dtype in (torch.float32, torch.bfloat16, torch.float16),
@@ -384,6 +390,7 @@ class LlamaExecutor:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.linear: LinearFn = linear or F.linear
         assert config.head_dim is not None and config.num_key_value_heads is not None
         self._nh = config.num_attention_heads
         self._nkv = config.num_key_value_heads
@@ -391,13 +398,24 @@ class LlamaExecutor:
         self._scale = self._hd**-0.5
 
         def get(name: str) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dtype)
+            t = weights[name]
+            if isinstance(t, Q4Weight):
+                raise TypeError(f"{name} is q4_g32; only linear weights may be Q4Weight")
+            return t.to(device=self.device, dtype=dtype)
 
-        def cat(*names: str) -> torch.Tensor:
-            return torch.cat([weights[n].to(device=self.device, dtype=dtype) for n in names], 0).contiguous()
+        def lin(name: str) -> torch.Tensor | Q4Weight:
+            return to_device(weights[name], self.device, dtype).contiguous()
+
+        def cat(*names: str) -> torch.Tensor | Q4Weight:
+            return cat_rows([to_device(weights[n], self.device, dtype) for n in names]).contiguous()
+
+        def cat_bias(*names: str) -> torch.Tensor:
+            return torch.cat([get(n) for n in names], 0).contiguous()
 
         self.embed = get("model.embed_tokens.weight").contiguous()
-        self.lm_head = self.embed if config.tie_word_embeddings else get("lm_head.weight").contiguous()
+        self.lm_head: torch.Tensor | Q4Weight = (
+            self.embed if config.tie_word_embeddings else lin("lm_head.weight")
+        )
         self.norm = get("model.norm.weight")
         self.layers: list[_Layer] = []
         for n in range(config.num_hidden_layers):
@@ -406,14 +424,16 @@ class LlamaExecutor:
             self.layers.append(
                 _Layer(
                     w_qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                    b_qkv=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+                    b_qkv=cat_bias(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
                     if config.has_qkv_bias
                     else None,
-                    w_o=get(a + "o_proj.weight").contiguous(),
+                    w_o=lin(a + "o_proj.weight"),
                     b_o=get(a + "o_proj.bias") if config.has_o_bias else None,
                     w_gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
-                    b_gate_up=cat(m + "gate_proj.bias", m + "up_proj.bias") if config.has_mlp_bias else None,
-                    w_down=get(m + "down_proj.weight").contiguous(),
+                    b_gate_up=cat_bias(m + "gate_proj.bias", m + "up_proj.bias")
+                    if config.has_mlp_bias
+                    else None,
+                    w_down=lin(m + "down_proj.weight"),
                     b_down=get(m + "down_proj.bias") if config.has_mlp_bias else None,
                     norm_in=get(p + "input_layernorm.weight"),
                     norm_post=get(p + "post_attention_layernorm.weight"),
@@ -548,11 +568,12 @@ class LlamaExecutor:
         masks = [self._causal_mask(p, n) for p, n in zip(starts, counts, strict=True)]
 
         nh, nkv, hd = self._nh, self._nkv, self._hd
+        linear = self.linear
         x = F.embedding(ids, self.embed)  # [R, H]
         tapped: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.norm_in)
-            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)  # [R, (nh + 2 nkv) hd]
+            qkv = linear(h, layer.w_qkv, layer.b_qkv)  # [R, (nh + 2 nkv) hd]
             q = qkv[:, : nh * hd].view(-1, nh, hd)
             k = qkv[:, nh * hd : (nh + nkv) * hd].view(-1, nkv, hd)
             v = qkv[:, (nh + nkv) * hd :].view(-1, nkv, hd)
@@ -574,21 +595,21 @@ class LlamaExecutor:
                     enable_gqa=nh != nkv,
                 )
                 attn[a:b] = out[0].transpose(0, 1).reshape(n, nh * hd)
-            x = x + F.linear(attn, layer.w_o, layer.b_o)
+            x = x + linear(attn, layer.w_o, layer.b_o)
             h = self._rms_norm(x, layer.norm_post)
-            gu = F.linear(h, layer.w_gate_up, layer.b_gate_up)
+            gu = linear(h, layer.w_gate_up, layer.b_gate_up)
             gate, up = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+            x = x + linear(F.silu(gate) * up, layer.w_down, layer.b_down)
             if li in taps:
                 tapped[li] = x
 
         if logits == "last":
             rows = torch.tensor([offsets[i + 1] - 1 for i in range(len(states))], device=self.device)
             head_in = x.index_select(0, rows)
-            out_logits = F.linear(self._rms_norm(head_in, self.norm), self.lm_head).float()
+            out_logits = linear(self._rms_norm(head_in, self.norm), self.lm_head, None).float()
             per_lane = [out_logits[i : i + 1] for i in range(len(states))]
         else:
-            out_logits = F.linear(self._rms_norm(x, self.norm), self.lm_head).float()
+            out_logits = linear(self._rms_norm(x, self.norm), self.lm_head, None).float()
             per_lane = [out_logits[offsets[i] : offsets[i + 1]] for i in range(len(states))]
 
         for s, n in zip(states, counts, strict=True):
@@ -640,8 +661,10 @@ def _make_executor(
     weights: Mapping[str, torch.Tensor],
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    *,
+    linear: LinearFn | None = None,
 ) -> LlamaExecutor:
-    return LlamaExecutor(config, weights, device=device, dtype=dtype)
+    return LlamaExecutor(config, weights, device=device, dtype=dtype, linear=linear)
 
 
 LLAMA = register_family(Family("llama", LlamaConfig, tensor_shapes, _make_executor, map_hf_name))

@@ -9,16 +9,21 @@ always renormalized)::
     y        = sum_j w_j * E_idx_j(x) + sigmoid(x W_sg^T) * E_shared(x)
     E(x)     = W_down (silu(W_gate x) * (W_up x))      (SwiGLU, Shazeer 2020)
 
-Every function takes all R rows of a verify round at once ([R, hidden]).
+Every function takes all R rows of a verify round at once ([R, hidden]) and runs its matrix
+products through `linear` (``linear(x, weight, bias)``, default `F.linear`; an executor passes its
+hook, so weights may be `ignis.runtime.linear.Q4Weight`s).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ignis.runtime.linear import LinearFn
 
 __all__ = ["SparseMoeWeights", "SwiGLUWeights", "sparse_moe_block", "swiglu_mlp"]
 
@@ -33,9 +38,9 @@ class SwiGLUWeights:
         down: [hidden, intermediate] (HF `down_proj.weight`).
     """
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Any  # torch.Tensor | Q4Weight
+    up: Any
+    down: Any
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,13 @@ class SparseMoeWeights:
     shared_expert_gate: torch.Tensor
 
 
-def swiglu_mlp(x: torch.Tensor, w: SwiGLUWeights) -> torch.Tensor:
+def swiglu_mlp(x: torch.Tensor, w: SwiGLUWeights, *, linear: LinearFn = F.linear) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` for x [R, hidden] -> [R, hidden], in x's dtype."""
-    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+    return linear(F.silu(linear(x, w.gate, None)) * linear(x, w.up, None), w.down, None)
 
 
 def route_top_k(
-    x: torch.Tensor, router: torch.Tensor, *, top_k: int, norm_topk_prob: bool
+    x: torch.Tensor, router: Any, *, top_k: int, norm_topk_prob: bool, linear: LinearFn = F.linear
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing.
 
@@ -73,7 +78,7 @@ def route_top_k(
         (weights [R, top_k] in x's dtype, expert indices [R, top_k] int64). The softmax is taken in
         float32 over all experts; with `norm_topk_prob` the k kept probabilities are divided by their sum.
     """
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    probs = torch.softmax(linear(x, router, None), dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -81,18 +86,20 @@ def route_top_k(
 
 
 def sparse_moe_block(
-    x: torch.Tensor, w: SparseMoeWeights, *, top_k: int, norm_topk_prob: bool
+    x: torch.Tensor, w: SparseMoeWeights, *, top_k: int, norm_topk_prob: bool, linear: LinearFn = F.linear
 ) -> torch.Tensor:
     """The sparse MoE block on x [R, hidden] -> [R, hidden] (x's dtype).
 
     Each routed expert runs once on exactly the rows routed to it (experts visited in index order,
     contributions accumulated with `index_add_`, as HF's eager expert loop does).
     """
-    top_w, top_i = route_top_k(x, w.router, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    top_w, top_i = route_top_k(x, w.router, top_k=top_k, norm_topk_prob=norm_topk_prob, linear=linear)
     out = torch.zeros_like(x)
     for expert in torch.unique(top_i).tolist():
         rows, slot = torch.where(top_i == expert)
-        y = swiglu_mlp(x[rows], w.experts[expert]) * top_w[rows, slot, None]
+        y = swiglu_mlp(x[rows], w.experts[expert], linear=linear) * top_w[rows, slot, None]
         out.index_add_(0, rows, y.to(out.dtype))
-    shared = swiglu_mlp(x, w.shared_expert) * torch.sigmoid(F.linear(x, w.shared_expert_gate))
+    shared = swiglu_mlp(x, w.shared_expert, linear=linear) * torch.sigmoid(
+        linear(x, w.shared_expert_gate, None)
+    )
     return out + shared

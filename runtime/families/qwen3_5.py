@@ -575,14 +575,22 @@ def canonicalize_moe_tensors(
 
 def make_hybrid_executor(
     config: HybridConfig,
-    weights: Mapping[str, torch.Tensor],
+    weights: Mapping[str, Any],
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    *,
+    linear: Any = None,
 ) -> Any:
-    """Build the torch `HybridExecutor` (see `hybrid_executor.py`) for any of the hybrid families."""
+    """Build the torch `HybridExecutor` (see `hybrid_executor.py`) for any of the hybrid families;
+    `linear` is the executor's linear hook (base.py's `Family.make_executor`)."""
     from ignis.runtime.families.hybrid_executor import HybridExecutor
 
-    return HybridExecutor(config, weights, device=device, dtype=dtype)
+    return HybridExecutor(config, weights, device=device, dtype=dtype, linear=linear)
+
+
+def _canonicalize_tensors(config: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`Family.canonicalize_tensors` of the hybrid families: routed experts into the family's layout."""
+    return canonicalize_moe_tensors(config, tensors)
 
 
 for _cls in (Qwen3_5Config, Qwen3_5TextConfig, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3NextConfig):
@@ -593,6 +601,7 @@ for _cls in (Qwen3_5Config, Qwen3_5TextConfig, Qwen3_5MoeConfig, Qwen3_5MoeTextC
             tensor_shapes=tensor_shapes,
             make_executor=make_hybrid_executor,
             map_hf_name=map_hf_name,
+            canonicalize_tensors=_canonicalize_tensors if _cls.is_moe else None,
         )
     )
 del _cls

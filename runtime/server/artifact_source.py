@@ -7,9 +7,12 @@ DFlash2 drafter, MTP companion container) to what the server needs:
   it can run (`dflash2` when a drafter is grafted in, `mtp` when `NAME_mtp.ninfer` is beside it), and
   the card profile recorded at build (its speculative defaults);
 - `load(settings)`: a `ServedModel` whose engine factory builds the family's executor and the drafter
-  the settings ask for. The drafter shares the executor's embedding and output head (no second copy
-  on the card). The proposal head "shortlist" uses the artifact's Q4 shortlist head, dequantized to
-  the drafter's dtype.
+  the settings ask for. When the artifact has compiled modules, the executor and the drafter share
+  one linear backend (`Artifact.linear_backend()`, runtime/linear.py): their linears run the compiled
+  module for the round's row width, and q4_g32 weights stay packed (`Q4Weight`). The drafter shares
+  the executor's embedding and output head (no second copy on the card). The proposal head
+  "shortlist" uses the artifact's Q4 shortlist head: kept packed for the compiled modules, else
+  dequantized to the drafter's dtype.
 
 The artifact is validated when the source is opened (`load_artifact(verify=...)`): a corrupt or
 truncated file is refused there, naming the file and offset.
@@ -26,6 +29,7 @@ import torch
 
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.errors import TokenizerError
+from ignis.runtime.linear import Q4Weight
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile
 from ignis.runtime.server.model import ModelSettings, ServedModel
@@ -43,13 +47,14 @@ _SHARED_ATTRS = {
 
 
 def _shared_tensors(art: Any, executor: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
-    """The target's embedding, head and final norm: the executor's own tensors where it exposes them,
-    else read from the artifact (CPU views, then moved)."""
+    """The target's embedding, head and final norm: the executor's own tensors where it exposes them
+    (the head may be a `Q4Weight` when the executor runs compiled linears), else read from the
+    artifact (CPU views, then moved)."""
     out: dict[str, Any] = {}
     for name, attrs in _SHARED_ATTRS.items():
         for attr in attrs:
             value = getattr(executor, attr, None)
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) or (name == "lm_head.weight" and isinstance(value, Q4Weight)):
                 out[name] = value
                 break
     missing = [n for n in _SHARED_ATTRS if n not in out]
@@ -132,7 +137,8 @@ class ArtifactSource:
                 log.warning("compiled modules not loaded (%s); the linears run in torch", exc)
         elif art.manifest.modules:
             log.info("the %s executor takes no compiled linears yet (torch linears)", art.family.model_type)
-        shortlist: tuple[torch.Tensor, torch.Tensor] | None = None
+        keep_q4 = linear is not None
+        shortlist: tuple[torch.Tensor | Q4Weight, torch.Tensor] | None = None
 
         def make_drafter(executor: Any) -> Any:
             nonlocal shortlist
@@ -144,16 +150,17 @@ class ArtifactSource:
                 if spec.draft_head == "shortlist":
                     if shortlist is None:
                         head, ids = art.shortlist(device)
-                        shortlist = (head.dequantize(dtype), ids.long())
+                        shortlist = (head if keep_q4 else head.dequantize(dtype), ids.long())
                     kwargs = {"shortlist_weight": shortlist[0], "shortlist_token_ids": shortlist[1]}
                 return build_dflash2_drafter(
                     target_config=art.config,
                     target_weights=shared,
                     config=DFlash2Config.from_hf(art.drafter_config()),
-                    weights=art.drafter_weights(dtype=dtype, device=device),
+                    weights=art.drafter_weights(dtype=dtype, device=device, keep_q4=keep_q4),
                     draft_head=spec.draft_head,
                     device=device,
                     dtype=dtype,
+                    linear=linear,
                     **kwargs,
                 )
             from ignis.runtime.drafters.mtp import build_mtp_drafter
@@ -161,9 +168,10 @@ class ArtifactSource:
             return build_mtp_drafter(
                 target_config=art.config,
                 target_weights=shared,
-                mtp_weights=art.mtp_weights(dtype=dtype, device=device),
+                mtp_weights=art.mtp_weights(dtype=dtype, device=device, keep_q4=keep_q4),
                 device=device,
                 dtype=dtype,
+                linear=linear,
             )
 
         eos = tuple(tokenizer.eos_token_ids)

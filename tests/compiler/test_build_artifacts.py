@@ -14,7 +14,6 @@ import importlib.util
 import json
 import shutil
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -106,14 +105,6 @@ def built(ckpts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> d
     return {f: _build(ckpts, f, root / f"tiny-{f}") for f in FAMILIES}
 
 
-@contextmanager
-def _compiled(backend: Any) -> Any:
-    # The executors call F.linear; until they take the `linear` hook (see runtime/linear.py), the
-    # test routes their linears through the backend here (test-only patch).
-    with mock.patch("torch.nn.functional.linear", backend):
-        yield
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
@@ -170,8 +161,8 @@ def test_artifact_parts_and_weights(built: dict[str, Any], ckpts: dict[str, Path
 def test_every_compiled_width_matches_the_torch_executor(built: dict[str, Any], family: str) -> None:
     art = load_artifact(built[family].out)
     torch_ex = art.make_executor(dtype=torch.float32)
-    comp_ex = art.make_executor(dtype=torch.float32)
     backend = art.linear_backend()
+    comp_ex = art.make_executor(dtype=torch.float32, linear=backend)  # the executor's own hook
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, art.config.vocab_size, (5,), generator=g)
     for width in art.manifest.widths:
@@ -181,12 +172,11 @@ def test_every_compiled_width_matches_the_torch_executor(built: dict[str, Any], 
         torch_ex.commit([s0], [5])
         ref = torch_ex.forward([s0], [cols]).logits[0]
         torch_ex.commit([s0], [0])
-        with _compiled(backend):
-            comp_ex.forward([s1], [prompt], record=False)
-            comp_ex.commit([s1], [5])
-            before = backend.counts["compiled"]
-            out = comp_ex.forward([s1], [cols]).logits[0]
-            comp_ex.commit([s1], [0])
+        comp_ex.forward([s1], [prompt], record=False)
+        comp_ex.commit([s1], [5])
+        before = backend.counts["compiled"]
+        out = comp_ex.forward([s1], [cols]).logits[0]
+        comp_ex.commit([s1], [0])
         assert backend.counts["compiled"] > before, f"width {width}: the compiled path did not run"
         assert _rel(out, ref) <= REL_TOL, (family, width, _rel(out, ref))
     assert backend.counts["fallback"] == 0, "a linear shape has no compiled function"
@@ -198,13 +188,17 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (6, 11)]
 
 
-def _drafters(family: str, art: Any, refs: dict[tuple[int, ...], list[int]]) -> list[tuple[str, Any, int]]:
+def _drafters(
+    family: str, art: Any, refs: dict[tuple[int, ...], list[int]], linear: Any
+) -> list[tuple[str, Any, int]]:
+    """Test drafters and the artifact's own drafters, the latter running their linears through
+    `linear` (the artifact's backend) over the artifact's stored weights (q4 kept packed)."""
     vocab = art.config.vocab_size
     out: list[tuple[str, Any, int]] = [
         ("always-right", always_right(refs, vocab_size=vocab), 3),
         ("p0.5", right_with_probability(refs, 0.5, vocab_size=vocab, seed=1), 7),
     ]
-    weights = art.target_weights(dtype=torch.float32)
+    weights = art.target_weights(dtype=torch.float32, keep_q4=True)
     if art.has_drafter:  # the grafted DFlash2 drafter, read back from the artifact
         from ignis.runtime.drafters.dflash2 import DFlash2Config, build_dflash2_drafter
 
@@ -212,14 +206,18 @@ def _drafters(family: str, art: Any, refs: dict[tuple[int, ...], list[int]]) -> 
             target_config=art.config,
             target_weights=weights,
             config=DFlash2Config.from_hf(art.drafter_config()),
-            weights=art.drafter_weights(dtype=torch.float32),
+            weights=art.drafter_weights(dtype=torch.float32, keep_q4=True),
+            linear=linear,
         )
         out.append(("dflash2", d, 7))
     if family == "qwen3_next":  # the MTP head, read back from the companion container
         from ignis.runtime.drafters.mtp import build_mtp_drafter
 
         d = build_mtp_drafter(
-            target_config=art.config, target_weights=weights, mtp_weights=art.mtp_weights(dtype=torch.float32)
+            target_config=art.config,
+            target_weights=weights,
+            mtp_weights=art.mtp_weights(dtype=torch.float32, keep_q4=True),
+            linear=linear,
         )
         out.append(("mtp", d, 3))
     return out
@@ -232,14 +230,19 @@ def test_spec_on_equals_spec_off_through_the_compiled_path(built: dict[str, Any]
     off = SpeculativeEngine(art.make_executor(dtype=torch.float32)).generate(prompts, GREEDY)
     refs = {tuple(p): list(r.output_token_ids) for p, r in zip(prompts, off, strict=True)}
     backend = art.linear_backend()
-    with _compiled(backend):
-        off_c = SpeculativeEngine(art.make_executor(dtype=torch.float32)).generate(prompts, GREEDY)
-        assert [list(r.output_token_ids) for r in off_c] == list(refs.values())
-        for name, drafter, k in _drafters(family, art, refs):
-            engine = SpeculativeEngine(art.make_executor(dtype=torch.float32), drafter, draft_tokens=k)
-            on = engine.generate(prompts, GREEDY)
-            assert [list(r.output_token_ids) for r in on] == list(refs.values()), name
-            assert engine.metrics.rounds_total > 0
+    off_c = SpeculativeEngine(art.make_executor(dtype=torch.float32, linear=backend)).generate(
+        prompts, GREEDY
+    )
+    assert [list(r.output_token_ids) for r in off_c] == list(refs.values())
+    for name, drafter, k in _drafters(family, art, refs, backend):
+        before = backend.counts["compiled"]
+        engine = SpeculativeEngine(
+            art.make_executor(dtype=torch.float32, linear=backend), drafter, draft_tokens=k
+        )
+        on = engine.generate(prompts, GREEDY)
+        assert [list(r.output_token_ids) for r in on] == list(refs.values()), name
+        assert engine.metrics.rounds_total > 0
+        assert backend.counts["compiled"] > before, f"{name}: the compiled path did not run"
     # the drafters' linears (DFlash2 fc / projections, the MTP head) are covered by modules too
     assert backend.counts["compiled"] > 0 and backend.counts["fallback"] == 0
     art.close()
@@ -449,10 +452,9 @@ def test_smollm2_cpu_artifact_end_to_end(tmp_path: Path) -> None:
             [prompt], params
         )[0]
         backend = art.linear_backend()
-        with _compiled(backend):
-            on = SpeculativeEngine(art.make_executor(), eos_token_ids=tok.eos_token_ids).generate(
-                [prompt], params
-            )
+        on = SpeculativeEngine(art.make_executor(linear=backend), eos_token_ids=tok.eos_token_ids).generate(
+            [prompt], params
+        )
         assert on[0].output_token_ids == off.output_token_ids
         assert "Paris" in tok.decode(off.output_token_ids)
         assert backend.counts["compiled"] > 0 and backend.counts["fallback"] == 0

@@ -187,3 +187,72 @@ def test_sharded_index_errors(tmp_path):
     (folder / shard).unlink()
     with pytest.raises(CheckpointError, match="missing"):
         import_hf(folder)
+
+
+def _hybrid_helper():
+    if "hf_tiny_hybrid" in sys.modules:
+        return sys.modules["hf_tiny_hybrid"]
+    spec = importlib.util.spec_from_file_location(
+        "hf_tiny_hybrid", Path(__file__).resolve().parents[1] / "hf_tiny_hybrid.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hf_tiny_hybrid"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_qwen3_5_moe_per_expert_checkpoint_imports_builds_and_matches_hf(tmp_path):
+    """HF's save_pretrained writes one tensor per expert; the family's canonical layout is fused: the
+    importer canonicalizes (Family.canonicalize_tensors) before checking, and the build serves it."""
+    from ignis.compiler.build.pipeline import build_artifact
+    from ignis.runtime.artifact import load_artifact
+    from ignis.runtime.families import get_family
+    from ignis.runtime.families.qwen3_5 import canonicalize_moe_tensors
+
+    tiny = _hybrid_helper().make_tiny_hybrid("qwen3_5_moe", tmp_path / "moe")
+    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(tmp_path / "moe")
+    stored = load_file(str(tmp_path / "moe" / "model.safetensors"))
+    per_expert = [n for n in stored if ".mlp.experts.0." in n]
+    assert per_expert and not any(n.endswith("experts.gate_up_proj") for n in stored)  # as HF writes it
+
+    family = get_family("qwen3_5_moe")
+    assert family.canonicalize_tensors is not None and get_family("qwen3_5").canonicalize_tensors is None
+    ckpt = import_hf(tmp_path / "moe")
+    assert set(ckpt.tensors) == set(family.tensor_shapes(ckpt.config))  # fused, the canonical layout
+    trunk = {n: t for n, t in tiny.tensors.items() if not n.startswith("mtp.")}
+    want = canonicalize_moe_tensors(ckpt.config, trunk)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert ckpt.tensors.shapes[name] == tuple(want[name].shape)
+    for n in (name, "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.gate.weight"):
+        assert torch.equal(ckpt.tensors[n], want[n]), n
+
+    (tmp_path / "r.toml").write_text('name = "tiny-moe"\n[modules]\nwidths = [1, 4]\n')
+    res = build_artifact(
+        card="cpu",
+        model=tmp_path / "moe",
+        recipe=tmp_path / "r.toml",
+        out=tmp_path / "tiny-moe",
+        progress=False,
+        echo=lambda _line: None,
+    )
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, ckpt.config.vocab_size, (9,), generator=g)
+    with torch.no_grad():
+        hf_logits = tiny.hf_model(input_ids=ids[None]).logits[0].float()
+    with load_artifact(res.out) as art:
+        assert art.family.model_type == "qwen3_5_moe"
+        backend = art.linear_backend()
+        for linear in (None, backend):
+            ex = art.make_executor(dtype=torch.float32, linear=linear)
+            out = ex.forward([ex.new_lane()], [ids], record=False).logits[0]
+            rel = float((out.double() - hf_logits.double()).abs().max() / hf_logits.double().abs().max())
+            assert rel < 1e-4, (linear, rel)
+        ex = art.make_executor(dtype=torch.float32, linear=backend)
+        state = ex.new_lane()
+        ex.forward([state], [ids[:5]], record=False)
+        ex.commit([state], [5])
+        out = ex.forward([state], [ids[5:]]).logits[0]  # 4 rows: the width-4 module
+        rel = float((out.double() - hf_logits[5:].double()).abs().max() / hf_logits.double().abs().max())
+        assert rel < 1e-4, rel
+        assert backend.counts["compiled"] > 0 and backend.counts["fallback"] == 0

@@ -175,12 +175,62 @@ def test_an_intact_file_that_disagrees_with_the_manifest(artifact: Path, tmp_pat
 
 
 def test_make_executor_without_a_linear_hook_warns(artifact: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from ignis.runtime.families.llama import LlamaExecutor
+
+    def legacy(config: Any, weights: Any, device: Any = "cpu", dtype: Any = torch.float32) -> Any:
+        return LlamaExecutor(config, weights, device=device, dtype=dtype)  # a family without the hook
+
     with load_artifact(artifact) as art, caplog.at_level(logging.WARNING, logger="ignis.runtime.artifact"):
+        art.family = dataclasses.replace(art.family, make_executor=legacy)
         ex = art.make_executor(linear=art.linear_backend())
         state = ex.new_lane()
         out = ex.forward([state], [torch.tensor([1, 2, 3])])
         assert out.logits[0].shape == (3, art.config.vocab_size)
     assert "linear hook" in caplog.text
+
+
+def test_make_executor_passes_the_linear_hook(artifact: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with load_artifact(artifact) as art, caplog.at_level(logging.WARNING, logger="ignis.runtime.artifact"):
+        backend = art.linear_backend()
+        ex = art.make_executor(dtype=torch.float32, linear=backend)
+        ref = art.make_executor(dtype=torch.float32)
+        assert ex.linear is backend and ref.linear is F.linear
+        cols = torch.tensor([1, 2, 3, 4])
+        out = ex.forward([ex.new_lane()], [cols]).logits[0]
+        want = ref.forward([ref.new_lane()], [cols]).logits[0]
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        assert backend.counts["compiled"] > 0 and backend.counts["fallback"] == 0
+    assert "linear hook" not in caplog.text
+
+
+def test_executors_take_q4_weights_through_the_hook() -> None:
+    """q4_g32 weights stay `Q4Weight`s (fused with cat_rows) and give the dequantized model's logits."""
+    hf_tiny = _helper("hf_tiny")
+    from ignis.runtime.families import get_family
+
+    model = hf_tiny.tiny_model("qwen2")
+    family = get_family("qwen2")
+    config = family.config_cls.from_hf(model.config.to_dict())
+    names = family.tensor_shapes(config)
+    tensors = {k: v.detach().float() for k, v in model.state_dict().items() if k in names}
+    q4: dict[str, Any] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            packed, scales = quantize_q4_g32(t.numpy())
+            w = Q4Weight(torch.from_numpy(packed.view(np.int32)), torch.from_numpy(scales))
+            q4[name], dense[name] = w, w.dequantize()
+        else:
+            q4[name] = dense[name] = t
+    backend = LinearBackend()
+    ex = family.make_executor(config, q4, "cpu", torch.float32, linear=backend)
+    assert isinstance(ex.layers[0].w_qkv, Q4Weight) and isinstance(ex.layers[0].w_gate_up, Q4Weight)
+    ref = family.make_executor(config, dense, "cpu", torch.float32)
+    cols = torch.tensor([3, 1, 4, 1, 5])
+    out = ex.forward([ex.new_lane()], [cols]).logits[0]
+    want = ref.forward([ref.new_lane()], [cols]).logits[0]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert backend.counts["torch"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from server_helpers import serve, short_tmpdir
 
 from ignis.runtime import cli
 from ignis.runtime.profiles import SpecDefaults
+from ignis.runtime.sampling import SamplingParams
 from ignis.runtime.server.runner import IgnisServer
 
 build = pytest.importorskip("ignis.compiler.build")
@@ -98,6 +99,30 @@ def test_speculation_on_equals_off_over_http(artifact: Path) -> None:
                 json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True},
             )
             assert chat.status_code == 200 and chat.text.endswith("data: [DONE]\n\n")
+
+
+def test_executor_and_drafter_run_the_artifacts_compiled_linears(artifact: Path) -> None:
+    from ignis.runtime.linear import LinearBackend, Q4Weight
+    from ignis.runtime.metrics import SpeculativeMetrics
+    from ignis.runtime.server.artifact_source import ArtifactSource
+    from ignis.runtime.server.model import ModelSettings
+
+    for spec in (SpecDefaults("dflash2", 3), SpecDefaults("dflash2", 7, 0, "shortlist")):
+        model = ArtifactSource(artifact).load(ModelSettings(spec, device="cpu"))
+        try:
+            engine = model.make_engine(2, SpeculativeMetrics())
+            backend = engine.executor.linear
+            assert isinstance(backend, LinearBackend) and backend.compiled is not None
+            drafter = engine.drafter
+            assert drafter.network.linear is backend and drafter.linear is backend  # one shared backend
+            if spec.draft_head == "shortlist":  # the Q4 shortlist head stays packed for the modules
+                assert isinstance(drafter.head_weight, Q4Weight)
+            before = backend.counts["compiled"]
+            engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4))
+            assert backend.counts["compiled"] > before and backend.counts["fallback"] == 0
+        finally:
+            if model.close is not None:
+                model.close()
 
 
 @pytest.fixture
