@@ -211,6 +211,9 @@ class CompiledLinears:
     ) -> None:
         self._fns = {k: _Fn(*v) for k, v in functions.items()}
         self.widths = tuple(sorted(set(widths)))
+        # Weight kinds the build compiled at all: a CUDA build compiles q4_g32 functions only and keeps
+        # small precise linears (router, gates) dense on purpose, so those run on torch by design.
+        self.kinds = frozenset(key[1] for key in self._fns)
 
     def __len__(self) -> int:
         return len(self._fns)
@@ -274,8 +277,9 @@ class LinearBackend:
         compiled: the artifact's compiled functions, or None (torch only).
 
     Attributes:
-        counts: calls per route: "compiled", "torch" (R above every width, or no modules at all),
-            "fallback" (a module function was missing for the width and shape).
+        counts: calls per route: "compiled", "torch" (R above every width, no modules at all, or a
+            weight kind the build compiles no function for, e.g. dense gates beside q4 modules),
+            "fallback" (a module function was missing for the width and shape: logged once).
     """
 
     def __init__(self, compiled: CompiledLinears | None = None) -> None:
@@ -313,6 +317,9 @@ class LinearBackend:
         k = int(x2.shape[1])
         dtype = _DTYPE_NAMES.get(x.dtype, str(x.dtype))
         kind = "q4_g32" if is_q4 else "dense"
+        if kind not in compiled.kinds:  # by design (see CompiledLinears.kinds): not a missing module
+            self.counts["torch"] += 1
+            return torch_linear(x, weight, bias)
         fn = compiled.get(width, kind, n, k, dtype)
         if fn is None or (not is_q4 and isinstance(weight, torch.Tensor) and weight.dtype != x.dtype):
             key = (width, kind, n, k, dtype)

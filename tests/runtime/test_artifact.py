@@ -328,3 +328,24 @@ def test_compiled_modules_of_an_artifact(
     assert "not loaded" in caplog.text
     assert compiled.get(4, "dense", *np.asarray(w.shape).tolist(), "float32") is None
     assert compiled.get(1, "dense", *np.asarray(w.shape).tolist(), "float32") is not None
+
+
+def test_dense_linears_beside_q4_only_modules_run_on_torch_by_design(caplog):
+    """A CUDA build compiles q4_g32 functions only; its dense (precise) linears are not 'missing'."""
+    import logging
+
+    import torch
+
+    from ignis.runtime.linear import CompiledLinears, LinearBackend
+
+    def never_called(*_args):
+        raise AssertionError("a q4 function was called for a dense weight")
+
+    compiled = CompiledLinears({(4, "q4_g32", 8, 32, "float32"): (never_called, False, False)}, [4])
+    backend = LinearBackend(compiled)
+    x, w = torch.randn(3, 32), torch.randn(8, 32)
+    with caplog.at_level(logging.WARNING):
+        y = backend(x, w)
+    torch.testing.assert_close(y, x @ w.T)
+    assert backend.counts == {"compiled": 0, "torch": 1, "fallback": 0}
+    assert not caplog.records
