@@ -1,6 +1,6 @@
 """Speculation on equals speculation off, token for token (greedy), on tiny hybrid targets with the
 real drafters: qwen3_5 with DFlash2 (and MTP), qwen3_5_moe and qwen3_next with MTP (and DFlash2),
-for draft tokens {1, 3, 7} x lanes {1, 3}, mixed prompt lengths (one past the 64-token GDN chunk and
+for draft tokens {1, 3, 7} x lanes {1, 3, 8}, mixed prompt lengths (one past the 64-token GDN chunk and
 past the DFlash2 window), the third lane joining after two steps.
 
 The drafters are random (`ignis.tools.make_test_drafter`), so on their own they are almost always
@@ -57,7 +57,7 @@ make_tiny_hybrid = _load_helper().make_tiny_hybrid
 
 NEAR_TIE_MARGIN = 1e-4  # logits units (module docstring)
 MAX_TOKENS = 16
-PROMPT_LENGTHS = (5, 70, 12)  # mixed; 70 > the 64-token GDN chunk and > the DFlash2 window below
+PROMPT_LENGTHS = (5, 70, 12, 1, 23, 9, 40, 3)  # mixed; one past the 64-token GDN chunk; lanes take a prefix
 DFLASH2_WINDOW = 8  # tiny sliding window so the drafter's context is trimmed during the runs
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 VOCAB = 320
@@ -205,7 +205,7 @@ def _check_equal(target: Target, outputs, label: str) -> int:
 
 
 @pytest.mark.parametrize("variant", ["model", "steered"])
-@pytest.mark.parametrize("num_lanes", [1, 3])
+@pytest.mark.parametrize("num_lanes", [1, 3, 8])
 @pytest.mark.parametrize("k", [1, 3, 7])
 @pytest.mark.parametrize("family, backend", CASES, ids=[f"{f}-{b}" for f, b in CASES])
 def test_greedy_spec_on_equals_spec_off(
@@ -221,7 +221,9 @@ def test_greedy_spec_on_equals_spec_off(
     _check_equal(target, outputs, label)
     assert all(len(o) == MAX_TOKENS for o in outputs.values())
     assert metrics.rounds_total > 0
-    if variant == "steered":  # runs longer than one token were committed
+    # Runs longer than one token were committed. Not asserted for MTP at 8 lanes: its row budget of 8
+    # gives no drafts while 5+ lanes decode, so only the late lane's last few rounds draft at all.
+    if variant == "steered" and not (backend == "mtp" and num_lanes > 4):
         assert metrics.accepted_tokens_total > metrics.rounds_total, label
 
 
@@ -245,6 +247,6 @@ def test_sampling_runs_with_real_drafters(targets, family: str, backend: str) ->
     runs = []
     for _ in range(2):
         engine = SpeculativeEngine(target.ex, target.drafter(backend), draft_tokens=3)
-        runs.append([r.output_token_ids for r in engine.generate(list(target.prompts), params)])
+        runs.append([r.output_token_ids for r in engine.generate(list(target.prompts[:3]), params)])
         assert engine.metrics.rounds_total > 0
     assert runs[0] == runs[1] and all(len(o) == 10 for o in runs[0])
