@@ -1,0 +1,644 @@
+"""End-to-end benchmark of a full-size 27B-shaped `qwen3_5` model on one GPU (issue 7).
+
+    python3 tools/bench_e2e_gpu.py --mods DIR [--out DIR] [--budget-s 280] [--tokens 64]
+    python3 tools/bench_e2e_gpu.py --tiny            # CPU plumbing check at toy sizes
+
+The model is the public Qwen3.5-27B text config (hidden 5120, 64 layers, 3 Gated DeltaNet : 1 gated
+attention, 24 query / 4 KV heads of 256, GDN 16 key / 48 value heads of 128, conv 4, intermediate
+17408, vocabulary 248,320, untied head) with RANDOM weights generated on the device: q4_g32 codes
+(random u32) + small f16 scales for every quantizable linear (the lm_head included; the GDN
+`in_proj_a/b` stay bf16, as `compiler/build/convert.py` keeps them), bf16 for the rest. The bf16
+route's linears are the exact dequantization of the same codes, so both routes run the same model.
+
+Phases (in priority order; each is skipped, and said so, when the time budget is spent):
+
+1. Q4 compiled route: `HybridExecutor(bf16, linear=LinearBackend(CompiledLinears(...)))` over the
+   carried sm_90 bundle (`--mods`: `q4_e2e_sm90.so` + `manifest.json` mapping (width, N, K) to an
+   export; every width 1..8, 16, 32). Per width R: the linears of one forward alone (eager through
+   the backend, and replayed from a CUDA graph = kernel time), and a round (1 lane, R columns,
+   forward(record=True) + commit(0)), CUDA events, warm-up, median; against the weight-bytes floor.
+2. Decode tokens/s through `SpeculativeEngine`, 1 and 8 lanes, greedy, `--tokens` per lane after a
+   16-token random prompt: speculation off, and draft_tokens=7 with `right_with_probability`
+   drafters (p = 0.74 and 0.885: ~3.5 and ~5.4 expected tokens per round) replaying the
+   speculation-off output, so the round cost is separated from the drafter's quality.
+3. bf16 route (cuBLAS through `F.linear`, same executor): rounds per width and decode; then HF
+   transformers `Qwen3_5ForCausalLM` (config built here, the same bf16 tensors assigned, torch
+   fallback for the GDN) generating greedily, 1 and 8 lanes.
+
+Prints a table last; writes `bench_e2e_gpu.json` into `--out` (default $OUT or .).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path[:] = [
+    p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(os.path.realpath(__file__))
+]
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ensure_ignis() -> None:
+    try:
+        import ignis.runtime.engine  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    shim = Path(tempfile.mkdtemp(prefix="ignis_ns_")) / "ignis"
+    shim.mkdir()
+    for d in ("formats", "runtime", "compiler", "tools"):
+        (shim / d).symlink_to(ROOT / d)
+    sys.path.insert(0, str(shim.parent))
+    for name in [m for m in sys.modules if m == "ignis" or m.startswith("ignis.")]:
+        del sys.modules[name]
+
+
+_ensure_ignis()
+
+import torch  # noqa: E402
+
+from ignis.runtime.drafters.testing import right_with_probability  # noqa: E402
+from ignis.runtime.engine import SpeculativeEngine  # noqa: E402
+from ignis.runtime.families.hybrid_executor import HybridExecutor  # noqa: E402
+from ignis.runtime.families.qwen3_5 import Qwen3_5TextConfig, tensor_shapes  # noqa: E402
+from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight  # noqa: E402
+from ignis.runtime.sampling import SamplingParams  # noqa: E402
+
+T0 = time.perf_counter()
+BW = 4.2e12  # H200 HBM3e copy bandwidth used for the floor (bytes/s)
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
+PROMPT_LEN = 16
+
+# Public Qwen3.5-27B text config (HF `Qwen/Qwen3.5-27B` config.json text_config; the same numbers in
+# THUDM/slime scripts/models/qwen3.5-27B.sh: 24 heads, 4 query groups, kv-channels 256, rotary 0.25,
+# rotary base 1e7).
+FULL = {
+    "model_type": "qwen3_5_text",
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "full_attention_interval": 4,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "attn_output_gate": True,
+    "hidden_act": "silu",
+    "mtp_num_hidden_layers": 0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+}
+TINY = dict(
+    FULL,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    vocab_size=512,
+    max_position_embeddings=4096,
+)
+
+# As compiler/build/convert.py: quantizable = a linear weight by name, not a precise gate.
+_LINEAR_NAME = re.compile(r"(^|\.)([A-Za-z0-9_]*proj[A-Za-z0-9_]*\.weight|(lm_)?head\.weight)$")
+_KEEP_PRECISE = re.compile(r"(^|\.)(in_proj_(a|b|ba)\.weight)$")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Any, dev: torch.device, *, reps: int, warmup: int) -> list[float]:
+    """Milliseconds per call of fn(), CUDA events on a GPU (wall clock on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    out = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def med(xs: list[float]) -> float:
+    return round(statistics.median(xs), 3)
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+
+def make_weights(cfg: Any, dev: torch.device, seed: int) -> tuple[dict[str, Any], int]:
+    """{name: Q4Weight | bf16 tensor} (random, on dev) and the total Q4 bytes."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    out: dict[str, Any] = {}
+    q4_bytes = 0
+    for name, shape in tensor_shapes(cfg).items():
+        if len(shape) == 2 and _LINEAR_NAME.search(name) and not _KEEP_PRECISE.search(name):
+            n, k = shape
+            packed = torch.randint(
+                -(2**31), 2**31 - 1, (n, k // 8), generator=gen, device=dev, dtype=torch.int32
+            ).view(torch.uint32)
+            scales = (torch.rand(n, k // 32, generator=gen, device=dev) * (2 / (7 * math.sqrt(k)))).half()
+            out[name] = Q4Weight(packed, scales)
+            q4_bytes += packed.numel() * 4 + scales.numel() * 2
+            continue
+        if name.endswith("A_log"):
+            t = torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=gen).log_()
+        elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+            t = torch.ones(shape, device=dev)
+        elif name.endswith("conv1d.weight"):
+            t = torch.randn(shape, generator=gen, device=dev) * 0.3
+        elif name.endswith("embed_tokens.weight"):
+            t = torch.randn(shape, generator=gen, device=dev)
+        elif len(shape) == 1:  # (1 + w) RMSNorms
+            t = torch.zeros(shape, device=dev)
+        else:
+            t = torch.randn(shape, generator=gen, device=dev) / math.sqrt(shape[-1])
+        out[name] = t.to(torch.bfloat16)
+    return out, q4_bytes
+
+
+def dense_from_q4(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The same model with every Q4 linear dequantized to bf16 (other tensors shared)."""
+    out = {}
+    for name, w in weights.items():
+        out[name] = w.dequantize(torch.bfloat16) if isinstance(w, Q4Weight) else w
+    return out
+
+
+# ------------------------------------------------------------------------------------------ modules
+
+
+def load_compiled(mods: Path) -> CompiledLinears:
+    from ignis.runtime.tvm_runtime import load_module
+
+    man = json.loads((mods / "manifest.json").read_text())
+    mod = load_module(mods / man["file"], cuda=True)
+    fns: dict[tuple[int, str, int, int, str], tuple[Any, bool, bool]] = {}
+    cache: dict[str, Any] = {}
+    for key, export in man["table"].items():
+        w, n, k = (int(v) for v in key.split("|"))
+        if export not in cache:
+            cache[export] = mod[export]
+        fns[(w, "q4_g32", n, k, "bfloat16")] = (cache[export], True, True)
+    return CompiledLinears(fns, sorted({k[0] for k in fns}))
+
+
+def linear_chain(ex: HybridExecutor) -> list[Any]:
+    """The linear weights one forward multiplies, in order (lm_head last)."""
+    chain: list[Any] = []
+    for layer in ex._layers:
+        if layer.attn is not None:
+            a = layer.attn
+            chain += [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
+        else:
+            g = layer.gdn
+            chain += [
+                w for w in (g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a, g.out_proj) if w is not None
+            ]
+        chain += [layer.mlp.gate, layer.mlp.up, layer.mlp.down]
+    chain.append(ex._lm_head)
+    return chain
+
+
+def kfeat(w: Any) -> int:
+    return w.in_features if isinstance(w, Q4Weight) else int(w.shape[1])
+
+
+def bench_linears(
+    ex: HybridExecutor, dev: torch.device, widths: tuple[int, ...], reps: int, graph: bool, eager: bool = True
+) -> dict:
+    """Per width: ms of all linears of one forward (eager through the hook; CUDA-graph replay)."""
+    chain = linear_chain(ex)
+    lin = ex.linear
+    res: dict[str, Any] = {}
+    for r in widths:
+        xs = {k: torch.randn(r, k, device=dev, dtype=ex.dtype) for k in {kfeat(w) for w in chain}}
+
+        def run(xs: dict[int, torch.Tensor] = xs) -> None:
+            for w in chain:
+                lin(xs[kfeat(w)], w)
+
+        row = {"eager_ms": med(timed(run, dev, reps=reps, warmup=2))} if eager else {}
+        if graph and dev.type == "cuda":
+            try:
+                from ignis.runtime.tvm_runtime import torch_stream
+
+                g = torch.cuda.CUDAGraph()
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    run()  # warm on the side stream before capture
+                torch.cuda.current_stream().wait_stream(s)
+                with torch_stream(torch.cuda.graph(g)):
+                    run()
+                row["graph_ms"] = med(timed(g.replay, dev, reps=reps, warmup=1))
+                del g
+            except Exception as exc:
+                row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        res[str(r)] = row
+        log(f"  linears R={r}: {row}")
+    return res
+
+
+def bench_rounds(
+    ex: HybridExecutor, dev: torch.device, widths: tuple[int, ...], reps: int, vocab: int
+) -> dict:
+    """Per width R: ms of one round (1 lane, R columns, forward(record=True) + commit(0))."""
+    gen = torch.Generator().manual_seed(7)
+    st = ex.new_lane()
+    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen)
+    ex.forward([st], [prompt.to(dev)], logits="last", record=False)
+    ex.commit([st], [PROMPT_LEN])
+    res = {}
+    for r in widths:
+        cols = torch.randint(0, vocab, (r,), generator=gen).to(dev)
+
+        def rnd(cols: torch.Tensor = cols) -> None:
+            ex.forward([st], [cols], logits="all", record=True)
+            ex.commit([st], [0])
+
+        res[str(r)] = med(timed(rnd, dev, reps=reps, warmup=2))
+        log(f"  round R={r}: {res[str(r)]} ms")
+    return res
+
+
+# ------------------------------------------------------------------------------------------ decode
+
+
+def decode(ex: Any, prompts: list[list[int]], tokens: int, drafter: Any = None) -> dict:
+    dev = ex.device
+    eng = SpeculativeEngine(ex, drafter, draft_tokens=7 if drafter is not None else None)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    ids = [eng.add_lane(p, params) for p in prompts]
+    sync(dev)
+    t0 = time.perf_counter()
+    first = eng.step()  # prefill + the first round
+    sync(dev)
+    t1 = time.perf_counter()
+    first_tokens = sum(len(u.new_token_ids) for u in first)
+    while eng.has_unfinished:
+        eng.step()
+    sync(dev)
+    t2 = time.perf_counter()
+    results = [eng.pop_result(i) for i in ids]
+    total = sum(len(r.output_token_ids) for r in results)
+    rounds = sum(r.num_rounds for r in results)
+    out = {
+        "lanes": len(prompts),
+        "tokens": total,
+        "wall_s": round(t2 - t0, 3),
+        "tok_s": round(total / (t2 - t0), 2),
+        "prefill_and_first_round_s": round(t1 - t0, 3),
+        "rounds_per_lane": round(rounds / len(results), 2),
+        # the prefill emits each lane's first token; every later token came from a round
+        "tokens_per_round": round((total - len(results)) / max(rounds, 1), 3),
+    }
+    if t2 > t1:
+        out["decode_tok_s"] = round((total - first_tokens) / max(t2 - t1, 1e-9), 2)
+    out["outputs"] = [list(r.output_token_ids) for r in results]
+    return out
+
+
+def decode_suite(
+    ex: Any,
+    prompts8: list[list[int]],
+    tokens: int,
+    vocab: int,
+    budget: Budget,
+    tag: str,
+    ps: tuple[float, ...],
+    lanes_list: tuple[int, ...] = (1, 8),
+    need_s: float = 20.0,
+) -> dict:
+    res: dict[str, Any] = {}
+    for lanes in lanes_list:
+        prompts = prompts8[:lanes]
+        key = f"{lanes}lane_off"
+        if budget.left() < need_s:
+            res[key] = "skipped: time"
+            continue
+        off = decode(ex, prompts, tokens)
+        res[key] = off
+        log(f"  {tag} {key}: { ({k: v for k, v in off.items() if k != 'outputs'}) }")
+        refs = {tuple(p): o for p, o in zip(prompts, off["outputs"], strict=True)}
+        for p in ps:
+            key = f"{lanes}lane_p{p:g}"
+            if budget.left() < need_s:
+                res[key] = "skipped: time"
+                continue
+            drafter = right_with_probability(refs, p, vocab_size=vocab, seed=11)
+            on = decode(ex, prompts, tokens, drafter)
+            same = sum(a == b for a, b in zip(on["outputs"], off["outputs"], strict=True))
+            on["expected_tokens_per_round"] = round((1 - p**8) / (1 - p), 3)
+            on["outputs_equal_to_off"] = f"{same}/{lanes}"
+            res[key] = on
+            log(f"  {tag} {key}: { ({k: v for k, v in on.items() if k != 'outputs'}) }")
+    for v in res.values():
+        if isinstance(v, dict):
+            v.pop("outputs", None)
+    return res
+
+
+# ------------------------------------------------------------------------------------------ HF
+
+
+def hf_bench(
+    raw: dict,
+    weights: dict[str, torch.Tensor],
+    dev: torch.device,
+    prompts8: list[list[int]],
+    tokens: int,
+    budget: Budget,
+) -> dict:
+    import transformers
+    from transformers import Qwen3_5ForCausalLM
+    from transformers import Qwen3_5TextConfig as HFConfig
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    res: dict[str, Any] = {"transformers": transformers.__version__}
+    kw = {k: v for k, v in raw.items() if k != "model_type"}
+    hcfg = HFConfig(**kw)
+    hcfg.use_cache = True
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(hcfg)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    res["missing"] = list(missing)[:8]
+    res["unexpected"] = list(unexpected)[:8]
+    model.model.rotary_emb = mq.Qwen3_5TextRotaryEmbedding(config=hcfg).to(dev)
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise RuntimeError(f"HF model has meta tensors left: {still_meta[:8]}")
+    model.eval()
+    res["fast_path"] = bool(getattr(mq, "is_fast_path_available", False))
+    for lanes in (1, 8):
+        if budget.left() < 25:
+            res[f"{lanes}lane"] = "skipped: time"
+            continue
+        ids = torch.tensor(prompts8[:lanes], device=dev)
+        kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
+            sync(dev)
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            sync(dev)
+            t_prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+            sync(dev)
+            wall = time.perf_counter() - t
+        n = int(out.shape[1] - ids.shape[1]) * lanes
+        dec = max(wall - t_prefill, 1e-9)
+        res[f"{lanes}lane"] = {
+            "tokens": n,
+            "wall_s": round(wall, 3),
+            "tok_s": round(n / wall, 2),
+            "decode_tok_s": round((n - lanes) / dec, 2),
+            "prefill_s": round(t_prefill, 3),
+        }
+        log(f"  HF {lanes}lane: {res[f'{lanes}lane']}")
+    del model
+    return res
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.2f}"
+    return str(x) if x is not None else "-"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (plumbing check)")
+    ap.add_argument("--mods", type=Path, default=None, help="folder with q4_e2e_sm90.so + manifest.json")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--budget-s", type=float, default=280.0)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--hf-tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    budget = Budget(args.budget_s)
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    raw = TINY if args.tiny else FULL
+    cfg = Qwen3_5TextConfig.from_hf(raw)
+    widths = WIDTHS if not args.tiny else (1, 4, 8)
+    res: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": raw,
+        "argv": sys.argv,
+        "not_done": [],
+    }
+    out_path = args.out / "bench_e2e_gpu.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out_path.write_text(json.dumps(res, indent=1, default=str))
+
+    vocab = cfg.vocab_size
+    g = torch.Generator().manual_seed(3)
+    prompts8 = [torch.randint(0, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(8)]
+    tokens = args.tokens if not args.tiny else 12
+    ps = (0.74, 0.885)
+
+    # ---------------------------------------------------------------- phase 1+2: Q4 compiled
+    t = time.perf_counter()
+    weights, q4_bytes = make_weights(cfg, dev, seed=1)
+    sync(dev)
+    res["weights_gen_s"] = round(time.perf_counter() - t, 2)
+    res["q4_bytes"] = q4_bytes
+    res["floor_ms"] = q4_bytes / BW * 1e3
+    res["bf16_linear_bytes"] = sum(
+        w.out_features * w.in_features * 2 for w in weights.values() if isinstance(w, Q4Weight)
+    )
+    res["bf16_floor_ms"] = res["bf16_linear_bytes"] / BW * 1e3
+    log(f"weights: Q4 {q4_bytes / 1e9:.2f} GB (floor {res['floor_ms']} ms), gen {res['weights_gen_s']} s")
+    try:
+        compiled = load_compiled(args.mods) if (args.mods and dev.type == "cuda") else None
+    except Exception as exc:
+        res["modules_error"] = f"{type(exc).__name__}: {exc}"
+        log(f"modules NOT loaded: {res['modules_error']}")
+        compiled = None
+    res["compiled_functions"] = len(compiled) if compiled is not None else 0
+    backend = LinearBackend(compiled)
+    q4 = {}
+    try:
+        ex = HybridExecutor(cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend)
+        log("Q4 route: linears per width")
+        q4["linears"] = bench_linears(ex, dev, widths, args.reps, graph=False)
+        q4["route_counts_after_linears"] = dict(backend.counts)
+        save()
+        log("Q4 route: rounds per width")
+        q4["rounds"] = bench_rounds(ex, dev, widths, args.reps, vocab)
+        res["q4"] = q4
+        save()
+        log("Q4 route: decode")
+        q4["decode"] = decode_suite(ex, prompts8, tokens, vocab, budget, "q4", ps)
+        q4["route_counts"] = dict(backend.counts)
+        save()
+        if (
+            dev.type == "cuda" and budget.left() > 60
+        ):  # last in this phase: a failed capture can't spoil the rest
+            log("Q4 route: linears per width from a CUDA graph (kernel time)")
+            for k, v in bench_linears(ex, dev, widths, args.reps, graph=True, eager=False).items():
+                q4["linears"][k].update(v)
+        else:
+            res["not_done"].append("q4 linears graph replay")
+        if dev.type == "cuda":
+            q4["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    except Exception as exc:
+        q4["error"] = traceback.format_exc()[-3000:]
+        log(f"Q4 phase failed: {exc}")
+    res["q4"] = q4
+    save()
+
+    # ---------------------------------------------------------------- phase 3: bf16 + HF
+    bf = {}
+    dense: dict[str, torch.Tensor] = {}
+    try:
+        ex = None
+        gc.collect()
+        dense = dense_from_q4(weights)
+        del weights
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        ex = HybridExecutor(cfg, dense, device=dev, dtype=torch.bfloat16)
+        if budget.left() > 40:
+            log("bf16 route: linears per width")
+            bf["linears"] = bench_linears(ex, dev, widths, args.reps, graph=False)
+            log("bf16 route: rounds per width")
+            bf["rounds"] = bench_rounds(ex, dev, widths, args.reps, vocab)
+            save()
+        else:
+            res["not_done"].append("bf16 rounds (time)")
+        log("bf16 route: decode")
+        bf["decode"] = decode_suite(ex, prompts8, tokens, vocab, budget, "bf16", (0.885,), need_s=45)
+        ex = None
+    except Exception as exc:
+        bf["error"] = traceback.format_exc()[-3000:]
+        log(f"bf16 phase failed: {exc}")
+    res["bf16"] = bf
+    save()
+    if args.no_hf:
+        res["not_done"].append("HF (--no-hf)")
+    elif budget.left() < 30:
+        res["not_done"].append("HF (time)")
+    else:
+        try:
+            gc.collect()
+            log("HF transformers")
+            res["hf"] = hf_bench(raw, dense, dev, prompts8, args.hf_tokens if not args.tiny else 6, budget)
+        except Exception as exc:
+            res["hf"] = {"error": traceback.format_exc()[-3000:]}
+            log(f"HF phase failed: {exc}")
+    res["elapsed_s"] = round(time.perf_counter() - T0, 1)
+    save()
+
+    # ---------------------------------------------------------------- table
+    floor = res["floor_ms"]
+    print(
+        f"\n== {res['device']} | Q4 {q4_bytes / 1e9:.2f} GB, floor {floor:.3f} ms/round @4.2 TB/s | "
+        f"bf16 floor {res['bf16_floor_ms']:.3f} ms =="
+    )
+    print(
+        "| R | q4 linears eager ms | q4 linears graph ms | q4 round ms | round / floor "
+        "| bf16 linears ms | bf16 round ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    ql, qr = q4.get("linears", {}), q4.get("rounds", {})
+    bl, br = bf.get("linears", {}), bf.get("rounds", {})
+    for r in widths:
+        k = str(r)
+        rr = qr.get(k)
+        q, b = ql.get(k, {}), bl.get(k, {})
+        ratio = fmt(rr / floor) if rr and floor else "-"
+        print(
+            f"| {r} | {fmt(q.get('eager_ms'))} | {fmt(q.get('graph_ms'))} | {fmt(rr)} | {ratio} "
+            f"| {fmt(b.get('eager_ms'))} | {fmt(br.get(k))} |"
+        )
+    print("\n| route | run | tok/s | tokens/round | rounds/lane | wall s |")
+    print("|---|---|---|---|---|---|")
+    for route, d in (("q4", q4.get("decode", {})), ("bf16", bf.get("decode", {}))):
+        for key, v in d.items():
+            if isinstance(v, dict):
+                print(
+                    f"| {route} | {key} | {v['tok_s']} (decode {v.get('decode_tok_s')}) "
+                    f"| {v['tokens_per_round']} | {v['rounds_per_lane']} | {v['wall_s']} |"
+                )
+            else:
+                print(f"| {route} | {key} | {v} | | | |")
+    hf = res.get("hf", {})
+    for key in ("1lane", "8lane"):
+        v = hf.get(key)
+        if isinstance(v, dict):
+            print(f"| HF {hf.get('transformers')} | {key}_off | {v['tok_s']} | 1 | | {v['wall_s']} |")
+        elif v:
+            print(f"| HF | {key} | {v} | | | |")
+    if "error" in hf:
+        print("| HF | error | see json | | | |")
+    print(
+        f"\nroute counts (q4): {q4.get('route_counts')}; elapsed {res['elapsed_s']} s; "
+        f"not done: {res['not_done']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
