@@ -277,7 +277,8 @@ class LinearBackend:
         compiled: the artifact's compiled functions, or None (torch only).
 
     Attributes:
-        counts: calls per route: "compiled", "torch" (R above every width, no modules at all, or a
+        counts: calls per route: "compiled" (R above every width runs as chunks of the widest, one
+            count per chunk), "torch" (no rows, no modules at all, or a
             weight kind the build compiles no function for, e.g. dense gates beside q4 modules),
             "fallback" (a module function was missing for the width and shape: logged once).
     """
@@ -308,6 +309,12 @@ class LinearBackend:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         rows = int(x2.shape[0])
+        if rows > compiled.widths[-1]:
+            # Wider than every compiled width (e.g. 8 lanes x 8 columns = 64 rows): run the compiled
+            # modules on chunks of the widest width rather than dequantizing on torch.
+            step = compiled.widths[-1]
+            parts = [self(x2[i : i + step], weight, bias) for i in range(0, rows, step)]
+            return torch.cat(parts).reshape(*lead, parts[0].shape[-1])
         width = compiled.width_for(rows) if rows > 0 else None
         if width is None:
             self.counts["torch"] += 1
