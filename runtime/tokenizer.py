@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
@@ -130,6 +131,19 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """Vocabulary spelling of an id, or None."""
         return self._tok.id_to_token(token_id)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token can cover (the longest vocabulary or
+        added-token spelling, in UTF-8 bytes: byte-level spellings over-count, which keeps it a bound)."""
+        spellings = [*self._tok.get_vocab(with_added_tokens=True)]
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in spellings), default=1) or 1
+
+    def min_tokens(self, text: str) -> int:
+        """A cheap lower bound on `len(self.encode(text))`, computed without tokenizing (so a huge
+        prompt can be refused in microseconds): bytes / (4 x max_token_bytes); the factor 4 covers
+        normalizers that shorten text (NFC composition) before the model splits it."""
+        return len(text.encode("utf-8", "surrogatepass")) // (4 * self.max_token_bytes)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. bos), as in HF."""

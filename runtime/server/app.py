@@ -305,6 +305,18 @@ class _Service:
                 code="context_length_exceeded",
             )
 
+    def refuse_oversized_text(self, text: str, *, param: str) -> None:
+        """Refuse a text that cannot fit the context *before* tokenizing it: tokenizing megabytes holds
+        the GIL for seconds and would stall every other lane (the bound is `Tokenizer.min_tokens`)."""
+        ctx = self.lanes.max_context
+        if ctx is not None and (floor := self.model.tokenizer.min_tokens(text)) >= ctx:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {ctx} tokens; the prompt has at least {floor} "
+                f"tokens ({len(text)} characters)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if req.logprobs or req.top_logprobs:
             raise InvalidRequestError("logprobs are not supported", param="logprobs")
@@ -344,9 +356,13 @@ class _Service:
                 tools=req.tools,
                 **kwargs,
             )
-            return list(self.model.tokenizer.encode(text, add_special_tokens=False))
         except (IgnisRuntimeError, TypeError) as exc:  # TypeError: a template variable the call rejects
             raise InvalidRequestError(f"cannot render the chat: {exc}", param="messages") from exc
+        self.refuse_oversized_text(text, param="messages")
+        try:
+            return list(self.model.tokenizer.encode(text, add_special_tokens=False))
+        except IgnisRuntimeError as exc:
+            raise InvalidRequestError(f"cannot tokenize the chat: {exc}", param="messages") from exc
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         if req.echo:
@@ -363,6 +379,7 @@ class _Service:
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self.refuse_oversized_text(prompt, param="prompt")
             try:
                 return list(self.model.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
             except IgnisRuntimeError as exc:

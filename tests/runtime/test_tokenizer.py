@@ -244,3 +244,17 @@ def test_detokenizer_stream_equals_full_decode(tiny, text, prompt_text):
     assert full.startswith(ours.decode(prompt, skip_special_tokens=True))
     assert "".join(deltas) == full[len(ours.decode(prompt, skip_special_tokens=True)) :]
     assert all("\ufffd" not in d for d in deltas[:-1]) or "\ufffd" in text
+
+
+def test_min_tokens_is_a_lower_bound_of_the_token_count(tiny):
+    """The server refuses huge prompts from `min_tokens` without tokenizing; it must never exceed the
+    real count, or a prompt that fits would be refused."""
+    import random
+
+    tok, _ = tiny
+    rng = random.Random(0)
+    alphabet = "ab c\n\t\u00e9\u20ac\U0001f600<|im_start|>" + "".join(chr(i) for i in range(0x300, 0x310))
+    for n in (0, 1, 10, 1000, 20000):
+        text = "".join(rng.choice(alphabet) for _ in range(n))
+        assert tok.min_tokens(text) <= len(tok.encode(text, add_special_tokens=False))
+    assert tok.min_tokens("x" * (4 * tok.max_token_bytes * 10)) == 10

@@ -439,3 +439,21 @@ def test_a_body_over_the_limit_gets_413(client: httpx.Client) -> None:
     r = client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert client.get("/health").status_code == 200
+
+
+def test_a_huge_text_prompt_is_refused_without_tokenizing(client: httpx.Client, monkeypatch) -> None:
+    """Megabytes of text are refused from a byte-count bound before the tokenizer runs (tokenizing
+    them would hold the GIL for seconds and stall every other lane)."""
+    from ignis.runtime.tokenizer import Tokenizer
+
+    def no_encode(*_a, **_k):
+        raise AssertionError("the oversized prompt was tokenized")
+
+    monkeypatch.setattr(Tokenizer, "encode", no_encode)
+    big = "x" * 4_000_000
+    for path, body in (("/v1/completions", {"prompt": big}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]})):
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "at least" in r.json()["error"]["message"]
