@@ -12,6 +12,7 @@ It prints the resolved plan before working; every refusal is one clear message a
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -120,6 +121,10 @@ def main(
     from ignis.formats import FormatError
     from ignis.runtime.errors import IgnisRuntimeError, TensorSetError
 
+    def _terminated(signum: int, _frame: object) -> None:  # SIGTERM (systemd, CI, `timeout`) as Ctrl-C
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         build_artifact(
             card=card,

@@ -262,10 +262,12 @@ def main(**opts: Any) -> None:
         stream=sys.stderr,
     )
     prometheus_client.disable_created_metrics()  # no *_created series beside every counter (as vLLM)
+    from ignis.formats import FormatError
+
     try:
         run_command(opts)
-    except (IgnisRuntimeError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    except (IgnisRuntimeError, FormatError, ValueError) as exc:  # a bad artifact: one line, no traceback
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
 
 
 if __name__ == "__main__":
