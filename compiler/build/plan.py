@@ -307,7 +307,10 @@ def make_plan(
         raise UnknownCardError(f"unknown card {card!r}; known cards: {sorted(load_profiles())}") from None
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     out_path = Path(out)
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())) and not overwrite:
+    if out_path.is_symlink() or (out_path.exists() and not out_path.is_dir()):
+        # --force replaces an artifact directory, never a file (or what a link points to).
+        raise OutputExistsError(f"{out_path} exists and is not a directory; choose another --out")
+    if out_path.exists() and any(out_path.iterdir()) and not overwrite:
         raise OutputExistsError(f"{out_path} exists and is not empty; choose another --out or pass --force")
     name = rec.name or out_path.name
     if not name or name.startswith(".") or "/" in name:

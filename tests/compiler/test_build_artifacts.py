@@ -377,6 +377,11 @@ def test_cli_dry_run_and_refusals(ckpts: dict[str, Path], tmp_path: Path) -> Non
     result = _invoke("--card", "cpu", "--model", str(ckpts["llama"]), "--out", str(out), "--dry-run")
     assert result.exit_code == 2 and "--force" in result.output
 
+    a_file = tmp_path / "a_file"  # --force replaces artifact directories, never a file
+    a_file.write_text("x")
+    result = _invoke("--card", "cpu", "--model", str(ckpts["llama"]), "--out", str(a_file), "--force")
+    assert result.exit_code == 2 and "not a directory" in result.output and a_file.read_text() == "x"
+
 
 def test_cli_lists_every_missing_tensor(ckpts: dict[str, Path], tmp_path: Path) -> None:
     broken = _copy(ckpts["llama"], tmp_path / "broken")
