@@ -16,6 +16,7 @@ Exit status: 0 on success; 1 with a message naming the failed step otherwise.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,7 +54,6 @@ def ensure_artifact(gguf: Path, out: Path, *, rebuild: bool) -> Path:
     from ignis.compiler.errors import CompilerError
 
     click.echo(f"[1/4] ignis-build --card cpu --model {gguf.name} --out {out}", err=True)
-    t0 = time.perf_counter()
     try:
         build_artifact(
             card="cpu", model=gguf, recipe=RECIPE if RECIPE.exists() else None, out=out,
@@ -61,7 +61,6 @@ def ensure_artifact(gguf: Path, out: Path, *, rebuild: bool) -> Path:
         )
     except CompilerError as exc:
         raise click.ClickException(f"build failed: {exc}") from exc
-    click.echo(f"      built in {time.perf_counter() - t0:.1f} s", err=True)
     return out
 
 
@@ -102,7 +101,8 @@ def main(prompt: str, max_tokens: int, spec_backend: str, spec_draft_tokens: int
         raise click.ClickException(str(exc)) from None
     artifact = ensure_artifact(gguf, out, rebuild=rebuild)
 
-    sock = Path(tempfile.mkdtemp(prefix="ignis-")) / "ignis.sock"
+    sock_dir = Path(tempfile.mkdtemp(prefix="ignis-"))
+    sock = sock_dir / "ignis.sock"
     cmd = [sys.executable, "-m", "ignis.runtime.cli", "--artifact", str(artifact), "--socket", str(sock),
            "--lanes", "2", "--spec-backend", spec_backend]
     if spec_backend != "off":
@@ -140,15 +140,17 @@ def main(prompt: str, max_tokens: int, spec_backend: str, spec_draft_tokens: int
         raise click.ClickException(f"chat failed: {exc}") from exc
     finally:
         client.close()
-        click.echo("[4/4] SIGTERM ignis-run", err=True)
         if server.poll() is None:
+            click.echo("[4/4] SIGTERM ignis-run", err=True)
             server.send_signal(signal.SIGTERM)
         try:
             server.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
             server.communicate()
-    if server.returncode != 0 or os.path.lexists(sock):
+        socket_left = os.path.lexists(sock)  # a clean stop removes it
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    if server.returncode != 0 or socket_left:
         raise click.ClickException(f"ignis-run did not stop cleanly (exit {server.returncode})")
     click.echo("      server stopped, socket removed", err=True)
 
