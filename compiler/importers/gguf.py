@@ -71,7 +71,10 @@ def _open(path: Path) -> Any:
     try:
         return GGUFReader(str(path))
     except Exception as exc:  # gguf-py raises ValueError / struct errors on malformed files
-        raise CheckpointError(f"{path}: not a readable GGUF file: {exc}") from exc
+        size = path.stat().st_size if path.exists() else 0
+        raise CheckpointError(
+            f"{path}: not a readable GGUF file ({size} bytes; truncated or corrupt? re-download it): {exc}"
+        ) from exc
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
