@@ -126,7 +126,7 @@ def run_command(opts: dict[str, Any]) -> None:
     if server_options.socket is not None:
         check_unix_socket_path(server_options.socket)  # refuse a live server's path before a long load
 
-    head = resolved.spec.draft_head if resolved.spec.backend != "off" else "none"
+    head = resolved.spec.draft_head if resolved.spec.backend in ("dflash2", "mtp") else "none"
     logging.getLogger("ignis.runtime.draft_head").info("proposal head: %s; %s", head, resolved.describe())
     logger.info("loading %s (context %s)", served_name, max_context or "the model's own")
     model = source.load(ModelSettings(spec=resolved.spec, max_context=max_context, device=pick("device")))
@@ -205,9 +205,10 @@ def run_command(opts: dict[str, Any]) -> None:
 )
 @click.option(
     "--spec-backend",
-    type=click.Choice(["dflash2", "mtp", "off"]),
+    type=click.Choice(["dflash2", "mtp", "ngram", "off"]),
     help="Speculative backend: dflash2 (the grafted drafter), mtp (needs the NAME_mtp.ninfer "
-    "companion beside the artifact) or off. [default: the card profile's]",
+    "companion beside the artifact), ngram (prompt lookup in the lane's own context: no weights, "
+    "4 draft tokens by default) or off. [default: the card profile's]",
 )
 @click.option(
     "--spec-draft-tokens",

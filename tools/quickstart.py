@@ -85,7 +85,7 @@ def _wait_ready(server: subprocess.Popen[str], client: ChatClient, sock: Path, t
               show_default=True, help="The user message.")
 @click.option("--max-tokens", type=click.IntRange(1, 4096), default=96, show_default=True,
               help="Most tokens to generate.")
-@click.option("--spec-backend", default="off", show_default=True,
+@click.option("--spec-backend", type=click.Choice(["ngram", "off"]), default="ngram", show_default=True,
               help="Speculative backend for ignis-run (ngram needs no drafter weights; off disables).")
 @click.option("--spec-draft-tokens", type=click.IntRange(1, 7), default=4, show_default=True,
               help="Draft tokens per round (ignored with --spec-backend off).")

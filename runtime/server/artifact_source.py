@@ -93,6 +93,7 @@ class ArtifactSource:
             kinds.append("dflash2")
         if art.has_mtp:
             kinds.append("mtp")
+        kinds.append("ngram")  # prompt lookup needs no weights: every artifact can run it
         self.spec_kinds: tuple[str, ...] = tuple(kinds)
         self.profile: CardProfile | None = art.profile
 
@@ -142,6 +143,10 @@ class ArtifactSource:
 
         def make_drafter(executor: Any) -> Any:
             nonlocal shortlist
+            if spec.backend == "ngram":
+                from ignis.runtime.drafters.ngram import build_ngram_drafter
+
+                return build_ngram_drafter()
             shared = _shared_tensors(art, executor, dtype, device)
             if spec.backend == "dflash2":
                 from ignis.runtime.drafters.dflash2 import DFlash2Config, build_dflash2_drafter

@@ -29,9 +29,10 @@ from ignis.runtime.profiles import CardProfile, SpecDefaults, get_profile
 
 __all__ = ["BACKENDS", "DRAFT_HEADS", "MTP_DEFAULT_DRAFT_TOKENS", "ResolvedSpec", "SpecLayer", "resolve_spec"]
 
-BACKENDS = ("dflash2", "mtp", "off")
+BACKENDS = ("dflash2", "mtp", "ngram", "off")
 DRAFT_HEADS = ("full", "shortlist")
 MTP_DEFAULT_DRAFT_TOKENS = 3  # rtxpro6000's MTP default; dflash2 has none (draft_tokens is required)
+NGRAM_DEFAULT_DRAFT_TOKENS = 4  # prompt lookup (vLLM's num_speculative_tokens examples use 3-5)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def resolve_spec(
     entry = entry if entry is not None and entry.backend == backend else None
     values: dict[str, Any] = {}
     builtin = {
-        "draft_tokens": MTP_DEFAULT_DRAFT_TOKENS if backend == "mtp" else None,
+        "draft_tokens": {"mtp": MTP_DEFAULT_DRAFT_TOKENS, "ngram": NGRAM_DEFAULT_DRAFT_TOKENS}.get(backend),
         "draft_rows": 0,
         "draft_head": "full",
     }

@@ -77,7 +77,7 @@ def _greedy(running, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped
 
 def test_source_reports_the_artifacts_parts(source) -> None:  # type: ignore[no-untyped-def]
     assert source.name == "tiny-hybrid"
-    assert source.spec_kinds == ("dflash2",)
+    assert source.spec_kinds == ("dflash2", "ngram")  # drafter kind first (its profile entry)
     assert source.profile.name == "cpu" and source.profile.spec["dflash2"].draft_tokens == 7
     assert "companion" in source.missing_backend_reason("mtp")
 

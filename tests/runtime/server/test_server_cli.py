@@ -151,7 +151,7 @@ def test_refusals_exit_1_with_the_reason(captured, args: list[str], env: dict[st
     [
         (["--spec-draft-tokens", "8"], 2, "1<=x<=7"),
         (["--spec-draft-rows", "33"], 2, "0<=x<=32"),
-        (["--spec-backend", "ngram"], 2, "dflash2"),
+        (["--spec-backend", "medusa"], 2, "dflash2"),
         (["--lanes", "0"], 2, "x>=1"),
     ],
 )

@@ -67,6 +67,8 @@ def test_build_serve_chat_metrics_stop(smollm2: Path) -> None:
             str(sock),
             "--lanes",
             "2",
+            "--spec-backend",
+            "ngram",
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -121,8 +123,27 @@ def test_build_serve_chat_metrics_stop(smollm2: Path) -> None:
             chunks = [json.loads(e[len("data: ") :]) for e in events if e.startswith("data: {")]
             assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == whole
             assert ("Paris" in whole) == (not extra)
+        # Speculation on a real model: greedy token ids served with the ngram drafter equal the
+        # in-process speculation-off run of the same artifact.
+        from ignis.runtime.artifact import load_artifact
+        from ignis.runtime.engine import SpeculativeEngine
+        from ignis.runtime.sampling import SamplingParams
+
+        art = load_artifact(smollm2, verify="none")
+        tok = art.tokenizer()
+        prompt = tok.encode_chat(
+            [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+            add_generation_prompt=True,
+        )
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+        served = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+        off = SpeculativeEngine(art.make_executor(), None, eos_token_ids=tuple(tok.eos_token_ids))
+        [want] = off.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=40)])
+        assert served == list(want.output_token_ids)
         metrics = http.get("/metrics").text
         assert 'ignis_requests_total{endpoint="/v1/chat/completions",status="200"} 5.0' in metrics
+        rounds = float(metrics.split("\nignis_speculative_rounds_total ")[1].split()[0])
+        assert rounds > 0  # the ngram drafter drafted on the real model
         http.close()
         server.send_signal(signal.SIGTERM)
         _, err = server.communicate(timeout=60)

@@ -77,7 +77,7 @@ REFUSED = [
     (({"backend": "mtp"},), ("dflash2",), None, "no companion container"),
     (({"backend": "dflash2", "draft_tokens": 3},), ("mtp",), None, "no grafted drafter"),
     (({"backend": "dflash2", "draft_tokens": 3},), (), None, "no grafted drafter"),
-    (({"backend": "ngram"},), ("dflash2",), None, "not one of"),
+    (({"backend": "medusa"},), ("dflash2",), None, "not one of"),
     (({"backend": "dflash2", "draft_tokens": 8},), ("dflash2",), None, "1..7"),
     (({"backend": "dflash2", "draft_tokens": 0},), ("dflash2",), None, "1..7"),
     (({"backend": "dflash2", "draft_tokens": True},), ("dflash2",), None, "1..7"),
