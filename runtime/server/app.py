@@ -174,6 +174,16 @@ def _too_large(num_bytes: int) -> str:
     return f"the request body has {num_bytes} bytes or more; at most {MAX_BODY_BYTES} are taken"
 
 
+def _whole_text(tokenizer: Any, prompt_ids: list[int], params: SamplingParams, out_ids: list[int],
+                last: TokenEvent) -> str:
+    """A non-streamed reply's text: the same incremental detokenization and stop-string cut as the
+    stream, so streamed and whole texts are equal."""
+    text = _TextStream(tokenizer, prompt_ids, params)
+    return "".join(
+        text.push(t, last if i == len(out_ids) - 1 else None) for i, t in enumerate(out_ids)
+    ) + ("" if out_ids else text.finish_empty())
+
+
 class _TextStream:
     """One request's text, token by token, as a client sees it.
 
@@ -595,10 +605,7 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         if got is None:
             return Response(status_code=499)
         out_ids, last = got
-        text = _TextStream(model.tokenizer, ids, params)
-        content = "".join(
-            text.push(t, last if i == len(out_ids) - 1 else None) for i, t in enumerate(out_ids)
-        ) + ("" if out_ids else text.finish_empty())
+        content = _whole_text(model.tokenizer, ids, params, out_ids, last)
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": content},
@@ -644,10 +651,7 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         if got is None:
             return Response(status_code=499)
         out_ids, last = got
-        text = _TextStream(model.tokenizer, ids, params)
-        content = "".join(
-            text.push(t, last if i == len(out_ids) - 1 else None) for i, t in enumerate(out_ids)
-        ) + ("" if out_ids else text.finish_empty())
+        content = _whole_text(model.tokenizer, ids, params, out_ids, last)
         choice: dict[str, Any] = {
             "index": 0,
             "text": content,
