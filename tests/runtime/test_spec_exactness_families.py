@@ -250,3 +250,37 @@ def test_sampling_runs_with_real_drafters(targets, family: str, backend: str) ->
         runs.append([r.output_token_ids for r in engine.generate(list(target.prompts[:3]), params)])
         assert engine.metrics.rounds_total > 0
     assert runs[0] == runs[1] and all(len(o) == 10 for o in runs[0])
+
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+TEST_DRAFTERS = ("always-right", "always-wrong", "right-by-chance")
+
+
+@pytest.mark.parametrize("is_row_budgeted", [False, True], ids=["dflash2-like", "mtp-like"])
+@pytest.mark.parametrize("num_lanes", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("kind", TEST_DRAFTERS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_spec_on_equals_spec_off_with_test_drafters(
+    targets, family: str, kind: str, k: int, num_lanes: int, is_row_budgeted: bool
+) -> None:
+    """The issue's three test drafters on every hybrid family: always right (every draft accepted),
+    always wrong (every draft rejected: only the bonus token commits), right with probability 0.6."""
+    from ignis.runtime.drafters.testing import always_right, always_wrong, right_with_probability
+
+    target = targets(family)
+    refs = {p: target.reference(p) for p in target.prompts}
+    common = {"vocab_size": VOCAB, "is_row_budgeted": is_row_budgeted}
+    drafter = {
+        "always-right": lambda: always_right(refs, **common),
+        "always-wrong": lambda: always_wrong(refs, seed=k, **common),
+        "right-by-chance": lambda: right_with_probability(refs, 0.6, seed=k * 10 + num_lanes, **common),
+    }[kind]()
+    outputs, metrics = _run(target, drafter, k=k, num_lanes=num_lanes)
+    label = f"{family} {kind} k={k} lanes={num_lanes} row_budgeted={is_row_budgeted}"
+    _check_equal(target, outputs, label)
+    assert all(len(o) == MAX_TOKENS for o in outputs.values())
+    if kind == "always-wrong":  # a rejected draft leaves no trace: one token per drafting round
+        assert metrics.accepted_tokens_total == metrics.rounds_total, label
+    if kind == "always-right" and metrics.rounds_total:
+        assert metrics.accepted_tokens_total > metrics.rounds_total, label
