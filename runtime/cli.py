@@ -81,7 +81,7 @@ def run_command(opts: dict[str, Any]) -> None:
     else:
         from ignis.runtime.server.artifact_source import ArtifactSource
 
-        source = ArtifactSource(artifact)
+        source = ArtifactSource(artifact, draft_model=opts.get("spec_draft_model"))
 
     served_name = pick("served_model_name") or source.name
     names = [served_name, source.name, *source.aliases]
@@ -205,10 +205,17 @@ def run_command(opts: dict[str, Any]) -> None:
 )
 @click.option(
     "--spec-backend",
-    type=click.Choice(["dflash2", "mtp", "ngram", "off"]),
+    type=click.Choice(["dflash2", "mtp", "ngram", "draft-model", "off"]),
     help="Speculative backend: dflash2 (the grafted drafter), mtp (needs the NAME_mtp.ninfer "
     "companion beside the artifact), ngram (prompt lookup in the lane's own context: no weights, "
-    "4 draft tokens by default) or off. [default: the card profile's]",
+    "4 draft tokens by default), draft-model (needs --spec-draft-model; 3 draft tokens by default) "
+    "or off. [default: the card profile's]",
+)
+@click.option(
+    "--spec-draft-model",
+    type=click.Path(exists=True, file_okay=False),
+    help="With --spec-backend draft-model: the ignis artifact of a smaller model with the same "
+    "tokenizer (checked at start: the first differing token id is named).",
 )
 @click.option(
     "--spec-draft-tokens",

@@ -14,7 +14,7 @@ from typing import Any
 
 from ignis.runtime.errors import ConfigError
 
-_SPEC_BACKENDS = ("dflash2", "mtp", "ngram", "off")
+_SPEC_BACKENDS = ("dflash2", "mtp", "ngram", "draft-model", "off")
 _DTYPES = ("q4_g32", "bf16", "f16", "f32")
 
 

@@ -80,10 +80,17 @@ class ArtifactSource:
         UnknownModelTypeError: the artifact's family is not in this runtime.
     """
 
-    def __init__(self, path: str | Path, *, verify: Literal["none", "fast", "full"] = "fast") -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        verify: Literal["none", "fast", "full"] = "fast",
+        draft_model: str | Path | None = None,
+    ) -> None:
         from ignis.runtime.artifact import load_artifact
 
         self.path = Path(path)
+        self.draft_model = None if draft_model is None else Path(draft_model)  # --spec-draft-model
         self.artifact = load_artifact(self.path, verify=verify)
         art = self.artifact
         self.name: str = art.manifest.name
@@ -94,6 +101,8 @@ class ArtifactSource:
         if art.has_mtp:
             kinds.append("mtp")
         kinds.append("ngram")  # prompt lookup needs no weights: every artifact can run it
+        if self.draft_model is not None:
+            kinds.append("draft-model")
         self.spec_kinds: tuple[str, ...] = tuple(kinds)
         self.profile: CardProfile | None = art.profile
 
@@ -106,6 +115,8 @@ class ArtifactSource:
             )
         if backend == "dflash2":
             return f"the artifact in {self.path} carries no grafted DFlash2 drafter (ignis-build --drafter)"
+        if backend == "draft-model":
+            return "it needs --spec-draft-model ARTIFACT (an artifact of a model with the same tokenizer)"
         return f"unknown backend {backend}"
 
     def _device(self, settings: ModelSettings) -> torch.device:
@@ -147,6 +158,16 @@ class ArtifactSource:
                 from ignis.runtime.drafters.ngram import build_ngram_drafter
 
                 return build_ngram_drafter()
+            if spec.backend == "draft-model":
+                from ignis.runtime.drafters.draft_model import build_draft_model_drafter
+
+                return build_draft_model_drafter(
+                    target_tokenizer=art.tokenizer_spec(),
+                    artifact=self.draft_model,
+                    target_config=art.config,
+                    device=device,
+                    dtype=dtype,
+                )
             shared = _shared_tensors(art, executor, dtype, device)
             if spec.backend == "dflash2":
                 from ignis.runtime.drafters.dflash2 import DFlash2Config, build_dflash2_drafter

@@ -29,10 +29,11 @@ from ignis.runtime.profiles import CardProfile, SpecDefaults, get_profile
 
 __all__ = ["BACKENDS", "DRAFT_HEADS", "MTP_DEFAULT_DRAFT_TOKENS", "ResolvedSpec", "SpecLayer", "resolve_spec"]
 
-BACKENDS = ("dflash2", "mtp", "ngram", "off")
+BACKENDS = ("dflash2", "mtp", "ngram", "draft-model", "off")
 DRAFT_HEADS = ("full", "shortlist")
 MTP_DEFAULT_DRAFT_TOKENS = 3  # rtxpro6000's MTP default; dflash2 has none (draft_tokens is required)
 NGRAM_DEFAULT_DRAFT_TOKENS = 4  # prompt lookup (vLLM's num_speculative_tokens examples use 3-5)
+DRAFT_MODEL_DEFAULT_DRAFT_TOKENS = 3  # a small model of the same tokenizer (docs/PERF.md: 3.4 tokens/round)
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,11 @@ def resolve_spec(
     entry = entry if entry is not None and entry.backend == backend else None
     values: dict[str, Any] = {}
     builtin = {
-        "draft_tokens": {"mtp": MTP_DEFAULT_DRAFT_TOKENS, "ngram": NGRAM_DEFAULT_DRAFT_TOKENS}.get(backend),
+        "draft_tokens": {
+            "mtp": MTP_DEFAULT_DRAFT_TOKENS,
+            "ngram": NGRAM_DEFAULT_DRAFT_TOKENS,
+            "draft-model": DRAFT_MODEL_DEFAULT_DRAFT_TOKENS,
+        }.get(backend),
         "draft_rows": 0,
         "draft_head": "full",
     }

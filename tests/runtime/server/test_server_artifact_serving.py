@@ -158,3 +158,34 @@ def test_cli_refuses_mtp_without_the_companion(artifact: Path, captured) -> None
     assert result.exit_code == 1
     assert "tiny-hybrid_mtp.ninfer" in result.output and "refused" in result.output
     assert not captured and not sock.exists()
+
+
+def test_ngram_and_draft_model_backends_equal_off_over_http(artifact: Path) -> None:
+    """--spec-backend ngram, and draft-model with the artifact as its own draft model (same tokenizer:
+    every draft is the model's own choice), serve the same greedy ids as speculation off."""
+    from ignis.runtime.server.artifact_source import ArtifactSource
+
+    with serve(ArtifactSource(artifact), SpecDefaults("off"), lanes=4) as off:
+        want = [_greedy(off, p) for p in PROMPTS]
+    for source, spec in (
+        (ArtifactSource(artifact), SpecDefaults("ngram", 4)),
+        (ArtifactSource(artifact, draft_model=artifact), SpecDefaults("draft-model", 3)),
+    ):
+        assert spec.backend in source.spec_kinds
+        with serve(source, spec, lanes=4) as on:
+            assert [_greedy(on, p) for p in PROMPTS] == want, spec
+            with on.client() as c:
+                metrics = c.get("/metrics").text
+        if spec.backend == "draft-model":  # its own drafts: every drafting round commits 4 tokens
+            rounds = float(metrics.split("\nignis_speculative_rounds_total ")[1].split()[0])
+            accepted = float(metrics.split("\nignis_speculative_accepted_tokens_total ")[1].split()[0])
+            assert rounds > 0 and accepted / rounds > 3.0
+
+
+def test_cli_refuses_draft_model_without_its_artifact(artifact: Path, captured) -> None:  # type: ignore[no-untyped-def]
+    sock = short_tmpdir() / "s.sock"
+    result = CliRunner().invoke(
+        cli.main, ["--artifact", str(artifact), "--socket", str(sock), "--spec-backend", "draft-model"]
+    )
+    assert result.exit_code == 1 and "--spec-draft-model" in result.output
+    assert not captured and not sock.exists()
