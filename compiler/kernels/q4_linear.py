@@ -197,7 +197,7 @@ class Q4TileConfig:
         )
 
 
-# Tile choices measured on the H200 (docs/perf-parts/q4_kernels.md, runs 4-6): per family of
+# Tile choices measured on the H200 (docs/PERF.md, runs 4-6): per family of
 # shapes -- "wide" outputs (>= 8448 features: enough 16-row tiles for 2 per block and every SM
 # busy, e.g. 17408x5120) and "narrow" ones (e.g. 5120x17408, 320 tiles: split K over 8 warps) --
 # the first rule whose max_rows covers the width. Shapes never measured get their family's rule.
