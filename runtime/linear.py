@@ -277,8 +277,9 @@ class LinearBackend:
         compiled: the artifact's compiled functions, or None (torch only).
 
     Attributes:
-        counts: calls per route: "compiled" (R above every width runs as chunks of the widest, one
-            count per chunk), "torch" (no rows, no modules at all, or a
+        counts: calls per route: "compiled" (a q4 weight with R above every width runs as chunks of
+            the widest, one count per chunk), "torch" (a dense weight with R above every width, no
+            rows, no modules at all, or a
             weight kind the build compiles no function for, e.g. dense gates beside q4 modules),
             "fallback" (a module function was missing for the width and shape: logged once).
     """
@@ -309,9 +310,10 @@ class LinearBackend:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         rows = int(x2.shape[0])
-        if rows > compiled.widths[-1]:
-            # Wider than every compiled width (e.g. 8 lanes x 8 columns = 64 rows): run the compiled
-            # modules on chunks of the widest width rather than dequantizing on torch.
+        if rows > compiled.widths[-1] and isinstance(weight, Q4Weight):
+            # A q4 weight wider than every compiled width (e.g. 8 lanes x 8 columns = 64 rows): run the
+            # compiled modules on chunks of the widest width rather than dequantizing on torch. A dense
+            # weight at that many rows goes to torch's GEMM (cuBLAS / MKL), which is built for it.
             step = compiled.widths[-1]
             parts = [self(x2[i : i + step], weight, bias) for i in range(0, rows, step)]
             return torch.cat(parts).reshape(*lead, parts[0].shape[-1])

@@ -296,9 +296,9 @@ def test_dispatch_pads_falls_back_and_warns(caplog: pytest.LogCaptureFixture) ->
     torch.testing.assert_close(backend(x, qw), torch_linear(x, qw))
     assert q4.calls == [(4, 64)]
     assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0}
-    x9 = torch.randn(9, 64, generator=g)  # above every width: compiled chunks of the widest (8 + 1)
+    x9 = torch.randn(9, 64, generator=g)  # dense above every width: torch's GEMM, silently
     torch.testing.assert_close(backend(x9, w), F.linear(x9, w))
-    assert backend.counts == {"compiled": 5, "torch": 0, "fallback": 0}
+    assert backend.counts == {"compiled": 3, "torch": 1, "fallback": 0}
     with caplog.at_level(logging.WARNING, logger="ignis.runtime.linear"):
         backend(torch.randn(2, 64), torch.randn(7, 64))  # no [7, 64] function: fallback, one warning
         backend(torch.randn(2, 64), torch.randn(7, 64))
@@ -352,23 +352,26 @@ def test_dense_linears_beside_q4_only_modules_run_on_torch_by_design(caplog):
     assert not caplog.records
 
 
-def test_rows_past_the_widest_width_run_compiled_in_chunks():
-    """64 rows (8 lanes x 8 columns) over widths up to 32: two compiled calls of 32, no torch fallback."""
+def test_q4_rows_past_the_widest_width_run_compiled_in_chunks():
+    """A q4 weight at 70 rows over widths up to 32: compiled calls of 32 + 32 + 8, no dequantizing
+    torch fallback (8 lanes x 8 columns = 64 rows hit this on the H200)."""
     import torch
 
-    from ignis.runtime.linear import CompiledLinears, LinearBackend
+    from ignis.formats import quantize_q4_g32
+    from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight, torch_linear
 
     calls = []
+    packed, scales = quantize_q4_g32(torch.randn(8, 64).numpy())
+    qw = Q4Weight(torch.from_numpy(packed), torch.from_numpy(scales))
 
-    def dense(xp, w, y):  # the module's contract: y[width, N] = xp[width, K] @ w^T
+    def q4(xp, _packed, _scales, y):  # the module's contract: y[width, N] = xp @ dequant(W)^T
         calls.append(xp.shape[0])
-        y.copy_(xp @ w.T)
+        y.copy_(torch_linear(xp, qw))
 
-    compiled = CompiledLinears({(w, "dense", 8, 16, "float32"): (dense, False, False) for w in (8, 32)},
+    compiled = CompiledLinears({(w, "q4_g32", 8, 64, "float32"): (q4, False, False) for w in (8, 32)},
                                [8, 32])
     backend = LinearBackend(compiled)
-    x, w, b = torch.randn(2, 35, 16), torch.randn(8, 16), torch.randn(8)
-    y = backend(x, w, b)
-    torch.testing.assert_close(y, x @ w.T + b)
+    x, b = torch.randn(2, 35, 64), torch.randn(8)
+    torch.testing.assert_close(backend(x, qw, b), torch_linear(x, qw, b))
     assert calls == [32, 32, 8]  # 70 rows: 32 + 32 + 6 (padded to width 8)
     assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0}
