@@ -180,6 +180,51 @@ def to_device(
     return weight.to(device=device, dtype=dtype) if dtype is not None else weight.to(device)
 
 
+class WeightLoader:
+    """Fetches a module's weights by name onto one device and dtype: plain tensors (embeddings, norms,
+    convolution kernels) and linear weights (dense or `Q4Weight`, which keeps its packed dtype).
+
+    Args:
+        weights: name -> tensor or `Q4Weight`.
+        device: where every fetched weight lands.
+        dtype: the dtype of fetched dense weights.
+        source: named in errors (e.g. "mtp weights").
+
+    Raises (from `plain`):
+        TypeError: a `Q4Weight` where only a plain tensor is allowed.
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor | Q4Weight],
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        source: str,
+    ) -> None:
+        self.weights, self.device, self.dtype, self.source = weights, device, dtype, source
+
+    def plain(self, name: str) -> torch.Tensor:
+        """A non-linear weight as a dense tensor on the device, in the dtype."""
+        t = self.weights[name]
+        if isinstance(t, Q4Weight):
+            raise TypeError(f"{self.source}: {name} is q4_g32; only linear weights may be Q4Weight")
+        return t.detach().to(device=self.device, dtype=self.dtype)
+
+    def linear(self, name: str) -> torch.Tensor | Q4Weight:
+        """A linear weight (dense or Q4Weight) on the device."""
+        t = self.weights[name]
+        return to_device(t if isinstance(t, Q4Weight) else t.detach(), self.device, self.dtype)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        """`plain(name)`, or None when the checkpoint has no such tensor (e.g. an absent bias)."""
+        return self.plain(name) if name in self.weights else None
+
+    def optional_linear(self, name: str) -> torch.Tensor | Q4Weight | None:
+        """`linear(name)`, or None when absent."""
+        return self.linear(name) if name in self.weights else None
+
+
 def torch_linear(
     x: torch.Tensor, weight: torch.Tensor | Q4Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

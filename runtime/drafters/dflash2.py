@@ -102,7 +102,7 @@ from ignis.runtime.drafters.common import (
 from ignis.runtime.errors import ConfigError, StateError, TensorShapeError
 from ignis.runtime.families.base import FamilyConfig
 from ignis.runtime.families.moe import SwiGLUWeights, swiglu_mlp
-from ignis.runtime.linear import LinearFn, Q4Weight, to_device
+from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader
 from ignis.runtime.sampling import logits_to_probs
 
 __all__ = [
@@ -654,18 +654,8 @@ class DFlash2Network:
         w = normalize_dflash2_names(weights)  # type: ignore[arg-type]
         check_names(dflash2_tensor_shapes(config), w, source="dflash2 weights")
 
-        def get(name: str) -> torch.Tensor:
-            t = w[name]
-            if isinstance(t, Q4Weight):
-                raise TypeError(f"dflash2 weights: {name} is q4_g32; only linear weights may be Q4Weight")
-            return t.detach().to(device=self.device, dtype=dtype)
-
-        def lin(name: str) -> _Weight:
-            t = w[name]
-            return to_device(t if isinstance(t, Q4Weight) else t.detach(), self.device, dtype)
-
-        def opt(name: str) -> torch.Tensor | None:
-            return get(name) if name in w else None
+        load = WeightLoader(w, self.device, dtype, source="dflash2 weights")
+        get, lin, opt = load.plain, load.linear, load.optional
 
         c = config
         self.fc = lin("fc.weight")

@@ -74,7 +74,7 @@ from ignis.runtime.families.qwen3_5 import (
     Qwen3NextConfig,
     mtp_tensor_shapes,
 )
-from ignis.runtime.linear import LinearFn, Q4Weight, to_device
+from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader
 from ignis.runtime.sampling import logits_to_probs
 
 _Weight = torch.Tensor | Q4Weight
@@ -224,18 +224,8 @@ class MTPHead:
         self.linear: LinearFn = linear or F.linear
         w = {k: v for k, v in weights.items() if k.startswith("mtp.")}
 
-        def get(name: str) -> torch.Tensor:
-            t = w[name]
-            if isinstance(t, Q4Weight):
-                raise TypeError(f"mtp weights: {name} is q4_g32; only linear weights may be Q4Weight")
-            return t.detach().to(device=self.device, dtype=dtype)
-
-        def lin(name: str) -> _Weight:
-            t = w[name]
-            return to_device(t if isinstance(t, Q4Weight) else t.detach(), self.device, dtype)
-
-        def opt(name: str) -> torch.Tensor | None:
-            return get(name) if name in w else None
+        load = WeightLoader(w, self.device, dtype, source="mtp weights")
+        get, lin, opt = load.plain, load.linear, load.optional
 
         self.fc = lin("mtp.fc.weight")
         self.norm_embedding = get("mtp.pre_fc_norm_embedding.weight")

@@ -53,7 +53,7 @@ from ignis.runtime.families.gated_deltanet import (
 )
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig, tensor_shapes
-from ignis.runtime.linear import LinearFn, Q4Weight, to_device
+from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader
 
 _Weight = torch.Tensor | Q4Weight
 
@@ -261,21 +261,8 @@ class HybridExecutor:
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         _check_weights(c, trunk)
 
-        def get(name: str) -> torch.Tensor:
-            t = trunk[name]
-            if isinstance(t, Q4Weight):
-                raise TypeError(f"{name} is q4_g32; only linear weights may be Q4Weight")
-            return t.detach().to(device=self.device, dtype=dtype)
-
-        def lin(name: str) -> _Weight:
-            t = trunk[name]
-            return to_device(t if isinstance(t, Q4Weight) else t.detach(), self.device, dtype)
-
-        def opt(name: str) -> torch.Tensor | None:
-            return get(name) if name in trunk else None
-
-        def opt_lin(name: str) -> _Weight | None:
-            return lin(name) if name in trunk else None
+        load = WeightLoader(trunk, self.device, dtype, source=f"{c.model_type} weights")
+        get, lin, opt, opt_lin = load.plain, load.linear, load.optional, load.optional_linear
 
         self._embed = get("model.embed_tokens.weight")
         self._final_norm = get("model.norm.weight")
