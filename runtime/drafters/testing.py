@@ -12,6 +12,10 @@
   (the lane's sampling params, or `temperature` instead of the lane's), returning q; with the target's
   own weights and params q = p, so every draft is accepted. mode "greedy" drafts the argmax (point
   mass q); mode "worst" drafts the argmin (outside any top-k/top-p support, so always rejected).
+
+Helpers the drafter tests share: `random_tokens` (seeded token ids), `draft_request` (one lane's
+`DraftRequest` with its own seeded generator), `greedy_then_wrong` (drafts of which exactly n are
+accepted), `chi2_pvalue` (goodness of fit of sampled drafts to q).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from ignis.runtime.drafters.base import BaseDrafter, CommittedSpan, DraftProposal, DraftRequest
 from ignis.runtime.errors import StateError
 from ignis.runtime.families.base import Executor, LaneState
-from ignis.runtime.sampling import logits_to_probs
+from ignis.runtime.sampling import SamplingParams, logits_to_probs
 
 __all__ = [
     "BigramDrafter",
@@ -33,6 +37,10 @@ __all__ = [
     "ReferenceDrafter",
     "always_right",
     "always_wrong",
+    "chi2_pvalue",
+    "draft_request",
+    "greedy_then_wrong",
+    "random_tokens",
     "right_with_probability",
 ]
 
@@ -278,3 +286,62 @@ class ModelDrafter(BaseDrafter):
             DraftProposal(torch.tensor(d, dtype=torch.int64), torch.stack(p) if p else None)
             for d, p in zip(drafts, probs, strict=True)
         ]
+
+
+# ---------------------------------------------------------------- helpers of the drafter tests
+
+
+def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
+    """n token ids uniform in [0, vocab), the same for the same (n, seed, vocab)."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def draft_request(
+    lane: int, tokens: Sequence[int], k: int, params: SamplingParams | None = None, seed: int = 0
+) -> DraftRequest:
+    """A request for k drafts after `tokens` (all but the last are the prompt; the last is the anchor),
+    greedy unless `params` says otherwise, with a generator seeded by `seed`."""
+    return DraftRequest(
+        lane_id=lane,
+        num_drafts=k,
+        token_ids=tuple(tokens),
+        num_prompt_tokens=len(tokens) - 1,
+        params=params if params is not None else SamplingParams(temperature=0),
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def greedy_then_wrong(executor: Executor, seq: Sequence[int], n: int, k: int, vocab: int) -> list[int]:
+    """k drafts after seq (whose last token is the anchor): the executor's own greedy next n tokens,
+    then a wrong one (so greedy verification accepts exactly n), then `random_tokens(k, seed=n)`.
+
+    Runs on a fresh probe lane of `executor` (prefill of seq, then n single-token steps).
+    """
+    probe = executor.new_lane()
+    o = executor.forward([probe], [torch.tensor(list(seq))], logits="last", record=False)
+    executor.commit([probe], [len(seq)])
+    nxt, truth = int(o.logits[0][-1].argmax()), []
+    for _ in range(n):
+        truth.append(nxt)
+        o = executor.forward([probe], [torch.tensor([nxt])], logits="last")
+        executor.commit([probe], [1])
+        nxt = int(o.logits[0][-1].argmax())
+    return [*truth, (nxt + 1) % vocab, *random_tokens(k, n, vocab)][:k]
+
+
+def chi2_pvalue(counts: torch.Tensor, q: torch.Tensor) -> float:
+    """Chi-square goodness of fit of counts [V] (draws per token) to probabilities q [V] (any scale).
+
+    Bins expecting fewer than 5 draws are lumped into one, which joins the largest bin when it still
+    expects fewer than 5. Needs scipy (a test dependency).
+    """
+    from scipy import stats
+
+    expected = q / q.sum() * counts.sum()
+    big = expected >= 5
+    obs = [*counts[big].tolist(), float(counts[~big].sum())]
+    exp = [*expected[big].tolist(), float(expected[~big].sum())]
+    if exp[-1] < 5:  # too few to stand alone: fold into the largest bin
+        obs[0] += obs.pop()
+        exp[0] += exp.pop()
+    return float(stats.chisquare(obs, exp).pvalue)

@@ -9,12 +9,15 @@ Endpoints:
 - `GET /metrics`: Prometheus text (`ignis.runtime.server.metrics`).
 - `GET /openapi.json`, `GET /docs`: the API's schema and its browser view.
 
-Errors are OpenAI-style bodies (`{"error": {"message", "type", "param", "code"}}`): 400 for malformed
-JSON, wrong types, out-of-range values, unsupported parameters, a prompt that does not fit the context
-(code "context_length_exceeded"); 404 for an unknown model or path; 405 for a wrong method; 413 for a
-body over MAX_BODY_BYTES; 503 with
-Retry-After when every lane is busy and the waiting queue is full; 500 only for a server fault (an
-engine failure, reported to the requests it hit, after which the lanes restart).
+Errors are OpenAI-style bodies (`{"error": {"message", "type", "param", "code"}}`) whose message names
+the field as the client wrote it (`messages[0].content`), what is allowed and what was sent: 400 for
+malformed JSON, wrong types, out-of-range values, unsupported parameters, a prompt that does not fit
+the context or a max_tokens that runs past it (code "context_length_exceeded", never a silent clamp);
+404 for an unknown model or path; 405 for a wrong method; 413 for a body over MAX_BODY_BYTES; 415 for
+a generation request whose Content-Type is not JSON; 503 with Retry-After when every lane is busy and
+the waiting queue is full; 500 only for a server fault (an engine failure, reported to the requests it
+hit, after which the lanes restart; or a bug, logged, with the connection kept usable). Every answer of
+a generation endpoint is counted in `ignis_requests_total{endpoint, status}`.
 
 A client that disconnects, streaming or not, has its lane aborted before the next round.
 """
@@ -39,7 +42,13 @@ from starlette.types import Receive, Scope, Send
 
 from ignis.runtime.errors import IgnisRuntimeError
 from ignis.runtime.sampling import SamplingParams, SamplingParamsError
-from ignis.runtime.server.errors import APIError, InvalidRequestError, ModelNotFoundError, error_body
+from ignis.runtime.server.errors import (
+    APIError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    describe_validation_errors,
+    error_body,
+)
 from ignis.runtime.server.lanes import ErrorEvent, LaneLoop, RequestHandle, TokenEvent
 from ignis.runtime.server.metrics import ServerMetrics
 from ignis.runtime.server.model import ChatTokenizer, ServedModel
@@ -57,12 +66,14 @@ from ignis.runtime.server.protocol import (
 )
 from ignis.runtime.stops import FINISH_STOP, stop_string_holdback
 
-__all__ = ["MAX_BODY_BYTES", "MIN_TEMPERATURE", "create_app"]
+__all__ = ["MAX_BODY_BYTES", "MAX_NESTING", "MIN_TEMPERATURE", "create_app"]
 
 logger = logging.getLogger("ignis.runtime.server")
 
 MIN_TEMPERATURE = 0.01  # temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM's rule)
 MAX_BODY_BYTES = 32 * 1024 * 1024  # larger request bodies get 413 (a 262,144-token prompt is ~2 MB of JSON)
+# Levels of lists/objects a value handed to the chat template may nest (tools, tool calls, ...).
+MAX_NESTING = 64
 _GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 _TEMPLATE_RESERVED = frozenset(
     {
@@ -116,31 +127,49 @@ class EventStreamResponse(StreamingResponse):
 
 
 class _RequestCounter:
-    """Counts requests to the generation endpoints by status code (a pure ASGI middleware, so streaming
-    and disconnect detection pass through untouched)."""
+    """The outermost middleware: counts every request to the generation endpoints by status code,
+    refusals included (413, 415, 400, 404, 405, 503, ...), and answers an error that escapes the app
+    with a 500 (OpenAI-style body, logged) itself, so the connection stays usable: past Starlette's own
+    error middleware uvicorn would drop the keep-alive connection and the client's next request on it
+    would fail with a reset. An error after the response started (mid-stream) still propagates and
+    closes the connection. A pure ASGI middleware, so streaming and disconnect detection pass through
+    untouched."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path") if scope["type"] == "http" else None
-        if path not in _GENERATION_PATHS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope.get("path")
+        is_started = False
 
         async def counting_send(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.requests.labels(endpoint=path, status=str(message["status"])).inc()
+            nonlocal is_started
+            if message["type"] == "http.response.start" and not is_started:
+                is_started = True
+                if path in _GENERATION_PATHS:
+                    self.metrics.requests.labels(endpoint=path, status=str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if is_started:
+                raise
+            logger.exception("unhandled error on %s %s", scope.get("method"), path)
+            body = error_body("internal server error (the server log has the details)", "server_error")
+            await JSONResponse(body, status_code=500)(scope, receive, counting_send)
 
 
-class _BodyLimit:
+class _BodyChecks:
     """413 (OpenAI-style body) for a request body over MAX_BODY_BYTES: at once when its Content-Length
     says so, else as soon as the bytes read pass the limit (the endpoint's body parser re-raises the
-    HTTPException, and the app's handler renders it)."""
+    HTTPException, and the app's handler renders it). 415 for a POST to a generation endpoint whose
+    Content-Type is not JSON (the body would not be parsed; a browser form cannot send JSON, so the
+    JSON type is kept required)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -149,12 +178,25 @@ class _BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY_BYTES:
-                body = error_body(_too_large(int(value)), "invalid_request_error", code="request_too_large")
-                await JSONResponse(body, status_code=413, headers={"Connection": "close"})(
-                    scope, receive, send
+        headers = dict(scope.get("headers", ()))
+        value = headers.get(b"content-length", b"")
+        if value.isdigit() and int(value) > MAX_BODY_BYTES:
+            body = error_body(_too_large(int(value)), "invalid_request_error", code="request_too_large")
+            await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
+            return
+        if scope.get("method") == "POST" and scope.get("path") in _GENERATION_PATHS:
+            content_type = headers.get(b"content-type", b"").decode("latin-1")
+            media = content_type.split(";", 1)[0].strip().lower()
+            if media != "application/json" and not (
+                media.startswith("application/") and media.endswith("+json")
+            ):
+                got = f"got {content_type!r}" if content_type else "none was sent"
+                message = (
+                    f"the request body must be JSON with Content-Type: application/json ({got}; "
+                    "with curl, add -H 'Content-Type: application/json')"
                 )
+                body = error_body(message, "invalid_request_error", code="unsupported_media_type")
+                await JSONResponse(body, status_code=415)(scope, receive, send)
                 return
         num_read = 0
 
@@ -170,18 +212,40 @@ class _BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
+def _check_nesting(value: Any, param: str) -> None:
+    """Refuse a value nesting lists/objects deeper than MAX_NESTING (walked without recursion): the chat
+    template and its helpers recurse into what they are handed, and Python's recursion limit would make
+    a client's deep JSON a 500.
+
+    Raises:
+        InvalidRequestError: the value nests deeper, naming `param`.
+    """
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 >= MAX_NESTING:
+                    raise InvalidRequestError(
+                        f"{param} nests lists and objects more than {MAX_NESTING} levels deep", param=param
+                    )
+                stack.append((child, depth + 1))
+
+
 def _too_large(num_bytes: int) -> str:
     return f"the request body has {num_bytes} bytes or more; at most {MAX_BODY_BYTES} are taken"
 
 
-def _whole_text(tokenizer: Any, prompt_ids: list[int], params: SamplingParams, out_ids: list[int],
-                last: TokenEvent) -> str:
+def _whole_text(
+    tokenizer: Any, prompt_ids: list[int], params: SamplingParams, out_ids: list[int], last: TokenEvent
+) -> str:
     """A non-streamed reply's text: the same incremental detokenization and stop-string cut as the
     stream, so streamed and whole texts are equal."""
     text = _TextStream(tokenizer, prompt_ids, params)
-    return "".join(
-        text.push(t, last if i == len(out_ids) - 1 else None) for i, t in enumerate(out_ids)
-    ) + ("" if out_ids else text.finish_empty())
+    return "".join(text.push(t, last if i == len(out_ids) - 1 else None) for i, t in enumerate(out_ids)) + (
+        "" if out_ids else text.finish_empty()
+    )
 
 
 class _TextStream:
@@ -275,9 +339,23 @@ class _Service:
         ):
             value = getattr(req, field)
             if value is not None and value != neutral:
-                raise InvalidRequestError(f"{field} is not supported (only {neutral} is served)", param=field)
+                raise InvalidRequestError(
+                    f"{field} = {value} is not supported: only {neutral} (no penalty) is served", param=field
+                )
+        if req.stream_options is not None and not req.stream:
+            raise InvalidRequestError(
+                'stream_options is only allowed with "stream": true', param="stream_options"
+            )
+        if req.n != 1:
+            raise InvalidRequestError(
+                f"n = {req.n} is not supported: one choice per request is served (n = 1); send separate "
+                "requests for more",
+                param="n",
+            )
         if req.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+            raise InvalidRequestError(
+                "logit_bias is not supported: only an empty bias is served", param="logit_bias"
+            )
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         if 0 < temperature < MIN_TEMPERATURE:
             temperature = MIN_TEMPERATURE
@@ -293,8 +371,8 @@ class _Service:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
             )
-        except SamplingParamsError as exc:
-            raise InvalidRequestError(str(exc)) from exc
+        except SamplingParamsError as exc:  # the protocol's bounds make this unreachable; worded anyway
+            raise InvalidRequestError(f"the sampling parameters are not valid: {exc}") from exc
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -328,8 +406,14 @@ class _Service:
             )
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        if req.logprobs or req.top_logprobs:
-            raise InvalidRequestError("logprobs are not supported", param="logprobs")
+        if req.logprobs:
+            raise InvalidRequestError(
+                "logprobs are not supported: only false or null is served", param="logprobs"
+            )
+        if req.top_logprobs:
+            raise InvalidRequestError(
+                "top_logprobs are not supported: only 0 or null is served", param="top_logprobs"
+            )
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise InvalidRequestError(
                 'only response_format {"type": "text"} is supported', param="response_format"
@@ -340,18 +424,25 @@ class _Service:
         reserved = sorted(_TEMPLATE_RESERVED.intersection(kwargs))
         if reserved:
             raise InvalidRequestError(
-                f"chat_template_kwargs may not set {reserved}; use the request fields",
+                f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own fields",
                 param="chat_template_kwargs",
             )
+        _check_nesting(req.tools, "tools")
+        _check_nesting(kwargs, "chat_template_kwargs")
         messages = []
         for i, m in enumerate(req.messages):
+            for key, value in (m.model_extra or {}).items():
+                _check_nesting(value, f"messages[{i}].{key}")
             msg = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
-                if any(p.type != "text" or p.text is None for p in m.content):
-                    raise InvalidRequestError(
-                        f"messages[{i}].content: only text parts are supported",
-                        param=f"messages[{i}].content",
-                    )
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or not isinstance(part.text, str):
+                        raise InvalidRequestError(
+                            f"messages[{i}].content[{j}] must be a text part "
+                            '{"type": "text", "text": "..."} (the model reads text only), '
+                            f"got type {part.type!r}",
+                            param=f"messages[{i}].content[{j}]",
+                        )
                 msg["content"] = "".join(p.text or "" for p in m.content)
             messages.append(msg)
         if req.continue_final_message and req.add_generation_prompt:
@@ -366,21 +457,30 @@ class _Service:
                 tools=req.tools,
                 **kwargs,
             )
-        except (IgnisRuntimeError, TypeError) as exc:  # TypeError: a template variable the call rejects
-            raise InvalidRequestError(f"cannot render the chat: {exc}", param="messages") from exc
+        except TypeError as exc:  # a template variable the call rejects
+            raise InvalidRequestError(
+                "chat_template_kwargs holds a name the chat template cannot take",
+                param="chat_template_kwargs",
+            ) from exc
+        except IgnisRuntimeError as exc:  # the template refused the conversation (its raise_exception)
+            raise InvalidRequestError(
+                f"the model's chat template refused the messages: {exc}", param="messages"
+            ) from exc
         self.refuse_oversized_text(text, param="messages")
         try:
             return list(self.model.tokenizer.encode(text, add_special_tokens=False))
         except IgnisRuntimeError as exc:
-            raise InvalidRequestError(f"cannot tokenize the chat: {exc}", param="messages") from exc
+            raise InvalidRequestError(
+                "the rendered messages could not be tokenized", param="messages"
+            ) from exc
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         if req.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
+            raise InvalidRequestError("echo is not supported: only false is served", param="echo")
         if req.suffix is not None:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
+            raise InvalidRequestError("suffix is not supported: only null is served", param="suffix")
         if req.logprobs is not None:
-            raise InvalidRequestError("logprobs are not supported", param="logprobs")
+            raise InvalidRequestError("logprobs are not supported: only null is served", param="logprobs")
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
@@ -393,13 +493,46 @@ class _Service:
             try:
                 return list(self.model.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
             except IgnisRuntimeError as exc:
-                raise InvalidRequestError(f"cannot tokenize the prompt: {exc}", param="prompt") from exc
+                raise InvalidRequestError("the prompt could not be tokenized", param="prompt") from exc
         return [int(t) for t in prompt]
 
     # ---------------------------------------------------------------- running
 
-    def submit(self, ids: list[int], params: SamplingParams) -> RequestHandle:
+    def check_room(self, num_prompt: int, requested: tuple[str, int] | None) -> None:
+        """Refuse a max_tokens that runs past the context (as vLLM does) instead of clamping it.
+
+        Args:
+            num_prompt: prompt tokens.
+            requested: (the request field, its value) when the client set the output limit; None when
+                it did not (then the output runs to its default, at most the context end).
+
+        Raises:
+            InvalidRequestError: num_prompt + the value > the context length (code context_length_exceeded).
+        """
+        ctx = self.lanes.max_context
+        if ctx is None or requested is None:
+            return
+        param, num_out = requested
+        if num_prompt + num_out > ctx:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {ctx} tokens; this request asks for "
+                f"{num_prompt + num_out} tokens ({num_prompt} in the prompt, {num_out} in {param}): "
+                f"lower {param} to at most {ctx - num_prompt} or shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def submit(
+        self, ids: list[int], params: SamplingParams, requested: tuple[str, int] | None
+    ) -> RequestHandle:
+        """Check the prompt and the output limit against the model, then queue the request.
+
+        Raises:
+            InvalidRequestError: an empty prompt, ids outside the vocabulary, or no room in the context.
+            ServerBusyError, ServerUnavailableError: from `LaneLoop.submit`.
+        """
         self.check_prompt(ids)
+        self.check_room(len(ids), requested)
         return self.lanes.submit(ids, params)
 
     async def events(self, handle: RequestHandle) -> AsyncGenerator[TokenEvent, None]:
@@ -447,10 +580,6 @@ class _Service:
         return ids, work.result()
 
 
-def _loc(err: Mapping[str, Any]) -> str:
-    return ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-
-
 def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
     return {
         "prompt_tokens": num_prompt,
@@ -487,6 +616,8 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
     errors: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorResponse, "description": "Malformed or invalid request"},
         404: {"model": ErrorResponse, "description": "Unknown model"},
+        413: {"model": ErrorResponse, "description": "Request body over 32 MiB"},
+        415: {"model": ErrorResponse, "description": "Content-Type is not application/json"},
         500: {"model": ErrorResponse, "description": "Engine failure"},
         503: {"model": ErrorResponse, "description": "Busy (Retry-After) or shutting down"},
     }
@@ -501,31 +632,43 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
         if first.get("type") == "json_invalid":
-            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}"
-            param = None
-        elif first.get("type") == "missing" and not loc:
-            message = "the request needs a JSON object body"
-        else:
-            message = "; ".join(f"{_loc(e)}: {e.get('msg', 'invalid')}" for e in errs[:5])
+            detail = first.get("ctx", {}).get("error", "")
+            loc = first.get("loc", ())
+            if detail and len(loc) > 1 and isinstance(loc[1], int):
+                detail += f"{'' if detail.endswith(' at') else ' at'} character {loc[1]}"
+            message = "the request body is not valid JSON" + (f" ({detail})" if detail else "")
+            return _error_response(InvalidRequestError(message))
+        if first.get("type") == "missing" and len(first.get("loc", ())) <= 1:
+            return _error_response(InvalidRequestError("the request needs a JSON object body"))
+        message, param = describe_validation_errors(errs)
         return _error_response(InvalidRequestError(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = "request_too_large" if exc.status_code == 413 else None
-        body = error_body(str(exc.detail), kind, code=code)
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            message = f"there is no endpoint {path}; the API is listed at /docs"
+        elif exc.status_code == 405:
+            allowed = (headers or {}).get("allow", (headers or {}).get("Allow", ""))
+            message = f"{method} is not allowed on {path}" + (f"; use {allowed}" if allowed else "")
+        elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            if isinstance(exc.__cause__, RecursionError):
+                message = "the request body nests lists and objects too deeply to be read"
+            else:
+                message = "the request body could not be read as JSON (it must be UTF-8 text)"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(
+            error_body(message, kind, code=code), status_code=exc.status_code, headers=headers
+        )
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", "server_error"), 500)
-
+    # The last added is the outermost: the counter sees every response, the 413/415 refusals included.
+    app.add_middleware(_BodyChecks)
     app.add_middleware(_RequestCounter, metrics=metrics)
-    app.add_middleware(_BodyLimit)
 
     # ---------------------------------------------------------------- plain endpoints
 
@@ -582,6 +725,46 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
             "content": {"text/event-stream": {"schema": event}},
         }
 
+    async def generate(
+        req: ChatCompletionRequest | CompletionRequest,
+        request: Request,
+        ids: list[int],
+        params: SamplingParams,
+        requested: tuple[str, int] | None,
+        *,
+        is_chat: bool,
+    ) -> Response:
+        """Submit the request; stream its tokens, or wait for them and answer the whole completion."""
+        handle = svc.submit(ids, params, requested)
+        rid, created = f"{'chatcmpl' if is_chat else 'cmpl'}-{handle.request_id}", int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            stream = _chat_stream if is_chat else _completion_stream
+            return EventStreamResponse(stream(svc, handle, rid, created, req.return_token_ids, include_usage))
+        got = await svc.collect(handle, request)
+        if got is None:
+            return Response(status_code=499)
+        out_ids, last = got
+        content = _whole_text(model.tokenizer, ids, params, out_ids, last)
+        choice: dict[str, Any] = {"index": 0}
+        if is_chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        choice.update(finish_reason=last.finish_reason, stop_reason=last.stop_reason, logprobs=None)
+        if req.return_token_ids:
+            choice["token_ids"] = out_ids
+            choice["prompt_token_ids"] = ids
+        body = {
+            "id": rid,
+            "object": "chat.completion" if is_chat else "text_completion",
+            "created": created,
+            "model": model.name,
+            "choices": [choice],
+            "usage": _usage(len(ids), len(out_ids)),
+        }
+        return JSONResponse(body)
+
     @app.post(
         "/v1/chat/completions",
         response_model=ChatCompletionResponse,
@@ -591,41 +774,14 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         """Chat completion: the messages rendered with the model's chat template, then decoded."""
         svc.check_model(req.model)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = svc.sampling_params(req, max_tokens)
+        requested: tuple[str, int] | None = None
+        if req.max_completion_tokens is not None:
+            requested = ("max_completion_tokens", req.max_completion_tokens)
+        elif req.max_tokens is not None:
+            requested = ("max_tokens", req.max_tokens)
+        params = svc.sampling_params(req, requested[1] if requested else None)
         ids = await run_in_threadpool(svc.chat_prompt, req)
-        handle = svc.submit(ids, params)
-        rid, created = f"chatcmpl-{handle.request_id}", int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream:
-            return EventStreamResponse(
-                _chat_stream(svc, handle, rid, created, req.return_token_ids, include_usage)
-            )
-        got = await svc.collect(handle, request)
-        if got is None:
-            return Response(status_code=499)
-        out_ids, last = got
-        content = _whole_text(model.tokenizer, ids, params, out_ids, last)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": content},
-            "finish_reason": last.finish_reason,
-            "stop_reason": last.stop_reason,
-            "logprobs": None,
-        }
-        if req.return_token_ids:
-            choice["token_ids"] = out_ids
-            choice["prompt_token_ids"] = ids
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model.name,
-                "choices": [choice],
-                "usage": _usage(len(ids), len(out_ids)),
-            }
-        )
+        return await generate(req, request, ids, params, requested, is_chat=True)
 
     @app.post(
         "/v1/completions",
@@ -637,41 +793,16 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         """Text completion of one prompt (a text, or a list of token ids)."""
         svc.check_model(req.model)
         if req.best_of not in (None, 1):
-            raise InvalidRequestError("best_of > 1 is not supported", param="best_of")
+            raise InvalidRequestError(
+                f"best_of = {req.best_of} is not supported: only best_of 1 (or null) is served",
+                param="best_of",
+            )
+        # The default 16 stops at the context end; a max_tokens the client set must fit.
+        is_set = "max_tokens" in req.model_fields_set
+        requested = ("max_tokens", req.max_tokens) if is_set and req.max_tokens is not None else None
         params = svc.sampling_params(req, req.max_tokens)
         ids = await run_in_threadpool(svc.completion_prompt, req)
-        handle = svc.submit(ids, params)
-        rid, created = f"cmpl-{handle.request_id}", int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream:
-            return EventStreamResponse(
-                _completion_stream(svc, handle, rid, created, req.return_token_ids, include_usage)
-            )
-        got = await svc.collect(handle, request)
-        if got is None:
-            return Response(status_code=499)
-        out_ids, last = got
-        content = _whole_text(model.tokenizer, ids, params, out_ids, last)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": content,
-            "finish_reason": last.finish_reason,
-            "stop_reason": last.stop_reason,
-            "logprobs": None,
-        }
-        if req.return_token_ids:
-            choice["token_ids"] = out_ids
-            choice["prompt_token_ids"] = ids
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model.name,
-                "choices": [choice],
-                "usage": _usage(len(ids), len(out_ids)),
-            }
-        )
+        return await generate(req, request, ids, params, requested, is_chat=False)
 
     # Document the chunk schemas (they travel as SSE data, not as a JSON response).
     app.openapi_schema = None
@@ -697,109 +828,72 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
 async def _stream_tokens(
     svc: _Service,
     handle: RequestHandle,
-    make_chunk: Callable[[str | None, int | None, TokenEvent | None, bool], dict[str, Any]],
+    head: Mapping[str, Any],
+    make_choice: Callable[[str, int | None, TokenEvent | None, bool], dict[str, Any]],
     include_usage: bool,
-    make_usage_chunk: Callable[[dict[str, int]], dict[str, Any]],
 ) -> AsyncIterator[bytes]:
-    """SSE bytes: one chunk per token; the last carries finish_reason and usage; then [DONE]."""
+    """SSE bytes: one chunk per token; the last carries finish_reason and usage; then [DONE].
+
+    Args:
+        head: the fields every chunk starts with (id, object, created, model).
+        make_choice: (text delta, token id or None, the last event or None, is_first) -> the chunk's choice.
+        include_usage: send a last chunk with empty `choices` and the usage (stream_options).
+    """
     text = _TextStream(svc.model.tokenizer, handle.prompt_token_ids, handle.params)
+    num_prompt = len(handle.prompt_token_ids)
     num_out = 0
     try:
         async for event in svc.events(handle):
             n = len(event.token_ids)
             for i, token in enumerate(event.token_ids):
                 last = event if (i == n - 1 and event.finish_reason is not None) else None
-                delta = text.push(token, last)
-                chunk = make_chunk(delta, token, last, num_out == 0)
+                chunk = {**head, "choices": [make_choice(text.push(token, last), token, last, num_out == 0)]}
                 num_out += 1
                 if last is not None:
-                    chunk["usage"] = _usage(len(handle.prompt_token_ids), num_out)
+                    chunk["usage"] = _usage(num_prompt, num_out)
                 yield _sse(chunk)
             if event.finish_reason is not None and n == 0:
-                chunk = make_chunk(text.finish_empty(), None, event, num_out == 0)
-                chunk["usage"] = _usage(len(handle.prompt_token_ids), num_out)
-                yield _sse(chunk)
+                choice = make_choice(text.finish_empty(), None, event, num_out == 0)
+                yield _sse({**head, "choices": [choice], "usage": _usage(num_prompt, num_out)})
         if include_usage:
-            yield _sse(make_usage_chunk(_usage(len(handle.prompt_token_ids), num_out)))
+            yield _sse({**head, "choices": [], "usage": _usage(num_prompt, num_out)})
     except APIError as exc:
         yield _sse(exc.body())
     yield _SSE_DONE
 
 
+def _choice_end(
+    choice: dict[str, Any], token: int | None, last: TokenEvent | None, with_ids: bool
+) -> dict[str, Any]:
+    """The fields a streamed choice of either endpoint ends with (finish, stop reason, the token id)."""
+    choice["logprobs"] = None
+    choice["finish_reason"] = None if last is None else last.finish_reason
+    if last is not None:
+        choice["stop_reason"] = last.stop_reason
+    if with_ids:
+        choice["token_ids"] = [] if token is None else [token]
+    return choice
+
+
 def _chat_stream(
     svc: _Service, handle: RequestHandle, rid: str, created: int, with_ids: bool, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    name = svc.model.name
+    def choice(delta: str, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": "assistant", "content": delta} if first else {"content": delta}
+        return _choice_end({"index": 0, "delta": d}, token, last, with_ids)
 
-    def chunk(delta: str | None, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
-        d: dict[str, Any] = {"content": delta or ""}
-        if first:
-            d = {"role": "assistant", **d}
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": d,
-            "logprobs": None,
-            "finish_reason": None if last is None else last.finish_reason,
-        }
-        if last is not None:
-            choice["stop_reason"] = last.stop_reason
-        if with_ids:
-            choice["token_ids"] = [] if token is None else [token]
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": name,
-            "choices": [choice],
-        }
-
-    def usage_chunk(usage: dict[str, int]) -> dict[str, Any]:
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": name,
-            "choices": [],
-            "usage": usage,
-        }
-
-    return _stream_tokens(svc, handle, chunk, include_usage, usage_chunk)
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": svc.model.name}
+    return _stream_tokens(svc, handle, head, choice, include_usage)
 
 
 def _completion_stream(
     svc: _Service, handle: RequestHandle, rid: str, created: int, with_ids: bool, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    name = svc.model.name
+    def choice(delta: str, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
+        out = _choice_end({"index": 0, "text": delta}, token, last, with_ids)
+        if with_ids and first:
+            out["prompt_token_ids"] = list(handle.prompt_token_ids)
+        return out
 
-    def chunk(delta: str | None, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": delta or "",
-            "logprobs": None,
-            "finish_reason": None if last is None else last.finish_reason,
-        }
-        if last is not None:
-            choice["stop_reason"] = last.stop_reason
-        if with_ids:
-            choice["token_ids"] = [] if token is None else [token]
-            if first:
-                choice["prompt_token_ids"] = list(handle.prompt_token_ids)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": name,
-            "choices": [choice],
-        }
-
-    def usage_chunk(usage: dict[str, int]) -> dict[str, Any]:
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": name,
-            "choices": [],
-            "usage": usage,
-        }
-
-    return _stream_tokens(svc, handle, chunk, include_usage, usage_chunk)
+    head = {"id": rid, "object": "text_completion", "created": created, "model": svc.model.name}
+    return _stream_tokens(svc, handle, head, choice, include_usage)

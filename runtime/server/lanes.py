@@ -228,9 +228,10 @@ class LaneLoop:
             if self._stopping or self._thread is None or not self._thread.is_alive():
                 raise ServerUnavailableError("the server is shutting down; no new requests are taken")
             if self._num_inflight >= self.max_lanes + self.queue_size:
+                lanes = "the lane is" if self.max_lanes == 1 else f"all {self.max_lanes} lanes are"
+                waiting = "1 request is" if self.queue_size == 1 else f"{self.queue_size} requests are"
                 raise ServerBusyError(
-                    f"all {self.max_lanes} lanes are busy and {self.queue_size} requests are already "
-                    f"waiting; retry after {self.retry_after} s",
+                    f"{lanes} busy and {waiting} already waiting; retry after {self.retry_after} s",
                     code="queue_full",
                     headers={"Retry-After": str(self.retry_after)},
                 )

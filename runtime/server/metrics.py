@@ -9,8 +9,9 @@ speculative round has been counted, so a server with speculation off shows none 
 
 Requests and tokens:
 
-- `ignis_requests_total{endpoint, status}`: HTTP requests to /v1/chat/completions and
-  /v1/completions by HTTP status code (503s of a full queue included).
+- `ignis_requests_total{endpoint, status}`: every HTTP request to /v1/chat/completions and
+  /v1/completions by the status code it was answered with: refusals included (400, 404, 405, 413,
+  415, 503 of a full queue), and 500; 499 when a non-streamed client disconnected first.
 - `ignis_request_finished_total{finish_reason}`: requests that got a lane and ended: "stop",
   "length", "abort" (client gone, shutdown) or "error" (engine failure).
 - `ignis_prompt_tokens_total`, `ignis_generation_tokens_total`: prompt tokens of admitted requests

@@ -123,7 +123,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating past the model's end-of-sequence tokens.")
     stream: bool = Field(False, description="Stream server-sent events, one token per chunk.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
-    n: int = Field(1, ge=1, le=1, description="Number of choices; only 1 is served.")
+    n: int = Field(1, ge=1, description="Number of choices; only 1 is served (others are refused by name).")
     return_token_ids: bool = Field(
         False,
         description="Return the generated token ids in choices[0].token_ids and the prompt's in "
@@ -182,7 +182,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20, description="Not served: only null.")
     echo: bool = Field(False, description="Not served: only false.")
     suffix: str | None = Field(None, description="Not served: only null.")
-    best_of: int | None = Field(None, ge=1, le=1, description="Only 1 is served.")
+    best_of: int | None = Field(None, ge=1, description="Only 1 is served (others are refused by name).")
     add_special_tokens: bool = Field(
         True, description="Let the tokenizer add its special tokens (e.g. BOS) to a text prompt."
     )
@@ -210,29 +210,43 @@ class ChatCompletionMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    """One choice of a chat completion."""
+class _ChoiceEnd(BaseModel):
+    """The fields every choice ends with, whole or streamed, chat or text."""
 
     model_config = _RESPONSE
 
     index: int
-    message: ChatCompletionMessage
-    finish_reason: str | None = Field(description='"stop", "length" or "abort".')
+    finish_reason: str | None = Field(
+        None, description='"stop", "length" or "abort" on the last token; null before it.'
+    )
     stop_reason: int | str | None = Field(None, description="The stop token id or stop string, else null.")
     logprobs: None = None
-    token_ids: list[int] | None = Field(None, description="Generated ids (with return_token_ids).")
-    prompt_token_ids: list[int] | None = Field(None, description="Prompt ids (with return_token_ids).")
+    token_ids: list[int] | None = Field(
+        None, description="Generated ids (with return_token_ids; streamed: the chunk's token)."
+    )
 
 
-class ChatCompletionResponse(BaseModel):
-    """Body of a non-streamed chat completion."""
+class _Head(BaseModel):
+    """The fields every completion, whole or streamed, starts with."""
 
     model_config = _RESPONSE
 
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
+    created: int = Field(description="Unix time (seconds) of the request.")
     model: str
+
+
+class ChatChoice(_ChoiceEnd):
+    """One choice of a chat completion."""
+
+    message: ChatCompletionMessage
+    prompt_token_ids: list[int] | None = Field(None, description="Prompt ids (with return_token_ids).")
+
+
+class ChatCompletionResponse(_Head):
+    """Body of a non-streamed chat completion."""
+
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
@@ -246,68 +260,41 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_ChoiceEnd):
     """One choice of a streamed chunk."""
 
-    model_config = _RESPONSE
-
-    index: int
     delta: ChatDelta
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: None = None
-    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Head):
     """One server-sent event of a streamed chat completion (one token)."""
 
-    model_config = _RESPONSE
-
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_ChoiceEnd):
     """One choice of a (non-streamed or streamed) completion."""
 
-    model_config = _RESPONSE
-
-    index: int
     text: str
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = Field(
+        None, description="Prompt ids (with return_token_ids; streamed: in the first chunk)."
+    )
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Head):
     """Body of a non-streamed completion."""
 
-    model_config = _RESPONSE
-
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(_Head):
     """One server-sent event of a streamed completion (one token)."""
 
-    model_config = _RESPONSE
-
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

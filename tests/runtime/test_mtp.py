@@ -9,21 +9,21 @@ by HF's own classes (`tests/hf_tiny_hybrid.py`); the head's weights come from ma
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from hf_tiny_hybrid import FAMILIES, make_tiny_hybrid
 from safetensors.torch import load_file, save_file
 
 from ignis.runtime.drafters import DRAFTERS
-from ignis.runtime.drafters.base import CommittedSpan, DrafterError, DraftRequest
+from ignis.runtime.drafters.base import CommittedSpan, DrafterError
 from ignis.runtime.drafters.common import HiddenSizeMismatchError, MissingDrafterWeightsError
 from ignis.runtime.drafters.mtp import MTPDrafter, build_mtp_drafter, check_mtp_fits, load_mtp_checkpoint
+from ignis.runtime.drafters.testing import chi2_pvalue, draft_request, greedy_then_wrong, random_tokens
 from ignis.runtime.errors import ConfigError, StateError, TensorSetError
 from ignis.runtime.families import get_family
 from ignis.runtime.families.qwen3_5 import canonicalize_moe_tensors, mtp_tensor_shapes
@@ -31,22 +31,6 @@ from ignis.runtime.sampling import SamplingParams
 from ignis.tools.make_test_drafter import main as make_test_drafter_cli
 from ignis.tools.make_test_drafter import make_mtp_drafter
 
-
-def _load_helper():  # tests/hf_tiny_hybrid.py, by path (tests/ is not a package)
-    name = "hf_tiny_hybrid"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).resolve().parents[1] / f"{name}.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_helper = _load_helper()
-FAMILIES, make_tiny_hybrid = _helper.FAMILIES, _helper.make_tiny_hybrid
 VOCAB = 320
 GREEDY = SamplingParams(temperature=0)
 
@@ -84,7 +68,7 @@ def _drafter(t: Target, **kw) -> MTPDrafter:
 
 
 def _tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_tokens(n, seed, VOCAB)
 
 
 def _hidden(ex, tokens: list[int]) -> torch.Tensor:
@@ -95,35 +79,10 @@ def _hidden(ex, tokens: list[int]) -> torch.Tensor:
     return out.hidden_states[0]
 
 
-def _request(lane: int, tokens: list[int], k: int, params=GREEDY, seed: int = 0) -> DraftRequest:
-    return DraftRequest(
-        lane_id=lane,
-        num_drafts=k,
-        token_ids=tuple(tokens),
-        num_prompt_tokens=len(tokens) - 1,
-        params=params,
-        generator=torch.Generator().manual_seed(seed),
-    )
-
-
 def _commit_all(d: MTPDrafter, lane: int, seq: list[int], hidden: torch.Tensor) -> None:
     """Start `lane` and commit seq[:-1] in one span; seq[-1] is the anchor."""
     d.start_lane(lane, seq[:1])
     d.commit([CommittedSpan(lane, 0, tuple(seq[:-1]), tuple(seq[1:]), hidden_states=hidden[: len(seq) - 1])])
-
-
-def _chi2_pvalue(counts: torch.Tensor, q: torch.Tensor) -> float:
-    """Chi-square goodness of fit of counts [V] to probabilities q [V]; bins expecting < 5 are lumped."""
-    from scipy import stats
-
-    expected = q / q.sum() * counts.sum()
-    big = expected >= 5
-    obs = [*counts[big].tolist(), float(counts[~big].sum())]
-    exp = [*expected[big].tolist(), float(expected[~big].sum())]
-    if exp[-1] < 5:  # too few to stand alone: fold into the largest bin
-        obs[0] += obs.pop()
-        exp[0] += exp.pop()
-    return float(stats.chisquare(obs, exp).pvalue)
 
 
 # ------------------------------------------------------------------------------------------ reference
@@ -241,7 +200,7 @@ def test_forward_matches_float64_reference(target: Target) -> None:
                 )
             ]
         )
-        got = d.propose([_request(0, seq[: end + 1], 7)])[0]
+        got = d.propose([draft_request(0, seq[: end + 1], 7)])[0]
         want, margin = _reference_drafts(target, seq[: end + 1], hidden[:end], 7)
         assert margin > 1e-4
         assert got.draft_token_ids.tolist() == want and got.draft_probs is None
@@ -253,11 +212,11 @@ def test_shapes_determinism_and_batching(target: Target) -> None:
     seqs = [_tokens(n, seed=n) for n in (2, 7, 12)]
     for lane, seq in enumerate(seqs):
         _commit_all(d, lane, seq, _hidden(target.ex, seq))
-    reqs = [_request(i, s, k) for i, (s, k) in enumerate(zip(seqs, (1, 3, 7), strict=True))]
+    reqs = [draft_request(i, s, k) for i, (s, k) in enumerate(zip(seqs, (1, 3, 7), strict=True))]
     a, b = d.propose(reqs), d.propose(reqs)
     assert [p.draft_token_ids.shape for p in a] == [(1,), (3,), (7,)]
     assert [p.draft_token_ids.tolist() for p in a] == [p.draft_token_ids.tolist() for p in b]
-    alone = [d.propose([_request(i, s, 7)])[0].draft_token_ids.tolist() for i, s in enumerate(seqs)]
+    alone = [d.propose([draft_request(i, s, 7)])[0].draft_token_ids.tolist() for i, s in enumerate(seqs)]
     assert [x[:k] for x, k in zip(alone, (1, 3, 7), strict=True)] == [p.draft_token_ids.tolist() for p in a]
     assert [d.state(i).num_tokens for i in range(3)] == [1, 6, 11]  # proposing left no rows behind
 
@@ -273,8 +232,8 @@ def test_fused_and_per_expert_heads_agree(target: Target) -> None:
     for d in (a, b):
         _commit_all(d, 0, seq, h)
     assert (
-        a.propose([_request(0, seq, 5)])[0].draft_token_ids.tolist()
-        == b.propose([_request(0, seq, 5)])[0].draft_token_ids.tolist()
+        a.propose([draft_request(0, seq, 5)])[0].draft_token_ids.tolist()
+        == b.propose([draft_request(0, seq, 5)])[0].draft_token_ids.tolist()
     )
 
 
@@ -282,7 +241,7 @@ def test_bf16_forward(target: Target) -> None:
     d = _drafter(target, dtype=torch.bfloat16)
     seq = _tokens(10, seed=6)
     _commit_all(d, 0, seq, _hidden(target.ex, seq))
-    p = d.propose([_request(0, seq, 4)])[0]
+    p = d.propose([draft_request(0, seq, 4)])[0]
     assert p.draft_token_ids.shape == (4,) and d.state(0).last_hidden.dtype == torch.bfloat16
     assert torch.isfinite(d.state(0).last_hidden.float()).all()
 
@@ -292,7 +251,7 @@ def test_sampled_proposals_record_q(target: Target) -> None:
     seq = _tokens(8, seed=9)
     _commit_all(d, 0, seq, _hidden(target.ex, seq))
     hot = SamplingParams(temperature=1.3, top_p=0.9)
-    p1, p2 = (d.propose([_request(0, seq, 4, hot, seed=3)])[0] for _ in range(2))
+    p1, p2 = (d.propose([draft_request(0, seq, 4, hot, seed=3)])[0] for _ in range(2))
     assert torch.equal(p1.draft_token_ids, p2.draft_token_ids) and torch.equal(p1.draft_probs, p2.draft_probs)
     assert p1.draft_probs.shape == (4, VOCAB)
     torch.testing.assert_close(p1.draft_probs.sum(-1), torch.ones(4))
@@ -300,20 +259,6 @@ def test_sampled_proposals_record_q(target: Target) -> None:
 
 
 # ------------------------------------------------------------------------------------------ state
-
-
-def _greedy_then_wrong(ex, seq: list[int], n: int, k: int) -> list[int]:
-    """k drafts after seq (last token = anchor): the model's next n tokens, then a wrong one."""
-    probe = ex.new_lane()
-    o = ex.forward([probe], [torch.tensor(seq)], logits="last", record=False)
-    ex.commit([probe], [len(seq)])
-    nxt, truth = int(o.logits[0][-1].argmax()), []
-    for _ in range(n):
-        truth.append(nxt)
-        o = ex.forward([probe], [torch.tensor([nxt])], logits="last")
-        ex.commit([probe], [1])
-        nxt = int(o.logits[0][-1].argmax())
-    return [*truth, (nxt + 1) % VOCAB, *_tokens(k, seed=n)][:k]
 
 
 @pytest.mark.parametrize("accepts", [[0, 0, 0], [1, 0, 2, 0], [3, 3, 3]], ids=["rejected", "partial", "full"])
@@ -334,8 +279,8 @@ def test_state_after_rounds_equals_direct_commit(target: Target, accepts) -> Non
         x.commit([first])
     for n in accepts:
         pos = len(seq) - 1
-        d.propose([_request(0, seq, k)])
-        drafts = _greedy_then_wrong(ex, seq, n, k)
+        d.propose([draft_request(0, seq, k)])
+        drafts = greedy_then_wrong(ex, seq, n, k, VOCAB)
         cols = torch.tensor([seq[-1], *drafts])
         o = ex.forward([st], [cols], logits="all", output_hidden_states=True)
         arg = o.logits[0].argmax(-1).tolist()
@@ -364,12 +309,12 @@ def test_protocol_errors(target: Target) -> None:
     seq = _tokens(5, seed=2)
     h = _hidden(target.ex, seq)
     with pytest.raises(StateError, match="not started"):
-        d.propose([_request(3, seq, 2)])
+        d.propose([draft_request(3, seq, 2)])
     _commit_all(d, 0, seq, h)
     with pytest.raises(StateError, match="commit was missed"):
-        d.propose([_request(0, [*seq, 1], 2)])
+        d.propose([draft_request(0, [*seq, 1], 2)])
     with pytest.raises(StateError, match="commit was missed"):  # right position, wrong anchor
-        d.propose([_request(0, [*seq[:-1], (seq[-1] + 1) % VOCAB], 2)])
+        d.propose([draft_request(0, [*seq[:-1], (seq[-1] + 1) % VOCAB], 2)])
     with pytest.raises(StateError, match="starts at position 2"):
         d.commit([CommittedSpan(0, 2, (1,), (2,), hidden_states=h[:1])])
     with pytest.raises(DrafterError, match="without hidden states"):
@@ -482,14 +427,16 @@ def test_sampled_drafts_follow_q(target: Target) -> None:
     hot = SamplingParams(temperature=3.0, top_k=40)
     first, q0, by_prefix = [], None, {}
     for rep in range(4):
-        for p in d.propose([_request(lane, seq, 2, hot, seed=rep * lanes + lane) for lane in range(lanes)]):
+        for p in d.propose(
+            [draft_request(lane, seq, 2, hot, seed=rep * lanes + lane) for lane in range(lanes)]
+        ):
             first.append(int(p.draft_token_ids[0]))
             q0 = p.draft_probs[0] if q0 is None else q0
             torch.testing.assert_close(p.draft_probs[0], q0)
             torch.testing.assert_close(p.draft_probs[1], by_prefix.setdefault(first[-1], p.draft_probs[1]))
     assert int((q0 > 0).sum()) == 40  # top-k applied to q
     counts = torch.bincount(torch.tensor(first), minlength=VOCAB).double()
-    assert _chi2_pvalue(counts, q0.double()) > 1e-4
+    assert chi2_pvalue(counts, q0.double()) > 1e-4
     assert len(by_prefix) > 1
 
 
@@ -502,5 +449,5 @@ def test_cuda_matches_cpu(target: Target) -> None:
     for dev in ("cpu", "cuda"):
         d = _drafter(target, device=dev)
         _commit_all(d, 0, seq, h)
-        outs.append(d.propose([_request(0, seq, 5)])[0].draft_token_ids.cpu().tolist())
+        outs.append(d.propose([draft_request(0, seq, 5)])[0].draft_token_ids.cpu().tolist())
     assert outs[0] == outs[1]

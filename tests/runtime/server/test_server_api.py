@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -64,9 +66,27 @@ def test_openapi_schema_lists_the_endpoints(client: httpx.Client) -> None:
 
 def test_unknown_path_and_method(client: httpx.Client) -> None:
     r = client.get("/v1/nothing")
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == "there is no endpoint /v1/nothing; the API is listed at /docs"
     r = client.get("/v1/completions")
-    assert r.status_code == 405 and "error" in r.json()
+    assert r.status_code == 405
+    assert r.json()["error"]["message"] == "GET is not allowed on /v1/completions; use POST"
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_that_is_not_declared_json_gets_415(client: httpx.Client, content_type: str | None) -> None:
+    """curl -d without -H sends a form type: the client is told what to send (the body is not parsed, so a
+    browser form cannot post to a TCP listener)."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = client.post("/v1/completions", content=b'{"prompt": [1, 2], "max_tokens": 2}', headers=headers)
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_media_type" and "application/json" in err["message"]
+    ok = {"content-type": "application/json; charset=utf-8"}
+    assert (
+        client.post("/v1/completions", content=b'{"prompt": [1], "max_tokens": 1}', headers=ok).status_code
+        == 200
+    )
 
 
 # ---------------------------------------------------------------- completions
@@ -326,6 +346,7 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
     (b'{"prompt": "x", "stop": [""]}', 400, None),
     (b'{"prompt": "x", "n": 2}', 400, "n"),
+    (b'{"prompt": "x", "stream_options": {"include_usage": true}}', 400, "stream_options"),
     (b'{"prompt": "x", "logprobs": 3}', 400, "logprobs"),
     (b'{"prompt": "x", "echo": true}', 400, "echo"),
     (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty"),
@@ -354,7 +375,234 @@ def test_bad_completion_requests_get_openai_errors(
 def test_prompt_too_long_says_context_length_exceeded(client: httpx.Client) -> None:
     r = client.post("/v1/completions", json={"prompt": [3] * 256})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert client.post("/v1/completions", json={"prompt": [3] * 255, "max_tokens": 5}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": [3] * 255, "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/v1/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_completion_tokens"),
+    ],
+)
+def test_max_tokens_past_the_context_is_refused_naming_both_numbers(
+    client: httpx.Client, path: str, field: str
+) -> None:
+    """prompt + max_tokens > context (256) is a 400 naming the context, the prompt and the output
+    numbers (as vLLM does), never a silent clamp; exactly filling the context is served."""
+    if path == "/v1/completions":
+        body: dict = {"prompt": [3] * 250, "temperature": 0, "ignore_eos": True}
+        num_prompt = 250
+    else:
+        body = {"messages": [{"role": "user", "content": "abc"}], "temperature": 0, "ignore_eos": True}
+        num_prompt = len(
+            TOK.encode(
+                TOK.apply_chat_template(body["messages"], add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+        )
+    room = 256 - num_prompt
+    r = client.post(path, json={**body, field: room + 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == field
+    for number in (256, num_prompt, room + 1, num_prompt + room + 1, room):
+        assert str(number) in err["message"], (number, err["message"])
+    r = client.post(path, json={**body, field: room})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == room
+
+
+def test_completion_default_max_tokens_stops_at_the_context_end(client: httpx.Client) -> None:
+    """The default 16 is not the client's ask: near the context end it ends there ("length")."""
+    r = client.post("/v1/completions", json={"prompt": [3] * 250, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_refused_max_tokens_leaves_the_other_lanes_serving(server: Running) -> None:
+    prompt = [5, 9, 13]
+    want, _ = reference(prompt, temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def main() -> tuple[list[int], int]:
+        async with server.async_client() as ac:
+
+            async def stream() -> list[int]:
+                body = {
+                    "prompt": prompt,
+                    "max_tokens": 60,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "return_token_ids": True,
+                }
+                ids: list[int] = []
+                async with ac.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            ids.extend(json.loads(line[6:])["choices"][0]["token_ids"])
+                return ids
+
+            async def refused() -> int:
+                await asyncio.sleep(0.05)
+                r = await ac.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1000})
+                return r.status_code
+
+            got, status = await asyncio.gather(stream(), refused())
+            return got, status
+
+    got, status = asyncio.run(main())
+    assert status == 400
+    assert got == want
+
+
+# (body, the exact message, param): every 4xx message names the field as the client wrote it, what is
+# allowed and what was sent, in the client's words.
+ERROR_WORDING = [
+    (b'{"prompt": "x", "max_tokens": "7"}', "max_tokens must be an integer, got a string", "max_tokens"),
+    (b'{"prompt": [1, -2]}', "prompt[1] must be >= 0, got -2", "prompt[1]"),
+    (
+        b'{"prompt": {"a": 1}}',
+        "prompt must be a text, a list of token ids (integers >= 0), or a list holding exactly one of "
+        "these, got an object",
+        "prompt",
+    ),
+    (b'{"prompt": "x", "stop": [""]}', "stop[0] must not be empty", "stop[0]"),
+    (
+        b'{"prompt": "x", "stop": 5}',
+        "stop must be a string or a list of strings (1 to 256 characters each), got an integer",
+        "stop",
+    ),
+    (b'{"prompt": "x", "top_p": 1.5}', "top_p must be <= 1, got 1.5", "top_p"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream must be true or false, got a string", "stream"),
+    (b'{"prompt": "x", "temperature": NaN}', "temperature must be a finite number", "temperature"),
+    (b"[1]", "the request body must be a JSON object", None),
+    (b'{"prompt": "x"', "the request body is not valid JSON (Expecting ',' delimiter at character 14)", None),
+    (b'{"prompt": "\xff"}', "the request body could not be read as JSON (it must be UTF-8 text)", None),
+    (
+        b'{"prompt": "x", "n": 3}',
+        "n = 3 is not supported: one choice per request is served (n = 1); send separate requests for more",
+        "n",
+    ),
+    (
+        b'{"prompt": "x", "best_of": 2}',
+        "best_of = 2 is not supported: only best_of 1 (or null) is served",
+        "best_of",
+    ),
+]
+CHAT_ERROR_WORDING = [
+    ({"messages": []}, "messages must not be empty", "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role is required", "messages[0].role"),
+    (
+        {"messages": [{"role": "user", "content": 5}]},
+        'messages[0].content must be a string, a list of text parts ({"type": "text", "text": "..."}), '
+        "or null, got an integer",
+        "messages[0].content",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"text": "x"}]}]},
+        "messages[0].content[0].type is required",
+        "messages[0].content[0].type",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]},
+        'messages[0].content[1] must be a text part {"type": "text", "text": "..."} (the model reads text '
+        "only), got type 'image_url'",
+        "messages[0].content[1]",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": 1, "messages": 2}},
+        "chat_template_kwargs may not set messages, tools: use the request's own fields",
+        "chat_template_kwargs",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": 5},
+        'tool_choice must be "none", "auto", or an object, got an integer',
+        "tool_choice",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "stream_options": 5},
+        "stream_options must be a JSON object, got an integer",
+        "stream_options",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+        "top_logprobs are not supported: only 0 or null is served",
+        "top_logprobs",
+    ),
+]
+_INTERNALS = re.compile(
+    r"constrained|\[[A-Za-z]|\bstr\b|TextContentPart|Input should|Error\b|<class|\bdict\b|loc"
+)
+
+
+@pytest.mark.parametrize(("body", "message", "param"), ERROR_WORDING)
+def test_completion_error_messages_are_in_the_clients_words(
+    client: httpx.Client, body: bytes, message: str, param: str | None
+) -> None:
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == message
+    assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("body", "message", "param"), CHAT_ERROR_WORDING)
+def test_chat_error_messages_are_in_the_clients_words(
+    client: httpx.Client, body: dict, message: str, param: str
+) -> None:
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == message
+    assert r.json()["error"]["param"] == param
+
+
+def test_deep_nesting_is_a_400_never_a_500(client: httpx.Client) -> None:
+    """Deep JSON the parser reads, in a field handed to the chat template, is refused by name past
+    MAX_NESTING levels (the template's helpers recurse: it used to be a RecursionError, a 500); JSON too
+    deep to parse at all is a 400 that says so."""
+    from ignis.runtime.server.app import MAX_NESTING
+
+    def nested(levels: int) -> list:
+        return json.loads("[" * levels + "]" * levels)
+
+    user = {"role": "user", "content": "x"}
+    ok = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{**user, "tool_calls": nested(MAX_NESTING)}], "max_tokens": 1},
+    )
+    assert ok.status_code == 200, ok.text
+    for body, param in (
+        ({"messages": [user, {**user, "tool_calls": nested(MAX_NESTING + 1)}]}, "messages[1].tool_calls"),
+        ({"messages": [{**user, "tool_calls": nested(900)}]}, "messages[0].tool_calls"),
+        ({"messages": [user], "chat_template_kwargs": {"a": nested(900)}}, "chat_template_kwargs"),
+        ({"messages": [user], "tools": [{"type": "function", "f": nested(900)}]}, "tools"),
+    ):
+        r = client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        assert (
+            r.json()["error"]["message"]
+            == f"{param} nests lists and objects more than {MAX_NESTING} levels deep"
+        )
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = client.post("/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "the request body nests lists and objects too deeply to be read"
+
+
+def test_no_4xx_message_quotes_internals(client: httpx.Client) -> None:
+    """Every refusal the tests send: no pydantic union tags, class names or exception reprs."""
+    sent = [("/v1/completions", body) for body, _, _ in BAD_COMPLETIONS]
+    sent += [("/v1/chat/completions", json.dumps(body).encode()) for body in BAD_CHATS]
+    for path, body in sent:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, r.text
+        message = r.json()["error"]["message"]
+        assert not _INTERNALS.search(message), message
+        param = r.json()["error"]["param"]
+        assert param is None or not _INTERNALS.search(param), param
 
 
 BAD_CHATS = [
@@ -441,6 +689,63 @@ def test_a_body_over_the_limit_gets_413(client: httpx.Client) -> None:
     assert client.get("/health").status_code == 200
 
 
+def _requests_counted(client: httpx.Client) -> dict[tuple[str, str], float]:
+    out = {}
+    for line in client.get("/metrics").text.splitlines():
+        m = re.match(r'ignis_requests_total\{endpoint="([^"]+)",status="(\d+)"\} (\S+)', line)
+        if m:
+            out[(m[1], m[2])] = float(m[3])
+    return out
+
+
+def test_every_refused_request_is_counted(client: httpx.Client, monkeypatch) -> None:
+    """ignis_requests_total{endpoint,status} counts every answer of a generation endpoint: 413 (by
+    Content-Length, and while reading a chunked body), 415, 400, 404, 405, and a 500 from a fault (which
+    leaves the connection usable)."""
+    from ignis.runtime.server.app import MAX_BODY_BYTES
+    from ignis.runtime.tokenizer import Tokenizer
+
+    before = _requests_counted(client)
+    big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 10) + b'"}'
+    json_type = {"content-type": "application/json"}
+    assert client.post("/v1/completions", content=big, headers=json_type).status_code == 413
+    chunks = (big[i : i + (1 << 22)] for i in range(0, len(big), 1 << 22))
+    assert client.post("/v1/completions", content=chunks, headers=json_type).status_code == 413
+    assert (
+        client.post("/v1/completions", content=b"{}", headers={"content-type": "text/plain"}).status_code
+        == 415
+    )
+    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+    assert (
+        client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "model": "nope"}
+        ).status_code
+        == 404
+    )
+    assert client.get("/v1/chat/completions").status_code == 405
+
+    def broken(*_a, **_k):
+        raise RuntimeError("a fault inside the server")
+
+    monkeypatch.setattr(Tokenizer, "encode", broken)
+    r = client.post("/v1/completions", json={"prompt": "abc"})
+    assert r.status_code == 500 and "RuntimeError" not in r.text and "fault" not in r.text
+    monkeypatch.undo()
+    # The 500 left the keep-alive connection usable: the next request on it is served.
+    assert client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}).status_code == 200
+    after = _requests_counted(client)
+    want = {
+        ("/v1/completions", "413"): 2,
+        ("/v1/completions", "415"): 1,
+        ("/v1/completions", "500"): 1,
+        ("/v1/chat/completions", "400"): 1,
+        ("/v1/chat/completions", "404"): 1,
+        ("/v1/chat/completions", "405"): 1,
+    }
+    for key, n in want.items():
+        assert after.get(key, 0) - before.get(key, 0) == n, (key, before, after)
+
+
 def test_a_huge_text_prompt_is_refused_without_tokenizing(client: httpx.Client, monkeypatch) -> None:
     """Megabytes of text are refused from a byte-count bound before the tokenizer runs (tokenizing
     them would hold the GIL for seconds and stall every other lane)."""
@@ -451,8 +756,10 @@ def test_a_huge_text_prompt_is_refused_without_tokenizing(client: httpx.Client, 
 
     monkeypatch.setattr(Tokenizer, "encode", no_encode)
     big = "x" * 4_000_000
-    for path, body in (("/v1/completions", {"prompt": big}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": big}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}),
+    ):
         r = client.post(path, json=body)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "context_length_exceeded", r.text

@@ -19,7 +19,6 @@ from server_helpers import serve, short_tmpdir
 from ignis.runtime import cli
 from ignis.runtime.profiles import SpecDefaults
 from ignis.runtime.sampling import SamplingParams
-from ignis.runtime.server.runner import IgnisServer
 
 build = pytest.importorskip("ignis.compiler.build")
 pytest.importorskip("transformers")
@@ -123,20 +122,6 @@ def test_executor_and_drafter_run_the_artifacts_compiled_linears(artifact: Path)
         finally:
             if model.close is not None:
                 model.close()
-
-
-@pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> list[IgnisServer]:
-    servers: list[IgnisServer] = []
-
-    def fake_run(self: IgnisServer) -> None:
-        servers.append(self)
-        self._release_sockets()
-
-    monkeypatch.setattr(IgnisServer, "run", fake_run)
-    level = logging.getLogger().level
-    yield servers
-    logging.getLogger().setLevel(level)
 
 
 def test_cli_takes_the_manifests_profile_defaults(artifact: Path, captured, caplog) -> None:  # type: ignore[no-untyped-def]

@@ -19,27 +19,10 @@ from click.testing import CliRunner
 from server_helpers import BASE_URL, serve, short_tmpdir
 
 from ignis.runtime import cli
-from ignis.runtime.server.runner import IgnisServer
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parents[1]
 FACTORY = "toy_model:from_env"
-
-
-@pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> list[IgnisServer]:
-    """Stub the serving loop: record the server that would run, release its sockets."""
-    servers: list[IgnisServer] = []
-
-    def fake_run(self: IgnisServer) -> None:
-        servers.append(self)
-        self._release_sockets()
-
-    monkeypatch.setattr(IgnisServer, "run", fake_run)
-    root = logging.getLogger()
-    level = root.level
-    yield servers
-    root.setLevel(level)
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> object:

@@ -211,6 +211,9 @@ def test_full_queue_gets_503_with_retry_after_and_waiters_are_served() -> None:
                 assert third.status_code == 503
                 assert third.headers["retry-after"] == "7"
                 assert third.json()["error"]["code"] == "queue_full"
+                assert third.json()["error"]["message"] == (
+                    "the lane is busy and 1 request is already waiting; retry after 7 s"
+                )
                 r1, r2 = await first, await second
                 assert r1.status_code == r2.status_code == 200
                 assert r2.json()["usage"]["completion_tokens"] == 5

@@ -30,6 +30,14 @@ from ignis.runtime.server.metrics import ServerMetrics
 from ignis.runtime.server.model import ModelSettings
 
 FUZZ_EXAMPLES = int(os.environ.get("IGNIS_FUZZ_EXAMPLES", "30"))
+# Both fuzzers: reproducible (derandomized, no example database), no deadline on a shared CPU.
+FUZZ_SETTINGS = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+    database=None,
+)
 SPEC = SpecDefaults("dflash2", 2)
 CONTEXT = 48  # short outputs keep every example fast
 
@@ -69,13 +77,7 @@ def test_served_schema_is_the_fuzzed_schema(fuzz_client: httpx.Client) -> None:
 
 
 @schema.parametrize()
-@settings(
-    max_examples=FUZZ_EXAMPLES,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=True,
-    database=None,
-)
+@FUZZ_SETTINGS
 def test_api_never_fails_with_a_server_error(case: schemathesis.Case, fuzz_client: httpx.Client) -> None:
     kwargs = case.as_transport_kwargs(base_url="http://ignis")
     request = fuzz_client.build_request(
@@ -123,13 +125,7 @@ VALID_COMPLETION = st.fixed_dictionaries(
 
 
 @given(body=VALID_COMPLETION)
-@settings(
-    max_examples=FUZZ_EXAMPLES,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=True,
-    database=None,
-)
+@FUZZ_SETTINGS
 def test_valid_completions_are_served_consistently(fuzz_client: httpx.Client, body: dict) -> None:
     r = fuzz_client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
