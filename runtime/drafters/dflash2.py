@@ -104,6 +104,7 @@ from ignis.runtime.families.base import FamilyConfig
 from ignis.runtime.families.moe import SwiGLUWeights, swiglu_mlp
 from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader
 from ignis.runtime.sampling import logits_to_probs
+from ignis.runtime.topk import TopKModule, topk
 
 __all__ = [
     "DFlash2Config",
@@ -962,6 +963,9 @@ class DFlash2Drafter(BaseDrafter):
     name = "dflash2"
     is_row_budgeted = False
     needs_hidden_states = False
+    #: The compiled top-k (`ignis.runtime.topk.load_topk_module`) the selector walk uses on CUDA;
+    #: None: torch, with the same tie rule (ties to the smaller id).
+    topk_module: TopKModule | None = None
 
     def __init__(
         self,
@@ -1193,7 +1197,8 @@ class DFlash2Drafter(BaseDrafter):
     ) -> list[DraftProposal]:
         net = self.network
         top_k = min(self.config.selector_top_k, logits.shape[-1])
-        unary, idx = torch.topk(logits, top_k, dim=-1)  # [N, kmax, K], descending
+        # [N, kmax, K], descending, ties to the smaller id; the compiled kernel when one is attached
+        unary, idx = topk(logits, top_k, module=self.topk_module)
         cand = self._to_vocab(idx)
         prev = anchors.clone()
         drafts: list[list[int]] = [[] for _ in requests]
