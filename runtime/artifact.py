@@ -277,6 +277,9 @@ class Artifact:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         linear: LinearBackend | None = None,
+        cuda_graphs: bool | None = None,
+        max_lanes: int | None = None,
+        max_context: int | None = None,
     ) -> Executor:
         """Build the family's executor over the artifact's weights.
 
@@ -286,8 +289,37 @@ class Artifact:
             linear: the linear hook; passed to the family's `make_executor` when it accepts a `linear`
                 argument (then q4 weights stay `Q4Weight`), else ignored with a warning (the executor
                 then runs torch linears over dequantized weights).
+            cuda_graphs: hybrid families (qwen3_5, qwen3_next, ...) on a CUDA device: build the
+                `StaticHybridExecutor` (pooled lane buffers, verify rounds replayed from CUDA graphs;
+                MoE configs run its static path eagerly). None (default) = on for CUDA; False = the
+                eager `HybridExecutor`. Other families and CPU devices ignore it (True on a CPU device
+                raises ValueError).
+            max_lanes: lane slots of the static executor's pools (default 8; more lanes grow them).
+            max_context: tokens per lane of the static executor's pools (default: min(the model's
+                max_position_embeddings, 8192)); `SpeculativeEngine` caps its context to it.
+
+        Raises:
+            ValueError: cuda_graphs=True on a CPU device, or bad pool sizes.
         """
         dtype = dtype or self.default_dtype()
+        on_cuda = torch.device(device).type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got {device}")
+        from ignis.runtime.families.qwen3_5 import HybridConfig
+
+        if isinstance(self.config, HybridConfig) and on_cuda and cuda_graphs is not False:
+            from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+
+            weights = self.target_weights(dtype=dtype, device=device, keep_q4=linear is not None)
+            return StaticHybridExecutor(
+                self.config,
+                weights,
+                device=device,
+                dtype=dtype,
+                linear=linear,
+                max_lanes=max_lanes or 8,
+                max_context=max_context,
+            )
         params = inspect.signature(self.family.make_executor).parameters
         accepts = "linear" in params
         if linear is not None and not accepts:

@@ -27,6 +27,7 @@ _DEFAULTS: dict[str, Any] = {
     "retry_after": 1,
     "shutdown_timeout": 30.0,
     "log_level": "info",
+    "cuda_graphs": True,
 }
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -129,7 +130,14 @@ def run_command(opts: dict[str, Any]) -> None:
     head = resolved.spec.draft_head if resolved.spec.backend in ("dflash2", "mtp") else "none"
     logging.getLogger("ignis.runtime.draft_head").info("proposal head: %s; %s", head, resolved.describe())
     logger.info("loading %s (context %s)", served_name, max_context or "the model's own")
-    model = source.load(ModelSettings(spec=resolved.spec, max_context=max_context, device=pick("device")))
+    model = source.load(
+        ModelSettings(
+            spec=resolved.spec,
+            max_context=max_context,
+            device=pick("device"),
+            cuda_graphs=bool(pick("cuda_graphs")),
+        )
+    )
     if served_name != model.name:
         model.aliases = (*model.aliases, model.name)
         model.name = served_name
@@ -238,8 +246,8 @@ def run_command(opts: dict[str, Any]) -> None:
     "--model-max-context",
     type=click.IntRange(min=2),
     metavar="TOKENS",
-    help="Context limit per request in tokens (prompt + output); a longer prompt gets 400. "
-    "[default: the model's]",
+    help="Context limit per request in tokens (prompt + output); a longer prompt, or a max_tokens "
+    "past it, gets 400. [default: the model's]",
 )
 @click.option(
     "--profile",
@@ -249,6 +257,13 @@ def run_command(opts: dict[str, Any]) -> None:
 )
 @click.option(
     "--device", metavar="DEVICE", help="Torch device to load on (cuda, cuda:1, cpu). [default: the loader's]"
+)
+@click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    default=None,
+    help="On CUDA, run verify rounds of the hybrid families (qwen3_5, qwen3_next) from CUDA graphs "
+    "over fixed-capacity lane buffers sized by --lanes and --model-max-context (8192 tokens when "
+    "neither is set and the model allows more). [default: on]",
 )
 @click.option(
     "--log-level",

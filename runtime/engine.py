@@ -139,7 +139,9 @@ class SpeculativeEngine:
         eos_token_ids: the model's end-of-sequence ids (a lane stops on them unless `ignore_eos`).
         detokenize: output token ids -> text, needed for requests with stop strings.
         max_context: context limit in tokens (prompt + output); defaults to the executor config's
-            `max_position_embeddings` (unlimited if it has none) and may not exceed it.
+            `max_position_embeddings` (unlimited if it has none), or the executor's own `max_context`
+            attribute when smaller (fixed-capacity lane buffers), and may not exceed either. An
+            executor with a `release_lane(state)` method gets each finished lane's state back.
         max_lanes: most lanes decoding at once (others wait, first come first served); None = no limit.
         device: where column tensors and lane generators live; defaults to `executor.device` if the
             executor has one, else CPU.
@@ -179,11 +181,15 @@ class SpeculativeEngine:
             max_lanes=max_lanes,
         )
         model_max = getattr(executor.config, "max_position_embeddings", None)
+        pool_max = getattr(executor, "max_context", None)  # executors with fixed-capacity lane buffers
+        if isinstance(pool_max, int):
+            model_max = pool_max if model_max is None else min(model_max, pool_max)
         if max_context is None:
             max_context = model_max
         elif model_max is not None and max_context > model_max:
             raise ConfigError(
-                f"max_context {max_context} exceeds the model's max_position_embeddings {model_max}"
+                f"max_context {max_context} exceeds the model's max_position_embeddings or the "
+                f"executor's max_context ({model_max})"
             )
         if max_context is not None and max_context < 2:
             raise ConfigError(
@@ -505,6 +511,9 @@ class SpeculativeEngine:
         return rejection_sample(drafts, target_probs, q, lane.random.generator(logits.device))
 
     def _finish(self, lane: _Lane) -> None:
+        release = getattr(self.executor, "release_lane", None)
+        if lane.state is not None and release is not None:
+            release(lane.state)  # executors with pooled lane slots take the slot back now
         lane.state = None
         s = lane.stops
         assert s.finish_reason is not None

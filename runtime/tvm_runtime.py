@@ -23,6 +23,7 @@ from .errors import IgnisRuntimeError
 
 __all__ = [
     "TvmRuntimeError",
+    "capture",
     "find_runtime_lib_dir",
     "load_module",
     "load_tvm_runtime",
@@ -138,5 +139,26 @@ def torch_stream(context: Any = None) -> Iterator[None]:
     """
     import tvm_ffi
 
+    with tvm_ffi.use_torch_stream(context):
+        yield
+
+
+@contextmanager
+def capture(graph: Any, *, pool: Any = None) -> Iterator[None]:
+    """Capture a CUDA graph with tvm-ffi calls launched on the capture stream.
+
+    ``graph``: a ``torch.cuda.CUDAGraph``; ``pool``: a ``torch.cuda.graph_pool_handle()`` to share
+    (None: the graph's own). Without the ``tvm_ffi`` package (no compiled modules can run then) this
+    is plain ``torch.cuda.graph``.
+    """
+    import torch
+
+    context = torch.cuda.graph(graph, pool=pool)
+    try:
+        import tvm_ffi
+    except ImportError:
+        with context:
+            yield
+        return
     with tvm_ffi.use_torch_stream(context):
         yield

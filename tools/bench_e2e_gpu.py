@@ -2,6 +2,7 @@
 
     python3 tools/bench_e2e_gpu.py --mods DIR [--out DIR] [--budget-s 280] [--tokens 64]
     python3 tools/bench_e2e_gpu.py --tiny            # CPU plumbing check at toy sizes
+    python3 tools/bench_e2e_gpu.py --mods DIR --graphs-only --budget-s 150   # graphed rounds first
 
 The model is the public Qwen3.5-27B text config (hidden 5120, 64 layers, 3 Gated DeltaNet : 1 gated
 attention, 24 query / 4 KV heads of 256, GDN 16 key / 48 value heads of 128, conv 4, intermediate
@@ -12,6 +13,11 @@ route's linears are the exact dequantization of the same codes, so both routes r
 
 Phases (in priority order; each is skipped, and said so, when the time budget is spent):
 
+0. Graphed route (`--no-graphs` skips it): `StaticHybridExecutor` (runtime/families/hybrid_graphs.py)
+   over the same backend, rounds replayed from CUDA graphs. Per width R (1 lane, R columns, one
+   executor with max_columns = the widest R): round time, the first call's time (warm-up + capture)
+   and max |logits - eager HybridExecutor's|; then decode as in 2 (8 lane slots, 8 columns), each run
+   twice (the first captures; the second is reported, first_wall_s kept).
 1. Q4 compiled route: `HybridExecutor(bf16, linear=LinearBackend(CompiledLinears(...)))` over the
    carried sm_90 bundle (`--mods`: `q4_e2e_sm90.so` + `manifest.json` mapping (width, N, K) to an
    export; every width 1..8, 16, 32). Per width R: the linears of one forward alone (eager through
@@ -75,6 +81,7 @@ import torch  # noqa: E402
 from ignis.runtime.drafters.testing import right_with_probability  # noqa: E402
 from ignis.runtime.engine import SpeculativeEngine  # noqa: E402
 from ignis.runtime.families.hybrid_executor import HybridExecutor  # noqa: E402
+from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor  # noqa: E402
 from ignis.runtime.families.qwen3_5 import Qwen3_5TextConfig, tensor_shapes  # noqa: E402
 from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight  # noqa: E402
 from ignis.runtime.sampling import SamplingParams  # noqa: E402
@@ -313,6 +320,97 @@ def bench_rounds(
     return res
 
 
+def bench_graph_rounds(
+    ex: StaticHybridExecutor,
+    ref: HybridExecutor,
+    dev: torch.device,
+    widths: tuple[int, ...],
+    reps: int,
+    vocab: int,
+) -> dict:
+    """Per width R: ms of one graphed round (1 lane, R columns, forward(record=True) + commit(0)),
+    the capture's cost (first call), and max |logits - eager HybridExecutor's| for that round."""
+    gen = torch.Generator().manual_seed(7)
+    st, rs = ex.new_lane(), ref.new_lane()
+    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).to(dev)
+    for e, lane in ((ex, st), (ref, rs)):
+        e.forward([lane], [prompt], logits="last", record=False)
+        e.commit([lane], [PROMPT_LEN])
+    res: dict[str, Any] = {}
+    for r in widths:
+        if r > ex.max_columns:
+            continue
+        cols = torch.randint(0, vocab, (r,), generator=gen).to(dev)
+
+        def rnd(cols: torch.Tensor = cols) -> torch.Tensor:
+            out = ex.forward([st], [cols], logits="all", record=True)
+            ex.commit([st], [0])
+            return out.logits[0]
+
+        sync(dev)
+        t = time.perf_counter()
+        got = rnd()  # warm-up + capture + first replay
+        sync(dev)
+        first_ms = (time.perf_counter() - t) * 1e3
+        want = ref.forward([rs], [cols], logits="all", record=True).logits[0]
+        ref.commit([rs], [0])
+        row = {
+            "graph_ms": med(timed(rnd, dev, reps=reps, warmup=1)),
+            "first_call_ms": round(first_ms, 1),
+            "max_abs_diff_vs_eager": round(float((got - want).abs().max()), 4),
+            "argmax_equal_vs_eager": f"{int((got.argmax(-1) == want.argmax(-1)).sum())}/{r}",
+        }
+        res[str(r)] = row
+        log(f"  graphed round R={r}: {row}")
+    ex.release_lane(st)
+    return res
+
+
+def decode_twice(ex: Any, prompts: list[list[int]], tokens: int, drafter_fn: Any = None) -> dict:
+    """`decode` run twice with fresh drafters: the first captures the graphs (its wall time is
+    reported as first_wall_s), the second replays them."""
+    first = decode(ex, prompts, tokens, drafter_fn() if drafter_fn else None)
+    out = decode(ex, prompts, tokens, drafter_fn() if drafter_fn else None)
+    out["first_wall_s"] = first["wall_s"]
+    out["same_as_first"] = first["outputs"] == out["outputs"]
+    return out
+
+
+def graphed_decode_suite(
+    ex: Any, prompts8: list[list[int]], tokens: int, vocab: int, budget: Budget, ps: tuple[float, ...]
+) -> dict:
+    res: dict[str, Any] = {}
+    for lanes in (1, 8):
+        prompts = prompts8[:lanes]
+        key = f"{lanes}lane_off"
+        if budget.left() < 15:
+            res[key] = "skipped: time"
+            continue
+        off = decode_twice(ex, prompts, tokens)
+        res[key] = off
+        log(f"  graphed {key}: { ({k: v for k, v in off.items() if k != 'outputs'}) }")
+        refs = {tuple(p): o for p, o in zip(prompts, off["outputs"], strict=True)}
+        for p in ps:
+            key = f"{lanes}lane_p{p:g}"
+            if budget.left() < 15:
+                res[key] = "skipped: time"
+                continue
+
+            def mk(p: float = p, refs: dict = refs) -> Any:
+                return right_with_probability(refs, p, vocab_size=vocab, seed=11)
+
+            on = decode_twice(ex, prompts, tokens, mk)
+            same = sum(a == b for a, b in zip(on["outputs"], off["outputs"], strict=True))
+            on["expected_tokens_per_round"] = round((1 - p**8) / (1 - p), 3)
+            on["outputs_equal_to_off"] = f"{same}/{lanes}"
+            res[key] = on
+            log(f"  graphed {key}: { ({k: v for k, v in on.items() if k != 'outputs'}) }")
+    for v in res.values():
+        if isinstance(v, dict):
+            v.pop("outputs", None)
+    return res
+
+
 # ------------------------------------------------------------------------------------------ decode
 
 
@@ -455,6 +553,10 @@ def hf_bench(
 # ------------------------------------------------------------------------------------------ main
 
 
+class _Skip(Exception):
+    pass
+
+
 def fmt(x: Any) -> str:
     if isinstance(x, float):
         return f"{x:.2f}"
@@ -471,6 +573,13 @@ def main() -> int:
     ap.add_argument("--hf-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument(
+        "--graphs-only",
+        action="store_true",
+        help="graphed phase, eager rounds per width and the linears' kernel time only "
+        "(no eager decode, no bf16 route, no HF)",
+    )
+    ap.add_argument("--no-graphs", action="store_true", help="skip the graphed phase")
     args = ap.parse_args()
     budget = Budget(args.budget_s)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -517,19 +626,60 @@ def main() -> int:
         compiled = None
     res["compiled_functions"] = len(compiled) if compiled is not None else 0
     backend = LinearBackend(compiled)
+    gr: dict[str, Any] = {}
+    if not args.no_graphs:
+        try:
+            ctx = PROMPT_LEN + 2 * tokens + 64
+            ref = HybridExecutor(cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend)
+            wide = StaticHybridExecutor(
+                cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
+                max_lanes=1, max_columns=max(widths), max_context=ctx,
+            )  # fmt: skip
+            gr["cuda_graphs"] = wide.cuda_graphs
+            log(f"graphed route (cuda_graphs={wide.cuda_graphs}): rounds per width")
+            gr["rounds"] = bench_graph_rounds(wide, ref, dev, widths, args.reps, vocab)
+            gr["captures_rounds"] = wide.num_captures
+            del wide
+            gc.collect()
+            save()
+            lanes8 = StaticHybridExecutor(
+                cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
+                max_lanes=8, max_columns=8, max_context=ctx,
+            )  # fmt: skip
+            log("graphed route: decode")
+            gr["decode"] = graphed_decode_suite(lanes8, prompts8, tokens, vocab, budget, ps)
+            gr["captures_decode"] = lanes8.num_captures
+            gr["replays_decode"] = lanes8.num_replays
+            if dev.type == "cuda":
+                gr["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+            del lanes8, ref
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as exc:
+            gr["error"] = traceback.format_exc()[-3000:]
+            log(f"graphed phase failed: {exc}")
+        res["graphs"] = gr
+        save()
     q4 = {}
     try:
         ex = HybridExecutor(cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend)
-        log("Q4 route: linears per width")
-        q4["linears"] = bench_linears(ex, dev, widths, args.reps, graph=False)
-        q4["route_counts_after_linears"] = dict(backend.counts)
-        save()
+        if args.graphs_only:
+            res["not_done"].append("q4 eager linears (--graphs-only)")
+        else:
+            log("Q4 route: linears per width")
+            q4["linears"] = bench_linears(ex, dev, widths, args.reps, graph=False)
+            q4["route_counts_after_linears"] = dict(backend.counts)
+            save()
         log("Q4 route: rounds per width")
         q4["rounds"] = bench_rounds(ex, dev, widths, args.reps, vocab)
         res["q4"] = q4
         save()
-        log("Q4 route: decode")
-        q4["decode"] = decode_suite(ex, prompts8, tokens, vocab, budget, "q4", ps)
+        if args.graphs_only:
+            res["not_done"].append("q4 eager decode (--graphs-only)")
+        else:
+            log("Q4 route: decode")
+            q4["decode"] = decode_suite(ex, prompts8, tokens, vocab, budget, "q4", ps)
         q4["route_counts"] = dict(backend.counts)
         save()
         if (
@@ -537,7 +687,7 @@ def main() -> int:
         ):  # last in this phase: a failed capture can't spoil the rest
             log("Q4 route: linears per width from a CUDA graph (kernel time)")
             for k, v in bench_linears(ex, dev, widths, args.reps, graph=True, eager=False).items():
-                q4["linears"][k].update(v)
+                q4.setdefault("linears", {}).setdefault(k, {}).update(v)
         else:
             res["not_done"].append("q4 linears graph replay")
         if dev.type == "cuda":
@@ -549,9 +699,14 @@ def main() -> int:
     save()
 
     # ---------------------------------------------------------------- phase 3: bf16 + HF
-    bf = {}
+    bf: dict[str, Any] = {}
     dense: dict[str, torch.Tensor] = {}
+    if args.graphs_only:
+        res["not_done"] += ["bf16 route (--graphs-only)", "HF (--graphs-only)"]
+        args.no_hf = True
     try:
+        if args.graphs_only:
+            raise _Skip
         ex = None
         gc.collect()
         dense = dense_from_q4(weights)
@@ -571,13 +726,16 @@ def main() -> int:
         log("bf16 route: decode")
         bf["decode"] = decode_suite(ex, prompts8, tokens, vocab, budget, "bf16", (0.885,), need_s=45)
         ex = None
+    except _Skip:
+        pass
     except Exception as exc:
         bf["error"] = traceback.format_exc()[-3000:]
         log(f"bf16 phase failed: {exc}")
     res["bf16"] = bf
     save()
     if args.no_hf:
-        res["not_done"].append("HF (--no-hf)")
+        if not args.graphs_only:
+            res["not_done"].append("HF (--no-hf)")
     elif budget.left() < 30:
         res["not_done"].append("HF (time)")
     else:
@@ -599,23 +757,30 @@ def main() -> int:
     )
     print(
         "| R | q4 linears eager ms | q4 linears graph ms | q4 round ms | round / floor "
-        "| bf16 linears ms | bf16 round ms |"
+        "| q4 graphed round ms | graphed / floor | bf16 linears ms | bf16 round ms |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     ql, qr = q4.get("linears", {}), q4.get("rounds", {})
     bl, br = bf.get("linears", {}), bf.get("rounds", {})
+    grr = gr.get("rounds", {})
     for r in widths:
         k = str(r)
         rr = qr.get(k)
+        gms = grr.get(k, {}).get("graph_ms")
         q, b = ql.get(k, {}), bl.get(k, {})
         ratio = fmt(rr / floor) if rr and floor else "-"
+        gratio = fmt(gms / floor) if gms and floor else "-"
         print(
             f"| {r} | {fmt(q.get('eager_ms'))} | {fmt(q.get('graph_ms'))} | {fmt(rr)} | {ratio} "
-            f"| {fmt(b.get('eager_ms'))} | {fmt(br.get(k))} |"
+            f"| {fmt(gms)} | {gratio} | {fmt(b.get('eager_ms'))} | {fmt(br.get(k))} |"
         )
     print("\n| route | run | tok/s | tokens/round | rounds/lane | wall s |")
     print("|---|---|---|---|---|---|")
-    for route, d in (("q4", q4.get("decode", {})), ("bf16", bf.get("decode", {}))):
+    for route, d in (
+        ("q4 graphed", gr.get("decode", {})),
+        ("q4", q4.get("decode", {})),
+        ("bf16", bf.get("decode", {})),
+    ):
         for key, v in d.items():
             if isinstance(v, dict):
                 print(

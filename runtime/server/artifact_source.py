@@ -206,7 +206,14 @@ class ArtifactSource:
             return str(tokenizer.decode(ids, skip_special_tokens=True))
 
         def make_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
-            executor = art.make_executor(device=device, dtype=dtype, linear=linear)
+            executor = art.make_executor(
+                device=device,
+                dtype=dtype,
+                linear=linear,
+                cuda_graphs=None if settings.cuda_graphs else False,
+                max_lanes=max_lanes,
+                max_context=settings.max_context,
+            )
             drafter = None if spec.backend == "off" else make_drafter(executor)
             return SpeculativeEngine(
                 executor,

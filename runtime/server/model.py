@@ -79,11 +79,14 @@ class ModelSettings:
         spec: the speculative settings (backend, draft_tokens, draft_rows, draft_head).
         max_context: the context limit in tokens (prompt + output), or None for the model's own.
         device: torch device to load on ("cuda", "cpu", ...), or None for the source's default.
+        cuda_graphs: on CUDA, replay verify rounds from CUDA graphs where the executor can
+            (`Artifact.make_executor`); False runs them eagerly.
     """
 
     spec: SpecDefaults
     max_context: int | None = None
     device: str | None = None
+    cuda_graphs: bool = True
 
 
 @dataclass

@@ -1,0 +1,754 @@
+"""Static-shape verify rounds for the hybrid families, replayed from CUDA graphs (issue 7).
+
+`StaticHybridExecutor` is the `HybridExecutor` (same weights, same per-layer math, same linear hook)
+with every lane's state in fixed buffers allocated once, so that a verify round is a fixed sequence of
+kernels over fixed addresses: on CUDA it is captured once per shape and replayed; on the CPU (and with
+``cuda_graphs=False``) the very same code runs eagerly, which is how the CPU tests prove it.
+
+State (allocated at construction, never resized):
+
+* ``capacity = max_context + max_columns`` token slots per lane; ``max_lanes`` lane slots. A lane
+  (`new_lane`) takes a free slot; `release_lane` (or dropping the state object) gives it back. With
+  every slot taken, `new_lane` doubles the pools (copying them; the graphs are recaptured).
+* KV: per full-attention layer ``[max_lanes, capacity, kv_heads, head_dim]`` (model dtype) keys and
+  values; conv state ``[gdn_layers, max_lanes, conv_dim, kernel - 1]`` (model dtype); recurrent state
+  ``[gdn_layers, max_lanes, v_heads, k_head_dim, v_head_dim]`` float32.
+* The round's record: ``[gdn_layers, max_columns, max_lanes, v_heads, k_head_dim, v_head_dim]``
+  float32, the recurrent state after every column of the current round (by round position, not
+  slot), and the conv windows ``[gdn_layers, max_lanes, conv_dim, kernel - 1 + max_columns]``.
+  SGLang and vLLM keep such intermediate SSM states for speculative decoding too. For the 27B shape
+  (48 GDN layers, 48 x 128 x 128 heads) at 8 lanes x 8 columns the record is 9.7 GB.
+
+A *static round* is a forward whose lanes have n_i <= max_columns columns. It runs as one shape keyed
+by (lanes L, padded columns n = max n_i, KV bucket T, hidden states wanted, tap layers): shorter lanes
+are padded with dummy columns (token 0) whose outputs are discarded and which commit never keeps.
+Every data-dependent quantity is a device tensor in one static input buffer (token ids, positions,
+slot ids); attention gathers the lanes' caches up to T (the smallest power-of-two bucket, from
+`kv_bucket`, holding every lane's past + n) with a causal mask built from the positions; keys and
+values of every column (dummy ones too, past the lane's committed length, where they are overwritten
+later) are written into the cache; the Gated DeltaNet runs the token-by-token recurrence batched over
+lanes and heads, writing each column's state into the record; logits of every row (and hidden states,
+taps) are the outputs. `commit` then costs a handful of device ops for all lanes together: the kept
+state is indexed out of the record, the kept conv window out of the windows, and KV commits by moving
+the host-side length. The record belongs to the round: a static round must be committed before the
+next one starts (`StateError` otherwise).
+
+CUDA graphs: captured lazily per key (warm-up on a side stream first, as the torch.cuda.graphs docs
+say, which also loads every compiled module once: they are capture-safe after a first run, ADR 0001),
+all graphs sharing one memory pool; compiled q4 modules launch on torch's stream
+(`ignis.runtime.tvm_runtime.capture`). A replay's outputs are copied out (one clone per output), so
+returned logits survive the next round. Graphs are off (the static path runs eagerly, still batched
+over lanes) for configs with MoE layers: `sparse_moe_block` routes on the host (``torch.unique``
++ ``.tolist()``), which a capture cannot contain.
+
+Forwards with more than max_columns columns in some lane (prompts) run eagerly over the same pooled
+buffers: attention batched over lanes (only the real columns' keys are written), the GDN per lane
+with its true length (chunked with ``record=False``, token by token with ``record=True``); their final
+(or per-column) states wait in the lane until commit, as in `HybridExecutor`.
+
+Numerics follow `HybridExecutor`'s per lane, casts included (RoPE, the conv, the recurrence; a static
+round runs the token-by-token recurrence also for ``record=False``), with three differences of
+float32 rounding only: attention is one masked SDPA over the bucket instead of an unmasked one over
+the lane's exact length, RMSNorms use torch's `F.rms_norm` (fused on CUDA) with (1 + w) precomputed,
+and the recurrence's state update is one fused ``baddbmm``. Float32 results agree to ~1e-5
+(tests: 1e-4), bf16 logits to bf16 rounding (argmax equal on the 27B-shaped benchmark).
+
+Measured on an H200 (27B-shaped qwen3_5, q4 modules; docs/perf-drafts/e2e-graphs.md): a 1-lane round
+of R columns 15.4 ms at R = 1 (eager 104-128 ms), 25.4 at 8, 59.5 at 32; what remains is graph-node
+bound (~60-80 small kernels per layer) and the recurrence's state traffic, not host launches.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ignis.runtime.errors import StateError
+from ignis.runtime.families.base import ForwardOutput
+from ignis.runtime.families.gated_deltanet import (
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    l2_normalize,
+)
+from ignis.runtime.families.hybrid_executor import (
+    HybridExecutor,
+    _apply_rope,
+    _Layer,
+)
+from ignis.runtime.families.moe import SparseMoeWeights, sparse_moe_block, swiglu_mlp
+from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig
+from ignis.runtime.linear import LinearFn, Q4Weight
+
+__all__ = ["DEFAULT_MAX_CONTEXT", "StaticHybridExecutor", "StaticLaneState"]
+
+log = logging.getLogger("ignis.runtime.hybrid_graphs")
+
+DEFAULT_MAX_CONTEXT = 8192
+"""Token capacity per lane when neither the caller nor a smaller model limit gives one."""
+
+
+@dataclass
+class _StaticPending:
+    num_columns: int
+    record: bool
+    position: int  # the lane's index in its forward (its rows in the record buffer)
+    static: bool  # True: the state after column t is record[:, t, position]
+    conv_windows: list[torch.Tensor] | None = None  # eager: per GDN slot [conv_dim, kernel - 1 + n]
+    rec_states: list[torch.Tensor] | None = None  # eager: per GDN slot [n, hv, dk, dv] or [hv, dk, dv]
+
+
+class StaticLaneState:
+    """One lane of a `StaticHybridExecutor`: a slot in its pooled buffers plus the committed length.
+
+    Created by `StaticHybridExecutor.new_lane`; the inspectors below mirror `HybridLaneState`'s.
+    """
+
+    def __init__(self, owner: StaticHybridExecutor, slot: int) -> None:
+        self._owner = owner
+        self._slot = slot
+        self._num_tokens = 0
+        self._pending: _StaticPending | None = None
+        self._released = False
+        self._finalizer = weakref.finalize(self, owner._lane_gone, slot, id(self))
+
+    @property
+    def num_tokens(self) -> int:
+        """Committed tokens whose effect the state holds."""
+        return self._num_tokens
+
+    @property
+    def slot(self) -> int:
+        """The lane slot (0..max_lanes-1) this lane occupies in the pooled buffers."""
+        return self._slot
+
+    @property
+    def is_pending(self) -> bool:
+        """True between a forward and its commit."""
+        return self._pending is not None
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed (keys, values) of full-attention layer `layer`, each [kv_heads, num_tokens,
+        head_dim] in the executor's dtype. Views into the pool: do not modify.
+
+        Raises:
+            ValueError: `layer` is not a full-attention layer.
+        """
+        o = self._owner
+        a = o._slot(layer, attention=True)
+        n = self._num_tokens
+        return o._keys[a][self._slot, :n].transpose(0, 1), o._values[a][self._slot, :n].transpose(0, 1)
+
+    def conv_state(self, layer: int) -> torch.Tensor:
+        """Conv state of GDN layer `layer`, [conv_dim, kernel - 1] (a view into the pool).
+
+        Raises:
+            ValueError: `layer` is not a linear-attention layer.
+        """
+        o = self._owner
+        return o._conv[o._slot(layer, attention=False), self._slot]
+
+    def recurrent_state(self, layer: int) -> torch.Tensor:
+        """Recurrent state of GDN layer `layer`, float32 [v_heads, k_head_dim, v_head_dim] (a view).
+
+        Raises:
+            ValueError: `layer` is not a linear-attention layer.
+        """
+        o = self._owner
+        return o._rec[o._slot(layer, attention=False), self._slot]
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    outputs: dict[str, torch.Tensor]
+
+
+class StaticHybridExecutor(HybridExecutor):
+    """The `Executor` protocol over pooled static buffers, CUDA-graphed on CUDA (module docstring).
+
+    Args:
+        config, weights, device, dtype, linear: as `HybridExecutor`.
+        max_lanes: lane slots allocated up front (>= 1); a lane past them doubles the pools.
+        max_context: tokens a lane may hold (prompt + output); default min(the model's
+            max_position_embeddings, `DEFAULT_MAX_CONTEXT`). `SpeculativeEngine` caps its context to it.
+        max_columns: most columns per lane of a static (graphed) round, >= 1 (8 = anchor + 7 drafts).
+        cuda_graphs: capture and replay static rounds (default: on CUDA, unless the config has MoE
+            layers, see the module docstring). True on a CPU device raises ValueError.
+        kv_bucket: the smallest KV length bucket (a power of two; buckets double up to the capacity).
+
+    Memory (bytes): KV 2 x attn_layers x max_lanes x capacity x kv_heads x head_dim x dtype size;
+    recurrent state 4 x gdn_layers x max_lanes x v_heads x k_dim x v_dim, and max_columns times that
+    for the record.
+
+    Raises:
+        ValueError: max_lanes, max_columns, kv_bucket or max_context out of range; cuda_graphs=True
+            off CUDA or with MoE layers. Otherwise as `HybridExecutor`.
+    """
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        weights: Mapping[str, torch.Tensor | Q4Weight],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        linear: LinearFn | None = None,
+        max_lanes: int = 8,
+        max_context: int | None = None,
+        max_columns: int = 8,
+        cuda_graphs: bool | None = None,
+        kv_bucket: int = 256,
+    ) -> None:
+        super().__init__(config, weights, device=device, dtype=dtype, linear=linear)
+        c = config
+        if max_lanes < 1 or max_columns < 1:
+            raise ValueError(f"max_lanes and max_columns must be >= 1, got {max_lanes}, {max_columns}")
+        if kv_bucket < 1 or kv_bucket & (kv_bucket - 1):
+            raise ValueError(f"kv_bucket must be a power of two, got {kv_bucket}")
+        if max_context is None:
+            max_context = min(c.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+        if not 1 <= max_context <= c.max_position_embeddings:
+            raise ValueError(
+                f"max_context must be 1..{c.max_position_embeddings} (max_position_embeddings), "
+                f"got {max_context}"
+            )
+        has_moe = any(isinstance(layer.mlp, SparseMoeWeights) for layer in self._layers)
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got {self.device}")
+        if cuda_graphs and has_moe:
+            raise ValueError(
+                f"{c.model_type}: cuda_graphs=True with MoE layers (their routing syncs the host)"
+            )
+        self.cuda_graphs = bool(on_cuda and not has_moe if cuda_graphs is None else cuda_graphs)
+        self.max_lanes, self.max_columns, self.max_context = max_lanes, max_columns, max_context
+        self.capacity = max_context + max_columns
+        self.kv_bucket = kv_bucket
+        dev, kd = self.device, c.linear_conv_kernel_dim - 1
+        nkv, hd = c.num_key_value_heads, c.head_dim
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        n_gdn = len(self._gdn_slot)
+        self._keys = [
+            torch.zeros(max_lanes, self.capacity, nkv, hd, dtype=dtype, device=dev) for _ in self._attn_slot
+        ]
+        self._values = [torch.zeros_like(k) for k in self._keys]
+        self._conv = torch.zeros(n_gdn, max_lanes, c.linear_conv_dim, kd, dtype=dtype, device=dev)
+        self._rec = torch.zeros(n_gdn, max_lanes, hv, dk, dv, dtype=torch.float32, device=dev)
+        self._record = torch.zeros(n_gdn, max_columns, max_lanes, hv, dk, dv, dtype=torch.float32, device=dev)
+        self._windows = torch.zeros(
+            n_gdn, max_lanes, c.linear_conv_dim, kd + max_columns, dtype=dtype, device=dev
+        )
+        rows = max_lanes * max_columns
+        # static inputs: token ids [rows] | positions [rows] | slots [max_lanes]
+        self._inputs = torch.zeros(2 * rows + max_lanes, dtype=torch.long, device=dev)
+        self._free: list[int] = list(range(max_lanes))
+        self._round_open: set[int] = set()  # id() of lanes whose pending forward lives in the record
+        self._graphs: dict[tuple[Any, ...], _Graph] = {}
+        self._pool: Any = None
+        self.num_captures = 0
+        self.num_replays = 0
+        # per-layer constants computed once (fewer kernels per round): 1 + w of the (1 + w) RMSNorms,
+        # float32; -exp(A_log) and dt_bias of the GDN layers, float32
+        self._one_plus: dict[int, torch.Tensor] = {}
+        norms = [self._final_norm]
+        for layer in self._layers:
+            norms += [layer.input_norm, layer.post_norm]
+            if layer.attn is not None:
+                norms += [layer.attn.q_norm, layer.attn.k_norm]
+        for w in norms:
+            self._one_plus[id(w)] = 1.0 + w.float()
+        self._gdn_consts = [
+            (-torch.exp(layer.gdn.a_log.float()), layer.gdn.dt_bias.float())
+            for layer in self._layers
+            if layer.gdn is not None
+        ]
+
+    # ---- lanes ----
+
+    def new_lane(self) -> StaticLaneState:  # type: ignore[override]
+        """A fresh lane in the lowest free slot: zero conv and recurrent state, empty KV. With every
+        slot taken the pools grow to twice max_lanes first (a logged warning; captured graphs are
+        dropped and recaptured at the new addresses)."""
+        if not self._free:
+            self._grow()
+        self._free.sort()
+        slot = self._free.pop(0)
+        self._conv[:, slot].zero_()
+        self._rec[:, slot].zero_()
+        return StaticLaneState(self, slot)
+
+    def _grow(self) -> None:
+        """Double the lane slots (every slot taken): new pools with the old contents, graphs dropped
+        (recaptured on demand, at the new addresses)."""
+        old, new = self.max_lanes, 2 * self.max_lanes
+        log.warning(
+            "all %d lane slots are taken: growing the pooled buffers to %d lanes (graphs recaptured)",
+            old,
+            new,
+        )
+
+        def widen(t: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = new
+            out = t.new_zeros(shape)
+            out.narrow(dim, 0, old).copy_(t)
+            return out
+
+        self._keys = [widen(k, 0) for k in self._keys]
+        self._values = [widen(v, 0) for v in self._values]
+        self._conv, self._rec = widen(self._conv, 1), widen(self._rec, 1)
+        self._record, self._windows = widen(self._record, 2), widen(self._windows, 1)
+        self._inputs = self._inputs.new_zeros(2 * new * self.max_columns + new)
+        self._graphs.clear()
+        self._pool = None
+        self._free += list(range(old, new))
+        self.max_lanes = new
+
+    def release_lane(self, state: StaticLaneState) -> None:
+        """Give the lane's slot back (its state is gone; a pending forward is dropped). Idempotent.
+
+        Raises:
+            StateError: the state belongs to another executor.
+        """
+        self._check_owner(state, 0)
+        if state._released:
+            return
+        state._released = True
+        state._pending = None
+        state._finalizer()  # returns the slot (and drops its pending round) once
+
+    def _lane_gone(self, slot: int, lane_id: int) -> None:
+        # the lane was released or garbage-collected: its slot is free, its round (if any) dropped
+        self._round_open.discard(lane_id)
+        if slot not in self._free:
+            self._free.append(slot)
+
+    @property
+    def num_free_lanes(self) -> int:
+        """Lane slots not taken."""
+        return len(self._free)
+
+    # ---- protocol ----
+
+    @torch.no_grad()
+    def forward(  # type: ignore[override]
+        self,
+        states: Sequence[StaticLaneState],
+        columns: Sequence[torch.Tensor],
+        *,
+        logits: str = "all",
+        record: bool = True,
+        output_hidden_states: bool = False,
+        tap_layers: Sequence[int] = (),
+    ) -> ForwardOutput:
+        """Run every lane's columns once (`HybridExecutor.forward`'s contract and returns).
+
+        A forward whose lanes all have <= max_columns columns is a static round (graphed on CUDA);
+        its per-column states are kept whatever `record` says (a `record=False` forward still may
+        only be committed whole or discarded, as the protocol says).
+
+        Raises:
+            StateError: as `HybridExecutor.forward`; also a lane past max_context, a released lane,
+                or a static round while the previous static round is not committed.
+            ValueError: as `HybridExecutor.forward`.
+        """
+        states, columns = list(states), list(columns)
+        self._check_forward(states, columns, logits, tap_layers)  # type: ignore[arg-type]
+        lens = [int(col.numel()) for col in columns]
+        for i, (state, n_i) in enumerate(zip(states, lens, strict=True)):
+            if state._released:
+                raise StateError(f"lane {i}: the lane was released")
+            if state.num_tokens + n_i > self.max_context:
+                raise StateError(
+                    f"lane {i}: {state.num_tokens} + {n_i} tokens would pass this executor's "
+                    f"max_context {self.max_context}"
+                )
+        n, lanes = max(lens), len(states)
+        if n <= self.max_columns:
+            if self._round_open:
+                raise StateError(
+                    "a static round is pending: commit it before the next forward (the per-column "
+                    "states live in one record buffer)"
+                )
+            out = self._static_forward(states, columns, lens, output_hidden_states, tuple(tap_layers))
+            for i, state in enumerate(states):
+                state._pending = _StaticPending(lens[i], record, i, True)
+                self._round_open.add(id(state))
+        else:
+            out = self._eager_forward(states, columns, lens, record, logits, output_hidden_states, tap_layers)
+        if logits == "last" and out["rows"] == "all":
+            rows = torch.tensor([i * n + n_i - 1 for i, n_i in enumerate(lens)], device=self.device)
+            out_logits = list(out["logits"][rows].split(1))
+        elif out["rows"] == "all":
+            per = out["logits"].view(lanes, n, -1)
+            out_logits = [per[i, :n_i] for i, n_i in enumerate(lens)]
+        else:
+            out_logits = list(out["logits"].split(1))
+        hidden = taps = None
+        if output_hidden_states:
+            hh = out["hidden"].view(lanes, n, -1)
+            hidden = [hh[i, :n_i] for i, n_i in enumerate(lens)]
+        if tap_layers:
+            tt = out["taps"].view(lanes, n, -1)
+            taps = [tt[i, :n_i] for i, n_i in enumerate(lens)]
+        return ForwardOutput(logits=out_logits, hidden_states=hidden, taps=taps)
+
+    def commit(self, states: Sequence[StaticLaneState], num_keep: Sequence[int]) -> None:  # type: ignore[override]
+        """Keep the first num_keep[i] columns of lane i's pending forward (`HybridExecutor.commit`).
+
+        Static rounds: a few device ops for all lanes (the kept states indexed out of the record and
+        the windows); no host sync.
+
+        Raises:
+            StateError: as `HybridExecutor.commit`.
+        """
+        states = list(states)
+        keeps = [operator.index(k) for k in num_keep]
+        if len(states) != len(keeps):
+            raise StateError(f"commit got {len(states)} lanes but {len(keeps)} num_keep values")
+        if len({id(s) for s in states}) != len(states):
+            raise StateError("commit got the same lane more than once")
+        for i, (state, keep) in enumerate(zip(states, keeps, strict=True)):
+            self._check_owner(state, i)
+            pending = state._pending
+            if pending is None:
+                raise StateError(f"lane {i}: commit without a pending forward")
+            if not 0 <= keep <= pending.num_columns:
+                raise StateError(f"lane {i}: num_keep {keep} is outside 0..{pending.num_columns}")
+            if not pending.record and keep not in (0, pending.num_columns):
+                raise StateError(
+                    f"lane {i}: the forward ran with record=False (prefill), so it can only be committed "
+                    f"whole ({pending.num_columns}) or discarded (0), not {keep}; "
+                    "use record=True for verify rounds"
+                )
+        kd = self.config.linear_conv_kernel_dim - 1
+        static = [(s, k) for s, k in zip(states, keeps, strict=True) if s._pending.static and k > 0]  # type: ignore[union-attr]
+        if static and self._gdn_slot:
+            m = len(static)
+            positions = [s._pending.position for s, _ in static]  # type: ignore[union-attr]
+            host = torch.tensor(
+                [positions, [k for _, k in static], [s.slot for s, _ in static]], dtype=torch.long
+            )
+            idx = host.to(self.device, non_blocking=True)
+            pos, keep_t, slots = idx[0], idx[1], idx[2]
+            self._rec[:, slots] = self._record[:, keep_t - 1, pos]
+            gi = keep_t[:, None] + torch.arange(kd, device=self.device)[None, :]  # [m, kd]
+            win = self._windows[:, pos]  # [G, m, C, kd + max_columns]
+            g, _, ch, _ = win.shape
+            self._conv[:, slots] = win.gather(3, gi[None, :, None, :].expand(g, m, ch, kd))
+        for state, keep in zip(states, keeps, strict=True):
+            pending = state._pending
+            assert pending is not None
+            if keep > 0 and not pending.static:
+                assert pending.conv_windows is not None and pending.rec_states is not None
+                for gs, window in enumerate(pending.conv_windows):
+                    self._conv[gs, state.slot] = window[:, keep : keep + kd]
+                for gs, rec in enumerate(pending.rec_states):
+                    self._rec[gs, state.slot] = rec[keep - 1] if pending.record else rec
+            state._num_tokens += keep
+            state._pending = None
+            self._round_open.discard(id(state))
+
+    # ---- internals ----
+
+    def _check_owner(self, state: object, lane: int) -> None:
+        if not isinstance(state, StaticLaneState) or state._owner is not self:
+            raise StateError(f"lane {lane}: state was not created by this executor's new_lane()")
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`rms_norm_one_plus` with the precomputed float32 (1 + weight) and torch's fused RMSNorm."""
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
+        return (y * self._one_plus[id(weight)]).to(x.dtype)
+
+    def _bucket(self, needed: int) -> int:
+        t = self.kv_bucket
+        while t < needed:
+            t *= 2
+        return min(t, self.capacity)
+
+    def _static_forward(
+        self,
+        states: list[StaticLaneState],
+        columns: list[torch.Tensor],
+        lens: list[int],
+        want_hidden: bool,
+        taps: tuple[int, ...],
+    ) -> dict[str, Any]:
+        lanes, n = len(states), max(lens)
+        rows = lanes * n
+        dev = self.device
+        bucket = self._bucket(max(s.num_tokens for s in states) + n)
+        # inputs: ids (device, padded with token 0) and positions + slots (host, one copy)
+        ids = self._inputs[:rows]
+        if all(n_i == n for n_i in lens):
+            ids.copy_(torch.cat([c.reshape(-1) for c in columns]).to(dev))
+        else:
+            padded = torch.zeros(lanes, n, dtype=torch.long, device=dev)
+            for i, c in enumerate(columns):
+                padded[i, : lens[i]] = c.to(dev)
+            ids.copy_(padded.view(-1))
+        host = torch.tensor(
+            [s.num_tokens + j for s in states for j in range(n)] + [s.slot for s in states], dtype=torch.long
+        )
+        meta = self._inputs[rows : 2 * rows + lanes]
+        meta.copy_(host.to(dev, non_blocking=True))
+        pos = meta[:rows].view(lanes, n)
+        slots = meta[rows:]
+
+        def body() -> dict[str, torch.Tensor]:
+            return self._body(ids, pos, slots, bucket, want_hidden=want_hidden, taps=taps)
+
+        if not self.cuda_graphs:
+            out = body()
+        else:
+            key = (lanes, n, bucket, want_hidden, taps)
+            entry = self._graphs.get(key)
+            if entry is None:
+                entry = self._capture(body)
+                self._graphs[key] = entry
+            entry.graph.replay()
+            self.num_replays += 1
+            out = {k: v.clone() for k, v in entry.outputs.items()}
+        out["rows"] = "all"
+        return out
+
+    def _capture(self, body: Callable[[], dict[str, torch.Tensor]]) -> _Graph:
+        from ignis.runtime.tvm_runtime import capture
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            body()  # warm-up: loads every module and kernel once, outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph, pool=self._pool):
+            outputs = body()
+        self.num_captures += 1
+        return _Graph(graph, outputs)
+
+    def _eager_forward(
+        self,
+        states: list[StaticLaneState],
+        columns: list[torch.Tensor],
+        lens: list[int],
+        record: bool,
+        logits: str,
+        want_hidden: bool,
+        taps: Sequence[int],
+    ) -> dict[str, Any]:
+        lanes, n = len(states), max(lens)
+        dev = self.device
+        padded = torch.zeros(lanes, n, dtype=torch.long, device=dev)
+        for i, c in enumerate(columns):
+            padded[i, : lens[i]] = c.to(dev)
+        pos = torch.tensor([[s.num_tokens + j for j in range(n)] for s in states], dtype=torch.long).to(dev)
+        slots = torch.tensor([s.slot for s in states], dtype=torch.long).to(dev)
+        valid = [i * n + j for i, n_i in enumerate(lens) for j in range(n_i)]
+        pending = [_StaticPending(n_i, record, i, False, [], []) for i, n_i in enumerate(lens)]
+        last = None
+        if logits == "last":
+            last = torch.tensor([i * n + n_i - 1 for i, n_i in enumerate(lens)], device=dev)
+        out = self._body(
+            padded.view(-1),
+            pos,
+            slots,
+            max(s.num_tokens for s in states) + n,
+            want_hidden=want_hidden,
+            taps=tuple(taps),
+            eager=(lens, record, torch.tensor(valid, device=dev), pending),
+            logit_rows=last,
+        )
+        for state, p in zip(states, pending, strict=True):
+            state._pending = p
+        out["rows"] = "last" if last is not None else "all"
+        return out
+
+    def _body(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        bucket: int,
+        *,
+        want_hidden: bool,
+        taps: tuple[int, ...],
+        eager: tuple[list[int], bool, torch.Tensor, list[_StaticPending]] | None = None,
+        logit_rows: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """One forward over static shapes: ids [L*n] int64, pos [L, n] int64 (past + column), slots
+        [L] int64, bucket = KV length read. `eager` = (lens, record, valid rows, pendings) for a long
+        (non-static) forward. No host syncs, no host->device copies (capture-safe)."""
+        c = self.config
+        lanes, n = pos.shape
+        h = F.embedding(ids, self._embed)
+        freqs = pos.reshape(-1).float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        mask = torch.arange(bucket, device=self.device)[None, None, :] <= pos[:, :, None]  # [L, n, T]
+        mask = mask[:, None].expand(lanes, rep, n, bucket).reshape(lanes, 1, rep * n, bucket)
+        tapped: dict[int, torch.Tensor] = {}
+        for layer in self._layers:
+            x = self._norm(h, layer.input_norm)
+            if layer.attn is not None:
+                mixed = self._static_attention(layer, x, pos, slots, bucket, cos, sin, mask, eager)
+            else:
+                mixed = self._static_gdn(layer, x, lanes, n, slots, eager)
+            h = h + mixed
+            x = self._norm(h, layer.post_norm)
+            if isinstance(layer.mlp, SparseMoeWeights):
+                assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
+                h = h + sparse_moe_block(
+                    x,
+                    layer.mlp,
+                    top_k=c.num_experts_per_tok,
+                    norm_topk_prob=c.norm_topk_prob,
+                    linear=self.linear,
+                )
+            else:
+                h = h + swiglu_mlp(x, layer.mlp, linear=self.linear)
+            if layer.index in taps:
+                tapped[layer.index] = h
+        hl = h if logit_rows is None else h[logit_rows]
+        normed = self._norm(hl, self._final_norm)
+        out = {"logits": self.linear(normed, self._lm_head, None).float()}
+        if want_hidden:
+            out["hidden"] = h
+        if taps:
+            out["taps"] = torch.cat([tapped[t] for t in taps], dim=-1)
+        return out
+
+    def _static_attention(
+        self,
+        layer: _Layer,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        bucket: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        eager: Any,
+    ) -> torch.Tensor:
+        c, a = self.config, layer.attn
+        assert a is not None
+        lanes, n = pos.shape
+        rows, hd, nh, nkv = x.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        rep = nh // nkv
+        linear = self.linear
+        qg = linear(x, a.q_proj, a.q_bias).view(rows, nh, 2 * hd)
+        gate = qg[..., hd:].reshape(rows, nh * hd)
+        q = self._norm(qg[..., :hd], a.q_norm)
+        k = self._norm(linear(x, a.k_proj, a.k_bias).view(rows, nkv, hd), a.k_norm)
+        v = linear(x, a.v_proj, a.v_bias).view(rows, nkv, hd)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        kc, vc = self._keys[layer.slot], self._values[layer.slot]  # [S, cap, nkv, hd]
+        slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
+        pos_rows = pos.reshape(-1)
+        if eager is None:
+            kc[slot_rows, pos_rows] = k
+            vc[slot_rows, pos_rows] = v
+        else:  # only the real columns (a padded column of a long forward could pass the capacity)
+            valid = eager[2]
+            kc[slot_rows[valid], pos_rows[valid]] = k[valid]
+            vc[slot_rows[valid], pos_rows[valid]] = v[valid]
+        keys = kc[:, :bucket].index_select(0, slots).transpose(1, 2)  # [L, nkv, T, hd]
+        values = vc[:, :bucket].index_select(0, slots).transpose(1, 2)
+        # query head h uses kv head h // rep: group the rep query heads of a kv head as extra rows
+        qq = q.view(lanes, n, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(lanes, nkv, rep * n, hd)
+        o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=hd**-0.5)
+        o = o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(rows, nh * hd)
+        return linear(o * torch.sigmoid(gate), a.o_proj, a.o_bias)
+
+    def _static_gdn(
+        self, layer: _Layer, x: torch.Tensor, lanes: int, n: int, slots: torch.Tensor, eager: Any
+    ) -> torch.Tensor:
+        c, g = self.config, layer.gdn
+        assert g is not None
+        nk, nv, dk, dv = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        )
+        kd, gs, rep = c.linear_conv_kernel_dim - 1, layer.slot, nv // nk
+        qkv, z, b, a = self._gdn_projections(g, x)
+        beta = torch.sigmoid(b).float().view(lanes, n, nv)
+        neg_a, dt_bias = self._gdn_consts[gs]
+        decay = (neg_a * F.softplus(a.float() + dt_bias)).view(lanes, n, nv)
+        ch = qkv.shape[-1]
+        window = torch.cat(
+            [self._conv[gs].index_select(0, slots), qkv.view(lanes, n, ch).transpose(1, 2)], dim=2
+        )  # [L, C, kd + n]
+        conv = F.silu(F.conv1d(window, g.conv.unsqueeze(1), None, padding=0, groups=ch)).transpose(1, 2)
+        q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)  # [L, n, *]
+        q = l2_normalize(q.float().reshape(lanes, n, nk, dk))
+        k = l2_normalize(k.float().reshape(lanes, n, nk, dk))
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        q = q * dk**-0.5
+        v = v.float().reshape(lanes, n, nv, dv)
+        prev = self._rec[gs].index_select(0, slots)  # [L, hv, dk, dv]
+        if eager is None:
+            self._windows[gs, :lanes, :, : kd + n] = window
+            core = self._recurrence(q, k, v, decay, beta, prev, self._record[gs, :n, :lanes])
+        else:
+            lens, record, _, pendings = eager
+            core = q.new_zeros(lanes, n, nv, dv)
+            for i, n_i in enumerate(lens):
+                args = (q[i, :n_i], k[i, :n_i], v[i, :n_i], decay[i, :n_i], beta[i, :n_i], prev[i])
+                if record:
+                    o, new_state = gated_delta_rule_recurrent(*args, record=True)
+                else:
+                    o, new_state = gated_delta_rule_chunked(*args)
+                core[i, :n_i] = o
+                pendings[i].conv_windows.append(window[i, :, : kd + n_i])
+                pendings[i].rec_states.append(new_state)
+        core = core.view(lanes * n, nv, dv).to(x.dtype).float()  # rounded as HF's
+        core = F.rms_norm(core, (dv,), eps=c.rms_norm_eps).to(x.dtype)
+        out = ((g.norm * core) * F.silu(z.float())).to(x.dtype)  # as `gated_rms_norm`
+        return self.linear(out.reshape(lanes * n, nv * dv), g.out_proj, None)
+
+    @staticmethod
+    def _recurrence(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        record: torch.Tensor,
+    ) -> torch.Tensor:
+        """`gated_delta_rule_recurrent` batched over lanes, writing the state after column t into
+        record[t] ([n, L, hv, dk, dv] view, contiguous per t). q, k [L, n, hv, dk], v [L, n, hv, dv],
+        g, beta [L, n, hv], state [L, hv, dk, dv]; all float32. Returns out [L, n, hv, dv]."""
+        lanes, n, hv, dk = k.shape
+        dv = v.shape[-1]
+        bh = lanes * hv
+        s = state.reshape(bh, dk, dv)
+        if lanes > 1:  # time-major once, so that every per-column slice below is a view
+            q, k, v = (x.transpose(0, 1).contiguous() for x in (q, k, v))
+            g, beta = g.transpose(0, 1).contiguous(), beta.transpose(0, 1).contiguous()
+        else:
+            q, k, v, g, beta = (x.squeeze(0).unsqueeze(1) for x in (q, k, v, g, beta))
+        alpha = g.exp()  # [n, L, hv]
+        outs = []
+        for t in range(n):
+            s = s * alpha[t].reshape(bh, 1, 1)
+            kt = k[t].reshape(bh, dk)
+            read = torch.bmm(kt.unsqueeze(1), s).squeeze(1)  # [bh, dv]
+            delta = (v[t].reshape(bh, dv) - read) * beta[t].reshape(bh, 1)
+            dst = record[t].view(bh, dk, dv)
+            torch.baddbmm(s, kt.unsqueeze(2), delta.unsqueeze(1), out=dst)  # s + k delta^T, fused
+            s = dst
+            outs.append(torch.bmm(q[t].reshape(bh, 1, dk), s).view(lanes, hv, dv))
+        return torch.stack(outs, dim=1)

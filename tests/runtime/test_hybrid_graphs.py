@@ -1,0 +1,331 @@
+"""`StaticHybridExecutor` (pooled static buffers, CUDA-graphed rounds) against `HybridExecutor`.
+
+On the CPU the static path runs without capture: the same code the graphs replay. Oracle: the eager
+`HybridExecutor` over the same tiny random checkpoints (`tests/hf_tiny_hybrid.py`), float32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+
+from ignis.runtime.engine import SpeculativeEngine
+from ignis.runtime.errors import ConfigError, StateError
+from ignis.runtime.families.hybrid_executor import HybridExecutor
+from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+from ignis.runtime.sampling import SamplingParams
+
+
+def _load_helper():  # tests/hf_tiny_hybrid.py, by path (tests/ is not a package)
+    name = "hf_tiny_hybrid"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parents[1] / f"{name}.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_helper = _load_helper()
+TinyHybrid, make_tiny_hybrid = _helper.TinyHybrid, _helper.make_tiny_hybrid
+
+FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+ATOL = RTOL = 1e-4  # float32; rows batched differently round differently (MoE index_add_, GEMM paths)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyHybrid:
+    torch.set_num_threads(1)
+    return make_tiny_hybrid(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def ref(tiny: TinyHybrid) -> HybridExecutor:
+    return HybridExecutor(tiny.config, tiny.canonical_tensors())
+
+
+def static(tiny: TinyHybrid, **kw) -> StaticHybridExecutor:
+    kw = {"max_lanes": 4, "max_context": 200, "kv_bucket": 16, **kw}
+    return StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **kw)
+
+
+def tokens(n: int, seed: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+def assert_same_state(config, a, b) -> None:
+    """Same committed length, KV, conv and float32 recurrent state (a, b from any two executors)."""
+    assert a.num_tokens == b.num_tokens
+    for layer in range(config.num_hidden_layers):
+        if config.is_full_attention(layer):
+            (ka, va), (kb, vb) = a.kv(layer), b.kv(layer)
+            assert ka.shape == kb.shape == (config.num_key_value_heads, a.num_tokens, config.head_dim)
+            close(ka, kb)
+            close(va, vb)
+        else:
+            close(a.conv_state(layer), b.conv_state(layer))
+            ra, rb = a.recurrent_state(layer), b.recurrent_state(layer)
+            assert ra.dtype == rb.dtype == torch.float32
+            close(ra, rb)
+
+
+def run_both(ref, st, ref_states, st_states, columns, keeps, *, record=True, logits="all", **kw):
+    """One forward + commit on both executors; checks logits (and hidden/taps) equal."""
+    a = ref.forward(ref_states, columns, record=record, logits=logits, **kw)
+    b = st.forward(st_states, columns, record=record, logits=logits, **kw)
+    assert len(a.logits) == len(b.logits)
+    for la, lb in zip(a.logits, b.logits, strict=True):
+        assert la.shape == lb.shape
+        close(lb, la)
+    for name in ("hidden_states", "taps"):
+        xa, xb = getattr(a, name), getattr(b, name)
+        assert (xa is None) == (xb is None)
+        for ya, yb in zip(xa or [], xb or [], strict=True):
+            close(yb, ya)
+    ref.commit(ref_states, keeps)
+    st.commit(st_states, keeps)
+    for ra, sb in zip(ref_states, st_states, strict=True):
+        assert_same_state(ref.config, sb, ra)
+
+
+def test_rounds_match_hybrid_executor(tiny: TinyHybrid, ref: HybridExecutor) -> None:
+    """Prefill (long prompts eager and chunked, a short one static), then verify rounds with mixed
+    column counts and partial commits; a lane joins mid-way; hidden states and taps too."""
+    vocab = tiny.config.vocab_size
+    st = static(tiny, max_lanes=5)
+    assert not st.cuda_graphs
+    prompts = [tokens(70, 1, vocab), tokens(5, 2, vocab), tokens(20, 3, vocab)]
+    ra, sa = [ref.new_lane() for _ in prompts], [st.new_lane() for _ in prompts]
+    run_both(ref, st, ra, sa, prompts, [p.numel() for p in prompts], record=False, logits="last")
+    short = [tokens(3, 4, vocab), tokens(8, 5, vocab)]  # all <= max_columns: a static prefill
+    rb, sb = [ref.new_lane() for _ in short], [st.new_lane() for _ in short]
+    run_both(ref, st, rb, sb, short, [3, 8], record=False, logits="last", output_hidden_states=True)
+    ra, sa = ra + rb[:1], sa + sb[:1]  # lane 4 joins the rounds below; lane 5 waits
+    shapes = [[1, 8, 3, 5], [4, 1, 8, 2], [1, 1, 1, 1], [8, 8, 8, 8], [2, 7, 1, 6]]
+    keeps = [[1, 5, 0, 5], [4, 1, 2, 1], [1, 1, 1, 0], [8, 3, 1, 7], [2, 7, 1, 6]]
+    for r, (shape, keep) in enumerate(zip(shapes, keeps, strict=True)):
+        cols = [tokens(n, 100 + 10 * r + i, vocab) for i, n in enumerate(shape)]
+        kw = {"output_hidden_states": True, "tap_layers": (0, 2)} if r % 2 else {}
+        run_both(ref, st, ra, sa, cols, keep, **kw)
+    # the waiting lane joins a round with the others at a different length
+    ra, sa = ra + rb[1:], sa + sb[1:]
+    cols = [tokens(n, 900 + i, vocab) for i, n in enumerate([3, 1, 6, 2, 4])]
+    run_both(ref, st, ra, sa, cols, [c.numel() for c in cols])
+
+
+@pytest.mark.parametrize("prefix", [0, 9])
+def test_commit_every_k_equals_feeding_the_kept_tokens(
+    tiny: TinyHybrid, ref: HybridExecutor, prefix: int
+) -> None:
+    vocab = tiny.config.vocab_size
+    st = static(tiny, max_lanes=2)
+    head, cols = tokens(prefix, 7, vocab), tokens(8, 8, vocab)
+    for keep in range(cols.numel() + 1):
+        lane = st.new_lane()
+        if prefix:
+            st.forward([lane], [head], record=False)
+            st.commit([lane], [prefix])
+        other = st.new_lane()  # a second lane in the same round, committed differently
+        st.forward([lane, other], [cols, cols[:3]])
+        st.commit([lane, other], [keep, 3])
+        expect = ref.new_lane()
+        kept = torch.cat([head, cols[:keep]])
+        if kept.numel():  # token by token, as the static round (chunked differs by ~3e-5)
+            ref.forward([expect], [kept], record=True)
+            ref.commit([expect], [kept.numel()])
+        assert_same_state(tiny.config, lane, expect)
+        # and the next round from there matches too
+        nxt = tokens(4, 50 + keep, vocab)
+        a = ref.forward([expect], [nxt])
+        b = st.forward([lane], [nxt])
+        close(b.logits[0], a.logits[0])
+        ref.commit([expect], [0])
+        st.commit([lane], [0])
+        st.release_lane(lane)
+        st.release_lane(other)
+        assert st.num_free_lanes == 2
+
+
+def test_slot_reuse_and_lane_errors(tiny: TinyHybrid, ref: HybridExecutor) -> None:
+    vocab = tiny.config.vocab_size
+    st = static(tiny, max_lanes=2, max_context=40)
+    a, b = st.new_lane(), st.new_lane()
+    st.forward([a, b], [tokens(12, 1, vocab), tokens(6, 2, vocab)], record=False)
+    st.commit([a, b], [12, 6])
+    ra = ref.new_lane()
+    ref.forward([ra], [tokens(12, 1, vocab)], record=False)
+    ref.commit([ra], [12])
+    extra = st.new_lane()  # a third lane: the pools grow to 4 slots, a's state comes along
+    assert st.max_lanes == 4 and extra.slot == 2 and st.num_free_lanes == 1
+    assert_same_state(tiny.config, a, ra)
+    st.release_lane(extra)
+    slot = b.slot
+    st.release_lane(b)
+    st.release_lane(b)  # idempotent
+    with pytest.raises(StateError, match="released"):
+        st.forward([b], [tokens(1, 3, vocab)])
+    c = st.new_lane()  # reuses b's slot with a clean state
+    assert c.slot == slot and c.num_tokens == 0
+    del a  # dropping a state gives its slot back too
+    import gc
+
+    gc.collect()
+    assert st.num_free_lanes == 3
+    prompt = tokens(5, 4, vocab)
+    rc = ref.new_lane()
+    run_both(ref, st, [rc], [c], [prompt], [5])
+    # protocol errors
+    with pytest.raises(StateError, match="outside"):
+        st.forward([c], [tokens(3, 5, vocab)])
+        st.commit([c], [4])
+    st.commit([c], [3])
+    st.forward([c], [tokens(4, 6, vocab)], record=False)
+    with pytest.raises(StateError, match="record=False"):
+        st.commit([c], [2])
+    st.commit([c], [4])
+    d = st.new_lane()
+    st.forward([c], [tokens(2, 7, vocab)])
+    with pytest.raises(StateError, match="static round is pending"):
+        st.forward([d], [tokens(2, 8, vocab)])
+    st.commit([c], [1])
+    e = st.new_lane()  # a lane dropped with a pending round does not block the next round
+    st.forward([e], [tokens(2, 10, vocab)])
+    del e
+    gc.collect()
+    st.forward([d], [tokens(2, 8, vocab)])
+    st.commit([d], [2])
+    with pytest.raises(StateError, match="max_context"):
+        st.forward([c], [tokens(40 - c.num_tokens + 1, 9, vocab)])
+    with pytest.raises(StateError, match="new_lane"):
+        st.forward([ref.new_lane()], [tokens(1, 9, vocab)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="CUDA"):
+        static(tiny, cuda_graphs=True)
+
+
+def test_spec_on_equals_spec_off_through_the_engine(tiny: TinyHybrid) -> None:
+    """SpeculativeEngine over the static executor: greedy outputs with the test drafters (7 drafts,
+    right with p = 0.6, always right, always wrong) equal speculation off and the eager executor's;
+    lanes finish and free their slots for the waiting ones (5 requests on 3 slots)."""
+    from ignis.runtime.drafters.testing import always_right, always_wrong, right_with_probability
+
+    vocab = tiny.config.vocab_size
+    prompts = [tokens(n, 20 + n, vocab).tolist() for n in (3, 17, 9, 70, 1)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    eager = HybridExecutor(tiny.config, tiny.canonical_tensors())
+    refs = {
+        tuple(p): r.output_token_ids
+        for p, r in zip(prompts, SpeculativeEngine(eager).generate(prompts, greedy), strict=True)
+    }
+    st = static(tiny, max_lanes=3, max_context=120)
+    off = SpeculativeEngine(st, max_lanes=3).generate(prompts, greedy)
+    assert {tuple(p): r.output_token_ids for p, r in zip(prompts, off, strict=True)} == refs
+    assert st.num_free_lanes == 3
+    drafters = [
+        right_with_probability(refs, 0.6, vocab_size=vocab, seed=3),
+        always_right(refs, vocab_size=vocab),
+        always_wrong(refs, vocab_size=vocab, seed=1),
+    ]
+    for drafter in drafters:
+        eng = SpeculativeEngine(st, drafter, draft_tokens=7, max_lanes=3)
+        got = eng.generate(prompts, greedy)
+        assert {tuple(p): r.output_token_ids for p, r in zip(prompts, got, strict=True)} == refs
+        assert st.num_free_lanes == 3
+    assert SpeculativeEngine(st).max_context == 120  # the engine caps its context to the pool
+    with pytest.raises(ConfigError, match="max_context"):
+        SpeculativeEngine(st, max_context=121)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_replay_like_the_eager_paths(tiny: TinyHybrid, dtype: torch.dtype) -> None:
+    """On CUDA: graphed rounds (replayed, several shapes, mixed lane lengths, partial commits) give the
+    eager static path's logits and states, and HybridExecutor's (float32: tight; bf16: close)."""
+    vocab = tiny.config.vocab_size
+    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 4, "max_context": 200, "kv_bucket": 16}
+    has_moe = tiny.config.model_type != "qwen3_5"
+    graphed = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **kw)
+    assert graphed.cuda_graphs == (not has_moe)
+    plain = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), cuda_graphs=False, **kw)
+    eager = HybridExecutor(tiny.config, tiny.canonical_tensors(), device="cuda", dtype=dtype)
+    tol = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else {"atol": 0.15, "rtol": 0.05}
+    exs = (graphed, plain, eager)
+    lanes = [[ex.new_lane() for _ in range(3)] for ex in exs]
+    prompts = [tokens(n, 30 + n, vocab).cuda() for n in (20, 6, 11)]
+    for ex, ls in zip(exs, lanes, strict=True):
+        ex.forward(ls, prompts, record=False)
+        ex.commit(ls, [p.numel() for p in prompts])
+    shapes = [[1, 1, 1], [8, 3, 1], [8, 3, 1], [2, 8, 5], [1, 1, 1], [8, 3, 1]]
+    keeps = [[1, 1, 1], [4, 3, 0], [8, 1, 1], [2, 8, 3], [1, 1, 1], [2, 2, 1]]
+    for r, (shape, keep) in enumerate(zip(shapes, keeps, strict=True)):
+        cols = [tokens(n, 200 + 10 * r + i, vocab).cuda() for i, n in enumerate(shape)]
+        outs = [ex.forward(ls, cols, output_hidden_states=True) for ex, ls in zip(exs, lanes, strict=True)]
+        for i in range(3):
+            torch.testing.assert_close(outs[0].logits[i], outs[1].logits[i], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(outs[0].logits[i], outs[2].logits[i], **tol)
+        for ex, ls in zip(exs, lanes, strict=True):
+            ex.commit(ls, keep)
+    if not has_moe:  # the prefill (20 columns) ran eagerly; every round replayed a graph
+        assert graphed.num_replays == len(shapes)
+        assert 2 <= graphed.num_captures < len(shapes)  # repeated shapes replay without a capture
+    else:
+        assert graphed.num_captures == graphed.num_replays == 0
+    c = tiny.config
+    for a, b in zip(lanes[0], lanes[1], strict=True):
+        assert a.num_tokens == b.num_tokens
+        for layer in range(c.num_hidden_layers):
+            if not c.is_full_attention(layer):
+                torch.testing.assert_close(
+                    a.recurrent_state(layer), b.recurrent_state(layer), atol=1e-5, rtol=1e-5
+                )
+
+
+class _Loaded(Exception):
+    """Raised by `_RecordingSource.load` to stop `ignis-run` before it serves."""
+
+
+class _RecordingSource:
+    name = "rec"
+    aliases: tuple[str, ...] = ()
+    spec_kinds: tuple[str, ...] = ()
+    profile = None
+    settings: ClassVar[list] = []
+
+    def missing_backend_reason(self, backend: str) -> str:
+        return "none here"
+
+    def load(self, settings):  # -> ServedModel; here: record and stop
+        _RecordingSource.settings.append(settings)
+        raise _Loaded
+
+
+def recording_source() -> _RecordingSource:
+    return _RecordingSource()
+
+
+@pytest.mark.parametrize(
+    ("flag", "expect"), [((), True), (("--no-cuda-graphs",), False), (("--cuda-graphs",), True)]
+)
+def test_ignis_run_passes_the_cuda_graphs_knob(flag: tuple[str, ...], expect: bool, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from ignis.runtime import cli
+
+    _RecordingSource.settings.clear()
+    args = ["--model-factory", f"{__name__}:recording_source", "--socket", str(tmp_path / "s"), *flag]
+    with pytest.raises(_Loaded):
+        CliRunner().invoke(cli.main, args, catch_exceptions=False)
+    (settings,) = _RecordingSource.settings
+    assert settings.cuda_graphs is expect
