@@ -12,6 +12,11 @@ dlight's default schedules, cuBLAS bf16 on the dequantized weights (torch), torc
 and the Q4 bytes floor at the measured copy bandwidth; plus each kernel's error against a float64
 reference. Everything is written as JSON under ``--out``. Each chain is timed as CUDA-graph
 replays (16 launches per replay), median of per-replay device-event times.
+
+Focused iterations (same two-step pattern): ``build-decode`` / ``decode`` (1..8 rows, split-K
+candidates against an earlier ``build``) and ``build-wide`` / ``wide`` (layout-"n" candidates, per
+shape at their widths, then the best (up, down) pairs per width bucket timed on the whole chain);
+``profile --wide`` launches chosen candidates for ncu.
 """
 
 from __future__ import annotations
@@ -580,10 +585,16 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
     mods = Path(args.modules)
     load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib or (mods / "tvm_lib"))
-    sw = load_module(mods / "sweep_sm90.so", cuda=True)
+    if args.wide:  # a `build-wide` output: --tags are candidate names
+        man = json.loads((Path(args.wide) / "manifest.json").read_text())
+        bundles = {b: load_module(Path(args.wide) / b, cuda=True) for b in set(man["bundles"].values())}
+        funcs = {k: bundles[man["bundles"][k]][f"q4_{k}"] for k in man["bundles"]}
+    else:
+        sw = load_module(mods / "sweep_sm90.so", cuda=True)
+        funcs = {tag: sw[f"q4_{tag}"] for tag in args.tags.split(",")}
     dev = torch.device("cuda")
     for tag in args.tags.split(","):
-        f = sw[f"q4_{tag}"]
+        f = funcs[tag]
         for rows in [int(r) for r in args.rows.split(",")]:
             for shape, (n, k) in SHAPES.items():
                 qw = torch.randint(-(1 << 31), (1 << 31) - 1, (n, k // 8), device=dev, dtype=torch.int32)
@@ -932,6 +943,327 @@ class DecodeBench(Bench):
         print("timed again: " + ", ".join(f"{k}: {T[k]:.3f}" for k in sorted(T) if k.endswith("_again")))
 
 
+# ----------------------------------------------------------------------------------------------
+# wide: the "n" layout (block-shared activations, cluster split-K) against the shipped modules
+
+WIDE_BUCKETS = ((1, 4), (5, 8), (9, 16), (17, 24), (25, 32))  # width buckets of the rules
+WIDE_TIMED = {1: [1, 4, 8], 2: [12, 16], 3: [20, 24], 4: [28, 32]}  # widths timed per n-tile count
+WIDE_ONLY_BUCKETS = WIDE_BUCKETS[2:]
+
+
+def wide_configs() -> dict[str, Any]:
+    """Candidates of layout "n" per name (the name ends in its n-tile count): the shipped tiles of
+    run 14 (mC, mSC, gSC, fK, fKSC: MT 2, WN 4; m: KC 4, g / f: KC 8; C: activations through L1,
+    S: contiguous k-spans, K: two k-steps per stage) and blocks of one m-tile per warp (more warps
+    per SM at fewer registers) or of 8 warps (run 15)."""
+    from ignis.compiler.kernels.q4_linear import Q4TileConfig as C
+
+    sc = {"k_span": True, "x_ca": True}
+    cfgs: dict[str, Any] = {}
+    for nt in (2, 3, 4):
+        for name, (mt, wn, kc, st, kw) in {
+            "mC": (2, 4, 4, 2, {"x_ca": True}),
+            "mSC": (2, 4, 4, 2, sc),
+            "gSC": (2, 4, 8, 2, sc),
+            "fK": (2, 4, 8, 2, {"vec": 2}),
+            "fKSC": (2, 4, 8, 2, {**sc, "vec": 2}),
+            "a": (1, 8, 4, 2, sc),
+            "b": (1, 8, 8, 2, sc),
+            "c": (1, 4, 8, 2, sc),
+            "e": (1, 8, 8, 2, {**sc, "vec": 2}),
+            "h": (2, 8, 4, 2, sc),
+            "i": (1, 4, 4, 2, sc),
+        }.items():
+            cfgs[f"{name}{nt}"] = C(nt, mt, wn, st, False, layout="n", cluster_k=kc, **kw)
+    return cfgs
+
+
+def cmd_build_wide(args: argparse.Namespace) -> None:
+    """Build the layout-"n" candidates (two bundles in parallel: the build host has 2 cores)."""
+    import contextlib
+    import io
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ignis.compiler.kernels.q4_linear import build_q4_cuda_bundle
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    cfgs = wide_configs()
+    names = sorted(cfgs)
+    parts = [names[i :: args.jobs] for i in range(args.jobs)]
+
+    bufs: dict[int, io.StringIO] = {}
+
+    class _PerThreadStdout(io.TextIOBase):  # redirect_stdout is process-wide: split by thread
+        def write(self, text: str) -> int:
+            return bufs.setdefault(threading.get_ident(), io.StringIO()).write(text)
+
+    def build(i: int) -> str:
+        build_q4_cuda_bundle(
+            "sm_90", {f"q4_{k}": cfgs[k] for k in parts[i]}, out / f"wide{i}_sm90.so", verbose=True
+        )
+        return bufs.pop(threading.get_ident(), io.StringIO()).getvalue()
+
+    with contextlib.redirect_stdout(_PerThreadStdout()), ThreadPoolExecutor(args.jobs) as ex:
+        logs = list(ex.map(build, range(args.jobs)))
+    ptxas, entry, spill = [], "", ""
+    for ln in "\n".join(logs).splitlines():
+        if "Compiling entry function" in ln:
+            entry = _demangle(ln.split("'")[1]) if "'" in ln else ln
+        elif "spill" in ln:
+            spill = ln.strip()
+        elif "registers" in ln:
+            ptxas.append(f"{entry}: {ln.split(':', 1)[-1].strip()}; {spill}")
+    manifest = {
+        "built": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "configs": {k: cfgs[k].tag for k in names},
+        "bundles": {k: f"wide{i}_sm90.so" for i, part in enumerate(parts) for k in part},
+        "ptxas": ptxas,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print("\n".join(ptxas))
+    print(f"[build-wide] {len(cfgs)} configs in {time.time() - t0:.0f}s under {out}")
+
+
+class WideBench(Bench):
+    """The shipped modules of a previous `build` against the layout-"n" candidates, same data."""
+
+    def _run(self) -> None:
+        import tvm_ffi
+
+        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+
+        torch = self.torch
+        args = self.args
+        old_dir, new_dir = Path(args.old), Path(args.new)
+        old_man = json.loads((old_dir / "manifest.json").read_text())
+        new_man = json.loads((new_dir / "manifest.json").read_text())
+        load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib or (old_dir / "tvm_lib"))
+        props = torch.cuda.get_device_properties(0)
+        self.results["env"] = {
+            "gpu": props.name,
+            "sms": props.multi_processor_count,
+            "torch": torch.__version__,
+        }
+        self.results["ptxas"] = new_man.get("ptxas", [])
+        self.note(f"[env] {self.results['env']}")
+        t0 = time.time()
+        bw = self.measure_copy_bandwidth()
+        self.make_weights()
+        self.results.update(copy_tbps=bw, weight_bytes=self.weight_bytes)
+        self.results["floor_ms"] = self.weight_bytes / (bw * 1e12) * 1e3
+        self.note(f"[setup] copy {bw:.2f} TB/s, floor {self.results['floor_ms']:.3f} ms")
+        T, E = self.results["timings_ms"], self.results["errors"]
+        old = {k: load_module(old_dir / v["file"], cuda=True)["q4_linear"] for k, v in old_man["api"].items()}
+        bundles = {b: load_module(new_dir / b, cuda=True) for b in sorted(set(new_man["bundles"].values()))}
+        tags = new_man["configs"]
+        new = {k: bundles[new_man["bundles"][k]][f"q4_{k}"] for k in tags}
+        nt_of = {k: int(tags[k].split("_")[0][1:]) for k in tags}  # names end in their n-tiles
+        stream_only = {k for k in tags if "streamonly" in tags[k]}  # timed only (wrong output)
+
+        w_ref = {
+            s: self.dequant(self.layers[0][s]["qw"], self.layers[0][s]["scales"], torch.float64)
+            for s in SHAPES
+        }
+        gen = torch.Generator(device=self.dev)
+        gen.manual_seed(7)
+        cases = [(s, self.layers[0][s]["qw"], self.layers[0][s]["scales"], w_ref[s]) for s in SHAPES]
+        for sn, sk in ((272, 1024), (272, 512)):  # partial blocks; at K=512 some cluster ranks idle
+            sq = torch.randint(
+                -(1 << 31), (1 << 31) - 1, (sn, sk // 8), device=self.dev, dtype=torch.int32, generator=gen
+            )
+            ss = ((torch.rand(sn, sk // 32, device=self.dev, generator=gen) + 0.5) / (4.6 * sk**0.5)).to(
+                torch.float16
+            )
+            cases.append((f"small{sk}", sq, ss, self.dequant(sq, ss, torch.float64)))
+
+        def check(f: Any, dtype: Any, rows: int, qw: Any, sc: Any, wd: Any) -> float:
+            x = torch.randn(rows, wd.shape[1], device=self.dev, dtype=dtype)
+            y = torch.full((rows, wd.shape[0]), float("nan"), device=self.dev, dtype=dtype)
+            with tvm_ffi.use_torch_stream():
+                f(x, qw, sc, y)
+            if not torch.isfinite(y).all():
+                return float("nan")
+            ref = x.double() @ wd.T
+            return ((y.double() - ref).norm() / ref.norm()).item()
+
+        for dtype, dn in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+            for k, f in new.items():
+                if k in stream_only:
+                    continue
+                nt = nt_of[k]
+                for rows in sorted({8 * nt - 7, 8 * nt - 3, 8 * nt}):
+                    for name, qw, sc, wd in cases:
+                        E[f"{k}_{dn}_{name}_r{rows}"] = check(f, dtype, rows, qw, sc, wd)
+            for rows in WIDTHS:
+                for name, qw, sc, wd in cases[:2]:
+                    E[f"old_{dn}_{name}_r{rows}"] = check(old[f"{name}_r{rows}"], dtype, rows, qw, sc, wd)
+        bad = sorted({k.split("_")[0] for k, v in E.items() if not (v < (2e-3 if "_f16_" in k else 1e-2))})
+        self.results["bad_candidates"] = bad
+        self.note(
+            f"[numerics] {len(E)} checks, worst f16 {max(v for k, v in E.items() if '_f16_' in k):.2e}, "
+            f"worst bf16 {max(v for k, v in E.items() if '_bf16_' in k):.2e}; failing: {bad}"
+        )
+        # Determinism: the same inputs twice give the same bits (fixed-order reductions).
+        nondet = []
+        for k, f in new.items():
+            if k in stream_only:
+                continue
+            x = torch.randn(8 * nt_of[k], HIDDEN, device=self.dev, dtype=torch.float16)
+            ys = []
+            for _ in range(2):
+                y = torch.empty(8 * nt_of[k], INTER, device=self.dev, dtype=torch.float16)
+                with tvm_ffi.use_torch_stream():
+                    f(x, self.layers[0]["up"]["qw"], self.layers[0]["up"]["scales"], y)
+                ys.append(y)
+            if not torch.equal(ys[0], ys[1]):
+                nondet.append(k)
+        self.note(f"[determinism] differing run to run: {nondet}")
+        torch.cuda.synchronize()
+
+        # Per shape (8 layers of one shape), f16: every candidate at its widths, and the old modules.
+        per: dict[str, float] = {}
+        for shape in SHAPES:
+            for rows in sorted({r for rs in WIDE_TIMED.values() for r in rs}):
+                per[f"old|{shape}|r{rows}"], _ = self.time_chain(
+                    self.q4_chain(
+                        {"up": old[f"up_r{rows}"], "down": old[f"down_r{rows}"]},
+                        rows,
+                        torch.float16,
+                        only=shape,
+                    ),
+                    reps=20,
+                )
+            for k, f in new.items():
+                if k in bad:
+                    continue
+                for rows in WIDE_TIMED[nt_of[k]]:
+                    per[f"{k}|{shape}|r{rows}"], _ = self.time_chain(
+                        self.q4_chain({"up": f, "down": f}, rows, torch.float16, only=shape), reps=20
+                    )
+        self.results["per_shape_ms"] = per
+        self.note(f"[per-shape] {len(per)} timings; {time.time() - t0:.0f}s")
+
+        # Best per shape and width bucket (by the summed time over the bucket's timed widths).
+        choice: dict[str, str] = {}
+        for shape in SHAPES:
+            for lo, hi in WIDE_BUCKETS:
+                ws = [r for rs in WIDE_TIMED.values() for r in rs if lo <= r <= hi]
+                cands = [
+                    k
+                    for k in ["old", *new]
+                    if k not in stream_only and all(f"{k}|{shape}|r{r}" in per for r in ws)
+                ]
+                best = min(cands, key=lambda k: sum(per[f"{k}|{shape}|r{r}"] for r in ws))
+                choice[f"{shape}|{lo}-{hi}"] = best
+                ranked = sorted(cands, key=lambda k: sum(per[f"{k}|{shape}|r{r}"] for r in ws))[:6]
+                self.note(
+                    f"[choice] {shape} rows {lo}-{hi}: {best} ({tags.get(best, 'shipped')}); top: "
+                    + " ".join(
+                        f"{k}:{sum(per[f'{k}|{shape}|r{r}'] for r in ws) / len(ws):.4f}" for k in ranked
+                    )
+                )
+        # The two shapes' kernels share the SMs in the chain (programmatic launch overlaps them),
+        # so the best per shape need not be the best pair: time the chain for the top pairs.
+        pairs: dict[str, float] = {}
+        for lo, hi in WIDE_ONLY_BUCKETS:
+            ws = [r for rs in WIDE_TIMED.values() for r in rs if lo <= r <= hi]
+            top = {}
+            for shape in SHAPES:
+                cands = [k for k in new if k not in stream_only and f"{k}|{shape}|r{ws[0]}" in per]
+                top[shape] = sorted(cands, key=lambda k: sum(per[f"{k}|{shape}|r{r}"] for r in ws))[
+                    : args.pairs
+                ]
+            best_pair, best_t = None, float("inf")
+            for ku in top["up"]:
+                for kd in top["down"]:
+                    t_pair = sum(
+                        self.time_chain(
+                            self.q4_chain({"up": new[ku], "down": new[kd]}, r, torch.float16), reps=20
+                        )[0]
+                        for r in ws
+                    )
+                    pairs[f"{ku}+{kd}|{lo}-{hi}"] = t_pair / len(ws)
+                    if t_pair < best_t:
+                        best_pair, best_t = (ku, kd), t_pair
+            assert best_pair is not None
+            choice[f"up|{lo}-{hi}"], choice[f"down|{lo}-{hi}"] = best_pair
+            self.note(
+                f"[pairs] rows {lo}-{hi}: best {best_pair} {best_t / len(ws):.4f}; "
+                + " ".join(
+                    f"{k.split('|')[0]}:{v:.4f}" for k, v in pairs.items() if k.endswith(f"|{lo}-{hi}")
+                )
+            )
+        self.results["pairs_ms"] = pairs
+        self.results["choice"] = {k: tags.get(v, "old") for k, v in choice.items()}
+
+        def pick(shape: str, rows: int) -> Any:
+            for key, k in choice.items():
+                sh, rng = key.split("|")
+                lo, hi = (int(v) for v in rng.split("-"))
+                if sh == shape and lo <= rows <= hi:
+                    return old[f"{shape}_r{rows}"] if k == "old" else new[k]
+            raise KeyError((shape, rows))
+
+        # Whole chain: the shipped modules against the composed best, interleaved per width.
+        for rows in WIDTHS:
+            for dtype, dn in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+                T[f"old_{dn}_r{rows}"], _ = self.time_chain(
+                    self.q4_chain({s: old[f"{s}_r{rows}"] for s in SHAPES}, rows, dtype)
+                )
+                T[f"new_{dn}_r{rows}"], _ = self.time_chain(
+                    self.q4_chain({s: pick(s, rows) for s in SHAPES}, rows, dtype)
+                )
+        self.note(f"[chain] done; {time.time() - t0:.0f}s")
+        try:
+            self.run_cublas(t0)
+        except Exception as exc:
+            self.note(f"[cublas] failed: {type(exc).__name__}: {exc}")
+        for rows in (1, 16, 32):
+            T[f"new_f16_r{rows}_again"], _ = self.time_chain(
+                self.q4_chain({s: pick(s, rows) for s in SHAPES}, rows, torch.float16)
+            )
+        self.results["wall_s"] = time.time() - t0
+
+    def print_table(self) -> None:
+        T, E, r = self.results["timings_ms"], self.results["errors"], self.results
+        print()
+        for line in r.get("ptxas", []):
+            print("[ptxas]", line)
+        per = r.get("per_shape_ms", {})
+        keys = sorted({k.split("|")[0] for k in per}, key=lambda k: (k != "old", k[-1:], k))
+        print("per shape, 8 layers, f16, ms")
+        for shape in SHAPES:
+            for k in keys:
+                cells = [f"r{x}:{per[f'{k}|{shape}|r{x}']:.4f}" for x in WIDTHS if f"{k}|{shape}|r{x}" in per]
+                print(f"  {shape:4s} {k:4s} " + " ".join(cells))
+        print(f"choice: {r.get('choice')}")
+        print(
+            f"q4_g32 chain 8 x (5120->17408->5120), {r['weight_bytes'] / 1e6:.0f} MB Q4; copy "
+            f"{r['copy_tbps']:.2f} TB/s -> floor {r['floor_ms']:.3f} ms; ms per chain (graph replay, median)"
+        )
+        print("R | old f16 | new f16 | old bf16 | new bf16 | cuBLAS bf16 | new/old f16 | %floor new f16")
+
+        def g(key: str) -> float:
+            return T.get(key, float("nan"))
+
+        for x in WIDTHS:
+            print(
+                f"{x} | {g(f'old_f16_r{x}'):.3f} | {g(f'new_f16_r{x}'):.3f} | {g(f'old_bf16_r{x}'):.3f} | "
+                f"{g(f'new_bf16_r{x}'):.3f} | {g(f'cublas_bf16_r{x}'):.3f} | "
+                f"{g(f'new_f16_r{x}') / g(f'old_f16_r{x}'):.3f} | "
+                f"{100 * r['floor_ms'] / g(f'new_f16_r{x}'):.1f}%"
+            )
+        bad = set(r.get("bad_candidates", []))
+        for dn in ("f16", "bf16"):
+            good = [v for k, v in E.items() if f"_{dn}_" in k and k.split("_")[0] not in bad]
+            print(f"worst rel. error of the passing candidates and the old modules, {dn}: {max(good):.2e}")
+        print("timed again: " + ", ".join(f"{k}: {T[k]:.3f}" for k in sorted(T) if k.endswith("_again")))
+        print(f"bad candidates: {r.get('bad_candidates')}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -950,6 +1282,7 @@ def main(argv: list[str] | None = None) -> None:
     pr.add_argument("--tvm-lib", default=os.environ.get("IGNIS_TVM_LIB_DIR"))
     pr.add_argument("--tags", required=True, help="comma-separated sweep tags")
     pr.add_argument("--rows", default="1,8")
+    pr.add_argument("--wide", default=None, help="a `build-wide` output to take the kernels from")
     bd = sub.add_parser("build-decode", help="build the decode candidates (build host)")
     bd.add_argument("--out", default=".device/q4new")
     d = sub.add_parser("decode", help="old modules vs the decode candidates, rows 1..8 (GPU host)")
@@ -959,11 +1292,25 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     d.add_argument("--tvm-lib", default=os.environ.get("IGNIS_TVM_LIB_DIR"))
     d.add_argument("--reps", type=int, default=50)
+    bw = sub.add_parser("build-wide", help="build the layout-n candidates (build host)")
+    bw.add_argument("--out", default=".device/q4w")
+    bw.add_argument("--jobs", type=int, default=2)
+    w = sub.add_parser("wide", help="shipped modules vs the layout-n candidates, every width (GPU host)")
+    w.add_argument("--old", default=".device/q4", help="a previous `build` (its api modules)")
+    w.add_argument("--new", default=".device/q4w", help="a `build-wide` output")
+    w.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    w.add_argument("--tvm-lib", default=os.environ.get("IGNIS_TVM_LIB_DIR"))
+    w.add_argument("--reps", type=int, default=50)
+    w.add_argument("--pairs", type=int, default=3, help="top candidates per shape timed as chain pairs")
     args = p.parse_args(argv)
     if args.cmd == "build":
         cmd_build(args)
     elif args.cmd == "build-decode":
         cmd_build_decode(args)
+    elif args.cmd == "build-wide":
+        cmd_build_wide(args)
+    elif args.cmd == "wide":
+        WideBench(args).run()
     elif args.cmd == "decode":
         DecodeBench(args).run()
     elif args.cmd == "profile":

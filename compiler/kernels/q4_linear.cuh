@@ -26,6 +26,9 @@
 //   griddepcontrol.wait, so in a chain of layers the next layer's weight stream starts while the
 //   previous layer drains. Activations are read and outputs written only after the wait.
 // * The warps' partial sums are reduced through shared memory in a fixed order (deterministic).
+//
+// Wide route (9..32 rows): q4_linear_n_kernel at the end of this file (block-shared activations,
+// warps splitting the outputs, thread-block clusters splitting K).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -524,6 +527,301 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS > 1 ? MIN_BLOCKS : 0)
     const int r = 8 * j + 2 * (l & 3) + (c & 1);
     const int o = row0 + 16 * mi + (l >> 2) + 8 * (c >> 1);
     if (r < n_rows && o < n_out) y[size_t(r) * n_out + o] = Q4Traits<T>::from_float(v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The "N" layout (the wide route, 9..32 rows; also a decode candidate).
+//
+// The split-K kernel above gives every warp its own k-steps, so each warp copies its own
+// activations: per weight byte it reads R / (4 MT) bytes of activations (4x at 32 rows with two
+// m-tiles), which is what bounded it at 16-32 rows (L2 -> SM traffic and the rings' shared memory,
+// i.e. occupancy). Here a block's WN warps share every k-step and split the output rows instead:
+// warp n owns m-tiles n MT .. n MT + MT - 1 of the block's WN MT. The step's activations are copied
+// once per block into a shared cp.async ring (chunks XOR-swizzled so that the 8 lanes of a 16-byte
+// load phase hit 8 distinct bank groups) and feed all WN MT m-tiles: R / (4 MT WN) activation bytes
+// per weight byte. One __syncthreads per k-step. A cluster of KC blocks splits K (cluster rank r
+// takes k-steps r, r + KC, ...); the blocks' partial sums are reduced through distributed shared
+// memory in a fixed order (deterministic) and each rank writes a slice of the outputs. Weights and
+// scales still travel through each lane's private ring (no barrier for them). Per word, the
+// dequantized A fragment feeds every n-tile and each B fragment every m-tile of the warp. k-step
+// 128 features (V = 1). One accumulator set once MT NT >= 4 (enough independent mma chains).
+template <int NT>
+__host__ __device__ constexpr int q4n_x_stage_bytes() {
+  return 8 * NT * q4_x_row_bytes<1>();
+}
+template <int NT, int MT, int WN, int STAGES, int KS = 1>
+__host__ __device__ constexpr int q4n_smem_bytes() {
+  return KS * (WN * STAGES * MT * q4_stage_tile_bytes<1>() + STAGES * q4n_x_stage_bytes<NT>());
+}
+
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+                   : "memory");
+#else
+  __trap();
+#endif
+}
+// A float from the shared memory of cluster rank `rank`, at this block's shared address `local`.
+__device__ __forceinline__ float ld_cluster_f32(uint32_t local, uint32_t rank) {
+  float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#else
+  __trap();
+#endif
+  return v;
+}
+
+// Grid: ceil(N / (16 MT WN)) * KC blocks of WN warps (clusters of KC along x when KC > 1), dynamic
+// shared memory q4n_smem_bytes<NT, MT, WN, STAGES>(). Requires K % 128 == 0 and R <= 8 NT.
+// MODE: kModeCompute, or kModeStreamOnly (the same copies and barriers, no math: wrong output).
+// KSPAN: each cluster rank takes a contiguous span of k-steps (rank r: [r S, r S + S), S = ceil(steps
+// / KC)) instead of every KC-th step, so consecutive steps of one block read adjacent bytes.
+// X_CA: the activations are copied with cp.async.ca (allocated in L1: blocks of one SM that work on
+// the same k-steps -- the same cluster rank -- share them) instead of .cg.
+// KS: k-steps per pipeline stage (one barrier and one copy group per KS k-steps; with KS = 2 a lane
+// streams the two adjacent 64-byte pieces -- a whole 128-byte line -- of each weight row per stage).
+template <typename T, int NT, int MT, int WN, int KC, int STAGES, int MIN_BLOCKS, bool EARLY_W = true,
+          int MODE = kModeCompute, bool KSPAN = false, bool X_CA = false, int KS = 1>
+__global__ void __launch_bounds__(WN * 32, MIN_BLOCKS > 1 ? MIN_BLOCKS : 0)
+    q4_linear_n_kernel(const T* __restrict__ x, const uint32_t* __restrict__ qw,
+                       const uint16_t* __restrict__ sc, T* __restrict__ y, int n_rows, int n_out,
+                       int k_in) {
+  using Tr = Q4Traits<T>;
+  static_assert(STAGES >= 2, "at least two pipeline stages");
+  static_assert(KC == 1 || KC == 2 || KC == 4 || KC == 8, "KC is 1, 2, 4 or 8");
+  constexpr int kTile = q4_stage_tile_bytes<1>();  // per m-tile: weights 2 x 512, scales 2 x 128
+  static_assert(KS == 1 || KS == 2, "KS is 1 or 2");
+  constexpr int kWarpStage = KS * MT * kTile;  // one stage of a warp's weights and scales
+  constexpr int kWarpRing = STAGES * kWarpStage;
+  constexpr int kXRow = q4_x_row_bytes<1>();
+  constexpr int kXSub = q4n_x_stage_bytes<NT>();  // one k-step of activations
+  constexpr int kXStage = KS * kXSub;
+  constexpr int NACC = MT * NT >= 4 ? 1 : 2;
+  static_assert(kWarpRing >= MT * NT * 128 * 4, "a warp's ring must hold its partial sums");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int kc = KC > 1 ? static_cast<int>(blockIdx.x) % KC : 0;
+  const int block_row0 = (static_cast<int>(blockIdx.x) / KC) * 16 * MT * WN;
+  const int row0 = block_row0 + 16 * MT * warp;
+  const int n_steps = k_in / (kStepK * KS);  // pipeline stages' worth of k-steps
+  const int kw = k_in / 8, kg = k_in / 32;
+  const int span = (n_steps + KC - 1) / KC;
+  const int first_step = KSPAN ? kc * span : kc;
+  constexpr int kStride = KSPAN ? 1 : KC;  // k-steps between a block's consecutive steps
+  const int my_steps = KSPAN ? max(0, min(span, n_steps - kc * span))
+                             : (n_steps > kc ? (n_steps - kc + KC - 1) / KC : 0);
+  unsigned char* wring = smem + warp * kWarpRing;
+  const unsigned char* xring = smem + WN * kWarpRing;
+  const uint32_t wring_a = static_cast<uint32_t>(__cvta_generic_to_shared(wring));
+  const uint32_t xring_a = static_cast<uint32_t>(__cvta_generic_to_shared(xring));
+
+  const uint32_t* wp[MT][2];
+  const uint16_t* sp[MT][2];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int o = row0 + 16 * mi + g + 8 * h;
+      o = o < n_out ? o : n_out - 1;
+      wp[mi][h] = qw + size_t(o) * kw + 4 * t + first_step * 16 * KS;
+      sp[mi][h] = sc + size_t(o) * kg + (t & ~1) + first_step * 4 * KS;
+    }
+  }
+  const uint16_t* xcp = reinterpret_cast<const uint16_t*>(x) + size_t(first_step) * kStepK * KS;
+  auto issue_weights = [&](int slot) {
+    const uint32_t base = wring_a + slot * kWarpStage;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          cp_async16(base + (ks * MT + mi) * kTile + h * 512 + lane * 16, wp[mi][h] + ks * 16);
+          cp_async4(base + (ks * MT + mi) * kTile + 1024 + h * 128 + lane * 4, sp[mi][h] + ks * 4);
+        }
+        wp[mi][h] += kStride * 16 * KS;
+        sp[mi][h] += kStride * 4 * KS;
+      }
+    }
+  };
+  // This thread's activation chunks (16 bytes of one row) per step, fixed for the whole loop:
+  // chunk c = u WN 32 + tid, row c / 16, column c % 16 (stored XOR-swizzled); offsets precomputed.
+  constexpr int kChunks = 8 * NT * 16;  // 16-byte chunks of the step's 8 NT activation rows
+  constexpr int kXIter = (kChunks + WN * 32 - 1) / (WN * 32);
+  uint32_t x_dst[kXIter], x_src[kXIter], x_live = 0;
+#pragma unroll
+  for (int u = 0; u < kXIter; ++u) {
+    const int c = u * WN * 32 + tid;
+    const int r = c >> 4, col = c & 15;
+    x_dst[u] = r * kXRow + 16 * (col ^ ((col >> 3) << 1));
+    x_src[u] = r * k_in + 8 * col;  // < 32 rows x K halves
+    if (c < kChunks && r < n_rows) x_live |= 1u << u;
+  }
+  auto issue_acts = [&](int slot) {
+    const uint32_t base = xring_a + slot * kXStage;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+      for (int u = 0; u < kXIter; ++u) {
+        if (x_live & (1u << u)) {
+          const uint32_t dst = base + ks * kXSub + x_dst[u];
+          const uint16_t* src = xcp + ks * kStepK + x_src[u];
+          if (X_CA) asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+          else cp_async16(dst, src);
+        }
+      }
+    }
+    xcp += kStride * kStepK * KS;
+  };
+
+  // Weights do not depend on the previous kernel: fill the pipeline before waiting for it.
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < my_steps) issue_weights(i);
+    cp_async_commit();
+  }
+  pdl_launch_dependents();
+  pdl_wait();
+  // Then the activations, one group per prologue stage: at step i, the groups of stage i are
+  // followed by exactly STAGES - 2 others (weights' groups first, then these, then one per step).
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < my_steps) issue_acts(i);
+    cp_async_commit();
+  }
+
+  float acc[NACC][MT][NT][4];
+#pragma unroll
+  for (int p = 0; p < NACC; ++p)
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[p][mi][j][c] = 0.f;
+
+  // Lane (g, t) reads activation row 8 j + g, features 32 t + 8 w .. + 7 (chunk 4 t + w, stored
+  // at chunk position 4 t + (w ^ (t & 2))).
+  const int x_lane = g * kXRow + 64 * t;
+  const int x_swz = (t & 2) ? 32 : 0;
+  int read_slot = 0, issue_slot = STAGES - 1;
+  for (int i = 0; i < my_steps; ++i) {
+    const bool refill = i + STAGES - 1 < my_steps;
+    // EARLY_W: this lane's weights of step i + STAGES - 1 go into its private slot (the one step
+    // i - 1 used, which this lane has finished reading) before the wait: STAGES steps of weights
+    // in flight while the block waits, not STAGES - 1. Uncommitted, they join this step's group.
+    if (EARLY_W && refill) issue_weights(issue_slot);
+    cp_async_wait<STAGES - 2>();  // this thread's copies of step i have landed
+    __syncthreads();              // everyone's; and every warp is done with step i - 1's slot
+    if (refill) {
+      if (!EARLY_W) issue_weights(issue_slot);
+      issue_acts(issue_slot);
+    }
+    cp_async_commit();
+    issue_slot = issue_slot + 1 == STAGES ? 0 : issue_slot + 1;
+    if (MODE == kModeStreamOnly) continue;
+
+    const unsigned char* ws_stage = wring + read_slot * kWarpStage;
+    const unsigned char* xs_stage = xring + read_slot * kXStage + x_lane;
+    read_slot = read_slot + 1 == STAGES ? 0 : read_slot + 1;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+    const unsigned char* ws = ws_stage + ks * MT * kTile;
+    const unsigned char* xs = xs_stage + ks * kXSub;
+    uint4 wq[MT][2];
+    uint32_t s2[MT][2];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wq[mi][h] = *reinterpret_cast<const uint4*>(ws + mi * kTile + h * 512 + lane * 16);
+        const uint32_t pair = *reinterpret_cast<const uint32_t*>(ws + mi * kTile + 1024 + h * 128 + lane * 4);
+        s2[mi][h] = Tr::scale2(static_cast<uint16_t>((t & 1) ? (pair >> 16) : (pair & 0xffffu)));
+      }
+    }
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      uint32_t b[NT][2][2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint4 v = *reinterpret_cast<const uint4*>(xs + j * 8 * kXRow + ((16 * w) ^ x_swz));
+        b[j][0][0] = __byte_perm(v.x, v.z, 0x5410);  // e0, e4
+        b[j][0][1] = __byte_perm(v.x, v.z, 0x7632);  // e1, e5
+        b[j][1][0] = __byte_perm(v.y, v.w, 0x5410);  // e2, e6
+        b[j][1][1] = __byte_perm(v.y, v.w, 0x7632);  // e3, e7
+      }
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        uint32_t p0[4], p1[4];
+        Tr::dequant(reinterpret_cast<const uint32_t*>(&wq[mi][0])[w], s2[mi][0], p0);
+        Tr::dequant(reinterpret_cast<const uint32_t*>(&wq[mi][1])[w], s2[mi][1], p1);
+        const uint32_t a0[4] = {p0[0], p1[0], p0[1], p1[1]};
+        const uint32_t a1[4] = {p0[2], p1[2], p0[3], p1[3]};
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          Tr::mma(acc[w & (NACC - 1)][mi][j], a0, b[j][0][0], b[j][0][1]);
+          Tr::mma(acc[w & (NACC - 1)][mi][j], a1, b[j][1][0], b[j][1][1]);
+        }
+      }
+    }
+    }  // ks
+  }
+  cp_async_wait<0>();
+
+  // acc[.][mi][j][c] of lane (g, t): y[row 8 j + 2 t + (c & 1)][out row0 + 16 mi + g + 8 (c >> 1)].
+  if constexpr (KC == 1) {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float v = acc[0][mi][j][c];
+          if (NACC == 2) v += acc[NACC - 1][mi][j][c];
+          const int r = 8 * j + 2 * t + (c & 1);
+          const int o = row0 + 16 * mi + g + 8 * (c >> 1);
+          if (r < n_rows && o < n_out) y[size_t(r) * n_out + o] = Tr::from_float(v);
+        }
+  } else {
+    __syncthreads();  // every warp is past its last read of the rings
+    float* part = reinterpret_cast<float*>(wring);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float v = acc[0][mi][j][c];
+          if (NACC == 2) v += acc[NACC - 1][mi][j][c];
+          part[((mi * NT + j) * 4 + c) * 32 + lane] = v;
+        }
+    cluster_sync_all();  // every block's partial sums are visible to the cluster
+    // Rank kc sums (in rank order) and writes the slice [kc E / KC, (kc + 1) E / KC) of the
+    // block's E = WN MT NT 128 outputs.
+    constexpr int kPerWarp = MT * NT * 128;
+    constexpr int kSlice = WN * kPerWarp / KC;
+    const uint32_t smem_a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    for (int e = kc * kSlice + tid; e < (kc + 1) * kSlice; e += WN * 32) {
+      const int wv = e / kPerWarp, el = e % kPerWarp;
+      const int l = el & 31, c = (el >> 5) & 3, tile = el >> 7;
+      const int j = tile % NT, mi = tile / NT;
+      const int r = 8 * j + 2 * (l & 3) + (c & 1);
+      const int o = block_row0 + 16 * (wv * MT + mi) + (l >> 2) + 8 * (c >> 1);
+      if (r < n_rows && o < n_out) {
+        const uint32_t a = smem_a + wv * kWarpRing + 4 * el;
+        float v = 0.f;
+#pragma unroll
+        for (int q = 0; q < KC; ++q) v += ld_cluster_f32(a, q);
+        y[size_t(r) * n_out + o] = Tr::from_float(v);
+      }
+    }
+    cluster_sync_all();  // no block exits while the others read its shared memory
   }
 }
 

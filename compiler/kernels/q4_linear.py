@@ -111,14 +111,37 @@ class Q4TileConfig:
     warps: int  # warps per block, splitting the k-steps (split-K) between them
     stages: int  # depth of each lane's cp.async weight ring (k-steps of weights in flight)
     prefetch_x: bool  # load the next k-step's activations before this step's math
-    vec: int = 1  # 16-byte weight chunks a lane streams per row per k-step (k-step = 128 vec)
+    vec: int = 1  # 16-byte weight chunks a lane streams per row per k-step (k-step = 128 vec);
+    # layout "n": k-steps of 128 per pipeline stage (1 or 2)
     x_ring: bool = False  # activations through the cp.async ring too (coalesced, pipelined)
     pdl: bool = True  # programmatic dependent launch (overlap with the previous kernel's tail)
     min_blocks: int = 1  # blocks per SM the register allocation must allow (__launch_bounds__)
     stream_only: bool = False  # diagnostic: stream the weights, skip the math (wrong output)
     frag_prefetch: int = 0  # 1: next k-step's weights read from smem during this step's math; 2: + x
+    # "k": the split-K kernel (warps of a block take interleaved k-steps, each with its own
+    # activation copies); "n": q4_linear_n_kernel (the block's `warps` share every k-step and split
+    # the outputs, the activations go once per block through a shared ring; a cluster of
+    # `cluster_k` blocks splits K, reduced through distributed shared memory). "n" ignores
+    # prefetch_x / x_ring / vec (always 1).
+    layout: str = "k"
+    cluster_k: int = 1  # "n" only: blocks per cluster splitting K (1, 2, 4, 8; needs sm_90+)
+    early_w: bool = True  # "n" only: a step's weights are issued before the block barrier
+    k_span: bool = False  # "n" only: cluster ranks take contiguous spans of k-steps (not every KC-th)
+    x_ca: bool = False  # "n" only: activations copied through L1 (cp.async.ca) instead of bypassing it
 
     def __post_init__(self) -> None:
+        if self.layout not in ("k", "n"):
+            raise Q4KernelError(f"layout must be 'k' or 'n', got {self.layout!r}")
+        if self.cluster_k not in (1, 2, 4, 8):
+            raise Q4KernelError(f"cluster_k must be 1, 2, 4 or 8, got {self.cluster_k}")
+        if self.layout == "k" and self.cluster_k != 1:
+            raise Q4KernelError("cluster_k applies to layout 'n' only")
+        if self.layout == "n" and (
+            self.vec not in (1, 2) or self.x_ring or self.prefetch_x or self.frag_prefetch
+        ):
+            raise Q4KernelError("layout 'n' takes vec 1 or 2 and no x_ring/prefetch_x/frag_prefetch")
+        if self.layout == "k" and (not self.early_w or self.k_span or self.x_ca):
+            raise Q4KernelError("early_w, k_span and x_ca apply to layout 'n' only")
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
             raise Q4KernelError(f"n_tiles must be 1..{MAX_ROWS // 8}, got {self.n_tiles}")
         if self.m_tiles not in (1, 2, 4, 8):
@@ -158,17 +181,40 @@ class Q4TileConfig:
 
     @property
     def stage_bytes(self) -> int:
-        """q4_stage_bytes<NT, MT, V, XR> in q4_linear.cuh."""
+        """Per warp and stage: q4_stage_bytes<NT, MT, V, XR> in q4_linear.cuh (layout "k"); for
+        layout "n" the warp's weights only (the activation ring is the block's)."""
         x = 8 * self.n_tiles * (256 * self.vec + 16) if self.x_ring else 0
         return self.m_tiles * self.stage_tile_bytes + x
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per block (q4_smem_bytes_per_warp in q4_linear.cuh)."""
+        """Dynamic shared memory per block (q4_smem_bytes_per_warp / q4n_smem_bytes in q4_linear.cuh)."""
+        if self.layout == "n":  # vec = k-steps per stage (KS in q4n_smem_bytes)
+            return self.vec * self.stages * (self.warps * self.m_tiles * 1280 + 8 * self.n_tiles * 272)
         return self.warps * self.stages * self.stage_bytes
 
     @property
+    def rows_per_block(self) -> int:
+        """Output features per thread block."""
+        return 16 * self.m_tiles * (self.warps if self.layout == "n" else 1)
+
+    @property
     def tag(self) -> str:
+        if self.layout == "n":
+            tag = f"n{self.n_tiles}_mt{self.m_tiles}_wn{self.warps}_kc{self.cluster_k}_s{self.stages}"
+            if self.vec > 1:
+                tag += f"_ks{self.vec}"
+            if self.min_blocks > 1:
+                tag += f"_mb{self.min_blocks}"
+            if not self.early_w:
+                tag += "_latew"
+            if self.k_span:
+                tag += "_kspan"
+            if self.x_ca:
+                tag += "_xca"
+            if self.stream_only:
+                tag += "_streamonly"
+            return tag if self.pdl else tag + "_nopdl"
         tag = (
             f"nt{self.n_tiles}_mt{self.m_tiles}_w{self.warps}_s{self.stages}_v{self.vec}"
             f"_px{int(self.prefetch_x)}"
@@ -189,6 +235,12 @@ class Q4TileConfig:
         def b(v: bool) -> str:
             return "true" if v else "false"
 
+        if self.layout == "n":
+            return (
+                f"IGNIS_Q4_EXPORT_N({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, "
+                f"{self.cluster_k}, {self.stages}, {b(self.pdl)}, {self.min_blocks}, {b(self.early_w)}, "
+                f"{int(self.stream_only)}, {b(self.k_span)}, {b(self.x_ca)}, {self.vec})"
+            )
         fp = f", {self.frag_prefetch}" if self.frag_prefetch else ""
         return (
             f"IGNIS_Q4_EXPORT{'_FP' if fp else ''}({name}, {self.n_tiles}, {self.m_tiles}, "
@@ -197,24 +249,30 @@ class Q4TileConfig:
         )
 
 
-# Tile choices measured on the H200 (docs/PERF.md, runs 4-6): per family of
-# shapes -- "wide" outputs (>= 8448 features: enough 16-row tiles for 2 per block and every SM
-# busy, e.g. 17408x5120) and "narrow" ones (e.g. 5120x17408, 320 tiles: split K over 8 warps) --
-# the first rule whose max_rows covers the width. Shapes never measured get their family's rule.
+# Tile choices measured on the H200 (docs/PERF.md, runs 4-9; docs/perf-drafts/q4-kernels.md, runs
+# 10-15): per family of shapes -- "wide" outputs (>= 8448 features: enough 16-row tiles for 2 per
+# block and every SM busy, e.g. 17408x5120) and "narrow" ones (e.g. 5120x17408, 320 tiles) -- the
+# first rule whose max_rows covers the width. Shapes never measured get their family's rule.
+# 1..8 rows: the split-K kernel (layout "k"); 9..32 rows: layout "n" (block-shared activations,
+# clusters splitting K), the (up, down) pair per bucket chosen on the whole chain (runs 13, 15).
 _C = Q4TileConfig
+_N = {"layout": "n"}
+_SC = {"layout": "n", "k_span": True, "x_ca": True}
 _WIDE_RULES: tuple[tuple[int, Q4TileConfig], ...] = (
     # run 8: the 8-warp tile wins from 4 rows on (0.169 vs 0.181 ms at 4 rows), the 4-warp one up to 3
     (3, _C(1, 2, 4, 3, False, x_ring=True, min_blocks=4)),  # 0.1435 ms / 8 layers at 1 row
     (8, _C(1, 2, 8, 3, False, x_ring=True)),  # 0.194 ms at 8 rows
-    (16, _C(2, 4, 4, 3, False, x_ring=True)),  # 0.240 ms at 16 rows
-    (24, _C(3, 2, 4, 3, False, x_ring=True)),  # 0.338 ms at 24 rows
-    (32, _C(4, 2, 8, 2, False, x_ring=True)),  # 0.398 ms at 32 rows
+    (16, _C(2, 2, 4, 2, False, cluster_k=4, x_ca=True, **_N)),  # 0.188 ms at 16 rows (split-K: 0.242)
+    (24, _C(3, 2, 4, 2, False, cluster_k=4, **_SC)),  # 0.243 ms at 24 rows (0.347)
+    (32, _C(4, 2, 4, 2, False, cluster_k=8, **_SC)),  # 0.266 ms at 32 rows (0.424)
 )
 _NARROW_RULES: tuple[tuple[int, Q4TileConfig], ...] = (
     (8, _C(1, 1, 8, 4, True)),  # 0.158 ms at 1 row, 0.217 at 8
-    (16, _C(2, 2, 8, 4, False)),  # 0.303 ms at 16 rows
-    (24, _C(3, 2, 8, 4, False)),  # 0.396 ms at 24 rows
-    (32, _C(4, 2, 8, 4, False)),  # 0.461 ms at 32 rows
+    (16, _C(2, 2, 4, 2, False, cluster_k=8, vec=2, **_SC)),  # 0.185 ms at 16 rows (split-K: 0.304)
+    (24, _C(3, 2, 4, 2, False, cluster_k=8, **_SC)),  # 0.273 ms at 24 rows (0.398)
+    # run 15: one m-tile per warp, 8 warps (0.308 ms alone vs 0.291 for MT 2 with two k-steps per
+    # stage, but the chain with the up tile is 4-5 % faster: 0.579 vs 0.609 ms at 32 rows)
+    (32, _C(4, 1, 8, 2, False, cluster_k=8, **_SC)),  # 0.308 ms at 32 rows (split-K: 0.465)
 )
 WIDE_OUT_FEATURES = 16 * 2 * 264  # 2 tiles per block, 2 blocks per SM on 132 SMs
 # Exact (out, in) -> rules overrides, for shapes measured to prefer something else.
@@ -237,6 +295,16 @@ def _fit_smem(cfg: Q4TileConfig, limit: int) -> Q4TileConfig:
     from dataclasses import replace
 
     while cfg.smem_bytes > limit:
+        if cfg.layout == "n":
+            if cfg.stages > 2:
+                cfg = replace(cfg, stages=cfg.stages - 1)
+            elif cfg.m_tiles > 1:
+                cfg = replace(cfg, m_tiles=cfg.m_tiles // 2)
+            elif cfg.warps > 1:
+                cfg = replace(cfg, warps=cfg.warps // 2)
+            else:
+                raise Q4KernelError(f"no q4 tile fits in {limit} bytes of shared memory")
+            continue
         if cfg.stages > 3 or (cfg.stages == 3 and not cfg.frag_prefetch):
             cfg = replace(cfg, stages=cfg.stages - 1)
         elif cfg.frag_prefetch:  # at 3 stages: drop the prefetch, then keep shrinking the ring
@@ -250,6 +318,16 @@ def _fit_smem(cfg: Q4TileConfig, limit: int) -> Q4TileConfig:
         else:
             raise Q4KernelError(f"no q4 tile fits in {limit} bytes of shared memory")
     return cfg
+
+
+def _fit_arch(cfg: Q4TileConfig, arch: str) -> Q4TileConfig:
+    """``cfg`` made buildable for ``arch``: clusters need sm_90+, shared memory its per-block limit."""
+    from dataclasses import replace
+
+    num = arch[3:].rstrip("a")
+    if cfg.cluster_k > 1 and num.isdigit() and int(num) < 90:
+        cfg = replace(cfg, cluster_k=1)
+    return _fit_smem(cfg, _MAX_SMEM_PER_BLOCK.get(arch.rstrip("a"), 99 * 1024))
 
 
 def default_tile_config(
@@ -266,7 +344,11 @@ def default_tile_config(
         _WIDE_RULES if out_features >= WIDE_OUT_FEATURES else _NARROW_RULES
     )
     cfg = next(cfg for max_rows, cfg in rules if rows <= max_rows)
-    return _fit_smem(cfg, _MAX_SMEM_PER_BLOCK.get(arch.rstrip("a"), 99 * 1024))
+    if cfg.layout == "n" and in_features % cfg.step_k:  # two k-steps per stage need K % 256 == 0
+        from dataclasses import replace
+
+        cfg = replace(cfg, vec=1)
+    return _fit_arch(cfg, arch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,8 +441,7 @@ def build_q4_cuda_bundle(
     """
     if not exports:
         raise Q4KernelError("build_q4_cuda_bundle: nothing to export")
-    limit = _MAX_SMEM_PER_BLOCK.get(arch.rstrip("a"), 99 * 1024)
-    exports = {name: _fit_smem(cfg, limit) for name, cfg in exports.items()}
+    exports = {name: _fit_arch(cfg, arch) for name, cfg in exports.items()}
     for name in exports:
         if not name.isidentifier():
             raise Q4KernelError(f"export name {name!r} is not a C identifier")

@@ -319,3 +319,99 @@ def test_frag_prefetch_tile_cross_compiles(tmp_path: Path) -> None:
     )
     info = cuda_binary_info(path)
     assert info.sass_archs == ("sm_90",) and info.is_binary_only, info
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout "n" (q4_linear_n_kernel: block-shared activations, cluster split-K): the wide route
+
+
+def test_n_layout_config_rules() -> None:
+    cfg = Q4TileConfig(4, 2, 4, 2, False, layout="n", cluster_k=4)
+    assert cfg.tag == "n4_mt2_wn4_kc4_s2" and cfg.rows_per_block == 128
+    assert cfg.export_line("f").startswith("IGNIS_Q4_EXPORT_N(f, 4, 2, 4, 4, 2, true, 1, true, 0,")
+    # per warp: 2 stages x 2 m-tiles x 1280 B of weights and scales; per block: 2 x 32 rows x 272 B
+    assert cfg.smem_bytes == 4 * 2 * 2 * 1280 + 2 * 32 * 272
+    tagged = Q4TileConfig(2, 2, 4, 4, False, layout="n", cluster_k=8, k_span=True, x_ca=True)
+    assert tagged.tag.endswith("_kspan_xca")
+    for bad in (
+        {"layout": "m"},
+        {"layout": "n", "cluster_k": 3},
+        {"layout": "k", "cluster_k": 2},  # clusters only on layout n
+        {"layout": "k", "k_span": True},
+        {"layout": "n", "x_ring": True},
+        {"layout": "n", "vec": 4},  # one or two k-steps per stage only
+    ):
+        with pytest.raises(Q4KernelError):
+            Q4TileConfig(2, 2, 4, 4, False, **bad)
+    # clusters need sm_90+: an sm_86 build drops them; sm_120 keeps them, shrunk to 99 KiB
+    from ignis.compiler.kernels.q4_linear import _fit_arch
+
+    big = Q4TileConfig(4, 2, 8, 6, False, layout="n", cluster_k=8)
+    assert _fit_arch(big, "sm_86").cluster_k == 1
+    small = _fit_arch(big, "sm_120")
+    assert small.cluster_k == 8 and small.smem_bytes <= 99 * 1024 and small.layout == "n"
+
+
+def test_wide_rules_use_the_n_layout() -> None:
+    """9..32 rows take layout n on both chain shapes (runs 10-12); 1..8 rows stay split-K."""
+    for rows in (9, 16, 17, 24, 25, 32):
+        for shape in ((17408, 5120), (5120, 17408)):
+            assert default_tile_config(rows, *shape).layout == "n", (rows, shape)
+    for rows in (1, 4, 8):
+        assert default_tile_config(rows, 17408, 5120).layout == "k"
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_n_layout_cross_compiles_to_sass(tmp_path: Path, arch: str) -> None:
+    path = build_q4_linear({"kind": "cuda", "arch": arch}, 5120, 17408, 32, out_path=tmp_path / "q4.so")
+    info = cuda_binary_info(path)
+    assert info.sass_archs == (arch,) and info.is_binary_only, info
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda() or not HAS_NVCC, reason="needs a CUDA GPU and nvcc")
+@pytest.mark.parametrize(
+    "tile",
+    [
+        Q4TileConfig(4, 2, 4, 2, False, layout="n", cluster_k=4),
+        Q4TileConfig(2, 2, 4, 4, False, layout="n", cluster_k=8, k_span=True, x_ca=True),
+        Q4TileConfig(4, 2, 4, 2, False, layout="n", cluster_k=8, vec=2, k_span=True),
+        Q4TileConfig(3, 1, 8, 3, False, layout="n", cluster_k=1),
+    ],
+    ids=lambda c: c.tag,
+)
+def test_n_layout_matches_float64_and_is_deterministic(tmp_path: Path, tile: Q4TileConfig) -> None:
+    """Partial blocks (272 outputs), K = 512 (4 k-steps, 2 stages of two: with 8 cluster ranks some
+    get none), every width of the tile, both dtypes; the same inputs twice give the same bits."""
+    import torch
+
+    from ignis.runtime.tvm_runtime import load_module, torch_stream
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    path = build_q4_linear(
+        {"kind": "cuda", "arch": arch}, 272, 512, tile.max_rows, tile=tile, out_path=tmp_path / "q4.so"
+    )
+    f = load_module(path)[FUNCTION_NAME]
+    for n, k in ((272, 512), (272, 1024)):
+        rng = np.random.default_rng(n + k)
+        qw, scales = _random_q4(rng, n, k)
+        w_dev = torch.from_numpy(qw.view(np.int32)).cuda()
+        s_dev = torch.from_numpy(scales).cuda()
+        wd = torch.from_numpy(dequantize_q4(qw, scales)).cuda()
+        for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
+            for rows in sorted({1, tile.max_rows - 7, tile.max_rows - 1, tile.max_rows}):
+                x = torch.randn(rows, k, device="cuda", dtype=dtype)
+                ys = []
+                for _ in range(2):
+                    y = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
+                    with torch_stream():
+                        f(x, w_dev, s_dev, y)
+                    ys.append(y)
+                torch.cuda.synchronize()
+                assert torch.isfinite(ys[0]).all(), f"{tile.tag} rows={rows}: output not fully written"
+                assert torch.equal(ys[0], ys[1]), f"{tile.tag} rows={rows}: not deterministic"
+                ref = x.double() @ wd.T
+                err = ((ys[0].double() - ref).norm() / ref.norm()).item()
+                assert err < tol, f"{tile.tag} rows={rows} K={k}: rel err {err:.2e}"
