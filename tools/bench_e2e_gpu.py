@@ -17,7 +17,10 @@ Phases (in priority order; each is skipped, and said so, when the time budget is
    over the same backend, rounds replayed from CUDA graphs. Per width R (1 lane, R columns, one
    executor with max_columns = the widest R): round time, the first call's time (warm-up + capture)
    and max |logits - eager HybridExecutor's|; then decode as in 2 (8 lane slots, 8 columns), each run
-   twice (the first captures; the second is reported, first_wall_s kept).
+   twice (the first captures; the second is reported, first_wall_s kept). With `--gdn-module PATH`
+   (a `.so` from `ignis.compiler.kernels.gdn_recurrent.build_gdn_recurrent`): the rounds per width
+   again with the fused GDN recurrence (`rounds_fused`), one GDN layer's recurrence alone (torch
+   loop vs the kernel, CUDA-graph replay, `gdn_layer`), and the decode with the kernel.
 1. Q4 compiled route: `HybridExecutor(bf16, linear=LinearBackend(CompiledLinears(...)))` over the
    carried sm_90 bundle (`--mods`: `q4_e2e_sm90.so` + `manifest.json` mapping (width, N, K) to an
    export; every width 1..8, 16, 32). Per width R: the linears of one forward alone (eager through
@@ -366,6 +369,69 @@ def bench_graph_rounds(
     return res
 
 
+def bench_gdn_layer(cfg: Any, dev: torch.device, kernel: Any, reps: int) -> dict:
+    """One GDN layer's recurrence at the model's shape, replayed from a CUDA graph: the torch path of
+    a static round (preparation + `StaticHybridExecutor._recurrence`) against the fused kernel, per
+    (lanes, columns); ms per layer and max |difference| of outputs (bf16) and record (float32)."""
+    res: dict[str, Any] = {}
+    for lanes, n in ((1, 1), (1, 8), (8, 1), (8, 8)):
+        row = _gdn_layer_case(cfg, dev, kernel, reps, lanes, n)
+        res[f"L{lanes}_n{n}"] = row
+        log(f"  GDN layer lanes={lanes} columns={n}: {row}")
+    return res
+
+
+def _gdn_layer_case(cfg: Any, dev: torch.device, kernel: Any, reps: int, lanes: int, n: int) -> dict:
+    import torch.nn.functional as F
+
+    from ignis.runtime.families.gated_deltanet import l2_normalize
+    from ignis.runtime.tvm_runtime import capture
+
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv_dim = 2 * hk * dk + hv * dv
+    gen = torch.Generator(device=dev).manual_seed(5)
+    mixed = torch.randn(lanes, n, conv_dim, generator=gen, device=dev).bfloat16()
+    b = torch.randn(lanes, n, hv, generator=gen, device=dev).bfloat16()
+    a = torch.randn(lanes, n, hv, generator=gen, device=dev).bfloat16()
+    neg_a = -torch.rand(hv, generator=gen, device=dev) * 8
+    dt_bias = torch.ones(hv, device=dev)
+    state = torch.randn(lanes, hv, dk, dv, generator=gen, device=dev) * 0.1
+    slots = torch.arange(lanes, device=dev)
+    rec_t = torch.empty(n, lanes, hv, dk, dv, device=dev)
+    rec_k = torch.empty_like(rec_t)
+    out_k = torch.empty(lanes, n, hv, dv, device=dev, dtype=torch.bfloat16)
+    outs: dict[str, torch.Tensor] = {}
+
+    def torch_path() -> None:
+        beta = torch.sigmoid(b).float()
+        decay = neg_a * F.softplus(a.float() + dt_bias)
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q = l2_normalize(q.float().reshape(lanes, n, hk, dk))
+        k = l2_normalize(k.float().reshape(lanes, n, hk, dk))
+        q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
+        q = q * dk**-0.5
+        v = v.float().reshape(lanes, n, hv, dv)
+        prev = state.index_select(0, slots)
+        out = StaticHybridExecutor._recurrence(q, k, v, decay, beta, prev, rec_t)
+        outs["torch"] = out.to(torch.bfloat16)
+
+    def kernel_path() -> None:
+        kernel(mixed, b, a, neg_a, dt_bias, state, slots, rec_k, out_k, hk, dk**-0.5)
+
+    row: dict[str, Any] = {}
+    for name, fn in (("torch", torch_path), ("kernel", kernel_path)):
+        fn()
+        sync(dev)
+        g = torch.cuda.CUDAGraph()
+        with capture(g):
+            fn()
+        row[f"{name}_ms"] = med(timed(g.replay, dev, reps=max(reps, 10), warmup=2))
+    row["max_abs_out_diff"] = float((outs["torch"].float() - out_k.float()).abs().max())
+    row["max_abs_record_diff"] = float((rec_t - rec_k).abs().max())
+    return row
+
+
 def decode_twice(ex: Any, prompts: list[list[int]], tokens: int, drafter_fn: Any = None) -> dict:
     """`decode` run twice with fresh drafters: the first captures the graphs (its wall time is
     reported as first_wall_s), the second replays them."""
@@ -580,12 +646,29 @@ def main() -> int:
         "(no eager decode, no bf16 route, no HF)",
     )
     ap.add_argument("--no-graphs", action="store_true", help="skip the graphed phase")
+    ap.add_argument(
+        "--gdn-module",
+        type=Path,
+        default=None,
+        help="fused GDN recurrence .so (build_gdn_recurrent): graphed rounds per width with and "
+        "without it, the layer alone, decode with it",
+    )
+    ap.add_argument("--widths", default=None, help="comma-separated round widths (default 1..8,16,32)")
+    ap.add_argument(
+        "--fused-only",
+        action="store_true",
+        help="with --gdn-module: skip the graphed rounds without the kernel",
+    )
+    ap.add_argument("--no-decode", action="store_true", help="skip the graphed decode")
+    ap.add_argument("--no-eager-rounds", action="store_true", help="skip the eager rounds per width")
     args = ap.parse_args()
     budget = Budget(args.budget_s)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     raw = TINY if args.tiny else FULL
     cfg = Qwen3_5TextConfig.from_hf(raw)
     widths = WIDTHS if not args.tiny else (1, 4, 8)
+    if args.widths:
+        widths = tuple(int(w) for w in args.widths.split(","))
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -631,28 +714,50 @@ def main() -> int:
         try:
             ctx = PROMPT_LEN + 2 * tokens + 64
             ref = HybridExecutor(cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend)
-            wide = StaticHybridExecutor(
-                cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
-                max_lanes=1, max_columns=max(widths), max_context=ctx,
-            )  # fmt: skip
-            gr["cuda_graphs"] = wide.cuda_graphs
-            log(f"graphed route (cuda_graphs={wide.cuda_graphs}): rounds per width")
-            gr["rounds"] = bench_graph_rounds(wide, ref, dev, widths, args.reps, vocab)
-            gr["captures_rounds"] = wide.num_captures
-            del wide
-            gc.collect()
-            save()
-            lanes8 = StaticHybridExecutor(
-                cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
-                max_lanes=8, max_columns=8, max_context=ctx,
-            )  # fmt: skip
-            log("graphed route: decode")
-            gr["decode"] = graphed_decode_suite(lanes8, prompts8, tokens, vocab, budget, ps)
-            gr["captures_decode"] = lanes8.num_captures
-            gr["replays_decode"] = lanes8.num_replays
+            if args.fused_only:
+                res["not_done"].append("graphed rounds without the fused GDN kernel (--fused-only)")
+            else:
+                wide = StaticHybridExecutor(
+                    cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
+                    max_lanes=1, max_columns=max(widths), max_context=ctx,
+                )  # fmt: skip
+                gr["cuda_graphs"] = wide.cuda_graphs
+                log(f"graphed route (cuda_graphs={wide.cuda_graphs}): rounds per width")
+                gr["rounds"] = bench_graph_rounds(wide, ref, dev, widths, args.reps, vocab)
+                gr["captures_rounds"] = wide.num_captures
+                save()
+                del wide
+                gc.collect()
+            if args.gdn_module is not None:
+                fused = StaticHybridExecutor(
+                    cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
+                    max_lanes=1, max_columns=max(widths), max_context=ctx, gdn_module=args.gdn_module,
+                )  # fmt: skip
+                gr["gdn_module"] = str(args.gdn_module)
+                log("graphed route with the fused GDN recurrence: rounds per width")
+                gr["rounds_fused"] = bench_graph_rounds(fused, ref, dev, widths, args.reps, vocab)
+                save()
+                log("one GDN layer: torch loop vs the fused kernel")
+                gr["gdn_layer"] = bench_gdn_layer(cfg, dev, fused.gdn_module, args.reps)
+                save()
+                del fused
+                gc.collect()
+            if args.no_decode:
+                res["not_done"].append("graphed decode (--no-decode)")
+            else:
+                lanes8 = StaticHybridExecutor(
+                    cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
+                    max_lanes=8, max_columns=8, max_context=ctx, gdn_module=args.gdn_module,
+                )  # fmt: skip
+                gr["decode_fused"] = args.gdn_module is not None
+                log(f"graphed route: decode (fused GDN: {gr['decode_fused']})")
+                gr["decode"] = graphed_decode_suite(lanes8, prompts8, tokens, vocab, budget, ps)
+                gr["captures_decode"] = lanes8.num_captures
+                gr["replays_decode"] = lanes8.num_replays
+                del lanes8
             if dev.type == "cuda":
                 gr["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-            del lanes8, ref
+            del ref
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -671,8 +776,11 @@ def main() -> int:
             q4["linears"] = bench_linears(ex, dev, widths, args.reps, graph=False)
             q4["route_counts_after_linears"] = dict(backend.counts)
             save()
-        log("Q4 route: rounds per width")
-        q4["rounds"] = bench_rounds(ex, dev, widths, args.reps, vocab)
+        if args.no_eager_rounds:
+            res["not_done"].append("q4 eager rounds (--no-eager-rounds)")
+        else:
+            log("Q4 route: rounds per width")
+            q4["rounds"] = bench_rounds(ex, dev, widths, args.reps, vocab)
         res["q4"] = q4
         save()
         if args.graphs_only:
@@ -757,12 +865,14 @@ def main() -> int:
     )
     print(
         "| R | q4 linears eager ms | q4 linears graph ms | q4 round ms | round / floor "
-        "| q4 graphed round ms | graphed / floor | bf16 linears ms | bf16 round ms |"
+        "| q4 graphed round ms | graphed / floor | fused-GDN graphed round ms | bf16 linears ms "
+        "| bf16 round ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     ql, qr = q4.get("linears", {}), q4.get("rounds", {})
     bl, br = bf.get("linears", {}), bf.get("rounds", {})
     grr = gr.get("rounds", {})
+    grf = gr.get("rounds_fused", {})
     for r in widths:
         k = str(r)
         rr = qr.get(k)
@@ -772,12 +882,13 @@ def main() -> int:
         gratio = fmt(gms / floor) if gms and floor else "-"
         print(
             f"| {r} | {fmt(q.get('eager_ms'))} | {fmt(q.get('graph_ms'))} | {fmt(rr)} | {ratio} "
-            f"| {fmt(gms)} | {gratio} | {fmt(b.get('eager_ms'))} | {fmt(br.get(k))} |"
+            f"| {fmt(gms)} | {gratio} | {fmt(grf.get(k, {}).get('graph_ms'))} "
+            f"| {fmt(b.get('eager_ms'))} | {fmt(br.get(k))} |"
         )
     print("\n| route | run | tok/s | tokens/round | rounds/lane | wall s |")
     print("|---|---|---|---|---|---|")
     for route, d in (
-        ("q4 graphed", gr.get("decode", {})),
+        ("q4 graphed" + (" fused GDN" if gr.get("decode_fused") else ""), gr.get("decode", {})),
         ("q4", q4.get("decode", {})),
         ("bf16", bf.get("decode", {})),
     ):

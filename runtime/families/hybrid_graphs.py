@@ -53,15 +53,25 @@ the lane's exact length, RMSNorms use torch's `F.rms_norm` (fused on CUDA) with 
 and the recurrence's state update is one fused ``baddbmm``. Float32 results agree to ~1e-5
 (tests: 1e-4), bf16 logits to bf16 rounding (argmax equal on the 27B-shaped benchmark).
 
-Measured on an H200 (27B-shaped qwen3_5, q4 modules; docs/perf-drafts/e2e-graphs.md): a 1-lane round
-of R columns 15.4 ms at R = 1 (eager 104-128 ms), 25.4 at 8, 59.5 at 32; what remains is graph-node
-bound (~60-80 small kernels per layer) and the recurrence's state traffic, not host launches.
+Fused GDN recurrence (``gdn_module``, `GdnRecurrentKernel`): a module built by
+``ignis.compiler.kernels.gdn_recurrent.build_gdn_recurrent`` replaces, in static rounds on CUDA, the
+preparation (q/k l2 norms, q scale, GQA repeat, sigmoid(b), the decay) and the per-column loop by one
+launch per GDN layer that keeps the state on chip across the round's columns and writes the record
+in the layout `commit` reads (same float32 math; outputs rounded to the model dtype once, as here).
+Long (eager) forwards keep the torch path.
+
+Measured on an H200 (27B-shaped qwen3_5, q4 modules; docs/perf-drafts/e2e-graphs.md and
+gdn-kernel.md): a 1-lane round of R columns 15.4-16.1 ms at R = 1 (eager 104-128 ms), 25.4-26.1 at
+8, 59.5 at 32 with the torch recurrence; with the fused kernel 12.2 ms at R = 1, 15.8 at 8, 21.4 at
+32 (linears alone 6.5 / 8.5 / 16.4). What remains is graph-node bound (the norms, RoPE, the conv and
+gating as many small kernels per layer), not host launches.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
+import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -86,12 +96,85 @@ from ignis.runtime.families.moe import SparseMoeWeights, sparse_moe_block, swigl
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig
 from ignis.runtime.linear import LinearFn, Q4Weight
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "StaticHybridExecutor", "StaticLaneState"]
+__all__ = ["DEFAULT_MAX_CONTEXT", "GdnRecurrentKernel", "StaticHybridExecutor", "StaticLaneState"]
 
 log = logging.getLogger("ignis.runtime.hybrid_graphs")
 
 DEFAULT_MAX_CONTEXT = 8192
 """Token capacity per lane when neither the caller nor a smaller model limit gives one."""
+
+
+GDN_FUNCTION_NAME = "gdn_recurrent"
+"""The export of a module built by ``ignis.compiler.kernels.gdn_recurrent.build_gdn_recurrent``."""
+
+_GDN_MAX_KEY_DIM = 256  # ignis.compiler.kernels.gdn_recurrent.MAX_KEY_DIM
+
+
+class GdnRecurrentKernel:
+    """The fused Gated DeltaNet recurrence of a compiled module (static rounds, CUDA only).
+
+    One launch per GDN layer and round replaces the per-column torch loop of `_recurrence` and the
+    preparation before it (q/k l2 norms, the q scale, the GQA repeat, sigmoid(b), the decay); the
+    math and its source are in ``ignis.compiler.kernels.gdn_recurrent``. It launches on torch's
+    current stream (capturable).
+
+    Args:
+        source: the module's ``gdn_recurrent`` function (a tvm-ffi function), a loaded module
+            holding it, or the path of a ``.so`` built by ``build_gdn_recurrent`` (loaded with the
+            lean runtime, ``ignis.runtime.tvm_runtime.load_module``).
+
+    Raises:
+        TvmRuntimeError: a path that is missing or cannot be loaded.
+    """
+
+    def __init__(self, source: Any) -> None:
+        if isinstance(source, GdnRecurrentKernel):
+            source = source.func
+        if isinstance(source, str | os.PathLike):
+            from ignis.runtime.tvm_runtime import load_module
+
+            source = load_module(source, cuda=True)[GDN_FUNCTION_NAME]
+        elif not callable(source) and hasattr(source, "__getitem__"):
+            source = source[GDN_FUNCTION_NAME]
+        self.func = source
+
+    @staticmethod
+    def supports(config: HybridConfig) -> bool:
+        """Whether the kernel takes this config's GDN shapes (k_dim <= 256, v_heads a multiple of
+        k_heads)."""
+        return (
+            config.linear_key_head_dim <= _GDN_MAX_KEY_DIM
+            and config.linear_num_value_heads % config.linear_num_key_heads == 0
+        )
+
+    def __call__(
+        self,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        neg_a: torch.Tensor,
+        dt_bias: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        record: torch.Tensor,
+        out: torch.Tensor,
+        num_key_heads: int,
+        scale: float,
+    ) -> None:
+        """Run a round: mixed [L, n, conv_dim] (conv + SiLU output, model dtype, any strides), b, a
+        [L, n, v_heads] (model dtype), neg_a = -exp(A_log) and dt_bias [v_heads] float32, state
+        [S, v_heads, k_dim, v_dim] float32 (read), slots [L] int64, record [>= n, >= L, v_heads,
+        k_dim, v_dim] float32 (record[t, l] = state after column t), out [L, n, v_heads, v_dim]
+        (float32 or the model dtype, written). Raises ValueError / TypeError (from the module) on
+        shapes, dtypes or devices it does not take."""
+        args = (mixed, b, a, neg_a, dt_bias, state, slots, record, out, num_key_heads, scale)
+        if not mixed.is_cuda:  # a CPU stand-in (tests: the kernel's CPU model)
+            self.func(*args)
+            return
+        from ignis.runtime.tvm_runtime import torch_stream
+
+        with torch_stream():
+            self.func(*args)
 
 
 @dataclass
@@ -182,6 +265,9 @@ class StaticHybridExecutor(HybridExecutor):
         cuda_graphs: capture and replay static rounds (default: on CUDA, unless the config has MoE
             layers, see the module docstring). True on a CPU device raises ValueError.
         kv_bucket: the smallest KV length bucket (a power of two; buckets double up to the capacity).
+        gdn_module: the fused GDN recurrence (`GdnRecurrentKernel`, its function, a loaded module or
+            a ``.so`` path) for static rounds on CUDA; None: the torch loop. Also settable later as
+            the ``gdn_module`` attribute (captured graphs are dropped then).
 
     Memory (bytes): KV 2 x attn_layers x max_lanes x capacity x kv_heads x head_dim x dtype size;
     recurrent state 4 x gdn_layers x max_lanes x v_heads x k_dim x v_dim, and max_columns times that
@@ -189,7 +275,9 @@ class StaticHybridExecutor(HybridExecutor):
 
     Raises:
         ValueError: max_lanes, max_columns, kv_bucket or max_context out of range; cuda_graphs=True
-            off CUDA or with MoE layers. Otherwise as `HybridExecutor`.
+            off CUDA or with MoE layers; a gdn_module off CUDA or for GDN shapes it does not take.
+            Otherwise as `HybridExecutor`.
+        TvmRuntimeError: a gdn_module path that cannot be loaded.
     """
 
     def __init__(
@@ -205,6 +293,7 @@ class StaticHybridExecutor(HybridExecutor):
         max_columns: int = 8,
         cuda_graphs: bool | None = None,
         kv_bucket: int = 256,
+        gdn_module: Any = None,
     ) -> None:
         super().__init__(config, weights, device=device, dtype=dtype, linear=linear)
         c = config
@@ -269,6 +358,31 @@ class StaticHybridExecutor(HybridExecutor):
             for layer in self._layers
             if layer.gdn is not None
         ]
+        self._gdn_kernel: GdnRecurrentKernel | None = None
+        self.gdn_module = gdn_module
+
+    @property
+    def gdn_module(self) -> GdnRecurrentKernel | None:
+        """The fused GDN recurrence used by static rounds (None: the torch loop)."""
+        return self._gdn_kernel
+
+    @gdn_module.setter
+    def gdn_module(self, source: Any) -> None:
+        if source is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"gdn_module needs a CUDA device, got {self.device}")
+            if not GdnRecurrentKernel.supports(self.config):
+                c = self.config
+                raise ValueError(
+                    f"gdn_module: the kernel takes k_dim <= {_GDN_MAX_KEY_DIM} and v_heads a multiple of "
+                    f"k_heads, got k_dim {c.linear_key_head_dim}, {c.linear_num_value_heads} v_heads, "
+                    f"{c.linear_num_key_heads} k_heads"
+                )
+            source = GdnRecurrentKernel(source)
+        self._gdn_kernel = source
+        if self._graphs:  # captured with the other recurrence: recaptured on demand, in a new pool
+            self._graphs.clear()
+            self._pool = None
 
     # ---- lanes ----
 
@@ -682,14 +796,31 @@ class StaticHybridExecutor(HybridExecutor):
         )
         kd, gs, rep = c.linear_conv_kernel_dim - 1, layer.slot, nv // nk
         qkv, z, b, a = self._gdn_projections(g, x)
-        beta = torch.sigmoid(b).float().view(lanes, n, nv)
         neg_a, dt_bias = self._gdn_consts[gs]
-        decay = (neg_a * F.softplus(a.float() + dt_bias)).view(lanes, n, nv)
         ch = qkv.shape[-1]
         window = torch.cat(
             [self._conv[gs].index_select(0, slots), qkv.view(lanes, n, ch).transpose(1, 2)], dim=2
         )  # [L, C, kd + n]
         conv = F.silu(F.conv1d(window, g.conv.unsqueeze(1), None, padding=0, groups=ch)).transpose(1, 2)
+        if eager is None and self._gdn_kernel is not None:  # the fused recurrence, one launch
+            self._windows[gs, :lanes, :, : kd + n] = window
+            out_core = x.new_empty(lanes, n, nv, dv)  # rounded to the model dtype once, as below
+            self._gdn_kernel(
+                conv,
+                b.reshape(lanes, n, nv),
+                a.reshape(lanes, n, nv),
+                neg_a,
+                dt_bias,
+                self._rec[gs],
+                slots,
+                self._record[gs],
+                out_core,
+                nk,
+                dk**-0.5,
+            )
+            return self._gdn_output(layer, out_core.view(lanes * n, nv, dv).float(), z, x.dtype)
+        beta = torch.sigmoid(b).float().view(lanes, n, nv)
+        decay = (neg_a * F.softplus(a.float() + dt_bias)).view(lanes, n, nv)
         q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)  # [L, n, *]
         q = l2_normalize(q.float().reshape(lanes, n, nk, dk))
         k = l2_normalize(k.float().reshape(lanes, n, nk, dk))
@@ -714,9 +845,19 @@ class StaticHybridExecutor(HybridExecutor):
                 pendings[i].conv_windows.append(window[i, :, : kd + n_i])
                 pendings[i].rec_states.append(new_state)
         core = core.view(lanes * n, nv, dv).to(x.dtype).float()  # rounded as HF's
-        core = F.rms_norm(core, (dv,), eps=c.rms_norm_eps).to(x.dtype)
-        out = ((g.norm * core) * F.silu(z.float())).to(x.dtype)  # as `gated_rms_norm`
-        return self.linear(out.reshape(lanes * n, nv * dv), g.out_proj, None)
+        return self._gdn_output(layer, core, z, x.dtype)
+
+    def _gdn_output(
+        self, layer: _Layer, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Gated RMSNorm and out_proj of the recurrence output core [rows, v_heads, v_dim] (float32
+        holding model-dtype values), z [rows, v_heads, v_dim]."""
+        g = layer.gdn
+        assert g is not None
+        rows, nv, dv = core.shape
+        core = F.rms_norm(core, (dv,), eps=self.config.rms_norm_eps).to(dtype)
+        out = ((g.norm * core) * F.silu(z.float())).to(dtype)  # as `gated_rms_norm`
+        return self.linear(out.reshape(rows, nv * dv), g.out_proj, None)
 
     @staticmethod
     def _recurrence(

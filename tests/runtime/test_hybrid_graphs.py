@@ -292,6 +292,151 @@ def test_cuda_graphs_replay_like_the_eager_paths(tiny: TinyHybrid, dtype: torch.
                 )
 
 
+def _emulated_gdn_module(calls: list[tuple[int, int]]):
+    """A CPU stand-in for the compiled `gdn_recurrent` function: the kernel's CPU model
+    (`gdn_recurrent_emulated`), writing record[:n, :L] and out as the kernel does."""
+    from ignis.compiler.kernels.gdn_recurrent import gdn_recurrent_emulated
+
+    def func(mixed, b, a, neg_a, dt_bias, state, slots, record, out, num_key_heads, scale):
+        assert scale == state.shape[2] ** -0.5 and state.dtype == record.dtype == torch.float32
+        o, rec = gdn_recurrent_emulated(mixed, b, a, neg_a, dt_bias, state, slots, num_key_heads)
+        lanes, n = mixed.shape[:2]
+        record[:n, :lanes] = rec
+        out.copy_(o.to(out.dtype))
+        calls.append((lanes, n))
+
+    return func
+
+
+def test_fused_gdn_module_path_matches_hybrid_executor(tiny: TinyHybrid, ref: HybridExecutor) -> None:
+    """The executor's kernel path (arguments, record layout, slots, commit) with the kernel's CPU
+    model in place of the module: rounds, every commit k, and the state after commit equal to
+    feeding the committed tokens alone."""
+    from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+
+    vocab = tiny.config.vocab_size
+    st = static(tiny, max_lanes=3)
+    calls: list[tuple[int, int]] = []
+    st._gdn_kernel = GdnRecurrentKernel(_emulated_gdn_module(calls))  # the setter wants CUDA
+    n_gdn = sum(not tiny.config.is_full_attention(i) for i in range(tiny.config.num_hidden_layers))
+    head, cols = tokens(9, 17, vocab), tokens(8, 18, vocab)
+    for keep in (0, 1, 3, 8):
+        lane, other = st.new_lane(), st.new_lane()
+        rl, ro = ref.new_lane(), ref.new_lane()
+        run_both(ref, st, [rl, ro], [lane, other], [head, head[:4]], [9, 4], record=False)  # eager
+        calls.clear()
+        run_both(ref, st, [rl, ro], [lane, other], [cols, cols[:3]], [keep, 2])  # static: the kernel
+        assert calls == [(2, 8)] * n_gdn
+        expect = ref.new_lane()
+        kept = torch.cat([head, cols[:keep]])
+        ref.forward([expect], [kept], record=True)
+        ref.commit([expect], [kept.numel()])
+        assert_same_state(tiny.config, lane, expect)
+        nxt = tokens(4, 60 + keep, vocab)
+        close(st.forward([lane], [nxt]).logits[0], ref.forward([expect], [nxt]).logits[0])
+        st.commit([lane], [0])
+        ref.commit([expect], [0])
+        for s in (lane, other):
+            st.release_lane(s)
+    with pytest.raises(ValueError, match="CUDA"):
+        st.gdn_module = _emulated_gdn_module([])
+    with pytest.raises(ValueError, match="CUDA"):
+        static(tiny, gdn_module=_emulated_gdn_module([]))
+    st.gdn_module = None
+    assert st.gdn_module is None
+
+
+def _gdn_module_path() -> str | None:
+    """$IGNIS_GDN_MODULE, else a build for this GPU's arch with nvcc, else None."""
+    import os
+    import shutil
+
+    env = os.environ.get("IGNIS_GDN_MODULE")
+    if env:
+        return env
+    if shutil.which("nvcc") is None:
+        return None
+    from ignis.compiler.kernels.gdn_recurrent import build_gdn_recurrent
+
+    major, minor = torch.cuda.get_device_capability()
+    return str(build_gdn_recurrent(f"sm_{major}{minor}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_with_the_fused_gdn_kernel(tiny: TinyHybrid, dtype: torch.dtype) -> None:
+    """On CUDA: static rounds with the compiled GDN kernel (graphed for qwen3_5; the MoE families run
+    the static path eagerly, qwen3_next with strided b/a) give the static rounds without it and
+    HybridExecutor's logits; every commit k leaves the state of feeding the kept tokens alone."""
+    graphs = tiny.config.model_type == "qwen3_5"
+    path = _gdn_module_path()
+    if path is None:
+        pytest.skip("no compiled GDN module ($IGNIS_GDN_MODULE) and no nvcc")
+    vocab = tiny.config.vocab_size
+    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 4, "max_context": 200, "kv_bucket": 16}
+    fused = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), gdn_module=path, **kw)
+    plain = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **kw)
+    eager = HybridExecutor(tiny.config, tiny.canonical_tensors(), device="cuda", dtype=dtype)
+    assert fused.cuda_graphs == plain.cuda_graphs == graphs and fused.gdn_module is not None
+    f32 = dtype == torch.float32
+    same = {"atol": 1e-4, "rtol": 1e-4} if f32 else {"atol": 0.05, "rtol": 0.02}
+    tol = {"atol": 2e-4, "rtol": 2e-4} if f32 else {"atol": 0.15, "rtol": 0.05}
+    exs = (fused, plain, eager)
+    lanes = [[ex.new_lane() for _ in range(3)] for ex in exs]
+    prompts = [tokens(n, 30 + n, vocab).cuda() for n in (20, 6, 11)]
+    for ex, ls in zip(exs, lanes, strict=True):
+        ex.forward(ls, prompts, record=False)
+        ex.commit(ls, [p.numel() for p in prompts])
+    shapes = [[1, 1, 1], [8, 3, 1], [8, 3, 1], [2, 8, 5], [8, 8, 8], [8, 3, 1], [8, 1, 8], [8, 8, 8]]
+    keeps = [[1, 1, 1], [4, 3, 0], [8, 1, 1], [2, 8, 3], [0, 5, 6], [7, 2, 1], [3, 1, 8], [6, 4, 2]]
+    for r, (shape, keep) in enumerate(zip(shapes, keeps, strict=True)):
+        cols = [tokens(n, 300 + 10 * r + i, vocab).cuda() for i, n in enumerate(shape)]
+        outs = [ex.forward(ls, cols, output_hidden_states=True) for ex, ls in zip(exs, lanes, strict=True)]
+        for i in range(3):
+            torch.testing.assert_close(outs[0].logits[i], outs[1].logits[i], **same)
+            torch.testing.assert_close(outs[0].logits[i], outs[2].logits[i], **tol)
+        for ex, ls in zip(exs, lanes, strict=True):
+            ex.commit(ls, keep)
+    if graphs:
+        assert fused.num_replays == len(shapes) and fused.num_captures >= 2
+    c = tiny.config
+    gdn_layers = [i for i in range(c.num_hidden_layers) if not c.is_full_attention(i)]
+    for a, b, e in zip(*lanes, strict=True):
+        assert a.num_tokens == b.num_tokens == e.num_tokens
+        for layer in gdn_layers:
+            torch.testing.assert_close(a.recurrent_state(layer), b.recurrent_state(layer), **same)
+            torch.testing.assert_close(a.recurrent_state(layer), e.recurrent_state(layer), **tol)
+    # every commit k: the state equals feeding the committed tokens alone (eager, token by token)
+    base = tokens(9, 77, vocab).cuda()
+    cols = tokens(8, 78, vocab).cuda()
+    for keep in range(cols.numel() + 1):
+        lane = fused.new_lane()
+        fused.forward([lane], [base], record=False)  # 9 > max_columns: eager prefill
+        fused.commit([lane], [9])
+        fused.forward([lane], [cols])
+        fused.commit([lane], [keep])
+        expect = eager.new_lane()
+        kept = torch.cat([base, cols[:keep]])
+        eager.forward([expect], [kept], record=True)
+        eager.commit([expect], [kept.numel()])
+        assert lane.num_tokens == expect.num_tokens
+        for layer in gdn_layers:
+            torch.testing.assert_close(lane.recurrent_state(layer), expect.recurrent_state(layer), **tol)
+            torch.testing.assert_close(lane.conv_state(layer), expect.conv_state(layer), **tol)
+        fused.release_lane(lane)
+    # the attribute: set after captures, the graphs are recaptured with the kernel (and without)
+    for module in (path, None):
+        plain.gdn_module = module
+        cols = [tokens(n, 500 + i, vocab).cuda() for i, n in enumerate([8, 2, 5])]
+        outs = [ex.forward(ls, cols) for ex, ls in zip(exs, lanes, strict=True)]
+        for i in range(3):
+            torch.testing.assert_close(outs[1].logits[i], outs[0].logits[i], **same)
+        for ex, ls in zip(exs, lanes, strict=True):
+            ex.commit(ls, [3, 2, 4])
+    assert plain.gdn_module is None
+
+
 class _Loaded(Exception):
     """Raised by `_RecordingSource.load` to stop `ignis-run` before it serves."""
 

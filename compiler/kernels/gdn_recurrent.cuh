@@ -1,0 +1,203 @@
+// Fused Gated DeltaNet recurrence for verify rounds: every column of a round in one launch, the
+// recurrent state kept in registers across the columns, the state after every column written to the
+// round's record buffer.
+//
+// Algorithm: the gated delta rule (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025,
+// arXiv:2412.06464, eq. 10), in the state layout of HF / FLA (S is [k_dim, v_dim], a read is k^T S):
+//
+//     q_t = l2norm(q_t) * k_dim^-0.5,  k_t = l2norm(k_t)     (float32, eps 1e-6 inside the sqrt)
+//     beta_t = sigmoid(b_t)             (float32, rounded to the input dtype as torch does)
+//     g_t = -exp(A_log) * softplus(a_t + dt_bias)            (float32; softplus threshold 20)
+//     S'  = exp(g_t) S_{t-1};  delta = beta_t (v_t - S'^T k_t);  S_t = S' + k_t delta^T
+//     o_t = S_t^T q_t
+//
+// with value head h reading key head h / (v_heads / k_heads) (GQA repeat, no copy). The same math as
+// `ignis.runtime.families.gated_deltanet.gated_delta_rule_recurrent` after the torch preparation in
+// `StaticHybridExecutor._static_gdn`; a CPU model of this kernel (same blocking, same reduction
+// order) is `ignis.compiler.kernels.gdn_recurrent.gdn_recurrent_emulated`.
+//
+// Blocking: one block of kWarps warps per (lane, value head, tile of kCols value columns). Lane `l`
+// of every warp owns value column tile * kCols + l; warp w owns key rows w*R .. w*R + R - 1, so each
+// thread keeps R float32 state elements in registers for the whole round. Per column: S'^T k and
+// S_t^T q are per-thread partial sums over the thread's R rows (ascending), then the kWarps partials
+// summed in warp order through shared memory (deterministic). The round's q/k/v/b/a are staged in
+// shared memory kChunk columns at a time (loads in parallel, l2 norms one warp per column), so the
+// sequential part touches only registers and shared memory; every state write is a 128-byte row
+// segment per warp.
+// Limits: k_dim <= kWarps * 32 = 256 (R = 2, 4, 8, 16 or 32 picked by the host side).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace ignis_gdn {
+
+constexpr int kWarps = 8;        // warps per block
+constexpr int kCols = 32;        // value columns per block (one per lane)
+constexpr int kChunk = 16;       // round columns staged in shared memory at a time
+constexpr int kMaxKeyDim = 256;  // kWarps * the largest R
+constexpr float kL2Eps = 1e-6f;
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+struct Params {
+  const void* mixed;  // [lanes, n, conv_dim] (strided): q | k | v channels after conv + SiLU
+  int64_t m_lane, m_col, m_ch;
+  const void* b;  // [lanes, n, v_heads] (strided), mixed's dtype
+  int64_t b_lane, b_col, b_head;
+  const void* a;  // [lanes, n, v_heads] (strided), mixed's dtype
+  int64_t a_lane, a_col, a_head;
+  const float* neg_a;    // [v_heads]: -exp(A_log)
+  const float* dt_bias;  // [v_heads]
+  const float* state;    // [slots, v_heads, k_dim, v_dim], inner three dims contiguous
+  int64_t st_slot;
+  int64_t num_slots;
+  const int64_t* slots;  // [lanes]
+  float* record;         // [>= n, >= lanes, v_heads, k_dim, v_dim], inner three dims contiguous
+  int64_t rec_col, rec_lane;
+  void* out;  // [lanes, n, v_heads, v_dim] contiguous, float32 or mixed's dtype
+  bool out_f32;
+  int lanes, n, hk, hv, dk, dv;
+  float scale;
+};
+
+template <typename T, int R>
+__global__ void __launch_bounds__(kWarps * 32) gdn_recurrent_kernel(const Params p) {
+  constexpr int DK = kWarps * R;  // padded key rows
+  __shared__ float sq[kChunk][DK];
+  __shared__ float sk[kChunk][DK];
+  __shared__ float sv[kChunk][kCols];
+  __shared__ float sbeta[kChunk];
+  __shared__ float salpha[kChunk];
+  __shared__ float red[2][kWarps][kCols];
+
+  const int tiles = (p.dv + kCols - 1) / kCols;
+  const int tile = blockIdx.x % tiles;
+  const int h = (blockIdx.x / tiles) % p.hv;
+  const int li = blockIdx.x / (tiles * p.hv);
+  const int warp = threadIdx.x / 32, lid = threadIdx.x % 32;
+  const int j = tile * kCols + lid;
+  const bool jok = j < p.dv;
+  const int kh = h / (p.hv / p.hk);
+  const int64_t slot = p.slots[li];
+  if (slot < 0 || slot >= p.num_slots) return;  // the whole block: no barrier is left waiting
+  const int64_t head = static_cast<int64_t>(p.dk) * p.dv;
+
+  float s[R];
+  const float* s0 = p.state + slot * p.st_slot + h * head;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int i = warp * R + r;
+    s[r] = (jok && i < p.dk) ? s0[static_cast<int64_t>(i) * p.dv + j] : 0.f;
+  }
+
+  const T* mixed = static_cast<const T*>(p.mixed) + li * p.m_lane;
+  const T* bp = static_cast<const T*>(p.b) + li * p.b_lane + h * p.b_head;
+  const T* ap = static_cast<const T*>(p.a) + li * p.a_lane + h * p.a_head;
+  const int64_t qoff = static_cast<int64_t>(kh) * p.dk;
+  const int64_t koff = static_cast<int64_t>(p.hk + kh) * p.dk;
+  const int64_t voff = 2 * static_cast<int64_t>(p.hk) * p.dk + static_cast<int64_t>(h) * p.dv + tile * kCols;
+  const float neg_a = p.neg_a[h], dt_bias = p.dt_bias[h];
+
+  for (int c0 = 0; c0 < p.n; c0 += kChunk) {
+    const int nc = min(kChunk, p.n - c0);
+    __syncthreads();  // the previous chunk is consumed
+    for (int e = threadIdx.x; e < nc * DK; e += blockDim.x) {
+      const int c = e / DK, i = e % DK;
+      const T* row = mixed + static_cast<int64_t>(c0 + c) * p.m_col;
+      const bool ok = i < p.dk;
+      sq[c][i] = ok ? to_f(row[(qoff + i) * p.m_ch]) : 0.f;
+      sk[c][i] = ok ? to_f(row[(koff + i) * p.m_ch]) : 0.f;
+    }
+    for (int e = threadIdx.x; e < nc * kCols; e += blockDim.x) {
+      const int c = e / kCols, jj = e % kCols;
+      const T* row = mixed + static_cast<int64_t>(c0 + c) * p.m_col;
+      sv[c][jj] = (tile * kCols + jj < p.dv) ? to_f(row[(voff + jj) * p.m_ch]) : 0.f;
+    }
+    if (threadIdx.x < nc) {
+      const int64_t t = c0 + threadIdx.x;
+      const float bx = to_f(bp[t * p.b_col]);
+      sbeta[threadIdx.x] = to_f(from_f<T>(1.f / (1.f + expf(-bx))));  // sigmoid in T, as torch
+      const float ax = to_f(ap[t * p.a_col]) + dt_bias;
+      const float sp = ax > 20.f ? ax : log1pf(expf(ax));  // F.softplus (threshold 20)
+      salpha[threadIdx.x] = expf(neg_a * sp);
+    }
+    __syncthreads();
+    for (int c = warp; c < nc; c += kWarps) {  // l2 norms: one warp per column
+      float aq = 0.f, ak = 0.f;
+      for (int i = lid; i < DK; i += 32) {
+        aq = fmaf(sq[c][i], sq[c][i], aq);
+        ak = fmaf(sk[c][i], sk[c][i], ak);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        aq += __shfl_xor_sync(0xffffffffu, aq, o);
+        ak += __shfl_xor_sync(0xffffffffu, ak, o);
+      }
+      const float rq = rsqrtf(aq + kL2Eps), rk = rsqrtf(ak + kL2Eps);
+      for (int i = lid; i < DK; i += 32) {
+        sq[c][i] = (sq[c][i] * rq) * p.scale;
+        sk[c][i] = sk[c][i] * rk;
+      }
+    }
+    __syncthreads();
+    for (int c = 0; c < nc; ++c) {
+      const int64_t t = c0 + c;
+      const float alpha = salpha[c], beta = sbeta[c];
+      float part = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        s[r] *= alpha;
+        part = fmaf(s[r], sk[c][warp * R + r], part);
+      }
+      red[0][warp][lid] = part;
+      __syncthreads();
+      float kv = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) kv += red[0][w][lid];
+      const float delta = (sv[c][lid] - kv) * beta;
+      float* rec = p.record + t * p.rec_col + li * p.rec_lane + h * head;
+      float po = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int i = warp * R + r;
+        s[r] = fmaf(sk[c][i], delta, s[r]);
+        if (jok && i < p.dk) rec[static_cast<int64_t>(i) * p.dv + j] = s[r];
+        po = fmaf(s[r], sq[c][i], po);
+      }
+      red[1][warp][lid] = po;
+      __syncthreads();
+      if (warp == 0 && jok) {
+        float o = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) o += red[1][w][lid];
+        const int64_t at = ((static_cast<int64_t>(li) * p.n + t) * p.hv + h) * p.dv + j;
+        if (p.out_f32) {
+          static_cast<float*>(p.out)[at] = o;
+        } else {
+          static_cast<T*>(p.out)[at] = from_f<T>(o);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace ignis_gdn

@@ -1,0 +1,336 @@
+"""Fused Gated DeltaNet recurrence for verify rounds, as a CUDA kernel exported through tvm-ffi.
+
+One launch runs every column of a round for every lane and value head: per (lane, value head, tile
+of 32 value columns) one block keeps its float32 state slice in registers across the columns and,
+per column t, folds in the preparation the torch path does around `gated_delta_rule_recurrent`
+(``StaticHybridExecutor._static_gdn``):
+
+* q, k: l2-normalized per key head in float32 (``x * rsqrt(sum x^2 + 1e-6)``), q times
+  ``k_dim ** -0.5``; value head h reads key head ``h // (v_heads // k_heads)`` (the GQA repeat,
+  no copy);
+* ``beta = sigmoid(b)`` (float32, rounded to the input dtype as torch's sigmoid of a bf16 tensor
+  is), ``g = -exp(A_log) * softplus(a + dt_bias)`` (float32, softplus threshold 20);
+* the gated delta rule (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025,
+  arXiv:2412.06464, eq. 10; the state layout of HF / FLA, S [k_dim, v_dim])::
+
+      S' = exp(g_t) S;  delta = beta_t (v_t - S'^T k_t);  S_t = S' + k_t delta^T;  o_t = S_t^T q_t
+
+  writing S_t into the round's record buffer (``record[t, lane]``, the layout
+  `StaticHybridExecutor.commit` reads) and o_t into ``out``.
+
+FLA's ``fused_recurrent_gated_delta_rule`` (Triton) is the public kernel of this kind; this one is
+written from the equations above. ``gdn_recurrent.cuh`` holds the kernel, ``gdn_recurrent_ffi.cuh``
+the exported function and its checks; :func:`gdn_recurrent_reference` is the torch path (the
+oracle) and :func:`gdn_recurrent_emulated` a CPU model of the kernel (same blocking and reduction
+order), tested against it.
+
+:func:`build_gdn_recurrent` returns an exported ``.so`` (nvcc, SASS for one arch, no PTX) holding
+``gdn_recurrent(mixed, b, a, neg_a, dt_bias, state, slots, record, out, num_key_heads, scale)``
+(:data:`FUNCTION_NAME`):
+
+* ``mixed``: [L, n, conv_dim] float32 / bfloat16 / float16, any strides: the conv + SiLU output,
+  channels ``q (k_heads * k_dim) | k (k_heads * k_dim) | v (v_heads * v_dim)``;
+* ``b``, ``a``: [L, n, v_heads] in mixed's dtype, any strides (the in_proj_b / in_proj_a outputs);
+* ``neg_a`` (``-exp(A_log)``), ``dt_bias``: [v_heads] float32;
+* ``state``: [S, v_heads, k_dim, v_dim] float32, read only; ``slots``: [L] int64 (lane l starts
+  from ``state[slots[l]]``);
+* ``record``: [>= n, >= L, v_heads, k_dim, v_dim] float32, written for t < n, l < L;
+* ``out``: [L, n, v_heads, v_dim] contiguous, float32 or mixed's dtype (rounded once), written;
+* ``num_key_heads`` (int), ``scale`` (float, ``k_dim ** -0.5``).
+
+Limits: k_dim <= :data:`MAX_KEY_DIM`; v_heads a multiple of num_key_heads. It launches on the stream
+tvm-ffi reports (torch's current stream under ``tvm_ffi.use_torch_stream()``), allocates nothing, so
+it can be captured in a CUDA graph. Wrong shapes, dtypes or devices raise ``ValueError`` /
+``TypeError`` from the module. The caller is ``ignis.runtime.families.hybrid_graphs``
+(``StaticHybridExecutor(gdn_module=...)``).
+
+Measured on an H200 (docs/perf-drafts/gdn-kernel.md), one GDN layer of the 27B shape (48 value
+heads of 128 x 128), CUDA-graph replay: 17 us at 1 lane x 1 column, 24 us at 1 x 8, 91 us at 8 x 8
+(the torch path 67 / 227 / 628 us); the 1-lane graphed round 16.1 -> 12.2 ms at 1 column, 26.1 ->
+15.8 at 8, 59.5 -> 21.4 at 32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CHUNK",
+    "COLS",
+    "FUNCTION_NAME",
+    "MAX_KEY_DIM",
+    "WARPS",
+    "GdnKernelError",
+    "build_gdn_recurrent",
+    "gdn_recurrent_emulated",
+    "gdn_recurrent_reference",
+    "rows_per_thread",
+]
+
+FUNCTION_NAME = "gdn_recurrent"
+WARPS = 8  # kWarps in gdn_recurrent.cuh
+COLS = 32  # kCols: value columns per block
+CHUNK = 16  # kChunk: round columns staged in shared memory at a time
+MAX_KEY_DIM = 256  # kMaxKeyDim
+L2_EPS = 1e-6
+_KERNEL_DIR = Path(__file__).resolve().parent
+_SOURCES = ("gdn_recurrent.cuh", "gdn_recurrent_ffi.cuh", "gdn_recurrent.py")
+
+
+class GdnKernelError(ValueError):
+    """The GDN kernel cannot be built for this target, or a shape is outside its limits."""
+
+
+def rows_per_thread(k_dim: int) -> int:
+    """R, the key rows each thread keeps (the kernel instance the host side picks for ``k_dim``).
+
+    Raises:
+        GdnKernelError: k_dim outside 1..MAX_KEY_DIM.
+    """
+    if not 1 <= k_dim <= MAX_KEY_DIM:
+        raise GdnKernelError(f"k_dim must be 1..{MAX_KEY_DIM}, got {k_dim}")
+    for r in (2, 4, 8, 16, 32):
+        if k_dim <= WARPS * r:
+            return r
+    raise AssertionError("unreachable")
+
+
+def _check(mixed: Any, b: Any, state: Any, slots: Any, num_key_heads: int) -> tuple[int, ...]:
+    lanes, n, conv_dim = mixed.shape
+    _, hv, dk, dv = state.shape
+    if hv % num_key_heads or conv_dim != 2 * num_key_heads * dk + hv * dv:
+        raise GdnKernelError(
+            f"mixed has {conv_dim} channels and state {tuple(state.shape)}: need v_heads a multiple of "
+            f"num_key_heads={num_key_heads} and conv_dim = 2 * k_heads * k_dim + v_heads * v_dim"
+        )
+    if tuple(b.shape) != (lanes, n, hv) or tuple(slots.shape) != (lanes,):
+        raise GdnKernelError(f"b must be [{lanes}, {n}, {hv}] and slots [{lanes}]")
+    rows_per_thread(dk)
+    return lanes, n, hv, dk, dv
+
+
+def _prepare(
+    mixed: Any, b: Any, a: Any, neg_a: Any, dt_bias: Any, num_key_heads: int, dk: int, dv: int
+) -> tuple[Any, ...]:
+    """Torch's preparation (as `StaticHybridExecutor._static_gdn`): q, k [L, n, hv, dk] (normalized,
+    repeated, q scaled), v [L, n, hv, dv], g, beta [L, n, hv], all float32."""
+    import torch.nn.functional as F
+
+    from ignis.runtime.families.gated_deltanet import l2_normalize
+
+    lanes, n, _ = mixed.shape
+    hk = num_key_heads
+    hv = b.shape[-1]
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = l2_normalize(q.float().reshape(lanes, n, hk, dk))
+    k = l2_normalize(k.float().reshape(lanes, n, hk, dk))
+    if hv > hk:
+        q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
+    q = q * dk**-0.5
+    v = v.float().reshape(lanes, n, hv, dv)
+    beta = b.sigmoid().float()
+    g = neg_a.float() * F.softplus(a.float() + dt_bias.float())
+    return q, k, v, g, beta
+
+
+def gdn_recurrent_reference(
+    mixed: Any, b: Any, a: Any, neg_a: Any, dt_bias: Any, state: Any, slots: Any, num_key_heads: int
+) -> tuple[Any, Any]:
+    """The torch path the kernel replaces: preparation + `gated_delta_rule_recurrent` per lane.
+
+    Args: as the module's function (module docstring), torch tensors on any device.
+
+    Returns:
+        (out [L, n, v_heads, v_dim] float32, record [n, L, v_heads, k_dim, v_dim] float32: the
+        state after column t of lane l at [t, l]).
+
+    Raises:
+        GdnKernelError: inconsistent shapes.
+    """
+    import torch
+
+    from ignis.runtime.families.gated_deltanet import gated_delta_rule_recurrent
+
+    lanes, n, hv, dk, dv = _check(mixed, b, state, slots, num_key_heads)
+    q, k, v, g, beta = _prepare(mixed, b, a, neg_a, dt_bias, num_key_heads, dk, dv)
+    out = torch.empty(lanes, n, hv, dv, dtype=torch.float32, device=mixed.device)
+    record = torch.empty(n, lanes, hv, dk, dv, dtype=torch.float32, device=mixed.device)
+    for i in range(lanes):
+        o, states = gated_delta_rule_recurrent(
+            q[i], k[i], v[i], g[i], beta[i], state[int(slots[i])], record=True
+        )
+        out[i], record[:, i] = o, states
+    return out, record
+
+
+def gdn_recurrent_emulated(
+    mixed: Any, b: Any, a: Any, neg_a: Any, dt_bias: Any, state: Any, slots: Any, num_key_heads: int
+) -> tuple[Any, Any]:
+    """CPU model of the kernel (float32 torch): the same blocking and order of operations.
+
+    Per block: the state's rows split as WARPS groups of R = `rows_per_thread` (k_dim padded with
+    zero rows to WARPS * R); a read ``S'^T k`` and ``S_t^T q`` are, per thread, fused multiply-adds
+    over its R rows in ascending order (modelled in float64 and rounded once per step: a float32
+    FMA), then the WARPS partials summed in warp order; the l2 sums of squares as the kernel's
+    32-lane strided sums and xor-shuffle tree. Returns what the kernel writes: (out [L, n, v_heads,
+    v_dim] float32, record [n, L, v_heads, k_dim, v_dim] float32).
+
+    Raises:
+        GdnKernelError: inconsistent shapes or k_dim above MAX_KEY_DIM.
+    """
+    import torch
+
+    lanes, n, hv, dk, dv = _check(mixed, b, state, slots, num_key_heads)
+    hk = num_key_heads
+    r_rows = rows_per_thread(dk)
+    pad = WARPS * r_rows
+    f32, f64 = torch.float32, torch.float64
+    x = mixed.float()
+    q_raw = x[..., : hk * dk].reshape(lanes, n, hk, dk)
+    k_raw = x[..., hk * dk : 2 * hk * dk].reshape(lanes, n, hk, dk)
+    v = x[..., 2 * hk * dk :].reshape(lanes, n, hv, dv)
+
+    def fma(x_: torch.Tensor, y_: torch.Tensor, z_: torch.Tensor) -> torch.Tensor:
+        return (x_.to(f64) * y_.to(f64) + z_.to(f64)).to(f32)
+
+    def l2_factor(t: torch.Tensor) -> torch.Tensor:
+        """rsqrt(sum of squares + eps): lane l sums elements l, l + 32, ... then an xor tree."""
+        tp = torch.zeros(*t.shape[:-1], ((pad + 31) // 32) * 32, dtype=f32)
+        tp[..., :dk] = t
+        lanes_sum = torch.zeros(*t.shape[:-1], 32, dtype=f32)
+        for m in range(tp.shape[-1] // 32):
+            seg = tp[..., m * 32 : (m + 1) * 32]
+            lanes_sum = fma(seg, seg, lanes_sum)
+        width = 16
+        while width:
+            idx = torch.arange(32) ^ width
+            lanes_sum = lanes_sum + lanes_sum[..., idx]
+            width //= 2
+        return torch.rsqrt(lanes_sum[..., :1] + L2_EPS)
+
+    q = (q_raw * l2_factor(q_raw)) * dk**-0.5
+    k = k_raw * l2_factor(k_raw)
+    rep = hv // hk
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)  # [L, n, hv, dk]
+    qp = torch.zeros(lanes, n, hv, pad, dtype=f32)
+    kp = torch.zeros(lanes, n, hv, pad, dtype=f32)
+    qp[..., :dk], kp[..., :dk] = q, k
+    beta = torch.sigmoid(b.float()).to(mixed.dtype).float()
+    ax = a.float() + dt_bias.float()
+    sp = torch.where(ax > 20, ax, torch.log1p(torch.exp(ax)))
+    alpha = torch.exp(neg_a.float() * sp)  # [L, n, hv]
+    s = torch.zeros(lanes, hv, pad, dv, dtype=f32)
+    s[:, :, :dk] = state[slots.long()].float()
+    out = torch.empty(lanes, n, hv, dv, dtype=f32)
+    record = torch.empty(n, lanes, hv, dk, dv, dtype=f32)
+
+    def read(st: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        """sum_i st[.., i, j] vec[.., i]: per-warp FMA chains over R rows, then warps in order."""
+        total = torch.zeros(lanes, hv, dv, dtype=f32)
+        for w in range(WARPS):
+            part = torch.zeros(lanes, hv, dv, dtype=f32)
+            for r in range(r_rows):
+                i = w * r_rows + r
+                part = fma(st[:, :, i], vec[:, :, i, None], part)
+            total = total + part
+        return total
+
+    for t in range(n):
+        s = s * alpha[:, t, :, None, None]
+        kv = read(s, kp[:, t])
+        delta = (v[:, t] - kv) * beta[:, t, :, None]  # [L, hv, dv]
+        s = fma(kp[:, t, :, :, None], delta[:, :, None, :], s)
+        record[t] = s[:, :, :dk]
+        out[:, t] = read(s, qp[:, t])
+    return out, record
+
+
+# --------------------------------------------------------------------------------------------
+# Building the module.
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("IGNIS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ignis"
+    )
+    return Path(root) / "gdn_recurrent"
+
+
+def _sources_hash() -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_KERNEL_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_gdn_recurrent(
+    target: Any,
+    *,
+    out_path: str | os.PathLike[str] | None = None,
+    verbose: bool = False,
+) -> Path:
+    """Compile the fused GDN recurrence for a CUDA arch and return the exported ``.so`` path.
+
+    Args:
+        target: ``"sm_90"``, ``"sm_120"``... or ``{"kind": "cuda", "arch": "sm_90"}``.
+        out_path: where to write it; default a cache file keyed by arch and sources
+            (``$IGNIS_CACHE_DIR/gdn_recurrent/``), reused when present.
+        verbose: print ptxas' register and shared-memory report.
+
+    Returns:
+        The library, exporting ``gdn_recurrent(...)`` (module docstring), SASS for that arch only.
+
+    Raises:
+        GdnKernelError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
+    """
+    from .q4_linear import Q4KernelError, _cuda_arch, _gencode, _nvcc, _target_dict, _tvm_ffi_paths
+
+    try:
+        tdict = _target_dict(target)
+        if tdict.get("kind") != "cuda":
+            raise GdnKernelError(f"the GDN recurrence kernel is CUDA only, got target {tdict}")
+        arch = _cuda_arch(tdict)
+        nvcc = _nvcc()
+    except Q4KernelError as exc:
+        raise GdnKernelError(str(exc)) from exc
+    digest = hashlib.sha256(f"{arch}|{_sources_hash()}".encode()).hexdigest()[:16]
+    dest = Path(out_path) if out_path is not None else _cache_dir() / f"gdn_recurrent_{arch}_{digest}.so"
+    if out_path is None and dest.exists():
+        return dest
+    include, lib = _tvm_ffi_paths()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        src = Path(tmp) / "gdn_recurrent_module.cu"
+        src.write_text(f'#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT({FUNCTION_NAME})\n')
+        tmp_out = Path(tmp) / dest.name
+        cmd = [
+            nvcc,
+            "-std=c++17",
+            "-O3",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC,-fvisibility=hidden",
+            "-gencode",
+            _gencode(arch),
+            f"-I{_KERNEL_DIR}",
+            f"-I{include}",
+            f"-L{lib}",
+            "-ltvm_ffi",
+            "-o",
+            str(tmp_out),
+            str(src),
+        ]
+        if verbose:
+            cmd.insert(1, "-Xptxas=-v")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise GdnKernelError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+        if verbose:
+            print(proc.stderr)
+        os.replace(tmp_out, dest)
+    return dest

@@ -1,0 +1,181 @@
+// Host side of the fused Gated DeltaNet recurrence (gdn_recurrent.cuh): the tvm-ffi exported function
+// with its argument checks. A module built by ignis.compiler.kernels.gdn_recurrent includes this
+// header and IGNIS_GDN_RECURRENT_EXPORT(name).
+//
+//   name(mixed [L, n, conv_dim] f32|bf16|f16 (any strides),
+//        b [L, n, hv], a [L, n, hv] (mixed's dtype, any strides),
+//        neg_a [hv] f32, dt_bias [hv] f32,
+//        state [S, hv, dk, dv] f32, slots [L] int64,
+//        record [>= n, >= L, hv, dk, dv] f32 (written: record[t, l] = state after column t),
+//        out [L, n, hv, dv] f32 or mixed's dtype, contiguous (written),
+//        num_key_heads: int, scale: float)
+//
+// conv_dim must be 2 * num_key_heads * dk + hv * dv; hv a multiple of num_key_heads; dk <= 256;
+// slots[l] in 0..S-1 (device memory, not checked here: a lane with a slot outside is skipped).
+// state is read, never written. Launches on the stream tvm-ffi reports for mixed's device (torch's
+// current stream under tvm_ffi.use_torch_stream(), so CUDA-graph capture works); no allocation, no
+// attribute change: capturable from the first call.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include "gdn_recurrent.cuh"
+
+namespace ignis_gdn {
+
+using tvm::ffi::TensorView;
+
+inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
+  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
+}
+
+inline bool same_dtype(const TensorView& x, const TensorView& y) {
+  return x.dtype().code == y.dtype().code && x.dtype().bits == y.dtype().bits && x.dtype().lanes == y.dtype().lanes;
+}
+
+// The first element's address (DLPack: data + byte_offset).
+inline void* ptr(const TensorView& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
+
+// The last `inner` dims of t are contiguous (row-major).
+inline bool inner_contiguous(const TensorView& t, int inner) {
+  int64_t expect = 1;
+  for (int d = t.ndim() - 1; d >= t.ndim() - inner; --d) {
+    if (t.size(d) > 1 && t.stride(d) != expect) return false;
+    expect *= t.size(d);
+  }
+  return true;
+}
+
+template <typename T>
+void launch(const char* name, const Params& p, cudaStream_t stream) {
+  const int tiles = (p.dv + kCols - 1) / kCols;
+  const int64_t blocks = static_cast<int64_t>(p.lanes) * p.hv * tiles;
+  TVM_FFI_CHECK(blocks <= 2147483647LL, ValueError) << name << ": too many blocks (" << blocks << ")";
+  const dim3 grid(static_cast<unsigned>(blocks)), block(kWarps * 32);
+  if (p.dk <= kWarps * 2) {
+    gdn_recurrent_kernel<T, 2><<<grid, block, 0, stream>>>(p);
+  } else if (p.dk <= kWarps * 4) {
+    gdn_recurrent_kernel<T, 4><<<grid, block, 0, stream>>>(p);
+  } else if (p.dk <= kWarps * 8) {
+    gdn_recurrent_kernel<T, 8><<<grid, block, 0, stream>>>(p);
+  } else if (p.dk <= kWarps * 16) {
+    gdn_recurrent_kernel<T, 16><<<grid, block, 0, stream>>>(p);
+  } else {
+    gdn_recurrent_kernel<T, 32><<<grid, block, 0, stream>>>(p);
+  }
+  cudaError_t err = cudaGetLastError();
+  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << name << ": kernel launch failed: " << cudaGetErrorString(err);
+}
+
+inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView b, TensorView a, TensorView neg_a,
+                                 TensorView dt_bias, TensorView state, TensorView slots, TensorView record,
+                                 TensorView out, int64_t num_key_heads, double scale) {
+  TVM_FFI_CHECK(mixed.ndim() == 3 && b.ndim() == 3 && a.ndim() == 3, ValueError)
+      << name << ": mixed, b and a must be 3-d [lanes, n, *]";
+  TVM_FFI_CHECK(state.ndim() == 4 && record.ndim() == 5 && out.ndim() == 4, ValueError)
+      << name << ": state must be [S, hv, dk, dv], record [cols, lanes, hv, dk, dv], out [lanes, n, hv, dv]";
+  TVM_FFI_CHECK(slots.ndim() == 1 && neg_a.ndim() == 1 && dt_bias.ndim() == 1, ValueError)
+      << name << ": slots, neg_a and dt_bias must be 1-d";
+  const int64_t lanes = mixed.size(0), n = mixed.size(1), conv_dim = mixed.size(2);
+  const int64_t hv = state.size(1), dk = state.size(2), dv = state.size(3);
+  TVM_FFI_CHECK(lanes >= 1 && n >= 1 && hv >= 1 && dk >= 1 && dv >= 1, ValueError)
+      << name << ": empty lanes, columns or state";
+  TVM_FFI_CHECK(num_key_heads >= 1 && hv % num_key_heads == 0, ValueError)
+      << name << ": v_heads " << hv << " must be a multiple of num_key_heads " << num_key_heads;
+  TVM_FFI_CHECK(dk <= kMaxKeyDim, ValueError) << name << ": k_dim must be <= " << kMaxKeyDim << ", got " << dk;
+  TVM_FFI_CHECK(conv_dim == 2 * num_key_heads * dk + hv * dv, ValueError)
+      << name << ": mixed has " << conv_dim << " channels, expected 2 * " << num_key_heads << " * " << dk
+      << " + " << hv << " * " << dv;
+  for (const TensorView* t : {&b, &a}) {
+    TVM_FFI_CHECK(t->size(0) == lanes && t->size(1) == n && t->size(2) == hv, ValueError)
+        << name << ": b and a must be [" << lanes << ", " << n << ", " << hv << "]";
+    TVM_FFI_CHECK(same_dtype(*t, mixed), TypeError) << name << ": b and a must have mixed's dtype";
+  }
+  TVM_FFI_CHECK(neg_a.size(0) == hv && dt_bias.size(0) == hv && neg_a.stride(0) == 1 && dt_bias.stride(0) == 1,
+                ValueError)
+      << name << ": neg_a and dt_bias must be contiguous [" << hv << "]";
+  TVM_FFI_CHECK(dtype_is(neg_a, kDLFloat, 32) && dtype_is(dt_bias, kDLFloat, 32) && dtype_is(state, kDLFloat, 32) &&
+                    dtype_is(record, kDLFloat, 32),
+                TypeError)
+      << name << ": neg_a, dt_bias, state and record must be float32";
+  TVM_FFI_CHECK(dtype_is(slots, kDLInt, 64), TypeError) << name << ": slots must be int64";
+  TVM_FFI_CHECK(slots.size(0) == lanes && slots.stride(0) == 1, ValueError)
+      << name << ": slots must be contiguous [" << lanes << "]";
+  TVM_FFI_CHECK(inner_contiguous(state, 3) && state.size(0) >= 1, ValueError)
+      << name << ": state's [hv, dk, dv] must be contiguous";
+  TVM_FFI_CHECK(record.size(0) >= n && record.size(1) >= lanes && record.size(2) == hv && record.size(3) == dk &&
+                    record.size(4) == dv && inner_contiguous(record, 3),
+                ValueError)
+      << name << ": record must be [>= " << n << ", >= " << lanes << ", " << hv << ", " << dk << ", " << dv
+      << "] with the last three dims contiguous";
+  TVM_FFI_CHECK(out.size(0) == lanes && out.size(1) == n && out.size(2) == hv && out.size(3) == dv &&
+                    inner_contiguous(out, 4),
+                ValueError)
+      << name << ": out must be contiguous [" << lanes << ", " << n << ", " << hv << ", " << dv << "]";
+  const bool out_f32 = dtype_is(out, kDLFloat, 32);
+  TVM_FFI_CHECK(out_f32 || same_dtype(out, mixed), TypeError) << name << ": out must be float32 or mixed's dtype";
+  for (const TensorView* t : {&mixed, &b, &a, &neg_a, &dt_bias, &state, &slots, &record, &out}) {
+    TVM_FFI_CHECK(t->device().device_type == kDLCUDA && t->device().device_id == mixed.device().device_id,
+                  ValueError)
+        << name << ": every tensor must be on the same CUDA device";
+  }
+  Params p;
+  p.mixed = ptr(mixed);
+  p.m_lane = mixed.stride(0);
+  p.m_col = mixed.stride(1);
+  p.m_ch = mixed.stride(2);
+  p.b = ptr(b);
+  p.b_lane = b.stride(0);
+  p.b_col = b.stride(1);
+  p.b_head = b.stride(2);
+  p.a = ptr(a);
+  p.a_lane = a.stride(0);
+  p.a_col = a.stride(1);
+  p.a_head = a.stride(2);
+  p.neg_a = static_cast<const float*>(ptr(neg_a));
+  p.dt_bias = static_cast<const float*>(ptr(dt_bias));
+  p.state = static_cast<const float*>(ptr(state));
+  p.st_slot = state.stride(0);
+  p.num_slots = state.size(0);
+  p.slots = static_cast<const int64_t*>(ptr(slots));
+  p.record = static_cast<float*>(ptr(record));
+  p.rec_col = record.stride(0);
+  p.rec_lane = record.stride(1);
+  p.out = ptr(out);
+  p.out_f32 = out_f32;
+  p.lanes = static_cast<int>(lanes);
+  p.n = static_cast<int>(n);
+  p.hk = static_cast<int>(num_key_heads);
+  p.hv = static_cast<int>(hv);
+  p.dk = static_cast<int>(dk);
+  p.dv = static_cast<int>(dv);
+  p.scale = static_cast<float>(scale);
+  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, mixed.device().device_id));
+  if (dtype_is(mixed, kDLFloat, 32)) {
+    launch<float>(name, p, stream);
+  } else if (dtype_is(mixed, kDLBfloat, 16)) {
+    launch<__nv_bfloat16>(name, p, stream);
+  } else if (dtype_is(mixed, kDLFloat, 16)) {
+    launch<__half>(name, p, stream);
+  } else {
+    TVM_FFI_THROW(TypeError) << name << ": mixed must be float32, bfloat16 or float16";
+  }
+}
+
+}  // namespace ignis_gdn
+
+// Export `NAME(mixed, b, a, neg_a, dt_bias, state, slots, record, out, num_key_heads, scale)`.
+#define IGNIS_GDN_RECURRENT_EXPORT(NAME)                                                                      \
+  static void ignis_gdn_##NAME(tvm::ffi::TensorView mixed, tvm::ffi::TensorView b, tvm::ffi::TensorView a,     \
+                               tvm::ffi::TensorView neg_a, tvm::ffi::TensorView dt_bias,                     \
+                               tvm::ffi::TensorView state, tvm::ffi::TensorView slots,                       \
+                               tvm::ffi::TensorView record, tvm::ffi::TensorView out, int64_t num_key_heads, \
+                               double scale) {                                                               \
+    ::ignis_gdn::gdn_recurrent_launch(#NAME, mixed, b, a, neg_a, dt_bias, state, slots, record, out,          \
+                                      num_key_heads, scale);                                                 \
+  }                                                                                                          \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_gdn_##NAME)
