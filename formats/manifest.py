@@ -6,7 +6,8 @@ An ignis artifact is a directory::
       manifest.json              this schema (UTF-8 JSON, keys sorted, 2-space indent, final newline)
       NAME.ninfer                target weights (+ grafted drafter, shortlist head, tokenizer, config)
       NAME_mtp.ninfer            the MTP companion container (only when the checkpoint has `mtp.*`)
-      modules/<card>/*.so        compiled TVM modules for the verify row widths of the card
+      modules/<card>/*.so        compiled TVM modules for the verify row widths of the card, and
+                                 compiled kernels of non-linear functions (the drafter's top-k)
 
 The manifest names every other file with its size and sha256 (and the sha256 of each
 `block_size`-byte block, so a corrupt byte can be located), the format versions, the card and its
@@ -14,12 +15,13 @@ widths, where the tokenizer and chat template are stored, the compiled functions
 card profile's defaults and the build provenance. It holds no timestamps: building the same inputs
 twice gives byte-identical manifests (and artifacts).
 
-Schema, version 1 (every key required; `null` where the artifact has no such part):
+Schema, version 2 (every key required; `null` where the artifact has no such part; version 1 is
+the same without `kernels`, and is still read: see "Versions" below):
 
 | key            | type                  | meaning                                                      |
 |----------------|-----------------------|--------------------------------------------------------------|
 | format         | "ignis-artifact"      | identifies the file                                          |
-| version        | 1                     | this schema's version (`MANIFEST_VERSION`)                   |
+| version        | 2 (or 1)              | this schema's version (`MANIFEST_VERSION`)                   |
 | ninfer_version | int                   | `.ninfer` container version of the weight files              |
 | name           | str                   | artifact name (the NAME of the files)                        |
 | card           | str                   | card profile name ("h200", "cpu", ...)                       |
@@ -37,6 +39,9 @@ Schema, version 1 (every key required; `null` where the artifact has no such par
 | modules        | [module]              | {width, file, target, route, dynamic_rows, functions}; a     |
 |                |                       | width may have several modules (one per route), a file may   |
 |                |                       | serve several widths; (width, kind, N, K, dtype) is unique    |
+| kernels        | [kernel]              | {name, kind, abi, file, target, dtypes}: compiled non-linear |
+|                |                       | functions (version 2 only; `[]` when none); (kind, dtype) is  |
+|                |                       | unique                                                       |
 | files          | [file]                | {path, role, size, sha256, block_sha256}, sorted by path     |
 | block_size     | int                   | bytes per entry of `block_sha256` (`BLOCK_SIZE`)             |
 | profile        | object                | the card profile and its speculative defaults                |
@@ -47,6 +52,22 @@ dtype: "float32", "float16", "bfloat16")}. Calling convention (destination passi
 dense `name(x[W, K], w[N, K], y[W, N])`, q4_g32 `name(x[W, K], packed u32[N, K/8], scales f16[N, K/32],
 y[W, N])`, with W the module's width (or any rows up to W when `dynamic_rows`), N = out_features,
 K = in_features.
+
+A kernel (`KernelEntry`): one exported function of a `files` library (role "module"), independent of
+the row widths. `kind` names what it computes and `abi` the version of its calling convention; each
+kind has exactly one abi a reader of this version accepts (`KERNEL_ABIS`). `dtypes` lists the input
+dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float32"). Kinds:
+
+* `topk`, abi 1 (the drafter's candidate selection, `ignis.compiler.kernels.topk`; target kind
+  "cuda"): `name(x[rows, V], values[rows, k], indices int64[rows, k], workspace int64[>= rows * 32 *
+  ceil(V / 4096)])`, contiguous CUDA tensors, values in x's dtype; 1 <= k <= 64, 1 <= V <= 1,048,576,
+  1 <= rows <= 65535; writes the top k of each row, values descending, equal values by ascending
+  index, NaN above +inf, -0.0 equal to +0.0 (`torch.sort(x, -1, descending=True, stable=True)` cut to
+  k); runs on the caller's CUDA stream (tvm-ffi's environment stream).
+
+Versions: version 2 added `kernels`. A reader of version 2 reads version 1 manifests (no `kernels` key;
+a version 1 manifest holding one is refused as an unknown key), as a manifest without kernels;
+writers write version 2. Any other change to the schema is a new version.
 
 Paths are relative POSIX paths inside the artifact directory (no `..`, no absolute paths, no
 backslashes). Readers reject unknown keys, missing keys, wrong types and dangling references
@@ -67,6 +88,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from types import MappingProxyType
 from typing import Any, Final, TypeAlias
 
 from .constants import FORMAT_VERSION
@@ -78,8 +100,11 @@ MANIFEST_NAME: Final[str] = "manifest.json"
 #: The `format` value of every manifest.
 MANIFEST_FORMAT: Final[str] = "ignis-artifact"
 
-#: The manifest schema version this code writes and the only one it reads.
-MANIFEST_VERSION: Final[int] = 1
+#: The manifest schema version this code writes (2: `kernels` added).
+MANIFEST_VERSION: Final[int] = 2
+
+#: Every manifest schema version this code reads (a version 1 manifest has no `kernels`).
+READABLE_MANIFEST_VERSIONS: Final[frozenset[int]] = frozenset({1, 2})
 
 #: Bytes per block hash (16 MiB): a corrupt byte is located to within one block.
 BLOCK_SIZE: Final[int] = 16 * 1024 * 1024
@@ -95,6 +120,11 @@ FUNCTION_KINDS: Final[frozenset[str]] = frozenset({"dense", "q4_g32"})
 
 #: Activation dtypes of compiled functions.
 ACTIVATION_DTYPES: Final[frozenset[str]] = frozenset({"float32", "float16", "bfloat16"})
+
+#: Kinds of compiled non-linear kernels (`kernels`), each with the one calling-convention version
+#: (abi) a reader of this manifest version accepts, and the target kind it must be built for.
+KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType({"topk": 1})
+KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType({"topk": "cuda"})
 
 # --- metadata keys of the artifact's .ninfer files (the compiler writes them, the runtime reads them) ---
 
@@ -126,7 +156,7 @@ JSONValue: TypeAlias = bool | int | float | str | list["JSONValue"] | dict[str, 
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-_TOP_KEYS: Final[frozenset[str]] = frozenset(
+_TOP_KEYS_V1: Final[frozenset[str]] = frozenset(
     {
         "format",
         "version",
@@ -151,6 +181,10 @@ _TOP_KEYS: Final[frozenset[str]] = frozenset(
         "provenance",
     }
 )
+_TOP_KEYS: Final[Mapping[int, frozenset[str]]] = MappingProxyType(
+    {1: _TOP_KEYS_V1, 2: _TOP_KEYS_V1 | {"kernels"}}
+)
+_KERNEL_KEYS: Final[tuple[str, ...]] = ("name", "kind", "abi", "file", "target", "dtypes")
 
 
 # --- errors -------------------------------------------------------------------------------------------
@@ -314,6 +348,39 @@ class ModuleEntry:
 
 
 @dataclass(frozen=True)
+class KernelEntry:
+    """A compiled non-linear function (the `kernels` list; calling conventions in the module docstring).
+
+    Attributes:
+        name: the exported symbol (a C identifier).
+        kind: what it computes: a key of `KERNEL_ABIS` ("topk").
+        abi: the version of the kind's calling convention (`KERNEL_ABIS[kind]`).
+        file: the shared library (a `files` path, role "module").
+        target: the target it was built for, as a JSON object ({"kind": "cuda", "arch": "sm_90"}).
+        dtypes: the input dtypes the function takes, ascending and unique (from "bfloat16",
+            "float16", "float32").
+    """
+
+    name: str
+    kind: str
+    abi: int
+    file: str
+    target: dict[str, JSONValue]
+    dtypes: tuple[str, ...]
+
+    def to_json(self) -> dict[str, JSONValue]:
+        """The JSON object of this kernel."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "abi": self.abi,
+            "file": self.file,
+            "target": dict(self.target),
+            "dtypes": list(self.dtypes),
+        }
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A parsed, validated manifest (fields as in the module docstring's table)."""
 
@@ -332,6 +399,7 @@ class Manifest:
     drafter: dict[str, JSONValue] | None = None
     shortlist: dict[str, JSONValue] | None = None
     modules: tuple[ModuleEntry, ...] = ()
+    kernels: tuple[KernelEntry, ...] = ()
     profile: dict[str, JSONValue] = field(default_factory=dict)
     provenance: dict[str, JSONValue] = field(default_factory=dict)
     ninfer_version: int = FORMAT_VERSION
@@ -353,9 +421,18 @@ class Manifest:
         """The modules compiled for exactly `width` rows (several when routes differ by shape)."""
         return tuple(m for m in self.modules if m.width == width)
 
+    def kernel(self, kind: str, dtype: str | None = None) -> KernelEntry | None:
+        """The kernel of `kind` (taking `dtype` when given), or None when the artifact has none
+        (always None for a version 1 manifest)."""
+        for k in self.kernels:
+            if k.kind == kind and (dtype is None or dtype in k.dtypes):
+                return k
+        return None
+
     def to_json(self) -> dict[str, JSONValue]:
-        """The JSON object (every key of the schema)."""
-        return {
+        """The JSON object (every key of the schema of `version`; a version 1 manifest has no
+        `kernels` key, unless it holds kernels, which the reader then refuses)."""
+        out: dict[str, JSONValue] = {
             "format": MANIFEST_FORMAT,
             "version": self.version,
             "ninfer_version": self.ninfer_version,
@@ -378,6 +455,9 @@ class Manifest:
             "profile": dict(self.profile),
             "provenance": dict(self.provenance),
         }
+        if self.version != 1 or self.kernels:
+            out["kernels"] = [k.to_json() for k in self.kernels]
+        return out
 
     def to_bytes(self) -> bytes:
         """The canonical bytes: UTF-8 JSON, keys sorted, 2-space indent, final newline.
@@ -600,6 +680,43 @@ def _parse_module(entry: object, i: int, path: Any) -> ModuleEntry:
     )
 
 
+def _parse_kernel(entry: object, i: int, path: Any) -> KernelEntry:
+    where = f"kernels[{i}]."
+    e = _keys(entry, _KERNEL_KEYS, where, path)
+    name = _typed(e, "name", str, where, path)
+    if not name.isidentifier():
+        raise _fail(path, f"{where}name {name!r} is not a C identifier")
+    kind = _typed(e, "kind", str, where, path)
+    if kind not in KERNEL_ABIS:
+        raise _fail(path, f"{where}kind {kind!r} is not one of {sorted(KERNEL_ABIS)}")
+    abi = _int(e, "abi", where, path, low=1)
+    if abi != KERNEL_ABIS[kind]:
+        raise _fail(
+            path,
+            f"{where}abi {abi} is not the {kind} calling convention this ignis implements "
+            f"({KERNEL_ABIS[kind]}); use the ignis release that built the artifact",
+        )
+    rel = _check_rel_path(e["file"], where + "file", path)
+    target = _json_object(e["target"], where + "target", path)
+    if target.get("kind") != KERNEL_TARGETS[kind]:
+        raise _fail(
+            path,
+            f"{where}target {target!r}: a {kind} kernel is built for target kind {KERNEL_TARGETS[kind]!r}",
+        )
+    dtypes = _typed(e, "dtypes", list, where, path)
+    if (
+        not dtypes
+        or not all(isinstance(d, str) and d in ACTIVATION_DTYPES for d in dtypes)
+        or dtypes != sorted(set(dtypes))
+    ):
+        raise _fail(
+            path,
+            f"{where}dtypes must be a non-empty ascending list of unique dtypes from "
+            f"{sorted(ACTIVATION_DTYPES)}, got {dtypes!r}",
+        )
+    return KernelEntry(name=name, kind=kind, abi=abi, file=rel, target=target, dtypes=tuple(dtypes))
+
+
 def parse_manifest(data: bytes, *, path: str | os.PathLike[str] | None) -> Manifest:
     """Parse and validate manifest bytes.
 
@@ -613,8 +730,10 @@ def parse_manifest(data: bytes, *, path: str | os.PathLike[str] | None) -> Manif
     Raises:
         ManifestError: not UTF-8 JSON, a repeated key, NaN/Infinity, a missing, unknown or mistyped
             key, a bad path, duplicate files, widths not ascending and unique in 1..32, a module width
-            not in `widths`, a referenced file that is not listed with the right role.
-        ManifestVersionError: another `format` or `version`.
+            not in `widths`, a referenced file that is not listed with the right role, a kernel of an
+            unknown kind, another abi, a target of another kind, dtypes not ascending, unique and
+            known, or a (kind, dtype) served twice (the message names the field: `kernels[0].abi`).
+        ManifestVersionError: another `format`, or a version not in `READABLE_MANIFEST_VERSIONS`.
     """
     if len(data) > MAX_MANIFEST_SIZE:
         raise _fail(path, f"the manifest is {len(data)} bytes; the maximum is {MAX_MANIFEST_SIZE}")
@@ -632,14 +751,16 @@ def parse_manifest(data: bytes, *, path: str | os.PathLike[str] | None) -> Manif
             path=path,
             version=None,
         )
-    if raw.get("version") != MANIFEST_VERSION:
+    version = raw.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_MANIFEST_VERSIONS:
         raise ManifestVersionError(
-            f"manifest version {raw.get('version')!r} is not supported (this ignis reads version "
-            f"{MANIFEST_VERSION}); use the ignis release that built the artifact, or rebuild it",
+            f"manifest version {version!r} is not supported (this ignis reads versions "
+            f"{sorted(READABLE_MANIFEST_VERSIONS)}); use the ignis release that built the artifact, or "
+            f"rebuild it",
             path=path,
-            version=raw.get("version"),
+            version=version,
         )
-    m = _keys(raw, _TOP_KEYS, "", path)
+    m = _keys(raw, _TOP_KEYS[version], "", path)
     ninfer_version = _int(m, "ninfer_version", "", path, low=1)
     if ninfer_version != FORMAT_VERSION:
         raise ManifestVersionError(
@@ -714,6 +835,20 @@ def parse_manifest(data: bytes, *, path: str | os.PathLike[str] | None) -> Manif
                     f"[{fn.out_features}, {fn.in_features}] at width {mod.width}",
                 )
             seen_functions.add(fkey)
+    kernels: list[KernelEntry] = []
+    if version >= 2:
+        kernels = [_parse_kernel(e, i, path) for i, e in enumerate(_typed(m, "kernels", list, "", path))]
+    seen_kernels: set[tuple[str, str]] = set()
+    seen_symbols: set[tuple[str, str]] = set()
+    for i, kern in enumerate(kernels):
+        ref(kern.file, f"kernels[{i}].file", "module")
+        if (kern.file, kern.name) in seen_symbols:
+            raise _fail(path, f"kernels[{i}]: {kern.file!r} exports {kern.name!r} for a second entry")
+        seen_symbols.add((kern.file, kern.name))
+        for dtype in kern.dtypes:
+            if (kern.kind, dtype) in seen_kernels:
+                raise _fail(path, f"kernels[{i}]: a second {kern.kind} kernel for {dtype}")
+            seen_kernels.add((kern.kind, dtype))
     return Manifest(
         name=m["name"],
         card=m["card"],
@@ -730,11 +865,12 @@ def parse_manifest(data: bytes, *, path: str | os.PathLike[str] | None) -> Manif
         drafter=drafter,
         shortlist=shortlist,
         modules=tuple(modules),
+        kernels=tuple(kernels),
         profile=_json_object(m["profile"], "profile", path),
         provenance=_json_object(m["provenance"], "provenance", path),
         ninfer_version=ninfer_version,
         block_size=block_size,
-        version=MANIFEST_VERSION,
+        version=version,
     )
 
 
@@ -743,7 +879,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
 
     Raises:
         ManifestError: the file is missing or unreadable, or does not validate (see `parse_manifest`).
-        ManifestVersionError: another format or version.
+        ManifestVersionError: another format, or a version this ignis does not read.
     """
     path = Path(directory) / MANIFEST_NAME
     try:
@@ -851,6 +987,8 @@ __all__ = [
     "BLOCK_SIZE",
     "FILE_ROLES",
     "FUNCTION_KINDS",
+    "KERNEL_ABIS",
+    "KERNEL_TARGETS",
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
@@ -863,6 +1001,7 @@ __all__ = [
     "META_OTHER_DTYPE",
     "META_SHORTLIST",
     "META_TOKENIZER",
+    "READABLE_MANIFEST_VERSIONS",
     "SHORTLIST_HEAD",
     "SHORTLIST_IDS",
     "TOKENIZER_TENSOR",
@@ -871,6 +1010,7 @@ __all__ = [
     "ArtifactMismatchError",
     "FileEntry",
     "JSONValue",
+    "KernelEntry",
     "Manifest",
     "ManifestError",
     "ManifestVersionError",

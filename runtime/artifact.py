@@ -6,6 +6,7 @@
     tok = art.tokenizer()                                     # ignis.runtime.tokenizer.Tokenizer or None
     art.spec_defaults("dflash2"), art.profile.widths          # the card profile recorded at build
     art.linear_backend()                                      # compiled modules per width (runtime/linear.py)
+    art.topk_module()                                         # the drafter's compiled top-k, or None
 
 Validation at load (`verify`):
 
@@ -64,6 +65,7 @@ from ignis.runtime.errors import ConfigError, IgnisRuntimeError, TensorSetError,
 from ignis.runtime.families.base import Executor, Family, FamilyConfig, check_tensor_set, get_family
 from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight
 from ignis.runtime.profiles import CardProfile, SpecDefaults
+from ignis.runtime.topk import TopKModule, load_topk_module
 
 __all__ = ["Artifact", "MissingCompanionError", "load_artifact"]
 
@@ -121,6 +123,7 @@ class Artifact:
     config: FamilyConfig
     profile: CardProfile
     _compiled: CompiledLinears | None = field(default=None, repr=False)
+    _topk: dict[str, TopKModule | None] = field(default_factory=dict, repr=False)
 
     # ---- parts ----
     @property
@@ -266,6 +269,35 @@ class Artifact:
     def linear_backend(self, *, compiled: bool = True) -> LinearBackend:
         """A fresh `LinearBackend` over the compiled modules (or torch only with `compiled=False`)."""
         return LinearBackend(self.compiled_linears() if compiled and self.manifest.modules else None)
+
+    def topk_module(self) -> TopKModule | None:
+        """The artifact's compiled top-k (the manifest's `kernels` entry of kind "topk"), loaded once
+        with the lean TVM runtime; what DFlash2's selector walk takes as its `topk_module`.
+
+        Returns:
+            The loaded module (its `supports` limited to the entry's dtypes), or None: no such entry
+            (a CPU card, or an artifact built before the kernel: manifest version 1), a CUDA kernel
+            while torch sees no CUDA device, or a library that does not load here (no TVM runtime
+            libraries, a missing function: logged as a warning). None means `runtime.topk`'s exact
+            torch path, with the same result.
+        """
+        if "topk" in self._topk:
+            return self._topk["topk"]
+        entry = self.manifest.kernel("topk")
+        module: TopKModule | None = None
+        if entry is not None and entry.target.get("kind") == "cuda" and not torch.cuda.is_available():
+            log.info("no CUDA device: the compiled top-k %s is not loaded", entry.file)
+        elif entry is not None:
+            from ignis.runtime.tvm_runtime import TvmRuntimeError
+
+            try:
+                module = load_topk_module(self.path / entry.file, name=entry.name, dtypes=entry.dtypes)
+            except (TvmRuntimeError, ImportError, OSError) as exc:
+                log.warning(
+                    "compiled top-k %s not loaded (%s); the drafter selects in torch", entry.file, exc
+                )
+        self._topk["topk"] = module
+        return module
 
     def default_dtype(self) -> torch.dtype:
         """The executor dtype the card profile implies (its other_dtype)."""

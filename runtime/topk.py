@@ -11,13 +11,21 @@ Two implementations, the same result:
 * the compiled CUDA module (``ignis.compiler.kernels.topk``, exported ``topk``; load it with
   :func:`load_topk_module`): used by :func:`topk` for CUDA float32 / bfloat16 / float16 input with
   1 <= k <= 64 and V <= 1,048,576;
-* torch otherwise (:func:`topk_torch`, any device): ``torch.topk(x, k + 1)``, its k re-ordered by
-  the unique int64 keys ``ord(value) << 32 | (2**32 - 1 - index)``; rows tied at the k-th value are
-  redone with ``torch.topk`` over all V keys (float64: the stable sort).
+* torch otherwise (:func:`topk_torch`, any device): ``torch.topk`` gives the set up to the ties at
+  its k-th value; those are resolved to the smallest indices over the whole row, and the k are
+  ordered by (value descending, index ascending). On a GPU a fixed sequence of about 25 torch ops
+  with no host synchronisation and no branch on the data (it runs on "meta" tensors; meant to be
+  captured in a CUDA graph: a `gpu` test checks it); on the CPU the whole-row work runs only for
+  rows tied at the boundary. 5 of its ops read a whole row (isnan, ==, where, cumsum, topk).
+
+The compiled module comes from an artifact (`ignis.runtime.artifact.Artifact.topk_module`, the
+manifest's `kernels` entry of kind "topk"), which the server attaches to the DFlash2 drafter on CUDA.
 
 Measured on an H200 (docs/perf-drafts/topk.md), V = 248,320 float32, 1-8 rows, k = 8-64: the
-module 30-38 us of device time against torch.topk's 70-76 us; eagerly the wrapper costs 44-84 us
-and the torch path 0.42-0.73 ms (torch.topk alone 0.10-0.15 ms).
+module 30-38 us of device time against torch.topk's 70-76 us; eagerly the wrapper costs 44-84 us.
+The torch path before this version (re-ordering keys, then a host sync to redo rows tied at the
+boundary) cost 0.42-0.73 ms eagerly (torch.topk alone 0.10-0.15 ms); the present one is not
+measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_K", "MAX_VOCAB", "TopKModule", "load_topk_module", "topk", "topk_torch"]
+__all__ = ["FUNCTION_NAME", "MAX_K", "MAX_VOCAB", "TopKModule", "load_topk_module", "topk", "topk_torch"]
 
 #: Limits of the compiled kernel (ignis.compiler.kernels.topk: MAX_K, MAX_VOCAB, TILE).
 MAX_K = 64
@@ -35,6 +43,9 @@ _TILE = 4096
 MAX_VOCAB = 256 * _TILE
 _MAX_ROWS = 65535
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The exported function of a module built by ignis.compiler.kernels.topk (manifest `kernels` name).
+FUNCTION_NAME = "topk"
 
 
 class TopKModule:
@@ -42,14 +53,26 @@ class TopKModule:
 
     Args:
         func: the module's ``topk(x, values, indices, workspace)`` (a tvm-ffi function).
+        dtypes: the input dtypes the module was built for (the manifest entry's ``dtypes``:
+            "float32", "bfloat16", "float16"); None: all three.
+
+    Raises:
+        ValueError: a dtype name outside those three.
     """
 
-    def __init__(self, func: Any) -> None:
+    def __init__(self, func: Any, *, dtypes: tuple[str, ...] | None = None) -> None:
         self.func = func
+        if dtypes is None:
+            self.dtypes: tuple[torch.dtype, ...] = _KERNEL_DTYPES
+        else:
+            unknown = sorted(set(dtypes) - set(_DTYPE_NAMES))
+            if unknown:
+                raise ValueError(f"the compiled top-k takes {sorted(_DTYPE_NAMES)}, not {unknown}")
+            self.dtypes = tuple(_DTYPE_NAMES[d] for d in dtypes)
 
     def supports(self, x: torch.Tensor, k: int) -> bool:
         """Whether the kernel takes ``x`` [..., V] and ``k`` (CUDA, dtype, k and V limits)."""
-        if not x.is_cuda or x.dtype not in _KERNEL_DTYPES or x.dim() < 1:
+        if not x.is_cuda or x.dtype not in self.dtypes or x.dim() < 1:
             return False
         vocab = x.shape[-1]
         rows = x.numel() // vocab if vocab else 0
@@ -82,40 +105,62 @@ class TopKModule:
         return values.view(shape), indices.view(shape)
 
 
-def load_topk_module(path: str | Path) -> TopKModule:
+def load_topk_module(
+    path: str | Path, *, name: str = FUNCTION_NAME, dtypes: tuple[str, ...] | None = None
+) -> TopKModule:
     """Load a module built by ``ignis.compiler.kernels.topk.build_topk`` (lean TVM runtime).
 
+    Args:
+        path: the ``.so``.
+        name: the exported function (the manifest entry's ``name``).
+        dtypes: the input dtypes it was built for (None: float32, bfloat16 and float16).
+
     Raises:
-        TvmRuntimeError: the file is missing or cannot be loaded.
+        TvmRuntimeError: the file is missing or cannot be loaded, or lacks the function.
     """
-    from ignis.runtime.tvm_runtime import load_module
+    from ignis.runtime.tvm_runtime import TvmRuntimeError, load_module
 
-    return TopKModule(load_module(path, cuda=True)["topk"])
+    module = load_module(path, cuda=True)
+    try:
+        func = module[name]
+    except Exception as exc:  # tvm_ffi raises AttributeError or its own errors
+        raise TvmRuntimeError(f"compiled module {path} has no function {name!r}: {exc}") from exc
+    return TopKModule(func, dtypes=dtypes)
 
 
-def _sort_keys(x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 keys of ``x`` [..., n] at column indices ``index`` (default 0..n-1), ordered like the
-    tie rule (larger key = earlier) and unique per row."""
-    xf = x.float()
-    bits = xf.view(torch.int32)
-    sord = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order map
-    sord = torch.where(xf == 0, torch.zeros_like(sord), sord)  # -0.0 == +0.0
-    sord = torch.where(torch.isnan(xf), torch.full_like(sord, 0x7FFFFFFF), sord)  # NaN above +inf
-    if index is None:
-        index = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64).expand(x.shape)
-    low = 0xFFFFFFFF - index
-    return (sord.to(torch.int64) << 32) | low
+# Rank space: float64, finite, ordered like the tie rule's values (NaN above +inf, -0.0 == +0.0).
+# Exact for float32 / bfloat16 / float16 values, whose magnitudes stay below 3.4e38.
+_NAN_RANK = 2.0e300
+_INF_RANK = 1.0e300
+_LOW_RANK = -3.0e300  # below every rank: a candidate that must not be chosen
+
+
+def _rank(v: torch.Tensor) -> torch.Tensor:
+    """float64 copy of a float32 / bfloat16 / float16 tensor ordered like the tie rule (3 ops)."""
+    r = v.to(torch.float64)  # a copy: never the caller's tensor
+    return r.nan_to_num_(nan=_NAN_RANK, posinf=_INF_RANK, neginf=-_INF_RANK).add_(0.0)  # -0.0 + 0.0 = +0.0
 
 
 def topk_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tie rule in torch, any device: (values [..., k] in x's dtype, indices int64 [..., k]).
 
-    ``torch.topk(x, k + 1)`` first: where the k-th and (k+1)-th values differ (the usual case for
-    logits) its set is the answer, re-ordered by key; rows with a tie at the boundary are redone
-    over all V keys (or the stable sort for float64).
+    float32 / bfloat16 / float16, per row of ``x`` [rows, V], with ``t`` the row's k-th value:
+
+    * on a GPU (any device but the CPU), :func:`_topk_fixed`: a fixed sequence of ops with no host
+      synchronisation and no branch on the data (it runs on "meta" tensors): ``torch.topk``'s set,
+      its elements equal to ``t`` replaced by the smallest-index elements equal to ``t`` over the
+      whole row (a running count and a binary search), ordered by (value descending, index
+      ascending);
+    * on the CPU, where a branch on the data costs nothing: ``torch.topk(x, k + 1)``; rows whose
+      k-th and (k+1)-th values differ (the usual case for logits) keep its set, ordered the same
+      way; only rows tied at the boundary take :func:`_topk_fixed`.
+
+    float64 (either device): ``torch.topk(x, k + 1)`` and a stable sort of those candidates; rows
+    tied at the boundary take the stable sort of the whole row.
 
     Raises:
-        RuntimeError: from torch when k > V.
+        TypeError: x is not a float tensor.
+        RuntimeError: k > V.
     """
     if not x.is_floating_point():
         raise TypeError(f"topk: x must be a float tensor, got {x.dtype}")
@@ -126,30 +171,95 @@ def topk_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return x[..., :k], torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, vocab)
+    if x.dtype == torch.float64:
+        idx = _topk_float64(x2, k)
+    elif x.device.type == "cpu":
+        idx = _topk_branching(x2, k)
+    else:
+        idx = _topk_fixed(x2, k)
+    return _gather_bits(x2, idx).view(*lead, k), idx.view(*lead, k)
+
+
+def _order(idx: torch.Tensor, rank: torch.Tensor, k: int) -> torch.Tensor:
+    """The first ``k`` of candidates ``idx`` [rows, n] (int64) by (``rank`` descending, index
+    ascending): a sort by index, then a stable sort by rank (float64, finite, no -0.0)."""
+    by_index, perm = torch.sort(idx, dim=-1)
+    order = torch.sort(rank.gather(-1, perm), dim=-1, descending=True, stable=True).indices
+    return by_index.gather(-1, order[:, :k])
+
+
+def _topk_fixed(x2: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices int64 [rows, k] of the tie rule for ``x2`` [rows, V] float32 / bfloat16 / float16,
+    1 <= k <= V, with no host synchronisation:
+
+    1. ``torch.topk(x2, k, sorted=False)``: every element above the k-th value ``t`` (under the rule:
+       NaN above +inf, -0.0 == +0.0), and some of those equal to ``t``;
+    2. those above ``t`` are kept; those equal to ``t`` are dropped (rank below everything);
+    3. over the whole row, the j-th element equal to ``t`` is where their running count first
+       reaches j (``cumsum`` then ``searchsorted``), j = 1..k (V, clamped to V - 1, past the last);
+    4. the 2k candidates by (value descending, index ascending), first k: every element above ``t``
+       then the smallest-index elements equal to ``t`` (there are at least as many as topk held,
+       and the padding repeats the largest index, after them).
+    """
+    rows, vocab = x2.shape
+    vals, idx = torch.topk(x2, k, dim=-1, sorted=False)
+    r = _rank(vals)  # [rows, k]
+    kpos = r.argmin(dim=-1, keepdim=True)
+    t_rank = r.gather(-1, kpos)  # [rows, 1]: the k-th value, ranked
+    t = vals.gather(-1, kpos)  # the same value in x's dtype
+    above = torch.where(r > t_rank, r, _LOW_RANK)
+    tied = torch.where(torch.isnan(t), torch.isnan(x2), x2 == t)  # [rows, V]
+    count = tied.cumsum(dim=-1, dtype=torch.int32)
+    first = torch.searchsorted(count, _ordinals(rows, k, x2.device))  # [rows, k]
+    cand = torch.cat([idx, first.clamp_max_(vocab - 1)], dim=-1)  # [rows, 2k]
+    return _order(cand, torch.cat([above, t_rank.expand(rows, k)], dim=-1), k)
+
+
+def _topk_branching(x2: torch.Tensor, k: int) -> torch.Tensor:
+    """Like `_topk_fixed` (same arguments and result), with a branch on the data: rows not tied at
+    the boundary are ordered from ``torch.topk(x2, k + 1)`` alone; the others take `_topk_fixed`."""
+    vocab = x2.shape[1]
+    vals, idx = torch.topk(x2, min(k + 1, vocab), dim=-1)  # sorted: NaN first, the rule's order
+    r = _rank(vals)
+    out = _order(idx[:, :k], r[:, :k], k)
+    if k < vocab:
+        tied = (r[:, k - 1] == r[:, k]).nonzero().flatten()
+        if tied.numel():
+            out[tied] = _topk_fixed(x2[tied], k)
+    return out
+
+
+def _topk_float64(x2: torch.Tensor, k: int) -> torch.Tensor:
+    """The tie rule's indices [rows, k] for float64 ``x2`` [rows, V] (the rank space cannot hold
+    it): ``torch.topk(x2, k + 1)``, its k by a stable sort; rows tied at the boundary take the
+    stable sort of the whole row. ``+ 0.0`` turns -0.0 into +0.0 (equal under the rule)."""
+    vocab = x2.shape[1]
     vals, idx = torch.topk(x2, min(k + 1, vocab), dim=-1)
-    idx = idx[:, :k]
+    cand = torch.sort(idx[:, :k], dim=-1).values  # ascending indices: the stable sort keeps them so
+    pos = torch.sort(x2.gather(-1, cand) + 0.0, dim=-1, descending=True, stable=True).indices  # NaN first
+    out = cand.gather(-1, pos)
     if k < vocab:
         a, b = vals[:, k - 1], vals[:, k]
-        tie = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    else:
-        tie = torch.zeros(x2.shape[0], dtype=torch.bool, device=x.device)
-    if x.dtype == torch.float64:
-        cand = torch.sort(idx, dim=-1).values  # ascending indices: the stable sort keeps them so
-        v = x2.gather(-1, cand)
-        v = torch.where(v == 0, torch.zeros_like(v), v)  # -0.0 == +0.0
-        pos = torch.sort(v, dim=-1, descending=True, stable=True).indices  # NaN first
-        idx = cand.gather(-1, pos)
-    else:
-        keys = _sort_keys(x2.gather(-1, idx), idx)
-        idx = idx.gather(-1, torch.sort(keys, dim=-1, descending=True).indices)
-    rows = tie.nonzero().flatten()
-    if rows.numel():
-        slow = x2[rows]
-        if x.dtype == torch.float64:
-            idx[rows] = torch.sort(slow, dim=-1, descending=True, stable=True).indices[:, :k]
-        else:
-            idx[rows] = torch.topk(_sort_keys(slow), k, dim=-1).indices
-    return _gather_bits(x2, idx).view(*lead, k), idx.view(*lead, k)
+        tied = ((a == b) | (torch.isnan(a) & torch.isnan(b))).nonzero().flatten()
+        if tied.numel():
+            whole = torch.sort(x2[tied] + 0.0, dim=-1, descending=True, stable=True).indices
+            out[tied] = whole[:, :k]
+    return out
+
+
+_ORDINALS: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def _ordinals(rows: int, k: int, device: torch.device) -> torch.Tensor:
+    """int32 [rows, k] holding 1..k in every row (cached per shape and device)."""
+    key = (rows, k, str(device))
+    t = _ORDINALS.get(key)
+    if t is None:
+        if len(_ORDINALS) > 64:
+            _ORDINALS.clear()
+        t = torch.arange(1, k + 1, dtype=torch.int32, device=device).repeat(rows, 1)
+        _ORDINALS[key] = t
+    return t
 
 
 def _gather_bits(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from ignis.formats import FORMAT_VERSION, MANIFEST_NAME
-from ignis.formats.manifest import FileEntry, JSONValue, Manifest, ModuleEntry, file_entry, hash_file
+from ignis.formats.manifest import (
+    FileEntry,
+    JSONValue,
+    KernelEntry,
+    Manifest,
+    ModuleEntry,
+    file_entry,
+    hash_file,
+)
 from ignis.runtime.profiles import CardProfile
 
 #: Packages whose versions the provenance records (those that shape the bytes).
@@ -143,6 +151,7 @@ def write_manifest(
     mtp_file: str | None,
     module_files: Sequence[str],
     modules: Sequence[ModuleEntry],
+    kernels: Sequence[KernelEntry] = (),
     tokenizer: dict[str, JSONValue] | None,
     chat_template: dict[str, JSONValue] | None,
     drafter: dict[str, JSONValue] | None,
@@ -151,6 +160,9 @@ def write_manifest(
     progress: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Hash the artifact's files and write `manifest.json` (validated before it is written).
+
+    `module_files` lists every compiled library, those of `modules` and of `kernels` (the compiled
+    non-linear functions, e.g. the drafter's top-k) alike; each is recorded with role "module".
 
     Returns:
         The manifest written.
@@ -180,6 +192,7 @@ def write_manifest(
         drafter=drafter,
         shortlist=shortlist,
         modules=tuple(modules),
+        kernels=tuple(kernels),
         profile=profile_json(profile),
         provenance=provenance,
         ninfer_version=FORMAT_VERSION,

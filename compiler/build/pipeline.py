@@ -6,8 +6,8 @@
 
 Steps (one module each): plan (`plan.py`, printed first; `dry_run` stops there) -> convert the
 target (`convert.py`) -> graft the drafter (`graft.py`) -> the shortlist head (`shortlist.py`) ->
-the MTP companion (`mtp_companion.py`) -> TVM modules per width (`modules.py`) -> the manifest
-(`manifest.py`).
+the MTP companion (`mtp_companion.py`) -> TVM modules per width, and on CUDA cards the drafter's
+top-k kernel (`modules.py`) -> the manifest (`manifest.py`).
 
 Atomicity: everything is written into a temporary sibling directory `.NAME.<random>.partial` next
 to `out`, which is renamed to `out` only when the manifest is written. Any failure, and
@@ -362,8 +362,11 @@ def build_artifact(
             steps["mtp"] = time.perf_counter() - t0
             say(f"wrote {plan.mtp_file} ({human((tmp / plan.mtp_file).stat().st_size)})")
         t0 = time.perf_counter()
-        with _bar(show, max(1, len(plan.modules.widths)), "modules", unit="lib") as bar:
-            modules, module_files = build_modules(plan.modules, tmp, on_file=lambda _rel: bar.update(1))
+        libs = max(1, len(plan.modules.widths) + len(plan.modules.kernels))
+        with _bar(show, libs, "modules", unit="lib") as bar:
+            modules, kernels, module_files = build_modules(
+                plan.modules, tmp, on_file=lambda _rel: bar.update(1)
+            )
         steps["modules"] = time.perf_counter() - t0
         if module_files:
             say(
@@ -383,6 +386,7 @@ def build_artifact(
             mtp_file=plan.mtp_file,
             module_files=module_files,
             modules=modules,
+            kernels=kernels,
             tokenizer=locations["tokenizer"],
             chat_template=locations["chat_template"],
             drafter=locations["drafter"],

@@ -12,7 +12,10 @@ DFlash2 drafter, MTP companion container) to what the server needs:
   module for the round's row width, and q4_g32 weights stay packed (`Q4Weight`). The drafter shares
   the executor's embedding and output head (no second copy on the card). The proposal head
   "shortlist" uses the artifact's Q4 shortlist head: kept packed for the compiled modules, else
-  dequantized to the drafter's dtype.
+  dequantized to the drafter's dtype. On a CUDA device the DFlash2 drafter's selector walk takes the
+  artifact's compiled top-k (`Artifact.topk_module()`) when the manifest lists one (else torch's
+  exact path). The MTP and draft-model drafters select by argmax or by sampling (whose top-k
+  filter only thresholds on the k-th value): no full-vocabulary top-k to route.
 
 The artifact is validated when the source is opened (`load_artifact(verify=...)`): a corrupt or
 truncated file is refused there, naming the file and offset.
@@ -34,7 +37,7 @@ from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile
 from ignis.runtime.server.model import ModelSettings, ServedModel
 
-__all__ = ["ArtifactSource"]
+__all__ = ["ArtifactSource", "attach_topk"]
 
 log = logging.getLogger("ignis.runtime.server")
 
@@ -66,6 +69,15 @@ def _shared_tensors(art: Any, executor: Any, dtype: torch.dtype, device: torch.d
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied
     return out
+
+
+def attach_topk(drafter: Any, art: Any, device: torch.device) -> Any:
+    """Give a DFlash2 drafter the artifact's compiled top-k (`Artifact.topk_module()`, possibly None:
+    torch's exact path) on a CUDA device; on any other device leave it as built (the kernel is CUDA
+    only, and the artifact is not asked). Returns the drafter."""
+    if device.type == "cuda":
+        drafter.topk_module = art.topk_module()
+    return drafter
 
 
 class ArtifactSource:
@@ -178,7 +190,7 @@ class ArtifactSource:
                         head, ids = art.shortlist(device)
                         shortlist = (head if keep_q4 else head.dequantize(dtype), ids.long())
                     kwargs = {"shortlist_weight": shortlist[0], "shortlist_token_ids": shortlist[1]}
-                return build_dflash2_drafter(
+                drafter = build_dflash2_drafter(
                     target_config=art.config,
                     target_weights=shared,
                     config=DFlash2Config.from_hf(art.drafter_config()),
@@ -189,6 +201,7 @@ class ArtifactSource:
                     linear=linear,
                     **kwargs,
                 )
+                return attach_topk(drafter, art, device)
             from ignis.runtime.drafters.mtp import build_mtp_drafter
 
             return build_mtp_drafter(

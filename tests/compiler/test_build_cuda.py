@@ -1,6 +1,7 @@
 """Cross-compiling an artifact's modules for the GPU cards on this host (no GPU, no driver): sm_90 (h200)
 and sm_120 (rtx5090 / rtxpro6000 / rtx50-16gb), checked to hold SASS for that arch only, never PTX or
-CUDA source, and byte-reproducible.
+CUDA source, and byte-reproducible; the q4 linears and the drafter's top-k kernel (the manifest's
+`kernels`).
 
 Each build runs in a fresh interpreter: the build-time libcuda stub must be loaded before `tvm` is
 first imported (DESIGN.md, "TVM facts"), and this test session may already have imported tvm.
@@ -60,7 +61,15 @@ def _check_binaries(out: Path, card: str, arch: str) -> dict[str, str]:
         assert entry.target == {"kind": "cuda", "arch": arch}
         assert all(f.kind == "q4_g32" and f.dtype == "bfloat16" for f in entry.functions)
         routes[entry.file] = entry.route
-    for rel in routes:
+    # one top-k kernel per CUDA card, in its own library, listed as a module file
+    assert m.version == 2 and [k.kind for k in m.kernels] == ["topk"]
+    topk = m.kernels[0]
+    assert (topk.name, topk.abi, topk.file) == ("topk", 1, f"modules/{card}/topk.so")
+    assert topk.target == {"kind": "cuda", "arch": arch}
+    assert topk.dtypes == ("bfloat16", "float16", "float32")
+    assert m.file(topk.file).role == "module" and topk.file not in routes
+    assert b"topk" in (out / topk.file).read_bytes()
+    for rel in [*routes, topk.file]:
         info = cuda_binary_info(out / rel)
         assert info.sass_archs == (arch,), (rel, info)
         assert not info.has_ptx and not info.has_cuda_source, (rel, info)

@@ -354,7 +354,60 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
     )
     assert [s.kind for s in plan.shapes] == ["q4_g32", "q4_g32"] and plan.dtype == "bfloat16"
     assert plan.route(plan.shapes[0]) == "cuda-mma" and plan.route(plan.shapes[1]) == "tir-dlight"
-    assert plan.num_functions() == 3 + 4  # mma: tiles {1, 2, 4}; tir: one per width
+    assert plan.kernels == ("topk",)  # every CUDA card gets the drafter's top-k
+    assert plan.num_functions() == 3 + 4 + 1  # mma: tiles {1, 2, 4}; tir: one per width; the top-k
+    cpu = plan_modules(
+        card="cpu", arch="llvm", widths=[1], other_dtype="f32", shapes=[LinearShape("dense", 4, 64)]
+    )
+    assert cpu.kernels == () and cpu.num_functions() == 1
+
+
+def test_build_modules_records_the_topk_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's wiring in build_modules (the real nvcc build: tests/compiler/test_build_cuda.py):
+    built beside the linears, stripped, checked for the arch, listed as a file and as a kernel
+    entry; a failure is a ModuleBuildError naming the library."""
+    import ignis.compiler.build.modules as modules
+    from ignis.compiler.build.errors import ModuleBuildError
+    from ignis.formats.manifest import KernelEntry
+
+    built: list[tuple[str, str, Path]] = []
+    checked: list[tuple[str, str]] = []
+
+    def fake_build(kind: str, arch: str, dest: Path) -> None:
+        built.append((kind, arch, dest))
+        dest.write_bytes(b"\x7fELF")
+
+    monkeypatch.setattr(modules, "_build_kernel", fake_build)
+    monkeypatch.setattr(modules, "strip_local_symbols", lambda path: checked.append(("strip", path.name)))
+    monkeypatch.setattr(modules, "check_cuda_binary", lambda path, arch: checked.append((arch, path.name)))
+    plan = plan_modules(card="rtx5090", arch="sm_120", widths=[1, 8], other_dtype="bf16", shapes=[])
+    seen: list[str] = []
+    entries, kernels, files = modules.build_modules(plan, tmp_path, on_file=seen.append)
+    assert entries == [] and files == seen == ["modules/rtx5090/topk.so"]
+    assert built == [("topk", "sm_120", tmp_path / "modules/rtx5090/topk.so")]
+    assert checked == [("strip", "topk.so"), ("sm_120", "topk.so")]
+    assert kernels == [
+        KernelEntry(
+            "topk",
+            "topk",
+            1,
+            "modules/rtx5090/topk.so",
+            {"kind": "cuda", "arch": "sm_120"},
+            ("bfloat16", "float16", "float32"),
+        )
+    ]
+    # a CPU card builds no kernel
+    cpu = plan_modules(card="cpu", arch="llvm", widths=[1], other_dtype="f32", shapes=[])
+    assert modules.build_modules(cpu, tmp_path / "cpu") == ([], [], [])
+
+    def failing(kind: str, arch: str, dest: Path) -> None:
+        raise RuntimeError("nvcc exploded")
+
+    monkeypatch.setattr(modules, "_build_kernel", failing)
+    with pytest.raises(
+        ModuleBuildError, match=r"modules/rtx5090/topk\.so \(topk\) for sm_120 failed: nvcc exploded"
+    ):
+        modules.build_modules(plan, tmp_path / "b")
 
 
 def test_llvm_linears_match_float64(tmp_path: Path) -> None:

@@ -103,18 +103,27 @@ def test_keys_are_unique_and_break_ties_by_smaller_index() -> None:
     assert ((np.uint64(0xFFFFFFFF) - (k & np.uint64(0xFFFFFFFF))) == np.arange(6)).all()
 
 
-def test_runtime_keys_order_like_the_kernel_keys() -> None:
-    """runtime/topk.py's signed int64 keys are the kernel's unsigned keys with the top bit flipped."""
-    from ignis.runtime.topk import _sort_keys
+def test_runtime_rank_orders_values_like_the_kernel_keys() -> None:
+    """runtime/topk.py's float64 rank space orders any two values as the kernel's ord bits do
+    (NaN above +inf, -0.0 equal to +0.0), for float32, bfloat16 and float16."""
+    from ignis.runtime.topk import _rank
 
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 500, generator=g)
-    x[:, ::7] = NAN
-    x[:, 1::11] = -0.0
-    x[:, 2::13] = INF
-    x[:, 3::17] = -INF
-    ours = _sort_keys(x).numpy().view(np.uint64) ^ np.uint64(1 << 63)
-    assert (ours == encode_keys(x.numpy())).all()
+    x = torch.randn(400, generator=g) * 1e4
+    x[::7] = NAN
+    x[1::11] = -0.0
+    x[4::11] = 0.0
+    x[2::13] = INF
+    x[3::17] = -INF
+    x[5::19] = torch.finfo(torch.float32).max
+    x[6::23] = torch.finfo(torch.float32).tiny / 8  # subnormal
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        xd = x.to(dtype)
+        r = _rank(xd).numpy()
+        o = encode_ord(xd.float().numpy()).astype(np.int64)
+        assert np.isfinite(r).all()
+        assert (np.sign(np.subtract.outer(r, r)) == np.sign(np.subtract.outer(o, o))).all(), dtype
+        assert torch.equal(_bits(xd), _bits(x.to(dtype)))  # the input is not modified
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,3 +225,25 @@ def test_build_rejects_non_cuda_targets() -> None:
         build_topk("llvm")
     with pytest.raises(TopKKernelError):
         build_topk({"kind": "cuda", "arch": "ampere"})
+
+
+def test_the_dtypes_an_artifact_records_are_the_ones_the_module_dispatches() -> None:
+    """compiler/build/modules.py records KERNELS["topk"] dtypes in the manifest; the runtime then
+    offers the kernel exactly those: they must be what topk_ffi.cuh dispatches on."""
+    import ignis.compiler.kernels.topk as kern
+    from ignis.compiler.build.modules import KERNELS
+    from ignis.formats.manifest import KERNEL_ABIS
+
+    src = (Path(kern.__file__).parent / "topk_ffi.cuh").read_text()
+    dispatched = {
+        name
+        for name, pattern in (
+            ("float32", "dtype_is(x, kDLFloat, 32)"),
+            ("bfloat16", "dtype_is(x, kDLBfloat, 16)"),
+            ("float16", "dtype_is(x, kDLFloat, 16)"),
+        )
+        if pattern in src
+    }
+    file, dtypes = KERNELS["topk"]
+    assert set(dtypes) == dispatched and list(dtypes) == sorted(dtypes) and file == "topk.so"
+    assert KERNEL_ABIS["topk"] == 1 and FUNCTION_NAME == "topk"

@@ -26,7 +26,7 @@ from ignis.formats import (
     read_manifest,
     verify_artifact,
 )
-from ignis.formats.manifest import BLOCK_SIZE, file_entry
+from ignis.formats.manifest import BLOCK_SIZE, KernelEntry, file_entry
 
 
 def _write(root: Path, rel: str, data: bytes) -> None:
@@ -40,11 +40,13 @@ def _artifact(root: Path, *, block_size: int = BLOCK_SIZE) -> Manifest:
     _write(root, "m.ninfer", bytes(range(256)) * 40)  # 10240 bytes
     _write(root, "m_mtp.ninfer", b"mtp" * 100)
     _write(root, "modules/cpu/linear_w1.so", b"\x7fELF" + b"\0" * 60)
+    _write(root, "modules/cpu/topk.so", b"\x7fELF" + b"\1" * 60)
     files = []
     for rel, role in (
         ("m.ninfer", "weights"),
         ("m_mtp.ninfer", "mtp"),
         ("modules/cpu/linear_w1.so", "module"),
+        ("modules/cpu/topk.so", "module"),
     ):
         size, sha, _ = hash_file(root / rel)
         _, _, blocks = hash_file(root / rel, block_size=block_size)
@@ -82,6 +84,11 @@ def _artifact(root: Path, *, block_size: int = BLOCK_SIZE) -> Manifest:
             "source": {"kind": "none", "files": []},
         },
         modules=(ModuleEntry(1, "modules/cpu/linear_w1.so", {"kind": "llvm"}, "llvm-te", False, (fn,)),),
+        kernels=(
+            KernelEntry(
+                "topk", "topk", 1, "modules/cpu/topk.so", {"kind": "cuda", "arch": "sm_90"}, ("float32",)
+            ),
+        ),
         profile={"name": "cpu", "spec": {}},
         provenance={"ignis_version": "0.1.0", "inputs": []},
         block_size=block_size,
@@ -153,6 +160,44 @@ def test_hash_file_blocks(tmp_path: Path) -> None:
         (lambda o: o["drafter"].pop("prefix"), "missing key"),
         (lambda o: o.update(profile=[]), "JSON object"),
         (lambda o: o.update(block_size=100), "block_size"),
+        # the compiled kernels (version 2): every malformed field is named
+        (lambda o: o.pop("kernels"), r"missing key\(s\) \['kernels'\]"),
+        (lambda o: o.update(kernels={}), "kernels must be list"),
+        (lambda o: o["kernels"][0].pop("abi"), r"kernels\[0\]\. has missing key\(s\) \['abi'\]"),
+        (lambda o: o["kernels"][0].update(extra=1), r"kernels\[0\]\. has .*unknown key\(s\) \['extra'\]"),
+        (lambda o: o["kernels"][0].update(kind="softmax"), r"kernels\[0\]\.kind 'softmax' is not one of"),
+        (lambda o: o["kernels"][0].update(abi=2), r"kernels\[0\]\.abi 2 is not the topk calling"),
+        (lambda o: o["kernels"][0].update(abi="1"), r"kernels\[0\]\.abi must be an integer"),
+        (lambda o: o["kernels"][0].update(abi=True), r"kernels\[0\]\.abi must be an integer"),
+        (lambda o: o["kernels"][0].update(name="top k"), r"kernels\[0\]\.name 'top k' is not a C identifier"),
+        (lambda o: o["kernels"][0].update(name=7), r"kernels\[0\]\.name must be str"),
+        (lambda o: o["kernels"][0].update(file="../topk.so"), r"kernels\[0\]\.file '\.\./topk\.so' is not"),
+        (lambda o: o["kernels"][0].update(file="m.ninfer"), r"kernels\[0\]\.file names 'm\.ninfer'"),
+        (lambda o: o["kernels"][0].update(file="modules/cpu/x.so"), r"kernels\[0\]\.file .* does not list"),
+        (
+            lambda o: o["kernels"][0].update(target={"kind": "llvm"}),
+            r"kernels\[0\]\.target .* target kind 'cuda'",
+        ),
+        (lambda o: o["kernels"][0].update(target="cuda"), r"kernels\[0\]\.target must be a JSON object"),
+        (lambda o: o["kernels"][0].update(dtypes=[]), r"kernels\[0\]\.dtypes must be a non-empty"),
+        (
+            lambda o: o["kernels"][0].update(dtypes=["float32", "bfloat16"]),
+            r"kernels\[0\]\.dtypes .* ascending",
+        ),
+        (lambda o: o["kernels"][0].update(dtypes=["float32", "float32"]), r"kernels\[0\]\.dtypes"),
+        (lambda o: o["kernels"][0].update(dtypes=["int8"]), r"kernels\[0\]\.dtypes"),
+        (lambda o: o["kernels"][0].update(dtypes="float32"), r"kernels\[0\]\.dtypes must be list"),
+        (
+            lambda o: o["kernels"].append(dict(o["kernels"][0])),
+            r"kernels\[1\]: 'modules/cpu/topk\.so' exports",
+        ),
+        (
+            lambda o: o["kernels"].append(
+                {**o["kernels"][0], "name": "topk2", "dtypes": ["bfloat16", "float32"]}
+            ),
+            r"kernels\[1\]: a second topk kernel for float32",
+        ),
+        (lambda o: o["kernels"].append(None), r"kernels\[1\]\. must be a JSON object"),
     ],
 )
 def test_schema_violations_are_refused(tmp_path: Path, change, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -165,8 +210,11 @@ def test_schema_violations_are_refused(tmp_path: Path, change, message: str) -> 
 def test_versions_and_json_errors(tmp_path: Path) -> None:
     m = _artifact(tmp_path)
     with pytest.raises(ManifestVersionError) as info:
-        parse_manifest(_mutated(m, lambda o: o.update(version=2)), path=None)
-    assert info.value.version == 2
+        parse_manifest(_mutated(m, lambda o: o.update(version=3)), path=None)
+    assert info.value.version == 3
+    for bad in (0, True, "2", 2.0, None):
+        with pytest.raises(ManifestVersionError):
+            parse_manifest(_mutated(m, lambda o, v=bad: o.update(version=v)), path=None)
     with pytest.raises(ManifestVersionError):
         parse_manifest(_mutated(m, lambda o: o.update(format="other")), path=None)
     with pytest.raises(ManifestVersionError):
@@ -183,6 +231,37 @@ def test_versions_and_json_errors(tmp_path: Path) -> None:
         parse_manifest(b"[]", path=None)
     with pytest.raises(ManifestError, match="cannot read"):
         read_manifest(tmp_path / "nowhere")
+
+
+def test_kernels_roundtrip_and_version_1_manifests(tmp_path: Path) -> None:
+    m = _artifact(tmp_path)
+    back = read_manifest(tmp_path)
+    assert back.version == 2 and back.kernels == m.kernels
+    assert back.kernel("topk") == m.kernels[0] and back.kernel("topk", "float32") == m.kernels[0]
+    assert back.kernel("topk", "bfloat16") is None and back.kernel("other") is None
+    assert json.loads((tmp_path / MANIFEST_NAME).read_bytes())["kernels"][0] == {
+        "name": "topk",
+        "kind": "topk",
+        "abi": 1,
+        "file": "modules/cpu/topk.so",
+        "target": {"kind": "cuda", "arch": "sm_90"},
+        "dtypes": ["float32"],
+    }
+    # a version 1 manifest (written before `kernels` existed) reads as one without kernels, and its
+    # bytes stay canonical
+    v1 = Manifest(**{**m.__dict__, "version": 1, "kernels": ()})
+    data = v1.to_bytes()
+    assert "kernels" not in json.loads(data) and json.loads(data)["version"] == 1
+    old = parse_manifest(data, path=None)
+    assert old.version == 1 and old.kernels == () and old.kernel("topk") is None and old.to_bytes() == data
+    # a version 1 manifest holding kernels is refused (an unknown key of that version), by the writer too
+    with pytest.raises(ManifestError, match=r"unknown key\(s\) \['kernels'\]"):
+        parse_manifest(_mutated(m, lambda o: o.update(version=1)), path="manifest.json")
+    with pytest.raises(ManifestError):
+        Manifest(**{**m.__dict__, "version": 1}).to_bytes()
+    # version 2 with no kernels: an empty list, not an absent key
+    none = Manifest(**{**m.__dict__, "kernels": ()})
+    assert json.loads(none.to_bytes())["kernels"] == []
 
 
 def test_verify_artifact_files(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ignis.compiler.build import build_artifact
 from ignis.formats import (
     MANIFEST_NAME,
+    ArtifactChecksumError,
     ArtifactFileError,
     ArtifactMismatchError,
     ChecksumMismatchError,
@@ -375,3 +376,95 @@ def test_q4_rows_past_the_widest_width_run_compiled_in_chunks():
     torch.testing.assert_close(backend(x, qw, b), torch_linear(x, qw, b))
     assert calls == [32, 32, 8]  # 70 rows: 32 + 32 + 6 (padded to width 8)
     assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# the compiled top-k (manifest `kernels`)
+
+
+def _with_topk_entry(artifact: Path, dst: Path) -> Path:
+    """A copy of the CPU artifact whose manifest lists a (dummy) CUDA top-k library."""
+    from ignis.formats.manifest import KernelEntry
+
+    a = _copy(artifact, dst)
+    rel = "modules/h200/topk.so"
+    (a / rel).parent.mkdir(parents=True)
+    (a / rel).write_bytes(b"\x7fELF not really")
+    m = read_manifest(a)
+    files = tuple(sorted((*m.files, file_entry(a, rel, "module")), key=lambda f: f.path))
+    entry = KernelEntry("topk", "topk", 1, rel, {"kind": "cuda", "arch": "sm_90"}, ("bfloat16", "float32"))
+    _rewrite_manifest(a, files=files, kernels=(entry,))
+    return a
+
+
+def test_topk_module_is_none_without_a_kernel_entry(artifact: Path, tmp_path: Path) -> None:
+    with load_artifact(artifact) as art:
+        assert art.manifest.version == 2 and art.manifest.kernels == ()
+        assert art.topk_module() is None
+    # an artifact built before the kernels (manifest version 1) still loads, with no kernel
+    old = _copy(artifact, tmp_path / "v1")
+    _rewrite_manifest(old, version=1)
+    raw = json.loads((old / MANIFEST_NAME).read_text())
+    assert raw["version"] == 1 and "kernels" not in raw
+    with load_artifact(old) as art:
+        assert art.manifest.version == 1 and art.topk_module() is None
+
+
+def test_topk_module_loads_the_listed_kernel_once(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import ignis.runtime.artifact as artifact_mod
+    from ignis.runtime.topk import TopKModule
+    from ignis.runtime.tvm_runtime import TvmRuntimeError
+
+    a = _with_topk_entry(artifact, tmp_path / "a")
+    calls: list[tuple[Path, str, tuple[str, ...] | None]] = []
+
+    def fake_load(path: Path, *, name: str, dtypes: tuple[str, ...] | None) -> TopKModule:
+        calls.append((path, name, dtypes))
+        return TopKModule(lambda *args: None, dtypes=dtypes)
+
+    monkeypatch.setattr(artifact_mod, "load_topk_module", fake_load)
+    # no CUDA device: a CUDA kernel is not even loaded
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with load_artifact(a) as art:
+        assert art.manifest.kernel("topk") is not None and art.manifest.kernel("topk", "float16") is None
+        assert art.topk_module() is None and calls == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with load_artifact(a) as art:
+        mod = art.topk_module()
+        assert isinstance(mod, TopKModule) and art.topk_module() is mod  # loaded once
+        assert calls == [(a / "modules/h200/topk.so", "topk", ("bfloat16", "float32"))]
+        assert mod.dtypes == (torch.bfloat16, torch.float32)
+
+    def failing_load(path: Path, **_kw: Any) -> TopKModule:
+        raise TvmRuntimeError(f"cannot load module {path}")
+
+    monkeypatch.setattr(artifact_mod, "load_topk_module", failing_load)
+    with load_artifact(a) as art, caplog.at_level(logging.WARNING, logger="ignis.runtime.artifact"):
+        assert art.topk_module() is None
+    assert "compiled top-k modules/h200/topk.so not loaded" in caplog.text
+    # the kernel's library is a module file: its sha256 is checked at load like the others
+    (a / "modules/h200/topk.so").write_bytes(b"\x7fELF not reallx")
+    with pytest.raises(ArtifactChecksumError, match=r"modules/h200/topk\.so"):
+        load_artifact(a)
+
+
+def test_the_dflash2_drafter_gets_the_kernel_on_cuda_only() -> None:
+    from types import SimpleNamespace
+
+    from ignis.runtime.server.artifact_source import attach_topk
+
+    asked: list[int] = []
+    module = object()
+
+    def topk_module() -> object:
+        asked.append(1)
+        return module
+
+    art = SimpleNamespace(topk_module=topk_module)
+    drafter = SimpleNamespace(topk_module=None)
+    assert attach_topk(drafter, art, torch.device("cpu")) is drafter
+    assert drafter.topk_module is None and asked == []
+    attach_topk(drafter, art, torch.device("cuda", 0))
+    assert drafter.topk_module is module and asked == [1]
