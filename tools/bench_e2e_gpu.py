@@ -20,7 +20,11 @@ Phases (in priority order; each is skipped, and said so, when the time budget is
    twice (the first captures; the second is reported, first_wall_s kept). With `--gdn-module PATH`
    (a `.so` from `ignis.compiler.kernels.gdn_recurrent.build_gdn_recurrent`): the rounds per width
    again with the fused GDN recurrence (`rounds_fused`), one GDN layer's recurrence alone (torch
-   loop vs the kernel, CUDA-graph replay, `gdn_layer`), and the decode with the kernel.
+   loop vs the kernel, CUDA-graph replay, `gdn_layer`), and the decode with the kernel. With
+   `--norms-module PATH` too (a `.so` from `ignis.compiler.kernels.fused_norms.build_fused_norms`):
+   the rounds per width with every fused module (`rounds_all_fused`: the GDN recurrence + the fused
+   add/RMSNorm and gated norm), printed per width against the GDN-only rounds and the floor; the
+   decode then uses both.
 1. Q4 compiled route: `HybridExecutor(bf16, linear=LinearBackend(CompiledLinears(...)))` over the
    carried sm_90 bundle (`--mods`: `q4_e2e_sm90.so` + `manifest.json` mapping (width, N, K) to an
    export; every width 1..8, 16, 32). Per width R: the linears of one forward alone (eager through
@@ -653,6 +657,12 @@ def main() -> int:
         help="fused GDN recurrence .so (build_gdn_recurrent): graphed rounds per width with and "
         "without it, the layer alone, decode with it",
     )
+    ap.add_argument(
+        "--norms-module",
+        type=Path,
+        default=None,
+        help="fused norms .so (build_fused_norms): graphed rounds per width with every fused module",
+    )
     ap.add_argument("--widths", default=None, help="comma-separated round widths (default 1..8,16,32)")
     ap.add_argument(
         "--fused-only",
@@ -742,14 +752,28 @@ def main() -> int:
                 save()
                 del fused
                 gc.collect()
+            if args.norms_module is not None:
+                allf = StaticHybridExecutor(
+                    cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
+                    max_lanes=1, max_columns=max(widths), max_context=ctx, gdn_module=args.gdn_module,
+                    norms_module=args.norms_module,
+                )  # fmt: skip
+                gr["norms_module"] = str(args.norms_module)
+                log("graphed route with every fused module (GDN recurrence + norms): rounds per width")
+                gr["rounds_all_fused"] = bench_graph_rounds(allf, ref, dev, widths, args.reps, vocab)
+                save()
+                del allf
+                gc.collect()
             if args.no_decode:
                 res["not_done"].append("graphed decode (--no-decode)")
             else:
                 lanes8 = StaticHybridExecutor(
                     cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
                     max_lanes=8, max_columns=8, max_context=ctx, gdn_module=args.gdn_module,
+                    norms_module=args.norms_module,
                 )  # fmt: skip
                 gr["decode_fused"] = args.gdn_module is not None
+                gr["decode_fused_norms"] = args.norms_module is not None
                 log(f"graphed route: decode (fused GDN: {gr['decode_fused']})")
                 gr["decode"] = graphed_decode_suite(lanes8, prompts8, tokens, vocab, budget, ps)
                 gr["captures_decode"] = lanes8.num_captures
@@ -885,6 +909,21 @@ def main() -> int:
             f"| {fmt(gms)} | {gratio} | {fmt(grf.get(k, {}).get('graph_ms'))} "
             f"| {fmt(b.get('eager_ms'))} | {fmt(br.get(k))} |"
         )
+    gra = gr.get("rounds_all_fused", {})
+    if gra:
+        print("\n| R | graphed round ms (no kernels) | + fused GDN | + fused norms (all) | saved vs GDN-only "
+              "| all / floor | argmax vs eager |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for r in widths:
+            k = str(r)
+            a = gra.get(k, {}).get("graph_ms")
+            f = grf.get(k, {}).get("graph_ms")
+            saved = fmt(f - a) if a and f else "-"
+            am = gra.get(k, {}).get("argmax_equal_vs_eager")
+            print(
+                f"| {r} | {fmt(grr.get(k, {}).get('graph_ms'))} | {fmt(f)} | {fmt(a)} | {saved} "
+                f"| {fmt(a / floor) if a and floor else '-'} | {am} |"
+            )
     print("\n| route | run | tok/s | tokens/round | rounds/lane | wall s |")
     print("|---|---|---|---|---|---|")
     for route, d in (

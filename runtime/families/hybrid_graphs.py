@@ -60,11 +60,21 @@ launch per GDN layer that keeps the state on chip across the round's columns and
 in the layout `commit` reads (same float32 math; outputs rounded to the model dtype once, as here).
 Long (eager) forwards keep the torch path.
 
-Measured on an H200 (27B-shaped qwen3_5, q4 modules; docs/perf-drafts/e2e-graphs.md and
-gdn-kernel.md): a 1-lane round of R columns 15.4-16.1 ms at R = 1 (eager 104-128 ms), 25.4-26.1 at
-8, 59.5 at 32 with the torch recurrence; with the fused kernel 12.2 ms at R = 1, 15.8 at 8, 21.4 at
-32 (linears alone 6.5 / 8.5 / 16.4). What remains is graph-node bound (the norms, RoPE, the conv and
-gating as many small kernels per layer), not host launches.
+Fused row norms (``norms_module``, `FusedNormsKernel`): a module built by
+``ignis.compiler.kernels.fused_norms.build_fused_norms`` runs, in static rounds on CUDA, each residual
+add together with the (1 + w) RMSNorm after it (``add_rms_norm``; the MLP's output is added by the
+next layer's input norm, or the final norm, unless the layer is tapped) and the GDN gated RMSNorm
+(``gated_rms_norm``, when the norm weight has the model dtype), one launch each instead of 5 and 8
+torch kernels; same rounding points (float32 math, model-dtype casts where the torch path casts).
+Long (eager) forwards keep the torch ops.
+
+Measured on an H200 (27B-shaped qwen3_5, q4 modules; docs/perf-drafts/e2e-graphs.md,
+gdn-kernel.md and fused-kernels.md): a 1-lane round of R columns 15.4-16.1 ms at R = 1 (eager
+104-128 ms), 25.4-26.1 at 8, 59.5 at 32 with the torch recurrence; with the fused kernel 12.2 ms
+at R = 1, 15.8 at 8, 21.4 at 32 (linears alone 6.5 / 8.5 / 16.4); with the fused norms too 10.9 ms
+at R = 1, 14.1 at 8, 20.0 at 32 (GDN kernel only, same run: 12.45 / 15.76 / 21.72). What remains
+is graph-node bound (RoPE, the conv, the attention gathers and gating as many small kernels per
+layer), not host launches.
 """
 
 from __future__ import annotations
@@ -96,7 +106,13 @@ from ignis.runtime.families.moe import SparseMoeWeights, sparse_moe_block, swigl
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig
 from ignis.runtime.linear import LinearFn, Q4Weight
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "GdnRecurrentKernel", "StaticHybridExecutor", "StaticLaneState"]
+__all__ = [
+    "DEFAULT_MAX_CONTEXT",
+    "FusedNormsKernel",
+    "GdnRecurrentKernel",
+    "StaticHybridExecutor",
+    "StaticLaneState",
+]
 
 log = logging.getLogger("ignis.runtime.hybrid_graphs")
 
@@ -175,6 +191,64 @@ class GdnRecurrentKernel:
 
         with torch_stream():
             self.func(*args)
+
+
+NORMS_FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm")
+"""The exports of a module built by ``ignis.compiler.kernels.fused_norms.build_fused_norms``."""
+
+
+class FusedNormsKernel:
+    """The fused row norms of a compiled module (static rounds, CUDA only; the math and its source
+    are in ``ignis.compiler.kernels.fused_norms``). Both launch on torch's current stream
+    (capturable) and allocate their outputs with torch (the graph's pool when captured).
+
+    Args:
+        source: a loaded module holding ``add_rms_norm`` and ``gated_rms_norm`` (anything indexable
+            by those names: a ``tvm_ffi.Module`` or, for CPU tests, a dict of callables), or the path
+            of a ``.so`` built by ``build_fused_norms`` (loaded with the lean runtime).
+
+    Raises:
+        TvmRuntimeError: a path that is missing or cannot be loaded.
+        KeyError: a module without those functions.
+    """
+
+    def __init__(self, source: Any) -> None:
+        if isinstance(source, FusedNormsKernel):
+            source = source.funcs
+        if isinstance(source, str | os.PathLike):
+            from ignis.runtime.tvm_runtime import load_module
+
+            source = load_module(source, cuda=True)
+        self.funcs = {name: source[name] for name in NORMS_FUNCTION_NAMES}
+
+    def _call(self, name: str, args: tuple[Any, ...], cuda: bool) -> None:
+        if not cuda:  # a CPU stand-in (tests: the kernels' CPU models)
+            self.funcs[name](*args)
+            return
+        from ignis.runtime.tvm_runtime import torch_stream
+
+        with torch_stream():
+            self.funcs[name](*args)
+
+    def add_rms_norm(
+        self, h: torch.Tensor, d: torch.Tensor, w1p: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + d, RMSNorm(h + d) * w1p), both [rows, hidden] in h's dtype (new tensors). h, d
+        [rows, hidden] one dtype, the hidden dim contiguous; w1p = 1 + weight, [hidden] float32.
+        Raises ValueError / TypeError (from the module) on shapes, dtypes or devices it does not
+        take."""
+        h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+        self._call("add_rms_norm", (h, d, w1p, h_out, x_out, eps), h.is_cuda)
+        return h_out, x_out
+
+    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """``w * RMSNorm(x) * silu(z)`` over the last dim, [rows, heads * dim] in z's dtype (a new
+        tensor). x [rows, heads, dim] float32 or z's dtype, z [rows, heads, dim], w [dim] in z's
+        dtype. Raises ValueError / TypeError (from the module) as `add_rms_norm`."""
+        rows, heads, dim = x.shape
+        out = z.new_empty(rows, heads * dim)
+        self._call("gated_rms_norm", (x, z, w, out, eps), x.is_cuda)
+        return out
 
 
 @dataclass
@@ -268,6 +342,11 @@ class StaticHybridExecutor(HybridExecutor):
         gdn_module: the fused GDN recurrence (`GdnRecurrentKernel`, its function, a loaded module or
             a ``.so`` path) for static rounds on CUDA; None: the torch loop. Also settable later as
             the ``gdn_module`` attribute (captured graphs are dropped then).
+        norms_module: the fused row norms (`FusedNormsKernel`, a loaded module or a ``.so`` path
+            from ``ignis.compiler.kernels.fused_norms.build_fused_norms``) for static rounds on
+            CUDA: the residual adds fused with the following (1 + w) RMSNorm, the GDN gated RMSNorm;
+            None: the torch ops. Also settable later as the ``norms_module`` attribute (captured
+            graphs are dropped then).
 
     Memory (bytes): KV 2 x attn_layers x max_lanes x capacity x kv_heads x head_dim x dtype size;
     recurrent state 4 x gdn_layers x max_lanes x v_heads x k_dim x v_dim, and max_columns times that
@@ -275,9 +354,10 @@ class StaticHybridExecutor(HybridExecutor):
 
     Raises:
         ValueError: max_lanes, max_columns, kv_bucket or max_context out of range; cuda_graphs=True
-            off CUDA or with MoE layers; a gdn_module off CUDA or for GDN shapes it does not take.
+            off CUDA or with MoE layers; a gdn_module off CUDA or for GDN shapes it does not take;
+            a norms_module off CUDA.
             Otherwise as `HybridExecutor`.
-        TvmRuntimeError: a gdn_module path that cannot be loaded.
+        TvmRuntimeError: a gdn_module or norms_module path that cannot be loaded.
     """
 
     def __init__(
@@ -294,6 +374,7 @@ class StaticHybridExecutor(HybridExecutor):
         cuda_graphs: bool | None = None,
         kv_bucket: int = 256,
         gdn_module: Any = None,
+        norms_module: Any = None,
     ) -> None:
         super().__init__(config, weights, device=device, dtype=dtype, linear=linear)
         c = config
@@ -360,6 +441,8 @@ class StaticHybridExecutor(HybridExecutor):
         ]
         self._gdn_kernel: GdnRecurrentKernel | None = None
         self.gdn_module = gdn_module
+        self._norms_kernel: FusedNormsKernel | None = None
+        self.norms_module = norms_module
 
     @property
     def gdn_module(self) -> GdnRecurrentKernel | None:
@@ -381,6 +464,22 @@ class StaticHybridExecutor(HybridExecutor):
             source = GdnRecurrentKernel(source)
         self._gdn_kernel = source
         if self._graphs:  # captured with the other recurrence: recaptured on demand, in a new pool
+            self._graphs.clear()
+            self._pool = None
+
+    @property
+    def norms_module(self) -> FusedNormsKernel | None:
+        """The fused row norms used by static rounds (None: the torch ops)."""
+        return self._norms_kernel
+
+    @norms_module.setter
+    def norms_module(self, source: Any) -> None:
+        if source is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"norms_module needs a CUDA device, got {self.device}")
+            source = FusedNormsKernel(source)
+        self._norms_kernel = source
+        if self._graphs:  # captured with the torch norms: recaptured on demand, in a new pool
             self._graphs.clear()
             self._pool = None
 
@@ -711,14 +810,27 @@ class StaticHybridExecutor(HybridExecutor):
         mask = torch.arange(bucket, device=self.device)[None, None, :] <= pos[:, :, None]  # [L, n, T]
         mask = mask[:, None].expand(lanes, rep, n, bucket).reshape(lanes, 1, rep * n, bucket)
         tapped: dict[int, torch.Tensor] = {}
+        # fused norms (static rounds): each residual add runs with the RMSNorm after it; the MLP's
+        # output waits in `pending` for the next layer's input norm (or the final norm)
+        fused = self._norms_kernel if eager is None else None
+        eps = c.rms_norm_eps
+        pending: torch.Tensor | None = None
         for layer in self._layers:
-            x = self._norm(h, layer.input_norm)
+            if pending is None:
+                x = self._norm(h, layer.input_norm)
+            else:
+                assert fused is not None
+                h, x = fused.add_rms_norm(h, pending, self._one_plus[id(layer.input_norm)], eps)
+                pending = None
             if layer.attn is not None:
                 mixed = self._static_attention(layer, x, pos, slots, bucket, cos, sin, mask, eager)
             else:
                 mixed = self._static_gdn(layer, x, lanes, n, slots, eager)
-            h = h + mixed
-            x = self._norm(h, layer.post_norm)
+            if fused is not None:
+                h, x = fused.add_rms_norm(h, mixed, self._one_plus[id(layer.post_norm)], eps)
+            else:
+                h = h + mixed
+                x = self._norm(h, layer.post_norm)
             if isinstance(layer.mlp, SparseMoeWeights):
                 assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
                 h = h + sparse_moe_block(
@@ -728,12 +840,18 @@ class StaticHybridExecutor(HybridExecutor):
                     norm_topk_prob=c.norm_topk_prob,
                     linear=self.linear,
                 )
+            elif fused is not None and layer.index not in taps:
+                pending = swiglu_mlp(x, layer.mlp, linear=self.linear)
             else:
                 h = h + swiglu_mlp(x, layer.mlp, linear=self.linear)
             if layer.index in taps:
                 tapped[layer.index] = h
-        hl = h if logit_rows is None else h[logit_rows]
-        normed = self._norm(hl, self._final_norm)
+        if pending is not None:  # fused: logit_rows is None (static rounds)
+            assert fused is not None and logit_rows is None
+            h, normed = fused.add_rms_norm(h, pending, self._one_plus[id(self._final_norm)], eps)
+        else:
+            hl = h if logit_rows is None else h[logit_rows]
+            normed = self._norm(hl, self._final_norm)
         out = {"logits": self.linear(normed, self._lm_head, None).float()}
         if want_hidden:
             out["hidden"] = h
@@ -818,6 +936,8 @@ class StaticHybridExecutor(HybridExecutor):
                 nk,
                 dk**-0.5,
             )
+            if self._norms_kernel is not None:  # the fused gated norm reads the kernel's output as is
+                return self._gdn_output(layer, out_core.view(lanes * n, nv, dv), z, x.dtype, fused=True)
             return self._gdn_output(layer, out_core.view(lanes * n, nv, dv).float(), z, x.dtype)
         beta = torch.sigmoid(b).float().view(lanes, n, nv)
         decay = (neg_a * F.softplus(a.float() + dt_bias)).view(lanes, n, nv)
@@ -845,17 +965,22 @@ class StaticHybridExecutor(HybridExecutor):
                 pendings[i].conv_windows.append(window[i, :, : kd + n_i])
                 pendings[i].rec_states.append(new_state)
         core = core.view(lanes * n, nv, dv).to(x.dtype).float()  # rounded as HF's
-        return self._gdn_output(layer, core, z, x.dtype)
+        return self._gdn_output(layer, core, z, x.dtype, fused=eager is None)
 
     def _gdn_output(
-        self, layer: _Layer, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype
+        self, layer: _Layer, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype, *, fused: bool = False
     ) -> torch.Tensor:
         """Gated RMSNorm and out_proj of the recurrence output core [rows, v_heads, v_dim] (float32
-        holding model-dtype values), z [rows, v_heads, v_dim]."""
+        holding model-dtype values, or the model dtype), z [rows, v_heads, v_dim]. fused: a static
+        round, where the norms kernel (when given) runs the gated norm."""
         g = layer.gdn
         assert g is not None
         rows, nv, dv = core.shape
-        core = F.rms_norm(core, (dv,), eps=self.config.rms_norm_eps).to(dtype)
+        eps = self.config.rms_norm_eps
+        if fused and self._norms_kernel is not None and g.norm.dtype == z.dtype == dtype:
+            out = self._norms_kernel.gated_rms_norm(core, z, g.norm, eps)
+            return self.linear(out, g.out_proj, None)
+        core = F.rms_norm(core.float(), (dv,), eps=eps).to(dtype)
         out = ((g.norm * core) * F.silu(z.float())).to(dtype)  # as `gated_rms_norm`
         return self.linear(out.reshape(rows, nv * dv), g.out_proj, None)
 

@@ -437,6 +437,175 @@ def test_cuda_graphs_with_the_fused_gdn_kernel(tiny: TinyHybrid, dtype: torch.dt
     assert plain.gdn_module is None
 
 
+def _emulated_norms_module(calls: list[str]) -> dict:
+    """A CPU stand-in for the compiled fused norms: the kernels' CPU models, writing the outputs
+    the module's functions write."""
+    from ignis.compiler.kernels.fused_norms import add_rms_norm_emulated, gated_rms_norm_emulated
+
+    def add(h, d, w1p, h_out, x_out, eps):
+        assert w1p.dtype == torch.float32 and h_out.shape == x_out.shape == h.shape
+        a, b = add_rms_norm_emulated(h, d, w1p, eps)
+        h_out.copy_(a)
+        x_out.copy_(b)
+        calls.append("add")
+
+    def gated(x, z, w, out, eps):
+        out.copy_(gated_rms_norm_emulated(x, z, w, eps))
+        calls.append("gated")
+
+    return {"add_rms_norm": add, "gated_rms_norm": gated}
+
+
+@pytest.mark.parametrize("with_gdn", [False, True])
+def test_fused_norms_path_matches_hybrid_executor(
+    tiny: TinyHybrid, ref: HybridExecutor, with_gdn: bool
+) -> None:
+    """The executor's fused-norms path (the MLP's add deferred to the next norm, taps and hidden
+    states, the gated norm on either recurrence's output) with the kernels' CPU models: rounds,
+    commits and states equal HybridExecutor's; eager forwards do not use it."""
+    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel, GdnRecurrentKernel
+
+    c = tiny.config
+    vocab = c.vocab_size
+    st = static(tiny, max_lanes=3)
+    calls: list[str] = []
+    st._norms_kernel = FusedNormsKernel(_emulated_norms_module(calls))  # the setter wants CUDA
+    if with_gdn:
+        st._gdn_kernel = GdnRecurrentKernel(_emulated_gdn_module([]))
+    n_gdn = sum(not c.is_full_attention(i) for i in range(c.num_hidden_layers))
+    from ignis.runtime.families.moe import SparseMoeWeights
+
+    dense = [not isinstance(layer.mlp, SparseMoeWeights) for layer in st._layers]
+    layers = c.num_hidden_layers
+    head, cols = tokens(9, 17, vocab), tokens(8, 18, vocab)
+    for keep in (0, 3, 8):
+        lane, other = st.new_lane(), st.new_lane()
+        rl, ro = ref.new_lane(), ref.new_lane()
+        calls.clear()
+        run_both(ref, st, [rl, ro], [lane, other], [head, head[:4]], [9, 4], record=False)  # eager
+        assert calls == []
+        run_both(ref, st, [rl, ro], [lane, other], [cols, cols[:3]], [keep, 2])  # static: fused
+        # per layer the post-mixer add; the MLP's add with the next norm (not after MoE blocks)
+        adds = layers + sum(dense)
+        assert calls.count("add") == adds and calls.count("gated") == n_gdn
+        calls.clear()
+        run_both(
+            ref,
+            st,
+            [rl, ro],
+            [lane, other],
+            [cols[:2], cols[:5]],
+            [1, 5],
+            output_hidden_states=True,
+            tap_layers=(0,),
+        )
+        assert calls.count("add") == layers + sum(dense) - dense[0]  # layer 0's MLP add is tapped
+        expect = ref.new_lane()
+        kept = torch.cat([head, cols[:keep], cols[:1]])
+        ref.forward([expect], [kept], record=True)
+        ref.commit([expect], [kept.numel()])
+        assert_same_state(c, lane, expect)
+        for s in (lane, other):
+            st.release_lane(s)
+    with pytest.raises(ValueError, match="CUDA"):
+        st.norms_module = _emulated_norms_module([])
+    with pytest.raises(ValueError, match="CUDA"):
+        static(tiny, norms_module=_emulated_norms_module([]))
+    st.norms_module = None
+    assert st.norms_module is None
+
+
+def _norms_module_path() -> str | None:
+    """$IGNIS_NORMS_MODULE, else a build for this GPU's arch with nvcc, else None."""
+    import os
+    import shutil
+
+    env = os.environ.get("IGNIS_NORMS_MODULE")
+    if env:
+        return env
+    if shutil.which("nvcc") is None:
+        return None
+    from ignis.compiler.kernels.fused_norms import build_fused_norms
+
+    major, minor = torch.cuda.get_device_capability()
+    return str(build_fused_norms(f"sm_{major}{minor}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_with_the_fused_norms(tiny: TinyHybrid, dtype: torch.dtype) -> None:
+    """On CUDA: static rounds with the compiled norms (and the GDN kernel when available; graphed for
+    qwen3_5) give the static rounds without them and HybridExecutor's logits; every commit k leaves
+    the state of feeding the kept tokens alone."""
+    graphs = tiny.config.model_type == "qwen3_5"
+    path = _norms_module_path()
+    if path is None:
+        pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
+    gdn = _gdn_module_path()
+    vocab = tiny.config.vocab_size
+    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 4, "max_context": 200, "kv_bucket": 16}
+    fused = StaticHybridExecutor(
+        tiny.config, tiny.canonical_tensors(), norms_module=path, gdn_module=gdn, **kw
+    )
+    plain = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), gdn_module=gdn, **kw)
+    eager = HybridExecutor(tiny.config, tiny.canonical_tensors(), device="cuda", dtype=dtype)
+    assert fused.cuda_graphs == plain.cuda_graphs == graphs and fused.norms_module is not None
+    f32 = dtype == torch.float32
+    same = {"atol": 1e-4, "rtol": 1e-4} if f32 else {"atol": 0.05, "rtol": 0.02}
+    tol = {"atol": 2e-4, "rtol": 2e-4} if f32 else {"atol": 0.15, "rtol": 0.05}
+    exs = (fused, plain, eager)
+    lanes = [[ex.new_lane() for _ in range(3)] for ex in exs]
+    prompts = [tokens(n, 30 + n, vocab).cuda() for n in (20, 6, 11)]
+    for ex, ls in zip(exs, lanes, strict=True):
+        ex.forward(ls, prompts, record=False)
+        ex.commit(ls, [p.numel() for p in prompts])
+    shapes = [[1, 1, 1], [8, 3, 1], [8, 3, 1], [2, 8, 5], [8, 8, 8], [8, 1, 8]]
+    keeps = [[1, 1, 1], [4, 3, 0], [8, 1, 1], [2, 8, 3], [0, 5, 6], [3, 1, 8]]
+    for r, (shape, keep) in enumerate(zip(shapes, keeps, strict=True)):
+        cols = [tokens(n, 300 + 10 * r + i, vocab).cuda() for i, n in enumerate(shape)]
+        outs = [ex.forward(ls, cols, output_hidden_states=True) for ex, ls in zip(exs, lanes, strict=True)]
+        for i in range(3):
+            torch.testing.assert_close(outs[0].logits[i], outs[1].logits[i], **same)
+            torch.testing.assert_close(outs[0].logits[i], outs[2].logits[i], **tol)
+            torch.testing.assert_close(outs[0].hidden_states[i], outs[1].hidden_states[i], **same)
+        for ex, ls in zip(exs, lanes, strict=True):
+            ex.commit(ls, keep)
+    if graphs:
+        assert fused.num_replays == len(shapes) and fused.num_captures >= 2
+    c = tiny.config
+    for a, b, e in zip(*lanes, strict=True):
+        assert a.num_tokens == b.num_tokens == e.num_tokens
+        for layer in range(c.num_hidden_layers):
+            if c.is_full_attention(layer):
+                torch.testing.assert_close(a.kv(layer)[0], b.kv(layer)[0], **same)
+            else:
+                torch.testing.assert_close(a.recurrent_state(layer), b.recurrent_state(layer), **same)
+                torch.testing.assert_close(a.recurrent_state(layer), e.recurrent_state(layer), **tol)
+    base, cols = tokens(9, 77, vocab).cuda(), tokens(8, 78, vocab).cuda()
+    gdn_layers = [i for i in range(c.num_hidden_layers) if not c.is_full_attention(i)]
+    for keep in (0, 1, 5, 8):
+        lane = fused.new_lane()
+        fused.forward([lane], [base], record=False)
+        fused.commit([lane], [9])
+        fused.forward([lane], [cols])
+        fused.commit([lane], [keep])
+        expect = eager.new_lane()
+        kept = torch.cat([base, cols[:keep]])
+        eager.forward([expect], [kept], record=True)
+        eager.commit([expect], [kept.numel()])
+        assert lane.num_tokens == expect.num_tokens
+        for layer in gdn_layers:
+            torch.testing.assert_close(lane.recurrent_state(layer), expect.recurrent_state(layer), **tol)
+            torch.testing.assert_close(lane.conv_state(layer), expect.conv_state(layer), **tol)
+        fused.release_lane(lane)
+    plain.norms_module = path  # set after captures: recaptured with the norms
+    cols = [tokens(n, 500 + i, vocab).cuda() for i, n in enumerate([8, 2, 5])]
+    outs = [ex.forward(ls, cols) for ex, ls in zip(exs, lanes, strict=True)]
+    for i in range(3):
+        torch.testing.assert_close(outs[1].logits[i], outs[0].logits[i], **same)
+
+
 class _Loaded(Exception):
     """Raised by `_RecordingSource.load` to stop `ignis-run` before it serves."""
 

@@ -1,0 +1,149 @@
+// Fused row norms of the hybrid (Qwen3.5 / Qwen3-Next) decoder layers, for graphed verify rounds:
+// each replaces a chain of small torch kernels (graph nodes) by one launch.
+//
+// add_rms_norm (the residual add + the (1 + w) RMSNorm, twice per layer):
+//
+//     h_out = round(h + d)                                   (torch's add in the model dtype)
+//     x_out = round((float(h_out) * rsqrt(mean(float(h_out)^2) + eps)) * w1p)
+//
+// w1p = 1 + weight in float32 (precomputed); round = to the model dtype (round to nearest even),
+// the identity for float32. One block of kAddThreads threads per row: thread t handles elements
+// t, t + kAddThreads, ... (a strided FMA sum of squares in float32), the warp sums by an xor-shuffle
+// tree, the kAddThreads / 32 warp sums added in warp order by every thread (deterministic). The
+// first pass only reads (h + d, rounded, squared and summed: its loads pipeline), the second
+// recomputes the rounded sum and writes h_out and x_out; the outputs must not overlap the inputs
+// (restrict pointers).
+//
+// gated_rms_norm (the GDN output norm, HF Qwen3_5RMSNormGated):
+//
+//     y   = round(float(x) * rsqrt(mean(float(x)^2) + eps))     over the last dim (head_dim)
+//     out = round(float(round(float(w) * y)) * silu(float(z)))  silu(v) = v / (1 + exp(-v))
+//
+// One warp per (row, head): lane l handles elements l, l + 32, ...; the sum of squares is a strided
+// FMA chain and an xor-shuffle tree. CPU models of both (same order of operations):
+// ignis.compiler.kernels.fused_norms.add_rms_norm_emulated / gated_rms_norm_emulated.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace ignis_norms {
+
+constexpr int kAddThreads = 512;  // threads per row of add_rms_norm
+constexpr int kGatedWarps = 8;    // (row, head) groups per block of gated_rms_norm
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Rounded to T and back (the model dtype's rounding point).
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_f(from_f<T>(v));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+struct AddParams {
+  const void* h;  // [rows, hidden], inner dim contiguous
+  int64_t h_row;
+  const void* d;
+  int64_t d_row;
+  const float* w1p;  // [hidden] float32, 1 + weight
+  void* h_out;
+  int64_t ho_row;
+  void* x_out;
+  int64_t xo_row;
+  int rows;
+  int hidden;
+  float eps;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) {
+  const int row = blockIdx.x;
+  const T* __restrict__ h = static_cast<const T*>(p.h) + row * p.h_row;
+  const T* __restrict__ d = static_cast<const T*>(p.d) + row * p.d_row;
+  T* __restrict__ ho = static_cast<T*>(p.h_out) + row * p.ho_row;
+  T* __restrict__ xo = static_cast<T*>(p.x_out) + row * p.xo_row;
+  float ss = 0.f;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < p.hidden; i += kAddThreads) {
+    const float v = round_to<T>(to_f(h[i]) + to_f(d[i]));
+    ss = fmaf(v, v, ss);
+  }
+  __shared__ float part[kAddThreads / 32];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kAddThreads / 32; ++w) total += part[w];
+  const float r = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
+#pragma unroll 4
+  for (int i = threadIdx.x; i < p.hidden; i += kAddThreads) {
+    const T s = from_f<T>(to_f(h[i]) + to_f(d[i]));
+    ho[i] = s;
+    xo[i] = from_f<T>((to_f(s) * r) * p.w1p[i]);
+  }
+}
+
+struct GatedParams {
+  const void* x;  // [rows, heads, dim], any strides
+  int64_t x_row, x_head, x_el;
+  const void* z;  // [rows, heads, dim], any strides, the model dtype
+  int64_t z_row, z_head, z_el;
+  const void* w;  // [dim] the model dtype, contiguous
+  void* out;      // [rows, heads * dim] contiguous, the model dtype
+  int rows;
+  int heads;
+  int dim;
+  float eps;
+};
+
+template <typename X, typename T>
+__global__ void __launch_bounds__(kGatedWarps * 32) gated_rms_norm_kernel(GatedParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kGatedWarps + (threadIdx.x >> 5);
+  if (g >= static_cast<int64_t>(p.rows) * p.heads) return;
+  const int64_t row = g / p.heads, head = g % p.heads;
+  const X* __restrict__ x = static_cast<const X*>(p.x) + row * p.x_row + head * p.x_head;
+  const T* __restrict__ z = static_cast<const T*>(p.z) + row * p.z_row + head * p.z_head;
+  const T* __restrict__ w = static_cast<const T*>(p.w);
+  T* __restrict__ out = static_cast<T*>(p.out) + g * p.dim;
+  float ss = 0.f;
+  for (int i = lane; i < p.dim; i += 32) {
+    const float v = to_f(x[i * p.x_el]);
+    ss = fmaf(v, v, ss);
+  }
+  ss = warp_sum(ss);
+  const float r = rsqrtf(ss / static_cast<float>(p.dim) + p.eps);
+  for (int i = lane; i < p.dim; i += 32) {
+    const float y = round_to<T>(to_f(x[i * p.x_el]) * r);
+    const float wy = round_to<T>(to_f(w[i]) * y);
+    const float zv = to_f(z[i * p.z_el]);
+    out[i] = from_f<T>(wy * (zv / (1.f + expf(-zv))));
+  }
+}
+
+}  // namespace ignis_norms

@@ -1,0 +1,246 @@
+"""Fused row norms of the hybrid decoder layers (residual add + (1 + w) RMSNorm; the GDN gated
+RMSNorm), CUDA kernels exported through tvm-ffi, for CUDA-graphed verify rounds.
+
+A graphed 27B-shaped round is graph-node bound outside its linears (docs/perf-drafts/e2e-graphs.md):
+every small torch kernel is a node of ~2 us. These two functions replace the most frequent chains:
+
+* ``add_rms_norm(h, d, w1p, h_out, x_out, eps)`` -- twice per decoder layer (after the mixer and
+  after the MLP, the latter fused with the next layer's input norm, or the final norm)::
+
+      h_out = round(h + d);  x_out = round((h_out * rsqrt(mean(h_out^2) + eps)) * w1p)
+
+  (``StaticHybridExecutor``'s ``h = h + mixed; x = _norm(h, w)``: an add, a cast, ``F.rms_norm``,
+  a multiply and a cast, 4-5 kernels; ``round`` is to the model dtype, the norm in float32 as HF's
+  ``Qwen3_5RMSNorm``; ``w1p = 1 + weight`` in float32).
+* ``gated_rms_norm(x, z, w, out, eps)`` -- once per GDN layer (HF ``Qwen3_5RMSNormGated``)::
+
+      y = round(x * rsqrt(mean(x^2) + eps));  out = round(round(w * y) * silu(z))
+
+  over the last dim of x, z [rows, heads, dim] (``gated_rms_norm`` in hybrid_executor.py: 6-7
+  kernels).
+
+Both compute in float32 and round at the points the torch path does; only the order of the sum of
+squares differs (float32 rounding). Shapes, dtypes and layouts: ``fused_norms_ffi.cuh``; the
+kernels: ``fused_norms.cuh``. :func:`add_rms_norm_reference` / :func:`gated_rms_norm_reference` are
+the torch paths (the oracle), :func:`add_rms_norm_emulated` / :func:`gated_rms_norm_emulated` CPU
+models of the kernels (same reduction order), tested against them.
+
+One module holds both functions (:data:`FUNCTION_NAMES`): one build, one file to carry and load, one
+argument-checking header; both are row norms of the same rounds. :func:`build_fused_norms` returns
+the exported ``.so`` (nvcc, SASS for one arch, no PTX). The kernels allocate nothing and launch on
+the stream tvm-ffi reports (torch's current one under ``tvm_ffi.use_torch_stream()``), so they can be
+captured in CUDA graphs. The caller is ``ignis.runtime.families.hybrid_graphs``
+(``StaticHybridExecutor(norms_module=...)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ADD_THREADS",
+    "FUNCTION_NAMES",
+    "FusedNormsError",
+    "add_rms_norm_emulated",
+    "add_rms_norm_reference",
+    "build_fused_norms",
+    "gated_rms_norm_emulated",
+    "gated_rms_norm_reference",
+]
+
+FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm")
+ADD_THREADS = 512  # kAddThreads in fused_norms.cuh
+_KERNEL_DIR = Path(__file__).resolve().parent
+_SOURCES = ("fused_norms.cuh", "fused_norms_ffi.cuh", "fused_norms.py")
+
+
+class FusedNormsError(ValueError):
+    """The fused norms cannot be built for this target."""
+
+
+# --------------------------------------------------------------------------------------------
+# Oracles (the torch paths of StaticHybridExecutor) and CPU models of the kernels.
+
+
+def add_rms_norm_reference(h: Any, d: Any, w1p: Any, eps: float) -> tuple[Any, Any]:
+    """The torch path: ``h_out = h + d`` (model dtype), ``x_out = (F.rms_norm(h_out.float()) * w1p)``
+    cast to the model dtype. h, d [rows, hidden] (one dtype), w1p [hidden] float32. Returns
+    (h_out, x_out), both [rows, hidden] in h's dtype."""
+    import torch.nn.functional as F
+
+    h_out = h + d
+    y = F.rms_norm(h_out.float(), (h_out.shape[-1],), eps=eps)
+    return h_out, (y * w1p).to(h.dtype)
+
+
+def gated_rms_norm_reference(x: Any, z: Any, w: Any, eps: float) -> Any:
+    """The torch path (``StaticHybridExecutor._gdn_output``'s norm): x [rows, heads, dim] float32 or
+    z's dtype, z [rows, heads, dim], w [dim] in z's dtype. Returns [rows, heads * dim] in z's dtype."""
+    import torch.nn.functional as F
+
+    rows, heads, dim = x.shape
+    y = F.rms_norm(x.float(), (dim,), eps=eps).to(z.dtype)
+    return ((w * y) * F.silu(z.float())).to(z.dtype).reshape(rows, heads * dim)
+
+
+def _fma(x: Any, y: Any, z: Any) -> Any:
+    """A float32 fused multiply-add (exact product and sum in float64, rounded once)."""
+
+    return (x.double() * y.double() + z.double()).float()
+
+
+def _strided_sum_sq(v: Any, threads: int) -> Any:
+    """[..., n] float32 -> [..., threads]: thread t's FMA chain over elements t, t + threads, ..."""
+    import torch
+
+    n = v.shape[-1]
+    padded = torch.zeros(*v.shape[:-1], -(-n // threads) * threads, dtype=torch.float32)
+    padded[..., :n] = v
+    acc = torch.zeros(*v.shape[:-1], threads, dtype=torch.float32)
+    for m in range(padded.shape[-1] // threads):
+        seg = padded[..., m * threads : (m + 1) * threads]
+        acc = _fma(seg, seg, acc)
+    return acc
+
+
+def _warp_tree(acc: Any) -> Any:
+    """[..., 32k] -> [..., k]: each warp's xor-shuffle tree (all lanes end equal; lane 0 returned)."""
+    import torch
+
+    w = acc.reshape(*acc.shape[:-1], -1, 32)
+    width = 16
+    while width:
+        w = w + w[..., torch.arange(32) ^ width]
+        width //= 2
+    return w[..., 0]
+
+
+def _round(v: Any, dtype: Any) -> Any:
+    return v.to(dtype).float()
+
+
+def add_rms_norm_emulated(h: Any, d: Any, w1p: Any, eps: float) -> tuple[Any, Any]:
+    """CPU model of ``add_rms_norm`` (float32 torch, the kernel's order of operations): the add
+    rounded to h's dtype; per row ADD_THREADS strided FMA chains of squares, warp xor trees, the warp
+    sums added in warp order; ``x = round((h_out * rsqrt(sum / hidden + eps)) * w1p)``. Same
+    arguments and returns as :func:`add_rms_norm_reference`."""
+    import torch
+
+    dtype = h.dtype
+    h_out = (h.float() + d.float()).to(dtype)
+    v = h_out.float()
+    warps = _warp_tree(_strided_sum_sq(v, ADD_THREADS))
+    total = torch.zeros(v.shape[0], dtype=torch.float32)
+    for w in range(warps.shape[-1]):
+        total = total + warps[:, w]
+    r = torch.rsqrt(total / v.shape[-1] + torch.tensor(eps, dtype=torch.float32))
+    return h_out, ((v * r[:, None]) * w1p.float()).to(dtype)
+
+
+def gated_rms_norm_emulated(x: Any, z: Any, w: Any, eps: float) -> Any:
+    """CPU model of ``gated_rms_norm``: per (row, head) one warp's 32 strided FMA chains and xor
+    tree; ``y = round(x * r)``, ``round(round(w * y) * z / (1 + exp(-z)))``. Same arguments and
+    return as :func:`gated_rms_norm_reference`."""
+    import torch
+
+    rows, heads, dim = x.shape
+    dtype = z.dtype
+    v = x.float()
+    total = _warp_tree(_strided_sum_sq(v, 32))[..., 0]  # [rows, heads]
+    r = torch.rsqrt(total / dim + torch.tensor(eps, dtype=torch.float32))
+    y = _round(v * r[..., None], dtype)
+    wy = _round(w.float() * y, dtype)
+    zf = z.float()
+    return (wy * (zf / (1.0 + torch.exp(-zf)))).to(dtype).reshape(rows, heads * dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Building the module.
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("IGNIS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ignis"
+    )
+    return Path(root) / "fused_norms"
+
+
+def _sources_hash() -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_KERNEL_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_fused_norms(
+    target: Any,
+    *,
+    out_path: str | os.PathLike[str] | None = None,
+    verbose: bool = False,
+) -> Path:
+    """Compile the fused norms for a CUDA arch and return the exported ``.so`` path.
+
+    Args:
+        target: ``"sm_90"``, ``"sm_120"``... or ``{"kind": "cuda", "arch": "sm_90"}``.
+        out_path: where to write it; default a cache file keyed by arch and sources
+            (``$IGNIS_CACHE_DIR/fused_norms/``), reused when present.
+        verbose: print ptxas' register and shared-memory report.
+
+    Returns:
+        The library, exporting ``add_rms_norm`` and ``gated_rms_norm`` (module docstring), SASS for
+        that arch only.
+
+    Raises:
+        FusedNormsError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
+    """
+    from .q4_linear import Q4KernelError, _cuda_arch, _gencode, _nvcc, _target_dict, _tvm_ffi_paths
+
+    try:
+        tdict = _target_dict(target)
+        if tdict.get("kind") != "cuda":
+            raise FusedNormsError(f"the fused norms are CUDA only, got target {tdict}")
+        arch = _cuda_arch(tdict)
+        nvcc = _nvcc()
+    except Q4KernelError as exc:
+        raise FusedNormsError(str(exc)) from exc
+    digest = hashlib.sha256(f"{arch}|{_sources_hash()}".encode()).hexdigest()[:16]
+    dest = Path(out_path) if out_path is not None else _cache_dir() / f"fused_norms_{arch}_{digest}.so"
+    if out_path is None and dest.exists():
+        return dest
+    include, lib = _tvm_ffi_paths()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        src = Path(tmp) / "fused_norms_module.cu"
+        src.write_text('#include "fused_norms_ffi.cuh"\n\nIGNIS_FUSED_NORMS_EXPORT()\n')
+        tmp_out = Path(tmp) / dest.name
+        cmd = [
+            nvcc,
+            "-std=c++17",
+            "-O3",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC,-fvisibility=hidden",
+            "-gencode",
+            _gencode(arch),
+            f"-I{_KERNEL_DIR}",
+            f"-I{include}",
+            f"-L{lib}",
+            "-ltvm_ffi",
+            "-o",
+            str(tmp_out),
+            str(src),
+        ]
+        if verbose:
+            cmd.insert(1, "-Xptxas=-v")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise FusedNormsError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+        if verbose:
+            print(proc.stderr)
+        os.replace(tmp_out, dest)
+    return dest

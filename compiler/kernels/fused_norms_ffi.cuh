@@ -1,0 +1,173 @@
+// Host side of the fused row norms (fused_norms.cuh): the tvm-ffi exported functions with their
+// argument checks. A module built by ignis.compiler.kernels.fused_norms includes this header and
+// IGNIS_FUSED_NORMS_EXPORT(), which exports both:
+//
+//   add_rms_norm(h [rows, hidden], d [rows, hidden], w1p [hidden] f32, h_out [rows, hidden],
+//                x_out [rows, hidden], eps: float)
+//       h, d, h_out, x_out: one dtype (f32 | bf16 | f16), any row stride, the hidden dim contiguous;
+//       h_out and x_out must not overlap each other, h or d (not checked).
+//   gated_rms_norm(x [rows, heads, dim] f32 or z's dtype (any strides), z [rows, heads, dim] (any
+//                  strides), w [dim] z's dtype, out [rows, heads * dim] z's dtype contiguous, eps)
+//       out must not overlap x, z or w (not checked).
+//
+// Launch on the stream tvm-ffi reports for the tensors' device (torch's current stream under
+// tvm_ffi.use_torch_stream(), so CUDA-graph capture works); no allocation, no attribute change.
+// Wrong shapes / devices raise ValueError, wrong dtypes TypeError.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include "fused_norms.cuh"
+
+namespace ignis_norms {
+
+using tvm::ffi::TensorView;
+
+inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
+  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
+}
+
+inline bool same_dtype(const TensorView& x, const TensorView& y) {
+  return x.dtype().code == y.dtype().code && x.dtype().bits == y.dtype().bits && x.dtype().lanes == y.dtype().lanes;
+}
+
+inline void* ptr(const TensorView& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
+
+inline void check_cuda(const char* name, std::initializer_list<const TensorView*> ts) {
+  const TensorView* first = *ts.begin();
+  for (const TensorView* t : ts) {
+    TVM_FFI_CHECK(t->device().device_type == kDLCUDA && t->device().device_id == first->device().device_id,
+                  ValueError)
+        << name << ": every tensor must be on the same CUDA device";
+  }
+}
+
+inline void check_launch(const char* name) {
+  cudaError_t err = cudaGetLastError();
+  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << name << ": kernel launch failed: " << cudaGetErrorString(err);
+}
+
+inline void add_rms_norm_launch(const char* name, TensorView h, TensorView d, TensorView w1p, TensorView h_out,
+                                TensorView x_out, double eps) {
+  TVM_FFI_CHECK(h.ndim() == 2 && d.ndim() == 2 && h_out.ndim() == 2 && x_out.ndim() == 2 && w1p.ndim() == 1,
+                ValueError)
+      << name << ": h, d, h_out, x_out must be [rows, hidden] and w1p [hidden]";
+  const int64_t rows = h.size(0), hidden = h.size(1);
+  TVM_FFI_CHECK(rows >= 1 && hidden >= 1 && rows <= 2147483647LL && hidden <= 2147483647LL, ValueError)
+      << name << ": empty or oversized rows / hidden";
+  for (const TensorView* t : {&d, &h_out, &x_out}) {
+    TVM_FFI_CHECK(t->size(0) == rows && t->size(1) == hidden, ValueError)
+        << name << ": d, h_out and x_out must be [" << rows << ", " << hidden << "]";
+    TVM_FFI_CHECK(same_dtype(*t, h), TypeError) << name << ": d, h_out and x_out must have h's dtype";
+  }
+  for (const TensorView* t : {&h, &d, &h_out, &x_out}) {
+    TVM_FFI_CHECK(t->size(1) == 1 || t->stride(1) == 1, ValueError) << name << ": the hidden dim must be contiguous";
+  }
+  TVM_FFI_CHECK(w1p.size(0) == hidden && w1p.stride(0) == 1, ValueError)
+      << name << ": w1p must be contiguous [" << hidden << "]";
+  TVM_FFI_CHECK(dtype_is(w1p, kDLFloat, 32), TypeError) << name << ": w1p must be float32";
+  check_cuda(name, {&h, &d, &w1p, &h_out, &x_out});
+  AddParams p;
+  p.h = ptr(h);
+  p.h_row = h.stride(0);
+  p.d = ptr(d);
+  p.d_row = d.stride(0);
+  p.w1p = static_cast<const float*>(ptr(w1p));
+  p.h_out = ptr(h_out);
+  p.ho_row = h_out.stride(0);
+  p.x_out = ptr(x_out);
+  p.xo_row = x_out.stride(0);
+  p.rows = static_cast<int>(rows);
+  p.hidden = static_cast<int>(hidden);
+  p.eps = static_cast<float>(eps);
+  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, h.device().device_id));
+  const dim3 grid(static_cast<unsigned>(rows)), block(kAddThreads);
+  if (dtype_is(h, kDLFloat, 32)) {
+    add_rms_norm_kernel<float><<<grid, block, 0, stream>>>(p);
+  } else if (dtype_is(h, kDLBfloat, 16)) {
+    add_rms_norm_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(p);
+  } else if (dtype_is(h, kDLFloat, 16)) {
+    add_rms_norm_kernel<__half><<<grid, block, 0, stream>>>(p);
+  } else {
+    TVM_FFI_THROW(TypeError) << name << ": h must be float32, bfloat16 or float16";
+  }
+  check_launch(name);
+}
+
+template <typename T>
+void gated_launch(const GatedParams& p, bool x_f32, dim3 grid, dim3 block, cudaStream_t stream) {
+  if (x_f32) {
+    gated_rms_norm_kernel<float, T><<<grid, block, 0, stream>>>(p);
+  } else {
+    gated_rms_norm_kernel<T, T><<<grid, block, 0, stream>>>(p);
+  }
+}
+
+inline void gated_rms_norm_launch(const char* name, TensorView x, TensorView z, TensorView w, TensorView out,
+                                  double eps) {
+  TVM_FFI_CHECK(x.ndim() == 3 && z.ndim() == 3 && w.ndim() == 1 && out.ndim() == 2, ValueError)
+      << name << ": x and z must be [rows, heads, dim], w [dim], out [rows, heads * dim]";
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
+  TVM_FFI_CHECK(rows >= 1 && heads >= 1 && dim >= 1 && rows <= 2147483647LL && heads <= 2147483647LL && dim <= 2147483647LL,
+                ValueError)
+      << name << ": empty or oversized x";
+  TVM_FFI_CHECK(z.size(0) == rows && z.size(1) == heads && z.size(2) == dim, ValueError)
+      << name << ": z must be [" << rows << ", " << heads << ", " << dim << "]";
+  TVM_FFI_CHECK(w.size(0) == dim && w.stride(0) == 1, ValueError) << name << ": w must be contiguous [" << dim << "]";
+  TVM_FFI_CHECK(out.size(0) == rows && out.size(1) == heads * dim && (out.size(1) == 1 || out.stride(1) == 1) &&
+                    (rows == 1 || out.stride(0) == heads * dim),
+                ValueError)
+      << name << ": out must be contiguous [" << rows << ", " << heads * dim << "]";
+  TVM_FFI_CHECK(same_dtype(w, z) && same_dtype(out, z), TypeError) << name << ": w and out must have z's dtype";
+  const bool x_f32 = dtype_is(x, kDLFloat, 32);
+  TVM_FFI_CHECK(x_f32 || same_dtype(x, z), TypeError) << name << ": x must be float32 or z's dtype";
+  check_cuda(name, {&x, &z, &w, &out});
+  GatedParams p;
+  p.x = ptr(x);
+  p.x_row = x.stride(0);
+  p.x_head = x.stride(1);
+  p.x_el = x.stride(2);
+  p.z = ptr(z);
+  p.z_row = z.stride(0);
+  p.z_head = z.stride(1);
+  p.z_el = z.stride(2);
+  p.w = ptr(w);
+  p.out = ptr(out);
+  p.rows = static_cast<int>(rows);
+  p.heads = static_cast<int>(heads);
+  p.dim = static_cast<int>(dim);
+  p.eps = static_cast<float>(eps);
+  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, x.device().device_id));
+  const int64_t blocks = (rows * heads + kGatedWarps - 1) / kGatedWarps;
+  TVM_FFI_CHECK(blocks <= 2147483647LL, ValueError) << name << ": too many blocks (" << blocks << ")";
+  const dim3 grid(static_cast<unsigned>(blocks)), block(kGatedWarps * 32);
+  if (dtype_is(z, kDLFloat, 32)) {
+    gated_rms_norm_kernel<float, float><<<grid, block, 0, stream>>>(p);
+  } else if (dtype_is(z, kDLBfloat, 16)) {
+    gated_launch<__nv_bfloat16>(p, x_f32, grid, block, stream);
+  } else if (dtype_is(z, kDLFloat, 16)) {
+    gated_launch<__half>(p, x_f32, grid, block, stream);
+  } else {
+    TVM_FFI_THROW(TypeError) << name << ": z must be float32, bfloat16 or float16";
+  }
+  check_launch(name);
+}
+
+}  // namespace ignis_norms
+
+// Export add_rms_norm(h, d, w1p, h_out, x_out, eps) and gated_rms_norm(x, z, w, out, eps).
+#define IGNIS_FUSED_NORMS_EXPORT()                                                                           \
+  static void ignis_add_rms_norm(tvm::ffi::TensorView h, tvm::ffi::TensorView d, tvm::ffi::TensorView w1p,  \
+                                 tvm::ffi::TensorView h_out, tvm::ffi::TensorView x_out, double eps) {      \
+    ::ignis_norms::add_rms_norm_launch("add_rms_norm", h, d, w1p, h_out, x_out, eps);                        \
+  }                                                                                                          \
+  static void ignis_gated_rms_norm(tvm::ffi::TensorView x, tvm::ffi::TensorView z, tvm::ffi::TensorView w,  \
+                                   tvm::ffi::TensorView out, double eps) {                                  \
+    ::ignis_norms::gated_rms_norm_launch("gated_rms_norm", x, z, w, out, eps);                               \
+  }                                                                                                          \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_rms_norm, ignis_add_rms_norm)                                            \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(gated_rms_norm, ignis_gated_rms_norm)

@@ -1,0 +1,158 @@
+"""The fused row norms (residual add + (1 + w) RMSNorm; the GDN gated RMSNorm): their CPU models
+against the torch paths of `StaticHybridExecutor`, and cross-compiled binaries (nvcc). The GPU
+comparison is tests/runtime/test_hybrid_graphs.py (marker `gpu`)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ignis.compiler.kernels.fused_norms import (
+    FUNCTION_NAMES,
+    FusedNormsError,
+    add_rms_norm_emulated,
+    add_rms_norm_reference,
+    build_fused_norms,
+    gated_rms_norm_emulated,
+    gated_rms_norm_reference,
+)
+from ignis.runtime.families.hybrid_executor import gated_rms_norm, rms_norm_one_plus
+
+HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of the last place of b's dtype at b's magnitude."""
+    eps = torch.finfo(b.dtype).eps
+    return (a.float() - b.float()).abs() / (b.float().abs().clamp_min(1e-30) * eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 1), (1, 5120), (3, 300), (8, 257), (64, 64)])
+def test_add_rms_norm_model_matches_torch(dtype: torch.dtype, rows: int, hidden: int) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + hidden)
+    h = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    d = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype) * 0.1
+    w1p = 1.0 + w.float()
+    eps = 1e-6
+    h_ref, x_ref = add_rms_norm_reference(h, d, w1p, eps)
+    h_em, x_em = add_rms_norm_emulated(h, d, w1p, eps)
+    assert h_em.dtype == x_em.dtype == dtype
+    assert torch.equal(h_em, h_ref)  # the add rounds once, as torch's
+    # the reference is HybridExecutor's norm (the oracle the executor is tested against)
+    torch.testing.assert_close(
+        x_ref, rms_norm_one_plus(h_ref, w, eps), atol=0, rtol=0 if dtype == torch.float32 else 1e-2
+    )
+    if dtype == torch.float32:
+        torch.testing.assert_close(x_em, x_ref, atol=1e-6, rtol=2e-6)
+    else:  # only the sum of squares' order differs: at most one rounding step apart
+        close = _ulps(x_em, x_ref) <= 1.0
+        assert close.all(), (x_em[~close], x_ref[~close])
+        assert (x_em == x_ref).float().mean() > 0.97
+
+
+def test_add_rms_norm_model_is_not_the_plain_norm() -> None:
+    """The (1 + w) weight and the residual both matter: a model dropping either fails."""
+    h, d = torch.randn(2, 64), torch.randn(2, 64)
+    w1p = 1.0 + torch.randn(64)
+    _, x = add_rms_norm_emulated(h, d, w1p, 1e-6)
+    _, x_no_res = add_rms_norm_emulated(h, torch.zeros_like(d), w1p, 1e-6)
+    _, x_no_w = add_rms_norm_emulated(h, d, torch.ones(64), 1e-6)
+    assert not torch.allclose(x, x_no_res) and not torch.allclose(x, x_no_w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_f32", [False, True])
+@pytest.mark.parametrize(("rows", "heads", "dim"), [(1, 1, 1), (1, 48, 128), (5, 3, 40), (16, 4, 200)])
+def test_gated_rms_norm_model_matches_torch(
+    dtype: torch.dtype, x_f32: bool, rows: int, heads: int, dim: int
+) -> None:
+    g = torch.Generator().manual_seed(rows * 100 + heads * 10 + dim)
+    x = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    if x_f32:  # float32 holding model-dtype values (the torch recurrence's output)
+        x = x.float()
+    zbig = torch.randn(rows, heads, 2 * dim, generator=g).to(dtype) * 4
+    z = zbig[..., ::2]  # strided, as qwen3_next's grouped projection
+    w = (1.0 + 0.2 * torch.randn(dim, generator=g)).to(dtype)
+    eps = 1e-6
+    ref = gated_rms_norm_reference(x, z, w, eps)
+    em = gated_rms_norm_emulated(x, z, w, eps)
+    assert em.shape == ref.shape == (rows, heads * dim) and em.dtype == ref.dtype == dtype
+    torch.testing.assert_close(
+        ref.view(rows, heads, dim),
+        gated_rms_norm(x.to(dtype), z, w, eps),
+        atol=1e-6,
+        rtol=1e-5 if dtype == torch.float32 else 1e-2,
+    )
+    if dtype == torch.float32:
+        torch.testing.assert_close(em, ref, atol=1e-6, rtol=1e-5)
+    else:  # the rounded y may land one step apart; then the two later roundings follow
+        close = _ulps(em, ref) <= 3.0
+        assert close.all(), (em[~close], ref[~close])
+        assert (em == ref).float().mean() > 0.95
+
+
+def test_gated_rms_norm_model_uses_the_gate() -> None:
+    x, z, w = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.randn(16)
+    a = gated_rms_norm_emulated(x, z, w, 1e-6)
+    b = gated_rms_norm_emulated(x, -z, w, 1e-6)
+    assert not torch.allclose(a, b)
+
+
+def test_build_rejects_non_cuda_targets() -> None:
+    with pytest.raises(FusedNormsError):
+        build_fused_norms("llvm")
+    with pytest.raises(FusedNormsError):
+        build_fused_norms({"kind": "cuda", "arch": "gfx90a"})
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_build_emits_sass_and_both_exports(arch: str, tmp_path: Path) -> None:
+    path = build_fused_norms(arch, out_path=tmp_path / f"norms_{arch}.so")
+    assert path.exists() and path.stat().st_size > 0
+    data = path.read_bytes()
+    for name in FUNCTION_NAMES:
+        assert f"__tvm_ffi_{name}".encode() in data
+    assert re.search(rb"add_rms_norm_kernel", data) and re.search(rb"gated_rms_norm_kernel", data)
+    cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    if Path(cuobjdump).exists():
+        import subprocess
+
+        out = subprocess.run([cuobjdump, "--list-elf", str(path)], capture_output=True, text=True).stdout
+        assert arch in out
+        ptx = subprocess.run([cuobjdump, "--list-ptx", str(path)], capture_output=True, text=True).stdout
+        assert ".ptx" not in ptx  # SASS only
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_module_loads_and_checks_arguments(tmp_path: Path) -> None:
+    """The exports load here (no GPU: tvm-ffi still checks what it can before launching)."""
+    pytest.importorskip("tvm_ffi")
+    path = build_fused_norms("sm_90", out_path=tmp_path / "norms.so")
+    from ignis.runtime.tvm_runtime import load_module
+
+    try:
+        mod = load_module(path, cuda=False)
+    except Exception as exc:
+        pytest.skip(f"cannot load a CUDA module here: {exc}")
+    h = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="CUDA device"):
+        mod["add_rms_norm"](h, h, torch.ones(8), torch.empty_like(h), torch.empty_like(h), 1e-6)
+    with pytest.raises(ValueError, match="w1p"):
+        mod["add_rms_norm"](h, h, torch.ones(7), torch.empty_like(h), torch.empty_like(h), 1e-6)
+    with pytest.raises(TypeError, match="float32"):
+        mod["add_rms_norm"](
+            h, h, torch.ones(8, dtype=torch.float16), torch.empty_like(h), torch.empty_like(h), 1e-6
+        )
+    x = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="out must be"):
+        mod["gated_rms_norm"](x, x, torch.ones(4), torch.empty(2, 11), 1e-6)
+    with pytest.raises(TypeError, match="z's dtype"):
+        mod["gated_rms_norm"](x, x, torch.ones(4, dtype=torch.bfloat16), torch.empty(2, 12), 1e-6)
