@@ -1,13 +1,17 @@
 """Acceptance on the real pair: speculation off vs draft-model vs ngram, greedy and sampled.
 
-    python -m ignis.tools.bench_acceptance [--num-code 4] [--num-prose 4] [--max-new-tokens 64]
-        [--dtype float32] [--dm-draft-tokens 3] [--ngram-draft-tokens 5] [--batch kind|single]
+    python -m ignis.tools.bench_acceptance [--source artifacts|gguf] [--num-code 4] [--num-prose 4]
+        [--max-new-tokens 64] [--dm-draft-tokens 3] [--ngram-draft-tokens 5] [--batch kind|single]
         [--modes greedy,sampled] [--drafters off,draft-model,ngram] [--json PATH]
 
-Target Qwen2.5-Coder-1.5B-Instruct, draft model Qwen2.5-Coder-0.5B-Instruct (`ignis.tools.real_pair`
-fetches, assembles and checks both GGUFs; the importer dequantizes them). Prompts: the first
-`--num-code` code and `--num-prose` prose chat prompts of `/work/shared/bench/prompts.jsonl`, rendered
-with the target's chat template (generation prompt added).
+Target Qwen2.5-Coder-1.5B-Instruct, draft model Qwen2.5-Coder-0.5B-Instruct. `--source artifacts`
+(default) loads the `ignis-build --card cpu` artifacts that `python -m ignis.tools.real_pair build`
+makes, the way `ignis-run --artifact TARGET --spec-backend draft-model --spec-draft-model DRAFT`
+loads them on a CPU: float32 executors, the target's linears through its compiled modules, the draft
+model through `build_draft_model_drafter(artifact=...)` (its tokenizer checked against the target's).
+`--source gguf` loads both GGUFs through the importer instead (`ignis.tools.real_pair.load_pair`,
+`--dtype`). Prompts: the first `--num-code` code and `--num-prose` prose chat prompts of
+`/work/shared/bench/prompts.jsonl`, rendered with the target's chat template (generation prompt added).
 
 For every mode (greedy; sampled at Qwen2.5-Coder's generation_config values temperature 0.7, top-p
 0.8, top-k 20, a fixed seed per prompt) and every drafter (`off`, `draft-model`, `ngram`), the prompts
@@ -17,6 +21,8 @@ engine; `--batch single`: one prompt at a time, the latency case) and the tool r
 - tokens per round: (output tokens - 1) / verify rounds, per lane and pooled (the first token comes
   from the prefill; rounds with zero drafts count, so this is tokens per target forward);
 - per-position acceptance: the engine's `position_accepted_total / position_drafted_total`;
+- draft columns per round: columns the draft model ran after the prompts / verify rounds (the cost
+  of its schedule: k or k + 1 with kept drafts, more with `draft-model-rerun`);
 - time per token: (run time - the first step, which holds the prefill) / (tokens emitted after the
   first step), in ms, as wall time and as this process's CPU time (all threads: on a shared machine
   the CPU time leaves out the waiting for a core, so it compares runs made under different loads);
@@ -78,7 +84,8 @@ def load_prompts(path: Path, tokenizer: Any, *, num_code: int, num_prose: int) -
 
 
 class TimedDrafter:
-    """Wraps a drafter and adds up the wall time of its `propose` and `commit` calls (seconds)."""
+    """Wraps a drafter and adds up the wall time of its `propose` and `commit` calls (seconds), and,
+    for the draft-model drafter, the columns its model ran (`num_columns_run`, read as lanes end)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -87,11 +94,15 @@ class TimedDrafter:
         self.needs_hidden_states = inner.needs_hidden_states
         self.tap_layers = inner.tap_layers
         self.seconds = 0.0
+        self.columns = 0
 
     def start_lane(self, lane_id: int, prompt_token_ids: Sequence[int]) -> None:
         self.inner.start_lane(lane_id, prompt_token_ids)
 
     def end_lane(self, lane_id: int) -> None:
+        count = getattr(self.inner, "num_columns_run", None)
+        if count is not None:
+            self.columns += int(count(lane_id))
         self.inner.end_lane(lane_id)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
@@ -126,6 +137,8 @@ class RunRecord:
             machine's waiting is not in it, so it compares runs made under different loads).
         first_step_tokens: tokens emitted by the first step.
         draft_s: time inside the drafter.
+        draft_columns: columns the draft model ran after the prompts (each lane's prompt, fed by its
+            first proposal, is left out; 0 for other drafters).
         loadavg: the machine's 1-minute load average when the run ended (2 cores: above 2 means waiting).
         position_drafted / position_accepted: the engine's per-position counters.
     """
@@ -143,6 +156,7 @@ class RunRecord:
     first_step_cpu_s: float
     first_step_tokens: int
     draft_s: float
+    draft_columns: int = 0
     position_drafted: dict[int, int] = field(default_factory=dict)
     position_accepted: dict[int, int] = field(default_factory=dict)
     loadavg: float = 0.0
@@ -196,10 +210,107 @@ def run_group(
         first_step_cpu_s=first_cpu_s,
         first_step_tokens=first_tokens,
         draft_s=drafter.seconds if drafter is not None else 0.0,
+        draft_columns=(
+            drafter.columns - sum(len(p.token_ids) for p in prompts) if drafter and drafter.columns else 0
+        ),
         position_drafted=dict(m.position_drafted_total),
         position_accepted=dict(m.position_accepted_total),
         loadavg=os.getloadavg()[0],
     )
+
+
+@dataclass
+class LoadedPair:
+    """The target and draft model as one run of the benchmark uses them.
+
+    Attributes:
+        source: "artifacts" or "gguf".
+        target: the target's executor.
+        target_config: its family config.
+        target_tokenizer: its `TokenizerSpec`.
+        draft: the draft model's executor (shared by every draft-model run; each run makes its own
+            `DraftModelDrafter`, so lanes never mix).
+        linear_routes: for artifacts with compiled modules, the target's `LinearBackend.counts`
+            (calls per route), else None.
+        info: what was loaded (paths, dtypes, modules), for the JSON.
+    """
+
+    source: str
+    target: Any
+    target_config: Any
+    target_tokenizer: Any
+    draft: Any
+    linear_routes: dict[str, int] | None
+    info: dict[str, Any]
+    owners: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Unmap the artifacts (no-op for GGUF loads)."""
+        for o in self.owners:
+            o.close()
+
+
+def load_from_artifacts(
+    target_dir: Path, draft_dir: Path, *, compiled: bool = True, verify: str = "fast"
+) -> LoadedPair:
+    """Load both models as `ignis-run --artifact TARGET --spec-backend draft-model --spec-draft-model
+    DRAFT` does on the CPU (`ignis.runtime.server.artifact_source`): float32 executors, the target's
+    linears through the artifact's compiled modules (`compiled`; else torch), the draft through
+    `build_draft_model_drafter(artifact=...)` (tokenizer check against the target's, torch linears).
+
+    Raises:
+        the artifact loader's errors (a missing or corrupt artifact); TokenizerMismatchError.
+    """
+    from ignis.runtime.artifact import load_artifact
+    from ignis.runtime.drafters.draft_model import build_draft_model_drafter
+
+    art = load_artifact(target_dir, verify=verify)  # type: ignore[arg-type]
+    try:
+        spec = art.tokenizer_spec()
+        if spec is None:
+            raise click.ClickException(f"{target_dir}: the artifact stores no tokenizer")
+        linear = art.linear_backend() if compiled and art.manifest.modules else None
+        target = art.make_executor(device="cpu", dtype=torch.float32, linear=linear)
+        dm = build_draft_model_drafter(
+            target_tokenizer=spec,
+            artifact=draft_dir,
+            target_config=art.config,
+            device="cpu",
+            dtype=torch.float32,
+            verify=verify,
+        )
+    except BaseException:
+        art.close()
+        raise
+    info = {
+        "target_artifact": str(target_dir),
+        "draft_artifact": str(draft_dir),
+        "target_linear_dtype": art.manifest.linear_dtype,
+        "draft_linear_dtype": dm.owner.manifest.linear_dtype,
+        "target_widths": list(art.manifest.widths),
+        "target_linears": "compiled modules" if linear is not None else "torch",
+        "draft_linears": "torch",
+        "draft_keeps_drafts": dm.keeps_drafts,
+    }
+    return LoadedPair(
+        "artifacts",
+        target,
+        art.config,
+        spec,
+        dm.executor,
+        linear.counts if linear is not None else None,  # type: ignore[union-attr]
+        info,
+        [art, dm],
+    )
+
+
+def load_from_gguf(cache_dir: Path | None, dtype: torch.dtype, echo: Callable[[str], None]) -> LoadedPair:
+    """Both GGUFs through the importer (`ignis.tools.real_pair.load_pair`), torch linears."""
+    from ignis.tools.real_pair import load_pair
+
+    target, draft = load_pair(cache_dir, dtype=dtype, echo=echo)
+    info = {"dtype": str(dtype).removeprefix("torch."), "target_linears": "torch", "draft_linears": "torch"}
+    return LoadedPair("gguf", target.executor, target.config, target.tokenizer, draft.executor, None, info)
 
 
 def top2_margin(target: Any, token_ids: Sequence[int]) -> float:
@@ -281,6 +392,7 @@ def summarize(records: Sequence[RunRecord]) -> dict[str, Any]:
         "cpu_ms_per_token": 1000 * decode_cpu_s / decode_tokens if decode_tokens else 0.0,
         "wall_s": sum(r.wall_s for r in records),
         "draft_share": sum(r.draft_s for r in records) / max(sum(r.wall_s for r in records), 1e-9),
+        "draft_columns_per_round": sum(r.draft_columns for r in records) / rounds if rounds else 0.0,
     }
 
 
@@ -324,7 +436,34 @@ def summarize(records: Sequence[RunRecord]) -> dict[str, Any]:
     help="kind: the prompts of one kind run together as lanes; single: one prompt at a time.",
 )
 @click.option("--modes", default="greedy,sampled", show_default=True)
-@click.option("--drafters", default="off,draft-model,ngram", show_default=True)
+@click.option(
+    "--drafters",
+    default="off,draft-model,ngram",
+    show_default=True,
+    help="Any of off, draft-model, draft-model-rerun (the re-run schedule, for comparison), ngram.",
+)
+@click.option(
+    "--source",
+    type=click.Choice(["artifacts", "gguf"]),
+    default="artifacts",
+    show_default=True,
+    help="artifacts: the built .ninfer artifacts, loaded as ignis-run loads them (float32, compiled "
+    "modules for the target); gguf: both GGUFs through the importer (--dtype).",
+)
+@click.option(
+    "--target-artifact",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Default: the real pair's cache (python -m ignis.tools.real_pair build).",
+)
+@click.option("--draft-artifact", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option(
+    "--target-linears",
+    type=click.Choice(["compiled", "torch"]),
+    default="compiled",
+    show_default=True,
+    help="artifacts: the target's linears through its compiled modules (as served) or torch.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampled lanes use seed + prompt index.")
 @click.option("--near-tie", type=float, default=NEAR_TIE, show_default=True, help="Logit margin (units).")
 @click.option("--threads", type=click.IntRange(1, 256), default=None, help="torch CPU threads.")
@@ -348,6 +487,10 @@ def main(
     batch: str,
     modes: str,
     drafters: str,
+    source: str,
+    target_artifact: Path | None,
+    draft_artifact: Path | None,
+    target_linears: str,
     seed: int,
     near_tie: float,
     threads: int | None,
@@ -357,7 +500,7 @@ def main(
 ) -> None:
     """Acceptance of draft-model and ngram speculation on Qwen2.5-Coder 1.5B (0.5B drafting)."""
     from ignis.runtime.tokenizer import Tokenizer
-    from ignis.tools.real_pair import load_pair
+    from ignis.tools.real_pair import DRAFT, TARGET, artifact_dir
 
     if threads:
         torch.set_num_threads(threads)
@@ -369,24 +512,37 @@ def main(
         if m not in ("greedy", "sampled"):
             raise click.BadParameter(f"unknown mode {m!r}", param_hint="--modes")
     for d in drafter_list:
-        if d not in ("off", "draft-model", "ngram"):
+        if d not in ("off", "draft-model", "draft-model-rerun", "ngram"):
             raise click.BadParameter(f"unknown drafter {d!r}", param_hint="--drafters")
 
     def echo(s: str) -> None:
         click.echo(s, err=True)
 
     t0 = time.perf_counter()
-    target, draft = load_pair(cache_dir, dtype=getattr(torch, dtype), echo=echo)
+    if source == "artifacts":
+        tdir = target_artifact or artifact_dir(TARGET, cache_dir)
+        ddir = draft_artifact or artifact_dir(DRAFT, cache_dir)
+        for d in (tdir, ddir):
+            if not (d / "manifest.json").is_file():
+                raise click.ClickException(
+                    f"{d}: no artifact; build both with `python -m ignis.tools.real_pair build`"
+                )
+        pair = load_from_artifacts(tdir, ddir, compiled=target_linears == "compiled")
+    else:
+        pair = load_from_gguf(cache_dir, getattr(torch, dtype), echo)
     load_s = time.perf_counter() - t0
-    tokenizer = Tokenizer(target.tokenizer)
+    echo(f"loaded from {pair.source} in {load_s:.0f} s: {pair.info}")
+    target_ex, draft_ex, vocab = pair.target, pair.draft, pair.target_config.vocab_size
+    tokenizer = Tokenizer(pair.target_tokenizer)
     prompts = load_prompts(prompts_path, tokenizer, num_code=num_code, num_prose=num_prose)
     eos = tokenizer.eos_token_ids
     echo(f"{len(prompts)} prompts ({[p.id for p in prompts]}), eos {eos}, load {load_s:.0f} s")
 
     makers: dict[str, tuple[Callable[[], Any] | None, int]] = {
         "off": (None, 0),
-        "draft-model": (
-            lambda: DraftModelDrafter(draft.executor, vocab_size=target.config.vocab_size),
+        "draft-model": (lambda: DraftModelDrafter(draft_ex, vocab_size=vocab), dm_draft_tokens),
+        "draft-model-rerun": (
+            lambda: DraftModelDrafter(draft_ex, vocab_size=vocab, keep_drafts=False),
             dm_draft_tokens,
         ),
         "ngram": (
@@ -402,7 +558,7 @@ def main(
     index = {p.id: i for i, p in enumerate(prompts)}
 
     # warm-up (untimed): one forward of each model, so first-touch costs land nowhere
-    for ex in (target.executor, draft.executor):
+    for ex in (target_ex, draft_ex):
         lane = ex.new_lane()
         ex.forward([lane], [torch.tensor(prompts[0].token_ids)], logits="last", record=False)
         ex.commit([lane], [0])
@@ -410,8 +566,8 @@ def main(
     if costs_only:
         widths = (1, 2, 3, 4, 6, 8)
         costs = {
-            "target": forward_costs(target.executor, prompts[0].token_ids, widths),
-            "draft": forward_costs(draft.executor, prompts[0].token_ids, widths),
+            "target": forward_costs(target_ex, prompts[0].token_ids, widths),
+            "draft": forward_costs(draft_ex, prompts[0].token_ids, widths),
         }
         click.echo("| model | " + " | ".join(f"{n} col" for n in widths) + " |")
         click.echo("|---|" + "---|" * len(widths))
@@ -448,7 +604,7 @@ def main(
             for name in drafter_list:
                 make, k = makers[name]
                 rec = run_group(
-                    target.executor,
+                    target_ex,
                     make,
                     ps,
                     params,
@@ -461,8 +617,9 @@ def main(
                 records.append(rec)
                 s = summarize([rec])
                 echo(
-                    f"{mode:7s} {group:8s} {name:11s} k={k} tokens/round {s['tokens_per_round']:.2f} "
+                    f"{mode:7s} {group:8s} {name:17s} k={k} tokens/round {s['tokens_per_round']:.2f} "
                     f"{s['ms_per_token']:.0f} ms/token ({s['cpu_ms_per_token']:.0f} CPU) "
+                    f"draft cols/round {s['draft_columns_per_round']:.2f} "
                     f"wall {rec.wall_s:.0f} s load {rec.loadavg:.1f}"
                 )
 
@@ -484,9 +641,7 @@ def main(
                 if r.mode == "greedy" and r.drafter == name
                 for pid, out in zip(r.prompt_ids, r.outputs, strict=True)
             }
-            exactness[name] = [
-                compare_greedy(target.executor, p, got[p.id], ref[p.id], near_tie) for p in prompts
-            ]
+            exactness[name] = [compare_greedy(target_ex, p, got[p.id], ref[p.id], near_tie) for p in prompts]
 
     def kind_of(rec: RunRecord) -> str:  # every group holds prompts of one kind
         return prompts[index[rec.prompt_ids[0]]].kind
@@ -503,8 +658,8 @@ def main(
     # the table
     lines = [
         "| mode | drafter | k | kind | tokens/round | per-position acceptance | wall ms/token | vs off "
-        "| CPU ms/token | vs off | drafter share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU ms/token | vs off | drafter share | draft columns/round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in mode_list:
         for name in drafter_list:
@@ -520,7 +675,8 @@ def main(
                 lines.append(
                     f"| {mode} | {name} | {k} | {kind} | {s['tokens_per_round']:.2f} | {acc} | "
                     f"{s['ms_per_token']:.0f} | {speed:.2f}x | {s['cpu_ms_per_token']:.0f} | "
-                    f"{cpu_speed:.2f}x | {100 * s['draft_share']:.0f}% |"
+                    f"{cpu_speed:.2f}x | {100 * s['draft_share']:.0f}% | "
+                    f"{s['draft_columns_per_round']:.2f} |"
                 )
     click.echo("\n".join(lines))
     for name, rows in exactness.items():
@@ -541,6 +697,9 @@ def main(
                 "threads": torch.get_num_threads(),
                 "loadavg": os.getloadavg(),
             },
+            "source": pair.source,
+            "loaded": pair.info,
+            "target_linear_routes": dict(pair.linear_routes) if pair.linear_routes is not None else None,
             "settings": {
                 "prompts": str(prompts_path),
                 "num_code": num_code,
@@ -565,6 +724,7 @@ def main(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(out, indent=1), encoding="utf-8")
         echo(f"wrote {json_path}")
+    pair.close()
 
 
 if __name__ == "__main__":

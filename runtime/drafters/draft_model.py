@@ -7,26 +7,40 @@ end-of-sequence ids; otherwise `TokenizerMismatchError` names the first differin
 
 The drafter keeps its own state per lane (its KV cache / recurrent state, in its own executor) and
 advances it by committed tokens only, through the executor's forward/commit protocol
-(`ignis.runtime.families.base.Executor`); nothing else about the executor is assumed, so any family
-works, hybrids included. Per lane it tracks the lane's *confirmed* tokens (prompt + output, the
-anchor last) and how many of them its state holds (`num_fed`, a prefix). A round:
+(`ignis.runtime.families.base.Executor`), so any family works, hybrids included. Per lane it tracks
+the lane's *confirmed* tokens (prompt + output, the anchor last) and how many of them its state holds
+(`num_fed`, a prefix). A round runs one of two schedules.
+
+Kept drafts (the executor can rewind: `rewind(states, num_tokens)`, see `rewinder_for`):
 
 1. `propose`, step 1: one forward of the confirmed tokens not yet fed, the anchor last (the prompt on
-   the lane's first proposal), committed whole; its last logits give d_1.
-2. Steps j = 2..k: one forward of [d_1 .. d_{j-1}] (`record=True`), whose last logits give d_j.
-   Steps 2..k-1 are discarded (`commit(0)`); the last one (columns d_1 .. d_{k-1}) is left *pending*.
-3. `commit(span)`: the engine reports the committed run; the pending forward is committed for its
-   longest prefix equal to the confirmed tokens (the accepted drafts, min(accepted, k - 1) columns),
-   so the accepted drafts are never run again. Confirmed tokens not yet fed (the last accepted draft,
-   the bonus token) are fed by the next proposal's step 1, in the same forward as the new anchor.
+   the lane's first proposal; else the anchor, plus the last draft when the target accepted all k),
+   committed whole; its last logits give d_1.
+2. Steps j = 2..k: one forward of the single column [d_{j-1}], committed at once (speculatively);
+   its logits give d_j. After step k the state holds d_1 .. d_{k-1} past the confirmed tokens.
+3. `commit(span)`: the state is rewound to the confirmed tokens it holds: the longest prefix of
+   d_1 .. d_{k-1} equal to the committed tokens (the accepted drafts, min(accepted, k - 1)) stays, the
+   rest is dropped. No forward runs at commit.
 
-So a round costs the drafter exactly k forwards and none at commit. Their columns grow (1 + 1 + 2 +
-.. + (k - 1) in all, plus the one or two confirmed tokens step 1 catches up on) because the executor
-protocol allows one uncommitted forward per lane and no rollback of committed tokens: a draft can
-only be kept once it is confirmed, so step j re-runs d_1..d_{j-1} (a memory-bound forward costs about
-the same for 1 or k columns on a GPU's decode route). A rejected draft leaves no trace, and the state
-after a round equals the state from feeding the confirmed tokens alone (tests check it bit for bit on
-a recurrent toy model and to float tolerance on llama / qwen2).
+   So a round costs k forwards of one column each, plus at most one catch-up column in step 1 (d_k,
+   when every draft was accepted): k or k + 1 columns.
+
+Re-run drafts (no rewind; the hybrid families, wrappers): the protocol allows one uncommitted
+forward per lane and no rollback of committed tokens, so a draft can only be kept once confirmed:
+
+1. step 1 as above;
+2. steps j = 2..k: one forward of [d_1 .. d_{j-1}] (`record=True`), whose last logits give d_j.
+   Steps 2..k-1 are discarded (`commit(0)`); the last one (columns d_1 .. d_{k-1}) is left *pending*;
+3. `commit(span)`: the pending forward is committed for its longest prefix equal to the confirmed
+   tokens (the accepted drafts, min(accepted, k - 1) columns).
+
+   So a round costs k forwards of 1 + 1 + 2 + .. + (k - 1) columns (plus the one or two confirmed
+   tokens of step 1): step j re-runs d_1 .. d_{j-2}.
+
+Both schedules give the same drafts (the draft logits of a position do not depend on how the columns
+were batched, up to float rounding: bit for bit on the float64 toy model of the tests). A rejected
+draft leaves no trace: the state after a round equals the state from feeding the confirmed tokens
+alone (tests check it bit for bit on a recurrent toy model and to float tolerance on llama / qwen2).
 
 Drafting rule: under greedy decoding (temperature 0) d_j is the argmax of the draft logits and q is a
 point mass (`draft_probs` None). Under sampling d_j is drawn from q = the draft logits through the
@@ -42,8 +56,8 @@ holds an id past the draft model's vocabulary (a wider target vocabulary's paddi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +73,26 @@ from ignis.runtime.tokenizer import Tokenizer, TokenizerSpec
 
 __all__ = [
     "DraftModelDrafter",
+    "Rewind",
     "TokenizerMismatchError",
     "build_draft_model_drafter",
     "check_tokenizers_match",
+    "rewinder_for",
 ]
+
+#: ``rewind(states, num_tokens)``: drop the committed tokens of lane i past its first num_tokens[i]
+#: (0 <= num_tokens[i] <= state.num_tokens, no pending forward); afterwards the state equals the state
+#: reached by feeding those first tokens alone. Raises StateError otherwise, changing nothing.
+Rewind = Callable[[Sequence[LaneState], Sequence[int]], None]
+
+
+def rewinder_for(executor: Any) -> Rewind | None:
+    """The executor's rewind (`Rewind`): its own `rewind` method (`LlamaExecutor.rewind` for llama and
+    qwen2), else None (the drafter then re-runs drafts: module docstring)."""
+    own = getattr(executor, "rewind", None)
+    if callable(own):
+        return own  # type: ignore[no-any-return]
+    return None
 
 
 class TokenizerMismatchError(DrafterFitError):
@@ -143,6 +173,7 @@ class _Lane:
     state: LaneState
     confirmed: list[int]  # the lane's tokens (prompt + output), the anchor last once known
     pending: list[int] | None = None  # columns of the uncommitted forward, after `confirmed[:num_fed]`
+    speculative: list[int] = field(default_factory=list)  # drafts committed past the confirmed ones
     num_proposals: int = 0
     num_fed_columns: int = 0  # columns run through the draft model for this lane (cost counter)
     is_disabled: bool = False  # a token the draft model cannot embed was committed: no more drafts
@@ -161,10 +192,17 @@ class DraftModelDrafter(BaseDrafter):
             drafts per lane, like MTP) instead of draft_tokens per lane.
         owner: an object kept alive as long as the drafter (e.g. the memory-mapped artifact whose
             zero-copy views the executor's weights are); closed by `close()` if it has `close`.
+        keep_drafts: the round schedule (module docstring): True keeps drafts and rewinds (the
+            executor must be rewindable, `rewinder_for`), False re-runs them, None (default) keeps
+            them wherever the executor can rewind.
+
+    Attributes:
+        keeps_drafts: whether the kept-drafts schedule runs.
 
     Raises:
         TokenizerMismatchError: the tokenizers differ (the first differing id is named).
-        ConfigError: no vocab_size given and the draft config has none.
+        ConfigError: no vocab_size given and the draft config has none; keep_drafts=True with an
+            executor that cannot rewind.
     """
 
     name = "draft-model"
@@ -178,6 +216,7 @@ class DraftModelDrafter(BaseDrafter):
         vocab_size: int | None = None,
         is_row_budgeted: bool = False,
         owner: Any = None,
+        keep_drafts: bool | None = None,
     ) -> None:
         if tokenizer is not None and target_tokenizer is not None:
             check_tokenizers_match(target_tokenizer, tokenizer)
@@ -192,6 +231,13 @@ class DraftModelDrafter(BaseDrafter):
         self.max_positions: int | None = getattr(executor.config, "max_position_embeddings", None)
         self.draft_vocab_size: int = int(draft_vocab if draft_vocab is not None else vocab_size)
         self.owner = owner
+        self._rewind: Rewind | None = rewinder_for(executor) if keep_drafts is not False else None
+        if keep_drafts and self._rewind is None:
+            raise ConfigError(
+                f"draft-model: keep_drafts=True needs an executor that can rewind; "
+                f"{type(executor).__name__} cannot (use keep_drafts=None or False)"
+            )
+        self.keeps_drafts = self._rewind is not None
         self._lanes: dict[int, _Lane] = {}
 
     @classmethod
@@ -205,14 +251,17 @@ class DraftModelDrafter(BaseDrafter):
         dtype: torch.dtype | None = None,
         verify: str = "fast",
         is_row_budgeted: bool = False,
+        keep_drafts: bool | None = None,
     ) -> DraftModelDrafter:
         """A drafter over an ignis artifact directory (`ignis-build` output) of the draft model.
 
         The artifact's executor is built with `Artifact.make_executor(device=, dtype=)` (dtype None:
         the card profile's) and its stored tokenizer is checked against `target_tokenizer`.
+        `keep_drafts` as in the constructor.
 
         Raises:
-            ConfigError: the artifact stores no tokenizer (the match cannot be checked).
+            ConfigError: the artifact stores no tokenizer (the match cannot be checked), or as the
+                constructor.
             TokenizerMismatchError: the tokenizers differ.
             the `ignis.formats` / `ignis.runtime.artifact` errors of `load_artifact` (invalid artifact).
         """
@@ -228,10 +277,17 @@ class DraftModelDrafter(BaseDrafter):
                 )
             check_tokenizers_match(target_tokenizer, spec)
             executor = art.make_executor(device=device, dtype=dtype)
+            drafter = cls(
+                executor,
+                vocab_size=vocab_size,
+                is_row_budgeted=is_row_budgeted,
+                owner=art,
+                keep_drafts=keep_drafts,
+            )
         except BaseException:
             art.close()
             raise
-        return cls(executor, vocab_size=vocab_size, is_row_budgeted=is_row_budgeted, owner=art)
+        return drafter
 
     def close(self) -> None:
         """Drop every lane and close the owner (e.g. unmap the artifact)."""
@@ -247,11 +303,16 @@ class DraftModelDrafter(BaseDrafter):
         self._lanes[lane_id] = _Lane(self.executor.new_lane(), [int(t) for t in prompt_token_ids])
 
     def end_lane(self, lane_id: int) -> None:
-        """Drop the lane's state (a pending forward is dropped with it)."""
-        self._lanes.pop(lane_id, None)
+        """Drop the lane's state (a pending forward is dropped with it); an executor with a
+        `release_lane(state)` method (pooled lane slots) gets the state back."""
+        lane = self._lanes.pop(lane_id, None)
+        release = getattr(self.executor, "release_lane", None)
+        if lane is not None and callable(release):
+            release(lane.state)
 
     def num_fed(self, lane_id: int) -> int:
-        """Confirmed tokens the lane's draft state holds (a prefix of the lane's tokens)."""
+        """Tokens the lane's draft state holds; between rounds (after `commit`) these are confirmed
+        tokens, a prefix of the lane's tokens without the anchor."""
         return int(self._lanes[lane_id].state.num_tokens)
 
     def lane_tokens(self, lane_id: int) -> tuple[int, ...]:
@@ -266,26 +327,48 @@ class DraftModelDrafter(BaseDrafter):
         """Columns the draft model has run for the lane so far (its cost, in rows)."""
         return self._lanes[lane_id].num_fed_columns
 
+    @staticmethod
+    def _num_valid(lane: _Lane) -> int:
+        """Confirmed tokens the lane's state holds (its committed tokens minus speculative drafts)."""
+        return int(lane.state.num_tokens) - len(lane.speculative)
+
+    @staticmethod
+    def _keep(drafts: Sequence[int], truth: Sequence[int]) -> int:
+        """Length of the longest common prefix of drafts and truth."""
+        keep = 0
+        for a, b in zip(drafts, truth, strict=False):
+            if a != b:
+                break
+            keep += 1
+        return keep
+
     def _resolve(self, lanes: Sequence[_Lane]) -> None:
-        """Commit each lane's pending forward for its longest prefix equal to the confirmed tokens,
-        never feeding the last confirmed token (the anchor, which the next step 1 feeds)."""
+        """Keep each lane's drafts for their longest prefix equal to the confirmed tokens, never the
+        last confirmed token (the anchor, which the next step 1 feeds): commit that prefix of the
+        pending forward (re-run schedule) or rewind the speculative drafts past it (kept drafts)."""
         todo = [lane for lane in lanes if lane.pending is not None]
-        if not todo:
-            return
-        keeps = []
-        for lane in todo:
-            assert lane.pending is not None
-            start = lane.state.num_tokens
-            truth = lane.confirmed[start : len(lane.confirmed) - 1]
-            keep = 0
-            for a, b in zip(lane.pending, truth, strict=False):
-                if a != b:
-                    break
-                keep += 1
-            keeps.append(keep)
-        self.executor.commit([lane.state for lane in todo], keeps)
-        for lane in todo:
-            lane.pending = None
+        if todo:
+            keeps = []
+            for lane in todo:
+                assert lane.pending is not None
+                start = lane.state.num_tokens
+                keeps.append(self._keep(lane.pending, lane.confirmed[start : len(lane.confirmed) - 1]))
+            self.executor.commit([lane.state for lane in todo], keeps)
+            for lane in todo:
+                lane.pending = None
+        spec = [lane for lane in lanes if lane.speculative]
+        if spec:
+            assert self._rewind is not None
+            targets = []
+            for lane in spec:
+                base = self._num_valid(lane)
+                keep = self._keep(lane.speculative, lane.confirmed[base : len(lane.confirmed) - 1])
+                targets.append(base + keep)
+            back = [(lane, n) for lane, n in zip(spec, targets, strict=True) if n < lane.state.num_tokens]
+            if back:
+                self._rewind([lane.state for lane, _ in back], [n for _, n in back])
+            for lane in spec:
+                lane.speculative = []
 
     # ---- rounds ------------------------------------------------------------------------------
 
@@ -315,10 +398,10 @@ class DraftModelDrafter(BaseDrafter):
                     f"draft-model: lane {s.lane_id}: span at {s.start} ({inputs[:4]}...) contradicts the "
                     f"{len(known)} tokens the drafter holds"
                 )
-            if lane.state.num_tokens > s.start + len(inputs):
+            if self._num_valid(lane) > s.start + len(inputs):
                 raise StateError(
-                    f"draft-model: lane {s.lane_id}: the draft state holds {lane.state.num_tokens} tokens, "
-                    f"past the span's end {s.start + len(inputs)}"
+                    f"draft-model: lane {s.lane_id}: the draft state holds {self._num_valid(lane)} "
+                    f"confirmed tokens, past the span's end {s.start + len(inputs)}"
                 )
             lane.confirmed = known[: s.start] + inputs + [int(s.next_token_ids[-1])]
             lanes.append(lane)
@@ -342,8 +425,65 @@ class DraftModelDrafter(BaseDrafter):
         q = logits_to_probs(row, req.params)  # [vocab]
         return sample_token(q.to(req.generator.device), req.generator), q
 
+    def _steps_kept(
+        self,
+        requests: Sequence[DraftRequest],
+        lanes: Sequence[_Lane],
+        wanted: Sequence[int],
+        drafts: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> None:
+        """Steps 2..k of the kept-drafts schedule: [d_{j-1}] alone, committed speculatively."""
+        for j in range(2, max(wanted, default=0) + 1):
+            live = [i for i, k in enumerate(wanted) if k >= j]
+            states = [lanes[i].state for i in live]
+            cols = [torch.tensor(drafts[i][-1:], dtype=torch.int64) for i in live]
+            out = self.executor.forward(states, cols, logits="last", record=False)
+            self.executor.commit(states, [1] * len(live))
+            for i, lg in zip(live, out.logits, strict=True):
+                lanes[i].num_fed_columns += 1
+                lanes[i].speculative.append(drafts[i][-1])
+                tok, q = self._draw(lg[-1], requests[i])
+                drafts[i].append(tok)
+                if q is not None:
+                    probs[i].append(q)
+
+    def _steps_rerun(
+        self,
+        requests: Sequence[DraftRequest],
+        lanes: Sequence[_Lane],
+        wanted: Sequence[int],
+        drafts: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> None:
+        """Steps 2..k of the re-run schedule: [d_1 .. d_{j-1}] on the confirmed prefix; the last step
+        stays pending."""
+        for j in range(2, max(wanted, default=0) + 1):
+            live = [i for i, k in enumerate(wanted) if k >= j]
+            states = [lanes[i].state for i in live]
+            cols = [torch.tensor(drafts[i], dtype=torch.int64) for i in live]
+            out = self.executor.forward(states, cols, logits="last", record=True)
+            ends = [i for i in live if wanted[i] == j]
+            if len(ends) < len(live):
+                self.executor.commit(
+                    [lanes[i].state for i in live if wanted[i] > j], [0] * (len(live) - len(ends))
+                )
+            for i, c, lg in zip(live, cols, out.logits, strict=True):
+                lanes[i].num_fed_columns += c.numel()
+                if wanted[i] == j:
+                    lanes[i].pending = c.tolist()
+                tok, q = self._draw(lg[-1], requests[i])
+                drafts[i].append(tok)
+                if q is not None:
+                    probs[i].append(q)
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
-        """k drafts per request, k forwards of the draft model (module docstring).
+        """k drafts per request, k forwards of the draft model (module docstring: which columns).
+
+        Returns:
+            per request, int64 [k'] draft ids (k' = num_drafts, or 0 where the lane cannot draft:
+            the draft context's end, an id past the draft vocabulary) and, when sampling, q: float32
+            [k', target vocab] (None under greedy).
 
         Raises:
             StateError: a request for a lane that did not start, or whose tokens contradict the
@@ -355,7 +495,7 @@ class DraftModelDrafter(BaseDrafter):
             if lane is None:
                 raise StateError(f"draft-model: proposal for lane {req.lane_id}, which did not start")
             tokens = req.token_ids
-            fed = lane.state.num_tokens
+            fed = self._num_valid(lane)
             if len(tokens) < len(lane.confirmed) or any(
                 int(tokens[i]) != lane.confirmed[i] for i in range(max(fed - 1, 0), len(lane.confirmed))
             ):
@@ -399,25 +539,10 @@ class DraftModelDrafter(BaseDrafter):
                 if q is not None:
                     probs[i].append(q)
 
-        # steps 2..k: [d_1 .. d_{j-1}] on the committed prefix; the last step stays pending
-        for j in range(2, max(wanted, default=0) + 1):
-            live = [i for i, k in enumerate(wanted) if k >= j]
-            states = [lanes[i].state for i in live]
-            cols = [torch.tensor(drafts[i], dtype=torch.int64) for i in live]
-            out = self.executor.forward(states, cols, logits="last", record=True)
-            ends = [i for i in live if wanted[i] == j]
-            if len(ends) < len(live):
-                self.executor.commit(
-                    [lanes[i].state for i in live if wanted[i] > j], [0] * (len(live) - len(ends))
-                )
-            for i, c, lg in zip(live, cols, out.logits, strict=True):
-                lanes[i].num_fed_columns += c.numel()
-                if wanted[i] == j:
-                    lanes[i].pending = c.tolist()
-                tok, q = self._draw(lg[-1], requests[i])
-                drafts[i].append(tok)
-                if q is not None:
-                    probs[i].append(q)
+        if self._rewind is not None:
+            self._steps_kept(requests, lanes, wanted, drafts, probs)
+        else:
+            self._steps_rerun(requests, lanes, wanted, drafts, probs)
 
         return [
             DraftProposal(torch.tensor(d, dtype=torch.int64), torch.stack(p) if p else None)
@@ -436,6 +561,7 @@ def build_draft_model_drafter(
     dtype: torch.dtype | None = None,
     verify: str = "fast",
     is_row_budgeted: bool = False,
+    keep_drafts: bool | None = None,
 ) -> DraftModelDrafter:
     """The registered `draft-model` factory (`--spec-backend draft-model --spec-draft-model ARTIFACT`).
 
@@ -447,6 +573,8 @@ def build_draft_model_drafter(
         target_config: the target's family config; its `vocab_size` sizes the drafts' q (default:
             the draft model's vocabulary size).
         device, dtype, verify: for `artifact` (see `DraftModelDrafter.from_artifact`).
+        keep_drafts: the round schedule (`DraftModelDrafter`; None: kept drafts where the executor
+            can rewind).
 
     Raises:
         ConfigError: neither an artifact nor executor + tokenizer, or both.
@@ -466,6 +594,7 @@ def build_draft_model_drafter(
             dtype=dtype,
             verify=verify,
             is_row_budgeted=is_row_budgeted,
+            keep_drafts=keep_drafts,
         )
     if tokenizer is None:
         raise ConfigError(
@@ -478,6 +607,7 @@ def build_draft_model_drafter(
         target_tokenizer=target_tokenizer,
         vocab_size=vocab_size,
         is_row_budgeted=is_row_budgeted,
+        keep_drafts=keep_drafts,
     )
 
 

