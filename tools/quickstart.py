@@ -56,8 +56,12 @@ def ensure_artifact(gguf: Path, out: Path, *, rebuild: bool) -> Path:
     click.echo(f"[1/4] ignis-build --card cpu --model {gguf.name} --out {out}", err=True)
     try:
         build_artifact(
-            card="cpu", model=gguf, recipe=RECIPE if RECIPE.exists() else None, out=out,
-            overwrite=True, echo=lambda line: click.echo(f"      {line}", err=True),
+            card="cpu",
+            model=gguf,
+            recipe=RECIPE if RECIPE.exists() else None,
+            out=out,
+            overwrite=True,
+            echo=lambda line: click.echo(f"      {line}", err=True),
         )
     except CompilerError as exc:
         raise click.ClickException(f"build failed: {exc}") from exc
@@ -81,19 +85,44 @@ def _wait_ready(server: subprocess.Popen[str], client: ChatClient, sock: Path, t
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--prompt", default="Write a Python function that returns the n-th Fibonacci number.",
-              show_default=True, help="The user message.")
-@click.option("--max-tokens", type=click.IntRange(1, 4096), default=96, show_default=True,
-              help="Most tokens to generate.")
-@click.option("--spec-backend", type=click.Choice(["ngram", "off"]), default="ngram", show_default=True,
-              help="Speculative backend for ignis-run (ngram needs no drafter weights; off disables).")
-@click.option("--spec-draft-tokens", type=click.IntRange(1, 7), default=4, show_default=True,
-              help="Draft tokens per round (ignored with --spec-backend off).")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT,
-              show_default=True, help="Artifact directory to build or reuse.")
+@click.option(
+    "--prompt",
+    default="Write a Python function that returns the n-th Fibonacci number.",
+    show_default=True,
+    help="The user message.",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(1, 4096),
+    default=96,
+    show_default=True,
+    help="Most tokens to generate.",
+)
+@click.option(
+    "--spec-backend",
+    type=click.Choice(["ngram", "off"]),
+    default="ngram",
+    show_default=True,
+    help="Speculative backend for ignis-run (ngram needs no drafter weights; off disables).",
+)
+@click.option(
+    "--spec-draft-tokens",
+    type=click.IntRange(1, 7),
+    default=4,
+    show_default=True,
+    help="Draft tokens per round (ignored with --spec-backend off).",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_OUT,
+    show_default=True,
+    help="Artifact directory to build or reuse.",
+)
 @click.option("--rebuild", is_flag=True, help="Build the artifact even if a valid one exists.")
-def main(prompt: str, max_tokens: int, spec_backend: str, spec_draft_tokens: int, out: Path,
-         rebuild: bool) -> None:
+def main(
+    prompt: str, max_tokens: int, spec_backend: str, spec_draft_tokens: int, out: Path, rebuild: bool
+) -> None:
     """Build SmolLM2-135M-Instruct for the CPU, serve it with ignis-run, chat once, show metrics, stop."""
     try:
         gguf = find_smollm2()
@@ -103,20 +132,33 @@ def main(prompt: str, max_tokens: int, spec_backend: str, spec_draft_tokens: int
 
     sock_dir = Path(tempfile.mkdtemp(prefix="ignis-"))
     sock = sock_dir / "ignis.sock"
-    cmd = [sys.executable, "-m", "ignis.runtime.cli", "--artifact", str(artifact), "--socket", str(sock),
-           "--lanes", "2", "--spec-backend", spec_backend]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ignis.runtime.cli",
+        "--artifact",
+        str(artifact),
+        "--socket",
+        str(sock),
+        "--lanes",
+        "2",
+        "--spec-backend",
+        spec_backend,
+    ]
     if spec_backend != "off":
         cmd += ["--spec-draft-tokens", str(spec_draft_tokens)]
-    click.echo(f"[2/4] ignis-run --artifact {artifact.name} --socket {sock} --spec-backend {spec_backend}",
-               err=True)
+    click.echo(
+        f"[2/4] ignis-run --artifact {artifact.name} --socket {sock} --spec-backend {spec_backend}", err=True
+    )
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     client = ChatClient(socket=str(sock), timeout=300)
     try:
         _wait_ready(server, client, sock, timeout_s=180)
         click.echo(f"[3/4] POST /v1/chat/completions (stream, greedy): {prompt}", err=True)
         reply: Reply | None = None
-        for item in client.stream_chat([{"role": "user", "content": prompt}], temperature=0,
-                                       max_tokens=max_tokens):
+        for item in client.stream_chat(
+            [{"role": "user", "content": prompt}], temperature=0, max_tokens=max_tokens
+        ):
             if isinstance(item, str):
                 sys.stdout.write(item)
                 sys.stdout.flush()
@@ -124,13 +166,17 @@ def main(prompt: str, max_tokens: int, spec_backend: str, spec_draft_tokens: int
                 reply = item
         sys.stdout.write("\n")
         metrics = client.http.get("/metrics").text
-        spec = [ln for ln in metrics.splitlines()
-                if ln.startswith("ignis_speculative_") and "position" not in ln]
+        spec = [
+            ln for ln in metrics.splitlines() if ln.startswith("ignis_speculative_") and "position" not in ln
+        ]
         rounds, accepted = client.speculative_counters()
         if reply is not None:
-            click.echo(f"      {reply.completion_tokens} tokens ({reply.finish_reason}), first token "
-                       f"{reply.seconds_to_first_token * 1000:.0f} ms, "
-                       f"{reply.tokens_per_second:.1f} tokens/s", err=True)
+            click.echo(
+                f"      {reply.completion_tokens} tokens ({reply.finish_reason}), first token "
+                f"{reply.seconds_to_first_token * 1000:.0f} ms, "
+                f"{reply.tokens_per_second:.1f} tokens/s",
+                err=True,
+            )
         click.echo("      speculative metrics:", err=True)
         for line in spec or ["(none: no speculative round ran)"]:
             click.echo(f"        {line}", err=True)

@@ -45,7 +45,8 @@ class FamilyConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in names}
         missing = [
-            f.name for f in dataclasses.fields(cls)
+            f.name
+            for f in dataclasses.fields(cls)
             if f.name not in kwargs
             and f.default is dataclasses.MISSING
             and f.default_factory is dataclasses.MISSING

@@ -8,8 +8,16 @@ def test_every_card_of_the_build_command_has_a_profile():
     assert set(load_profiles()) == {"rtx5090", "rtxpro6000", "rtx50-16gb", "h200", "cpu"}
 
 
-@pytest.mark.parametrize("card,arch", [("rtx5090", "sm_120"), ("rtxpro6000", "sm_120"),
-                                       ("rtx50-16gb", "sm_120"), ("h200", "sm_90"), ("cpu", "llvm")])
+@pytest.mark.parametrize(
+    "card,arch",
+    [
+        ("rtx5090", "sm_120"),
+        ("rtxpro6000", "sm_120"),
+        ("rtx50-16gb", "sm_120"),
+        ("h200", "sm_90"),
+        ("cpu", "llvm"),
+    ],
+)
 def test_arch(card, arch):
     assert get_profile(card).arch == arch
 
