@@ -1,0 +1,100 @@
+"""Build, on a host without a GPU, every CUDA module the GPU benchmarks carry to the device.
+
+    python -m ignis.tools.build_gpu_modules --out .device/final [--arch sm_90]
+
+Writes into OUT (about 6 MB for sm_90):
+
+* ``q4_e2e_<arch>.so`` + ``manifest.json``: one q4_g32 bundle holding the tile of every
+  (width, N, K) that `tools/bench_e2e_gpu.py` runs for the 27B-shaped ``qwen3_5`` (the 8 linear
+  shapes of that model x widths 1..8, 16, 32; the kernel is shape-generic, so the entries map onto a
+  few exported tiles chosen by `default_tile_config`); ``manifest.json`` maps ``"W|N|K"`` to the
+  exported function (the format `bench_e2e_gpu.load_compiled` reads);
+* ``gdn_recurrent_<arch>.so`` (`build_gdn_recurrent`), ``fused_norms_<arch>.so``
+  (`build_fused_norms`), ``topk_<arch>.so`` (`build_topk`) and, where the kernel exists,
+  ``fused_mixers_<arch>.so``.
+
+Needs nvcc (CUDA 12.8+ for sm_120) and tvm-ffi; takes 1-2 minutes on two cores.
+
+Raises:
+    SystemExit: nvcc missing or a build failing (the compiler's message is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+#: (out_features, in_features) of every q4 linear of the 27B-shaped qwen3_5 in bench_e2e_gpu
+#: (GDN in_proj_qkv / z, attention q / k+v, o_proj from 6144, MLP up/gate and down, LM head).
+E2E_SHAPES = (
+    (12288, 5120),
+    (1024, 5120),
+    (6144, 5120),
+    (10240, 5120),
+    (5120, 6144),
+    (17408, 5120),
+    (5120, 17408),
+    (248320, 5120),
+)
+E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
+
+
+def build_q4_e2e_bundle(out: Path, arch: str) -> dict[str, object]:
+    """Build the q4 bundle for `E2E_SHAPES` x `E2E_WIDTHS` into `out`; returns the manifest dict."""
+    from ignis.compiler.kernels.q4_linear import build_q4_cuda_bundle, default_tile_config
+
+    exports, table = {}, {}
+    for w in E2E_WIDTHS:
+        for n, k in E2E_SHAPES:
+            cfg = default_tile_config(w, n, k, arch=arch)
+            name = "q4_" + cfg.tag
+            exports[name] = cfg
+            table[f"{w}|{n}|{k}"] = name
+    file = f"q4_e2e_{arch.replace('_', '')}.so"
+    build_q4_cuda_bundle(arch, exports, out / file)
+    manifest: dict[str, object] = {"table": table, "exports": sorted(exports), "file": file}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="output folder (created)")
+    ap.add_argument("--arch", default="sm_90", help="CUDA arch (sm_90, sm_120) [default: sm_90]")
+    ap.add_argument("--skip-q4", action="store_true", help="do not rebuild the q4 bundle")
+    args = ap.parse_args(argv)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.arch.replace("_", "")
+    rows: list[tuple[str, float, int]] = []
+
+    def timed(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        path = fn()
+        rows.append((name, time.perf_counter() - t, Path(path).stat().st_size if path else 0))
+
+    if not args.skip_q4:
+        timed("q4 e2e bundle", lambda: (build_q4_e2e_bundle(out, args.arch), out / f"q4_e2e_{tag}.so")[1])
+    from ignis.compiler.kernels.fused_norms import build_fused_norms
+    from ignis.compiler.kernels.gdn_recurrent import build_gdn_recurrent
+    from ignis.compiler.kernels.topk import build_topk
+
+    timed("gdn_recurrent", lambda: build_gdn_recurrent(args.arch, out_path=out / f"gdn_recurrent_{tag}.so"))
+    timed("fused_norms", lambda: build_fused_norms(args.arch, out_path=out / f"fused_norms_{tag}.so"))
+    timed("topk", lambda: build_topk(args.arch, out_path=out / f"topk_{tag}.so"))
+    try:
+        from ignis.compiler.kernels.fused_mixers import build_fused_mixers  # type: ignore[import-not-found]
+    except ImportError:
+        build_fused_mixers = None
+    if build_fused_mixers is not None:
+        timed("fused_mixers", lambda: build_fused_mixers(args.arch, out_path=out / f"fused_mixers_{tag}.so"))
+    print(f"{'module':<16} {'seconds':>8} {'bytes':>10}")
+    for name, s, size in rows:
+        print(f"{name:<16} {s:8.1f} {size:10d}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
