@@ -7,7 +7,8 @@ An ignis artifact is a directory::
       NAME.ninfer                target weights (+ grafted drafter, shortlist head, tokenizer, config)
       NAME_mtp.ninfer            the MTP companion container (only when the checkpoint has `mtp.*`)
       modules/<card>/*.so        compiled TVM modules for the verify row widths of the card, and
-                                 compiled kernels of non-linear functions (the drafter's top-k)
+                                 compiled kernels of non-linear functions (the drafter's top-k,
+                                 the fused Gated DeltaNet recurrence, the fused row norms)
 
 The manifest names every other file with its size and sha256 (and the sha256 of each
 `block_size`-byte block, so a corrupt byte can be located), the format versions, the card and its
@@ -64,6 +65,32 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   1 <= rows <= 65535; writes the top k of each row, values descending, equal values by ascending
   index, NaN above +inf, -0.0 equal to +0.0 (`torch.sort(x, -1, descending=True, stable=True)` cut to
   k); runs on the caller's CUDA stream (tvm-ffi's environment stream).
+* `gdn_recurrent`, abi 1 (the fused Gated DeltaNet recurrence of a verify round,
+  `ignis.compiler.kernels.gdn_recurrent`; target kind "cuda"): `name(mixed[L, n, conv_dim], b[L, n,
+  Hv], a[L, n, Hv], neg_a f32[Hv], dt_bias f32[Hv], state f32[S, Hv, Dk, Dv], slots int64[L],
+  record f32[>= n, >= L, Hv, Dk, Dv], out[L, n, Hv, Dv], num_key_heads: int, scale: float)`, tensors
+  on one CUDA device; mixed (the conv + SiLU output, channels q (Hk * Dk) | k (Hk * Dk) | v (Hv * Dv),
+  conv_dim = 2 Hk Dk + Hv Dv), b and a in one of `dtypes`, any strides; out contiguous, float32 or
+  mixed's dtype. For each lane l from `state[slots[l]]` and each column t: q, k l2-normalized per key
+  head (eps 1e-6, float32), q times `scale` (Dk ** -0.5), value head h reading key head h // (Hv /
+  Hk); beta = sigmoid(b), g = neg_a * softplus(a + dt_bias) (threshold 20); S' = exp(g) S, delta =
+  beta (v - S'^T k), S_t = S' + k delta^T, o_t = S_t^T q; writes S_t to record[t, l] and o_t to
+  out[l, t]; `state` is only read. Limits: Dk <= 256, Hv a multiple of Hk = num_key_heads; wrong
+  shapes, dtypes or devices raise ValueError / TypeError; allocates nothing; runs on the caller's
+  CUDA stream (capturable in a CUDA graph).
+* `add_rms_norm`, abi 1 (`ignis.compiler.kernels.fused_norms`; target kind "cuda"): `name(h[rows,
+  D], d[rows, D], w1p f32[D], h_out[rows, D], x_out[rows, D], eps: float)`, h, d, h_out, x_out of
+  one of `dtypes`, the last dim contiguous: `h_out = round(h + d)`, `x_out = round(h_out *
+  rsqrt(mean(h_out^2) + eps) * w1p)` (float32 math, `round` to h's dtype; w1p = 1 + the norm weight).
+* `gated_rms_norm`, abi 1 (the same library as `add_rms_norm` when both are built;
+  `ignis.compiler.kernels.fused_norms`; target kind "cuda"): `name(x[rows, H, D], z[rows, H, D],
+  w[D], out[rows, H * D], eps: float)`, z, w and out of one of `dtypes` (out contiguous), x float32
+  or z's dtype: `out = round(round(w * round(x * rsqrt(mean(x^2) + eps))) * silu(z))` over the last
+  dim. Both norms: wrong shapes or devices raise ValueError, dtypes TypeError; they allocate nothing
+  and run on the caller's CUDA stream.
+
+Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, after `topk`) are
+refused by a reader that predates them (a `ManifestError` naming `kernels[i].kind`).
 
 Versions: version 2 added `kernels`. A reader of version 2 reads version 1 manifests (no `kernels` key;
 a version 1 manifest holding one is refused as an unknown key), as a manifest without kernels;
@@ -123,8 +150,12 @@ ACTIVATION_DTYPES: Final[frozenset[str]] = frozenset({"float32", "float16", "bfl
 
 #: Kinds of compiled non-linear kernels (`kernels`), each with the one calling-convention version
 #: (abi) a reader of this manifest version accepts, and the target kind it must be built for.
-KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType({"topk": 1})
-KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType({"topk": "cuda"})
+KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
+    {"topk": 1, "gdn_recurrent": 1, "add_rms_norm": 1, "gated_rms_norm": 1}
+)
+KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
+    {"topk": "cuda", "gdn_recurrent": "cuda", "add_rms_norm": "cuda", "gated_rms_norm": "cuda"}
+)
 
 # --- metadata keys of the artifact's .ninfer files (the compiler writes them, the runtime reads them) ---
 
@@ -353,7 +384,8 @@ class KernelEntry:
 
     Attributes:
         name: the exported symbol (a C identifier).
-        kind: what it computes: a key of `KERNEL_ABIS` ("topk").
+        kind: what it computes: a key of `KERNEL_ABIS` ("topk", "gdn_recurrent", "add_rms_norm",
+            "gated_rms_norm").
         abi: the version of the kind's calling convention (`KERNEL_ABIS[kind]`).
         file: the shared library (a `files` path, role "module").
         target: the target it was built for, as a JSON object ({"kind": "cuda", "arch": "sm_90"}).

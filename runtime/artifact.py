@@ -7,6 +7,7 @@
     art.spec_defaults("dflash2"), art.profile.widths          # the card profile recorded at build
     art.linear_backend()                                      # compiled modules per width (runtime/linear.py)
     art.topk_module()                                         # the drafter's compiled top-k, or None
+    art.gdn_module(), art.norms_module()                      # the hybrid rounds' fused kernels, or None
 
 Validation at load (`verify`):
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -60,6 +61,7 @@ from ignis.formats.manifest import (
     SHORTLIST_HEAD,
     SHORTLIST_IDS,
     TOKENIZER_TENSOR,
+    KernelEntry,
 )
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError, TensorSetError, TensorShapeError
 from ignis.runtime.families.base import Executor, Family, FamilyConfig, check_tensor_set, get_family
@@ -123,7 +125,7 @@ class Artifact:
     config: FamilyConfig
     profile: CardProfile
     _compiled: CompiledLinears | None = field(default=None, repr=False)
-    _topk: dict[str, TopKModule | None] = field(default_factory=dict, repr=False)
+    _kernels: dict[str, Any] = field(default_factory=dict, repr=False)  # library -> loaded or None
 
     # ---- parts ----
     @property
@@ -270,34 +272,106 @@ class Artifact:
         """A fresh `LinearBackend` over the compiled modules (or torch only with `compiled=False`)."""
         return LinearBackend(self.compiled_linears() if compiled and self.manifest.modules else None)
 
+    def _kernel_library(
+        self, key: str, kinds: tuple[str, ...], what: str, fallback: str, load: Callable[..., Any]
+    ) -> Any:
+        """Load once the library serving the manifest kernels `kinds` (all listed, in one file) with
+        `load(path, *entries)`; None (logged) when not listed, off CUDA, or not loadable here."""
+        if key in self._kernels:
+            return self._kernels[key]
+        entries = [self.manifest.kernel(kind) for kind in kinds]
+        listed = [e for e in entries if e is not None]
+        module: Any = None
+        if not listed:
+            pass
+        elif len(listed) != len(kinds) or len({e.file for e in listed}) != 1:
+            log.warning(
+                "the manifest lists the %s kernels %s in %s, not all of %s in one library; %s",
+                what,
+                [e.kind for e in listed],
+                sorted({e.file for e in listed}),
+                list(kinds),
+                fallback,
+            )
+        elif any(e.target.get("kind") == "cuda" for e in listed) and not torch.cuda.is_available():
+            log.info("no CUDA device: the compiled %s %s is not loaded", what, listed[0].file)
+        else:
+            from ignis.runtime.tvm_runtime import TvmRuntimeError
+
+            try:
+                module = load(self.path / listed[0].file, *listed)
+            except (TvmRuntimeError, ImportError, OSError, KeyError, AttributeError) as exc:
+                log.warning("compiled %s %s not loaded (%s); %s", what, listed[0].file, exc, fallback)
+        self._kernels[key] = module
+        return module
+
     def topk_module(self) -> TopKModule | None:
         """The artifact's compiled top-k (the manifest's `kernels` entry of kind "topk"), loaded once
         with the lean TVM runtime; what DFlash2's selector walk takes as its `topk_module`.
 
         Returns:
             The loaded module (its `supports` limited to the entry's dtypes), or None: no such entry
-            (a CPU card, or an artifact built before the kernel: manifest version 1), a CUDA kernel
-            while torch sees no CUDA device, or a library that does not load here (no TVM runtime
-            libraries, a missing function: logged as a warning). None means `runtime.topk`'s exact
-            torch path, with the same result.
+            (a CPU card, an artifact without a DFlash2 drafter, or one built before the kernel:
+            manifest version 1), a CUDA kernel while torch sees no CUDA device, or a library that
+            does not load here (no TVM runtime libraries, a missing function: logged as a warning).
+            None means `runtime.topk`'s exact torch path, with the same result.
         """
-        if "topk" in self._topk:
-            return self._topk["topk"]
-        entry = self.manifest.kernel("topk")
-        module: TopKModule | None = None
-        if entry is not None and entry.target.get("kind") == "cuda" and not torch.cuda.is_available():
-            log.info("no CUDA device: the compiled top-k %s is not loaded", entry.file)
-        elif entry is not None:
-            from ignis.runtime.tvm_runtime import TvmRuntimeError
 
-            try:
-                module = load_topk_module(self.path / entry.file, name=entry.name, dtypes=entry.dtypes)
-            except (TvmRuntimeError, ImportError, OSError) as exc:
-                log.warning(
-                    "compiled top-k %s not loaded (%s); the drafter selects in torch", entry.file, exc
-                )
-        self._topk["topk"] = module
+        def load(path: Path, entry: KernelEntry) -> TopKModule:
+            return load_topk_module(path, name=entry.name, dtypes=entry.dtypes)
+
+        module: TopKModule | None = self._kernel_library(
+            "topk", ("topk",), "top-k", "the drafter selects in torch", load
+        )
         return module
+
+    def gdn_module(self) -> Any:
+        """The artifact's fused Gated DeltaNet recurrence (the manifest's `kernels` entry of kind
+        "gdn_recurrent"), loaded once with the lean TVM runtime; what `StaticHybridExecutor` takes as
+        its `gdn_module`.
+
+        Returns:
+            A `ignis.runtime.families.hybrid_graphs.GdnRecurrentKernel` over the entry's function,
+            or None: no such entry (a CPU card, a family without Gated DeltaNet layers or with
+            shapes the kernel does not take, an artifact built before the kernel), a CUDA kernel
+            while torch sees no CUDA device, or a library that does not load here (no TVM runtime
+            libraries, a missing function: logged as a warning). None means the torch recurrence
+            (the same math to float32 rounding).
+        """
+
+        def load(path: Path, entry: KernelEntry) -> Any:
+            from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+            from ignis.runtime.tvm_runtime import load_module
+
+            return GdnRecurrentKernel(load_module(path, cuda=True)[entry.name])
+
+        return self._kernel_library(
+            "gdn_recurrent", ("gdn_recurrent",), "GDN recurrence", "rounds run the torch recurrence", load
+        )
+
+    def norms_module(self) -> Any:
+        """The artifact's fused row norms (the manifest's `kernels` entries of kinds "add_rms_norm"
+        and "gated_rms_norm", one library), loaded once with the lean TVM runtime; what
+        `StaticHybridExecutor` takes as its `norms_module`.
+
+        Returns:
+            A `ignis.runtime.families.hybrid_graphs.FusedNormsKernel` over the two functions, or
+            None: neither entry (a CPU card, a non-hybrid family, an artifact built before them),
+            only one of them or two libraries (logged as a warning), a CUDA kernel while torch sees
+            no CUDA device, or a library that does not load here (logged as a warning). None means
+            the torch norms (the same rounding points, to float32 summation order).
+        """
+
+        def load(path: Path, add: KernelEntry, gated: KernelEntry) -> Any:
+            from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+            from ignis.runtime.tvm_runtime import load_module
+
+            module = load_module(path, cuda=True)
+            return FusedNormsKernel({"add_rms_norm": module[add.name], "gated_rms_norm": module[gated.name]})
+
+        return self._kernel_library(
+            "fused_norms", ("add_rms_norm", "gated_rms_norm"), "row norms", "rounds run the torch norms", load
+        )
 
     def default_dtype(self) -> torch.dtype:
         """The executor dtype the card profile implies (its other_dtype)."""
@@ -330,6 +404,9 @@ class Artifact:
             max_context: tokens per lane of the static executor's pools (default: min(the model's
                 max_position_embeddings, 8192)); `SpeculativeEngine` caps its context to it.
 
+        The static executor gets the artifact's fused kernels when the manifest lists them for
+        `dtype` and they load (`gdn_module()`, `norms_module()`); otherwise it runs the torch ops.
+
         Raises:
             ValueError: cuda_graphs=True on a CPU device, or bad pool sizes.
         """
@@ -351,6 +428,7 @@ class Artifact:
                 linear=linear,
                 max_lanes=max_lanes or 8,
                 max_context=max_context,
+                **self._hybrid_kernels(dtype),
             )
         params = inspect.signature(self.family.make_executor).parameters
         accepts = "linear" in params
@@ -363,6 +441,24 @@ class Artifact:
         if linear is not None and accepts:
             return self.family.make_executor(self.config, weights, device, dtype, linear=linear)
         return self.family.make_executor(self.config, weights, device, dtype)
+
+    def _hybrid_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
+        """`StaticHybridExecutor` keyword arguments for the fused kernels that take `dtype` (only the
+        kernels found: an executor without the argument is built as before)."""
+        from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+
+        name = str(dtype).removeprefix("torch.")
+        out: dict[str, Any] = {}
+        gdn = self.manifest.kernel("gdn_recurrent", name)
+        if gdn is not None and GdnRecurrentKernel.supports(self.config):  # type: ignore[arg-type]
+            module = self.gdn_module()
+            if module is not None:
+                out["gdn_module"] = module
+        if all(self.manifest.kernel(k, name) is not None for k in ("add_rms_norm", "gated_rms_norm")):
+            module = self.norms_module()
+            if module is not None:
+                out["norms_module"] = module
+        return out
 
     def close(self) -> None:
         """Unmap the containers."""

@@ -20,14 +20,25 @@ Which functions, per card:
   every exported library is checked to hold SASS for the card's arch and neither PTX nor CUDA source.
   The nvcc-built libraries are stripped of their static symbol table (`strip_local_symbols`), which
   would otherwise carry nvcc's per-process temporary file names: builds are byte-reproducible.
-  Besides the linears, every CUDA card gets the drafter's exact top-k (`KERNELS`: one library,
-  `modules/<card>/topk.so`, exporting `topk` for float32, bfloat16 and float16 logits; built by
-  `ignis.compiler.kernels.topk.build_topk` with nvcc, in a thread beside the q4 builds, then stripped
-  and checked like them) and records it in the manifest's `kernels` (formats/manifest.py).
-  Compiling float32 only would save ~13 % of its nvcc time (11.5 s against 13.2 s for sm_90 on the
-  2-core build host: host code dominates), so all three dtypes are built.
+  Besides the linears, a CUDA card gets the non-linear kernel libraries (`KERNELS`) the model uses
+  (`select_kernels`), each built with nvcc by its `ignis.compiler.kernels` builder in worker threads
+  beside the q4 builds, then stripped and checked like them, listed as files of role "module" and
+  recorded in the manifest's `kernels` (formats/manifest.py), one entry per exported function:
 
-Function names: `dense_n{N}_k{K}` and `q4_n{N}_k{K}`; the top-k kernel's `topk`.
+  - `modules/<card>/topk.so` (`topk.build_topk`, kind `topk`): the drafter's exact top-k, only
+    when a DFlash2 drafter is grafted (its selector walk is the only caller);
+  - `modules/<card>/gdn_recurrent.so` (`gdn_recurrent.build_gdn_recurrent`, kind `gdn_recurrent`):
+    the fused Gated DeltaNet verify-round recurrence, for the hybrid families (qwen3_5,
+    qwen3_5_moe, qwen3_next) when the kernel takes the config's shapes (`gdn_kernel_fits`:
+    linear_key_head_dim <= 256, value heads a multiple of key heads);
+  - `modules/<card>/fused_norms.so` (`fused_norms.build_fused_norms`, kinds `add_rms_norm` and
+    `gated_rms_norm`): the hybrid families' fused residual-add + RMSNorm and gated RMSNorm.
+
+  Each exports its functions for float32, bfloat16 and float16 inputs (compiling one dtype would
+  save ~13 % of the top-k's nvcc time, 11.5 s against 13.2 s for sm_90 on the 2-core build host:
+  host code dominates).
+
+Function names: `dense_n{N}_k{K}` and `q4_n{N}_k{K}`; the kernels' as their `KERNELS` exports.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from typing import Any
 from ignis.compiler.build.convert import is_linear_weight
 from ignis.compiler.build.errors import ModuleBuildError
 from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module, llvm_target
+from ignis.compiler.kernels.gdn_recurrent import MAX_KEY_DIM as _GDN_MAX_KEY_DIM
 from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction
 
 #: Executor fusions per family: (module path under each layer, member projections concatenated in
@@ -62,10 +74,86 @@ ACTIVATION_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 #: The mma route's k-step: in_features must be a multiple of it.
 MMA_STEP_K = 128
 
-#: Non-linear kernels every CUDA card gets: kind -> (library file name under modules/<card>/, input
-#: dtypes the library takes). topk: `ignis.compiler.kernels.topk` (its exported `topk` dispatches on
-#: float32, bfloat16 and float16 in topk_ffi.cuh).
-KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {"topk": ("topk.so", ("bfloat16", "float16", "float32"))}
+#: Every input dtype the non-linear kernels' exports dispatch on (their *_ffi.cuh).
+_ALL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """One compiled library of non-linear kernels (a row of `KERNELS`).
+
+    Attributes:
+        file: its file name under modules/<card>/.
+        builder: "module:function" under `ignis.compiler.kernels`, called as
+            `function({"kind": "cuda", "arch": arch}, out_path=dest)` (nvcc, SASS for that arch).
+        exports: (manifest kernel kind, exported symbol) per function the library exports; one
+            manifest `kernels` entry each.
+        dtypes: the input dtypes every export takes (ascending).
+    """
+
+    file: str
+    builder: str
+    exports: tuple[tuple[str, str], ...]
+    dtypes: tuple[str, ...] = _ALL_DTYPES
+
+
+#: Non-linear kernel libraries a CUDA card may get (`select_kernels` picks them per model):
+#: library name -> `KernelLibrary`. A new kind is a row here, its kind in `formats.manifest`
+#: (`KERNEL_ABIS`), a rule in `select_kernels`, and a loader in `runtime/artifact.py`.
+KERNELS: dict[str, KernelLibrary] = {
+    "topk": KernelLibrary("topk.so", "topk:build_topk", (("topk", "topk"),)),
+    "gdn_recurrent": KernelLibrary(
+        "gdn_recurrent.so", "gdn_recurrent:build_gdn_recurrent", (("gdn_recurrent", "gdn_recurrent"),)
+    ),
+    "fused_norms": KernelLibrary(
+        "fused_norms.so",
+        "fused_norms:build_fused_norms",
+        (("add_rms_norm", "add_rms_norm"), ("gated_rms_norm", "gated_rms_norm")),
+    ),
+}
+
+#: The fused GDN kernel's limit on the key head dim (`ignis.compiler.kernels.gdn_recurrent.MAX_KEY_DIM`).
+GDN_MAX_KEY_DIM: int = _GDN_MAX_KEY_DIM
+
+
+def gdn_kernel_fits(config: Any) -> bool:
+    """Whether the fused GDN kernel takes a hybrid config's Gated DeltaNet shapes: it has GDN layers
+    (`layer_types` holds "linear_attention"), linear_key_head_dim <= `GDN_MAX_KEY_DIM` and
+    linear_num_value_heads a multiple of linear_num_key_heads (the limits `StaticHybridExecutor`'s
+    `gdn_module` checks). False for a config without those fields."""
+    try:
+        layers = tuple(config.layer_types)
+        dk, hv, hk = (
+            int(config.linear_key_head_dim),
+            int(config.linear_num_value_heads),
+            int(config.linear_num_key_heads),
+        )
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "linear_attention" in layers and 1 <= dk <= GDN_MAX_KEY_DIM and hk >= 1 and hv % hk == 0
+
+
+def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, ...]:
+    """The `KERNELS` libraries a CUDA card's artifact gets, in build order.
+
+    Args:
+        config: the target's family config (None: no model-dependent kernel).
+        dflash2: a DFlash2 drafter is grafted (its selector walk is the top-k's only caller).
+
+    Returns:
+        "topk" with a DFlash2 drafter; for hybrid configs (qwen3_5, qwen3_5_moe, qwen3_next: the
+        `StaticHybridExecutor` families) "gdn_recurrent" when `gdn_kernel_fits`, and "fused_norms".
+    """
+    from ignis.runtime.families.qwen3_5 import HybridConfig
+
+    out: list[str] = []
+    if dflash2:
+        out.append("topk")
+    if isinstance(config, HybridConfig):
+        if gdn_kernel_fits(config):
+            out.append("gdn_recurrent")
+        out.append("fused_norms")
+    return tuple(out)
 
 
 @dataclass(frozen=True, order=True)
@@ -152,7 +240,7 @@ class ModulePlan:
         shapes: the linears to compile at every width.
         dtype: activation dtype ("float32", "bfloat16", "float16").
         target: the TVM target dict.
-        kernels: the non-linear kernels to build (keys of `KERNELS`; CUDA cards only).
+        kernels: the non-linear kernel libraries to build (keys of `KERNELS`; CUDA cards only).
     """
 
     card: str
@@ -176,13 +264,16 @@ class ModulePlan:
 
     def num_functions(self) -> int:
         """Functions compiled in all (one per shape and width, mma libraries shared across widths,
-        plus one per kernel)."""
+        plus each kernel library's exports)."""
         if not self.is_cuda:
-            return len(self.shapes) * len(self.widths) + len(self.kernels)
+            return len(self.shapes) * len(self.widths) + self._kernel_functions()
         mma = [s for s in self.shapes if self.route(s) == "cuda-mma"]
         tir = len(self.shapes) - len(mma)
         tiles = {(w + 7) // 8 for w in self.widths}
-        return len(mma) * len(tiles) + tir * len(self.widths) + len(self.kernels)
+        return len(mma) * len(tiles) + tir * len(self.widths) + self._kernel_functions()
+
+    def _kernel_functions(self) -> int:
+        return sum(len(KERNELS[k].exports) for k in self.kernels)
 
 
 def plan_modules(
@@ -193,9 +284,12 @@ def plan_modules(
     shapes: Sequence[LinearShape],
     other_dtype: str,
     llvm_mcpu: str | None = None,
+    config: Any = None,
+    dflash2: bool = False,
 ) -> ModulePlan:
-    """Choose what to compile: on CUDA cards only the q4_g32 linears, and the `KERNELS` (module
-    docstring)."""
+    """Choose what to compile: on CUDA cards only the q4_g32 linears, and the `KERNELS` libraries
+    `select_kernels(config=config, dflash2=dflash2)` picks (module docstring); CPU cards get no
+    kernel library."""
     dtype = ACTIVATION_DTYPES.get(other_dtype, "bfloat16")
     kernels: tuple[str, ...] = ()
     if arch == "llvm":
@@ -204,7 +298,7 @@ def plan_modules(
     else:
         target = {"kind": "cuda", "arch": arch}
         chosen = tuple(s for s in shapes if s.kind == "q4_g32")
-        kernels = tuple(KERNELS)
+        kernels = select_kernels(config=config, dflash2=dflash2)
     return ModulePlan(
         card=card,
         arch=arch,
@@ -278,27 +372,40 @@ def strip_local_symbols(path: Path) -> bool:
 
 
 def _build_kernel(kind: str, arch: str, dest: Path) -> None:
-    """Compile one of `KERNELS` for a CUDA arch into `dest` (nvcc, in a worker thread)."""
-    if kind != "topk":
+    """Compile the `KERNELS` library `kind` for a CUDA arch into `dest` (nvcc, in a worker thread).
+
+    Raises:
+        ModuleBuildError: no such library, or its builder cannot be imported. The builder's own
+            errors (nvcc failures) propagate.
+    """
+    import importlib
+
+    lib = KERNELS.get(kind)
+    if lib is None:
         raise ModuleBuildError(f"no builder for the {kind!r} kernel")
+    module_name, func_name = lib.builder.split(":")
     try:
-        from ignis.compiler.kernels.topk import build_topk
-    except ImportError as exc:
-        raise ModuleBuildError(f"the top-k kernel builder cannot be imported: {exc}") from exc
-    build_topk({"kind": "cuda", "arch": arch}, out_path=dest)
+        builder = getattr(importlib.import_module(f"ignis.compiler.kernels.{module_name}"), func_name)
+    except (ImportError, AttributeError) as exc:
+        raise ModuleBuildError(
+            f"the {kind} kernel builder ({lib.builder}) cannot be imported: {exc}"
+        ) from exc
+    builder({"kind": "cuda", "arch": arch}, out_path=dest)
 
 
-def _kernel_entry(kind: str, rel: str, plan: ModulePlan) -> KernelEntry:
-    from ignis.compiler.kernels.topk import FUNCTION_NAME
-
-    return KernelEntry(
-        name=FUNCTION_NAME,
-        kind=kind,
-        abi=KERNEL_ABIS[kind],
-        file=rel,
-        target=dict(plan.target),
-        dtypes=KERNELS[kind][1],
-    )
+def _kernel_entries(kind: str, rel: str, plan: ModulePlan) -> list[KernelEntry]:
+    lib = KERNELS[kind]
+    return [
+        KernelEntry(
+            name=symbol,
+            kind=entry_kind,
+            abi=KERNEL_ABIS[entry_kind],
+            file=rel,
+            target=dict(plan.target),
+            dtypes=lib.dtypes,
+        )
+        for entry_kind, symbol in lib.exports
+    ]
 
 
 def build_modules(
@@ -358,10 +465,12 @@ def build_modules(
 
     kernels: list[KernelEntry] = []
     # the kernels compile in a worker thread (nvcc subprocesses) while the linears build here
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ignis-kernels") as pool:
+    # (one worker on a 2-core host: the linears' nvcc runs take the other core)
+    workers = max(1, min(len(plan.kernels), (os.cpu_count() or 2) - 1))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ignis-kernels") as pool:
         pending: list[tuple[str, str, Future[None]]] = []
         for kind in plan.kernels:
-            rel = f"{rel_dir}/{KERNELS[kind][0]}"
+            rel = f"{rel_dir}/{KERNELS[kind].file}"
             pending.append((kind, rel, pool.submit(_build_kernel, kind, plan.arch, artifact_dir / rel)))
         if builds_linears:
             entries = _build_cuda_linears(plan, artifact_dir, rel_dir, done)
@@ -370,12 +479,12 @@ def build_modules(
                 fut.result()
             except ModuleBuildError:
                 raise
-            except Exception as exc:  # TopKKernelError, nvcc failures
+            except Exception as exc:  # TopKKernelError, GdnKernelError, FusedNormsError, nvcc failures
                 raise ModuleBuildError(f"building {rel} ({kind}) for {plan.arch} failed: {exc}") from exc
             strip_local_symbols(artifact_dir / rel)
             check_cuda_binary(artifact_dir / rel, plan.arch)
             done(rel)
-            kernels.append(_kernel_entry(kind, rel, plan))
+            kernels += _kernel_entries(kind, rel, plan)
     return entries, kernels, files
 
 
@@ -469,13 +578,17 @@ def prepare_cuda_build() -> str:
 __all__ = [
     "ACTIVATION_DTYPES",
     "FUSED_LINEARS",
+    "GDN_MAX_KEY_DIM",
     "KERNELS",
+    "KernelLibrary",
     "LinearShape",
     "ModulePlan",
     "build_modules",
     "check_cuda_binary",
+    "gdn_kernel_fits",
     "linear_shapes",
     "plan_modules",
     "prepare_cuda_build",
+    "select_kernels",
     "strip_local_symbols",
 ]

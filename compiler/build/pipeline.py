@@ -6,8 +6,9 @@
 
 Steps (one module each): plan (`plan.py`, printed first; `dry_run` stops there) -> convert the
 target (`convert.py`) -> graft the drafter (`graft.py`) -> the shortlist head (`shortlist.py`) ->
-the MTP companion (`mtp_companion.py`) -> TVM modules per width, and on CUDA cards the drafter's
-top-k kernel (`modules.py`) -> the manifest (`manifest.py`).
+the MTP companion (`mtp_companion.py`) -> TVM modules per width, and on CUDA cards the kernel
+libraries the model uses (the drafter's top-k, the fused GDN recurrence and row norms: `modules.py`)
+-> the manifest (`manifest.py`).
 
 Atomicity: everything is written into a temporary sibling directory `.NAME.<random>.partial` next
 to `out`, which is renamed to `out` only when the manifest is written. Any failure, and

@@ -226,6 +226,7 @@ class BuildPlan:
             f"  modules   widths {list(m.widths)}; {len(m.shapes)} linear shape(s) "
             f"({', '.join(f'{r}: {n}' for r, n in sorted(routes.items())) or 'none'}), "
             f"{m.num_functions()} function(s), target {m.target}"
+            + (f"; kernels {', '.join(m.kernels)}" if m.kernels else "")
         )
         lines.append(f"  out       {self.out}/")
         lines.append(f"    {self.weights_file:<28} ~{human(self.weights_bytes)}")
@@ -411,6 +412,8 @@ def make_plan(
         shapes=shapes_needed,
         other_dtype=oth,
         llvm_mcpu=rec.llvm_mcpu,
+        config=config,
+        dflash2=dr is not None and dr.kind == "dflash2",
     )
     return BuildPlan(
         card=card,

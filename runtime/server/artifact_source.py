@@ -15,7 +15,9 @@ DFlash2 drafter, MTP companion container) to what the server needs:
   dequantized to the drafter's dtype. On a CUDA device the DFlash2 drafter's selector walk takes the
   artifact's compiled top-k (`Artifact.topk_module()`) when the manifest lists one (else torch's
   exact path). The MTP and draft-model drafters select by argmax or by sampling (whose top-k
-  filter only thresholds on the k-th value): no full-vocabulary top-k to route.
+  filter only thresholds on the k-th value): no full-vocabulary top-k to route. Hybrid targets on
+  CUDA get the artifact's fused GDN recurrence and row norms through `Artifact.make_executor`
+  (`gdn_module()`, `norms_module()`) when the manifest lists them.
 
 The artifact is validated when the source is opened (`load_artifact(verify=...)`): a corrupt or
 truncated file is refused there, naming the file and offset.

@@ -1,7 +1,7 @@
 """Cross-compiling an artifact's modules for the GPU cards on this host (no GPU, no driver): sm_90 (h200)
 and sm_120 (rtx5090 / rtxpro6000 / rtx50-16gb), checked to hold SASS for that arch only, never PTX or
-CUDA source, and byte-reproducible; the q4 linears and the drafter's top-k kernel (the manifest's
-`kernels`).
+CUDA source, and byte-reproducible; the q4 linears and the kernel libraries the model uses (the
+manifest's `kernels`: the drafter's top-k, the hybrid families' fused GDN recurrence and row norms).
 
 Each build runs in a fresh interpreter: the build-time libcuda stub must be loaded before `tvm` is
 first imported (DESIGN.md, "TVM facts"), and this test session may already have imported tvm.
@@ -53,31 +53,46 @@ def _build_in_subprocess(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def _check_binaries(out: Path, card: str, arch: str) -> dict[str, str]:
+#: The kernel libraries' manifest entries, by (the drafter, a hybrid family): (kind, symbol, file name).
+_TOPK = [("topk", "topk", "topk.so")]
+_HYBRID = [
+    ("gdn_recurrent", "gdn_recurrent", "gdn_recurrent.so"),
+    ("add_rms_norm", "add_rms_norm", "fused_norms.so"),
+    ("gated_rms_norm", "gated_rms_norm", "fused_norms.so"),
+]
+
+
+def _check_binaries(
+    out: Path, card: str, arch: str, kernels: list[tuple[str, str, str]], dtype: str = "bfloat16"
+) -> dict[str, str]:
     m = read_manifest(out)
     assert m.card == card and m.arch == arch and m.linear_dtype == "q4_g32"
     routes = {}
     for entry in m.modules:
         assert entry.target == {"kind": "cuda", "arch": arch}
-        assert all(f.kind == "q4_g32" and f.dtype == "bfloat16" for f in entry.functions)
+        assert all(f.kind == "q4_g32" and f.dtype == dtype for f in entry.functions)
         routes[entry.file] = entry.route
-    # one top-k kernel per CUDA card, in its own library, listed as a module file
-    assert m.version == 2 and [k.kind for k in m.kernels] == ["topk"]
-    topk = m.kernels[0]
-    assert (topk.name, topk.abi, topk.file) == ("topk", 1, f"modules/{card}/topk.so")
-    assert topk.target == {"kind": "cuda", "arch": arch}
-    assert topk.dtypes == ("bfloat16", "float16", "float32")
-    assert m.file(topk.file).role == "module" and topk.file not in routes
-    assert b"topk" in (out / topk.file).read_bytes()
-    for rel in [*routes, topk.file]:
+    # the kernel libraries the model uses, each its own file listed as a module, one entry per export
+    assert m.version == 2
+    assert [(k.kind, k.name, k.file) for k in m.kernels] == [
+        (kind, name, f"modules/{card}/{file}") for kind, name, file in kernels
+    ]
+    for k in m.kernels:
+        assert k.abi == 1 and k.target == {"kind": "cuda", "arch": arch}
+        assert k.dtypes == ("bfloat16", "float16", "float32")
+        assert m.file(k.file).role == "module" and k.file not in routes
+        assert k.name.encode() in (out / k.file).read_bytes()
+    for rel in [*routes, *sorted({k.file for k in m.kernels})]:
         info = cuda_binary_info(out / rel)
         assert info.sass_archs == (arch,), (rel, info)
         assert not info.has_ptx and not info.has_cuda_source, (rel, info)
     return routes
 
 
-@pytest.mark.parametrize(("card", "arch"), [("h200", "sm_90"), ("rtx5090", "sm_120")])
-def test_cross_compiled_q4_modules_hold_sass_for_the_arch(tmp_path: Path, card: str, arch: str) -> None:
+def test_cross_compiled_q4_modules_hold_sass_for_the_arch(tmp_path: Path) -> None:
+    """sm_120 (rtx5090): a llama without a drafter gets both q4 routes and no kernel library (the
+    top-k serves only a DFlash2 drafter); built twice, byte-identical."""
+    card, arch = "rtx5090", "sm_120"
     hf_tiny = _helper("hf_tiny")
     model = hf_tiny.tiny_model(
         "llama", hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2
@@ -86,19 +101,36 @@ def test_cross_compiled_q4_modules_hold_sass_for_the_arch(tmp_path: Path, card: 
     recipe = tmp_path / "r.toml"
     recipe.write_text('name = "tiny-gpu"\n[modules]\nwidths = [8]\n')
     _build_in_subprocess(card, ckpt, tmp_path / "a" / "tiny-gpu", recipe)
-    routes = _check_binaries(tmp_path / "a" / "tiny-gpu", card, arch)
+    routes = _check_binaries(tmp_path / "a" / "tiny-gpu", card, arch, kernels=[])
     # in_features 128 -> the tensor-core mma route (nvcc); down_proj's 160 -> TensorIR + dlight (TVM)
     assert sorted(set(routes.values())) == ["cuda-mma", "tir-dlight"]
     m = read_manifest(tmp_path / "a" / "tiny-gpu")
     shapes = {(f.out_features, f.in_features) for e in m.modules for f in e.functions}
     assert (128, 160) in shapes and (384, 128) in shapes
-    if arch != "sm_120":
-        return
     # the same input gives the same bytes (nvcc's temporary names are stripped); one arch suffices
     _build_in_subprocess(card, ckpt, tmp_path / "b" / "tiny-gpu", recipe)
     for f in m.files:
         first, second = tmp_path / "a" / "tiny-gpu" / f.path, tmp_path / "b" / "tiny-gpu" / f.path
         assert first.read_bytes() == second.read_bytes(), f.path
+
+
+def test_cross_compiled_hybrid_kernels_for_h200(tmp_path: Path) -> None:
+    """sm_90 (h200): a tiny qwen3_5 with a DFlash2 drafter gets the top-k, the fused GDN recurrence
+    and the fused row norms beside its q4 linears, each library stripped (byte-reproducible: the
+    nvcc temporary names are gone) and holding sm_90 SASS only."""
+    card, arch = "h200", "sm_90"
+    from ignis.tools.make_test_drafter import make_dflash2_drafter
+
+    _helper("hf_tiny_hybrid").make_tiny_hybrid("qwen3_5", tmp_path / "ckpt")
+    make_dflash2_drafter(tmp_path / "ckpt", tmp_path / "dflash2", num_layers=1)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "tiny-gpu"\n[modules]\nwidths = [8]\n')
+    out = tmp_path / "a" / "tiny-gpu"
+    _build_in_subprocess(card, tmp_path / "ckpt", out, recipe, tmp_path / "dflash2")
+    routes = _check_binaries(out, card, arch, kernels=_TOPK + _HYBRID)
+    assert routes
+    for k in read_manifest(out).kernels:
+        assert b"tmpxft_" not in (out / k.file).read_bytes(), k.file
 
 
 @pytest.mark.slow
@@ -128,5 +160,5 @@ def test_cross_compile_every_family_at_every_width(tmp_path: Path, card: str, ar
     m = read_manifest(tmp_path / "tiny-gpu")
     assert list(m.widths) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32]
     assert {e.width for e in m.modules} == set(m.widths)
-    _check_binaries(tmp_path / "tiny-gpu", card, arch)
+    _check_binaries(tmp_path / "tiny-gpu", card, arch, kernels=[] if drafter is None else _TOPK + _HYBRID)
     json.dumps(m.to_json())

@@ -354,12 +354,94 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
     )
     assert [s.kind for s in plan.shapes] == ["q4_g32", "q4_g32"] and plan.dtype == "bfloat16"
     assert plan.route(plan.shapes[0]) == "cuda-mma" and plan.route(plan.shapes[1]) == "tir-dlight"
-    assert plan.kernels == ("topk",)  # every CUDA card gets the drafter's top-k
-    assert plan.num_functions() == 3 + 4 + 1  # mma: tiles {1, 2, 4}; tir: one per width; the top-k
+    assert plan.kernels == ()  # no drafter, not a hybrid: no kernel library
+    assert plan.num_functions() == 3 + 4  # mma: tiles {1, 2, 4}; tir: one per width
+    with_drafter = plan_modules(
+        card="h200", arch="sm_90", widths=[1, 8, 16, 32], other_dtype="bf16", shapes=plan.shapes, dflash2=True
+    )
+    assert with_drafter.kernels == ("topk",) and with_drafter.num_functions() == 3 + 4 + 1
+    hybrid = plan_modules(
+        card="h200",
+        arch="sm_90",
+        widths=[1, 8],
+        other_dtype="bf16",
+        shapes=[],
+        config=_hybrid_config(),
+        dflash2=True,
+    )
+    # the GDN recurrence (1 function) and the fused norms (add_rms_norm + gated_rms_norm)
+    assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms") and hybrid.num_functions() == 4
     cpu = plan_modules(
-        card="cpu", arch="llvm", widths=[1], other_dtype="f32", shapes=[LinearShape("dense", 4, 64)]
+        card="cpu",
+        arch="llvm",
+        widths=[1],
+        other_dtype="f32",
+        shapes=[LinearShape("dense", 4, 64)],
+        config=_hybrid_config(),
+        dflash2=True,
     )
     assert cpu.kernels == () and cpu.num_functions() == 1
+
+
+def _hybrid_config(**changes: object) -> object:
+    import dataclasses
+
+    from ignis.runtime.families.qwen3_5 import Qwen3_5Config
+
+    config = Qwen3_5Config.from_hf(
+        dict(
+            vocab_size=320,
+            hidden_size=64,
+            num_hidden_layers=4,
+            full_attention_interval=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            intermediate_size=96,
+            max_position_embeddings=512,
+        )
+    )
+    return dataclasses.replace(config, **changes)
+
+
+def test_select_kernels_by_drafter_family_and_gdn_shape() -> None:
+    from ignis.compiler.build.modules import KERNELS, gdn_kernel_fits, select_kernels
+    from ignis.compiler.kernels.gdn_recurrent import MAX_KEY_DIM
+    from ignis.formats.manifest import KERNEL_ABIS, KERNEL_TARGETS
+
+    assert select_kernels() == ()
+    assert select_kernels(dflash2=True) == ("topk",)
+    llama = LlamaConfig.from_hf(
+        dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    )
+    assert select_kernels(config=llama, dflash2=True) == ("topk",)
+    assert select_kernels(config=_hybrid_config()) == ("gdn_recurrent", "fused_norms")
+    # the kernel's limits: k_dim <= MAX_KEY_DIM, value heads a multiple of key heads
+    assert gdn_kernel_fits(_hybrid_config(linear_key_head_dim=MAX_KEY_DIM))
+    too_wide = _hybrid_config(linear_key_head_dim=MAX_KEY_DIM + 1)
+    assert not gdn_kernel_fits(too_wide) and select_kernels(config=too_wide) == ("fused_norms",)
+    # (a family config refuses uneven heads itself; the rule still holds for any config-like object)
+    from types import SimpleNamespace
+
+    uneven = SimpleNamespace(
+        layer_types=("linear_attention",),
+        linear_key_head_dim=16,
+        linear_num_key_heads=3,
+        linear_num_value_heads=4,
+    )
+    assert not gdn_kernel_fits(uneven)
+    assert gdn_kernel_fits(SimpleNamespace(**{**vars(uneven), "linear_num_value_heads": 6}))
+    no_gdn = _hybrid_config(layer_types=("full_attention",) * 4)
+    assert not gdn_kernel_fits(no_gdn) and not gdn_kernel_fits(llama)
+    # every export of every library is a manifest kind (CUDA), and exports are unique
+    kinds = [kind for lib in KERNELS.values() for kind, _name in lib.exports]
+    assert len(kinds) == len(set(kinds)) and all(
+        KERNEL_TARGETS[k] == "cuda" and k in KERNEL_ABIS for k in kinds
+    )
 
 
 def test_build_modules_records_the_topk_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -380,7 +462,9 @@ def test_build_modules_records_the_topk_kernel(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(modules, "_build_kernel", fake_build)
     monkeypatch.setattr(modules, "strip_local_symbols", lambda path: checked.append(("strip", path.name)))
     monkeypatch.setattr(modules, "check_cuda_binary", lambda path, arch: checked.append((arch, path.name)))
-    plan = plan_modules(card="rtx5090", arch="sm_120", widths=[1, 8], other_dtype="bf16", shapes=[])
+    plan = plan_modules(
+        card="rtx5090", arch="sm_120", widths=[1, 8], other_dtype="bf16", shapes=[], dflash2=True
+    )
     seen: list[str] = []
     entries, kernels, files = modules.build_modules(plan, tmp_path, on_file=seen.append)
     assert entries == [] and files == seen == ["modules/rtx5090/topk.so"]
@@ -408,6 +492,70 @@ def test_build_modules_records_the_topk_kernel(tmp_path: Path, monkeypatch: pyte
         ModuleBuildError, match=r"modules/rtx5090/topk\.so \(topk\) for sm_120 failed: nvcc exploded"
     ):
         modules.build_modules(plan, tmp_path / "b")
+
+
+def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid model on a CUDA card: the GDN recurrence and the fused norms built beside the linears
+    (after the top-k), one manifest entry per exported function, the norms' two in one library."""
+    import ignis.compiler.build.modules as modules
+    from ignis.formats.manifest import KernelEntry
+
+    built: list[str] = []
+
+    def fake_build(kind: str, arch: str, dest: Path) -> None:
+        built.append(kind)
+        dest.write_bytes(b"\x7fELF")
+
+    monkeypatch.setattr(modules, "_build_kernel", fake_build)
+    monkeypatch.setattr(modules, "strip_local_symbols", lambda path: True)
+    monkeypatch.setattr(modules, "check_cuda_binary", lambda path, arch: None)
+    plan = plan_modules(
+        card="h200", arch="sm_90", widths=[1, 8], other_dtype="bf16", shapes=[], config=_hybrid_config()
+    )
+    entries, kernels, files = modules.build_modules(plan, tmp_path)
+    assert entries == [] and sorted(built) == ["fused_norms", "gdn_recurrent"]
+    assert files == ["modules/h200/gdn_recurrent.so", "modules/h200/fused_norms.so"]
+    target = {"kind": "cuda", "arch": "sm_90"}
+    dtypes = ("bfloat16", "float16", "float32")
+    assert kernels == [
+        KernelEntry("gdn_recurrent", "gdn_recurrent", 1, "modules/h200/gdn_recurrent.so", target, dtypes),
+        KernelEntry("add_rms_norm", "add_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
+        KernelEntry("gated_rms_norm", "gated_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kind", "module", "builder", "symbols"),
+    [
+        ("topk", "topk", "build_topk", ("topk",)),
+        ("gdn_recurrent", "gdn_recurrent", "build_gdn_recurrent", ("gdn_recurrent",)),
+        ("fused_norms", "fused_norms", "build_fused_norms", ("add_rms_norm", "gated_rms_norm")),
+    ],
+)
+def test_each_kernel_library_calls_its_builder(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    module: str,
+    builder: str,
+    symbols: tuple[str, ...],
+) -> None:
+    """`_build_kernel` reaches the kernel engineer's builder with the arch and the destination, and the
+    table's symbols are those the kernel module exports."""
+    import importlib
+
+    import ignis.compiler.build.modules as modules
+    from ignis.compiler.build.errors import ModuleBuildError
+
+    mod = importlib.import_module(f"ignis.compiler.kernels.{module}")
+    exported = getattr(mod, "FUNCTION_NAMES", None) or (mod.FUNCTION_NAME,)
+    assert tuple(name for _kind, name in modules.KERNELS[kind].exports) == tuple(exported) == symbols
+    calls: list[tuple[object, object]] = []
+    monkeypatch.setattr(mod, builder, lambda target, *, out_path: calls.append((target, out_path)))
+    modules._build_kernel(kind, "sm_120", tmp_path / "k.so")
+    assert calls == [({"kind": "cuda", "arch": "sm_120"}, tmp_path / "k.so")]
+    with pytest.raises(ModuleBuildError, match="no builder for the 'nope' kernel"):
+        modules._build_kernel("nope", "sm_120", tmp_path / "k.so")
 
 
 def test_llvm_linears_match_float64(tmp_path: Path) -> None:

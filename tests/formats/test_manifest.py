@@ -264,6 +264,68 @@ def test_kernels_roundtrip_and_version_1_manifests(tmp_path: Path) -> None:
     assert json.loads(none.to_bytes())["kernels"] == []
 
 
+def _hybrid_kernels() -> tuple[KernelEntry, ...]:
+    cuda, dtypes = {"kind": "cuda", "arch": "sm_90"}, ("bfloat16", "float16", "float32")
+    return (
+        KernelEntry("gdn_recurrent", "gdn_recurrent", 1, "modules/cpu/linear_w1.so", cuda, dtypes),
+        KernelEntry("add_rms_norm", "add_rms_norm", 1, "modules/cpu/topk.so", cuda, dtypes),
+        KernelEntry("gated_rms_norm", "gated_rms_norm", 1, "modules/cpu/topk.so", cuda, dtypes),
+    )
+
+
+def test_gdn_recurrent_and_norm_kernels_roundtrip(tmp_path: Path) -> None:
+    """The kinds added after topk: one entry per exported function, two entries may share a library
+    (the fused norms), each kind at most once per dtype."""
+    m = _artifact(tmp_path)
+    both = Manifest(**{**m.__dict__, "kernels": (*m.kernels, *_hybrid_kernels())})
+    back = parse_manifest(both.to_bytes(), path=None)
+    assert back.kernels == both.kernels
+    gdn = back.kernel("gdn_recurrent", "bfloat16")
+    assert gdn is not None and (gdn.name, gdn.abi, gdn.file) == (
+        "gdn_recurrent",
+        1,
+        "modules/cpu/linear_w1.so",
+    )
+    add, gated = back.kernel("add_rms_norm", "float16"), back.kernel("gated_rms_norm", "float32")
+    assert add is not None and gated is not None and add.file == gated.file == "modules/cpu/topk.so"
+    assert back.kernel("topk", "bfloat16") is None  # dtypes are per entry
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda o: o["kernels"][1].update(abi=2), r"kernels\[1\]\.abi 2 is not the gdn_recurrent calling"),
+        (lambda o: o["kernels"][1].update(abi=0), r"kernels\[1\]\.abi must be"),
+        (
+            lambda o: o["kernels"][1].update(target={"kind": "llvm"}),
+            r"kernels\[1\]\.target .* a gdn_recurrent kernel is built for target kind 'cuda'",
+        ),
+        (
+            lambda o: o["kernels"][1].update(dtypes=["float32", "float16"]),
+            r"kernels\[1\]\.dtypes .* ascending",
+        ),
+        (lambda o: o["kernels"][1].update(kind="gdn"), r"kernels\[1\]\.kind 'gdn' is not one of"),
+        (lambda o: o["kernels"][1].update(file="modules/cpu/gdn.so"), r"kernels\[1\]\.file .* does not list"),
+        (
+            lambda o: o["kernels"].append({**o["kernels"][1], "name": "gdn2", "dtypes": ["float16"]}),
+            r"kernels\[4\]: a second gdn_recurrent kernel for float16",
+        ),
+        (
+            lambda o: o["kernels"][3].update(name="add_rms_norm"),
+            r"kernels\[3\]: 'modules/cpu/topk\.so' exports 'add_rms_norm' for a second entry",
+        ),
+        (lambda o: o["kernels"][2].update(abi=3), r"kernels\[2\]\.abi 3 is not the add_rms_norm calling"),
+        (lambda o: o["kernels"][3].pop("target"), r"kernels\[3\]\. has missing key\(s\) \['target'\]"),
+    ],
+)
+def test_hybrid_kernel_violations_name_the_field(tmp_path: Path, change, message: str) -> None:  # type: ignore[no-untyped-def]
+    m = _artifact(tmp_path)
+    both = Manifest(**{**m.__dict__, "kernels": (*m.kernels, *_hybrid_kernels())})
+    with pytest.raises(ManifestError, match=message) as info:
+        parse_manifest(_mutated(both, change), path="art/manifest.json")
+    assert "art/manifest.json" in str(info.value)
+
+
 def test_verify_artifact_files(tmp_path: Path) -> None:
     m = _artifact(tmp_path, block_size=4096)
     verify_artifact(tmp_path, m)

@@ -369,8 +369,9 @@ def test_q4_rows_past_the_widest_width_run_compiled_in_chunks():
         calls.append(xp.shape[0])
         y.copy_(torch_linear(xp, qw))
 
-    compiled = CompiledLinears({(w, "q4_g32", 8, 64, "float32"): (q4, False, False) for w in (8, 32)},
-                               [8, 32])
+    compiled = CompiledLinears(
+        {(w, "q4_g32", 8, 64, "float32"): (q4, False, False) for w in (8, 32)}, [8, 32]
+    )
     backend = LinearBackend(compiled)
     x, b = torch.randn(2, 35, 64), torch.randn(8)
     torch.testing.assert_close(backend(x, qw, b), torch_linear(x, qw, b))
@@ -468,3 +469,257 @@ def test_the_dflash2_drafter_gets_the_kernel_on_cuda_only() -> None:
     assert drafter.topk_module is None and asked == []
     attach_topk(drafter, art, torch.device("cuda", 0))
     assert drafter.topk_module is module and asked == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the hybrid rounds' fused kernels (manifest `kernels`: gdn_recurrent, add_rms_norm + gated_rms_norm)
+
+_ALL = ("bfloat16", "float16", "float32")
+
+
+def _with_hybrid_entries(
+    artifact: Path, dst: Path, *, norms: tuple[str, ...] = ("add_rms_norm", "gated_rms_norm")
+) -> Path:
+    """A copy of the CPU artifact whose manifest lists (dummy) CUDA GDN and norm libraries."""
+    from ignis.formats.manifest import KernelEntry
+
+    a = _copy(artifact, dst)
+    cuda = {"kind": "cuda", "arch": "sm_90"}
+    entries = [
+        KernelEntry("gdn_recurrent", "gdn_recurrent", 1, "modules/h200/gdn_recurrent.so", cuda, ("bfloat16",))
+    ]
+    entries += [KernelEntry(k, k, 1, "modules/h200/fused_norms.so", cuda, _ALL) for k in norms]
+    (a / "modules/h200").mkdir(parents=True)
+    rels = sorted({e.file for e in entries})
+    for rel in rels:
+        (a / rel).write_bytes(b"\x7fELF " + rel.encode())
+    m = read_manifest(a)
+    files = tuple(sorted((*m.files, *(file_entry(a, rel, "module") for rel in rels)), key=lambda f: f.path))
+    _rewrite_manifest(a, files=files, kernels=tuple(entries))
+    return a
+
+
+def _fake_tvm(monkeypatch: pytest.MonkeyPatch, loaded: list[Path], *, fail: bool = False) -> dict[str, Any]:
+    import ignis.runtime.tvm_runtime as tvm_runtime
+
+    funcs: dict[str, Any] = {
+        n: (lambda *args, n=n: None) for n in ("gdn_recurrent", "add_rms_norm", "gated_rms_norm")
+    }
+
+    def load_module(path: Any, *, cuda: bool | None = None) -> dict[str, Any]:
+        assert cuda is True
+        loaded.append(Path(path))
+        if fail:
+            raise tvm_runtime.TvmRuntimeError(f"cannot load module {path}: no libcuda")
+        return funcs
+
+    monkeypatch.setattr(tvm_runtime, "load_module", load_module)
+    return funcs
+
+
+def test_hybrid_kernels_are_none_on_a_cpu_artifact(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded: list[Path] = []
+    _fake_tvm(monkeypatch, loaded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # even with a GPU: nothing listed
+    with load_artifact(artifact) as art:
+        assert art.manifest.kernels == ()
+        assert art.gdn_module() is None and art.norms_module() is None and art.topk_module() is None
+        assert art._hybrid_kernels(torch.bfloat16) == {}
+    assert loaded == []
+
+
+def test_gdn_and_norms_modules_load_the_listed_kernels_once(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel, GdnRecurrentKernel
+
+    a = _with_hybrid_entries(artifact, tmp_path / "a")
+    loaded: list[Path] = []
+    funcs = _fake_tvm(monkeypatch, loaded)
+    # no CUDA device: listed CUDA kernels are not loaded
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with load_artifact(a) as art:
+        assert art.gdn_module() is None and art.norms_module() is None and loaded == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with load_artifact(a) as art:
+        gdn, norms = art.gdn_module(), art.norms_module()
+        assert isinstance(gdn, GdnRecurrentKernel) and gdn.func is funcs["gdn_recurrent"]
+        assert isinstance(norms, FusedNormsKernel)
+        assert norms.funcs == {k: funcs[k] for k in ("add_rms_norm", "gated_rms_norm")}
+        assert art.gdn_module() is gdn and art.norms_module() is norms  # loaded once each
+        assert loaded == [a / "modules/h200/gdn_recurrent.so", a / "modules/h200/fused_norms.so"]
+        assert art.topk_module() is None  # no top-k listed
+    # a load failure is logged and means the torch path
+    _fake_tvm(monkeypatch, loaded, fail=True)
+    with load_artifact(a) as art, caplog.at_level(logging.WARNING, logger="ignis.runtime.artifact"):
+        assert art.gdn_module() is None and art.norms_module() is None
+    assert "compiled GDN recurrence modules/h200/gdn_recurrent.so not loaded" in caplog.text
+    assert "compiled row norms modules/h200/fused_norms.so not loaded" in caplog.text
+
+
+def test_half_listed_norms_are_not_used(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = _with_hybrid_entries(artifact, tmp_path / "a", norms=("add_rms_norm",))
+    loaded: list[Path] = []
+    _fake_tvm(monkeypatch, loaded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with load_artifact(a) as art, caplog.at_level(logging.WARNING, logger="ignis.runtime.artifact"):
+        assert art.norms_module() is None and art.gdn_module() is not None
+    assert loaded == [a / "modules/h200/gdn_recurrent.so"]
+    assert "not all of ['add_rms_norm', 'gated_rms_norm'] in one library" in caplog.text
+
+
+def test_the_static_executor_gets_the_kernels_for_its_dtype(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`make_executor`'s keyword arguments for StaticHybridExecutor: each fused kernel only when the
+    manifest lists it for the executor's dtype, the config fits it and it loads."""
+    import dataclasses as dc
+
+    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel, GdnRecurrentKernel
+    from ignis.runtime.families.qwen3_5 import Qwen3_5Config
+
+    hybrid = Qwen3_5Config.from_hf(
+        dict(
+            vocab_size=320,
+            hidden_size=64,
+            num_hidden_layers=2,
+            full_attention_interval=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            intermediate_size=96,
+            max_position_embeddings=512,
+        )
+    )
+    a = _with_hybrid_entries(artifact, tmp_path / "a")
+    _fake_tvm(monkeypatch, [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with load_artifact(a) as art:
+        art.config = hybrid
+        got = art._hybrid_kernels(torch.bfloat16)
+        assert sorted(got) == ["gdn_module", "norms_module"]
+        assert isinstance(got["gdn_module"], GdnRecurrentKernel)
+        assert isinstance(got["norms_module"], FusedNormsKernel)
+        # the GDN entry lists bfloat16 only
+        assert sorted(art._hybrid_kernels(torch.float16)) == ["norms_module"]
+        # shapes the kernel does not take: not passed (the executor would refuse it)
+        art.config = dc.replace(hybrid, linear_key_head_dim=512)
+        assert sorted(art._hybrid_kernels(torch.bfloat16)) == ["norms_module"]
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU host, from a hybrid artifact built for its card ($IGNIS_GDN_ARTIFACT: the artifact
+# directory, e.g. a tiny qwen3_5 (+ DFlash2 drafter) built for h200 on the build host)
+
+
+def _gdn_gpu_artifact() -> Path:
+    import os
+
+    from ignis.formats import read_manifest
+
+    env = os.environ.get("IGNIS_GDN_ARTIFACT")
+    if not env:
+        pytest.skip("set IGNIS_GDN_ARTIFACT to a hybrid artifact built for this GPU's card")
+    path = Path(env)
+    entry = read_manifest(path).kernel("gdn_recurrent")
+    major, minor = torch.cuda.get_device_capability()
+    if entry is None or entry.target.get("arch") != f"sm_{major}{minor}":
+        pytest.skip(f"{path} lists no gdn_recurrent kernel for sm_{major}{minor}")
+    return path
+
+
+def _greedy_eager(ex: Any, prompt: torch.Tensor, n_new: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Token-by-token greedy decoding: (the tokens, the logits row each was taken from)."""
+    lane = ex.new_lane()
+    out = ex.forward([lane], [prompt], record=False)
+    ex.commit([lane], [prompt.numel()])
+    rows = [out.logits[0][-1].float()]
+    produced = [int(rows[-1].argmax())]
+    while len(produced) < n_new:
+        out = ex.forward([lane], [torch.tensor([produced[-1]], device=prompt.device)])
+        ex.commit([lane], [1])
+        rows.append(out.logits[0][-1].float())
+        produced.append(int(rows[-1].argmax()))
+    return produced, rows
+
+
+def _greedy_verify_rounds(ex: Any, prompt: torch.Tensor, drafts: list[int], n_new: int) -> list[int]:
+    """Greedy decoding in verify rounds of 1 + 3 columns: the drafts come from `drafts` (every
+    third round one is corrupted), the kept prefix is what the round's argmax confirms."""
+    lane = ex.new_lane()
+    out = ex.forward([lane], [prompt], record=False)
+    ex.commit([lane], [prompt.numel()])
+    produced = [int(out.logits[0][-1].argmax())]
+    r = 0
+    while len(produced) < n_new:
+        guess = list(drafts[len(produced) : len(produced) + 3]) or [0]
+        if r % 3 == 2:
+            guess[-1] = (guess[-1] + 1) % ex.config.vocab_size
+        cols = torch.tensor([produced[-1], *guess], device=prompt.device)
+        pred = ex.forward([lane], [cols]).logits[0].argmax(-1).tolist()
+        keep = 1
+        while keep <= len(guess) and pred[keep - 1] == guess[keep - 1]:
+            keep += 1
+        ex.commit([lane], [keep])
+        produced += pred[:keep]
+        r += 1
+    ex.release_lane(lane)
+    return produced[:n_new]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
+    """make_executor on CUDA: a StaticHybridExecutor with the artifact's GDN recurrence (and row
+    norms, when listed) attached and called; greedy decoding in verify rounds gives the eager
+    executor's tokens (float32), and its logits to bf16 rounding with the card's dtype and the
+    compiled q4 linears."""
+    from ignis.runtime.families.hybrid_executor import HybridExecutor
+    from ignis.runtime.families.hybrid_graphs import (
+        FusedNormsKernel,
+        GdnRecurrentKernel,
+        StaticHybridExecutor,
+    )
+
+    with load_artifact(_gdn_gpu_artifact()) as art:
+        gdn = art.gdn_module()
+        assert isinstance(gdn, GdnRecurrentKernel) and art.gdn_module() is gdn
+        norms = art.norms_module()
+        listed_norms = art.manifest.kernel("add_rms_norm") is not None
+        assert isinstance(norms, FusedNormsKernel) == listed_norms
+        calls: list[int] = []
+        real = gdn.func
+        gdn.func = lambda *a, _f=real: (calls.append(1), _f(*a))[1]
+        vocab = art.config.vocab_size
+        prompt = torch.tensor([5, 17, 33, 2, 90, 41, 7], device="cuda") % vocab
+        n_new = 24
+        for dtype, linear in ((torch.float32, None), (art.default_dtype(), art.linear_backend())):
+            kw = {"device": "cuda", "dtype": dtype, "linear": linear}
+            static = art.make_executor(**kw, max_lanes=2, max_context=256)
+            eager = art.make_executor(**kw, cuda_graphs=False)
+            assert isinstance(static, StaticHybridExecutor) and isinstance(eager, HybridExecutor)
+            assert not isinstance(eager, StaticHybridExecutor)
+            # the executor wraps what it is given: the same compiled functions
+            assert static.gdn_module is not None and static.gdn_module.func is gdn.func
+            if norms is None:
+                assert static.norms_module is None
+            else:
+                assert static.norms_module is not None and static.norms_module.funcs == norms.funcs
+            calls.clear()
+            want, rows = _greedy_eager(eager, prompt, n_new)
+            if dtype == torch.float32:
+                assert _greedy_verify_rounds(static, prompt, want, n_new) == want
+            else:  # bf16: the logits of the eager tokens agree to bf16 rounding
+                lane = static.new_lane()
+                static.forward([lane], [prompt], record=False)
+                static.commit([lane], [prompt.numel()])
+                out = static.forward([lane], [torch.tensor(want[:8], device="cuda")])
+                got = out.logits[0].float()
+                torch.testing.assert_close(got, torch.stack(rows[1:9]), atol=0.15, rtol=0.05)
+            assert calls, "the static rounds did not call the artifact's GDN kernel"
