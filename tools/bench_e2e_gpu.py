@@ -24,7 +24,10 @@ Phases (in priority order; each is skipped, and said so, when the time budget is
    `--norms-module PATH` too (a `.so` from `ignis.compiler.kernels.fused_norms.build_fused_norms`):
    the rounds per width with every fused module (`rounds_all_fused`: the GDN recurrence + the fused
    add/RMSNorm and gated norm), printed per width against the GDN-only rounds and the floor; the
-   decode then uses both.
+   decode then uses both. With `--mixers-module PATH` (a `.so` from
+   `ignis.compiler.kernels.fused_mixers.build_fused_mixers`): the rounds per width with every given
+   module plus the fused mixer pieces (`rounds_mixers`: GDN conv + SiLU, q/k norm + RoPE + KV write),
+   printed against the previous all-fused rounds; the decode then uses every given module.
 1. Q4 compiled route: `HybridExecutor(bf16, linear=LinearBackend(CompiledLinears(...)))` over the
    carried sm_90 bundle (`--mods`: `q4_e2e_sm90.so` + `manifest.json` mapping (width, N, K) to an
    export; every width 1..8, 16, 32). Per width R: the linears of one forward alone (eager through
@@ -663,6 +666,13 @@ def main() -> int:
         default=None,
         help="fused norms .so (build_fused_norms): graphed rounds per width with every fused module",
     )
+    ap.add_argument(
+        "--mixers-module",
+        type=Path,
+        default=None,
+        help="fused mixers .so (build_fused_mixers): graphed rounds per width with every given fused "
+        "module plus the mixers; the graphed decode uses it too",
+    )
     ap.add_argument("--widths", default=None, help="comma-separated round widths (default 1..8,16,32)")
     ap.add_argument(
         "--fused-only",
@@ -764,17 +774,33 @@ def main() -> int:
                 save()
                 del allf
                 gc.collect()
+            if args.mixers_module is not None:
+                mixf = StaticHybridExecutor(
+                    cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
+                    max_lanes=1, max_columns=max(widths), max_context=ctx, gdn_module=args.gdn_module,
+                    norms_module=args.norms_module, mixers_module=args.mixers_module,
+                )  # fmt: skip
+                gr["mixers_module"] = str(args.mixers_module)
+                log("graphed route with every given fused module + the mixers: rounds per width")
+                gr["rounds_mixers"] = bench_graph_rounds(mixf, ref, dev, widths, args.reps, vocab)
+                save()
+                del mixf
+                gc.collect()
             if args.no_decode:
                 res["not_done"].append("graphed decode (--no-decode)")
             else:
                 lanes8 = StaticHybridExecutor(
                     cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
                     max_lanes=8, max_columns=8, max_context=ctx, gdn_module=args.gdn_module,
-                    norms_module=args.norms_module,
+                    norms_module=args.norms_module, mixers_module=args.mixers_module,
                 )  # fmt: skip
                 gr["decode_fused"] = args.gdn_module is not None
                 gr["decode_fused_norms"] = args.norms_module is not None
-                log(f"graphed route: decode (fused GDN: {gr['decode_fused']})")
+                gr["decode_fused_mixers"] = args.mixers_module is not None
+                log(
+                    f"graphed route: decode (fused GDN: {gr['decode_fused']}, norms: "
+                    f"{gr['decode_fused_norms']}, mixers: {gr['decode_fused_mixers']})"
+                )
                 gr["decode"] = graphed_decode_suite(lanes8, prompts8, tokens, vocab, budget, ps)
                 gr["captures_decode"] = lanes8.num_captures
                 gr["replays_decode"] = lanes8.num_replays
@@ -924,10 +950,32 @@ def main() -> int:
                 f"| {r} | {fmt(grr.get(k, {}).get('graph_ms'))} | {fmt(f)} | {fmt(a)} | {saved} "
                 f"| {fmt(a / floor) if a and floor else '-'} | {am} |"
             )
+    grm = gr.get("rounds_mixers", {})
+    if grm:
+        print(
+            "\n| R | previous all-fused round ms | + fused mixers ms | saved | mixers / floor "
+            "| argmax vs eager |"
+        )
+        print("|---|---|---|---|---|---|")
+        for r in widths:
+            k = str(r)
+            m = grm.get(k, {}).get("graph_ms")
+            a = (gra or grf).get(k, {}).get("graph_ms")
+            am = grm.get(k, {}).get("argmax_equal_vs_eager")
+            saved = fmt(a - m) if a and m else "-"
+            print(
+                f"| {r} | {fmt(a)} | {fmt(m)} | {saved} | {fmt(m / floor) if m and floor else '-'} | {am} |"
+            )
     print("\n| route | run | tok/s | tokens/round | rounds/lane | wall s |")
     print("|---|---|---|---|---|---|")
     for route, d in (
-        ("q4 graphed" + (" fused GDN" if gr.get("decode_fused") else ""), gr.get("decode", {})),
+        (
+            "q4 graphed"
+            + (" fused GDN" if gr.get("decode_fused") else "")
+            + (" +norms" if gr.get("decode_fused_norms") else "")
+            + (" +mixers" if gr.get("decode_fused_mixers") else ""),
+            gr.get("decode", {}),
+        ),
         ("q4", q4.get("decode", {})),
         ("bf16", bf.get("decode", {})),
     ):

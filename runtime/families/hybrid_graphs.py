@@ -68,6 +68,14 @@ next layer's input norm, or the final norm, unless the layer is tapped) and the 
 torch kernels; same rounding points (float32 math, model-dtype casts where the torch path casts).
 Long (eager) forwards keep the torch ops.
 
+Fused mixer pieces (``mixers_module``, `FusedMixersKernel`): a module built by
+``ignis.compiler.kernels.fused_mixers.build_fused_mixers`` runs, in static rounds on CUDA, the GDN
+conv state gather + causal conv1d + SiLU together with the window write commit reads
+(``gdn_conv_silu``, one launch per GDN layer instead of ~6; when the conv weight has the model dtype)
+and attention's q/k (1 + w) RMSNorm + partial RoPE + KV scatter into the lanes' caches
+(``qk_norm_rope_kv``, one launch per attention layer instead of ~20; cos/sin stay computed once per
+round by torch); same rounding points. Long (eager) forwards keep the torch ops.
+
 Measured on an H200 (27B-shaped qwen3_5, q4 modules; docs/perf-drafts/e2e-graphs.md,
 gdn-kernel.md and fused-kernels.md): a 1-lane round of R columns 15.4-16.1 ms at R = 1 (eager
 104-128 ms), 25.4-26.1 at 8, 59.5 at 32 with the torch recurrence; with the fused kernel 12.2 ms
@@ -108,6 +116,7 @@ from ignis.runtime.linear import LinearFn, Q4Weight
 
 __all__ = [
     "DEFAULT_MAX_CONTEXT",
+    "FusedMixersKernel",
     "FusedNormsKernel",
     "GdnRecurrentKernel",
     "StaticHybridExecutor",
@@ -251,6 +260,90 @@ class FusedNormsKernel:
         return out
 
 
+MIXERS_FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
+"""The exports of a module built by ``ignis.compiler.kernels.fused_mixers.build_fused_mixers``."""
+
+
+class FusedMixersKernel:
+    """The fused mixer pieces of a compiled module (static rounds, CUDA only; the math and its source
+    are in ``ignis.compiler.kernels.fused_mixers``): the GDN conv1d + SiLU with the window write, and
+    attention's q/k (1 + w) RMSNorm + partial RoPE + KV write. Both launch on torch's current stream
+    (capturable) and allocate their outputs with torch (the graph's pool when captured).
+
+    Args:
+        source: a loaded module holding ``gdn_conv_silu`` and ``qk_norm_rope_kv`` (anything indexable
+            by those names: a ``tvm_ffi.Module`` or, for CPU tests, a dict of callables), or the path
+            of a ``.so`` built by ``build_fused_mixers`` (loaded with the lean runtime).
+
+    Raises:
+        TvmRuntimeError: a path that is missing or cannot be loaded.
+        KeyError: a module without those functions.
+    """
+
+    def __init__(self, source: Any) -> None:
+        if isinstance(source, FusedMixersKernel):
+            source = source.funcs
+        if isinstance(source, str | os.PathLike):
+            from ignis.runtime.tvm_runtime import load_module
+
+            source = load_module(source, cuda=True)
+        self.funcs = {name: source[name] for name in MIXERS_FUNCTION_NAMES}
+
+    def _call(self, name: str, args: tuple[Any, ...], cuda: bool) -> None:
+        if not cuda:  # a CPU stand-in (tests: the kernels' CPU models)
+            self.funcs[name](*args)
+            return
+        from ignis.runtime.tvm_runtime import torch_stream
+
+        with torch_stream():
+            self.funcs[name](*args)
+
+    def gdn_conv_silu(
+        self,
+        qkv: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        weight: torch.Tensor,
+        windows: torch.Tensor,
+        lanes: int,
+        n: int,
+    ) -> torch.Tensor:
+        """``silu(conv1d([state[slots] | qkv columns]))``, [L, n, C] in qkv's dtype (a new tensor);
+        also writes the windows ``windows[:L, :, :K - 1 + n]``. qkv [L * n, C] (any strides), state
+        [S, C, K - 1], slots [L] int64, weight [C, K], windows [>= L, C, >= K - 1 + n], one dtype.
+        Raises ValueError / TypeError (from the module) on shapes, dtypes or devices it does not
+        take."""
+        out = qkv.new_empty(lanes, n, qkv.shape[-1])
+        self._call("gdn_conv_silu", (qkv, state, slots, weight, windows, out), qkv.is_cuda)
+        return out
+
+    def qk_norm_rope_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        wq: torch.Tensor,
+        wk: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """The normed, rotated queries [rows, heads, hd] in q's dtype (a new tensor); the normed,
+        rotated keys and the values are written into kc / vc [S, cap, kv_heads, hd] at
+        ``[slots[r // n], pos[r]]``. q [rows, heads, hd], k, v [rows, kv_heads, hd] (any strides),
+        wq, wk = 1 + the norm weights [hd] float32, cos, sin [rows, rot] and the caches in q's dtype,
+        pos [rows] and slots [L] int64 (rows = L * n). Raises ValueError / TypeError (from the
+        module) as `gdn_conv_silu`."""
+        q_out = q.new_empty(q.shape)
+        args = (q, k, v, wq, wk, cos, sin, pos, slots, kc, vc, q_out, eps)
+        self._call("qk_norm_rope_kv", args, q.is_cuda)
+        return q_out
+
+
 @dataclass
 class _StaticPending:
     num_columns: int
@@ -347,6 +440,11 @@ class StaticHybridExecutor(HybridExecutor):
             CUDA: the residual adds fused with the following (1 + w) RMSNorm, the GDN gated RMSNorm;
             None: the torch ops. Also settable later as the ``norms_module`` attribute (captured
             graphs are dropped then).
+        mixers_module: the fused mixer pieces (`FusedMixersKernel`, a loaded module or a ``.so`` path
+            from ``ignis.compiler.kernels.fused_mixers.build_fused_mixers``) for static rounds on
+            CUDA: the GDN conv1d + SiLU (reading the pooled conv states, writing the windows commit
+            reads) and attention's q/k RMSNorm + RoPE + KV write; None: the torch ops. Also
+            settable later as the ``mixers_module`` attribute (captured graphs are dropped then).
 
     Memory (bytes): KV 2 x attn_layers x max_lanes x capacity x kv_heads x head_dim x dtype size;
     recurrent state 4 x gdn_layers x max_lanes x v_heads x k_dim x v_dim, and max_columns times that
@@ -355,9 +453,9 @@ class StaticHybridExecutor(HybridExecutor):
     Raises:
         ValueError: max_lanes, max_columns, kv_bucket or max_context out of range; cuda_graphs=True
             off CUDA or with MoE layers; a gdn_module off CUDA or for GDN shapes it does not take;
-            a norms_module off CUDA.
+            a norms_module or mixers_module off CUDA.
             Otherwise as `HybridExecutor`.
-        TvmRuntimeError: a gdn_module or norms_module path that cannot be loaded.
+        TvmRuntimeError: a gdn_module, norms_module or mixers_module path that cannot be loaded.
     """
 
     def __init__(
@@ -375,6 +473,7 @@ class StaticHybridExecutor(HybridExecutor):
         kv_bucket: int = 256,
         gdn_module: Any = None,
         norms_module: Any = None,
+        mixers_module: Any = None,
     ) -> None:
         super().__init__(config, weights, device=device, dtype=dtype, linear=linear)
         c = config
@@ -443,6 +542,8 @@ class StaticHybridExecutor(HybridExecutor):
         self.gdn_module = gdn_module
         self._norms_kernel: FusedNormsKernel | None = None
         self.norms_module = norms_module
+        self._mixers_kernel: FusedMixersKernel | None = None
+        self.mixers_module = mixers_module
 
     @property
     def gdn_module(self) -> GdnRecurrentKernel | None:
@@ -480,6 +581,22 @@ class StaticHybridExecutor(HybridExecutor):
             source = FusedNormsKernel(source)
         self._norms_kernel = source
         if self._graphs:  # captured with the torch norms: recaptured on demand, in a new pool
+            self._graphs.clear()
+            self._pool = None
+
+    @property
+    def mixers_module(self) -> FusedMixersKernel | None:
+        """The fused mixer pieces used by static rounds (None: the torch ops)."""
+        return self._mixers_kernel
+
+    @mixers_module.setter
+    def mixers_module(self, source: Any) -> None:
+        if source is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"mixers_module needs a CUDA device, got {self.device}")
+            source = FusedMixersKernel(source)
+        self._mixers_kernel = source
+        if self._graphs:  # captured with the torch ops: recaptured on demand, in a new pool
             self._graphs.clear()
             self._pool = None
 
@@ -879,20 +996,37 @@ class StaticHybridExecutor(HybridExecutor):
         linear = self.linear
         qg = linear(x, a.q_proj, a.q_bias).view(rows, nh, 2 * hd)
         gate = qg[..., hd:].reshape(rows, nh * hd)
-        q = self._norm(qg[..., :hd], a.q_norm)
-        k = self._norm(linear(x, a.k_proj, a.k_bias).view(rows, nkv, hd), a.k_norm)
-        v = linear(x, a.v_proj, a.v_bias).view(rows, nkv, hd)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         kc, vc = self._keys[layer.slot], self._values[layer.slot]  # [S, cap, nkv, hd]
-        slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
+        k_lin = linear(x, a.k_proj, a.k_bias).view(rows, nkv, hd)
+        v = linear(x, a.v_proj, a.v_bias).view(rows, nkv, hd)
         pos_rows = pos.reshape(-1)
-        if eager is None:
-            kc[slot_rows, pos_rows] = k
-            vc[slot_rows, pos_rows] = v
-        else:  # only the real columns (a padded column of a long forward could pass the capacity)
-            valid = eager[2]
-            kc[slot_rows[valid], pos_rows[valid]] = k[valid]
-            vc[slot_rows[valid], pos_rows[valid]] = v[valid]
+        mixers = self._mixers_kernel if eager is None else None
+        if mixers is not None:  # q/k norms + RoPE + the KV write, one launch
+            q = mixers.qk_norm_rope_kv(
+                qg[..., :hd],
+                k_lin,
+                v,
+                self._one_plus[id(a.q_norm)],
+                self._one_plus[id(a.k_norm)],
+                cos,
+                sin,
+                pos_rows,
+                slots,
+                kc,
+                vc,
+                c.rms_norm_eps,
+            )
+        else:
+            q, k = self._norm(qg[..., :hd], a.q_norm), self._norm(k_lin, a.k_norm)
+            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
+            if eager is None:
+                kc[slot_rows, pos_rows] = k
+                vc[slot_rows, pos_rows] = v
+            else:  # only the real columns (a padded column of a long forward could pass the capacity)
+                valid = eager[2]
+                kc[slot_rows[valid], pos_rows[valid]] = k[valid]
+                vc[slot_rows[valid], pos_rows[valid]] = v[valid]
         keys = kc[:, :bucket].index_select(0, slots).transpose(1, 2)  # [L, nkv, T, hd]
         values = vc[:, :bucket].index_select(0, slots).transpose(1, 2)
         # query head h uses kv head h // rep: group the rep query heads of a kv head as extra rows
@@ -916,12 +1050,19 @@ class StaticHybridExecutor(HybridExecutor):
         qkv, z, b, a = self._gdn_projections(g, x)
         neg_a, dt_bias = self._gdn_consts[gs]
         ch = qkv.shape[-1]
-        window = torch.cat(
-            [self._conv[gs].index_select(0, slots), qkv.view(lanes, n, ch).transpose(1, 2)], dim=2
-        )  # [L, C, kd + n]
-        conv = F.silu(F.conv1d(window, g.conv.unsqueeze(1), None, padding=0, groups=ch)).transpose(1, 2)
+        mixers = self._mixers_kernel if eager is None else None
+        window: torch.Tensor | None = None
+        if mixers is not None and g.conv.dtype == qkv.dtype == self._conv.dtype:
+            # gather + cat + conv1d + SiLU, and the window commit reads, in one launch
+            conv = mixers.gdn_conv_silu(qkv, self._conv[gs], slots, g.conv, self._windows[gs], lanes, n)
+        else:
+            window = torch.cat(
+                [self._conv[gs].index_select(0, slots), qkv.view(lanes, n, ch).transpose(1, 2)], dim=2
+            )  # [L, C, kd + n]
+            conv = F.silu(F.conv1d(window, g.conv.unsqueeze(1), None, padding=0, groups=ch)).transpose(1, 2)
         if eager is None and self._gdn_kernel is not None:  # the fused recurrence, one launch
-            self._windows[gs, :lanes, :, : kd + n] = window
+            if window is not None:
+                self._windows[gs, :lanes, :, : kd + n] = window
             out_core = x.new_empty(lanes, n, nv, dv)  # rounded to the model dtype once, as below
             self._gdn_kernel(
                 conv,
@@ -950,7 +1091,8 @@ class StaticHybridExecutor(HybridExecutor):
         v = v.float().reshape(lanes, n, nv, dv)
         prev = self._rec[gs].index_select(0, slots)  # [L, hv, dk, dv]
         if eager is None:
-            self._windows[gs, :lanes, :, : kd + n] = window
+            if window is not None:
+                self._windows[gs, :lanes, :, : kd + n] = window
             core = self._recurrence(q, k, v, decay, beta, prev, self._record[gs, :n, :lanes])
         else:
             lens, record, _, pendings = eager
@@ -962,6 +1104,7 @@ class StaticHybridExecutor(HybridExecutor):
                 else:
                     o, new_state = gated_delta_rule_chunked(*args)
                 core[i, :n_i] = o
+                assert window is not None  # eager forwards keep the torch conv
                 pendings[i].conv_windows.append(window[i, :, : kd + n_i])
                 pendings[i].rec_states.append(new_state)
         core = core.view(lanes * n, nv, dv).to(x.dtype).float()  # rounded as HF's

@@ -606,6 +606,193 @@ def test_cuda_graphs_with_the_fused_norms(tiny: TinyHybrid, dtype: torch.dtype) 
         torch.testing.assert_close(outs[1].logits[i], outs[0].logits[i], **same)
 
 
+def _emulated_mixers_module(calls: list[str]) -> dict:
+    """A CPU stand-in for the compiled fused mixers: the kernels' CPU models, with the module's
+    calling convention (outputs written in place)."""
+    from ignis.compiler.kernels.fused_mixers import gdn_conv_silu_emulated, qk_norm_rope_kv_emulated
+
+    def conv(qkv, state, slots, weight, windows, out):
+        gdn_conv_silu_emulated(qkv, state, slots, weight, windows, out)
+        calls.append("conv")
+
+    def attn(q, k, v, wq, wk, cos, sin, pos, slots, kc, vc, q_out, eps):
+        assert wq.dtype == wk.dtype == torch.float32 and q_out.shape == q.shape
+        qk_norm_rope_kv_emulated(q, k, v, wq, wk, cos, sin, pos, slots, kc, vc, q_out, eps)
+        calls.append("attn")
+
+    return {"gdn_conv_silu": conv, "qk_norm_rope_kv": attn}
+
+
+@pytest.mark.parametrize("with_others", [False, True])
+def test_fused_mixers_path_matches_hybrid_executor(
+    tiny: TinyHybrid, ref: HybridExecutor, with_others: bool
+) -> None:
+    """The executor's fused-mixers path (the GDN conv + window write, the q/k norms + RoPE + KV
+    write) with the kernels' CPU models, alone or with the GDN and norms models: rounds, commits for
+    every k and states equal HybridExecutor's and the executor's without them; eager forwards do not
+    use it."""
+    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel, FusedNormsKernel, GdnRecurrentKernel
+
+    c = tiny.config
+    vocab = c.vocab_size
+    st, plain = static(tiny, max_lanes=3), static(tiny, max_lanes=3)
+    calls: list[str] = []
+    st._mixers_kernel = FusedMixersKernel(_emulated_mixers_module(calls))  # the setter wants CUDA
+    if with_others:
+        for ex in (st, plain):
+            ex._gdn_kernel = GdnRecurrentKernel(_emulated_gdn_module([]))
+            ex._norms_kernel = FusedNormsKernel(_emulated_norms_module([]))
+    n_gdn = sum(not c.is_full_attention(i) for i in range(c.num_hidden_layers))
+    n_attn = c.num_hidden_layers - n_gdn
+    assert n_gdn and n_attn
+    head, cols = tokens(9, 27, vocab), tokens(8, 28, vocab)
+    for keep in range(9):
+        lane, other = st.new_lane(), st.new_lane()
+        pl, po = plain.new_lane(), plain.new_lane()
+        rl, ro = ref.new_lane(), ref.new_lane()
+        calls.clear()
+        run_both(ref, st, [rl, ro], [lane, other], [head, head[:4]], [9, 4], record=False)  # eager
+        plain.forward([pl, po], [head, head[:4]], record=False)
+        plain.commit([pl, po], [9, 4])
+        assert calls == []
+        for shape, keeps in (((8, 3), (keep, 2)), ((2, 5), (min(keep, 2), 5)), ((1, 1), (1, 0))):
+            columns = [cols[: shape[0]], cols[3 : 3 + shape[1]]]
+            calls.clear()
+            a = st.forward([lane, other], columns, output_hidden_states=True)
+            b = plain.forward([pl, po], columns, output_hidden_states=True)
+            assert calls.count("conv") == n_gdn and calls.count("attn") == n_attn
+            for la, lb in zip(a.logits, b.logits, strict=True):
+                close(la, lb)
+            for ha, hb in zip(a.hidden_states, b.hidden_states, strict=True):
+                close(ha, hb)
+            e = ref.forward([rl, ro], columns)
+            for la, le in zip(a.logits, e.logits, strict=True):
+                close(la, le)
+            for ex, ls in ((st, [lane, other]), (plain, [pl, po]), (ref, [rl, ro])):
+                ex.commit(ls, list(keeps))
+            for x, y, z in ((lane, pl, rl), (other, po, ro)):
+                assert_same_state(c, x, y)
+                assert_same_state(c, x, z)
+        # the lane's state equals feeding the kept tokens alone
+        expect = ref.new_lane()
+        kept = torch.cat([head, cols[:keep], cols[: min(keep, 2)], cols[:1]])
+        ref.forward([expect], [kept], record=True)
+        ref.commit([expect], [kept.numel()])
+        assert_same_state(c, lane, expect)
+        for s in (lane, other):
+            st.release_lane(s)
+        for s in (pl, po):
+            plain.release_lane(s)
+    with pytest.raises(ValueError, match="CUDA"):
+        st.mixers_module = _emulated_mixers_module([])
+    with pytest.raises(ValueError, match="CUDA"):
+        static(tiny, mixers_module=_emulated_mixers_module([]))
+    st.mixers_module = None
+    assert st.mixers_module is None
+
+
+def _mixers_module_path() -> str | None:
+    """$IGNIS_MIXERS_MODULE, else a build for this GPU's arch with nvcc, else None."""
+    import os
+    import shutil
+
+    env = os.environ.get("IGNIS_MIXERS_MODULE")
+    if env:
+        return env
+    if shutil.which("nvcc") is None:
+        return None
+    from ignis.compiler.kernels.fused_mixers import build_fused_mixers
+
+    major, minor = torch.cuda.get_device_capability()
+    return str(build_fused_mixers(f"sm_{major}{minor}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("others", [False, True])
+def test_cuda_graphs_with_the_fused_mixers(
+    tiny: TinyHybrid, dtype: torch.dtype, others: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA: static rounds with the compiled mixers (alone, or with the GDN and norms kernels when
+    available; graphed for qwen3_5) give the static rounds without them and HybridExecutor's logits;
+    KV, conv and recurrent states agree after every round; every commit k leaves the state of
+    feeding the kept tokens alone."""
+    # the kernel's conv is plain float32: keep cuDNN's conv1d (the path it is compared with) off TF32
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    graphs = tiny.config.model_type == "qwen3_5"
+    path = _mixers_module_path()
+    if path is None:
+        pytest.skip("no compiled mixers module ($IGNIS_MIXERS_MODULE) and no nvcc")
+    mods = {"gdn_module": _gdn_module_path(), "norms_module": _norms_module_path()} if others else {}
+    vocab = tiny.config.vocab_size
+    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 4, "max_context": 200, "kv_bucket": 16}
+    fused = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), mixers_module=path, **mods, **kw)
+    plain = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **mods, **kw)
+    eager = HybridExecutor(tiny.config, tiny.canonical_tensors(), device="cuda", dtype=dtype)
+    assert fused.cuda_graphs == plain.cuda_graphs == graphs and fused.mixers_module is not None
+    f32 = dtype == torch.float32
+    same = {"atol": 1e-4, "rtol": 1e-4} if f32 else {"atol": 0.05, "rtol": 0.02}
+    tol = {"atol": 2e-4, "rtol": 2e-4} if f32 else {"atol": 0.15, "rtol": 0.05}
+    exs = (fused, plain, eager)
+    lanes = [[ex.new_lane() for _ in range(3)] for ex in exs]
+    prompts = [tokens(n, 40 + n, vocab).cuda() for n in (20, 6, 11)]
+    for ex, ls in zip(exs, lanes, strict=True):
+        ex.forward(ls, prompts, record=False)
+        ex.commit(ls, [p.numel() for p in prompts])
+    c = tiny.config
+    shapes = [[1, 1, 1], [8, 3, 1], [8, 3, 1], [2, 8, 5], [8, 8, 8], [8, 1, 8]]
+    keeps = [[1, 1, 1], [4, 3, 0], [8, 1, 1], [2, 8, 3], [0, 5, 6], [3, 1, 8]]
+    for r, (shape, keep) in enumerate(zip(shapes, keeps, strict=True)):
+        cols = [tokens(n, 400 + 10 * r + i, vocab).cuda() for i, n in enumerate(shape)]
+        outs = [ex.forward(ls, cols, output_hidden_states=True) for ex, ls in zip(exs, lanes, strict=True)]
+        for i in range(3):
+            torch.testing.assert_close(outs[0].logits[i], outs[1].logits[i], **same)
+            torch.testing.assert_close(outs[0].logits[i], outs[2].logits[i], **tol)
+            torch.testing.assert_close(outs[0].hidden_states[i], outs[1].hidden_states[i], **same)
+        for ex, ls in zip(exs, lanes, strict=True):
+            ex.commit(ls, keep)
+        for a, b, e in zip(*lanes, strict=True):
+            assert a.num_tokens == b.num_tokens == e.num_tokens
+            for layer in range(c.num_hidden_layers):
+                if c.is_full_attention(layer):
+                    for x, y, z in zip(a.kv(layer), b.kv(layer), e.kv(layer), strict=True):
+                        torch.testing.assert_close(x, y, **same)
+                        torch.testing.assert_close(x, z, **tol)
+                else:
+                    torch.testing.assert_close(a.conv_state(layer), b.conv_state(layer), **same)
+                    torch.testing.assert_close(a.conv_state(layer), e.conv_state(layer), **tol)
+                    torch.testing.assert_close(a.recurrent_state(layer), b.recurrent_state(layer), **same)
+                    torch.testing.assert_close(a.recurrent_state(layer), e.recurrent_state(layer), **tol)
+    if graphs:
+        assert fused.num_replays == len(shapes) and fused.num_captures >= 2
+    base, cols = tokens(9, 87, vocab).cuda(), tokens(8, 88, vocab).cuda()
+    for keep in range(9):
+        lane = fused.new_lane()
+        fused.forward([lane], [base], record=False)
+        fused.commit([lane], [9])
+        fused.forward([lane], [cols])
+        fused.commit([lane], [keep])
+        expect = eager.new_lane()
+        kept = torch.cat([base, cols[:keep]])
+        eager.forward([expect], [kept], record=True)
+        eager.commit([expect], [kept.numel()])
+        assert lane.num_tokens == expect.num_tokens
+        for layer in range(c.num_hidden_layers):
+            if c.is_full_attention(layer):
+                for x, z in zip(lane.kv(layer), expect.kv(layer), strict=True):
+                    torch.testing.assert_close(x, z, **tol)
+            else:
+                torch.testing.assert_close(lane.recurrent_state(layer), expect.recurrent_state(layer), **tol)
+                torch.testing.assert_close(lane.conv_state(layer), expect.conv_state(layer), **tol)
+        fused.release_lane(lane)
+    plain.mixers_module = path  # set after captures: recaptured with the mixers
+    cols = [tokens(n, 600 + i, vocab).cuda() for i, n in enumerate([8, 2, 5])]
+    outs = [ex.forward(ls, cols) for ex, ls in zip(exs, lanes, strict=True)]
+    for i in range(3):
+        torch.testing.assert_close(outs[1].logits[i], outs[0].logits[i], **same)
+
+
 class _Loaded(Exception):
     """Raised by `_RecordingSource.load` to stop `ignis-run` before it serves."""
 

@@ -1,0 +1,293 @@
+"""Fused pieces of the hybrid token mixers (the GDN causal conv1d + SiLU; attention's q/k RMSNorm,
+partial RoPE and KV write), CUDA kernels exported through tvm-ffi, for CUDA-graphed verify rounds.
+
+A graphed 27B-shaped round is graph-node bound outside its linears (docs/perf-drafts/fused-kernels.md):
+every small torch kernel is a node of ~2 us. These two functions replace per-layer chains of them in
+``StaticHybridExecutor``'s static rounds:
+
+* ``gdn_conv_silu(qkv, state, slots, weight, windows, out)`` -- once per GDN layer: the gather of the
+  lanes' conv states, the concatenation with the round's columns, the depthwise causal conv1d and the
+  SiLU (torch: index_select, cat, conv1d, silu, transpose, and the copy of the window into the
+  executor's ``_windows`` buffer that `commit` reads)::
+
+      window[l, c] = [state[slots[l], c, :] | qkv[l * n + t, c] for t < n]       (kd + n values)
+      out[l, t, c] = round(silu(round(sum_k w[c, k] * window[l, c, t + k])))      k < K = kd + 1
+
+  also writing ``windows[l, c, :kd + n] = window[l, c]``.
+* ``qk_norm_rope_kv(q, k, v, wq, wk, cos, sin, pos, slots, kc, vc, q_out, eps)`` -- once per
+  full-attention layer: the (1 + w) RMSNorms of the query and key heads, the partial rotate-half
+  RoPE on their first ``rot`` dims and the scatter of keys and values into the lanes' caches
+  (torch: two norms of 5 kernels, two RoPEs of ~8, two index_put)::
+
+      y = round((x * rsqrt(mean(x^2) + eps)) * w1p)                        per head, float32 math
+      o = round(round(y * cos) + round(rotate_half(y) * sin))  on e < rot, y elsewhere
+      q_out[r] = o(q[r]);  kc[slots[r // n], pos[r]] = o(k[r]);  vc[slots[r // n], pos[r]] = v[r]
+
+``round`` is to the model dtype (identity for float32), at the points HF's Qwen3.5 modules and the
+torch path round (conv1d and SiLU each in the model dtype; RMSNorm in float32 cast once; RoPE's
+products and sum each in the model dtype, cos/sin given in the model dtype). Only the order of the
+float32 sums (the conv's, the sum of squares) differs from torch's. Shapes, dtypes and layouts:
+``fused_mixers_ffi.cuh``; the kernels: ``fused_mixers.cuh``. :func:`gdn_conv_silu_reference` /
+:func:`qk_norm_rope_kv_reference` are the torch paths (the oracles); :func:`gdn_conv_silu_emulated`
+/ :func:`qk_norm_rope_kv_emulated` CPU models of the kernels (same order of operations), with the
+module's calling convention (outputs written in place), tested against them.
+
+One module holds both (:data:`FUNCTION_NAMES`); :func:`build_fused_mixers` returns the exported
+``.so`` (nvcc, SASS for one arch, no PTX). The kernels allocate nothing and launch on the stream
+tvm-ffi reports (torch's current one under ``tvm_ffi.use_torch_stream()``), so they can be captured
+in CUDA graphs. The caller is ``ignis.runtime.families.hybrid_graphs``
+(``StaticHybridExecutor(mixers_module=...)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FUNCTION_NAMES",
+    "MAX_CONV_KERNEL",
+    "MAX_HEAD_DIM",
+    "FusedMixersError",
+    "build_fused_mixers",
+    "gdn_conv_silu_emulated",
+    "gdn_conv_silu_reference",
+    "qk_norm_rope_kv_emulated",
+    "qk_norm_rope_kv_reference",
+]
+
+FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
+MAX_CONV_KERNEL = 8  # kMaxConvKernel in fused_mixers.cuh
+MAX_HEAD_DIM = 1024  # kMaxHeadDim
+_KERNEL_DIR = Path(__file__).resolve().parent
+_SOURCES = ("fused_mixers.cuh", "fused_mixers_ffi.cuh", "fused_mixers.py")
+
+
+class FusedMixersError(ValueError):
+    """The fused mixers cannot be built for this target."""
+
+
+# --------------------------------------------------------------------------------------------
+# Oracles (the torch paths of StaticHybridExecutor) and CPU models of the kernels.
+
+
+def gdn_conv_silu_reference(qkv: Any, state: Any, slots: Any, weight: Any, n: int) -> tuple[Any, Any]:
+    """The torch path (``StaticHybridExecutor._static_gdn``): qkv [L * n, C], state [S, C, K - 1],
+    slots [L] int64, weight [C, K], all one dtype. Returns (out [L, n, C], window [L, C, K - 1 + n])
+    in that dtype: ``silu(conv1d(window))`` and the window."""
+    import torch
+    import torch.nn.functional as F
+
+    lanes, ch = slots.shape[0], qkv.shape[-1]
+    window = torch.cat([state.index_select(0, slots), qkv.view(lanes, n, ch).transpose(1, 2)], dim=2)
+    out = F.silu(F.conv1d(window, weight.unsqueeze(1), None, padding=0, groups=ch)).transpose(1, 2)
+    return out, window
+
+
+def _fma(x: Any, y: Any, z: Any) -> Any:
+    """A float32 fused multiply-add (exact product and sum in float64, rounded once)."""
+    return (x.double() * y.double() + z.double()).float()
+
+
+def gdn_conv_silu_emulated(qkv: Any, state: Any, slots: Any, weight: Any, windows: Any, out: Any) -> None:
+    """CPU model of ``gdn_conv_silu`` with the module's arguments (module docstring): writes
+    ``windows[:L, :, :K - 1 + n]`` and ``out`` [L, n, C] (model dtype) in place; per (lane, channel)
+    a float32 FMA chain over k in order, rounded, then ``y / (1 + exp(-y))`` rounded."""
+    import torch
+
+    lanes, n, ch = out.shape
+    kk = weight.shape[1]
+    dtype = out.dtype
+    window = torch.cat([state.index_select(0, slots), qkv.reshape(lanes, n, ch).transpose(1, 2)], dim=2)
+    windows[:lanes, :, : kk - 1 + n] = window
+    wf, xf = weight.float(), window.float()
+    for t in range(n):
+        acc = torch.zeros(lanes, ch, dtype=torch.float32)
+        for k in range(kk):
+            acc = _fma(wf[None, :, k], xf[:, :, t + k], acc)
+        y = acc.to(dtype).float()
+        out[:, t] = (y / (1.0 + torch.exp(-y))).to(dtype)
+
+
+def _rope_reference(x: Any, cos: Any, sin: Any) -> Any:
+    rot = cos.shape[-1]
+    half = rot // 2
+    xr, xp = x[..., :rot], x[..., rot:]
+    rotated = __import__("torch").cat((-xr[..., half:], xr[..., :half]), dim=-1)
+    return __import__("torch").cat((xr * cos[:, None, :] + rotated * sin[:, None, :], xp), dim=-1)
+
+
+def qk_norm_rope_kv_reference(
+    q: Any,
+    k: Any,
+    v: Any,
+    wq: Any,
+    wk: Any,
+    cos: Any,
+    sin: Any,
+    pos: Any,
+    slots: Any,
+    kc: Any,
+    vc: Any,
+    eps: float,
+) -> Any:
+    """The torch path (``StaticHybridExecutor._static_attention``): q [rows, heads, hd], k, v
+    [rows, kv_heads, hd] (model dtype), wq, wk = 1 + the norm weights [hd] float32, cos, sin
+    [rows, rot] model dtype, pos [rows] int64, slots [L] int64 (rows = L * n), kc, vc
+    [S, cap, kv_heads, hd] (written at [slots[r // n], pos[r]]). Returns the query [rows, heads, hd]."""
+    import torch.nn.functional as F
+
+    def norm(x: Any, w1p: Any) -> Any:
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * w1p).to(x.dtype)
+
+    rows = q.shape[0]
+    slot_rows = slots.repeat_interleave(rows // slots.shape[0])
+    kc[slot_rows, pos] = _rope_reference(norm(k, wk), cos, sin)
+    vc[slot_rows, pos] = v
+    return _rope_reference(norm(q, wq), cos, sin)
+
+
+def _head_norm_emulated(x: Any, w1p: Any, eps: float) -> Any:
+    """[rows, heads, hd] -> float32 holding model-dtype values: 32 strided FMA chains per head, an
+    xor tree, ``round((x * r) * w1p)``."""
+    import torch
+
+    from .fused_norms import _strided_sum_sq, _warp_tree
+
+    hd = x.shape[-1]
+    v = x.float()
+    total = _warp_tree(_strided_sum_sq(v, 32))[..., 0]
+    r = torch.rsqrt(total / hd + torch.tensor(eps, dtype=torch.float32))
+    return ((v * r[..., None]) * w1p.float()).to(x.dtype).float()
+
+
+def _rope_emulated(y: Any, cos: Any, sin: Any, dtype: Any) -> Any:
+    import torch
+
+    rot = cos.shape[-1]
+    half = rot // 2
+    yr = y[..., :rot]
+    rotated = torch.cat((-yr[..., half:], yr[..., :half]), dim=-1)
+    a = (yr * cos.float()[:, None, :]).to(dtype).float()
+    b = (rotated * sin.float()[:, None, :]).to(dtype).float()
+    return torch.cat(((a + b).to(dtype), y[..., rot:].to(dtype)), dim=-1)
+
+
+def qk_norm_rope_kv_emulated(
+    q: Any,
+    k: Any,
+    v: Any,
+    wq: Any,
+    wk: Any,
+    cos: Any,
+    sin: Any,
+    pos: Any,
+    slots: Any,
+    kc: Any,
+    vc: Any,
+    q_out: Any,
+    eps: float,
+) -> None:
+    """CPU model of ``qk_norm_rope_kv`` with the module's arguments (module docstring): writes
+    ``q_out`` [rows, heads, hd] and the keys / values into kc / vc at ``[slots[r // n], pos[r]]``
+    (rows whose slot or position is out of range write nothing), in the kernel's order of
+    operations."""
+    dtype = q.dtype
+    rows = q.shape[0]
+    slot_rows = slots.repeat_interleave(rows // slots.shape[0])
+    ok = (slot_rows >= 0) & (slot_rows < kc.shape[0]) & (pos >= 0) & (pos < kc.shape[1])
+    q_out.copy_(_rope_emulated(_head_norm_emulated(q, wq, eps), cos, sin, dtype))
+    keys = _rope_emulated(_head_norm_emulated(k, wk, eps), cos, sin, dtype)
+    kc[slot_rows[ok], pos[ok]] = keys[ok]
+    vc[slot_rows[ok], pos[ok]] = v[ok]
+
+
+# --------------------------------------------------------------------------------------------
+# Building the module.
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("IGNIS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ignis"
+    )
+    return Path(root) / "fused_mixers"
+
+
+def _sources_hash() -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_KERNEL_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_fused_mixers(
+    target: Any,
+    *,
+    out_path: str | os.PathLike[str] | None = None,
+    verbose: bool = False,
+) -> Path:
+    """Compile the fused mixers for a CUDA arch and return the exported ``.so`` path.
+
+    Args:
+        target: ``"sm_90"``, ``"sm_120"``... or ``{"kind": "cuda", "arch": "sm_90"}``.
+        out_path: where to write it; default a cache file keyed by arch and sources
+            (``$IGNIS_CACHE_DIR/fused_mixers/``), reused when present.
+        verbose: print ptxas' register and shared-memory report.
+
+    Returns:
+        The library, exporting ``gdn_conv_silu`` and ``qk_norm_rope_kv`` (module docstring), SASS
+        for that arch only.
+
+    Raises:
+        FusedMixersError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
+    """
+    from .q4_linear import Q4KernelError, _cuda_arch, _gencode, _nvcc, _target_dict, _tvm_ffi_paths
+
+    try:
+        tdict = _target_dict(target)
+        if tdict.get("kind") != "cuda":
+            raise FusedMixersError(f"the fused mixers are CUDA only, got target {tdict}")
+        arch = _cuda_arch(tdict)
+        nvcc = _nvcc()
+    except Q4KernelError as exc:
+        raise FusedMixersError(str(exc)) from exc
+    digest = hashlib.sha256(f"{arch}|{_sources_hash()}".encode()).hexdigest()[:16]
+    dest = Path(out_path) if out_path is not None else _cache_dir() / f"fused_mixers_{arch}_{digest}.so"
+    if out_path is None and dest.exists():
+        return dest
+    include, lib = _tvm_ffi_paths()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        src = Path(tmp) / "fused_mixers_module.cu"
+        src.write_text('#include "fused_mixers_ffi.cuh"\n\nIGNIS_FUSED_MIXERS_EXPORT()\n')
+        tmp_out = Path(tmp) / dest.name
+        cmd = [
+            nvcc,
+            "-std=c++17",
+            "-O3",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC,-fvisibility=hidden",
+            "-gencode",
+            _gencode(arch),
+            f"-I{_KERNEL_DIR}",
+            f"-I{include}",
+            f"-L{lib}",
+            "-ltvm_ffi",
+            "-o",
+            str(tmp_out),
+            str(src),
+        ]
+        if verbose:
+            cmd.insert(1, "-Xptxas=-v")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise FusedMixersError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+        if verbose:
+            print(proc.stderr)
+        os.replace(tmp_out, dest)
+    return dest
