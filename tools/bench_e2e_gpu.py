@@ -681,6 +681,12 @@ def main() -> int:
     )
     ap.add_argument("--no-decode", action="store_true", help="skip the graphed decode")
     ap.add_argument("--no-eager-rounds", action="store_true", help="skip the eager rounds per width")
+    ap.add_argument(
+        "--no-eager",
+        action="store_true",
+        help="no eager phases at all: the Q4 route only graphed (plus its linears' kernel time), the bf16 "
+        "(cuBLAS) route as graphed rounds per width with the given fused modules, then HF",
+    )
     args = ap.parse_args()
     budget = Budget(args.budget_s)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -819,8 +825,10 @@ def main() -> int:
     q4 = {}
     try:
         ex = HybridExecutor(cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend)
-        if args.graphs_only:
-            res["not_done"].append("q4 eager linears (--graphs-only)")
+        if args.no_eager:
+            args.no_eager_rounds = True
+        if args.graphs_only or args.no_eager:
+            res["not_done"].append("q4 eager linears (--graphs-only / --no-eager)")
         else:
             log("Q4 route: linears per width")
             q4["linears"] = bench_linears(ex, dev, widths, args.reps, graph=False)
@@ -833,8 +841,8 @@ def main() -> int:
             q4["rounds"] = bench_rounds(ex, dev, widths, args.reps, vocab)
         res["q4"] = q4
         save()
-        if args.graphs_only:
-            res["not_done"].append("q4 eager decode (--graphs-only)")
+        if args.graphs_only or args.no_eager:
+            res["not_done"].append("q4 eager decode (--graphs-only / --no-eager)")
         else:
             log("Q4 route: decode")
             q4["decode"] = decode_suite(ex, prompts8, tokens, vocab, budget, "q4", ps)
@@ -873,6 +881,20 @@ def main() -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         ex = HybridExecutor(cfg, dense, device=dev, dtype=torch.bfloat16)
+        if args.no_eager:
+            ctx_b = PROMPT_LEN + 2 * tokens + 64
+            gb = StaticHybridExecutor(
+                cfg, dense, device=dev, dtype=torch.bfloat16,
+                max_lanes=1, max_columns=max(widths), max_context=ctx_b, gdn_module=args.gdn_module,
+                norms_module=args.norms_module, mixers_module=args.mixers_module,
+            )  # fmt: skip
+            log("bf16 route (cuBLAS), graphed with the given fused modules: rounds per width")
+            bf["graphed_rounds"] = bench_graph_rounds(gb, ex, dev, widths, args.reps, vocab)
+            save()
+            del gb
+            ex = None
+            gc.collect()
+            raise _Skip
         if budget.left() > 40:
             log("bf16 route: linears per width")
             bf["linears"] = bench_linears(ex, dev, widths, args.reps, graph=False)
@@ -966,6 +988,18 @@ def main() -> int:
             print(
                 f"| {r} | {fmt(a)} | {fmt(m)} | {saved} | {fmt(m / floor) if m and floor else '-'} | {am} |"
             )
+    bgr = bf.get("graphed_rounds", {})
+    if bgr:
+        bfloor = res["bf16_floor_ms"]
+        print(
+            "\n| R | bf16 (cuBLAS) graphed round ms | bf16 floor ms | round / bf16 floor | argmax vs eager |"
+        )
+        print("|---|---|---|---|---|")
+        for r in widths:
+            v = bgr.get(str(r), {})
+            gms = v.get("graph_ms")
+            ratio = fmt(gms / bfloor) if gms else "-"
+            print(f"| {r} | {fmt(gms)} | {fmt(bfloor)} | {ratio} | {v.get('argmax_equal_vs_eager')} |")
     print("\n| route | run | tok/s | tokens/round | rounds/lane | wall s |")
     print("|---|---|---|---|---|---|")
     for route, d in (

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU runs that belong together, in one command on a CUDA host with only the lean runtime
+# (torch + the cp312 apache-tvm-ffi wheel + libtvm_runtime*.so; no TVM compiler, no nvcc there).
+#
+# Build host first (no GPU needed):
+#   python -m ignis.tools.build_gpu_modules --out .device/final
+# GPU host, repository root, carrying .whl/ (the tvm-ffi wheel), .device/q4/tvm_lib (the runtime
+# libraries), .device/final (the modules) and .device/gdn-art (a tiny qwen3_5 h200 artifact with a
+# DFlash2 drafter, for the artifact tests):
+#   bash tools/gpu_suite.sh [BENCH_BUDGET_S]
+# Writes under $OUT (or ./gpu-suite-out): gpu_tests.log, bench_topk JSON, bench_e2e_gpu.json, and
+# prints a short table last.
+set -u
+OUT=${OUT:-$PWD/gpu-suite-out}
+mkdir -p "$OUT"
+BUDGET=${1:-150}
+M=$PWD/.device/final
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/ns/ignis && for d in compiler runtime tools formats; do ln -sfn "$PWD/$d" /tmp/ns/ignis/$d; done
+export PYTHONPATH=/tmp/site:/tmp/ns IGNIS_TVM_LIB_DIR=$PWD/.device/q4/tvm_lib PYTHONUNBUFFERED=1
+export IGNIS_GDN_MODULE=$M/gdn_recurrent_sm90.so IGNIS_NORMS_MODULE=$M/fused_norms_sm90.so
+export IGNIS_TOPK_MODULE=$M/topk_sm90.so
+[ -f "$M/fused_mixers_sm90.so" ] && export IGNIS_MIXERS_MODULE=$M/fused_mixers_sm90.so
+ART=$PWD/.device/gdn-art/tiny-hybrid-h200
+export IGNIS_GDN_ARTIFACT=$ART IGNIS_TOPK_ARTIFACT=$ART
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+# 1. GPU tests of everything that runs on CUDA (graphs, fused kernels, top-k, artifacts).
+timeout 110 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
+  -k "${GPU_TESTS_K:-fused_mixers or artifact or topk}" \
+  tests/runtime/test_hybrid_graphs.py tests/runtime/test_topk.py tests/runtime/test_artifact.py \
+  >"$OUT/gpu_tests.log" 2>&1
+echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
+
+# 2. Top-k against torch.topk (exactness on tie-heavy data, time).
+timeout 45 python3 -m ignis.tools.bench_topk --modules "$M" --out "$OUT" >"$OUT/bench_topk.log" 2>&1
+echo "bench_topk rc=$?"
+
+# 3. End to end: 27B-shaped qwen3_5, graphed rounds per width with every fused module, graphed decode
+#    (1 and 8 lanes; speculation off and 7 drafts at fixed acceptance), the bf16 (cuBLAS) route
+#    graphed, and HF transformers generating on the same weights.
+MIX=""; [ -n "${IGNIS_MIXERS_MODULE:-}" ] && MIX="--mixers-module $IGNIS_MIXERS_MODULE"
+timeout $((BUDGET + 45)) python3 tools/bench_e2e_gpu.py --mods "$M" --gdn-module "$IGNIS_GDN_MODULE" \
+  --norms-module "$IGNIS_NORMS_MODULE" $MIX --fused-only --no-eager-rounds --no-eager --widths 1,2,4,8,16,32 \
+  --budget-s "$BUDGET" --reps 5 --hf-tokens 16 --out "$OUT" >"$OUT/bench_e2e.log" 2>&1
+echo "bench_e2e rc=$?"
+echo "== top-k =="; grep "^|" "$OUT/bench_topk.log" | head -16
+echo "== end to end (tables last) =="; tail -n 60 "$OUT/bench_e2e.log"
