@@ -6,14 +6,20 @@ It prints the resolved plan before working; every refusal is one clear message a
     0  built (or, with --dry-run, planned)
     1  the build failed or was refused: missing tensors (all listed), a drafter that does not fit,
        too little disk, an unreadable checkpoint, a module that did not compile
-    2  bad usage: unknown card, invalid recipe, an existing --out without --force
+    2  bad usage: unknown card, invalid recipe, an existing --out without --force, an --out that is
+       (or holds) an input, --force on a non-empty directory that is not an artifact
     130 interrupted (Ctrl-C); nothing was left behind
+
+An unexpected exception is reported as one "internal error" line (exit 1); set IGNIS_DEBUG=1 to get
+the Python traceback instead.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -29,13 +35,54 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def _out_problem(out: str, inputs: dict[str, str | None], force: bool) -> str | None:
+    """Why --out cannot be used, or None: it is (or contains) an input the build would replace with
+    --force, --force would replace a non-empty directory that is not an ignis artifact, or a path
+    component above it exists and is not a directory."""
+    target = Path(out).resolve()
+    for label, path in inputs.items():
+        if path is None:
+            continue
+        src = Path(path).resolve()
+        if target == src or target in src.parents:
+            how = "is" if target == src else "contains"
+            return (
+                f"--out {out} {how} the {label} {path}; building there would replace the input. "
+                "Choose another --out"
+            )
+    given = Path(out)
+    if (
+        force
+        and given.is_dir()
+        and not given.is_symlink()
+        and any(given.iterdir())
+        and not (given / "manifest.json").is_file()
+    ):
+        return (
+            f"--out {out} is not empty and is not an ignis artifact (no manifest.json); --force only "
+            "replaces an artifact directory. Remove it yourself or choose another --out"
+        )
+    above = Path(out).absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        return f"--out {out}: {above} exists and is not a directory; choose another --out"
+    return None
+
+
 def _names_block(title: str, names: list[str]) -> str:
     if not names:
         return ""
     return f"\n  {title} ({len(names)}):\n" + "\n".join(f"    {n}" for n in names)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.command(
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+    epilog="Exit status: 0 built (or planned, with --dry-run); 1 the build failed or was refused "
+    "(missing tensors, a misfit drafter, too little disk, an unreadable checkpoint, a module that did not "
+    "compile); 2 bad usage (unknown card, invalid recipe, an existing or unusable --out); 130 interrupted "
+    "(nothing is left behind). Set IGNIS_DEBUG=1 to see the traceback of an internal error.",
+)
 @click.option(
     "--card",
     required=True,
@@ -83,8 +130,8 @@ def _names_block(title: str, names: list[str]) -> str:
 @click.option(
     "--force",
     is_flag=True,
-    help="Replace --out if it exists and is not empty (the old directory is removed only after the new "
-    "artifact is complete).",
+    help="Replace --out if it is an existing artifact directory (one with manifest.json; the old one is "
+    "removed only after the new artifact is complete). Any other non-empty directory is refused.",
 )
 @click.option(
     "--progress/--no-progress",
@@ -124,6 +171,11 @@ def main(
     def _terminated(signum: int, _frame: object) -> None:  # SIGTERM (systemd, CI, `timeout`) as Ctrl-C
         raise KeyboardInterrupt(f"signal {signum}")
 
+    problem = _out_problem(
+        out, {"--model checkpoint": model, "--drafter checkpoint": drafter, "--recipe": recipe}, force
+    )
+    if problem is not None:
+        _fail(problem, EXIT_USAGE)
     signal.signal(signal.SIGTERM, _terminated)
     try:
         build_artifact(
@@ -151,9 +203,21 @@ def main(
             EXIT_FAILED,
         )
     except DrafterMismatchError as exc:
-        _fail("the drafter does not fit the target:" + _names_block("problems", exc.problems), EXIT_FAILED)
+        _fail(
+            f"the drafter {drafter} does not fit the target or cannot be read:"
+            + _names_block("problems", exc.problems),
+            EXIT_FAILED,
+        )
     except (BuildError, CompilerError, IgnisRuntimeError, FormatError, OSError) as exc:
         _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+    except Exception as exc:  # a bug, not a user error: one line, no traceback (IGNIS_DEBUG=1 shows it)
+        if os.environ.get("IGNIS_DEBUG"):
+            raise
+        _fail(
+            f"internal error ({type(exc).__name__}: {exc}). This is a bug in ignis-build: "
+            "please report it with the command line (IGNIS_DEBUG=1 shows the traceback)",
+            EXIT_FAILED,
+        )
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ The reply streams as it is generated (POST /v1/chat/completions with "stream": t
 `--stats`, each reply is followed by its timings (time to first token, tokens per second seen by
 the client, token counts) and the server's speculative acceptance over that reply (committed tokens
 per verify round, from the `ignis_speculative_*` counters of /metrics). In a conversation, `/reset`
-starts over and `/quit` (or end of input) leaves.
+starts over and `/quit` (or end of input) leaves; a refused turn is reported and dropped, and the
+conversation goes on.
 
-Exit status: 0 on success, 1 when the server refuses a request or cannot be reached.
+Exit status: 0 on success (a conversation ended by /quit or end of input), 1 when the server refuses
+the one question or cannot be reached, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class ChatClient:
     def __init__(
         self, *, socket: str | None = None, url: str = "http://localhost:8000", timeout: float = 600.0
     ):
+        self.where = f"unix socket {socket}" if socket else url
         transport = httpx.HTTPTransport(uds=socket) if socket else None
         self.http = httpx.Client(
             transport=transport, base_url="http://ignis" if socket else url, timeout=timeout
@@ -96,9 +99,10 @@ class ChatClient:
             response.read()
             try:
                 message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise ChatError(f"HTTP {response.status_code}: {message}")
+            except (ValueError, KeyError, TypeError):  # not an ignis error body (a proxy's page, ...)
+                text = " ".join(response.text.split())
+                message = text if len(text) <= 200 else text[:200] + f"... ({len(text)} chars)"
+            raise ChatError(f"HTTP {response.status_code} from {self.where}: {message}")
 
     def model(self) -> str:
         """The served model's id (the first of /v1/models).
@@ -109,12 +113,18 @@ class ChatClient:
         try:
             r = self.http.get("/v1/models")
         except httpx.HTTPError as exc:
-            raise ChatError(f"cannot reach the server: {exc}") from exc
+            raise ChatError(f"cannot reach the server at {self.where}: {exc}") from exc
         self._check(r)
-        data = r.json().get("data") or []
-        if not data:
-            raise ChatError("the server lists no model")
-        return str(data[0]["id"])
+        try:
+            data = r.json().get("data") or []
+            if not data:
+                raise ChatError(f"the server at {self.where} lists no model")
+            return str(data[0]["id"])
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise ChatError(
+                f"{self.where} is not an ignis server: GET /v1/models answered "
+                f"{r.headers.get('content-type', 'no content type')} {r.text[:80]!r}"
+            ) from exc
 
     def speculative_counters(self) -> tuple[float, float]:
         """(ignis_speculative_rounds_total, ignis_speculative_accepted_tokens_total) now."""
@@ -148,7 +158,10 @@ class ChatClient:
                     data = line[len("data: ") :]
                     if data == "[DONE]":
                         break
-                    chunk = json.loads(data)
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError as exc:
+                        raise ChatError(f"the server sent a malformed stream event: {data[:80]!r}") from exc
                     if "error" in chunk:
                         raise ChatError(f"the server failed mid-reply: {chunk['error'].get('message')}")
                     if chunk.get("usage"):
@@ -162,7 +175,7 @@ class ChatClient:
                             yield delta
                         finish = choice.get("finish_reason") or finish
         except httpx.HTTPError as exc:
-            raise ChatError(f"cannot reach the server: {exc}") from exc
+            raise ChatError(f"cannot reach the server at {self.where}: {exc}") from exc
         total = time.perf_counter() - start
         yield Reply(
             text="".join(parts),
@@ -172,6 +185,10 @@ class ChatClient:
             seconds_to_first_token=first if first is not None else total,
             seconds=total,
         )
+
+
+def _stdin_is_tty() -> bool:
+    return sys.stdin.isatty()
 
 
 def _stats_line(reply: Reply, before: tuple[float, float], after: tuple[float, float]) -> str:
@@ -202,7 +219,12 @@ def _answer(
     return reply
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Exit status: 0 every reply arrived (a conversation: ended by /quit or end of input; a refused "
+    "turn there is reported and dropped); 1 the server refused the question, failed mid-reply or cannot be "
+    "reached (the socket or URL is named), or the message is empty; 2 bad usage.",
+)
 @click.argument("message", nargs=-1)
 @click.option(
     "--socket", metavar="PATH", envvar="IGNIS_SOCKET", help="Unix socket of the server (env IGNIS_SOCKET)."
@@ -222,12 +244,24 @@ def _answer(
     show_default=True,
     help="Sampling temperature (0 is greedy).",
 )
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass in (0, 1].")
-@click.option("--top-k", type=click.IntRange(min=-1), help="Keep the k most likely tokens (0 or -1: off).")
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Nucleus mass in (0, 1]. [default: 1, off]",
+)
+@click.option(
+    "--top-k",
+    type=click.IntRange(min=-1),
+    help="Keep the k most likely tokens (0 or -1: off). [default: 0, off]",
+)
 @click.option(
     "--max-tokens", type=click.IntRange(min=1), help="Most tokens per reply. [default: to the context end]"
 )
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Seed of the request's random stream.")
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**64 - 1),
+    help="Seed of the request's random stream. [default: a fresh one per request]",
+)
 @click.option(
     "--stats", is_flag=True, help="After each reply, print timings and tokens per verify round (stderr)."
 )
@@ -245,8 +279,14 @@ def main(
     stats: bool,
 ) -> None:
     """Chat with an ignis server: MESSAGE as one question, stdin when piped, else a conversation."""
-    client = ChatClient(socket=socket, url=url)
     try:
+        client = ChatClient(socket=socket, url=url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise click.BadParameter(f"{url!r}: {exc}", param_hint="'--url'") from exc
+    try:
+        one_shot = " ".join(message) if message else (None if _stdin_is_tty() else sys.stdin.read())
+        if one_shot is not None and not one_shot.strip():
+            raise ChatError("nothing to send: the message (or piped stdin) is empty")
         params = {
             "model": model or client.model(),
             "temperature": temperature,
@@ -258,7 +298,6 @@ def main(
         history: list[dict[str, Any]] = (
             [{"role": "system", "content": system_prompt}] if system_prompt else []
         )
-        one_shot = " ".join(message) if message else (None if sys.stdin.isatty() else sys.stdin.read())
         if one_shot is not None:
             _answer(client, [*history, {"role": "user", "content": one_shot}], params, sys.stdout, stats)
             return
@@ -278,7 +317,14 @@ def main(
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            reply = _answer(client, messages, params, sys.stdout, stats)
+            try:
+                reply = _answer(client, messages, params, sys.stdout, stats)
+            except ChatError as exc:  # one refused turn (e.g. the context is full) does not end the chat
+                messages.pop()
+                click.echo(
+                    f"\nError: {exc}\n(that message was dropped; /reset starts over, /quit leaves)", err=True
+                )
+                continue
             messages.append({"role": "assistant", "content": reply.text})
     except ChatError as exc:
         raise click.ClickException(str(exc)) from exc

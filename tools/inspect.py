@@ -3,14 +3,15 @@
 Run it as `ignis-inspect FILE` or `python -m ignis.tools.inspect FILE` (not `python tools/inspect.py`:
 that would shadow the standard library's `inspect` module).
 
-`ignis-inspect DIR` prints an artifact directory's manifest (card, widths, files, modules, parts);
+`ignis-inspect DIR` prints an artifact directory's manifest (card, widths, files, modules, parts)
+and checks that every listed file is present with its size and every `.ninfer` header is valid;
 `ignis-inspect DIR --verify` checks the whole artifact against it: every listed file present with its
 size and sha256 (the first corrupt 16 MiB block of each file named by offset), no unlisted file, and
 every `.ninfer` container's tensor crc32s and padding (naming the tensor and offset).
 
 Exit status: 0 the file or artifact is valid (and, with --verify, every checksum and padding byte is
 right); 1 --verify found corrupt data; 2 the file is not a valid container, the directory has no valid
-manifest, or a listed file is missing, unlisted or of the wrong size.
+manifest, or a listed file is missing or of the wrong size (or, with --verify, a file is unlisted).
 """
 
 from __future__ import annotations
@@ -118,13 +119,17 @@ def _verify(r: NinferReader) -> bool:
 
 def _print_manifest(path: str, m: Any) -> None:
     click.echo(f"{path}: ignis artifact {m.name!r} (manifest v{m.version}, .ninfer v{m.ninfer_version})")
-    click.echo(f"card {m.card} (arch {m.arch}), family {m.family}, dtypes linear {m.linear_dtype} / other "
-               f"{m.other_dtype}, widths {list(m.widths)}")
-    click.echo(f"weights {m.weights}; mtp {m.mtp or 'none'}; drafter "
-               f"{'none' if m.drafter is None else repr(m.drafter.get('prefix'))}; shortlist "
-               f"{'none' if m.shortlist is None else m.shortlist.get('size')}; tokenizer "
-               f"{'stored' if m.tokenizer else 'none'}; chat template "
-               f"{'stored' if m.chat_template else 'none'}")
+    click.echo(
+        f"card {m.card} (arch {m.arch}), family {m.family}, dtypes linear {m.linear_dtype} / other "
+        f"{m.other_dtype}, widths {list(m.widths)}"
+    )
+    click.echo(
+        f"weights {m.weights}; mtp {m.mtp or 'none'}; drafter "
+        f"{'none' if m.drafter is None else repr(m.drafter.get('prefix'))}; shortlist "
+        f"{'none' if m.shortlist is None else m.shortlist.get('size')}; tokenizer "
+        f"{'stored' if m.tokenizer else 'none'}; chat template "
+        f"{'stored' if m.chat_template else 'none'}"
+    )
     total = sum(f.size for f in m.files)
     click.echo(f"files: {len(m.files)} ({total} bytes, {_size(total)})")
     rows = [(f.path, f.role, str(f.size), f.sha256[:16]) for f in m.files]
@@ -134,8 +139,10 @@ def _print_manifest(path: str, m: Any) -> None:
         click.echo("  " + "  ".join(cells).rstrip())
     click.echo(f"modules: {len(m.modules)}")
     for mod in m.modules:
-        click.echo(f"  width {mod.width:>2}: {mod.file} ({mod.route}, {len(mod.functions)} function(s)"
-                   f"{', dynamic rows' if mod.dynamic_rows else ''})")
+        click.echo(
+            f"  width {mod.width:>2}: {mod.file} ({mod.route}, {len(mod.functions)} function(s)"
+            f"{', dynamic rows' if mod.dynamic_rows else ''})"
+        )
     spec = m.profile.get("spec") or {}
     for kind, vals in sorted(spec.items()):
         click.echo(f"profile spec {kind}: {vals}")
@@ -151,6 +158,20 @@ def _inspect_dir(path: str, verify: bool) -> None:
         raise _Invalid(f"invalid artifact ({type(exc).__name__}): {exc}") from exc
     _print_manifest(path, m)
     if not verify:
+        try:  # cheap: presence and sizes (a stat per file), so a truncated artifact never exits 0
+            verify_artifact(path, m, check_hashes=False, allow_extra=True)
+        except ArtifactFileError as exc:
+            for p in exc.problems:
+                click.echo(f"BAD FILE {p}", err=True)
+            raise _Invalid(
+                f"{len(exc.problems)} problem(s) with the artifact's files (run with --verify for checksums)"
+            ) from exc
+        for rel in [m.weights, *([m.mtp] if m.mtp else [])]:  # headers validated, as the loader does
+            try:
+                with NinferReader(os.path.join(path, rel)):
+                    pass
+            except FormatError as exc:
+                raise _Invalid(f"invalid .ninfer file in the artifact ({type(exc).__name__}): {exc}") from exc
         return
     start = time.perf_counter()
     problems: list[str] = []
@@ -161,9 +182,14 @@ def _inspect_dir(path: str, verify: bool) -> None:
             click.echo(f"BAD FILE {p}", err=True)
         raise _Invalid(f"verify: FAILED: {len(exc.problems)} problem(s) with the artifact's files") from exc
     except ArtifactChecksumError as exc:
+        sizes = {f.path: f.size for f in m.files}
         for rel, offset in exc.mismatches:
-            click.echo(f"MISMATCH {os.path.join(path, rel)}: sha256 differs from the manifest (first corrupt "
-                       f"block at byte offset {offset})", err=True)
+            end = max(offset, min(offset + m.block_size, sizes.get(rel, 0)) - 1)
+            click.echo(
+                f"MISMATCH {os.path.join(path, rel)}: sha256 differs from the manifest (first corrupt "
+                f"block: bytes {offset} to {end}; blocks are {_size(m.block_size)})",
+                err=True,
+            )
             problems.append(rel)
     for rel in [m.weights, *([m.mtp] if m.mtp else [])]:
         full = os.path.join(path, rel)
@@ -181,11 +207,19 @@ def _inspect_dir(path: str, verify: bool) -> None:
         click.echo(f"verify: FAILED: {len(set(problems))} corrupt file(s): {sorted(set(problems))}", err=True)
         raise SystemExit(EXIT_CORRUPT_DATA)
     total = sum(f.size for f in m.files)
-    click.echo(f"verify: ok: {len(m.files)} file(s), {total} bytes, sha256 and .ninfer crc32/padding checked "
-               f"in {seconds:.2f} s")
+    click.echo(
+        f"verify: ok: {len(m.files)} file(s), {total} bytes, sha256 and .ninfer crc32/padding checked "
+        f"in {seconds:.2f} s"
+    )
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Exit status: 0 valid (with --verify: every checksum and padding byte right); 1 --verify found "
+    "corrupt data (each corrupt tensor, or file and byte range, is named); 2 not a valid container or "
+    "artifact: a bad header, no valid manifest.json, a listed file missing or of the wrong size (with "
+    "--verify, also an unlisted file).",
+)
 @click.argument("path", type=click.Path(exists=True, path_type=str))
 @click.option(
     "--verify",
@@ -204,6 +238,8 @@ def main(path: str, verify: bool) -> None:
     if os.path.isdir(path):
         _inspect_dir(path, verify)
         return
+    if not os.path.isfile(path):  # a FIFO would block in open(); devices and sockets are no containers
+        raise _Invalid(f"{path}: not a regular file (a .ninfer container) nor an artifact directory")
     try:
         with NinferReader(path) as r:
             _print_file(r)

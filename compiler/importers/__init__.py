@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ignis.compiler.errors import CheckpointError
+from ignis.runtime.errors import ConfigError, UnknownModelTypeError
 from ignis.runtime.families.base import FamilyConfig
 from ignis.runtime.tokenizer import TokenizerSpec
 
@@ -102,11 +103,20 @@ class Checkpoint:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def naming_file(exc: ConfigError | UnknownModelTypeError, path: Path) -> Exception:
+    """`exc` again, of the same type, its message prefixed with the file the config came from (a
+    subclass with fields of its own is returned unchanged)."""
+    if type(exc) not in (ConfigError, UnknownModelTypeError):
+        return exc
+    return type(exc)(f"{path}: {exc}")
+
+
 def load_checkpoint(path: str | Path, *, ignore_prefixes: tuple[str, ...] = ()) -> Checkpoint:
     """Import an HF folder or a `.gguf` file (dispatch on what `path` is).
 
     Raises:
-        CheckpointError: the path does not exist or is neither a folder nor a `.gguf` file; or
+        CheckpointError: the path does not exist or is neither a folder nor a GGUF file (a `.gguf`
+            name or the GGUF magic); or
             whatever the chosen importer raises (see `import_hf`, `import_gguf`).
     """
     p = Path(path)
@@ -114,15 +124,28 @@ def load_checkpoint(path: str | Path, *, ignore_prefixes: tuple[str, ...] = ()) 
         from ignis.compiler.importers.hf import import_hf
 
         return import_hf(p, ignore_prefixes=ignore_prefixes)
-    if p.is_file() and p.suffix.lower() == ".gguf":
+    if p.is_file() and (p.suffix.lower() == ".gguf" or _starts_with(p, b"GGUF")):
         from ignis.compiler.importers.gguf import import_gguf
 
         return import_gguf(p)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
+    hint = ""
+    if p.is_file() and (
+        p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json")
+    ):
+        hint = f"; pass the folder that holds it ({p.parent})"
     raise CheckpointError(
-        f"{p}: expected an HF checkpoint folder (config.json + safetensors) or a .gguf file"
+        f"{p}: expected an HF checkpoint folder (config.json + safetensors) or a GGUF file{hint}"
     )
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
 
 
 __all__ = ["Checkpoint", "LazyTensors", "load_checkpoint"]

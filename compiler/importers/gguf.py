@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from ignis.compiler.errors import CheckpointError, UnsupportedArchitectureError
-from ignis.compiler.importers import Checkpoint, LazyTensors
+from ignis.compiler.importers import Checkpoint, LazyTensors, naming_file
+from ignis.runtime.errors import ConfigError, UnknownModelTypeError
 from ignis.runtime.families.base import check_tensor_set, config_from_hf, get_family
 from ignis.runtime.tokenizer import TokenizerSpec
 
@@ -185,8 +186,11 @@ def import_gguf(path: str | Path) -> Checkpoint:
     meta = read_metadata(reader)
     by_gguf_name = {t.name: t for t in reader.tensors}
     raw = config_dict_from_metadata(meta, set(by_gguf_name), str(p))
-    config = config_from_hf(raw)
-    family = get_family(config.model_type)
+    try:
+        config = config_from_hf(raw)
+        family = get_family(config.model_type)
+    except (ConfigError, UnknownModelTypeError) as exc:
+        raise naming_file(exc, p) from exc
     arch = str(meta["general.architecture"])
     _, permuted = SUPPORTED_ARCHITECTURES[arch]
 

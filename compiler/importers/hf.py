@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from ignis.compiler.errors import CheckpointError
-from ignis.compiler.importers import Checkpoint, LazyTensors
+from ignis.compiler.importers import Checkpoint, LazyTensors, naming_file
+from ignis.runtime.errors import ConfigError, UnknownModelTypeError
 from ignis.runtime.families.base import Family, check_tensor_set, config_from_hf, get_family
 from ignis.runtime.tokenizer import SPECIAL_TOKEN_NAMES, TokenizerSpec
 
@@ -113,8 +114,11 @@ def import_hf(path: str | Path, *, ignore_prefixes: tuple[str, ...] = ()) -> Che
     raw = _read_json(config_path)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
-    config = config_from_hf(raw)
-    family = get_family(config.model_type)
+    try:
+        config = config_from_hf(raw)
+        family = get_family(config.model_type)
+    except (ConfigError, UnknownModelTypeError) as exc:
+        raise naming_file(exc, config_path) from exc
 
     files = _safetensors_files(folder)
     handles: dict[Path, Any] = {}
@@ -158,11 +162,19 @@ def import_hf(path: str | Path, *, ignore_prefixes: tuple[str, ...] = ()) -> Che
         p, ckpt_name = where[name]
         return handles[p].get_tensor(ckpt_name)
 
+    stored = {name: encodings[name] for name in where}  # before any canonical rewrite
     loaders: dict[str, Callable[[], torch.Tensor]] = {}
     if family.canonicalize_tensors is not None:
         shapes, encodings, loaders = _canonicalize(family, config, shapes, encodings, load)
 
     check_tensor_set(config, shapes, source=str(folder), ignore_prefixes=ignore_prefixes)
+    not_float = sorted(n for n, enc in stored.items() if not enc.startswith(("F", "BF")))
+    if not_float:
+        listed = "; ".join(f"{where[n][1]} ({stored[n]}) in {where[n][0].name}" for n in not_float)
+        raise CheckpointError(
+            f"{folder}: {len(not_float)} tensor(s) are not stored as floats: {listed}. Pre-quantized "
+            "checkpoints (GPTQ, AWQ, ...) cannot be imported: use the bf16/f16/f32 release or a GGUF file"
+        )
 
     def read(name: str) -> torch.Tensor:
         return loaders[name]() if name in loaders else load(name)
