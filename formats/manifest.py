@@ -88,9 +88,29 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   or z's dtype: `out = round(round(w * round(x * rsqrt(mean(x^2) + eps))) * silu(z))` over the last
   dim. Both norms: wrong shapes or devices raise ValueError, dtypes TypeError; they allocate nothing
   and run on the caller's CUDA stream.
+* `gdn_conv_silu`, abi 1 (the GDN causal conv1d + SiLU of a verify round,
+  `ignis.compiler.kernels.fused_mixers`; target kind "cuda"): `name(qkv[L * n, C], state[S, C, K -
+  1], slots int64[L], weight[C, K], windows[>= L, C, >= K - 1 + n], out[L, n, C])`, qkv, state,
+  weight, windows and out of one dtype from `dtypes` (any strides but out, contiguous): per lane l
+  the window `[state[slots[l]] | qkv[l * n + t] for t < n]` (K - 1 + n values per channel c) is
+  written to `windows[l, c, :K - 1 + n]` and `out[l, t, c] = round(silu(round(sum_k weight[c, k] *
+  window[t + k])))` (float32 math, `round` to the dtype). Limits: 2 <= K <= 8, 1 <= L, n <= 65535.
+* `qk_norm_rope_kv`, abi 1 (the same library as `gdn_conv_silu` when both are built;
+  `ignis.compiler.kernels.fused_mixers`; target kind "cuda"): `name(q[rows, H, D], k[rows, Hkv, D],
+  v[rows, Hkv, D], wq f32[D], wk f32[D], cos[rows, rot], sin[rows, rot], pos int64[rows], slots
+  int64[L], kc[S, cap, Hkv, D], vc[S, cap, Hkv, D], q_out[rows, H, D], eps: float)`, rows = L * n,
+  q, k, v, cos, sin, kc, vc, q_out of one dtype from `dtypes` (q_out contiguous, wq / wk contiguous;
+  others any strides): per head `y = round(x * rsqrt(mean(x^2) + eps) * w1p)` (w1p = wq or wk = 1 +
+  the norm weight, float32 math) then rotate-half RoPE on the first rot dims, `o = round(round(y *
+  cos) + round(rotate_half(y) * sin))`; writes q's to q_out, k's to `kc[slots[r // n], pos[r]]` and
+  v to `vc[slots[r // n], pos[r]]` (a row whose slot or position is out of range writes no key or
+  value). Limits: rot even, rot <= D <= 1024, H + Hkv <= 65535. Both mixers: wrong shapes or devices
+  raise ValueError, dtypes TypeError; they allocate nothing and run on the caller's CUDA stream
+  (capturable in a CUDA graph).
 
-Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, after `topk`) are
-refused by a reader that predates them (a `ManifestError` naming `kernels[i].kind`).
+Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, `gdn_conv_silu`,
+`qk_norm_rope_kv`, after `topk`) are refused by a reader that predates them (a `ManifestError` naming
+`kernels[i].kind`).
 
 Versions: version 2 added `kernels`. A reader of version 2 reads version 1 manifests (no `kernels` key;
 a version 1 manifest holding one is refused as an unknown key), as a manifest without kernels;
@@ -151,10 +171,24 @@ ACTIVATION_DTYPES: Final[frozenset[str]] = frozenset({"float32", "float16", "bfl
 #: Kinds of compiled non-linear kernels (`kernels`), each with the one calling-convention version
 #: (abi) a reader of this manifest version accepts, and the target kind it must be built for.
 KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
-    {"topk": 1, "gdn_recurrent": 1, "add_rms_norm": 1, "gated_rms_norm": 1}
+    {
+        "topk": 1,
+        "gdn_recurrent": 1,
+        "add_rms_norm": 1,
+        "gated_rms_norm": 1,
+        "gdn_conv_silu": 1,
+        "qk_norm_rope_kv": 1,
+    }
 )
 KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
-    {"topk": "cuda", "gdn_recurrent": "cuda", "add_rms_norm": "cuda", "gated_rms_norm": "cuda"}
+    {
+        "topk": "cuda",
+        "gdn_recurrent": "cuda",
+        "add_rms_norm": "cuda",
+        "gated_rms_norm": "cuda",
+        "gdn_conv_silu": "cuda",
+        "qk_norm_rope_kv": "cuda",
+    }
 )
 
 # --- metadata keys of the artifact's .ninfer files (the compiler writes them, the runtime reads them) ---
@@ -385,7 +419,7 @@ class KernelEntry:
     Attributes:
         name: the exported symbol (a C identifier).
         kind: what it computes: a key of `KERNEL_ABIS` ("topk", "gdn_recurrent", "add_rms_norm",
-            "gated_rms_norm").
+            "gated_rms_norm", "gdn_conv_silu", "qk_norm_rope_kv").
         abi: the version of the kind's calling convention (`KERNEL_ABIS[kind]`).
         file: the shared library (a `files` path, role "module").
         target: the target it was built for, as a JSON object ({"kind": "cuda", "arch": "sm_90"}).

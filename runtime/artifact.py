@@ -7,7 +7,7 @@
     art.spec_defaults("dflash2"), art.profile.widths          # the card profile recorded at build
     art.linear_backend()                                      # compiled modules per width (runtime/linear.py)
     art.topk_module()                                         # the drafter's compiled top-k, or None
-    art.gdn_module(), art.norms_module()                      # the hybrid rounds' fused kernels, or None
+    art.gdn_module(), art.norms_module(), art.mixers_module() # the hybrid rounds' fused kernels, or None
 
 Validation at load (`verify`):
 
@@ -373,6 +373,35 @@ class Artifact:
             "fused_norms", ("add_rms_norm", "gated_rms_norm"), "row norms", "rounds run the torch norms", load
         )
 
+    def mixers_module(self) -> Any:
+        """The artifact's fused mixer pieces (the manifest's `kernels` entries of kinds
+        "gdn_conv_silu" and "qk_norm_rope_kv", one library), loaded once with the lean TVM runtime;
+        what `StaticHybridExecutor` takes as its `mixers_module`.
+
+        Returns:
+            A `ignis.runtime.families.hybrid_graphs.FusedMixersKernel` over the two functions, or
+            None: neither entry (a CPU card, a non-hybrid family, shapes the kernels do not take, an
+            artifact built before them), only one of them or two libraries (logged as a warning), a
+            CUDA kernel while torch sees no CUDA device, or a library that does not load here
+            (logged as a warning). None means the torch conv1d / norms / RoPE / KV writes (the same
+            rounding points, to float32 summation order).
+        """
+
+        def load(path: Path, conv: KernelEntry, qk: KernelEntry) -> Any:
+            from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+            from ignis.runtime.tvm_runtime import load_module
+
+            module = load_module(path, cuda=True)
+            return FusedMixersKernel({"gdn_conv_silu": module[conv.name], "qk_norm_rope_kv": module[qk.name]})
+
+        return self._kernel_library(
+            "fused_mixers",
+            ("gdn_conv_silu", "qk_norm_rope_kv"),
+            "mixer pieces",
+            "rounds run the torch mixer ops",
+            load,
+        )
+
     def default_dtype(self) -> torch.dtype:
         """The executor dtype the card profile implies (its other_dtype)."""
         return _TORCH_DTYPES.get(self.profile.other_dtype, torch.bfloat16)
@@ -405,7 +434,8 @@ class Artifact:
                 max_position_embeddings, 8192)); `SpeculativeEngine` caps its context to it.
 
         The static executor gets the artifact's fused kernels when the manifest lists them for
-        `dtype` and they load (`gdn_module()`, `norms_module()`); otherwise it runs the torch ops.
+        `dtype` and they load (`gdn_module()`, `norms_module()`, `mixers_module()`); otherwise it runs
+        the torch ops.
 
         Raises:
             ValueError: cuda_graphs=True on a CPU device, or bad pool sizes.
@@ -458,6 +488,10 @@ class Artifact:
             module = self.norms_module()
             if module is not None:
                 out["norms_module"] = module
+        if all(self.manifest.kernel(k, name) is not None for k in ("gdn_conv_silu", "qk_norm_rope_kv")):
+            module = self.mixers_module()
+            if module is not None:
+                out["mixers_module"] = module
         return out
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ignis.compiler.errors import CheckpointError
 from ignis.formats import NinferWriter, TensorInfo, quantize_q4_g32
 from ignis.formats.constants import stored_length
 from ignis.runtime.errors import TensorShapeError
@@ -87,6 +88,7 @@ class TensorJob:
         dtype: the stored dtype ("f32", "bf16", "f16" or "q4_g32").
         load: reads the source tensor (any float dtype, the logical shape), on demand.
         source: where it comes from (checkpoint tensor names), for messages.
+        file: the checkpoint (folder or file) it is read from, for messages ("" when unknown).
     """
 
     name: str
@@ -94,6 +96,7 @@ class TensorJob:
     dtype: str
     load: Callable[[], torch.Tensor]
     source: str
+    file: str = ""
 
     @property
     def stored_bytes(self) -> int:
@@ -109,8 +112,10 @@ def make_jobs(
     other_dtype: str,
     prefix: str = "",
     sources: Mapping[str, str] | None = None,
+    file: str = "",
 ) -> list[TensorJob]:
-    """Jobs for tensors (in the given order), named `prefix + name`, dtypes by `storage_dtype`."""
+    """Jobs for tensors (in the given order), named `prefix + name`, dtypes by `storage_dtype`; `file`
+    is the checkpoint they are read from (named in errors)."""
     return [
         TensorJob(
             name=prefix + name,
@@ -118,6 +123,7 @@ def make_jobs(
             dtype=storage_dtype(name, tuple(shape), linear_dtype=linear_dtype, other_dtype=other_dtype),
             load=loaders[name],
             source=(sources or {}).get(name, name),
+            file=file,
         )
         for name, shape in names_shapes.items()
     ]
@@ -248,19 +254,35 @@ def _q4_chunks(t: torch.Tensor) -> Iterator[memoryview]:
     yield memoryview(np.ascontiguousarray(np.concatenate(scales), dtype="<f2")).cast("B")
 
 
-def write_tensor(writer: NinferWriter, name: str, tensor: torch.Tensor, dtype: str) -> TensorInfo:
+def write_tensor(
+    writer: NinferWriter,
+    name: str,
+    tensor: torch.Tensor,
+    dtype: str,
+    *,
+    source: str | None = None,
+    file: str = "",
+) -> TensorInfo:
     """Convert one float tensor to `dtype` and stream it into `writer`.
 
     Args:
         tensor: float (any float dtype) of the logical shape; q4_g32 needs a last dim % 32 == 0.
         dtype: "f32", "bf16", "f16" or "q4_g32".
+        source: the checkpoint tensor(s) it comes from (default `name`), for messages.
+        file: the checkpoint it is read from, for messages.
 
     Raises:
-        ValueError: an unsupported dtype or a non-float tensor.
+        CheckpointError: a non-float tensor (an integer or bool tensor, a GGUF type the importer
+            does not dequantize); the message names the tensor, its dtype and the file.
+        ValueError: an unsupported storage dtype (a bug of the caller).
         ignis.formats.FormatError: from the writer or the quantizer (non-finite values, bad shape).
     """
     if not tensor.is_floating_point():
-        raise ValueError(f"{name}: expected a float tensor, got {tensor.dtype}")
+        dt = str(tensor.dtype).removeprefix("torch.")
+        raise CheckpointError(
+            f"{file or 'the checkpoint'}: tensor {source or name} is {dt}, not a float tensor; "
+            f"ignis-build converts only float weights (f32, f16, bf16, or quantized types it dequantizes)"
+        )
     t = tensor.detach().to("cpu").contiguous()
     shape = tuple(t.shape)
     if dtype == "q4_g32":
@@ -279,16 +301,18 @@ def write_jobs(
     """Load, convert and write every job in order (one source tensor in memory at a time).
 
     Raises:
-        ValueError: a loaded tensor's shape differs from the job's (the checkpoint lied about it).
+        CheckpointError: a loaded tensor's shape differs from the job's (the checkpoint lied about it),
+            or it is not a float tensor; the message names the file and the tensor.
     """
     out = []
     for job in jobs:
         t = job.load()
         if tuple(t.shape) != job.shape:
-            raise ValueError(
-                f"{job.source}: loaded shape {tuple(t.shape)} differs from the planned {job.shape}"
+            raise CheckpointError(
+                f"{job.file or 'the checkpoint'}: tensor {job.source}: loaded shape {tuple(t.shape)} "
+                f"differs from the planned {job.shape}"
             )
-        out.append(write_tensor(writer, job.name, t, job.dtype))
+        out.append(write_tensor(writer, job.name, t, job.dtype, source=job.source, file=job.file))
         del t
         if on_done is not None:
             on_done(job)

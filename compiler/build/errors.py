@@ -76,7 +76,16 @@ class ModuleBuildError(BuildError):
 
 
 class OutputExistsError(BuildError):
-    """The output directory exists and is not empty (pass `overwrite=True` / `--force` to replace it)."""
+    """The output cannot be used without destroying something: it exists and is not empty (pass
+    `overwrite=True` / `--force` to replace it), it is not a directory, it is or contains an input of the
+    build (the checkpoint, the drafter, the recipe or its corpus), or `overwrite` would replace a
+    non-empty directory that is not an ignis artifact (no manifest.json)."""
+
+
+class OutputNotWritableError(BuildError):
+    """The output directory cannot be created: the nearest existing folder above it is not a directory
+    or cannot be written (read-only file system, permissions, a virtual file system such as /proc).
+    Checked before the plan is resolved, also in a dry run."""
 
 
 __all__ = [
@@ -86,6 +95,7 @@ __all__ = [
     "MissingTensorsError",
     "ModuleBuildError",
     "OutputExistsError",
+    "OutputNotWritableError",
     "RecipeError",
     "ShortlistError",
     "UnknownCardError",

@@ -128,18 +128,23 @@ def load_drafter(path: str | Path) -> DrafterCheckpoint:
             )
     handles: dict[Path, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    current: Path | None = None  # the file being read, named in the error
     try:
         if where:
             for p in sorted(set(where.values())):
+                current = p
                 handles[p] = safe_open(str(p), framework="pt")
         else:
             p = sorted(folder.glob("*.safetensors"))[0]
+            current = p
             handles[p] = safe_open(str(p), framework="pt")
             where = {name: p for name in handles[p].keys()}
         for name in sorted(where):
-            shapes[name] = tuple(int(d) for d in handles[where[name]].get_slice(name).get_shape())
+            current = where[name]
+            shapes[name] = tuple(int(d) for d in handles[current].get_slice(name).get_shape())
     except Exception as exc:  # SafetensorError, OSError, KeyError
-        raise _fail(folder, f"cannot read the safetensors: {exc}") from exc
+        what = str(current) if current is not None else "the safetensors"
+        raise _fail(folder, f"cannot read {what}: {exc}") from exc
     dropped = [n for n in shapes if n in SHARED_WITH_TARGET]
     for n in dropped:
         del shapes[n]

@@ -32,7 +32,11 @@ Which functions, per card:
     qwen3_5_moe, qwen3_next) when the kernel takes the config's shapes (`gdn_kernel_fits`:
     linear_key_head_dim <= 256, value heads a multiple of key heads);
   - `modules/<card>/fused_norms.so` (`fused_norms.build_fused_norms`, kinds `add_rms_norm` and
-    `gated_rms_norm`): the hybrid families' fused residual-add + RMSNorm and gated RMSNorm.
+    `gated_rms_norm`): the hybrid families' fused residual-add + RMSNorm and gated RMSNorm;
+  - `modules/<card>/fused_mixers.so` (`fused_mixers.build_fused_mixers`, kinds `gdn_conv_silu` and
+    `qk_norm_rope_kv`): the hybrid families' GDN conv1d + SiLU and attention q/k norm + RoPE + KV
+    write, when the kernels take the config's shapes (`mixers_kernel_fits`: conv taps 2..8,
+    head_dim <= 1024, an even rotary dim).
 
   Each exports its functions for float32, bfloat16 and float16 inputs (compiling one dtype would
   save ~13 % of the top-k's nvcc time, 11.5 s against 13.2 s for sm_90 on the 2-core build host:
@@ -58,6 +62,8 @@ from typing import Any
 from ignis.compiler.build.convert import is_linear_weight
 from ignis.compiler.build.errors import ModuleBuildError
 from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module, llvm_target
+from ignis.compiler.kernels.fused_mixers import MAX_CONV_KERNEL as _MIXERS_MAX_CONV_KERNEL
+from ignis.compiler.kernels.fused_mixers import MAX_HEAD_DIM as _MIXERS_MAX_HEAD_DIM
 from ignis.compiler.kernels.gdn_recurrent import MAX_KEY_DIM as _GDN_MAX_KEY_DIM
 from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction
 
@@ -110,6 +116,11 @@ KERNELS: dict[str, KernelLibrary] = {
         "fused_norms:build_fused_norms",
         (("add_rms_norm", "add_rms_norm"), ("gated_rms_norm", "gated_rms_norm")),
     ),
+    "fused_mixers": KernelLibrary(
+        "fused_mixers.so",
+        "fused_mixers:build_fused_mixers",
+        (("gdn_conv_silu", "gdn_conv_silu"), ("qk_norm_rope_kv", "qk_norm_rope_kv")),
+    ),
 }
 
 #: The fused GDN kernel's limit on the key head dim (`ignis.compiler.kernels.gdn_recurrent.MAX_KEY_DIM`).
@@ -133,6 +144,38 @@ def gdn_kernel_fits(config: Any) -> bool:
     return "linear_attention" in layers and 1 <= dk <= GDN_MAX_KEY_DIM and hk >= 1 and hv % hk == 0
 
 
+#: The fused mixers' limits (`ignis.compiler.kernels.fused_mixers`): GDN conv taps (2..MAX_CONV_KERNEL)
+#: and attention head dim (<= MAX_HEAD_DIM).
+MIXERS_MAX_CONV_KERNEL: int = _MIXERS_MAX_CONV_KERNEL
+MIXERS_MAX_HEAD_DIM: int = _MIXERS_MAX_HEAD_DIM
+
+
+def mixers_kernel_fits(config: Any) -> bool:
+    """Whether the fused mixers (`gdn_conv_silu`, `qk_norm_rope_kv`) take a hybrid config's shapes,
+    the limits their exports check (fused_mixers_ffi.cuh): with GDN layers ("linear_attention" in
+    `layer_types`) 2 <= linear_conv_kernel_dim <= `MIXERS_MAX_CONV_KERNEL`; with attention layers
+    ("full_attention") 1 <= head_dim <= `MIXERS_MAX_HEAD_DIM`, the rotary dim even and <= head_dim,
+    num_attention_heads + num_key_value_heads <= 65535; at least one of the two kinds. False for a
+    config without those fields."""
+    try:
+        layers = tuple(config.layer_types)
+        taps, hd, rot = int(config.linear_conv_kernel_dim), int(config.head_dim), int(config.rotary_dim)
+        heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    gdn, attention = "linear_attention" in layers, "full_attention" in layers
+    gdn_fits = 2 <= taps <= MIXERS_MAX_CONV_KERNEL
+    attention_fits = (
+        1 <= hd <= MIXERS_MAX_HEAD_DIM
+        and 0 <= rot <= hd
+        and rot % 2 == 0
+        and heads >= 1
+        and kv_heads >= 1
+        and heads + kv_heads <= 65535
+    )
+    return (gdn or attention) and (gdn_fits or not gdn) and (attention_fits or not attention)
+
+
 def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, ...]:
     """The `KERNELS` libraries a CUDA card's artifact gets, in build order.
 
@@ -142,7 +185,8 @@ def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, .
 
     Returns:
         "topk" with a DFlash2 drafter; for hybrid configs (qwen3_5, qwen3_5_moe, qwen3_next: the
-        `StaticHybridExecutor` families) "gdn_recurrent" when `gdn_kernel_fits`, and "fused_norms".
+        `StaticHybridExecutor` families) "gdn_recurrent" when `gdn_kernel_fits`, "fused_norms", and
+        "fused_mixers" when `mixers_kernel_fits`.
     """
     from ignis.runtime.families.qwen3_5 import HybridConfig
 
@@ -153,6 +197,8 @@ def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, .
         if gdn_kernel_fits(config):
             out.append("gdn_recurrent")
         out.append("fused_norms")
+        if mixers_kernel_fits(config):
+            out.append("fused_mixers")
     return tuple(out)
 
 
@@ -479,7 +525,7 @@ def build_modules(
                 fut.result()
             except ModuleBuildError:
                 raise
-            except Exception as exc:  # TopKKernelError, GdnKernelError, FusedNormsError, nvcc failures
+            except Exception as exc:  # the kernels' *Error (ValueError), nvcc failures
                 raise ModuleBuildError(f"building {rel} ({kind}) for {plan.arch} failed: {exc}") from exc
             strip_local_symbols(artifact_dir / rel)
             check_cuda_binary(artifact_dir / rel, plan.arch)

@@ -12,7 +12,12 @@ libraries the model uses (the drafter's top-k, the fused GDN recurrence and row 
 
 Atomicity: everything is written into a temporary sibling directory `.NAME.<random>.partial` next
 to `out`, which is renamed to `out` only when the manifest is written. Any failure, and
-KeyboardInterrupt, removes the temporary directory: a failed or interrupted build leaves nothing.
+KeyboardInterrupt, removes the temporary directory and the missing parent folders of `out` that the
+build created: a failed or interrupted build leaves nothing.
+
+Safety (checked by `make_plan`, before anything is read, also in a dry run): `out` must not be or
+contain an input (checkpoint, drafter, recipe, corpus); `overwrite` replaces only an ignis artifact
+directory (one holding manifest.json); the nearest existing folder above `out` must be writable.
 Determinism: no timestamps or absolute paths are recorded, tensors are written in a fixed order and
 quantized by the reference quantizer, so the same inputs give byte-identical artifacts.
 """
@@ -33,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ignis.compiler.build.convert import write_jobs
-from ignis.compiler.build.errors import InsufficientDiskError
+from ignis.compiler.build.errors import InsufficientDiskError, OutputNotWritableError
 from ignis.compiler.build.manifest import (
     input_checksums,
     input_files,
@@ -306,8 +311,9 @@ def build_artifact(
         recipe: a recipe TOML (artifacts/recipes/NAME.toml), a parsed `Recipe`, or None (defaults).
         out: the artifact directory to create (its parent is created if needed).
         dry_run: resolve and print the plan, then stop (nothing is written).
-        overwrite: replace an existing non-empty `out` (it is replaced only once the new artifact is
-            complete).
+        overwrite: replace an existing non-empty `out` that is an ignis artifact (holds manifest.json;
+            it is replaced only once the new artifact is complete). Any other non-empty directory, and an
+            `out` that is or contains an input, is refused even with `overwrite`.
         progress: show progress bars on long steps (stderr); None shows them when stderr is a terminal.
         echo: receives the plan and step messages, one line or block per call (default: stderr).
 
@@ -316,7 +322,8 @@ def build_artifact(
 
     Raises:
         Everything `make_plan` raises (unknown card, recipe errors, missing tensors, a drafter that
-        does not fit, shortlist without a frequency source, an existing output), before any work;
+        does not fit, shortlist without a frequency source, an existing or unsafe output:
+        OutputExistsError; an unwritable one: OutputNotWritableError), before any work;
         InsufficientDiskError: less free disk than the estimate (after the plan is printed, also in a
         dry run); ShortlistError: an unreadable corpus or counts file; ModuleBuildError: a module
         failed to compile or is not a binary for the card's arch; FormatError / OSError: writing
@@ -346,9 +353,18 @@ def build_artifact(
         say(f"cuda build: libcuda.so.1 from the {prepare_cuda_build()}")
 
     out_path = plan.out
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.parent / f".{out_path.name}.{secrets.token_hex(4)}.partial"
-    tmp.mkdir()
+    created: list[Path] = []  # missing parents of out, made here and removed again on failure
+    try:
+        created = _make_parents(out_path.parent)
+        tmp = out_path.parent / f".{out_path.name}.{secrets.token_hex(4)}.partial"
+        tmp.mkdir()
+    except BaseException as exc:
+        _remove_dirs(created)
+        if isinstance(exc, OSError):
+            raise OutputNotWritableError(
+                f"--out {out_path} is not writable: {exc.strerror or exc} ({exc.filename or out_path.parent})"
+            ) from exc
+        raise
     try:
         t0 = time.perf_counter()
         locations = _write_weights(plan, tmp, show=show, echo=say)
@@ -398,6 +414,7 @@ def build_artifact(
         _install(tmp, out_path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_dirs(created)
         raise
     total = sum(f.size for f in manifest.files)
     seconds = time.perf_counter() - start
@@ -405,6 +422,33 @@ def build_artifact(
     return BuildResult(
         plan=plan, out=out_path, manifest=manifest, seconds=seconds, step_seconds=steps, total_bytes=total
     )
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create `folder` and its missing parents; return the folders created, outermost first."""
+    missing: list[Path] = []
+    p = folder.absolute()
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    created: list[Path] = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+    except BaseException:
+        _remove_dirs(created)
+        raise
+    return created
+
+
+def _remove_dirs(created: list[Path]) -> None:
+    """Remove the folders `_make_parents` created, innermost first, while they are empty."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def _install(tmp: Path, out: Path) -> None:

@@ -10,17 +10,26 @@ problem listed; `BuildPlan.render()` is what `ignis-build` prints before working
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ignis.compiler.build.convert import TensorJob, make_jobs, resolve_layout
-from ignis.compiler.build.errors import OutputExistsError, ShortlistError, UnknownCardError
+from ignis.compiler.build.errors import (
+    OutputExistsError,
+    OutputNotWritableError,
+    RecipeError,
+    ShortlistError,
+    UnknownCardError,
+)
 from ignis.compiler.build.graft import DrafterCheckpoint, check_fit, load_drafter
 from ignis.compiler.build.modules import ModulePlan, linear_shapes, plan_modules
 from ignis.compiler.build.mtp_companion import MTP_PREFIX, plan_mtp
-from ignis.compiler.build.recipe import Recipe, load_recipe
+from ignis.compiler.build.recipe import Recipe, load_recipe, name_problem
 from ignis.compiler.build.shortlist import FrequencySource, shortlist_size
 from ignis.formats.constants import ALIGNMENT, align_up
 from ignis.runtime.errors import ConfigError, TensorSetError
@@ -269,6 +278,91 @@ def _free_bytes(path: Path) -> int:
     return int(shutil.disk_usage(p).free)
 
 
+#: Characters the temporary sibling `.OUT.<8 hex>.partial` adds to the output directory's name.
+_TMP_EXTRA = len("..12345678.partial")
+
+
+def existing_ancestor(path: Path) -> Path:
+    """The nearest folder at or above `path` (absolute) that exists."""
+    above = path.absolute()
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    return above
+
+
+def check_out(out: Path, inputs: dict[str, Path | None], *, overwrite: bool) -> None:
+    """Refuse an output the build must not use, before anything is read or written.
+
+    Args:
+        out: the artifact directory to create.
+        inputs: label -> input path (None: not given): the checkpoint, drafter, recipe, corpus files.
+        overwrite: `--force`: replace an existing artifact directory.
+
+    Raises:
+        OutputExistsError: `out` is or contains an input; it exists and is not a directory (or is a
+            link); it is not empty (without `overwrite`); `overwrite` would replace a non-empty directory
+            that is not an ignis artifact (no manifest.json).
+        OutputNotWritableError: the nearest existing folder above `out` is not a directory or cannot be
+            written; the temporary sibling's name would be too long.
+    """
+    target = out.resolve()
+    for label, path in inputs.items():
+        if path is None:
+            continue
+        src = Path(path).resolve()
+        if target == src or target in src.parents:
+            how = "is" if target == src else "contains"
+            raise OutputExistsError(
+                f"--out {out} {how} the {label} {path}; building there would replace the input. "
+                "Choose another --out"
+            )
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        # --force replaces an artifact directory, never a file (or what a link points to).
+        raise OutputExistsError(f"{out} exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise OutputExistsError(f"{out} exists and is not empty; choose another --out or pass --force")
+        if not (out / "manifest.json").is_file():
+            raise OutputExistsError(
+                f"{out} is not empty and is not an ignis artifact (no manifest.json); --force only replaces "
+                "an artifact directory. Remove it yourself or choose another --out"
+            )
+    if len(os.fsencode(target.name)) + _TMP_EXTRA > 255:
+        raise OutputNotWritableError(
+            f"--out {out}: the directory name is too long ({len(os.fsencode(target.name))} bytes; at most "
+            f"{255 - _TMP_EXTRA}); choose a shorter --out"
+        )
+    above = existing_ancestor(out.parent if not out.exists() else out)
+    if not above.is_dir():
+        raise OutputNotWritableError(
+            f"--out {out}: {above} exists and is not a directory; choose another --out"
+        )
+    try:  # os.access is True for root everywhere: probe with an empty folder, removed at once
+        probe = tempfile.mkdtemp(prefix=".ignis-build-probe.", dir=above)
+        os.rmdir(probe)
+    except OSError as exc:
+        raise OutputNotWritableError(
+            f"--out {out} is not writable: cannot create a folder in {above} ({exc.strerror or exc}); "
+            "choose another --out"
+        ) from None
+
+
+def _check_mcpu(mcpu: str, path: Path | None) -> None:
+    """Refuse an LLVM CPU name that TVM's LLVM does not know (it would silently build for generic)."""
+    try:
+        import tvm
+        from tvm.target.codegen import llvm_get_cpu_archlist
+
+        known = sorted(str(c) for c in llvm_get_cpu_archlist(tvm.target.Target("llvm")))
+    except Exception:  # pragma: no cover - TVM without the LLVM helpers: the module build reports it
+        return
+    if known and mcpu not in known:
+        raise RecipeError(
+            f"{path}: modules.llvm_mcpu {mcpu!r} is not a CPU that TVM's LLVM knows; "
+            f"known: {', '.join(known)}"
+        )
+
+
 def make_plan(
     *,
     card: str,
@@ -291,14 +385,13 @@ def make_plan(
     Raises:
         UnknownCardError: the card has no profile.
         RecipeError: the recipe is invalid, or asks for widths the card does not have.
-        OutputExistsError: `out` exists and is not empty (without `overwrite`).
+        OutputExistsError, OutputNotWritableError: an unusable `out` (see `check_out`), checked first.
         CheckpointError, UnsupportedArchitectureError, ConfigError, UnknownModelTypeError: from import.
         TensorSetError: missing or unexpected target tensors (all listed). TensorShapeError: a shape.
         MissingTensorsError: missing/unexpected MTP or drafter tensors (all listed).
         DrafterMismatchError: the drafter does not fit the target (every misfit listed).
         ShortlistError: the vocabulary exceeds the shortlist and the recipe names no frequency source.
     """
-    from ignis.compiler.build.errors import RecipeError
     from ignis.compiler.importers import load_checkpoint
     from ignis.runtime.families import get_family
 
@@ -308,15 +401,29 @@ def make_plan(
         raise UnknownCardError(f"unknown card {card!r}; known cards: {sorted(load_profiles())}") from None
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     out_path = Path(out)
-    if out_path.is_symlink() or (out_path.exists() and not out_path.is_dir()):
-        # --force replaces an artifact directory, never a file (or what a link points to).
-        raise OutputExistsError(f"{out_path} exists and is not a directory; choose another --out")
-    if out_path.exists() and any(out_path.iterdir()) and not overwrite:
-        raise OutputExistsError(f"{out_path} exists and is not empty; choose another --out or pass --force")
-    name = rec.name or out_path.name
-    if not name or name.startswith(".") or "/" in name:
-        raise RecipeError(f"cannot derive an artifact name from --out {out_path}; set `name` in the recipe")
+    inputs: dict[str, Path | None] = {
+        "model checkpoint": Path(model),
+        "drafter checkpoint": None if drafter is None else Path(drafter),
+        "recipe": rec.path,
+        "shortlist counts file": rec.counts,
+    }
+    inputs.update({f"shortlist corpus file {i}": c for i, c in enumerate(rec.corpus)})
+    check_out(out_path, inputs, overwrite=overwrite)
+    name = rec.name or out_path.resolve().name
+    problem = name_problem(name)
+    if problem is not None:
+        raise RecipeError(
+            f"cannot derive an artifact name from --out {out_path} ({name!r}: {problem}); "
+            "set `name` in the recipe"
+        )
     widths = profile.widths
+    if rec.widths is not None and not rec.widths and profile.arch != "llvm":
+        raise RecipeError(
+            f"{rec.path}: modules.widths = [] builds no modules; that is allowed only on the cpu card "
+            f"(torch linears), card {card} needs its compiled linears"
+        )
+    if rec.llvm_mcpu is not None and profile.arch == "llvm":
+        _check_mcpu(rec.llvm_mcpu, rec.path)
     if rec.widths is not None:
         extra = sorted(set(rec.widths) - set(profile.widths))
         if extra:
@@ -330,6 +437,8 @@ def make_plan(
     family = get_family(config.model_type)
     shapes = ckpt.tensors.shapes
     notes: list[str] = []
+    if not widths:
+        notes.append("modules.widths = []: no compiled modules; the runtime runs every linear in torch")
 
     # ---- the trunk, in the family's canonical names and expert layout ----
     expected = family.tensor_shapes(config)
@@ -342,7 +451,9 @@ def make_plan(
             unexpected=unused,
         )
     lin, oth = profile.linear_dtype, profile.other_dtype
-    target_jobs = make_jobs(expected, loaders, linear_dtype=lin, other_dtype=oth, sources=sources)
+    target_jobs = make_jobs(
+        expected, loaders, linear_dtype=lin, other_dtype=oth, sources=sources, file=str(model)
+    )
     kept = [
         j.name
         for j in target_jobs
@@ -358,6 +469,7 @@ def make_plan(
     mtp_jobs = plan_mtp(
         config, shapes, ckpt.tensors.__getitem__, linear_dtype=lin, other_dtype=oth, source=str(model)
     )
+    mtp_jobs = [dataclasses.replace(j, file=str(model)) for j in mtp_jobs]
 
     # ---- the drafter ----
     dr: DrafterCheckpoint | None = None
@@ -366,7 +478,12 @@ def make_plan(
         dr = load_drafter(drafter)
         check_fit(dr, config)
         drafter_jobs = make_jobs(
-            dr.shapes, dr.loaders(), linear_dtype=lin, other_dtype=oth, prefix=rec.drafter_prefix
+            dr.shapes,
+            dr.loaders(),
+            linear_dtype=lin,
+            other_dtype=oth,
+            prefix=rec.drafter_prefix,
+            file=str(dr.source),
         )
         if dr.dropped:
             notes.append(f"drafter tensors shared with the target, not grafted: {dr.dropped}")
@@ -437,4 +554,13 @@ def make_plan(
     )
 
 
-__all__ = ["DISK_MARGIN", "VRAM_WORKSPACE", "BuildPlan", "ShortlistPlan", "human", "make_plan"]
+__all__ = [
+    "DISK_MARGIN",
+    "VRAM_WORKSPACE",
+    "BuildPlan",
+    "ShortlistPlan",
+    "check_out",
+    "existing_ancestor",
+    "human",
+    "make_plan",
+]

@@ -9,8 +9,10 @@
     counts = "counts.tsv"             # ... or a counts file ("id<TAB>count" lines, or JSON); not both
 
     [modules]
-    widths = [1, 2, 4, 8, 16, 32]     # verify row widths to compile (a subset of the card's; default all)
-    llvm_mcpu = "x86-64-v3"           # cpu card only: LLVM CPU model (default: generic x86-64)
+    widths = [1, 2, 4, 8, 16, 32]     # verify row widths to compile (a subset of the card's; default all;
+                                      # [] on the cpu card only: no modules, the runtime runs torch linears)
+    llvm_mcpu = "x86-64-v3"           # cpu card only: LLVM CPU model (default: generic x86-64); checked
+                                      # against the CPU names of TVM's LLVM
 
     [drafter]
     prefix = "dflash2."               # name prefix of the grafted drafter's tensors
@@ -87,6 +89,34 @@ class Recipe:
         }
 
 
+#: Longest artifact NAME, in UTF-8 bytes: the container writer's temporary file
+#: `.NAME_mtp.ninfer.<12 hex>.tmp` must fit a 255-byte file name.
+NAME_MAX_BYTES = 255 - len("._mtp.ninfer.123456789abc.tmp")
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot be an artifact NAME (the stem of NAME.ninfer), or None when it can: empty,
+    blank or padded with spaces, a control character (NUL, newline, ...), a path separator, a leading
+    dot, or longer than `NAME_MAX_BYTES` bytes."""
+    if not name or not name.strip():
+        return "it is empty or blank"
+    if name != name.strip():
+        return "it starts or ends with white space"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "it holds a control character"
+    if "/" in name or "\\" in name:
+        return "it holds a path separator"
+    if name.startswith("."):
+        return "it starts with '.'"
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "it is not valid UTF-8"
+    if size > NAME_MAX_BYTES:
+        return f"it is {size} bytes long; at most {NAME_MAX_BYTES} fit a file name"
+    return None
+
+
 def _table(raw: dict[str, Any], key: str, allowed: set[str], path: Path) -> dict[str, Any]:
     value = raw.get(key, {})
     if not isinstance(value, dict):
@@ -117,8 +147,11 @@ def load_recipe(path: str | os.PathLike[str] | None) -> Recipe:
         raise RecipeError(f"{p}: unknown key(s) {unknown}; allowed: {sorted(_TOP)}")
     base = p.resolve().parent
     name = raw.get("name")
-    if name is not None and (not isinstance(name, str) or not name or "/" in name or name.startswith(".")):
-        raise RecipeError(f"{p}: name must be a plain file name, got {name!r}")
+    if name is not None:
+        problem = name_problem(name) if isinstance(name, str) else "it is not a string"
+        if problem is not None:
+            shown = repr(name) if len(repr(name)) <= 64 else repr(name)[:48] + "..."
+            raise RecipeError(f"{p}: name must be a plain file name, got {shown}: {problem}")
     description = raw.get("description", "")
     if not isinstance(description, str):
         raise RecipeError(f"{p}: description must be a string")
@@ -157,9 +190,13 @@ def load_recipe(path: str | os.PathLike[str] | None) -> Recipe:
         or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths)
     ):
         raise RecipeError(f"{p}: modules.widths must be a list of positive integers, got {widths!r}")
+    # widths = [] is allowed on the cpu card only (checked in the plan): no compiled linears, the runtime
+    # runs every linear in torch (LinearBackend without modules).
     mcpu = mods.get("llvm_mcpu")
-    if mcpu is not None and not isinstance(mcpu, str):
-        raise RecipeError(f"{p}: modules.llvm_mcpu must be a string")
+    if mcpu is not None and (not isinstance(mcpu, str) or not mcpu.strip() or mcpu != mcpu.strip()):
+        raise RecipeError(
+            f"{p}: modules.llvm_mcpu must be an LLVM CPU name such as 'x86-64-v3', got {mcpu!r}"
+        )
 
     dr = _table(raw, "drafter", _DRAFTER, p)
     prefix = dr.get("prefix", DRAFTER_PREFIX)
@@ -181,4 +218,4 @@ def load_recipe(path: str | os.PathLike[str] | None) -> Recipe:
     )
 
 
-__all__ = ["DRAFTER_PREFIX", "SHORTLIST_SIZE", "Recipe", "load_recipe"]
+__all__ = ["DRAFTER_PREFIX", "NAME_MAX_BYTES", "SHORTLIST_SIZE", "Recipe", "load_recipe", "name_problem"]

@@ -321,6 +321,7 @@ def test_a_flipped_byte_is_refused_by_verify_and_at_load(built: dict[str, Any], 
 
 def test_a_failed_or_interrupted_build_leaves_nothing(ckpts: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "parent" / "tiny"
+    out.parent.mkdir()  # an existing parent stays (empty); a parent the build created goes (below)
 
     def fail(*_a: Any, **_k: Any) -> Any:
         raise ModuleBuildError("simulated compiler failure")
@@ -338,11 +339,17 @@ def test_a_failed_or_interrupted_build_leaves_nothing(ckpts: dict[str, Path], tm
     # an existing artifact survives a failed --force rebuild untouched
     (out).mkdir()
     (out / "keep").write_text("old")
+    (out / "manifest.json").write_text("{}")  # --force replaces only an artifact directory
     with mock.patch("ignis.compiler.build.pipeline.build_modules", fail), pytest.raises(ModuleBuildError):
         build_artifact(
             card="cpu", model=ckpts["llama"], out=out, overwrite=True, progress=False, echo=lambda _l: None
         )
     assert sorted(p.name for p in (tmp_path / "parent").iterdir()) == ["tiny"] and (out / "keep").exists()
+    # missing parents the build created are removed again on failure
+    deep = tmp_path / "nodir" / "deeper" / "art"
+    with mock.patch("ignis.compiler.build.pipeline.build_modules", fail), pytest.raises(ModuleBuildError):
+        build_artifact(card="cpu", model=ckpts["llama"], out=deep, progress=False, echo=lambda _l: None)
+    assert not (tmp_path / "nodir").exists()
 
 
 # ---------------------------------------------------------------------------------------------

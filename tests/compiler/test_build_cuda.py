@@ -1,7 +1,8 @@
 """Cross-compiling an artifact's modules for the GPU cards on this host (no GPU, no driver): sm_90 (h200)
 and sm_120 (rtx5090 / rtxpro6000 / rtx50-16gb), checked to hold SASS for that arch only, never PTX or
 CUDA source, and byte-reproducible; the q4 linears and the kernel libraries the model uses (the
-manifest's `kernels`: the drafter's top-k, the hybrid families' fused GDN recurrence and row norms).
+manifest's `kernels`: the drafter's top-k, the hybrid families' fused GDN recurrence, row norms and
+mixer pieces).
 
 Each build runs in a fresh interpreter: the build-time libcuda stub must be loaded before `tvm` is
 first imported (DESIGN.md, "TVM facts"), and this test session may already have imported tvm.
@@ -59,6 +60,8 @@ _HYBRID = [
     ("gdn_recurrent", "gdn_recurrent", "gdn_recurrent.so"),
     ("add_rms_norm", "add_rms_norm", "fused_norms.so"),
     ("gated_rms_norm", "gated_rms_norm", "fused_norms.so"),
+    ("gdn_conv_silu", "gdn_conv_silu", "fused_mixers.so"),
+    ("qk_norm_rope_kv", "qk_norm_rope_kv", "fused_mixers.so"),
 ]
 
 
@@ -115,9 +118,9 @@ def test_cross_compiled_q4_modules_hold_sass_for_the_arch(tmp_path: Path) -> Non
 
 
 def test_cross_compiled_hybrid_kernels_for_h200(tmp_path: Path) -> None:
-    """sm_90 (h200): a tiny qwen3_5 with a DFlash2 drafter gets the top-k, the fused GDN recurrence
-    and the fused row norms beside its q4 linears, each library stripped (byte-reproducible: the
-    nvcc temporary names are gone) and holding sm_90 SASS only."""
+    """sm_90 (h200): a tiny qwen3_5 with a DFlash2 drafter gets the top-k, the fused GDN recurrence,
+    the fused row norms and the fused mixers beside its q4 linears, each library stripped
+    (byte-reproducible: the nvcc temporary names are gone) and holding sm_90 SASS only."""
     card, arch = "h200", "sm_90"
     from ignis.tools.make_test_drafter import make_dflash2_drafter
 

@@ -24,6 +24,7 @@ from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module
 from ignis.compiler.build.modules import LinearShape, linear_shapes, plan_modules
 from ignis.compiler.build.recipe import load_recipe
 from ignis.compiler.build.shortlist import count_corpus, read_counts, select_tokens, write_shortlist
+from ignis.compiler.errors import CheckpointError
 from ignis.formats import NinferReader, NinferWriter, dequantize_q4_g32, quantize_q4_g32
 from ignis.runtime.errors import TensorShapeError
 from ignis.runtime.families.llama import LlamaConfig
@@ -87,8 +88,10 @@ def test_write_tensor_dtypes(tmp_path: Path) -> None:
         np.testing.assert_array_equal(
             r.q4_g32("q4s").dequantize().reshape(70, 64), dequantize_q4_g32(packed, scales)
         )
-    with NinferWriter(tmp_path / "u.ninfer") as wr, pytest.raises(ValueError):
+    with NinferWriter(tmp_path / "u.ninfer") as wr, pytest.raises(CheckpointError, match="i is int32"):
         write_tensor(wr, "i", torch.zeros(3, dtype=torch.int32), "f32")
+    with NinferWriter(tmp_path / "v.ninfer") as wr, pytest.raises(ValueError, match="storage dtype"):
+        write_tensor(wr, "x", torch.zeros(3), "f64")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +230,11 @@ def test_recipe_defaults_and_parsing(tmp_path: Path) -> None:
         ("[modules]\nwidth = [1]", "unknown key"),
         ("[drafter]\nprefix = 'd'", "ending in"),
         ("name = 'a/b'", "plain file name"),
+        ('name = "a\\u0000b"', "control character"),
+        ("name = ' '", "blank"),
+        ("name = ' a'", "white space"),
+        (f"name = '{'n' * 300}'", "300 bytes long"),
+        ("[modules]\nllvm_mcpu = ''", "LLVM CPU name"),
         ("[[", "cannot read"),
     ],
 )
@@ -369,8 +377,10 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
         config=_hybrid_config(),
         dflash2=True,
     )
-    # the GDN recurrence (1 function) and the fused norms (add_rms_norm + gated_rms_norm)
-    assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms") and hybrid.num_functions() == 4
+    # the GDN recurrence (1 function), the fused norms (add_rms_norm + gated_rms_norm) and the fused
+    # mixers (gdn_conv_silu + qk_norm_rope_kv)
+    assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms", "fused_mixers")
+    assert hybrid.num_functions() == 6
     cpu = plan_modules(
         card="cpu",
         arch="llvm",
@@ -419,11 +429,12 @@ def test_select_kernels_by_drafter_family_and_gdn_shape() -> None:
         dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     )
     assert select_kernels(config=llama, dflash2=True) == ("topk",)
-    assert select_kernels(config=_hybrid_config()) == ("gdn_recurrent", "fused_norms")
+    assert select_kernels(config=_hybrid_config()) == ("gdn_recurrent", "fused_norms", "fused_mixers")
     # the kernel's limits: k_dim <= MAX_KEY_DIM, value heads a multiple of key heads
     assert gdn_kernel_fits(_hybrid_config(linear_key_head_dim=MAX_KEY_DIM))
     too_wide = _hybrid_config(linear_key_head_dim=MAX_KEY_DIM + 1)
-    assert not gdn_kernel_fits(too_wide) and select_kernels(config=too_wide) == ("fused_norms",)
+    assert not gdn_kernel_fits(too_wide)
+    assert select_kernels(config=too_wide) == ("fused_norms", "fused_mixers")
     # (a family config refuses uneven heads itself; the rule still holds for any config-like object)
     from types import SimpleNamespace
 
@@ -495,8 +506,9 @@ def test_build_modules_records_the_topk_kernel(tmp_path: Path, monkeypatch: pyte
 
 
 def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A hybrid model on a CUDA card: the GDN recurrence and the fused norms built beside the linears
-    (after the top-k), one manifest entry per exported function, the norms' two in one library."""
+    """A hybrid model on a CUDA card: the GDN recurrence, the fused norms and the fused mixers built
+    beside the linears (after the top-k), one manifest entry per exported function, the norms' two
+    in one library and the mixers' two in another."""
     import ignis.compiler.build.modules as modules
     from ignis.formats.manifest import KernelEntry
 
@@ -513,14 +525,20 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
         card="h200", arch="sm_90", widths=[1, 8], other_dtype="bf16", shapes=[], config=_hybrid_config()
     )
     entries, kernels, files = modules.build_modules(plan, tmp_path)
-    assert entries == [] and sorted(built) == ["fused_norms", "gdn_recurrent"]
-    assert files == ["modules/h200/gdn_recurrent.so", "modules/h200/fused_norms.so"]
+    assert entries == [] and sorted(built) == ["fused_mixers", "fused_norms", "gdn_recurrent"]
+    assert files == [
+        "modules/h200/gdn_recurrent.so",
+        "modules/h200/fused_norms.so",
+        "modules/h200/fused_mixers.so",
+    ]
     target = {"kind": "cuda", "arch": "sm_90"}
     dtypes = ("bfloat16", "float16", "float32")
     assert kernels == [
         KernelEntry("gdn_recurrent", "gdn_recurrent", 1, "modules/h200/gdn_recurrent.so", target, dtypes),
         KernelEntry("add_rms_norm", "add_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("gated_rms_norm", "gated_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
+        KernelEntry("gdn_conv_silu", "gdn_conv_silu", 1, "modules/h200/fused_mixers.so", target, dtypes),
+        KernelEntry("qk_norm_rope_kv", "qk_norm_rope_kv", 1, "modules/h200/fused_mixers.so", target, dtypes),
     ]
 
 
@@ -530,6 +548,7 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
         ("topk", "topk", "build_topk", ("topk",)),
         ("gdn_recurrent", "gdn_recurrent", "build_gdn_recurrent", ("gdn_recurrent",)),
         ("fused_norms", "fused_norms", "build_fused_norms", ("add_rms_norm", "gated_rms_norm")),
+        ("fused_mixers", "fused_mixers", "build_fused_mixers", ("gdn_conv_silu", "qk_norm_rope_kv")),
     ],
 )
 def test_each_kernel_library_calls_its_builder(
@@ -583,3 +602,44 @@ def test_llvm_linears_match_float64(tmp_path: Path) -> None:
             ref = x.double() @ torch.from_numpy(dequantize_q4_g32(packed, scales)).double().T
         err = float((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
         assert err < 1e-5, (s, err)
+
+
+def test_select_kernels_fused_mixers_only_where_their_limits_hold() -> None:
+    """The fused mixers' rule: a hybrid config whose GDN conv taps are 2..MAX_CONV_KERNEL and whose
+    attention heads are at most MAX_HEAD_DIM wide with an even rotary dim (fused_mixers.py's limits,
+    the ones its exports check)."""
+    from types import SimpleNamespace
+
+    from ignis.compiler.build.modules import mixers_kernel_fits, select_kernels
+    from ignis.compiler.kernels.fused_mixers import MAX_CONV_KERNEL, MAX_HEAD_DIM
+
+    assert mixers_kernel_fits(_hybrid_config())
+    assert mixers_kernel_fits(_hybrid_config(linear_conv_kernel_dim=MAX_CONV_KERNEL))
+    assert mixers_kernel_fits(_hybrid_config(linear_conv_kernel_dim=2))
+    for too_many in (MAX_CONV_KERNEL + 1,):
+        cfg = _hybrid_config(linear_conv_kernel_dim=too_many)
+        assert not mixers_kernel_fits(cfg)
+        assert select_kernels(config=cfg) == ("gdn_recurrent", "fused_norms")
+    assert not mixers_kernel_fits(_hybrid_config(linear_conv_kernel_dim=1))
+    wide = _hybrid_config(head_dim=MAX_HEAD_DIM * 2)
+    assert not mixers_kernel_fits(wide) and "fused_mixers" not in select_kernels(config=wide)
+    assert mixers_kernel_fits(_hybrid_config(head_dim=MAX_HEAD_DIM))
+    # the conv limit only matters with GDN layers, the head limits only with attention layers
+    no_gdn = _hybrid_config(layer_types=("full_attention",) * 4, linear_conv_kernel_dim=MAX_CONV_KERNEL + 1)
+    assert mixers_kernel_fits(no_gdn)
+    no_attention = _hybrid_config(layer_types=("linear_attention",) * 4, head_dim=MAX_HEAD_DIM * 2)
+    assert mixers_kernel_fits(no_attention)
+    # an odd rotary dim (a config-like object: the family config refuses it itself)
+    odd = SimpleNamespace(
+        layer_types=("full_attention",),
+        linear_conv_kernel_dim=4,
+        head_dim=30,
+        rotary_dim=15,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    assert not mixers_kernel_fits(odd)
+    assert mixers_kernel_fits(SimpleNamespace(**{**vars(odd), "rotary_dim": 16}))
+    assert not mixers_kernel_fits(SimpleNamespace(**{**vars(odd), "num_attention_heads": 65535}))
+    assert not mixers_kernel_fits(SimpleNamespace(**{**vars(odd), "layer_types": ()}))
+    assert not mixers_kernel_fits(object())

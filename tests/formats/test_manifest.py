@@ -26,7 +26,7 @@ from ignis.formats import (
     read_manifest,
     verify_artifact,
 )
-from ignis.formats.manifest import BLOCK_SIZE, KernelEntry, file_entry
+from ignis.formats.manifest import BLOCK_SIZE, KERNEL_ABIS, KernelEntry, file_entry
 
 
 def _write(root: Path, rel: str, data: bytes) -> None:
@@ -321,6 +321,73 @@ def test_gdn_recurrent_and_norm_kernels_roundtrip(tmp_path: Path) -> None:
 def test_hybrid_kernel_violations_name_the_field(tmp_path: Path, change, message: str) -> None:  # type: ignore[no-untyped-def]
     m = _artifact(tmp_path)
     both = Manifest(**{**m.__dict__, "kernels": (*m.kernels, *_hybrid_kernels())})
+    with pytest.raises(ManifestError, match=message) as info:
+        parse_manifest(_mutated(both, change), path="art/manifest.json")
+    assert "art/manifest.json" in str(info.value)
+
+
+def _mixers_kernels() -> tuple[KernelEntry, ...]:
+    cuda = {"kind": "cuda", "arch": "sm_90"}
+    return (
+        KernelEntry(
+            "gdn_conv_silu", "gdn_conv_silu", 1, "modules/cpu/topk.so", cuda, ("bfloat16", "float32")
+        ),
+        KernelEntry("qk_norm_rope_kv", "qk_norm_rope_kv", 1, "modules/cpu/topk.so", cuda, ("float16",)),
+    )
+
+
+def test_mixers_kernels_roundtrip(tmp_path: Path) -> None:
+    """gdn_conv_silu / qk_norm_rope_kv: abi 1, CUDA, one library shared with other entries' files."""
+    assert KERNEL_ABIS["gdn_conv_silu"] == KERNEL_ABIS["qk_norm_rope_kv"] == 1
+    m = _artifact(tmp_path)
+    both = Manifest(**{**m.__dict__, "kernels": (*m.kernels, *_mixers_kernels())})
+    back = parse_manifest(both.to_bytes(), path=None)
+    assert back.kernels == both.kernels and back.to_bytes() == both.to_bytes()
+    conv, qk = back.kernel("gdn_conv_silu", "float32"), back.kernel("qk_norm_rope_kv", "float16")
+    assert conv is not None and qk is not None
+    assert (conv.name, conv.abi, conv.target) == ("gdn_conv_silu", 1, {"kind": "cuda", "arch": "sm_90"})
+    assert conv.file == qk.file == "modules/cpu/topk.so"
+    assert (
+        back.kernel("gdn_conv_silu", "float16") is None and back.kernel("qk_norm_rope_kv", "bfloat16") is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda o: o["kernels"][1].update(abi=2), r"kernels\[1\]\.abi 2 is not the gdn_conv_silu calling"),
+        (lambda o: o["kernels"][2].update(abi=0), r"kernels\[2\]\.abi must be"),
+        (
+            lambda o: o["kernels"][2].update(target={"kind": "llvm"}),
+            r"kernels\[2\]\.target .* a qk_norm_rope_kv kernel is built for target kind 'cuda'",
+        ),
+        (lambda o: o["kernels"][1].update(dtypes=[]), r"kernels\[1\]\.dtypes"),
+        (
+            lambda o: o["kernels"][1].update(dtypes=["float32", "bfloat16"]),
+            r"kernels\[1\]\.dtypes .* ascending",
+        ),
+        (
+            lambda o: o["kernels"][2].update(kind="qk_norm_rope"),
+            r"kernels\[2\]\.kind 'qk_norm_rope' is not one of",
+        ),
+        (
+            lambda o: o["kernels"][2].update(file="modules/cpu/mixers.so"),
+            r"kernels\[2\]\.file .* does not list",
+        ),
+        (
+            lambda o: o["kernels"].append({**o["kernels"][2], "name": "qk2"}),
+            r"kernels\[3\]: a second qk_norm_rope_kv kernel for float16",
+        ),
+        (
+            lambda o: o["kernels"][2].update(name="gdn_conv_silu"),
+            r"kernels\[2\]: 'modules/cpu/topk\.so' exports 'gdn_conv_silu' for a second entry",
+        ),
+        (lambda o: o["kernels"][1].pop("abi"), r"kernels\[1\]\. has missing key\(s\) \['abi'\]"),
+    ],
+)
+def test_mixers_kernel_violations_name_the_field(tmp_path: Path, change, message: str) -> None:  # type: ignore[no-untyped-def]
+    m = _artifact(tmp_path)
+    both = Manifest(**{**m.__dict__, "kernels": (*m.kernels, *_mixers_kernels())})
     with pytest.raises(ManifestError, match=message) as info:
         parse_manifest(_mutated(both, change), path="art/manifest.json")
     assert "art/manifest.json" in str(info.value)

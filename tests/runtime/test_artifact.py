@@ -472,15 +472,21 @@ def test_the_dflash2_drafter_gets_the_kernel_on_cuda_only() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the hybrid rounds' fused kernels (manifest `kernels`: gdn_recurrent, add_rms_norm + gated_rms_norm)
+# the hybrid rounds' fused kernels (manifest `kernels`: gdn_recurrent, add_rms_norm + gated_rms_norm,
+# gdn_conv_silu + qk_norm_rope_kv)
 
 _ALL = ("bfloat16", "float16", "float32")
 
 
 def _with_hybrid_entries(
-    artifact: Path, dst: Path, *, norms: tuple[str, ...] = ("add_rms_norm", "gated_rms_norm")
+    artifact: Path,
+    dst: Path,
+    *,
+    norms: tuple[str, ...] = ("add_rms_norm", "gated_rms_norm"),
+    mixers: tuple[tuple[str, str, tuple[str, ...]], ...] = (),
 ) -> Path:
-    """A copy of the CPU artifact whose manifest lists (dummy) CUDA GDN and norm libraries."""
+    """A copy of the CPU artifact whose manifest lists (dummy) CUDA GDN and norm libraries, and the
+    `mixers` entries (kind, file under modules/h200/, dtypes)."""
     from ignis.formats.manifest import KernelEntry
 
     a = _copy(artifact, dst)
@@ -489,6 +495,7 @@ def _with_hybrid_entries(
         KernelEntry("gdn_recurrent", "gdn_recurrent", 1, "modules/h200/gdn_recurrent.so", cuda, ("bfloat16",))
     ]
     entries += [KernelEntry(k, k, 1, "modules/h200/fused_norms.so", cuda, _ALL) for k in norms]
+    entries += [KernelEntry(k, k, 1, f"modules/h200/{f}", cuda, d) for k, f, d in mixers]
     (a / "modules/h200").mkdir(parents=True)
     rels = sorted({e.file for e in entries})
     for rel in rels:
@@ -503,7 +510,8 @@ def _fake_tvm(monkeypatch: pytest.MonkeyPatch, loaded: list[Path], *, fail: bool
     import ignis.runtime.tvm_runtime as tvm_runtime
 
     funcs: dict[str, Any] = {
-        n: (lambda *args, n=n: None) for n in ("gdn_recurrent", "add_rms_norm", "gated_rms_norm")
+        n: (lambda *args, n=n: None)
+        for n in ("gdn_recurrent", "add_rms_norm", "gated_rms_norm", "gdn_conv_silu", "qk_norm_rope_kv")
     }
 
     def load_module(path: Any, *, cuda: bool | None = None) -> dict[str, Any]:
@@ -524,6 +532,7 @@ def test_hybrid_kernels_are_none_on_a_cpu_artifact(artifact: Path, monkeypatch: 
     with load_artifact(artifact) as art:
         assert art.manifest.kernels == ()
         assert art.gdn_module() is None and art.norms_module() is None and art.topk_module() is None
+        assert art.mixers_module() is None
         assert art._hybrid_kernels(torch.bfloat16) == {}
     assert loaded == []
 
@@ -570,17 +579,10 @@ def test_half_listed_norms_are_not_used(
     assert "not all of ['add_rms_norm', 'gated_rms_norm'] in one library" in caplog.text
 
 
-def test_the_static_executor_gets_the_kernels_for_its_dtype(
-    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`make_executor`'s keyword arguments for StaticHybridExecutor: each fused kernel only when the
-    manifest lists it for the executor's dtype, the config fits it and it loads."""
-    import dataclasses as dc
-
-    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel, GdnRecurrentKernel
+def _tiny_hybrid_config() -> Any:
     from ignis.runtime.families.qwen3_5 import Qwen3_5Config
 
-    hybrid = Qwen3_5Config.from_hf(
+    return Qwen3_5Config.from_hf(
         dict(
             vocab_size=320,
             hidden_size=64,
@@ -597,20 +599,101 @@ def test_the_static_executor_gets_the_kernels_for_its_dtype(
             max_position_embeddings=512,
         )
     )
-    a = _with_hybrid_entries(artifact, tmp_path / "a")
+
+
+_MIXERS = (
+    ("gdn_conv_silu", "fused_mixers.so", _ALL),
+    ("qk_norm_rope_kv", "fused_mixers.so", _ALL),
+)
+
+
+def test_mixers_module_loads_the_listed_kernels_once(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+
+    a = _with_hybrid_entries(artifact, tmp_path / "a", mixers=_MIXERS)
+    loaded: list[Path] = []
+    funcs = _fake_tvm(monkeypatch, loaded)
+    # no CUDA device: listed CUDA kernels are not loaded
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with load_artifact(a) as art:
+        art.config = _tiny_hybrid_config()
+        assert art.mixers_module() is None and art._hybrid_kernels(torch.bfloat16) == {} and loaded == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with load_artifact(a) as art:
+        mixers = art.mixers_module()
+        assert isinstance(mixers, FusedMixersKernel)
+        assert mixers.funcs == {k: funcs[k] for k in ("gdn_conv_silu", "qk_norm_rope_kv")}
+        assert art.mixers_module() is mixers  # loaded once
+        assert loaded == [a / "modules/h200/fused_mixers.so"]
+    # a load failure is logged and means the torch path
+    _fake_tvm(monkeypatch, loaded, fail=True)
+    with load_artifact(a) as art, caplog.at_level(logging.WARNING, logger="ignis.runtime.artifact"):
+        art.config = _tiny_hybrid_config()
+        assert art.mixers_module() is None
+        assert "mixers_module" not in art._hybrid_kernels(torch.bfloat16)
+    assert "compiled mixer pieces modules/h200/fused_mixers.so not loaded" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "mixers",
+    [
+        (("gdn_conv_silu", "fused_mixers.so", _ALL),),  # one of the pair
+        (("gdn_conv_silu", "fused_mixers.so", _ALL), ("qk_norm_rope_kv", "other.so", _ALL)),  # two files
+    ],
+)
+def test_half_listed_mixers_are_not_used(
+    artifact: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    mixers: tuple[tuple[str, str, tuple[str, ...]], ...],
+) -> None:
+    a = _with_hybrid_entries(artifact, tmp_path / "a", mixers=mixers)
+    loaded: list[Path] = []
+    _fake_tvm(monkeypatch, loaded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with load_artifact(a) as art, caplog.at_level(logging.WARNING, logger="ignis.runtime.artifact"):
+        art.config = _tiny_hybrid_config()
+        assert art.mixers_module() is None and art.norms_module() is not None
+        assert "mixers_module" not in art._hybrid_kernels(torch.bfloat16)
+    assert a / "modules/h200/fused_mixers.so" not in loaded
+    assert "not all of ['gdn_conv_silu', 'qk_norm_rope_kv'] in one library" in caplog.text
+
+
+def test_the_static_executor_gets_the_kernels_for_its_dtype(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`make_executor`'s keyword arguments for StaticHybridExecutor: each fused kernel only when the
+    manifest lists it for the executor's dtype, the config fits it and it loads."""
+    import dataclasses as dc
+
+    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel, FusedNormsKernel, GdnRecurrentKernel
+
+    hybrid = _tiny_hybrid_config()
+    # the mixers listed for bfloat16 and float32 only (the pair must cover the dtype)
+    mixers = (
+        ("gdn_conv_silu", "fused_mixers.so", ("bfloat16", "float32")),
+        ("qk_norm_rope_kv", "fused_mixers.so", ("bfloat16", "float16", "float32")),
+    )
+    a = _with_hybrid_entries(artifact, tmp_path / "a", mixers=mixers)
     _fake_tvm(monkeypatch, [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with load_artifact(a) as art:
         art.config = hybrid
         got = art._hybrid_kernels(torch.bfloat16)
-        assert sorted(got) == ["gdn_module", "norms_module"]
+        assert sorted(got) == ["gdn_module", "mixers_module", "norms_module"]
         assert isinstance(got["gdn_module"], GdnRecurrentKernel)
         assert isinstance(got["norms_module"], FusedNormsKernel)
-        # the GDN entry lists bfloat16 only
+        assert isinstance(got["mixers_module"], FusedMixersKernel)
+        assert got["mixers_module"] is art.mixers_module()
+        # the GDN entry lists bfloat16 only, gdn_conv_silu not float16
         assert sorted(art._hybrid_kernels(torch.float16)) == ["norms_module"]
+        assert sorted(art._hybrid_kernels(torch.float32)) == ["mixers_module", "norms_module"]
         # shapes the kernel does not take: not passed (the executor would refuse it)
         art.config = dc.replace(hybrid, linear_key_head_dim=512)
-        assert sorted(art._hybrid_kernels(torch.bfloat16)) == ["norms_module"]
+        assert sorted(art._hybrid_kernels(torch.bfloat16)) == ["mixers_module", "norms_module"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,12 +759,13 @@ def _greedy_verify_rounds(ex: Any, prompt: torch.Tensor, drafts: list[int], n_ne
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
-    """make_executor on CUDA: a StaticHybridExecutor with the artifact's GDN recurrence (and row
-    norms, when listed) attached and called; greedy decoding in verify rounds gives the eager
+    """make_executor on CUDA: a StaticHybridExecutor with the artifact's GDN recurrence and fused
+    mixers (and row norms, when listed) attached and called; greedy decoding in verify rounds gives the eager
     executor's tokens (float32), and its logits to bf16 rounding with the card's dtype and the
     compiled q4 linears."""
     from ignis.runtime.families.hybrid_executor import HybridExecutor
     from ignis.runtime.families.hybrid_graphs import (
+        FusedMixersKernel,
         FusedNormsKernel,
         GdnRecurrentKernel,
         StaticHybridExecutor,
@@ -693,9 +777,18 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
         norms = art.norms_module()
         listed_norms = art.manifest.kernel("add_rms_norm") is not None
         assert isinstance(norms, FusedNormsKernel) == listed_norms
+        mixers = art.mixers_module()
+        assert isinstance(mixers, FusedMixersKernel), "the artifact lists no fused mixers (rebuild it)"
+        assert art.mixers_module() is mixers
         calls: list[int] = []
         real = gdn.func
         gdn.func = lambda *a, _f=real: (calls.append(1), _f(*a))[1]
+        mixer_calls: dict[str, int] = {}
+        for name, func in list(mixers.funcs.items()):
+            mixers.funcs[name] = lambda *a, _f=func, _n=name: (
+                mixer_calls.__setitem__(_n, mixer_calls.get(_n, 0) + 1),
+                _f(*a),
+            )[1]
         vocab = art.config.vocab_size
         prompt = torch.tensor([5, 17, 33, 2, 90, 41, 7], device="cuda") % vocab
         n_new = 24
@@ -711,7 +804,9 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
                 assert static.norms_module is None
             else:
                 assert static.norms_module is not None and static.norms_module.funcs == norms.funcs
+            assert static.mixers_module is not None and static.mixers_module.funcs == mixers.funcs
             calls.clear()
+            mixer_calls.clear()
             want, rows = _greedy_eager(eager, prompt, n_new)
             if dtype == torch.float32:
                 assert _greedy_verify_rounds(static, prompt, want, n_new) == want
@@ -723,3 +818,6 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
                 got = out.logits[0].float()
                 torch.testing.assert_close(got, torch.stack(rows[1:9]), atol=0.15, rtol=0.05)
             assert calls, "the static rounds did not call the artifact's GDN kernel"
+            assert sorted(mixer_calls) == ["gdn_conv_silu", "qk_norm_rope_kv"], (
+                f"the static rounds did not call both fused mixers: {mixer_calls}"
+            )

@@ -138,19 +138,24 @@ def test_build_refuses_an_out_below_a_file_even_in_a_dry_run(ckpt: Path, tmp_pat
 
 
 def test_build_reports_an_unexpected_exception_without_a_traceback(ckpt: Path, tmp_path: Path) -> None:
-    # a recipe name with a NUL byte passes recipe validation and fails when the file is created
+    # a bug inside the build (simulated: the weights step raises a plain ValueError)
     recipe = tmp_path / "r.toml"
-    recipe.write_text('name = "a\\u0000b"\n[modules]\nwidths = [1]\n')
+    recipe.write_text('name = "art"\n[modules]\nwidths = [1]\n')
     out = tmp_path / "out" / "art"
-    result = CliRunner().invoke(
-        build_cli, ["--card", "cpu", "--model", str(ckpt), "--recipe", str(recipe), "--out", str(out)]
-    )
+
+    def bug(*_a: Any, **_k: Any) -> Any:
+        raise ValueError("simulated bug")
+
+    with mock.patch("ignis.compiler.build.pipeline._write_weights", bug):
+        result = CliRunner().invoke(
+            build_cli, ["--card", "cpu", "--model", str(ckpt), "--recipe", str(recipe), "--out", str(out)]
+        )
     _no_traceback(result)
     assert result.exit_code == 1, result.output
     assert (
         "ignis-build: error: internal error (ValueError" in result.output and "IGNIS_DEBUG" in result.output
     )
-    assert not out.exists() and not [p for p in (tmp_path / "out").iterdir()]
+    assert not (tmp_path / "out").exists()  # nor the parent the build created
 
 
 @pytest.mark.parametrize(
