@@ -27,7 +27,11 @@ Phases (in priority order; each is skipped, and said so, when the time budget is
    decode then uses both. With `--mixers-module PATH` (a `.so` from
    `ignis.compiler.kernels.fused_mixers.build_fused_mixers`): the rounds per width with every given
    module plus the fused mixer pieces (`rounds_mixers`: GDN conv + SiLU, q/k norm + RoPE + KV write),
-   printed against the previous all-fused rounds; the decode then uses every given module.
+   printed against the previous all-fused rounds; the decode then uses every given module. Before the
+   decode, on its executor: the prefill of the 16-token prompts on 1 and 8 lanes (`prefill`: graphed
+   as chunks of 8-column static rounds, `chunked_prefill`, against eager), and graphed rounds per
+   (lanes, columns) of `LANE_SHAPES` (`lane_rounds`: 1/2/4/8 x 1, 1 x 8, 8 x 8, committing one
+   column per lane; docs/perf-drafts/graphs-lanes.md).
 1. Q4 compiled route: `HybridExecutor(bf16, linear=LinearBackend(CompiledLinears(...)))` over the
    carried sm_90 bundle (`--mods`: `q4_e2e_sm90.so` + `manifest.json` mapping (width, N, K) to an
    export; every width 1..8, 16, 32). Per width R: the linears of one forward alone (eager through
@@ -91,7 +95,7 @@ import torch  # noqa: E402
 from ignis.runtime.drafters.testing import right_with_probability  # noqa: E402
 from ignis.runtime.engine import SpeculativeEngine  # noqa: E402
 from ignis.runtime.families.hybrid_executor import HybridExecutor  # noqa: E402
-from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor  # noqa: E402
+from ignis.runtime.families.hybrid_graphs import CHUNKED_PREFILL_ROUNDS, StaticHybridExecutor  # noqa: E402
 from ignis.runtime.families.qwen3_5 import Qwen3_5TextConfig, tensor_shapes  # noqa: E402
 from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight  # noqa: E402
 from ignis.runtime.sampling import SamplingParams  # noqa: E402
@@ -449,6 +453,63 @@ def decode_twice(ex: Any, prompts: list[list[int]], tokens: int, drafter_fn: Any
     return out
 
 
+def bench_prefill(ex: Any, prompts8: list[list[int]], dev: torch.device, reps: int) -> dict:
+    """ms of one prefill (forward(record=False, logits="last") + commit(0)) of the 16-token prompts
+    on 1 and 8 fresh lanes: graphed (chunks of max_columns static rounds, `chunked_prefill`) and
+    eager (chunked_prefill=0); the first call captures (warm-up, not timed)."""
+    res: dict[str, Any] = {"prompt_len": PROMPT_LEN, "chunked_prefill": ex.chunked_prefill}
+    chunked = ex.chunked_prefill
+    for lanes in (1, 8):
+        cols = [torch.tensor(p, device=dev) for p in prompts8[:lanes]]
+        states = [ex.new_lane() for _ in cols]
+
+        def pre(states: list = states, cols: list = cols) -> None:
+            ex.forward(states, cols, logits="last", record=False)
+            ex.commit(states, [0] * len(states))
+
+        for mode, knob in (("graphed", chunked), ("eager", 0)):
+            if mode == "graphed" and PROMPT_LEN > chunked:
+                res[f"{lanes}lane_{mode}_ms"] = "off (chunked_prefill < prompt)"
+                continue
+            ex.chunked_prefill = knob
+            try:
+                res[f"{lanes}lane_{mode}_ms"] = med(timed(pre, dev, reps=reps, warmup=1))
+            finally:
+                ex.chunked_prefill = chunked
+        for st in states:
+            ex.release_lane(st)
+        log(f"  prefill {lanes} lane(s): { {k: v for k, v in res.items() if k.startswith(str(lanes))} }")
+    return res
+
+
+LANE_SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 8), (8, 8))
+"""(lanes, columns) of the graphed rounds timed by `bench_lane_rounds`."""
+
+
+def bench_lane_rounds(ex: Any, prompts8: list[list[int]], dev: torch.device, reps: int) -> dict:
+    """ms of one graphed round (forward(record=True) + commit of 1 column per lane, as a decode step
+    keeps at least one: the commit's state gather is timed too) per (lanes, columns) of `LANE_SHAPES`,
+    the lanes prefilled with the 16-token prompts (docs/perf-drafts/graphs-lanes.md). The lanes grow
+    by one token a call (<= 7 per shape): the KV bucket stays the same."""
+    states = [ex.new_lane() for _ in range(8)]
+    ex.forward(states, [torch.tensor(p, device=dev) for p in prompts8[:8]], logits="last", record=False)
+    ex.commit(states, [PROMPT_LEN] * 8)
+    gen = torch.Generator().manual_seed(5)
+    res: dict[str, Any] = {}
+    for lanes, n in LANE_SHAPES:
+        cols = [torch.randint(0, ex.config.vocab_size, (n,), generator=gen).to(dev) for _ in range(lanes)]
+
+        def rnd(cols: list = cols, lanes: int = lanes) -> None:
+            ex.forward(states[:lanes], cols, logits="all", record=True)
+            ex.commit(states[:lanes], [1] * lanes)
+
+        res[f"{lanes}x{n}"] = med(timed(rnd, dev, reps=reps, warmup=2))
+        log(f"  graphed round {lanes} lanes x {n} columns: {res[f'{lanes}x{n}']} ms")
+    for st in states:
+        ex.release_lane(st)
+    return res
+
+
 def graphed_decode_suite(
     ex: Any, prompts8: list[list[int]], tokens: int, vocab: int, budget: Budget, ps: tuple[float, ...]
 ) -> dict:
@@ -799,6 +860,7 @@ def main() -> int:
                     cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
                     max_lanes=8, max_columns=8, max_context=ctx, gdn_module=args.gdn_module,
                     norms_module=args.norms_module, mixers_module=args.mixers_module,
+                    chunked_prefill=CHUNKED_PREFILL_ROUNDS * 8,  # the CUDA default; on in --tiny too
                 )  # fmt: skip
                 gr["decode_fused"] = args.gdn_module is not None
                 gr["decode_fused_norms"] = args.norms_module is not None
@@ -807,6 +869,13 @@ def main() -> int:
                     f"graphed route: decode (fused GDN: {gr['decode_fused']}, norms: "
                     f"{gr['decode_fused_norms']}, mixers: {gr['decode_fused_mixers']})"
                 )
+                if budget.left() > 30:
+                    log("graphed route: prefill of the 16-token prompts (chunked static rounds vs eager)")
+                    gr["prefill"] = bench_prefill(lanes8, prompts8, dev, args.reps)
+                    log("graphed route: rounds per (lanes, columns)")
+                    gr["lane_rounds"] = bench_lane_rounds(lanes8, prompts8, dev, args.reps)
+                else:
+                    res["not_done"].append("graphed prefill and lane rounds (time)")
                 gr["decode"] = graphed_decode_suite(lanes8, prompts8, tokens, vocab, budget, ps)
                 gr["captures_decode"] = lanes8.num_captures
                 gr["replays_decode"] = lanes8.num_replays
@@ -1000,6 +1069,17 @@ def main() -> int:
             gms = v.get("graph_ms")
             ratio = fmt(gms / bfloor) if gms else "-"
             print(f"| {r} | {fmt(gms)} | {fmt(bfloor)} | {ratio} | {v.get('argmax_equal_vs_eager')} |")
+    pf, lr = gr.get("prefill", {}), gr.get("lane_rounds", {})
+    if pf:
+        print(f"\n| prefill ({pf.get('prompt_len')} tokens) | graphed ms (chunked) | eager ms |")
+        print("|---|---|---|")
+        for lanes in (1, 8):
+            g, e = pf.get(f"{lanes}lane_graphed_ms"), pf.get(f"{lanes}lane_eager_ms")
+            print(f"| {lanes} lane(s) | {fmt(g)} | {fmt(e)} |")
+    if lr:
+        print("\n| graphed round, lanes x columns | " + " | ".join(lr) + " |")
+        print("|---|" + "---|" * len(lr))
+        print("| ms | " + " | ".join(fmt(v) for v in lr.values()) + " |")
     print("\n| route | run | tok/s | tokens/round | rounds/lane | wall s |")
     print("|---|---|---|---|---|---|")
     for route, d in (

@@ -28,10 +28,10 @@ slot ids); attention gathers the lanes' caches up to T (the smallest power-of-tw
 values of every column (dummy ones too, past the lane's committed length, where they are overwritten
 later) are written into the cache; the Gated DeltaNet runs the token-by-token recurrence batched over
 lanes and heads, writing each column's state into the record; logits of every row (and hidden states,
-taps) are the outputs. `commit` then costs a handful of device ops for all lanes together: the kept
-state is indexed out of the record, the kept conv window out of the windows, and KV commits by moving
-the host-side length. The record belongs to the round: a static round must be committed before the
-next one starts (`StateError` otherwise).
+taps) are the outputs. `commit` then costs a handful of device ops: the kept state is copied out of
+the record (one copy per lane, no temporary), the kept conv window gathered out of the windows (all
+lanes together), and KV commits by moving the host-side length. The record belongs to the round: a
+static round must be committed before the next one starts (`StateError` otherwise).
 
 CUDA graphs: captured lazily per key (warm-up on a side stream first, as the torch.cuda.graphs docs
 say, which also loads every compiled module once: they are capture-safe after a first run, ADR 0001),
@@ -41,7 +41,20 @@ returned logits survive the next round. Graphs are off (the static path runs eag
 over lanes) for configs with MoE layers: `sparse_moe_block` routes on the host (``torch.unique``
 + ``.tolist()``), which a capture cannot contain.
 
-Forwards with more than max_columns columns in some lane (prompts) run eagerly over the same pooled
+Chunked prefill (``chunked_prefill``): a ``record=False`` forward (a prompt) whose longest lane has
+more than max_columns but at most ``chunked_prefill`` columns runs as consecutive static rounds of
+max_columns columns (graphed on CUDA; a chunk holds the lanes that still have columns), each committed
+whole before the next. The protocol lets a ``record=False`` forward only be committed whole or
+discarded (0): before the first chunk the lanes' conv and recurrent states are copied aside
+(``4 x gdn_layers x v_heads x k_dim x v_dim`` bytes plus the conv state per lane, 151 MB for the
+27B shape) and the lanes' lengths put back after the last chunk, so commit(whole) only moves the
+lengths and commit(0) copies the states back (the chunks' keys and values lie past the committed
+length, where they are masked and later overwritten); an error in a chunk restores the lanes the same
+way. Default: ``4 x max_columns`` with CUDA graphs, else 0 (off: the CPU and MoE configs keep the
+eager path below unless asked). Numerics: a static round's, i.e. the token-by-token recurrence
+instead of the chunked one (float32 ~1e-5).
+
+Other forwards with more than max_columns columns in some lane (prompts) run eagerly over the same pooled
 buffers: attention batched over lanes (only the real columns' keys are written), the GDN per lane
 with its true length (chunked with ``record=False``, token by token with ``record=True``); their final
 (or per-column) states wait in the lane until commit, as in `HybridExecutor`.
@@ -115,6 +128,7 @@ from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3
 from ignis.runtime.linear import LinearFn, Q4Weight
 
 __all__ = [
+    "CHUNKED_PREFILL_ROUNDS",
     "DEFAULT_MAX_CONTEXT",
     "FusedMixersKernel",
     "FusedNormsKernel",
@@ -127,6 +141,10 @@ log = logging.getLogger("ignis.runtime.hybrid_graphs")
 
 DEFAULT_MAX_CONTEXT = 8192
 """Token capacity per lane when neither the caller nor a smaller model limit gives one."""
+
+CHUNKED_PREFILL_ROUNDS = 4
+"""Default `StaticHybridExecutor.chunked_prefill` (with CUDA graphs): prompts of up to this many
+max_columns chunks run as static rounds."""
 
 
 GDN_FUNCTION_NAME = "gdn_recurrent"
@@ -352,6 +370,9 @@ class _StaticPending:
     static: bool  # True: the state after column t is record[:, t, position]
     conv_windows: list[torch.Tensor] | None = None  # eager: per GDN slot [conv_dim, kernel - 1 + n]
     rec_states: list[torch.Tensor] | None = None  # eager: per GDN slot [n, hv, dk, dv] or [hv, dk, dv]
+    # chunked prefill: the lane's (conv [G, C, kd], recurrent [G, hv, dk, dv]) before the forward; its
+    # chunks are committed already, so commit(whole) moves the length and commit(0) restores these
+    saved: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class StaticLaneState:
@@ -431,6 +452,9 @@ class StaticHybridExecutor(HybridExecutor):
         max_columns: most columns per lane of a static (graphed) round, >= 1 (8 = anchor + 7 drafts).
         cuda_graphs: capture and replay static rounds (default: on CUDA, unless the config has MoE
             layers, see the module docstring). True on a CPU device raises ValueError.
+        chunked_prefill: most columns per lane of a ``record=False`` forward run as chunks of
+            max_columns static rounds (module docstring); None: ``CHUNKED_PREFILL_ROUNDS x
+            max_columns`` when cuda_graphs, else 0 (off). Also settable later as the attribute.
         kv_bucket: the smallest KV length bucket (a power of two; buckets double up to the capacity).
         gdn_module: the fused GDN recurrence (`GdnRecurrentKernel`, its function, a loaded module or
             a ``.so`` path) for static rounds on CUDA; None: the torch loop. Also settable later as
@@ -474,6 +498,7 @@ class StaticHybridExecutor(HybridExecutor):
         gdn_module: Any = None,
         norms_module: Any = None,
         mixers_module: Any = None,
+        chunked_prefill: int | None = None,
     ) -> None:
         super().__init__(config, weights, device=device, dtype=dtype, linear=linear)
         c = config
@@ -500,6 +525,11 @@ class StaticHybridExecutor(HybridExecutor):
         self.max_lanes, self.max_columns, self.max_context = max_lanes, max_columns, max_context
         self.capacity = max_context + max_columns
         self.kv_bucket = kv_bucket
+        if chunked_prefill is None:
+            chunked_prefill = CHUNKED_PREFILL_ROUNDS * max_columns if self.cuda_graphs else 0
+        if chunked_prefill < 0:
+            raise ValueError(f"chunked_prefill must be >= 0, got {chunked_prefill}")
+        self.chunked_prefill = chunked_prefill
         dev, kd = self.device, c.linear_conv_kernel_dim - 1
         nkv, hd = c.num_key_value_heads, c.head_dim
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
@@ -682,7 +712,9 @@ class StaticHybridExecutor(HybridExecutor):
 
         A forward whose lanes all have <= max_columns columns is a static round (graphed on CUDA);
         its per-column states are kept whatever `record` says (a `record=False` forward still may
-        only be committed whole or discarded, as the protocol says).
+        only be committed whole or discarded, as the protocol says). A `record=False` forward of
+        more than max_columns but at most `chunked_prefill` columns runs as chunks of static rounds
+        (module docstring).
 
         Raises:
             StateError: as `HybridExecutor.forward`; also a lane past max_context, a released lane,
@@ -701,6 +733,15 @@ class StaticHybridExecutor(HybridExecutor):
                     f"max_context {self.max_context}"
                 )
         n, lanes = max(lens), len(states)
+        if not record and self.max_columns < n <= self.chunked_prefill:
+            if self._round_open:
+                raise StateError(
+                    "a static round is pending: commit it before the next forward (the per-column "
+                    "states live in one record buffer)"
+                )
+            return self._chunked_forward(
+                states, columns, lens, logits, output_hidden_states, tuple(tap_layers)
+            )
         if n <= self.max_columns:
             if self._round_open:
                 raise StateError(
@@ -733,8 +774,9 @@ class StaticHybridExecutor(HybridExecutor):
     def commit(self, states: Sequence[StaticLaneState], num_keep: Sequence[int]) -> None:  # type: ignore[override]
         """Keep the first num_keep[i] columns of lane i's pending forward (`HybridExecutor.commit`).
 
-        Static rounds: a few device ops for all lanes (the kept states indexed out of the record and
-        the windows); no host sync.
+        Static rounds: one copy per lane (the kept recurrent state out of the record) and a few
+        device ops for all lanes (the kept conv windows); no host sync. Chunked prefills: whole
+        moves the lengths, 0 copies the saved states back.
 
         Raises:
             StateError: as `HybridExecutor.commit`.
@@ -768,7 +810,10 @@ class StaticHybridExecutor(HybridExecutor):
             )
             idx = host.to(self.device, non_blocking=True)
             pos, keep_t, slots = idx[0], idx[1], idx[2]
-            self._rec[:, slots] = self._record[:, keep_t - 1, pos]
+            # one copy per lane, record -> state: an indexed assignment would gather into a temporary
+            # first, twice the traffic (4 x lanes x 151 MB for the 27B shape; graphs-lanes.md)
+            for (state, keep), p in zip(static, positions, strict=True):
+                self._rec[:, state.slot].copy_(self._record[:, keep - 1, p])
             gi = keep_t[:, None] + torch.arange(kd, device=self.device)[None, :]  # [m, kd]
             win = self._windows[:, pos]  # [G, m, C, kd + max_columns]
             g, _, ch, _ = win.shape
@@ -776,7 +821,11 @@ class StaticHybridExecutor(HybridExecutor):
         for state, keep in zip(states, keeps, strict=True):
             pending = state._pending
             assert pending is not None
-            if keep > 0 and not pending.static:
+            if pending.saved is not None:  # chunked prefill: already in the pool; undo on 0
+                if keep == 0:
+                    self._conv[:, state.slot] = pending.saved[0]
+                    self._rec[:, state.slot] = pending.saved[1]
+            elif keep > 0 and not pending.static:
                 assert pending.conv_windows is not None and pending.rec_states is not None
                 for gs, window in enumerate(pending.conv_windows):
                     self._conv[gs, state.slot] = window[:, keep : keep + kd]
@@ -787,6 +836,25 @@ class StaticHybridExecutor(HybridExecutor):
             self._round_open.discard(id(state))
 
     # ---- internals ----
+
+    def _check_forward(  # type: ignore[override]
+        self,
+        states: list[StaticLaneState],
+        columns: list[torch.Tensor],
+        logits: str,
+        tap_layers: Sequence[int],
+    ) -> set[int]:
+        """`HybridExecutor._check_forward` (same errors), its per-lane token-id range checks run on
+        one host copy of every lane's columns: one device sync per forward instead of two per lane."""
+        if (
+            len(columns) > 1
+            and all(
+                isinstance(c, torch.Tensor) and c.dim() == 1 and not c.is_floating_point() for c in columns
+            )
+            and len({(c.device, c.dtype) for c in columns}) == 1
+        ):
+            columns = list(torch.cat(columns).cpu().split([c.numel() for c in columns]))
+        return super()._check_forward(states, columns, logits, tap_layers)  # type: ignore[arg-type]
 
     def _check_owner(self, state: object, lane: int) -> None:
         if not isinstance(state, StaticLaneState) or state._owner is not self:
@@ -848,6 +916,62 @@ class StaticHybridExecutor(HybridExecutor):
             out = {k: v.clone() for k, v in entry.outputs.items()}
         out["rows"] = "all"
         return out
+
+    def _chunked_forward(
+        self,
+        states: list[StaticLaneState],
+        columns: list[torch.Tensor],
+        lens: list[int],
+        logits: str,
+        want_hidden: bool,
+        taps: tuple[int, ...],
+    ) -> ForwardOutput:
+        """A record=False forward as consecutive static rounds of max_columns columns, each committed
+        whole; the lanes' prior states are kept in their pendings (module docstring)."""
+        mc = self.max_columns
+        slots = torch.tensor([s.slot for s in states], dtype=torch.long, device=self.device)
+        saved_conv, saved_rec = self._conv[:, slots], self._rec[:, slots]  # copies (indexed): [G, L, ...]
+        starts = [s.num_tokens for s in states]
+        parts: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in states] for k in ("l", "h", "t")}
+        try:
+            for start in range(0, max(lens), mc):
+                idx = [i for i, n_i in enumerate(lens) if n_i > start]
+                sub = [states[i] for i in idx]
+                cols = [columns[i][start : start + mc] for i in idx]
+                out = self.forward(
+                    sub,
+                    cols,
+                    logits=logits,
+                    record=False,
+                    output_hidden_states=want_hidden,
+                    tap_layers=taps,
+                )
+                self.commit(sub, [int(c.numel()) for c in cols])
+                for j, i in enumerate(idx):
+                    parts["l"][i].append(out.logits[j])
+                    if out.hidden_states is not None:
+                        parts["h"][i].append(out.hidden_states[j])
+                    if out.taps is not None:
+                        parts["t"][i].append(out.taps[j])
+        except BaseException:
+            for i, state in enumerate(states):  # back to before the forward
+                self._round_open.discard(id(state))
+                state._pending = None
+                state._num_tokens = starts[i]
+                self._conv[:, state.slot] = saved_conv[:, i]
+                self._rec[:, state.slot] = saved_rec[:, i]
+            raise
+        for i, state in enumerate(states):
+            state._num_tokens = starts[i]
+            state._pending = _StaticPending(
+                lens[i], False, i, False, saved=(saved_conv[:, i], saved_rec[:, i])
+            )
+        last = logits == "last"
+        return ForwardOutput(
+            logits=[p[-1] if last else torch.cat(p) for p in parts["l"]],
+            hidden_states=[torch.cat(p) for p in parts["h"]] if want_hidden else None,
+            taps=[torch.cat(p) for p in parts["t"]] if taps else None,
+        )
 
     def _capture(self, body: Callable[[], dict[str, torch.Tensor]]) -> _Graph:
         from ignis.runtime.tvm_runtime import capture
