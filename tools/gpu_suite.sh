@@ -26,15 +26,17 @@ export IGNIS_GDN_ARTIFACT=$ART IGNIS_TOPK_ARTIFACT=$ART
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # 1. GPU tests of everything that runs on CUDA (graphs, fused kernels, top-k, artifacts).
-timeout 110 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
+timeout ${GPU_TESTS_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
   -k "${GPU_TESTS_K:-fused_mixers or artifact or topk}" \
   tests/runtime/test_hybrid_graphs.py tests/runtime/test_topk.py tests/runtime/test_artifact.py \
   >"$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 
 # 2. Top-k against torch.topk (exactness on tie-heavy data, time).
-timeout 45 python3 -m ignis.tools.bench_topk --modules "$M" --out "$OUT" >"$OUT/bench_topk.log" 2>&1
-echo "bench_topk rc=$?"
+if [ -z "${SKIP_TOPK:-}" ]; then
+  timeout 45 python3 -m ignis.tools.bench_topk --modules "$M" --out "$OUT" >"$OUT/bench_topk.log" 2>&1
+  echo "bench_topk rc=$?"
+fi
 
 # 3. End to end: 27B-shaped qwen3_5, graphed rounds per width with every fused module, graphed decode
 #    (1 and 8 lanes; speculation off and 7 drafts at fixed acceptance), the bf16 (cuBLAS) route
@@ -42,7 +44,7 @@ echo "bench_topk rc=$?"
 MIX=""; [ -n "${IGNIS_MIXERS_MODULE:-}" ] && MIX="--mixers-module $IGNIS_MIXERS_MODULE"
 timeout $((BUDGET + 45)) python3 tools/bench_e2e_gpu.py --mods "$M" --gdn-module "$IGNIS_GDN_MODULE" \
   --norms-module "$IGNIS_NORMS_MODULE" $MIX --fused-only --no-eager-rounds --no-eager --widths 1,2,4,8,16,32 \
-  --budget-s "$BUDGET" --reps 5 --hf-tokens 16 --out "$OUT" >"$OUT/bench_e2e.log" 2>&1
+  --budget-s "$BUDGET" --reps 5 ${E2E_EXTRA:-} --hf-tokens 16 --out "$OUT" >"$OUT/bench_e2e.log" 2>&1
 echo "bench_e2e rc=$?"
-echo "== top-k =="; grep "^|" "$OUT/bench_topk.log" | head -16
+[ -f "$OUT/bench_topk.log" ] && { echo "== top-k =="; tail -n 16 "$OUT/bench_topk.log"; }
 echo "== end to end (tables last) =="; tail -n 60 "$OUT/bench_e2e.log"
