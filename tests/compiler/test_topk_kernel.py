@@ -244,6 +244,6 @@ def test_the_dtypes_an_artifact_records_are_the_ones_the_module_dispatches() -> 
         )
         if pattern in src
     }
-    file, dtypes = KERNELS["topk"]
+    file, dtypes = KERNELS["topk"].file, KERNELS["topk"].dtypes
     assert set(dtypes) == dispatched and list(dtypes) == sorted(dtypes) and file == "topk.so"
     assert KERNEL_ABIS["topk"] == 1 and FUNCTION_NAME == "topk"
