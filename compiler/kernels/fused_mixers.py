@@ -41,10 +41,7 @@ in CUDA graphs. The caller is ``ignis.runtime.families.hybrid_graphs``
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +60,7 @@ __all__ = [
 FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
 MAX_CONV_KERNEL = 8  # kMaxConvKernel in fused_mixers.cuh
 MAX_HEAD_DIM = 1024  # kMaxHeadDim
-_KERNEL_DIR = Path(__file__).resolve().parent
-_SOURCES = ("fused_mixers.cuh", "fused_mixers_ffi.cuh", "fused_mixers.py")
+_SOURCES = ("fused_mixers.cuh", "fused_mixers_ffi.cuh", "ffi_checks.cuh", "fused_mixers.py", "cuda_build.py")
 
 
 class FusedMixersError(ValueError):
@@ -210,20 +206,6 @@ def qk_norm_rope_kv_emulated(
 # Building the module.
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("IGNIS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ignis"
-    )
-    return Path(root) / "fused_mixers"
-
-
-def _sources_hash() -> str:
-    h = hashlib.sha256()
-    for name in _SOURCES:
-        h.update((_KERNEL_DIR / name).read_bytes())
-    return h.hexdigest()[:16]
-
-
 def build_fused_mixers(
     target: Any,
     *,
@@ -245,49 +227,21 @@ def build_fused_mixers(
     Raises:
         FusedMixersError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
     """
-    from .q4_linear import Q4KernelError, _cuda_arch, _gencode, _nvcc, _target_dict, _tvm_ffi_paths
+    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target
 
-    try:
-        tdict = _target_dict(target)
-        if tdict.get("kind") != "cuda":
-            raise FusedMixersError(f"the fused mixers are CUDA only, got target {tdict}")
-        arch = _cuda_arch(tdict)
-        nvcc = _nvcc()
-    except Q4KernelError as exc:
-        raise FusedMixersError(str(exc)) from exc
-    digest = hashlib.sha256(f"{arch}|{_sources_hash()}".encode()).hexdigest()[:16]
-    dest = Path(out_path) if out_path is not None else _cache_dir() / f"fused_mixers_{arch}_{digest}.so"
-    if out_path is None and dest.exists():
+    arch, nvcc = resolve_cuda_target(
+        target, not_cuda="the fused mixers are CUDA only", error=FusedMixersError
+    )
+    dest, reuse = cached_module_path("fused_mixers", arch, _SOURCES, out_path)
+    if reuse:
         return dest
-    include, lib = _tvm_ffi_paths()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        src = Path(tmp) / "fused_mixers_module.cu"
-        src.write_text('#include "fused_mixers_ffi.cuh"\n\nIGNIS_FUSED_MIXERS_EXPORT()\n')
-        tmp_out = Path(tmp) / dest.name
-        cmd = [
-            nvcc,
-            "-std=c++17",
-            "-O3",
-            "-shared",
-            "-Xcompiler",
-            "-fPIC,-fvisibility=hidden",
-            "-gencode",
-            _gencode(arch),
-            f"-I{_KERNEL_DIR}",
-            f"-I{include}",
-            f"-L{lib}",
-            "-ltvm_ffi",
-            "-o",
-            str(tmp_out),
-            str(src),
-        ]
-        if verbose:
-            cmd.insert(1, "-Xptxas=-v")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise FusedMixersError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
-        if verbose:
-            print(proc.stderr)
-        os.replace(tmp_out, dest)
-    return dest
+    source = '#include "fused_mixers_ffi.cuh"\n\nIGNIS_FUSED_MIXERS_EXPORT()\n'
+    return build_cuda_module(
+        source,
+        arch,
+        dest,
+        nvcc=nvcc,
+        src_name="fused_mixers_module.cu",
+        error=FusedMixersError,
+        verbose=verbose,
+    )

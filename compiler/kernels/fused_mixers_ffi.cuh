@@ -25,35 +25,13 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include "ffi_checks.cuh"
 #include "fused_mixers.cuh"
 
 namespace ignis_mixers {
 
 using tvm::ffi::TensorView;
-
-inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
-  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
-}
-
-inline bool same_dtype(const TensorView& x, const TensorView& y) {
-  return x.dtype().code == y.dtype().code && x.dtype().bits == y.dtype().bits && x.dtype().lanes == y.dtype().lanes;
-}
-
-inline void* ptr(const TensorView& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
-
-inline void check_cuda(const char* name, std::initializer_list<const TensorView*> ts) {
-  const TensorView* first = *ts.begin();
-  for (const TensorView* t : ts) {
-    TVM_FFI_CHECK(t->device().device_type == kDLCUDA && t->device().device_id == first->device().device_id,
-                  ValueError)
-        << name << ": every tensor must be on the same CUDA device";
-  }
-}
-
-inline void check_launch(const char* name) {
-  cudaError_t err = cudaGetLastError();
-  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << name << ": kernel launch failed: " << cudaGetErrorString(err);
-}
+using namespace ignis_ffi;  // the shared argument checks (ffi_checks.cuh)
 
 inline void check_i64(const char* name, const char* what, const TensorView& t, int64_t size) {
   TVM_FFI_CHECK(t.ndim() == 1 && t.size(0) == size && (size == 1 || t.stride(0) == 1), ValueError)
@@ -121,7 +99,7 @@ inline void gdn_conv_silu_launch(const char* name, TensorView qkv, TensorView st
   p.n = static_cast<int>(n);
   p.channels = static_cast<int>(channels);
   p.num_slots = static_cast<int>(state.size(0));
-  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, qkv.device().device_id));
+  cudaStream_t stream = stream_of(qkv);
   const dim3 grid(static_cast<unsigned>((channels + kConvThreads - 1) / kConvThreads), static_cast<unsigned>(lanes));
   const int k = static_cast<int>(K);
   if (dtype_is(qkv, kDLFloat, 32)) {
@@ -221,7 +199,7 @@ inline void qk_norm_rope_kv_launch(const char* name, TensorView q, TensorView k,
   p.num_slots = static_cast<int>(kc.size(0));
   p.capacity = kc.size(1);
   p.eps = static_cast<float>(eps);
-  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, q.device().device_id));
+  cudaStream_t stream = stream_of(q);
   const int64_t blocks = (rows * (heads + kv_heads) + kNormWarps - 1) / kNormWarps;
   TVM_FFI_CHECK(blocks <= 2147483647LL, ValueError) << name << ": too many blocks (" << blocks << ")";
   const dim3 grid(static_cast<unsigned>(blocks)), block(kNormWarps * 32);

@@ -21,35 +21,13 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include "ffi_checks.cuh"
 #include "fused_norms.cuh"
 
 namespace ignis_norms {
 
 using tvm::ffi::TensorView;
-
-inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
-  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
-}
-
-inline bool same_dtype(const TensorView& x, const TensorView& y) {
-  return x.dtype().code == y.dtype().code && x.dtype().bits == y.dtype().bits && x.dtype().lanes == y.dtype().lanes;
-}
-
-inline void* ptr(const TensorView& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
-
-inline void check_cuda(const char* name, std::initializer_list<const TensorView*> ts) {
-  const TensorView* first = *ts.begin();
-  for (const TensorView* t : ts) {
-    TVM_FFI_CHECK(t->device().device_type == kDLCUDA && t->device().device_id == first->device().device_id,
-                  ValueError)
-        << name << ": every tensor must be on the same CUDA device";
-  }
-}
-
-inline void check_launch(const char* name) {
-  cudaError_t err = cudaGetLastError();
-  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << name << ": kernel launch failed: " << cudaGetErrorString(err);
-}
+using namespace ignis_ffi;  // the shared argument checks (ffi_checks.cuh)
 
 inline void add_rms_norm_launch(const char* name, TensorView h, TensorView d, TensorView w1p, TensorView h_out,
                                 TensorView x_out, double eps) {
@@ -84,7 +62,7 @@ inline void add_rms_norm_launch(const char* name, TensorView h, TensorView d, Te
   p.rows = static_cast<int>(rows);
   p.hidden = static_cast<int>(hidden);
   p.eps = static_cast<float>(eps);
-  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, h.device().device_id));
+  cudaStream_t stream = stream_of(h);
   const dim3 grid(static_cast<unsigned>(rows)), block(kAddThreads);
   if (dtype_is(h, kDLFloat, 32)) {
     add_rms_norm_kernel<float><<<grid, block, 0, stream>>>(p);
@@ -141,7 +119,7 @@ inline void gated_rms_norm_launch(const char* name, TensorView x, TensorView z, 
   p.heads = static_cast<int>(heads);
   p.dim = static_cast<int>(dim);
   p.eps = static_cast<float>(eps);
-  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, x.device().device_id));
+  cudaStream_t stream = stream_of(x);
   const int64_t blocks = (rows * heads + kGatedWarps - 1) / kGatedWarps;
   TVM_FFI_CHECK(blocks <= 2147483647LL, ValueError) << name << ": too many blocks (" << blocks << ")";
   const dim3 grid(static_cast<unsigned>(blocks)), block(kGatedWarps * 32);

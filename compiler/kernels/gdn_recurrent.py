@@ -52,10 +52,7 @@ heads of 128 x 128), CUDA-graph replay: 17 us at 1 lane x 1 column, 24 us at 1 x
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +75,13 @@ COLS = 32  # kCols: value columns per block
 CHUNK = 16  # kChunk: round columns staged in shared memory at a time
 MAX_KEY_DIM = 256  # kMaxKeyDim
 L2_EPS = 1e-6
-_KERNEL_DIR = Path(__file__).resolve().parent
-_SOURCES = ("gdn_recurrent.cuh", "gdn_recurrent_ffi.cuh", "gdn_recurrent.py")
+_SOURCES = (
+    "gdn_recurrent.cuh",
+    "gdn_recurrent_ffi.cuh",
+    "ffi_checks.cuh",
+    "gdn_recurrent.py",
+    "cuda_build.py",
+)
 
 
 class GdnKernelError(ValueError):
@@ -254,20 +256,6 @@ def gdn_recurrent_emulated(
 # Building the module.
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("IGNIS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ignis"
-    )
-    return Path(root) / "gdn_recurrent"
-
-
-def _sources_hash() -> str:
-    h = hashlib.sha256()
-    for name in _SOURCES:
-        h.update((_KERNEL_DIR / name).read_bytes())
-    return h.hexdigest()[:16]
-
-
 def build_gdn_recurrent(
     target: Any,
     *,
@@ -288,49 +276,21 @@ def build_gdn_recurrent(
     Raises:
         GdnKernelError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
     """
-    from .q4_linear import Q4KernelError, _cuda_arch, _gencode, _nvcc, _target_dict, _tvm_ffi_paths
+    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target
 
-    try:
-        tdict = _target_dict(target)
-        if tdict.get("kind") != "cuda":
-            raise GdnKernelError(f"the GDN recurrence kernel is CUDA only, got target {tdict}")
-        arch = _cuda_arch(tdict)
-        nvcc = _nvcc()
-    except Q4KernelError as exc:
-        raise GdnKernelError(str(exc)) from exc
-    digest = hashlib.sha256(f"{arch}|{_sources_hash()}".encode()).hexdigest()[:16]
-    dest = Path(out_path) if out_path is not None else _cache_dir() / f"gdn_recurrent_{arch}_{digest}.so"
-    if out_path is None and dest.exists():
+    arch, nvcc = resolve_cuda_target(
+        target, not_cuda="the GDN recurrence kernel is CUDA only", error=GdnKernelError
+    )
+    dest, reuse = cached_module_path("gdn_recurrent", arch, _SOURCES, out_path)
+    if reuse:
         return dest
-    include, lib = _tvm_ffi_paths()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        src = Path(tmp) / "gdn_recurrent_module.cu"
-        src.write_text(f'#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT({FUNCTION_NAME})\n')
-        tmp_out = Path(tmp) / dest.name
-        cmd = [
-            nvcc,
-            "-std=c++17",
-            "-O3",
-            "-shared",
-            "-Xcompiler",
-            "-fPIC,-fvisibility=hidden",
-            "-gencode",
-            _gencode(arch),
-            f"-I{_KERNEL_DIR}",
-            f"-I{include}",
-            f"-L{lib}",
-            "-ltvm_ffi",
-            "-o",
-            str(tmp_out),
-            str(src),
-        ]
-        if verbose:
-            cmd.insert(1, "-Xptxas=-v")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise GdnKernelError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
-        if verbose:
-            print(proc.stderr)
-        os.replace(tmp_out, dest)
-    return dest
+    source = f'#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT({FUNCTION_NAME})\n'
+    return build_cuda_module(
+        source,
+        arch,
+        dest,
+        nvcc=nvcc,
+        src_name="gdn_recurrent_module.cu",
+        error=GdnKernelError,
+        verbose=verbose,
+    )

@@ -23,32 +23,13 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include "ffi_checks.cuh"
 #include "gdn_recurrent.cuh"
 
 namespace ignis_gdn {
 
 using tvm::ffi::TensorView;
-
-inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
-  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
-}
-
-inline bool same_dtype(const TensorView& x, const TensorView& y) {
-  return x.dtype().code == y.dtype().code && x.dtype().bits == y.dtype().bits && x.dtype().lanes == y.dtype().lanes;
-}
-
-// The first element's address (DLPack: data + byte_offset).
-inline void* ptr(const TensorView& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
-
-// The last `inner` dims of t are contiguous (row-major).
-inline bool inner_contiguous(const TensorView& t, int inner) {
-  int64_t expect = 1;
-  for (int d = t.ndim() - 1; d >= t.ndim() - inner; --d) {
-    if (t.size(d) > 1 && t.stride(d) != expect) return false;
-    expect *= t.size(d);
-  }
-  return true;
-}
+using namespace ignis_ffi;  // the shared argument checks (ffi_checks.cuh)
 
 template <typename T>
 void launch(const char* name, const Params& p, cudaStream_t stream) {
@@ -67,8 +48,7 @@ void launch(const char* name, const Params& p, cudaStream_t stream) {
   } else {
     gdn_recurrent_kernel<T, 32><<<grid, block, 0, stream>>>(p);
   }
-  cudaError_t err = cudaGetLastError();
-  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << name << ": kernel launch failed: " << cudaGetErrorString(err);
+  check_launch(name);
 }
 
 inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView b, TensorView a, TensorView neg_a,
@@ -118,11 +98,7 @@ inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView 
       << name << ": out must be contiguous [" << lanes << ", " << n << ", " << hv << ", " << dv << "]";
   const bool out_f32 = dtype_is(out, kDLFloat, 32);
   TVM_FFI_CHECK(out_f32 || same_dtype(out, mixed), TypeError) << name << ": out must be float32 or mixed's dtype";
-  for (const TensorView* t : {&mixed, &b, &a, &neg_a, &dt_bias, &state, &slots, &record, &out}) {
-    TVM_FFI_CHECK(t->device().device_type == kDLCUDA && t->device().device_id == mixed.device().device_id,
-                  ValueError)
-        << name << ": every tensor must be on the same CUDA device";
-  }
+  check_cuda(name, {&mixed, &b, &a, &neg_a, &dt_bias, &state, &slots, &record, &out});
   Params p;
   p.mixed = ptr(mixed);
   p.m_lane = mixed.stride(0);
@@ -154,7 +130,7 @@ inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView 
   p.dk = static_cast<int>(dk);
   p.dv = static_cast<int>(dv);
   p.scale = static_cast<float>(scale);
-  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, mixed.device().device_id));
+  cudaStream_t stream = stream_of(mixed);
   if (dtype_is(mixed, kDLFloat, 32)) {
     launch<float>(name, p, stream);
   } else if (dtype_is(mixed, kDLBfloat, 16)) {

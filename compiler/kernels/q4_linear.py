@@ -26,14 +26,14 @@ import hashlib
 import os
 import shutil
 import struct
-import subprocess
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .cuda_build import build_cuda_module
 
 __all__ = [
     "FUNCTION_NAME",
@@ -398,14 +398,6 @@ def _check_shape(out_features: int, in_features: int, rows: int, route: str) -> 
 # The CUDA route: nvcc + tvm-ffi.
 
 
-def _tvm_ffi_paths() -> tuple[Path, Path]:
-    import tvm_ffi.libinfo as libinfo
-
-    include = Path(libinfo.find_include_path())
-    lib = Path(libinfo.find_libtvm_ffi()).parent
-    return include, lib
-
-
 def _nvcc() -> str:
     for cand in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
         if cand and Path(cand).exists():
@@ -417,11 +409,6 @@ def _cuda_source(exports: Mapping[str, Q4TileConfig]) -> str:
     lines = ['#include "q4_linear_ffi.cuh"', ""]
     lines += [cfg.export_line(name) for name, cfg in exports.items()]
     return "\n".join(lines) + "\n"
-
-
-def _gencode(arch: str) -> str:
-    num = arch[3:]
-    return f"arch=compute_{num},code=sm_{num}"
 
 
 def build_q4_cuda_bundle(
@@ -445,41 +432,16 @@ def build_q4_cuda_bundle(
     for name in exports:
         if not name.isidentifier():
             raise Q4KernelError(f"export name {name!r} is not a C identifier")
-    include, lib = _tvm_ffi_paths()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    source = _cuda_source(exports)
-    with tempfile.TemporaryDirectory(dir=out_path.parent) as tmp:
-        src = Path(tmp) / "q4_linear_module.cu"
-        src.write_text(source)
-        tmp_out = Path(tmp) / out_path.name
-        cmd = [
-            _nvcc(),
-            "-std=c++17",
-            "-O3",
-            "-shared",
-            "-Xcompiler",
-            "-fPIC,-fvisibility=hidden",
-            "-gencode",
-            _gencode(arch),
-            f"-I{_KERNEL_DIR}",
-            f"-I{include}",
-            f"-L{lib}",
-            "-ltvm_ffi",
-            *extra_flags,
-            "-o",
-            str(tmp_out),
-            str(src),
-        ]
-        if verbose:
-            cmd.insert(1, "-Xptxas=-v")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise Q4KernelError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
-        if verbose:
-            print(proc.stderr)
-        os.replace(tmp_out, out_path)
-    return out_path
+    return build_cuda_module(
+        _cuda_source(exports),
+        arch,
+        out_path,
+        nvcc=_nvcc(),
+        src_name="q4_linear_module.cu",
+        error=Q4KernelError,
+        extra_flags=extra_flags,
+        verbose=verbose,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -632,7 +594,7 @@ def build_q4_linear(
 
 def _sources_hash() -> str:
     h = hashlib.sha256()
-    for name in ("q4_linear.cuh", "q4_linear_ffi.cuh", "q4_linear.py"):
+    for name in ("q4_linear.cuh", "q4_linear_ffi.cuh", "q4_linear.py", "cuda_build.py"):
         h.update((_KERNEL_DIR / name).read_bytes())
     return h.hexdigest()[:16]
 

@@ -35,10 +35,7 @@ sorts dominate (a radix select is the next step there).
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +61,7 @@ TILE = 32 * GROUP  # elements per warp tile
 MAX_K = 64  # kMaxK
 CAP = 8192  # kCap: keys in the select kernel's shared buffer
 MAX_VOCAB = (CAP // 32) * TILE  # 1,048,576
-_KERNEL_DIR = Path(__file__).resolve().parent
-_SOURCES = ("topk.cuh", "topk_ffi.cuh", "topk.py")
+_SOURCES = ("topk.cuh", "topk_ffi.cuh", "ffi_checks.cuh", "topk.py", "cuda_build.py")
 
 
 class TopKKernelError(ValueError):
@@ -205,20 +201,6 @@ def _group_of(i: int, ev: int) -> int:
 # Building the module.
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("IGNIS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ignis"
-    )
-    return Path(root) / "topk"
-
-
-def _sources_hash() -> str:
-    h = hashlib.sha256()
-    for name in _SOURCES:
-        h.update((_KERNEL_DIR / name).read_bytes())
-    return h.hexdigest()[:16]
-
-
 def build_topk(
     target: Any,
     *,
@@ -240,49 +222,13 @@ def build_topk(
     Raises:
         TopKKernelError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
     """
-    from .q4_linear import Q4KernelError, _cuda_arch, _gencode, _nvcc, _target_dict, _tvm_ffi_paths
+    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target
 
-    try:
-        tdict = _target_dict(target)
-        if tdict.get("kind") != "cuda":
-            raise TopKKernelError(f"the top-k kernel is CUDA only, got target {tdict}")
-        arch = _cuda_arch(tdict)
-        nvcc = _nvcc()
-    except Q4KernelError as exc:
-        raise TopKKernelError(str(exc)) from exc
-    digest = hashlib.sha256(f"{arch}|{_sources_hash()}".encode()).hexdigest()[:16]
-    dest = Path(out_path) if out_path is not None else _cache_dir() / f"topk_{arch}_{digest}.so"
-    if out_path is None and dest.exists():
+    arch, nvcc = resolve_cuda_target(target, not_cuda="the top-k kernel is CUDA only", error=TopKKernelError)
+    dest, reuse = cached_module_path("topk", arch, _SOURCES, out_path)
+    if reuse:
         return dest
-    include, lib = _tvm_ffi_paths()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        src = Path(tmp) / "topk_module.cu"
-        src.write_text(f'#include "topk_ffi.cuh"\n\nIGNIS_TOPK_EXPORT({FUNCTION_NAME})\n')
-        tmp_out = Path(tmp) / dest.name
-        cmd = [
-            nvcc,
-            "-std=c++17",
-            "-O3",
-            "-shared",
-            "-Xcompiler",
-            "-fPIC,-fvisibility=hidden",
-            "-gencode",
-            _gencode(arch),
-            f"-I{_KERNEL_DIR}",
-            f"-I{include}",
-            f"-L{lib}",
-            "-ltvm_ffi",
-            "-o",
-            str(tmp_out),
-            str(src),
-        ]
-        if verbose:
-            cmd.insert(1, "-Xptxas=-v")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise TopKKernelError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
-        if verbose:
-            print(proc.stderr)
-        os.replace(tmp_out, dest)
-    return dest
+    source = f'#include "topk_ffi.cuh"\n\nIGNIS_TOPK_EXPORT({FUNCTION_NAME})\n'
+    return build_cuda_module(
+        source, arch, dest, nvcc=nvcc, src_name="topk_module.cu", error=TopKKernelError, verbose=verbose
+    )

@@ -16,19 +16,13 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include "ffi_checks.cuh"
 #include "topk.cuh"
 
 namespace ignis_topk {
 
 using tvm::ffi::TensorView;
-
-inline bool is_contiguous_2d(const TensorView& t) {
-  return t.ndim() == 2 && t.stride(1) == 1 && (t.size(0) <= 1 || t.stride(0) == t.size(1));
-}
-
-inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
-  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
-}
+using namespace ignis_ffi;  // the shared argument checks (ffi_checks.cuh)
 
 template <typename T>
 void launch(const char* name, const TensorView& x, const TensorView& values, const TensorView& indices,
@@ -51,8 +45,7 @@ void launch(const char* name, const TensorView& x, const TensorView& values, con
   topk_select_kernel<T><<<static_cast<unsigned>(rows), kThreads2, smem, stream>>>(
       xp, vocab, tiles, gm, k, static_cast<T*>(values.data_ptr()),
       static_cast<int64_t*>(indices.data_ptr()));
-  cudaError_t err = cudaGetLastError();
-  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << name << ": kernel launch failed: " << cudaGetErrorString(err);
+  check_launch(name);
 }
 
 inline void topk_launch(const char* name, TensorView x, TensorView values, TensorView indices,
@@ -79,12 +72,8 @@ inline void topk_launch(const char* name, TensorView x, TensorView values, Tenso
   TVM_FFI_CHECK(workspace.ndim() == 1 && workspace.stride(0) == 1 && ws >= rows * tiles * 32, ValueError)
       << name << ": workspace must be a contiguous 1-d tensor of at least " << rows * tiles * 32
       << " elements, got " << ws;
-  for (const TensorView* t : {&x, &values, &indices, &workspace}) {
-    TVM_FFI_CHECK(t->device().device_type == kDLCUDA && t->device().device_id == x.device().device_id,
-                  ValueError)
-        << name << ": every tensor must be on the same CUDA device";
-  }
-  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, x.device().device_id));
+  check_cuda(name, {&x, &values, &indices, &workspace});
+  cudaStream_t stream = stream_of(x);
   const int kk = static_cast<int>(k), nt = static_cast<int>(tiles);
   if (dtype_is(x, kDLFloat, 32)) {
     launch<float>(name, x, values, indices, workspace, rows, vocab, kk, nt, stream);

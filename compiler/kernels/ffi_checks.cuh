@@ -1,0 +1,66 @@
+// Argument checks shared by the host sides of the tvm-ffi kernel modules (topk_ffi.cuh,
+// gdn_recurrent_ffi.cuh, fused_norms_ffi.cuh, fused_mixers_ffi.cuh): dtype / device / shape /
+// contiguity predicates and checks, the launch-error check and the stream lookup. Host code only.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+
+#include <initializer_list>
+
+namespace ignis_ffi {
+
+using tvm::ffi::TensorView;
+
+// t's dtype is exactly (code, bits) with one lane.
+inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
+  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
+}
+
+inline bool same_dtype(const TensorView& x, const TensorView& y) {
+  return x.dtype().code == y.dtype().code && x.dtype().bits == y.dtype().bits && x.dtype().lanes == y.dtype().lanes;
+}
+
+// The first element's address (DLPack: data + byte_offset).
+inline void* ptr(const TensorView& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
+
+// A row-major contiguous 2-d tensor.
+inline bool is_contiguous_2d(const TensorView& t) {
+  return t.ndim() == 2 && t.stride(1) == 1 && (t.size(0) <= 1 || t.stride(0) == t.size(1));
+}
+
+// The last `inner` dims of t are contiguous (row-major).
+inline bool inner_contiguous(const TensorView& t, int inner) {
+  int64_t expect = 1;
+  for (int d = t.ndim() - 1; d >= t.ndim() - inner; --d) {
+    if (t.size(d) > 1 && t.stride(d) != expect) return false;
+    expect *= t.size(d);
+  }
+  return true;
+}
+
+// Every tensor is on the first one's CUDA device (ValueError otherwise).
+inline void check_cuda(const char* name, std::initializer_list<const TensorView*> ts) {
+  const TensorView* first = *ts.begin();
+  for (const TensorView* t : ts) {
+    TVM_FFI_CHECK(t->device().device_type == kDLCUDA && t->device().device_id == first->device().device_id,
+                  ValueError)
+        << name << ": every tensor must be on the same CUDA device";
+  }
+}
+
+// The last launch succeeded (RuntimeError otherwise).
+inline void check_launch(const char* name) {
+  cudaError_t err = cudaGetLastError();
+  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << name << ": kernel launch failed: " << cudaGetErrorString(err);
+}
+
+// The stream tvm-ffi reports for t's CUDA device (torch's current stream under
+// tvm_ffi.use_torch_stream()).
+inline cudaStream_t stream_of(const TensorView& t) {
+  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, t.device().device_id));
+}
+
+}  // namespace ignis_ffi
