@@ -5,12 +5,12 @@ ops), and cross-compiled binaries (nvcc). The GPU comparison is tests/runtime/te
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_module_checks import HAS_NVCC, check_sass_and_exports, load_on_host_or_skip
 
 from ignis.compiler.kernels.fused_mixers import (
     FUNCTION_NAMES,
@@ -25,7 +25,6 @@ from ignis.runtime.families.gated_deltanet import causal_conv1d_silu
 from ignis.runtime.families.hybrid_executor import _apply_rope, rms_norm_one_plus
 
 HAS_GXX = shutil.which("g++") is not None
-HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -170,19 +169,7 @@ def test_build_rejects_non_cuda_targets() -> None:
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_build_emits_sass_and_both_exports(arch: str, tmp_path: Path) -> None:
     path = build_fused_mixers(arch, out_path=tmp_path / f"mixers_{arch}.so")
-    assert path.exists() and path.stat().st_size > 0
-    data = path.read_bytes()
-    for name in FUNCTION_NAMES:
-        assert f"__tvm_ffi_{name}".encode() in data
-    assert re.search(rb"gdn_conv_silu_kernel", data) and re.search(rb"qk_norm_rope_kv_kernel", data)
-    cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
-    if Path(cuobjdump).exists():
-        import subprocess
-
-        out = subprocess.run([cuobjdump, "--list-elf", str(path)], capture_output=True, text=True).stdout
-        assert arch in out
-        ptx = subprocess.run([cuobjdump, "--list-ptx", str(path)], capture_output=True, text=True).stdout
-        assert ".ptx" not in ptx  # SASS only
+    check_sass_and_exports(path, arch, FUNCTION_NAMES, ("gdn_conv_silu_kernel", "qk_norm_rope_kv_kernel"))
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
@@ -190,12 +177,7 @@ def test_module_loads_and_checks_arguments(tmp_path: Path) -> None:
     """The exports load here (no GPU: tvm-ffi still checks what it can before launching)."""
     pytest.importorskip("tvm_ffi")
     path = build_fused_mixers("sm_90", out_path=tmp_path / "mixers.so")
-    from ignis.runtime.tvm_runtime import load_module
-
-    try:
-        mod = load_module(path, cuda=False)
-    except Exception as exc:
-        pytest.skip(f"cannot load a CUDA module here: {exc}")
+    mod = load_on_host_or_skip(path)
     qkv, state, slots = torch.zeros(6, 8), torch.zeros(4, 8, 3), torch.tensor([0, 2])
     w, win, out = torch.zeros(8, 4), torch.zeros(2, 8, 6), torch.empty(2, 3, 8)
     with pytest.raises(ValueError, match="CUDA device"):

@@ -4,12 +4,11 @@ comparison is tests/runtime/test_hybrid_graphs.py (marker `gpu`)."""
 
 from __future__ import annotations
 
-import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_module_checks import HAS_NVCC, check_sass_and_exports, load_on_host_or_skip
 
 from ignis.compiler.kernels.fused_norms import (
     FUNCTION_NAMES,
@@ -22,7 +21,6 @@ from ignis.compiler.kernels.fused_norms import (
 )
 from ignis.runtime.families.hybrid_executor import gated_rms_norm, rms_norm_one_plus
 
-HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -116,19 +114,7 @@ def test_build_rejects_non_cuda_targets() -> None:
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_build_emits_sass_and_both_exports(arch: str, tmp_path: Path) -> None:
     path = build_fused_norms(arch, out_path=tmp_path / f"norms_{arch}.so")
-    assert path.exists() and path.stat().st_size > 0
-    data = path.read_bytes()
-    for name in FUNCTION_NAMES:
-        assert f"__tvm_ffi_{name}".encode() in data
-    assert re.search(rb"add_rms_norm_kernel", data) and re.search(rb"gated_rms_norm_kernel", data)
-    cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
-    if Path(cuobjdump).exists():
-        import subprocess
-
-        out = subprocess.run([cuobjdump, "--list-elf", str(path)], capture_output=True, text=True).stdout
-        assert arch in out
-        ptx = subprocess.run([cuobjdump, "--list-ptx", str(path)], capture_output=True, text=True).stdout
-        assert ".ptx" not in ptx  # SASS only
+    check_sass_and_exports(path, arch, FUNCTION_NAMES, ("add_rms_norm_kernel", "gated_rms_norm_kernel"))
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
@@ -136,12 +122,7 @@ def test_module_loads_and_checks_arguments(tmp_path: Path) -> None:
     """The exports load here (no GPU: tvm-ffi still checks what it can before launching)."""
     pytest.importorskip("tvm_ffi")
     path = build_fused_norms("sm_90", out_path=tmp_path / "norms.so")
-    from ignis.runtime.tvm_runtime import load_module
-
-    try:
-        mod = load_module(path, cuda=False)
-    except Exception as exc:
-        pytest.skip(f"cannot load a CUDA module here: {exc}")
+    mod = load_on_host_or_skip(path)
     h = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="CUDA device"):
         mod["add_rms_norm"](h, h, torch.ones(8), torch.empty_like(h), torch.empty_like(h), 1e-6)

@@ -6,36 +6,31 @@ On the CPU the static path runs without capture: the same code the graphs replay
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
+from hf_tiny_hybrid import TinyHybrid, make_tiny_hybrid  # tests/ is on pytest's pythonpath
+from hybrid_graph_checks import (
+    commit_every_k_on_gpu,
+    cuda_kw,
+    feed_alone,
+    gpu_rounds,
+    gpu_tolerances,
+    module_path,
+    prefill_on_gpu,
+    recaptured_matches,
+    setter_wants_cuda,
+    states_agree,
+    tokens,
+)
 
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.errors import ConfigError, StateError
 from ignis.runtime.families.hybrid_executor import HybridExecutor
 from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 from ignis.runtime.sampling import SamplingParams
-
-
-def _load_helper():  # tests/hf_tiny_hybrid.py, by path (tests/ is not a package)
-    name = "hf_tiny_hybrid"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).resolve().parents[1] / f"{name}.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_helper = _load_helper()
-TinyHybrid, make_tiny_hybrid = _helper.TinyHybrid, _helper.make_tiny_hybrid
 
 FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 ATOL = RTOL = 1e-4  # float32; rows batched differently round differently (MoE index_add_, GEMM paths)
@@ -55,10 +50,6 @@ def ref(tiny: TinyHybrid) -> HybridExecutor:
 def static(tiny: TinyHybrid, **kw) -> StaticHybridExecutor:
     kw = {"max_lanes": 4, "max_context": 200, "kv_bucket": 16, **kw}
     return StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **kw)
-
-
-def tokens(n: int, seed: int, vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -420,7 +411,7 @@ def test_cuda_graphs_chunked_prefill(tiny: TinyHybrid, dtype: torch.dtype) -> No
     if tiny.config.model_type != "qwen3_5":
         pytest.skip("MoE configs run without CUDA graphs (chunked_prefill off by default)")
     vocab, c = tiny.config.vocab_size, tiny.config
-    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 4, "max_context": 200, "kv_bucket": 16}
+    kw = cuda_kw(dtype)
     graphed = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **kw)
     assert graphed.cuda_graphs and graphed.chunked_prefill == 4 * graphed.max_columns
     plain = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), cuda_graphs=False, **kw)
@@ -448,14 +439,8 @@ def test_cuda_graphs_chunked_prefill(tiny: TinyHybrid, dtype: torch.dtype) -> No
         graphed.commit(lanes[0], [16] * n_lanes)
         plain.commit(lanes[1], [16] * n_lanes)
         for a, b in zip(*lanes, strict=True):
-            assert a.num_tokens == b.num_tokens == 16
-            for layer in range(c.num_hidden_layers):
-                if c.is_full_attention(layer):
-                    for x, y in zip(a.kv(layer), b.kv(layer), strict=True):
-                        torch.testing.assert_close(x, y, **same)
-                else:
-                    torch.testing.assert_close(a.conv_state(layer), b.conv_state(layer), **same)
-                    torch.testing.assert_close(a.recurrent_state(layer), b.recurrent_state(layer), **same)
+            assert a.num_tokens == 16
+            states_agree(c, a, b, same=same, attn="kv", conv=True)
         for ex, ls in zip((graphed, plain), lanes, strict=True):
             for s in ls:
                 ex.release_lane(s)
@@ -468,7 +453,7 @@ def test_cuda_graphs_replay_like_the_eager_paths(tiny: TinyHybrid, dtype: torch.
     """On CUDA: graphed rounds (replayed, several shapes, mixed lane lengths, partial commits) give the
     eager static path's logits and states, and HybridExecutor's (float32: tight; bf16: close)."""
     vocab = tiny.config.vocab_size
-    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 4, "max_context": 200, "kv_bucket": 16}
+    kw = cuda_kw(dtype)
     has_moe = tiny.config.model_type != "qwen3_5"
     graphed = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **kw)
     assert graphed.cuda_graphs == (not has_moe)
@@ -482,22 +467,12 @@ def test_cuda_graphs_replay_like_the_eager_paths(tiny: TinyHybrid, dtype: torch.
     eager = HybridExecutor(tiny.config, tiny.canonical_tensors(), device="cuda", dtype=dtype)
     tol = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else {"atol": 0.15, "rtol": 0.05}
     exs = (graphed, plain, eager)
-    lanes = [[ex.new_lane() for _ in range(3)] for ex in exs]
-    prompts = [tokens(n, 30 + n, vocab).cuda() for n in (20, 6, 11)]
-    for ex, ls in zip(exs, lanes, strict=True):
-        ex.forward(ls, prompts, record=False)
-        ex.commit(ls, [p.numel() for p in prompts])
+    lanes = prefill_on_gpu(exs, vocab, 30)
     replays0, captures0 = graphed.num_replays, graphed.num_captures  # the prefill's chunks (graphed)
     shapes = [[1, 1, 1], [8, 3, 1], [8, 3, 1], [2, 8, 5], [1, 1, 1], [8, 3, 1]]
     keeps = [[1, 1, 1], [4, 3, 0], [8, 1, 1], [2, 8, 3], [1, 1, 1], [2, 2, 1]]
-    for r, (shape, keep) in enumerate(zip(shapes, keeps, strict=True)):
-        cols = [tokens(n, 200 + 10 * r + i, vocab).cuda() for i, n in enumerate(shape)]
-        outs = [ex.forward(ls, cols, output_hidden_states=True) for ex, ls in zip(exs, lanes, strict=True)]
-        for i in range(3):
-            torch.testing.assert_close(outs[0].logits[i], outs[1].logits[i], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(outs[0].logits[i], outs[2].logits[i], **tol)
-        for ex, ls in zip(exs, lanes, strict=True):
-            ex.commit(ls, keep)
+    exact = {"atol": 1e-5, "rtol": 1e-5}
+    gpu_rounds(exs, lanes, shapes, keeps, 200, vocab, same=exact, tol=tol, hidden=False)
     if not has_moe:  # the prefill (20 columns) ran as 3 chunks; every round replayed a graph
         assert replays0 == 3
         assert graphed.num_replays - replays0 == len(shapes)
@@ -506,12 +481,7 @@ def test_cuda_graphs_replay_like_the_eager_paths(tiny: TinyHybrid, dtype: torch.
         assert graphed.num_captures == graphed.num_replays == 0
     c = tiny.config
     for a, b in zip(lanes[0], lanes[1], strict=True):
-        assert a.num_tokens == b.num_tokens
-        for layer in range(c.num_hidden_layers):
-            if not c.is_full_attention(layer):
-                torch.testing.assert_close(
-                    a.recurrent_state(layer), b.recurrent_state(layer), atol=1e-5, rtol=1e-5
-                )
+        states_agree(c, a, b, same=exact, attn="", conv=False)
 
 
 def _emulated_gdn_module(calls: list[tuple[int, int]]):
@@ -549,10 +519,7 @@ def test_fused_gdn_module_path_matches_hybrid_executor(tiny: TinyHybrid, ref: Hy
         calls.clear()
         run_both(ref, st, [rl, ro], [lane, other], [cols, cols[:3]], [keep, 2])  # static: the kernel
         assert calls == [(2, 8)] * n_gdn
-        expect = ref.new_lane()
-        kept = torch.cat([head, cols[:keep]])
-        ref.forward([expect], [kept], record=True)
-        ref.commit([expect], [kept.numel()])
+        expect = feed_alone(ref, torch.cat([head, cols[:keep]]))
         assert_same_state(tiny.config, lane, expect)
         nxt = tokens(4, 60 + keep, vocab)
         close(st.forward([lane], [nxt]).logits[0], ref.forward([expect], [nxt]).logits[0])
@@ -560,28 +527,12 @@ def test_fused_gdn_module_path_matches_hybrid_executor(tiny: TinyHybrid, ref: Hy
         ref.commit([expect], [0])
         for s in (lane, other):
             st.release_lane(s)
-    with pytest.raises(ValueError, match="CUDA"):
-        st.gdn_module = _emulated_gdn_module([])
-    with pytest.raises(ValueError, match="CUDA"):
-        static(tiny, gdn_module=_emulated_gdn_module([]))
-    st.gdn_module = None
-    assert st.gdn_module is None
+    setter_wants_cuda(st, lambda **kw: static(tiny, **kw), "gdn_module", lambda: _emulated_gdn_module([]))
 
 
 def _gdn_module_path() -> str | None:
     """$IGNIS_GDN_MODULE, else a build for this GPU's arch with nvcc, else None."""
-    import os
-    import shutil
-
-    env = os.environ.get("IGNIS_GDN_MODULE")
-    if env:
-        return env
-    if shutil.which("nvcc") is None:
-        return None
-    from ignis.compiler.kernels.gdn_recurrent import build_gdn_recurrent
-
-    major, minor = torch.cuda.get_device_capability()
-    return str(build_gdn_recurrent(f"sm_{major}{minor}"))
+    return module_path("IGNIS_GDN_MODULE", "gdn_recurrent", "build_gdn_recurrent")
 
 
 @pytest.mark.gpu
@@ -595,66 +546,29 @@ def test_cuda_graphs_with_the_fused_gdn_kernel(tiny: TinyHybrid, dtype: torch.dt
     path = _gdn_module_path()
     if path is None:
         pytest.skip("no compiled GDN module ($IGNIS_GDN_MODULE) and no nvcc")
-    vocab = tiny.config.vocab_size
-    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 4, "max_context": 200, "kv_bucket": 16}
+    vocab, c = tiny.config.vocab_size, tiny.config
+    kw = cuda_kw(dtype)
     fused = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), gdn_module=path, **kw)
     plain = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **kw)
     eager = HybridExecutor(tiny.config, tiny.canonical_tensors(), device="cuda", dtype=dtype)
     assert fused.cuda_graphs == plain.cuda_graphs == graphs and fused.gdn_module is not None
-    f32 = dtype == torch.float32
-    same = {"atol": 1e-4, "rtol": 1e-4} if f32 else {"atol": 0.05, "rtol": 0.02}
-    tol = {"atol": 2e-4, "rtol": 2e-4} if f32 else {"atol": 0.15, "rtol": 0.05}
+    same, tol = gpu_tolerances(dtype)
     exs = (fused, plain, eager)
-    lanes = [[ex.new_lane() for _ in range(3)] for ex in exs]
-    prompts = [tokens(n, 30 + n, vocab).cuda() for n in (20, 6, 11)]
-    for ex, ls in zip(exs, lanes, strict=True):
-        ex.forward(ls, prompts, record=False)
-        ex.commit(ls, [p.numel() for p in prompts])
+    lanes = prefill_on_gpu(exs, vocab, 30)
     replays0 = fused.num_replays  # the prefill's chunks (graphed)
     shapes = [[1, 1, 1], [8, 3, 1], [8, 3, 1], [2, 8, 5], [8, 8, 8], [8, 3, 1], [8, 1, 8], [8, 8, 8]]
     keeps = [[1, 1, 1], [4, 3, 0], [8, 1, 1], [2, 8, 3], [0, 5, 6], [7, 2, 1], [3, 1, 8], [6, 4, 2]]
-    for r, (shape, keep) in enumerate(zip(shapes, keeps, strict=True)):
-        cols = [tokens(n, 300 + 10 * r + i, vocab).cuda() for i, n in enumerate(shape)]
-        outs = [ex.forward(ls, cols, output_hidden_states=True) for ex, ls in zip(exs, lanes, strict=True)]
-        for i in range(3):
-            torch.testing.assert_close(outs[0].logits[i], outs[1].logits[i], **same)
-            torch.testing.assert_close(outs[0].logits[i], outs[2].logits[i], **tol)
-        for ex, ls in zip(exs, lanes, strict=True):
-            ex.commit(ls, keep)
+    gpu_rounds(exs, lanes, shapes, keeps, 300, vocab, same=same, tol=tol, hidden=False)
     if graphs:
         assert fused.num_replays - replays0 == len(shapes) and fused.num_captures >= 2
-    c = tiny.config
-    gdn_layers = [i for i in range(c.num_hidden_layers) if not c.is_full_attention(i)]
     for a, b, e in zip(*lanes, strict=True):
-        assert a.num_tokens == b.num_tokens == e.num_tokens
-        for layer in gdn_layers:
-            torch.testing.assert_close(a.recurrent_state(layer), b.recurrent_state(layer), **same)
-            torch.testing.assert_close(a.recurrent_state(layer), e.recurrent_state(layer), **tol)
+        states_agree(c, a, b, e, same=same, tol=tol, attn="", conv=False)
     # every commit k: the state equals feeding the committed tokens alone (eager, token by token)
-    base = tokens(9, 77, vocab).cuda()
-    cols = tokens(8, 78, vocab).cuda()
-    for keep in range(cols.numel() + 1):
-        lane = fused.new_lane()
-        fused.forward([lane], [base], record=False)  # 9 > max_columns: eager prefill
-        fused.commit([lane], [9])
-        fused.forward([lane], [cols])
-        fused.commit([lane], [keep])
-        expect = eager.new_lane()
-        kept = torch.cat([base, cols[:keep]])
-        eager.forward([expect], [kept], record=True)
-        eager.commit([expect], [kept.numel()])
-        assert lane.num_tokens == expect.num_tokens
-        for layer in gdn_layers:
-            torch.testing.assert_close(lane.recurrent_state(layer), expect.recurrent_state(layer), **tol)
-            torch.testing.assert_close(lane.conv_state(layer), expect.conv_state(layer), **tol)
-        fused.release_lane(lane)
+    commit_every_k_on_gpu(fused, eager, c, vocab, range(9), 77, tol=tol, kv=False)
     # the attribute: set after captures, the graphs are recaptured with the kernel (and without)
     for module in (path, None):
         plain.gdn_module = module
-        cols = [tokens(n, 500 + i, vocab).cuda() for i, n in enumerate([8, 2, 5])]
-        outs = [ex.forward(ls, cols) for ex, ls in zip(exs, lanes, strict=True)]
-        for i in range(3):
-            torch.testing.assert_close(outs[1].logits[i], outs[0].logits[i], **same)
+        recaptured_matches(exs, lanes, vocab, 500, same)
         for ex, ls in zip(exs, lanes, strict=True):
             ex.commit(ls, [3, 2, 4])
     assert plain.gdn_module is None
@@ -723,35 +637,16 @@ def test_fused_norms_path_matches_hybrid_executor(
             tap_layers=(0,),
         )
         assert calls.count("add") == layers + sum(dense) - dense[0]  # layer 0's MLP add is tapped
-        expect = ref.new_lane()
-        kept = torch.cat([head, cols[:keep], cols[:1]])
-        ref.forward([expect], [kept], record=True)
-        ref.commit([expect], [kept.numel()])
+        expect = feed_alone(ref, torch.cat([head, cols[:keep], cols[:1]]))
         assert_same_state(c, lane, expect)
         for s in (lane, other):
             st.release_lane(s)
-    with pytest.raises(ValueError, match="CUDA"):
-        st.norms_module = _emulated_norms_module([])
-    with pytest.raises(ValueError, match="CUDA"):
-        static(tiny, norms_module=_emulated_norms_module([]))
-    st.norms_module = None
-    assert st.norms_module is None
+    setter_wants_cuda(st, lambda **kw: static(tiny, **kw), "norms_module", lambda: _emulated_norms_module([]))
 
 
 def _norms_module_path() -> str | None:
     """$IGNIS_NORMS_MODULE, else a build for this GPU's arch with nvcc, else None."""
-    import os
-    import shutil
-
-    env = os.environ.get("IGNIS_NORMS_MODULE")
-    if env:
-        return env
-    if shutil.which("nvcc") is None:
-        return None
-    from ignis.compiler.kernels.fused_norms import build_fused_norms
-
-    major, minor = torch.cuda.get_device_capability()
-    return str(build_fused_norms(f"sm_{major}{minor}"))
+    return module_path("IGNIS_NORMS_MODULE", "fused_norms", "build_fused_norms")
 
 
 @pytest.mark.gpu
@@ -766,68 +661,28 @@ def test_cuda_graphs_with_the_fused_norms(tiny: TinyHybrid, dtype: torch.dtype) 
     if path is None:
         pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
     gdn = _gdn_module_path()
-    vocab = tiny.config.vocab_size
-    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 4, "max_context": 200, "kv_bucket": 16}
+    vocab, c = tiny.config.vocab_size, tiny.config
+    kw = cuda_kw(dtype)
     fused = StaticHybridExecutor(
         tiny.config, tiny.canonical_tensors(), norms_module=path, gdn_module=gdn, **kw
     )
     plain = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), gdn_module=gdn, **kw)
     eager = HybridExecutor(tiny.config, tiny.canonical_tensors(), device="cuda", dtype=dtype)
     assert fused.cuda_graphs == plain.cuda_graphs == graphs and fused.norms_module is not None
-    f32 = dtype == torch.float32
-    same = {"atol": 1e-4, "rtol": 1e-4} if f32 else {"atol": 0.05, "rtol": 0.02}
-    tol = {"atol": 2e-4, "rtol": 2e-4} if f32 else {"atol": 0.15, "rtol": 0.05}
+    same, tol = gpu_tolerances(dtype)
     exs = (fused, plain, eager)
-    lanes = [[ex.new_lane() for _ in range(3)] for ex in exs]
-    prompts = [tokens(n, 30 + n, vocab).cuda() for n in (20, 6, 11)]
-    for ex, ls in zip(exs, lanes, strict=True):
-        ex.forward(ls, prompts, record=False)
-        ex.commit(ls, [p.numel() for p in prompts])
+    lanes = prefill_on_gpu(exs, vocab, 30)
     replays0 = fused.num_replays  # the prefill's chunks (graphed)
     shapes = [[1, 1, 1], [8, 3, 1], [8, 3, 1], [2, 8, 5], [8, 8, 8], [8, 1, 8]]
     keeps = [[1, 1, 1], [4, 3, 0], [8, 1, 1], [2, 8, 3], [0, 5, 6], [3, 1, 8]]
-    for r, (shape, keep) in enumerate(zip(shapes, keeps, strict=True)):
-        cols = [tokens(n, 300 + 10 * r + i, vocab).cuda() for i, n in enumerate(shape)]
-        outs = [ex.forward(ls, cols, output_hidden_states=True) for ex, ls in zip(exs, lanes, strict=True)]
-        for i in range(3):
-            torch.testing.assert_close(outs[0].logits[i], outs[1].logits[i], **same)
-            torch.testing.assert_close(outs[0].logits[i], outs[2].logits[i], **tol)
-            torch.testing.assert_close(outs[0].hidden_states[i], outs[1].hidden_states[i], **same)
-        for ex, ls in zip(exs, lanes, strict=True):
-            ex.commit(ls, keep)
+    gpu_rounds(exs, lanes, shapes, keeps, 300, vocab, same=same, tol=tol, hidden=True)
     if graphs:
         assert fused.num_replays - replays0 == len(shapes) and fused.num_captures >= 2
-    c = tiny.config
     for a, b, e in zip(*lanes, strict=True):
-        assert a.num_tokens == b.num_tokens == e.num_tokens
-        for layer in range(c.num_hidden_layers):
-            if c.is_full_attention(layer):
-                torch.testing.assert_close(a.kv(layer)[0], b.kv(layer)[0], **same)
-            else:
-                torch.testing.assert_close(a.recurrent_state(layer), b.recurrent_state(layer), **same)
-                torch.testing.assert_close(a.recurrent_state(layer), e.recurrent_state(layer), **tol)
-    base, cols = tokens(9, 77, vocab).cuda(), tokens(8, 78, vocab).cuda()
-    gdn_layers = [i for i in range(c.num_hidden_layers) if not c.is_full_attention(i)]
-    for keep in (0, 1, 5, 8):
-        lane = fused.new_lane()
-        fused.forward([lane], [base], record=False)
-        fused.commit([lane], [9])
-        fused.forward([lane], [cols])
-        fused.commit([lane], [keep])
-        expect = eager.new_lane()
-        kept = torch.cat([base, cols[:keep]])
-        eager.forward([expect], [kept], record=True)
-        eager.commit([expect], [kept.numel()])
-        assert lane.num_tokens == expect.num_tokens
-        for layer in gdn_layers:
-            torch.testing.assert_close(lane.recurrent_state(layer), expect.recurrent_state(layer), **tol)
-            torch.testing.assert_close(lane.conv_state(layer), expect.conv_state(layer), **tol)
-        fused.release_lane(lane)
+        states_agree(c, a, b, e, same=same, tol=tol, attn="k", conv=False)
+    commit_every_k_on_gpu(fused, eager, c, vocab, (0, 1, 5, 8), 77, tol=tol, kv=False)
     plain.norms_module = path  # set after captures: recaptured with the norms
-    cols = [tokens(n, 500 + i, vocab).cuda() for i, n in enumerate([8, 2, 5])]
-    outs = [ex.forward(ls, cols) for ex, ls in zip(exs, lanes, strict=True)]
-    for i in range(3):
-        torch.testing.assert_close(outs[1].logits[i], outs[0].logits[i], **same)
+    recaptured_matches(exs, lanes, vocab, 500, same)
 
 
 def _emulated_mixers_module(calls: list[str]) -> dict:
@@ -898,37 +753,20 @@ def test_fused_mixers_path_matches_hybrid_executor(
                 assert_same_state(c, x, y)
                 assert_same_state(c, x, z)
         # the lane's state equals feeding the kept tokens alone
-        expect = ref.new_lane()
-        kept = torch.cat([head, cols[:keep], cols[: min(keep, 2)], cols[:1]])
-        ref.forward([expect], [kept], record=True)
-        ref.commit([expect], [kept.numel()])
+        expect = feed_alone(ref, torch.cat([head, cols[:keep], cols[: min(keep, 2)], cols[:1]]))
         assert_same_state(c, lane, expect)
         for s in (lane, other):
             st.release_lane(s)
         for s in (pl, po):
             plain.release_lane(s)
-    with pytest.raises(ValueError, match="CUDA"):
-        st.mixers_module = _emulated_mixers_module([])
-    with pytest.raises(ValueError, match="CUDA"):
-        static(tiny, mixers_module=_emulated_mixers_module([]))
-    st.mixers_module = None
-    assert st.mixers_module is None
+    setter_wants_cuda(
+        st, lambda **kw: static(tiny, **kw), "mixers_module", lambda: _emulated_mixers_module([])
+    )
 
 
 def _mixers_module_path() -> str | None:
     """$IGNIS_MIXERS_MODULE, else a build for this GPU's arch with nvcc, else None."""
-    import os
-    import shutil
-
-    env = os.environ.get("IGNIS_MIXERS_MODULE")
-    if env:
-        return env
-    if shutil.which("nvcc") is None:
-        return None
-    from ignis.compiler.kernels.fused_mixers import build_fused_mixers
-
-    major, minor = torch.cuda.get_device_capability()
-    return str(build_fused_mixers(f"sm_{major}{minor}"))
+    return module_path("IGNIS_MIXERS_MODULE", "fused_mixers", "build_fused_mixers")
 
 
 @pytest.mark.gpu
@@ -949,73 +787,40 @@ def test_cuda_graphs_with_the_fused_mixers(
     if path is None:
         pytest.skip("no compiled mixers module ($IGNIS_MIXERS_MODULE) and no nvcc")
     mods = {"gdn_module": _gdn_module_path(), "norms_module": _norms_module_path()} if others else {}
-    vocab = tiny.config.vocab_size
-    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 4, "max_context": 200, "kv_bucket": 16}
+    vocab, c = tiny.config.vocab_size, tiny.config
+    kw = cuda_kw(dtype)
     fused = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), mixers_module=path, **mods, **kw)
     plain = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **mods, **kw)
     eager = HybridExecutor(tiny.config, tiny.canonical_tensors(), device="cuda", dtype=dtype)
     assert fused.cuda_graphs == plain.cuda_graphs == graphs and fused.mixers_module is not None
-    f32 = dtype == torch.float32
-    same = {"atol": 1e-4, "rtol": 1e-4} if f32 else {"atol": 0.05, "rtol": 0.02}
-    tol = {"atol": 2e-4, "rtol": 2e-4} if f32 else {"atol": 0.15, "rtol": 0.05}
+    same, tol = gpu_tolerances(dtype)
     exs = (fused, plain, eager)
-    lanes = [[ex.new_lane() for _ in range(3)] for ex in exs]
-    prompts = [tokens(n, 40 + n, vocab).cuda() for n in (20, 6, 11)]
-    for ex, ls in zip(exs, lanes, strict=True):
-        ex.forward(ls, prompts, record=False)
-        ex.commit(ls, [p.numel() for p in prompts])
+    lanes = prefill_on_gpu(exs, vocab, 40)
     replays0 = fused.num_replays  # the prefill's chunks (graphed)
-    c = tiny.config
     shapes = [[1, 1, 1], [8, 3, 1], [8, 3, 1], [2, 8, 5], [8, 8, 8], [8, 1, 8]]
     keeps = [[1, 1, 1], [4, 3, 0], [8, 1, 1], [2, 8, 3], [0, 5, 6], [3, 1, 8]]
-    for r, (shape, keep) in enumerate(zip(shapes, keeps, strict=True)):
-        cols = [tokens(n, 400 + 10 * r + i, vocab).cuda() for i, n in enumerate(shape)]
-        outs = [ex.forward(ls, cols, output_hidden_states=True) for ex, ls in zip(exs, lanes, strict=True)]
-        for i in range(3):
-            torch.testing.assert_close(outs[0].logits[i], outs[1].logits[i], **same)
-            torch.testing.assert_close(outs[0].logits[i], outs[2].logits[i], **tol)
-            torch.testing.assert_close(outs[0].hidden_states[i], outs[1].hidden_states[i], **same)
-        for ex, ls in zip(exs, lanes, strict=True):
-            ex.commit(ls, keep)
+
+    def states_after_the_round() -> None:
         for a, b, e in zip(*lanes, strict=True):
-            assert a.num_tokens == b.num_tokens == e.num_tokens
-            for layer in range(c.num_hidden_layers):
-                if c.is_full_attention(layer):
-                    for x, y, z in zip(a.kv(layer), b.kv(layer), e.kv(layer), strict=True):
-                        torch.testing.assert_close(x, y, **same)
-                        torch.testing.assert_close(x, z, **tol)
-                else:
-                    torch.testing.assert_close(a.conv_state(layer), b.conv_state(layer), **same)
-                    torch.testing.assert_close(a.conv_state(layer), e.conv_state(layer), **tol)
-                    torch.testing.assert_close(a.recurrent_state(layer), b.recurrent_state(layer), **same)
-                    torch.testing.assert_close(a.recurrent_state(layer), e.recurrent_state(layer), **tol)
+            states_agree(c, a, b, e, same=same, tol=tol, attn="kv", conv=True)
+
+    gpu_rounds(
+        exs,
+        lanes,
+        shapes,
+        keeps,
+        400,
+        vocab,
+        same=same,
+        tol=tol,
+        hidden=True,
+        after_commit=states_after_the_round,
+    )
     if graphs:
         assert fused.num_replays - replays0 == len(shapes) and fused.num_captures >= 2
-    base, cols = tokens(9, 87, vocab).cuda(), tokens(8, 88, vocab).cuda()
-    for keep in range(9):
-        lane = fused.new_lane()
-        fused.forward([lane], [base], record=False)
-        fused.commit([lane], [9])
-        fused.forward([lane], [cols])
-        fused.commit([lane], [keep])
-        expect = eager.new_lane()
-        kept = torch.cat([base, cols[:keep]])
-        eager.forward([expect], [kept], record=True)
-        eager.commit([expect], [kept.numel()])
-        assert lane.num_tokens == expect.num_tokens
-        for layer in range(c.num_hidden_layers):
-            if c.is_full_attention(layer):
-                for x, z in zip(lane.kv(layer), expect.kv(layer), strict=True):
-                    torch.testing.assert_close(x, z, **tol)
-            else:
-                torch.testing.assert_close(lane.recurrent_state(layer), expect.recurrent_state(layer), **tol)
-                torch.testing.assert_close(lane.conv_state(layer), expect.conv_state(layer), **tol)
-        fused.release_lane(lane)
+    commit_every_k_on_gpu(fused, eager, c, vocab, range(9), 87, tol=tol, kv=True)
     plain.mixers_module = path  # set after captures: recaptured with the mixers
-    cols = [tokens(n, 600 + i, vocab).cuda() for i, n in enumerate([8, 2, 5])]
-    outs = [ex.forward(ls, cols) for ex, ls in zip(exs, lanes, strict=True)]
-    for i in range(3):
-        torch.testing.assert_close(outs[1].logits[i], outs[0].logits[i], **same)
+    recaptured_matches(exs, lanes, vocab, 600, same)
 
 
 class _Loaded(Exception):
