@@ -482,6 +482,21 @@ class HybridExecutor:
             StateError: lengths differ, a lane has no pending forward or appears twice, num_keep[i]
                 is outside 0..n_i, or a `record=False` forward is committed partially.
         """
+        states, keeps = self._check_commit(states, num_keep)
+        conv_len = self.config.linear_conv_kernel_dim - 1
+        for state, keep in zip(states, keeps, strict=True):
+            state._apply_commit(keep, conv_len)
+
+    # ---- internals ----
+
+    def _check_commit(
+        self, states: Sequence[HybridLaneState], num_keep: Sequence[int]
+    ) -> tuple[list[HybridLaneState], list[int]]:
+        """The checks of `commit`, all lanes before any is changed: (states, keeps) as lists.
+
+        Raises:
+            StateError: as `commit`.
+        """
         states = list(states)
         keeps = [operator.index(k) for k in num_keep]
         if len(states) != len(keeps):
@@ -501,11 +516,7 @@ class HybridExecutor:
                     f"whole ({pending.num_columns}) or discarded (0), not {keep}; "
                     "use record=True for verify rounds"
                 )
-        conv_len = self.config.linear_conv_kernel_dim - 1
-        for state, keep in zip(states, keeps, strict=True):
-            state._apply_commit(keep, conv_len)
-
-    # ---- internals ----
+        return states, keeps
 
     def _slot(self, layer: int, *, attention: bool) -> int:
         table = self._attn_slot if attention else self._gdn_slot

@@ -101,12 +101,11 @@ layer), not host launches.
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -220,11 +219,44 @@ class GdnRecurrentKernel:
             self.func(*args)
 
 
+class _ModuleFunctions:
+    """The named functions of a compiled module, called on torch's current stream (capturable).
+
+    Subclasses name the exports in `function_names`. `source` is a loaded module (anything indexable
+    by those names: a ``tvm_ffi.Module`` or, for CPU tests, a dict of callables), the path of its
+    ``.so`` (loaded with the lean runtime), or another instance of the same class.
+
+    Raises:
+        TvmRuntimeError: a path that is missing or cannot be loaded.
+        KeyError: a module without those functions.
+    """
+
+    function_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, source: Any) -> None:
+        if isinstance(source, type(self)):
+            source = source.funcs
+        if isinstance(source, str | os.PathLike):
+            from ignis.runtime.tvm_runtime import load_module
+
+            source = load_module(source, cuda=True)
+        self.funcs = {name: source[name] for name in self.function_names}
+
+    def _call(self, name: str, args: tuple[Any, ...], cuda: bool) -> None:
+        if not cuda:  # a CPU stand-in (tests: the kernels' CPU models)
+            self.funcs[name](*args)
+            return
+        from ignis.runtime.tvm_runtime import torch_stream
+
+        with torch_stream():
+            self.funcs[name](*args)
+
+
 NORMS_FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm")
 """The exports of a module built by ``ignis.compiler.kernels.fused_norms.build_fused_norms``."""
 
 
-class FusedNormsKernel:
+class FusedNormsKernel(_ModuleFunctions):
     """The fused row norms of a compiled module (static rounds, CUDA only; the math and its source
     are in ``ignis.compiler.kernels.fused_norms``). Both launch on torch's current stream
     (capturable) and allocate their outputs with torch (the graph's pool when captured).
@@ -239,23 +271,7 @@ class FusedNormsKernel:
         KeyError: a module without those functions.
     """
 
-    def __init__(self, source: Any) -> None:
-        if isinstance(source, FusedNormsKernel):
-            source = source.funcs
-        if isinstance(source, str | os.PathLike):
-            from ignis.runtime.tvm_runtime import load_module
-
-            source = load_module(source, cuda=True)
-        self.funcs = {name: source[name] for name in NORMS_FUNCTION_NAMES}
-
-    def _call(self, name: str, args: tuple[Any, ...], cuda: bool) -> None:
-        if not cuda:  # a CPU stand-in (tests: the kernels' CPU models)
-            self.funcs[name](*args)
-            return
-        from ignis.runtime.tvm_runtime import torch_stream
-
-        with torch_stream():
-            self.funcs[name](*args)
+    function_names = NORMS_FUNCTION_NAMES
 
     def add_rms_norm(
         self, h: torch.Tensor, d: torch.Tensor, w1p: torch.Tensor, eps: float
@@ -282,7 +298,7 @@ MIXERS_FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
 """The exports of a module built by ``ignis.compiler.kernels.fused_mixers.build_fused_mixers``."""
 
 
-class FusedMixersKernel:
+class FusedMixersKernel(_ModuleFunctions):
     """The fused mixer pieces of a compiled module (static rounds, CUDA only; the math and its source
     are in ``ignis.compiler.kernels.fused_mixers``): the GDN conv1d + SiLU with the window write, and
     attention's q/k (1 + w) RMSNorm + partial RoPE + KV write. Both launch on torch's current stream
@@ -298,23 +314,7 @@ class FusedMixersKernel:
         KeyError: a module without those functions.
     """
 
-    def __init__(self, source: Any) -> None:
-        if isinstance(source, FusedMixersKernel):
-            source = source.funcs
-        if isinstance(source, str | os.PathLike):
-            from ignis.runtime.tvm_runtime import load_module
-
-            source = load_module(source, cuda=True)
-        self.funcs = {name: source[name] for name in MIXERS_FUNCTION_NAMES}
-
-    def _call(self, name: str, args: tuple[Any, ...], cuda: bool) -> None:
-        if not cuda:  # a CPU stand-in (tests: the kernels' CPU models)
-            self.funcs[name](*args)
-            return
-        from ignis.runtime.tvm_runtime import torch_stream
-
-        with torch_stream():
-            self.funcs[name](*args)
+    function_names = MIXERS_FUNCTION_NAMES
 
     def gdn_conv_silu(
         self,
@@ -781,25 +781,7 @@ class StaticHybridExecutor(HybridExecutor):
         Raises:
             StateError: as `HybridExecutor.commit`.
         """
-        states = list(states)
-        keeps = [operator.index(k) for k in num_keep]
-        if len(states) != len(keeps):
-            raise StateError(f"commit got {len(states)} lanes but {len(keeps)} num_keep values")
-        if len({id(s) for s in states}) != len(states):
-            raise StateError("commit got the same lane more than once")
-        for i, (state, keep) in enumerate(zip(states, keeps, strict=True)):
-            self._check_owner(state, i)
-            pending = state._pending
-            if pending is None:
-                raise StateError(f"lane {i}: commit without a pending forward")
-            if not 0 <= keep <= pending.num_columns:
-                raise StateError(f"lane {i}: num_keep {keep} is outside 0..{pending.num_columns}")
-            if not pending.record and keep not in (0, pending.num_columns):
-                raise StateError(
-                    f"lane {i}: the forward ran with record=False (prefill), so it can only be committed "
-                    f"whole ({pending.num_columns}) or discarded (0), not {keep}; "
-                    "use record=True for verify rounds"
-                )
+        states, keeps = self._check_commit(states, num_keep)  # type: ignore[arg-type, assignment]
         kd = self.config.linear_conv_kernel_dim - 1
         static = [(s, k) for s, k in zip(states, keeps, strict=True) if s._pending.static and k > 0]  # type: ignore[union-attr]
         if static and self._gdn_slot:
