@@ -42,6 +42,7 @@ from ignis.runtime.drafters.dflash2 import (
     load_dflash2_checkpoint,
     transform_head_logits,
 )
+from ignis.runtime.drafters.testing import chi2_pvalue
 from ignis.runtime.errors import ConfigError, StateError, TensorSetError, TensorShapeError
 from ignis.runtime.families import get_family
 from ignis.runtime.sampling import SamplingParams
@@ -144,20 +145,6 @@ def _commit_all(d: DFlash2Drafter, lane: int, seq: list[int], taps: torch.Tensor
     """Start `lane` and commit seq[:-1] (positions 0..n-2) in one span; seq[-1] is the anchor."""
     d.start_lane(lane, seq[:1])
     d.commit([CommittedSpan(lane, 0, tuple(seq[:-1]), tuple(seq[1:]), taps=taps[: len(seq) - 1])])
-
-
-def _chi2_pvalue(counts: torch.Tensor, q: torch.Tensor) -> float:
-    """Chi-square goodness of fit of counts [V] to probabilities q [V]; bins expecting < 5 are lumped."""
-    from scipy import stats
-
-    expected = q / q.sum() * counts.sum()
-    big = expected >= 5
-    obs = [*counts[big].tolist(), float(counts[~big].sum())]
-    exp = [*expected[big].tolist(), float(expected[~big].sum())]
-    if exp[-1] < 5:  # too few to stand alone: fold into the largest bin
-        obs[0] += obs.pop()
-        exp[0] += exp.pop()
-    return float(stats.chisquare(obs, exp).pvalue)
 
 
 # ------------------------------------------------------------------------------------------ reference
@@ -748,7 +735,7 @@ def test_sampled_drafts_follow_q(tiny, ex, drafter_dir) -> None:
             prev = by_prefix.setdefault(first[-1], p.draft_probs[1])
             torch.testing.assert_close(p.draft_probs[1], prev)
     counts = torch.bincount(torch.tensor(first), minlength=VOCAB_SIZE).double()
-    assert _chi2_pvalue(counts, q0.double()) > 1e-4
+    assert chi2_pvalue(counts, q0.double()) > 1e-4
     assert len(by_prefix) > 1
 
 

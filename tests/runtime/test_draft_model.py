@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy import stats
+from sampling_checks import exact_joint, pooled_chi2
 
 from ignis.compiler.importers import load_checkpoint
 from ignis.runtime.drafters import DRAFTERS, get_drafter_factory
@@ -46,7 +46,7 @@ from ignis.runtime.drafters.draft_model import (
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.errors import ConfigError, StateError
 from ignis.runtime.families import get_family
-from ignis.runtime.sampling import SamplingParams, logits_to_probs
+from ignis.runtime.sampling import SamplingParams
 from ignis.runtime.tokenizer import TokenizerSpec
 
 
@@ -649,37 +649,7 @@ SAMPLE_PROMPT = (4, 17, 4)
 @cache
 def _exact_joint():
     """P(t1, t2, t3) and the marginal P(t4) of the toy model under SAMPLING (enumerated)."""
-    ex = toy.ToyExecutor()
-
-    def p(prefix):
-        return logits_to_probs(ex.next_logits([*SAMPLE_PROMPT, *prefix]).double(), SAMPLING).double()
-
-    joint, t4 = {}, torch.zeros(50, dtype=torch.float64)
-    p1 = p(())
-    for a in torch.nonzero(p1).flatten().tolist():
-        p2 = p((a,))
-        for b in torch.nonzero(p2).flatten().tolist():
-            p3 = p((a, b))
-            for c in torch.nonzero(p3).flatten().tolist():
-                joint[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-                t4 += joint[(a, b, c)] * p((a, b, c))
-    return joint, t4
-
-
-def _chi2(observed, expected):
-    """p-value; cells with expected count < 5 are pooled."""
-    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
-    for o, e in zip(observed, expected, strict=True):
-        if e >= 5:
-            obs.append(o)
-            exp.append(e)
-        else:
-            pool_o, pool_e = pool_o + o, pool_e + e
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    scale = sum(obs) / sum(exp)
-    return stats.chisquare(obs, [e * scale for e in exp]).pvalue
+    return exact_joint(toy.ToyExecutor(), SAMPLE_PROMPT, SAMPLING, 50)
 
 
 DRAFT_CONFIGS = {
@@ -704,9 +674,9 @@ def test_sampled_output_distribution_is_the_models(name):
         counts[head] += 1
         fourth[r.output_token_ids[3]] += 1
     assert torch.all(fourth[t4 == 0] == 0)
-    pv = _chi2([counts[c] for c in joint], [joint[c] * NUM_SAMPLES for c in joint])
+    pv = pooled_chi2([counts[c] for c in joint], [joint[c] * NUM_SAMPLES for c in joint])
     assert pv > ALPHA, f"(t1, t2, t3) deviates from the model (p-value {pv:.2e})"
-    pv4 = _chi2(fourth[t4 > 0].tolist(), (t4[t4 > 0] * NUM_SAMPLES).tolist())
+    pv4 = pooled_chi2(fourth[t4 > 0].tolist(), (t4[t4 > 0] * NUM_SAMPLES).tolist())
     assert pv4 > ALPHA, f"t4 deviates from the model (p-value {pv4:.2e})"
     m = engine.metrics
     if name.startswith("same"):  # q = p: every draft accepted

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy import stats
+from sampling_checks import exact_joint, pooled_chi2
 
 from ignis.runtime.drafters.base import BaseDrafter, DrafterError, DraftProposal
 from ignis.runtime.drafters.testing import (
@@ -34,7 +34,7 @@ from ignis.runtime.drafters.testing import (
 )
 from ignis.runtime.engine import LaneRequestError, SpeculativeEngine
 from ignis.runtime.errors import ConfigError, StateError
-from ignis.runtime.sampling import SamplingParams, SamplingParamsError, logits_to_probs
+from ignis.runtime.sampling import SamplingParams, SamplingParamsError
 
 
 def _toy():
@@ -222,38 +222,8 @@ NUM_SAMPLES = 2000
 
 @cache
 def _exact_joint():
-    """P(t1, t2, t3) and the marginal P(t4) of the model under SAMPLING (enumerated)."""
-    ex = toy.ToyExecutor()
-
-    def p(prefix):
-        return logits_to_probs(ex.next_logits([*SAMPLE_PROMPT, *prefix]).double(), SAMPLING).double()
-
-    joint, t4 = {}, torch.zeros(VOCAB, dtype=torch.float64)
-    p1 = p(())
-    for a in torch.nonzero(p1).flatten().tolist():
-        p2 = p((a,))
-        for b in torch.nonzero(p2).flatten().tolist():
-            p3 = p((a, b))
-            for c in torch.nonzero(p3).flatten().tolist():
-                joint[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-                t4 += joint[(a, b, c)] * p((a, b, c))
-    return joint, t4
-
-
-def _chi2(observed, expected):
-    """p-value; cells with expected count < 5 are pooled."""
-    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
-    for o, e in zip(observed, expected, strict=True):
-        if e >= 5:
-            obs.append(o)
-            exp.append(e)
-        else:
-            pool_o, pool_e = pool_o + o, pool_e + e
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    scale = sum(obs) / sum(exp)
-    return stats.chisquare(obs, [e * scale for e in exp]).pvalue
+    """P(t1, t2, t3) and the marginal P(t4) of the toy model under SAMPLING (enumerated)."""
+    return exact_joint(toy.ToyExecutor(), SAMPLE_PROMPT, SAMPLING, VOCAB)
 
 
 SAMPLING_DRAFTERS = {
@@ -285,9 +255,9 @@ def test_sampled_output_distribution_is_the_models(name):
         counts[head] += 1
         fourth[r.output_token_ids[3]] += 1
     assert torch.all(fourth[t4 == 0] == 0)
-    pv = _chi2([counts[c] for c in joint], [joint[c] * NUM_SAMPLES for c in joint])
+    pv = pooled_chi2([counts[c] for c in joint], [joint[c] * NUM_SAMPLES for c in joint])
     assert pv > ALPHA, f"{name}: (t1, t2, t3) deviates from the model (p-value {pv:.2e})"
-    pv4 = _chi2(fourth[t4 > 0].tolist(), (t4[t4 > 0] * NUM_SAMPLES).tolist())
+    pv4 = pooled_chi2(fourth[t4 > 0].tolist(), (t4[t4 > 0] * NUM_SAMPLES).tolist())
     assert pv4 > ALPHA, f"{name}: t4 deviates from the model (p-value {pv4:.2e})"
     if tokens_per_round is not None:
         assert engine.metrics.rounds_total > 0 and engine.metrics.tokens_per_round == tokens_per_round

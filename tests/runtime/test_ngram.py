@@ -24,7 +24,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy import stats
+from sampling_checks import exact_joint, pooled_chi2
 
 from ignis.compiler.importers import load_checkpoint
 from ignis.runtime.drafters import DRAFTERS, DraftRequest, get_drafter_factory
@@ -32,7 +32,7 @@ from ignis.runtime.drafters.ngram import NgramDrafter, build_ngram_drafter, prop
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.errors import ConfigError
 from ignis.runtime.families import get_family
-from ignis.runtime.sampling import SamplingParams, logits_to_probs
+from ignis.runtime.sampling import SamplingParams
 
 
 def _load(name: str):
@@ -245,37 +245,10 @@ SAMPLING = SamplingParams(temperature=0.8, top_k=3, max_tokens=4)
 SAMPLE_PROMPT = (*range(0, 50, 2), *range(1, 50, 2))  # every id once: a 1-gram lookup always hits
 
 
+@cache
 def _exact_joint():
-    ex = toy.ToyExecutor()
-
-    def p(prefix):
-        return logits_to_probs(ex.next_logits([*SAMPLE_PROMPT, *prefix]).double(), SAMPLING).double()
-
-    joint, t4 = {}, torch.zeros(50, dtype=torch.float64)
-    p1 = p(())
-    for a in torch.nonzero(p1).flatten().tolist():
-        p2 = p((a,))
-        for b in torch.nonzero(p2).flatten().tolist():
-            p3 = p((a, b))
-            for c in torch.nonzero(p3).flatten().tolist():
-                joint[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-                t4 += joint[(a, b, c)] * p((a, b, c))
-    return joint, t4
-
-
-def _chi2(observed, expected):
-    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
-    for o, e in zip(observed, expected, strict=True):
-        if e >= 5:
-            obs.append(o)
-            exp.append(e)
-        else:
-            pool_o, pool_e = pool_o + o, pool_e + e
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    scale = sum(obs) / sum(exp)
-    return stats.chisquare(obs, [e * scale for e in exp]).pvalue
+    """P(t1, t2, t3) and the marginal P(t4) of the toy model under SAMPLING (enumerated)."""
+    return exact_joint(toy.ToyExecutor(), SAMPLE_PROMPT, SAMPLING, 50)
 
 
 def test_sampled_output_distribution_is_the_models():
@@ -290,9 +263,9 @@ def test_sampled_output_distribution_is_the_models():
         assert head in counts
         counts[head] += 1
         fourth[r.output_token_ids[3]] += 1
-    pv = _chi2([counts[c] for c in joint], [joint[c] * NUM_SAMPLES for c in joint])
+    pv = pooled_chi2([counts[c] for c in joint], [joint[c] * NUM_SAMPLES for c in joint])
     assert pv > ALPHA, f"(t1, t2, t3) deviates from the model (p-value {pv:.2e})"
-    pv4 = _chi2(fourth[t4 > 0].tolist(), (t4[t4 > 0] * NUM_SAMPLES).tolist())
+    pv4 = pooled_chi2(fourth[t4 > 0].tolist(), (t4[t4 > 0] * NUM_SAMPLES).tolist())
     assert pv4 > ALPHA, f"t4 deviates from the model (p-value {pv4:.2e})"
     m = engine.metrics
     assert m.drafted_tokens_total > NUM_SAMPLES and sum(m.position_accepted_total.values()) > 0
