@@ -207,6 +207,34 @@ class Bench:
 
     # -- setup ----------------------------------------------------------------------------------
 
+    def _setup_old_new(self) -> tuple[Path, dict[str, Any], dict[str, Any], float]:
+        """Shared start of the old-vs-new benches (`DecodeBench`, `WideBench`): load the TVM runtime
+        and both manifests, record the environment, measure the copy bandwidth, make the weights,
+        load the old modules. Returns (new_dir, new manifest, old functions by tag, start time s)."""
+        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+
+        torch, args = self.torch, self.args
+        old_dir, new_dir = Path(args.old), Path(args.new)
+        old_man = json.loads((old_dir / "manifest.json").read_text())
+        new_man = json.loads((new_dir / "manifest.json").read_text())
+        load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib or (old_dir / "tvm_lib"))
+        props = torch.cuda.get_device_properties(0)
+        self.results["env"] = {
+            "gpu": props.name,
+            "sms": props.multi_processor_count,
+            "torch": torch.__version__,
+        }
+        self.results["ptxas"] = new_man.get("ptxas", [])
+        self.note(f"[env] {self.results['env']}")
+        t0 = time.time()
+        bw = self.measure_copy_bandwidth()
+        self.make_weights()
+        self.results.update(copy_tbps=bw, weight_bytes=self.weight_bytes)
+        self.results["floor_ms"] = self.weight_bytes / (bw * 1e12) * 1e3
+        self.note(f"[setup] copy {bw:.2f} TB/s, floor {self.results['floor_ms']:.3f} ms")
+        old = {k: load_module(old_dir / v["file"], cuda=True)["q4_linear"] for k, v in old_man["api"].items()}
+        return new_dir, new_man, old, t0
+
     def measure_copy_bandwidth(self) -> float:
         torch = self.torch
         n = 1 << 30  # 2 GiB of f16 per buffer
@@ -692,30 +720,12 @@ class DecodeBench(Bench):
     def _run(self) -> None:
         import tvm_ffi
 
-        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+        from ignis.runtime.tvm_runtime import load_module
 
         torch = self.torch
         args = self.args
-        old_dir, new_dir = Path(args.old), Path(args.new)
-        old_man = json.loads((old_dir / "manifest.json").read_text())
-        new_man = json.loads((new_dir / "manifest.json").read_text())
-        load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib or (old_dir / "tvm_lib"))
-        props = torch.cuda.get_device_properties(0)
-        self.results["env"] = {
-            "gpu": props.name,
-            "sms": props.multi_processor_count,
-            "torch": torch.__version__,
-        }
-        self.results["ptxas"] = new_man.get("ptxas", [])
-        self.note(f"[env] {self.results['env']}")
-        t0 = time.time()
-        bw = self.measure_copy_bandwidth()
-        self.make_weights()
-        self.results.update(copy_tbps=bw, weight_bytes=self.weight_bytes)
-        self.results["floor_ms"] = self.weight_bytes / (bw * 1e12) * 1e3
-        self.note(f"[setup] copy {bw:.2f} TB/s, floor {self.results['floor_ms']:.3f} ms")
+        new_dir, new_man, old, t0 = self._setup_old_new()
         T, E = self.results["timings_ms"], self.results["errors"]
-        old = {k: load_module(old_dir / v["file"], cuda=True)["q4_linear"] for k, v in old_man["api"].items()}
         nb = load_module(new_dir / "decode_sm90.so", cuda=True)
         new = {k: nb[f"q4_{k}"] for k in new_man["configs"]}
         tags = new_man["configs"]
@@ -1033,30 +1043,12 @@ class WideBench(Bench):
     def _run(self) -> None:
         import tvm_ffi
 
-        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+        from ignis.runtime.tvm_runtime import load_module
 
         torch = self.torch
         args = self.args
-        old_dir, new_dir = Path(args.old), Path(args.new)
-        old_man = json.loads((old_dir / "manifest.json").read_text())
-        new_man = json.loads((new_dir / "manifest.json").read_text())
-        load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib or (old_dir / "tvm_lib"))
-        props = torch.cuda.get_device_properties(0)
-        self.results["env"] = {
-            "gpu": props.name,
-            "sms": props.multi_processor_count,
-            "torch": torch.__version__,
-        }
-        self.results["ptxas"] = new_man.get("ptxas", [])
-        self.note(f"[env] {self.results['env']}")
-        t0 = time.time()
-        bw = self.measure_copy_bandwidth()
-        self.make_weights()
-        self.results.update(copy_tbps=bw, weight_bytes=self.weight_bytes)
-        self.results["floor_ms"] = self.weight_bytes / (bw * 1e12) * 1e3
-        self.note(f"[setup] copy {bw:.2f} TB/s, floor {self.results['floor_ms']:.3f} ms")
+        new_dir, new_man, old, t0 = self._setup_old_new()
         T, E = self.results["timings_ms"], self.results["errors"]
-        old = {k: load_module(old_dir / v["file"], cuda=True)["q4_linear"] for k, v in old_man["api"].items()}
         bundles = {b: load_module(new_dir / b, cuda=True) for b in sorted(set(new_man["bundles"].values()))}
         tags = new_man["configs"]
         new = {k: bundles[new_man["bundles"][k]][f"q4_{k}"] for k in tags}
