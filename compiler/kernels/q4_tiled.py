@@ -1,0 +1,193 @@
+"""Build the tiled q4_g32 CUDA kernel (`q4_tiled.cuh`) into tvm-ffi modules.
+
+The kernel reads the tiled weight layout of `ignis.runtime.q4_tiled` (the runtime re-lays q4_g32
+weights once when it places them on a CUDA device) and splits the work stream-K over the GPU; see
+the header's comment and docs/adr/0004-q4-tiled-stream-k.md. Each exported function is
+``NAME(x [R, K], qweight [T, K/128, 256] u32, scales [T, K/128, 64] f16, y [R, N])`` for
+``1 <= R <= 8 * n_tiles``, f16 or bf16 activations.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cuda_build import build_cuda_module
+from .q4_linear import MAX_ROWS, Q4KernelError, _nvcc
+
+__all__ = ["TiledConfig", "build_q4_tiled_module", "tiled_config_for", "tiled_source"]
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    """Template arguments of ``q4_tiled_kernel``.
+
+    Attributes:
+        n_tiles: mma n-tiles of 8 activation rows (the function takes 1 .. 8 n_tiles rows).
+        m_tiles: 16-row weight tiles a warp streams per unit (each activation load feeds them all).
+        warps: warps per block.
+        depth: units in each warp's register ring (depth - 1 units of weights in flight).
+        post_scale: apply the group scales to the mma results in fp32 instead of to the weights.
+        min_blocks: ``__launch_bounds__`` minimum blocks per SM (caps registers per thread).
+        blocks_per_sm: resident blocks per SM launched (0: as many as the occupancy allows).
+        pdl: programmatic dependent launch.
+        ring: 0: weights global -> registers; 1: bulk copies (sm_90+ copy engine) into a per-warp
+            shared-memory ring of ``depth`` units, ``depth - 1`` in flight without registers.
+            2: each lane streams its own pieces through a private cp.async ring in shared memory
+            (``depth - 1`` units in flight, waited for by commit-group counting).
+        x_double: the next unit's activations are loaded into registers before this unit's math
+            (else only prefetched into L1).
+        stream_only: diagnostic: stream the weights, skip the math (wrong output).
+        x_smem: the stream-K workers are blocks (a unit: ``warps * m_tiles`` tiles x one k-step,
+            each warp its own tiles) whose activations are copied into shared memory once;
+            ``blocks_per_sm`` (0: 1) blocks a SM. Takes ring 0 or 2.
+    """
+
+    n_tiles: int = 1
+    m_tiles: int = 1
+    warps: int = 4
+    depth: int = 4
+    post_scale: bool = True
+    min_blocks: int = 4
+    blocks_per_sm: int = 0
+    pdl: bool = True
+    ring: int = 0
+    x_double: bool = False
+    stream_only: bool = False
+    x_smem: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_tiles <= MAX_ROWS // 8:
+            raise Q4KernelError(f"n_tiles must be 1..{MAX_ROWS // 8}, got {self.n_tiles}")
+        if self.m_tiles not in (1, 2, 4):
+            raise Q4KernelError(f"m_tiles must be 1, 2 or 4, got {self.m_tiles}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise Q4KernelError(f"warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+        if self.depth < 2:
+            raise Q4KernelError(f"depth must be at least 2, got {self.depth}")
+        if not 1 <= self.min_blocks <= 32 or not 0 <= self.blocks_per_sm <= 32:
+            raise Q4KernelError("min_blocks must be 1..32 and blocks_per_sm 0..32")
+        if self.ring not in (0, 1, 2) or (self.ring == 0 and self.depth > 8) or self.depth > 16:
+            raise Q4KernelError(
+                f"ring must be 0 (depth <= 8), 1 or 2 (depth <= 16), got {self.ring}, {self.depth}"
+            )
+        if self.ring == 2 and self.depth < 3:
+            raise Q4KernelError("ring 2 needs depth >= 3")
+        if self.x_smem and (self.ring == 1 or self.x_double):
+            raise Q4KernelError("x_smem takes ring 0 or 2 and no x_double")
+        if self.ring and self.smem_bytes > 227 * 1024:
+            raise Q4KernelError(
+                f"{self.tag} needs {self.smem_bytes} bytes of shared memory a block (> 227 KiB)"
+            )
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory a block (tiled_ring_bytes in q4_tiled.cuh times warps)."""
+        if self.ring == 2:
+            return self.warps * self.depth * self.m_tiles * 1536
+        if self.ring == 1:
+            return self.warps * -(-(self.depth * self.m_tiles * (1024 + 128) + self.depth * 8) // 128) * 128
+        return 0
+
+    @property
+    def max_rows(self) -> int:
+        return 8 * self.n_tiles
+
+    @property
+    def tag(self) -> str:
+        scale = "post" if self.post_scale else "pre"
+        tag = f"t{self.n_tiles}_mt{self.m_tiles}_w{self.warps}_d{self.depth}_{scale}_mb{self.min_blocks}"
+        if self.blocks_per_sm:
+            tag += f"_b{self.blocks_per_sm}"
+        if self.ring:
+            tag += "_tma" if self.ring == 1 else "_cpa"
+        if self.x_double:
+            tag += "_xdb"
+        if self.stream_only:
+            tag += "_streamonly"
+        if self.x_smem:
+            tag += "_xs"
+        return tag if self.pdl else tag + "_nopdl"
+
+    def export_line(self, name: str) -> str:
+        b = {True: "true", False: "false"}
+        return (
+            f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "
+            f"{b[self.post_scale]}, {self.min_blocks}, {self.blocks_per_sm}, {b[self.pdl]}, {self.ring}, "
+            f"{b[self.x_double]}, {int(self.stream_only)}, {b[self.x_smem]})"
+        )
+
+
+def tiled_source(exports: Mapping[str, TiledConfig]) -> str:
+    """The ``.cu`` translation unit exporting each (name, config)."""
+    lines = ['#include "q4_tiled_ffi.cuh"']
+    lines += [cfg.export_line(name) for name, cfg in exports.items()]
+    return "\n".join(lines) + "\n"
+
+
+def build_q4_tiled_module(
+    arch: str,
+    exports: Mapping[str, TiledConfig],
+    out_path: str | os.PathLike[str],
+    *,
+    verbose: bool = False,
+) -> Path:
+    """Compile the exports into one module with SASS for ``arch`` (``sm_90``, ``sm_120``, ...).
+
+    Raises:
+        Q4KernelError: no exports, a bad name, nvcc missing or failing.
+    """
+    if not exports:
+        raise Q4KernelError("build_q4_tiled_module: nothing to export")
+    for name in exports:
+        if not name.isidentifier():
+            raise Q4KernelError(f"export name {name!r} is not a C identifier")
+    if not arch.startswith("sm_") or not arch[3:].isdigit() or int(arch[3:]) < 80:
+        raise Q4KernelError(f"the tiled q4 kernel needs sm_80 or newer, got {arch!r}")
+    if int(arch[3:]) < 90 and any(cfg.ring == 1 for cfg in exports.values()):
+        raise Q4KernelError(f"ring=1 (bulk copies) needs sm_90 or newer, got {arch!r}")
+    return build_cuda_module(
+        tiled_source(exports),
+        arch,
+        out_path,
+        nvcc=_nvcc(),
+        src_name="q4_tiled_module.cu",
+        error=Q4KernelError,
+        verbose=verbose,
+    )
+
+
+# Configuration per n-tile count (rows 1-8, 9-16, 17-24, 25-32), measured on the H200 with
+# tools/bench_q4_tiled.py (docs/PERF.md, 2026-11-29, tiled runs 1-11): blocks of 16 warps, one a SM
+# (128 registers a thread), activations staged in shared memory once per block, a 3-unit register
+# ring of weights; scales applied after the mma up to 16 rows, folded into the weights above.
+# The same configuration serves every shape and card (no shared memory is reserved at build time;
+# the launch sizes the activation buffer and falls back to the warp kernel when it does not fit).
+_RULES: dict[int, TiledConfig] = {
+    1: TiledConfig(n_tiles=1, warps=16, depth=3, post_scale=True, min_blocks=1, blocks_per_sm=1, x_smem=True),
+    2: TiledConfig(n_tiles=2, warps=16, depth=3, post_scale=True, min_blocks=1, blocks_per_sm=1, x_smem=True),
+    3: TiledConfig(
+        n_tiles=3, warps=16, depth=3, post_scale=False, min_blocks=1, blocks_per_sm=1, x_smem=True
+    ),
+    4: TiledConfig(
+        n_tiles=4, warps=16, depth=3, post_scale=False, min_blocks=1, blocks_per_sm=1, x_smem=True
+    ),
+}
+
+
+def tiled_config_for(rows: int, out_features: int, in_features: int, arch: str) -> TiledConfig:
+    """The configuration the build uses for ``rows`` (1..32) on an [out, in] q4_g32 weight.
+
+    Raises:
+        Q4KernelError: rows outside 1..32 or in_features not a positive multiple of 128.
+    """
+    if not 1 <= rows <= MAX_ROWS:
+        raise Q4KernelError(f"the tiled q4 kernel takes 1..{MAX_ROWS} rows, got {rows}")
+    if in_features <= 0 or in_features % 128 or out_features < 1:
+        raise Q4KernelError(
+            f"the tiled q4 kernel needs in_features % 128 == 0, got [{out_features}, {in_features}]"
+        )
+    del arch  # one rule for every card so far (no shared memory: nothing to shrink for sm_120)
+    return _RULES[(rows + 7) // 8]

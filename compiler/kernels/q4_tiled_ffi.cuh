@@ -1,0 +1,244 @@
+// Host side of the tiled q4_g32 kernel (q4_tiled.cuh): argument checks, the stream-K workspace and
+// the launch. A module built by ignis.compiler.kernels.q4_tiled includes this header and
+// instantiates IGNIS_Q4T_EXPORT once per exported function.
+//
+// Workspace: one fp32 buffer and one ticket buffer per CUDA device, shared by every function of the
+// module (launches on one stream run one after another; programmatic dependent launch lets the next
+// kernel start early, but it touches the workspace only after griddepcontrol.wait). They grow on a
+// call that needs more (a device synchronize, then cudaMalloc); growing is refused while the stream
+// is being captured into a CUDA graph, so a function must run once, at its widest rows, before
+// capture (the executors' warm-up does). Concurrent launches of these functions on two streams
+// of one device are not supported.
+#pragma once
+
+#include <mutex>
+
+#include "ffi_checks.cuh"
+#include "q4_linear_ffi.cuh"
+#include "q4_tiled.cuh"
+
+namespace ignis_q4 {
+
+struct TiledWorkspace {
+  float* ws = nullptr;
+  size_t ws_bytes = 0;
+  int* tickets = nullptr;
+  size_t ticket_bytes = 0;
+};
+
+inline std::mutex& tiled_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+inline TiledWorkspace& tiled_workspace(int device) {
+  static TiledWorkspace per_device[64];
+  TVM_FFI_CHECK(device >= 0 && device < 64, ValueError) << "q4_tiled: CUDA device id " << device << " out of range";
+  return per_device[device];
+}
+
+// Make the device's workspace at least (ws_bytes, ticket_bytes); returns it. Tickets start at zero.
+inline TiledWorkspace& tiled_reserve(const char* name, int device, cudaStream_t stream, size_t ws_bytes,
+                                     size_t ticket_bytes) {
+  TiledWorkspace& w = tiled_workspace(device);
+  if (w.ws_bytes >= ws_bytes && w.ticket_bytes >= ticket_bytes) return w;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(stream, &status);
+  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
+  TVM_FFI_CHECK(status == cudaStreamCaptureStatusNone, RuntimeError)
+      << name << ": the stream-K workspace must grow to " << ws_bytes << " bytes, which cannot happen "
+      << "during CUDA-graph capture: call the function once at its widest rows before capturing";
+  e = cudaDeviceSynchronize();  // no launch in flight still uses the old buffers
+  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
+  const size_t new_ws = ws_bytes > w.ws_bytes ? ws_bytes : w.ws_bytes;
+  const size_t new_t = ticket_bytes > w.ticket_bytes ? ticket_bytes : w.ticket_bytes;
+  float* ws = nullptr;
+  int* tickets = nullptr;
+  e = cudaMalloc(&ws, new_ws);
+  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
+      << name << ": cannot allocate " << new_ws << " bytes of workspace: " << cudaGetErrorString(e);
+  e = cudaMalloc(&tickets, new_t);
+  if (e != cudaSuccess) cudaFree(ws);
+  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
+      << name << ": cannot allocate " << new_t << " bytes of tickets: " << cudaGetErrorString(e);
+  e = cudaMemset(tickets, 0, new_t);
+  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
+  if (w.ws) cudaFree(w.ws);
+  if (w.tickets) cudaFree(w.tickets);
+  w.ws = ws;
+  w.ws_bytes = new_ws;
+  w.tickets = tickets;
+  w.ticket_bytes = new_t;
+  return w;
+}
+
+// x: [R, K] f16|bf16; qweight: [T, K/128, 256] u32|i32; scales: [T, K/128, 64] f16; y: [R, N] like x,
+// T = ceil(N / 16).
+inline void q4_tiled_check_args(const char* name, int max_rows, const TensorView& x, const TensorView& qweight,
+                                const TensorView& scales, const TensorView& y) {
+  using ignis_ffi::inner_contiguous;
+  TVM_FFI_CHECK(is_contiguous_2d(x) && is_contiguous_2d(y), ValueError)
+      << name << ": x and y must be contiguous 2-d tensors";
+  TVM_FFI_CHECK(qweight.ndim() == 3 && scales.ndim() == 3 && inner_contiguous(qweight, 3) &&
+                    inner_contiguous(scales, 3),
+                ValueError)
+      << name << ": qweight and scales must be contiguous tiled tensors [T, K/128, 256] and [T, K/128, 64]";
+  const int64_t rows = x.size(0), k_in = x.size(1), n_out = y.size(1);
+  TVM_FFI_CHECK(rows >= 1 && rows <= max_rows, ValueError)
+      << name << ": compiled for 1.." << max_rows << " rows, got " << rows;
+  TVM_FFI_CHECK(k_in % kStepK == 0 && k_in > 0, ValueError)
+      << name << ": in_features must be a positive multiple of " << kStepK << ", got " << k_in;
+  const int64_t tiles = (n_out + 15) / 16;
+  TVM_FFI_CHECK(qweight.size(0) == tiles && qweight.size(1) * kStepK == k_in && qweight.size(2) == 256 &&
+                    scales.size(0) == tiles && scales.size(1) * kStepK == k_in && scales.size(2) == 64,
+                ValueError)
+      << name << ": for y [" << rows << ", " << n_out << "] and K = " << k_in << " the tiled qweight must be ["
+      << tiles << ", " << k_in / kStepK << ", 256] and scales [" << tiles << ", " << k_in / kStepK
+      << ", 64], got [" << qweight.size(0) << ", " << qweight.size(1) << ", " << qweight.size(2) << "] and ["
+      << scales.size(0) << ", " << scales.size(1) << ", " << scales.size(2) << "]";
+  TVM_FFI_CHECK(y.size(0) == rows, ValueError) << name << ": y must have x's " << rows << " rows";
+  TVM_FFI_CHECK((dtype_is(qweight, kDLUInt, 32) || dtype_is(qweight, kDLInt, 32)) && dtype_is(scales, kDLFloat, 16),
+                TypeError)
+      << name << ": qweight must be uint32 (or int32 bits) and scales float16";
+  TVM_FFI_CHECK(x.dtype().code == y.dtype().code && x.dtype().bits == y.dtype().bits, TypeError)
+      << name << ": y must have x's dtype";
+  ignis_ffi::check_cuda(name, {&x, &qweight, &scales, &y});
+  TVM_FFI_CHECK(k_in <= INT32_MAX && n_out <= INT32_MAX && tiles * (k_in / kStepK) <= INT32_MAX, ValueError)
+      << name << ": shape too large";
+}
+
+// Resident blocks per SM of `kernel` (cached per instantiation by the caller), at most `cap`.
+template <typename K>
+int tiled_blocks_per_sm(K kernel, int threads, size_t smem, int cap) {
+  int n = 0;
+  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
+  TVM_FFI_CHECK(e == cudaSuccess && n > 0, RuntimeError)
+      << "q4_tiled: occupancy query failed: " << cudaGetErrorString(e);
+  return cap > 0 && n > cap ? cap : n;
+}
+
+template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, int RING, bool XDB, int MODE,
+          bool XS>
+void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& qweight, const TensorView& scales,
+                       const TensorView& y, bool pdl) {
+  auto kernel = q4_tiled_kernel<T, NT, MT, WARPS, D, POST, MINB, RING, XDB, MODE, XS>;
+  const int64_t rows = x.size(0), k_in = x.size(1), n_out = y.size(1);
+  const int device = x.device().device_id;
+  // Per instantiation: SMs, and resident blocks per SM for the last shared-memory size asked.
+  static int cached_device = -1, sms = 0, bps = 0, smem_cap = 0;
+  static size_t cached_smem = 0, raised_smem = 48 * 1024;
+  const int n_tiles = static_cast<int>((n_out + 15) / 16);
+  const int tiles_per_group = XS ? WARPS * MT : MT;
+  const int n_groups = (n_tiles + tiles_per_group - 1) / tiles_per_group;
+  const int n_outs = XS ? n_groups * WARPS : n_groups;  // output groups: tickets and workspace
+  const int64_t steps = k_in / kStepK;
+  const int64_t units = n_groups * steps;
+  size_t smem = RING == 2   ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>()
+                : RING == 1 ? static_cast<size_t>(WARPS) * tiled_ring_bytes<MT, D>()
+                            : 0;
+  int n_workers = 0;
+  bool fits = true;  // XS: the block's activations fit in shared memory
+  {
+    std::lock_guard<std::mutex> lock(tiled_mutex());
+    if (cached_device != device) {
+      cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
+      e = cudaDeviceGetAttribute(&smem_cap, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+      TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
+      cached_device = device;
+      cached_smem = SIZE_MAX;
+    }
+    if (XS) {
+      fits = true;
+      // The activations of at most min(S, ceil(U / P)) k-steps, P = SMs x blocks per SM: start from
+      // BPS blocks a SM and step down while that much shared memory does not fit them.
+      int target = BPS > 0 ? BPS : 1;
+      for (;;) {
+        const int64_t p_guess = static_cast<int64_t>(sms) * target;
+        const int64_t span = (units + p_guess - 1) / p_guess;
+        smem = static_cast<size_t>(span < steps ? span : steps) * rows * 320 + 128 +
+               (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
+        if (smem > static_cast<size_t>(smem_cap)) {
+          fits = false;
+          break;
+        }
+        if (smem > raised_smem) {
+          cudaError_t e =
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+          TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
+              << name << ": cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
+          raised_smem = smem;
+        }
+        bps = tiled_blocks_per_sm(kernel, WARPS * 32, smem, target);
+        if (bps >= target || target == 1) break;
+        target = bps;
+      }
+      cached_smem = SIZE_MAX;  // recomputed per call (depends on the rows)
+    } else if (smem != cached_smem) {
+      if (smem > raised_smem) {
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
+            << name << ": cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
+        raised_smem = smem;
+      }
+      bps = tiled_blocks_per_sm(kernel, WARPS * 32, smem, BPS);
+      cached_smem = smem;
+    }
+    const int64_t want = static_cast<int64_t>(sms) * bps * (XS ? 1 : WARPS);
+    n_workers = static_cast<int>(want < units ? want : units);
+  }
+  if (XS && !fits) {
+    // Too many activation bytes for shared memory (a wide call on a very wide weight): the warp
+    // kernel, activations through L1, same layout and numerics.
+    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, false>(name, x, qweight, scales, y,
+                                                                                    pdl);
+    return;
+  }
+  const int blocks = XS ? n_workers : (n_workers + WARPS - 1) / WARPS;
+  // Workers covering one group: at most ceil((S - 2) / floor(U / P)) + 2.
+  const int64_t per = units / n_workers;
+  const int slots = steps >= 2 ? static_cast<int>((steps - 2 + per - 1) / per + 2) : 1;
+  cudaStream_t stream = ignis_ffi::stream_of(x);
+  TiledWorkspace* w;
+  {
+    std::lock_guard<std::mutex> lock(tiled_mutex());
+    w = &tiled_reserve(name, device, stream, static_cast<size_t>(n_outs) * slots * MT * NT * 128 * sizeof(float),
+                       static_cast<size_t>(n_groups) * sizeof(int));
+  }
+  bool configured = true;  // the shared-memory limit was raised above
+  launch_pdl(kernel, pdl, configured, dim3(static_cast<unsigned>(blocks)), dim3(WARPS * 32), smem, stream, 1u,
+             static_cast<const T*>(ignis_ffi::ptr(x)), static_cast<const uint4*>(ignis_ffi::ptr(qweight)),
+             static_cast<const uint4*>(ignis_ffi::ptr(scales)), static_cast<T*>(ignis_ffi::ptr(y)), w->ws,
+             w->tickets, static_cast<int>(rows), static_cast<int>(n_out), static_cast<int>(k_in), n_tiles,
+             n_groups, slots, n_workers);
+  ignis_ffi::check_launch(name);
+}
+
+template <int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, bool PDL, int RING, bool XDB, int MODE,
+          bool XS>
+void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorView scales, TensorView y) {
+  q4_tiled_check_args(name, 8 * NT, x, qweight, scales, y);
+  if (dtype_is(x, kDLFloat, 16)) {
+    q4_tiled_launch_t<half, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, x, qweight, scales, y, PDL);
+  } else if (dtype_is(x, kDLBfloat, 16)) {
+    q4_tiled_launch_t<__nv_bfloat16, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, x, qweight, scales, y, PDL);
+  } else {
+    TVM_FFI_THROW(TypeError) << name << ": x must be float16 or bfloat16";
+  }
+}
+
+}  // namespace ignis_q4
+
+// Export `NAME(x, qweight, scales, y)` (tiled layout) for up to 8*NT rows.
+// MT tiles a warp unit, WARPS warps a block, D units in the ring, POST: scales applied after the
+// mma, MINB: __launch_bounds__ min blocks, BPS: resident blocks per SM launched (0: as many as
+// fit), PDL: programmatic dependent launch, RING: 0 registers, 1 bulk copies, 2 per-lane cp.async,
+// XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only (diagnostic), XS: the
+// workers are blocks whose activations are staged in shared memory once.
+#define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS)          \
+  static void ignis_q4t_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,                 \
+                               tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {                \
+    ::ignis_q4::q4_tiled_launch<NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS>(        \
+        #NAME, x, qweight, scales, y);                                                               \
+  }                                                                                                 \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_q4t_##NAME)

@@ -1,0 +1,338 @@
+"""The tiled q4_g32 layout and kernel: the layout's semantics, a model of the kernel's tensor-core
+operand mapping checked against float64 on the CPU, the stream-K partition, cross-compiled modules,
+and (on a GPU host) the CUDA kernel itself against float64 at every verify width."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ignis.compiler.kernels.q4_linear import Q4KernelError, cuda_binary_info, dequantize_q4, pack_q4
+from ignis.compiler.kernels.q4_tiled import TiledConfig, build_q4_tiled_module, tiled_config_for, tiled_source
+from ignis.runtime.linear import dequantize_q4 as torch_dequantize_q4
+from ignis.runtime.q4_tiled import NIBBLE_OF_FEATURE, Q4TiledLayoutError, tile_q4, tiled_shapes, untile_q4
+
+HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+
+
+def _random_q4(rng: np.random.Generator, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    qw = pack_q4(rng.integers(0, 16, (n, k)))
+    scales = ((rng.random((n, k // 32)) + 0.5) / (4.6 * k**0.5)).astype(np.float16)
+    return qw, scales
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout
+
+
+@pytest.mark.parametrize("n", [16, 37, 64])
+@pytest.mark.parametrize("lead", [(), (3,)])
+def test_tile_round_trip_and_padding(n: int, lead: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(n)
+    k = 256
+    parts = [_random_q4(rng, n, k) for _ in range(int(np.prod(lead)) if lead else 1)]
+    qw = torch.from_numpy(np.stack([p[0] for p in parts]).view(np.int32)).reshape(*lead, n, k // 8)
+    sc = torch.from_numpy(np.stack([p[1] for p in parts])).reshape(*lead, n, k // 32)
+    codes, scales = tile_q4(qw, sc)
+    t = -(-n // 16)
+    assert codes.shape == (*lead, t, k // 128, 256) and scales.shape == (*lead, t, k // 128, 64)
+    back_q, back_s = untile_q4(codes, scales, n)
+    assert torch.equal(back_q, qw) and torch.equal(back_s, sc)
+    # the padding rows of the last tile dequantize to exactly zero: code 8, scale 0
+    full_q, full_s = untile_q4(codes, scales, t * 16)
+    pad = torch_dequantize_q4(full_q, full_s)[..., n:, :]
+    assert pad.shape == (*lead, t * 16 - n, k) and not pad.any()
+
+
+def test_tiled_word_semantics() -> None:
+    """Word (h * 32 + 4 g + t) * 4 + w of (tile, k-step s) holds row 16 tile + g + 8 h at features
+    128 s + 32 w + 8 t + f, feature f in nibble NIBBLE_OF_FEATURE[f]; its scales at (g * 2 + h) * 4 + w."""
+    rng = np.random.default_rng(5)
+    n, k = 48, 384
+    qw, sc = _random_q4(rng, n, k)
+    codes, scales = tile_q4(torch.from_numpy(qw.view(np.int32)), torch.from_numpy(sc))
+    words = codes.numpy().view(np.uint32)
+    q = np.stack([(qw >> (4 * j)) & 15 for j in range(8)], axis=-1).reshape(n, k)
+    for _ in range(300):
+        o, i = int(rng.integers(n)), int(rng.integers(k))
+        tile, r = divmod(o, 16)
+        h, g = divmod(r, 8)
+        s, rem = divmod(i, 128)
+        w, rem = divmod(rem, 32)
+        t, f = divmod(rem, 8)
+        word = int(words[tile, s, (h * 32 + 4 * g + t) * 4 + w])
+        assert (word >> (4 * NIBBLE_OF_FEATURE[f])) & 15 == q[o, i]
+        assert scales[tile, s, (g * 2 + h) * 4 + w] == torch.tensor(sc[o, i // 32])
+
+
+def test_tiling_refuses_what_it_cannot_lay_out() -> None:
+    with pytest.raises(Q4TiledLayoutError, match="multiple of 128"):
+        tiled_shapes(16, 96)
+    with pytest.raises(Q4TiledLayoutError, match="u32/i32"):
+        tile_q4(torch.zeros(16, 16, dtype=torch.int64), torch.zeros(16, 4, dtype=torch.float16))
+    with pytest.raises(Q4TiledLayoutError, match="not one q4_g32 weight"):
+        tile_q4(torch.zeros(16, 16, dtype=torch.int32), torch.zeros(16, 3, dtype=torch.float16))
+    codes, scales = tile_q4(torch.zeros(20, 16, dtype=torch.int32), torch.zeros(20, 4, dtype=torch.float16))
+    with pytest.raises(Q4TiledLayoutError, match="cannot hold"):
+        untile_q4(codes, scales, 40)
+
+
+# ---------------------------------------------------------------------------------------------
+# A model of the kernel's tensor-core operands (q4_tiled.cuh `compute`), against float64
+
+
+def _raw_pairs(word: int) -> list[tuple[int, int]]:
+    """TiledDequant::raw: the exponent trick's pairs (nibble i, nibble i + 4), i = 0..3, minus 8."""
+    nib = [(word >> (4 * j)) & 15 for j in range(8)]
+    return [(nib[i] - 8, nib[i + 4] - 8) for i in range(4)]
+
+
+def _mma_m16n8k16(
+    a_regs: list[list[tuple[float, float]]], b_regs: list[list[tuple[float, float]]]
+) -> np.ndarray:
+    """D[16, 8] = A[16, 16] @ B[16, 8] from per-lane fragments laid out as the PTX ISA's
+    mma.m16n8k16 .f16/.bf16 tables say: lane (g, t), A regs (a0a1, a2a3, a4a5, a6a7) = A[g][2t..],
+    A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]; B regs (b0b1, b2b3) = B[2t..][g], B[2t+8..][g]."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for reg, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+            A[row, col : col + 2] = a_regs[lane][reg]
+        for reg, krow in enumerate([2 * t, 2 * t + 8]):
+            B[krow : krow + 2, g] = b_regs[lane][reg]
+    return A @ B
+
+
+@pytest.mark.parametrize("post_scale", [True, False])
+def test_operand_model_matches_float64(post_scale: bool) -> None:
+    """Per unit, word w, lane (g, t): a0 = (P0 g, P0 g+8, P1 g, P1 g+8), a1 = (P2 .., P3 ..), B from
+    one 16-byte load of x (features 32 w + 8 t ..), scales post or pre mma: the sum over units equals
+    x @ dequant(W)^T. A change to the nibble order or the operand mapping on either side fails here."""
+    rng = np.random.default_rng(11)
+    n, k, rows = 32, 256, 8
+    qw, sc = _random_q4(rng, n, k)
+    x = rng.standard_normal((rows, k))
+    codes, scales = tile_q4(torch.from_numpy(qw.view(np.int32)), torch.from_numpy(sc))
+    words = codes.numpy().view(np.uint32)
+    svals = scales.numpy().astype(np.float64)
+    y = np.zeros((rows, n))
+    for tile in range(words.shape[0]):
+        for s in range(words.shape[1]):
+            for w in range(4):
+                a0, a1, b0, b1 = [], [], [], []
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    s_g, s_g8 = svals[tile, s, (g * 2 + 0) * 4 + w], svals[tile, s, (g * 2 + 1) * 4 + w]
+                    p0 = _raw_pairs(int(words[tile, s, (0 * 32 + lane) * 4 + w]))
+                    p1 = _raw_pairs(int(words[tile, s, (1 * 32 + lane) * 4 + w]))
+                    if not post_scale:
+                        p0 = [(u * s_g, v * s_g) for u, v in p0]
+                        p1 = [(u * s_g8, v * s_g8) for u, v in p1]
+                    a0.append([p0[0], p1[0], p0[1], p1[1]])
+                    a1.append([p0[2], p1[2], p0[3], p1[3]])
+                    feats = x[g % rows, 128 * s + 32 * w + 8 * t : 128 * s + 32 * w + 8 * t + 8]
+                    pairs = [(feats[2 * i], feats[2 * i + 1]) for i in range(4)]
+                    b0.append([pairs[0], pairs[1]])  # v.x, v.y
+                    b1.append([pairs[2], pairs[3]])  # v.z, v.w
+                d = _mma_m16n8k16(a0, b0) + _mma_m16n8k16(a1, b1)  # [16 out rows, 8 act rows]
+                if post_scale:
+                    row_scale = np.array([svals[tile, s, (r % 8 * 2 + r // 8) * 4 + w] for r in range(16)])
+                    d = d * row_scale[:, None]
+                o = 16 * tile + np.arange(16)
+                keep = o < n
+                y[:, o[keep]] += d[keep].T
+    ref = x @ dequantize_q4(qw, sc).astype(np.float64).T
+    np.testing.assert_allclose(y, ref, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stream-K partition (q4_tiled.cuh tiled_owner, q4_tiled_ffi.cuh slots)
+
+
+def _slots(steps: int, units: int, workers: int) -> int:
+    per = units // workers
+    return (steps - 2 + per - 1) // per + 2 if steps >= 2 else 1
+
+
+@pytest.mark.parametrize(
+    ("groups", "steps", "workers"),
+    [
+        (1088, 40, 2112),
+        (320, 136, 2112),
+        (68, 40, 132),
+        (20, 136, 132),
+        (7, 1, 7),
+        (3, 3, 5),
+        (15520, 40, 132),
+    ],
+)
+def test_stream_k_partition(groups: int, steps: int, workers: int) -> None:
+    units = groups * steps
+    workers = min(workers, units)  # the host launches at most one worker a unit
+
+    def start(p: int) -> int:
+        return p * units // workers
+
+    def owner(u: int) -> int:  # tiled_owner
+        return ((u + 1) * workers + units - 1) // units - 1
+
+    for p in range(workers):
+        assert start(p) < start(p + 1)  # no empty range
+    rng = np.random.default_rng(groups)
+    for u in [*rng.integers(0, units, 500).tolist(), 0, units - 1]:
+        p = owner(u)
+        assert start(p) <= u < start(p + 1)
+    slots = _slots(steps, units, workers)
+    for grp in range(groups):
+        cover = owner(grp * steps + steps - 1) - owner(grp * steps) + 1
+        assert 1 <= cover <= slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations and cross-compiled modules
+
+
+def test_configs_are_validated_and_tagged() -> None:
+    with pytest.raises(Q4KernelError, match="n_tiles"):
+        TiledConfig(n_tiles=5)
+    with pytest.raises(Q4KernelError, match="ring"):
+        TiledConfig(ring=3)
+    with pytest.raises(Q4KernelError, match="x_smem takes ring 0 or 2"):
+        TiledConfig(ring=1, x_smem=True)
+    cfg = TiledConfig(n_tiles=2, warps=16, depth=3, min_blocks=1, blocks_per_sm=1, x_smem=True)
+    assert cfg.tag == "t2_mt1_w16_d3_post_mb1_b1_xs" and cfg.max_rows == 16
+    assert cfg.export_line("f") == "IGNIS_Q4T_EXPORT(f, 2, 1, 16, 3, true, 1, 1, true, 0, false, 0, true)"
+    assert tiled_source({"f": cfg}).startswith('#include "q4_tiled_ffi.cuh"')
+    for rows in (1, 8, 9, 16, 17, 24, 25, 32):
+        assert tiled_config_for(rows, 17408, 5120, "sm_90").max_rows >= rows
+    with pytest.raises(Q4KernelError, match=r"1\.\.32 rows"):
+        tiled_config_for(33, 128, 128, "sm_90")
+    with pytest.raises(Q4KernelError, match="% 128"):
+        tiled_config_for(1, 128, 96, "sm_90")
+    with pytest.raises(Q4KernelError, match="sm_90"):
+        build_q4_tiled_module("sm_86", {"f": TiledConfig(ring=1)}, "/nonexistent/x.so")
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_rule_modules_cross_compile(tmp_path: Path, arch: str) -> None:
+    exports = {f"q4t_nt{nt}": tiled_config_for(8 * nt, 17408, 5120, arch) for nt in (1, 4)}
+    path = build_q4_tiled_module(arch, exports, tmp_path / f"q4t_{arch}.so")
+    info = cuda_binary_info(path)
+    assert info.sass_archs == (arch,) and info.is_binary_only
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU host: the CUDA kernel against float64 (a `build_gpu_modules` bundle: IGNIS_Q4T_BUNDLE,
+# or built here when nvcc exists)
+
+
+def _bundle(tmp_path: Path) -> tuple[dict[int, object], str]:
+    from ignis.runtime.tvm_runtime import load_module
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    folder = os.environ.get("IGNIS_Q4T_BUNDLE")
+    if folder:
+        man = json.loads((Path(folder) / "manifest.json").read_text())
+        if man.get("kind") != "q4_g32_tiled":
+            pytest.skip(f"{folder} is not a tiled bundle")
+        mod = load_module(Path(folder) / man["file"], cuda=True)
+        by_nt = {}
+        for key, name in man["table"].items():
+            w = int(key.split("|")[0])
+            by_nt.setdefault((w + 7) // 8, mod[name])
+        return by_nt, arch
+    if not HAS_NVCC:
+        pytest.skip("needs IGNIS_Q4T_BUNDLE (tools/build_gpu_modules.py) or nvcc")
+    exports = {f"q4t_nt{nt}": tiled_config_for(8 * nt, 5120, 5120, arch) for nt in (1, 2, 3, 4)}
+    mod = load_module(build_q4_tiled_module(arch, exports, tmp_path / "q4t.so"), cuda=True)
+    return {nt: mod[f"q4t_nt{nt}"] for nt in (1, 2, 3, 4)}, arch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Every width bucket on the 27B's MLP shapes, shapes whose N is not a multiple of 16, a single
+    k-step, fewer units than SMs, and the vocabulary head (whose wide calls take the warp kernel
+    fallback); outputs fully written, deterministic, within the output dtype's rounding."""
+    from ignis.runtime.tvm_runtime import torch_stream
+
+    fns, _arch = _bundle(tmp_path)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shapes = [(17408, 5120), (5120, 17408), (100, 128), (37, 384), (1000, 1280), (248320, 5120)]
+    for n, k in shapes:
+        qw = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int64, generator=gen)
+        qw = qw.to(torch.int32)
+        sc = ((torch.rand(n, k // 32, device="cuda", generator=gen) + 0.5) / (4.6 * k**0.5)).half()
+        tq, ts = tile_q4(qw, sc)
+        shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int32)
+        wd = (((qw.unsqueeze(-1) >> shifts) & 15).reshape(n, k).double() - 8) * sc.double().repeat_interleave(
+            32, 1
+        )
+        widths = [1, 5, 8, 9, 16, 17, 24, 25, 32] if n * k < 10**9 else [1, 8, 16, 32]
+        for rows in widths:
+            fn = fns[(rows + 7) // 8]
+            x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+            y1 = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
+            y2 = torch.full_like(y1, float("nan"))
+            with torch_stream():
+                fn(x, tq, ts, y1)
+                fn(x, tq, ts, y2)
+            torch.cuda.synchronize()
+            assert torch.isfinite(y1).all(), f"[{n}, {k}] rows={rows}: output not fully written"
+            assert torch.equal(y1, y2), f"[{n}, {k}] rows={rows}: reruns differ"
+            ref = x.double() @ wd.T
+            err = ((y1.double() - ref).norm() / ref.norm()).item()
+            assert err < tol, f"[{n}, {k}] rows={rows}: rel err {err:.2e}"
+        del qw, sc, tq, ts, wd
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiled_kernel_in_a_cuda_graph(tmp_path: Path) -> None:
+    """Captured after one eager call (the workspace is sized then), replays equal the eager result;
+    a shape whose workspace would have to grow during capture is refused with a clear error."""
+    import tvm_ffi
+
+    from ignis.runtime.tvm_runtime import torch_stream
+
+    fns, _arch = _bundle(tmp_path)
+    fn = fns[1]
+    n, k = 4096, 2048
+    qw = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int64).to(torch.int32)
+    sc = ((torch.rand(n, k // 32, device="cuda") + 0.5) / (4.6 * k**0.5)).half()
+    tq, ts = tile_q4(qw, sc)
+    x = torch.randn(4, k, device="cuda").half()
+    want = torch.empty(4, n, device="cuda", dtype=torch.float16)
+    with torch_stream():
+        fn(x, tq, ts, want)
+    got = torch.empty_like(want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), tvm_ffi.use_torch_stream(torch.cuda.graph(graph)):
+        fn(x, tq, ts, got)
+    for _ in range(3):
+        got.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    # A much larger shape first seen during capture: refused, not silently corrupting the graph.
+    big_n = 1 << 20
+    bq = torch.zeros(big_n, k // 8, device="cuda", dtype=torch.int32)
+    btq, bts = tile_q4(bq, torch.zeros(big_n, k // 32, device="cuda", dtype=torch.float16))
+    by = torch.empty(4, big_n, device="cuda", dtype=torch.float16)
+    g2 = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="capture"):
+        with torch.cuda.stream(stream), tvm_ffi.use_torch_stream(torch.cuda.graph(g2)):
+            fn(x, btq, bts, by)

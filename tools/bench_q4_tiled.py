@@ -1,0 +1,367 @@
+"""Benchmark of the tiled stream-K q4_g32 kernel against the shipped kernels and cuBLAS bf16.
+
+The chain of issue 7: 8 layers x (5120 -> 17408 -> 5120), fresh random Q4 weights, every width
+1..8, 12, 16, 20, 24, 28, 32. Two steps (the GPU host has no nvcc):
+
+  python -m ignis.tools.bench_q4_tiled build --out .device/q4t          # build host (nvcc)
+  python -m ignis.tools.bench_q4_tiled run --modules .device/q4t --old .device/final --out $OUT
+
+``run`` times, in one process and on the same weights, per width: every tiled candidate built for
+that width's n-tile count (f16), the best again in bf16, the shipped route (``--old``: a
+`build_gpu_modules` output whose manifest maps "R|N|K" to an export), cuBLAS bf16 on the
+dequantized weights, and the bytes floor at the measured copy bandwidth. Chains are CUDA-graph
+replays of the 16 launches, median of per-replay device-event times (``Bench.time_chain``). Each
+candidate's output is checked against a float64 reference (relative error) on both shapes, and
+re-run to check it is bit-identical. Prints one table and writes ``q4_tiled_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ignis.tools.bench_q4_linear import HIDDEN, INTER, NUM_LAYERS, SHAPES, Bench
+
+WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32]
+
+
+def candidates() -> dict[str, Any]:
+    """Tiled configurations to time, by tag."""
+    from ignis.compiler.kernels.q4_tiled import TiledConfig as T
+
+    cfgs = [
+        # 1..8 rows
+        T(1, 1, 16, 3, True, 1, 1, x_smem=True),
+        T(1, 1, 16, 4, True, 1, 1, ring=2, x_smem=True),
+        T(1, 1, 16, 6, True, 1, 1, ring=2, x_smem=True),
+        T(1, 1, 16, 8, True, 1, 1, ring=2, x_smem=True),
+        T(1, 2, 16, 4, True, 1, 1, ring=2, x_smem=True),
+        T(1, 1, 8, 6, True, 2, 2, ring=2, x_smem=True),
+        # 9..16
+        T(2, 1, 16, 3, True, 1, 1, x_smem=True),
+        T(2, 1, 16, 4, True, 1, 1, ring=2, x_smem=True),
+        T(2, 1, 16, 6, True, 1, 1, ring=2, x_smem=True),
+        T(2, 2, 16, 4, False, 1, 1, ring=2, x_smem=True),
+        # 17..24
+        T(3, 1, 16, 3, False, 1, 1, x_smem=True),
+        T(3, 1, 16, 4, False, 1, 1, ring=2, x_smem=True),
+        T(3, 2, 16, 3, False, 1, 1, ring=2, x_smem=True),
+        # 25..32
+        T(4, 1, 16, 3, False, 1, 1, x_smem=True),
+        T(4, 1, 16, 4, False, 1, 1, ring=2, x_smem=True),
+        T(4, 2, 16, 3, False, 1, 1, ring=2, x_smem=True),
+    ]
+    return {c.tag: c for c in cfgs}
+
+
+def cmd_build(args: argparse.Namespace) -> None:
+    """Build every candidate for sm_90 (timed) and the rule set for sm_120 (built, not run)."""
+    import subprocess
+
+    from ignis.compiler.kernels.cuda_build import nvcc_command
+    from ignis.compiler.kernels.q4_linear import _nvcc
+    from ignis.compiler.kernels.q4_tiled import _RULES, build_q4_tiled_module, tiled_source
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cands = candidates()
+    exports = {f"q4t_{tag}": cfg for tag, cfg in cands.items()}
+    t0 = time.time()
+    # One verbose nvcc run so the manifest records registers and spills per kernel.
+    src = out / "q4t_candidates.cu"
+    src.write_text(tiled_source(exports))
+    cmd = nvcc_command(_nvcc(), "sm_90", src, out / "q4t_sm90.so", verbose=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    src.unlink()
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-3000:])
+    ptxas = [
+        ln.strip() for ln in proc.stderr.splitlines() if "registers" in ln or "spill" in ln or "entry" in ln
+    ]
+    print(f"built sm_90 candidates in {time.time() - t0:.0f}s")
+    rules = {f"q4t_rule_nt{nt}": cfg for nt, cfg in _RULES.items()}
+    if not args.skip_sm120:
+        build_q4_tiled_module("sm_120", rules, out / "q4t_rules_sm120.so")
+        print("built sm_120 rules")
+    manifest = {
+        "file": "q4t_sm90.so",
+        "exports": {name: {"tag": cfg.tag, "n_tiles": cfg.n_tiles} for name, cfg in exports.items()},
+        "ptxas": ptxas,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+class TiledBench(Bench):
+    def run(self) -> None:
+        out = Path(self.args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            self._run_tiled()
+        finally:
+            (out / "q4_tiled_bench.json").write_text(json.dumps(self.results, indent=1))
+            if "floor_ms" in self.results:
+                self.print_tiled_table()
+
+    def _run_tiled(self) -> None:
+        import torch
+
+        from ignis.runtime.q4_tiled import tile_q4
+        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+
+        args = self.args
+        mods, old_dir = Path(args.modules), Path(args.old)
+        man = json.loads((mods / "manifest.json").read_text())
+        old_man = json.loads((old_dir / "manifest.json").read_text())
+        load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib)
+        props = torch.cuda.get_device_properties(0)
+        self.results["env"] = {
+            "gpu": props.name,
+            "sms": props.multi_processor_count,
+            "torch": torch.__version__,
+        }
+        self.results["ptxas"] = man["ptxas"]
+        t0 = time.time()
+        bw = self.measure_copy_bandwidth()
+        self.make_weights()
+        for layer in self.layers:
+            for entry in layer.values():
+                entry["tq"], entry["ts"] = tile_q4(entry["qw"], entry["scales"])
+        self.results.update(copy_tbps=bw, weight_bytes=self.weight_bytes)
+        self.results["floor_ms"] = self.weight_bytes / (bw * 1e12) * 1e3
+        self.note(
+            f"[setup] {self.results['env']} copy {bw:.2f} TB/s, floor {self.results['floor_ms']:.3f} ms"
+        )
+        mod = load_module(mods / man["file"], cuda=True)
+        new = {name: (info["tag"], info["n_tiles"], mod[name]) for name, info in man["exports"].items()}
+        oldmod = load_module(old_dir / old_man["file"], cuda=True)
+        T, E = self.results["timings_ms"], self.results["errors"]
+        widths = [int(w) for w in args.widths.split(",")] if args.widths else WIDTHS
+
+        def chain(funcs: dict[str, Any], rows: int, dtype: Any, tiled: bool) -> Any:
+            bufs = self.chain_buffers(rows, dtype)
+            wq, ws = ("tq", "ts") if tiled else ("qw", "scales")
+
+            def enqueue() -> None:
+                for i, layer in enumerate(self.layers):
+                    x, h, y = bufs[2 * i], bufs[2 * i + 1], bufs[2 * i + 2]
+                    funcs["up"](x, layer["up"][wq], layer["up"][ws], h)
+                    funcs["down"](h, layer["down"][wq], layer["down"][ws], y)
+
+            return enqueue
+
+        # Numerics per candidate (layer 0, both shapes, f16 and bf16) and determinism.
+        ref: dict[tuple[str, int], Any] = {}
+
+        def check(name: str, fn: Any, rows: int, dtype: Any, dname: str) -> None:
+            for shape, (n, k) in SHAPES.items():
+                w = self.layers[0][shape]
+                key = (shape, rows)
+                x = torch.randn(
+                    rows, k, device=self.dev, generator=torch.Generator(self.dev).manual_seed(rows)
+                )
+                if key not in ref:
+                    ref[key] = x.double() @ self.dequant(w["qw"], w["scales"], torch.float64).T
+                xd = x.to(dtype)
+                y1 = torch.empty(rows, n, device=self.dev, dtype=dtype)
+                y2 = torch.empty_like(y1)
+                fn(xd, w["tq"], w["ts"], y1)
+                fn(xd, w["tq"], w["ts"], y2)
+                torch.cuda.synchronize()
+                r = ref[key]
+                # the reference on the same rounded activations
+                r = xd.double() @ self.dequant(w["qw"], w["scales"], torch.float64).T
+                err = ((y1.double() - r).norm() / r.norm()).item()
+                E[f"{name}_{dname}_{shape}_r{rows}"] = err
+                if not torch.equal(y1, y2):
+                    self.note(f"[determinism] {name} {dname} {shape} r{rows}: reruns differ")
+                    E[f"{name}_{dname}_{shape}_r{rows}_nondeterministic"] = 1.0
+
+        import tvm_ffi
+
+        broken: set[str] = set()
+        with tvm_ffi.use_torch_stream():
+            for name, (tag, nt, fn) in new.items():
+                try:
+                    for rows in sorted({8 * nt - 7, 8 * nt}):
+                        check(name, fn, rows, torch.float16, "f16")
+                        check(name, fn, rows, torch.bfloat16, "bf16")
+                except (RuntimeError, ValueError) as exc:  # a candidate refusing a shape: skipped
+                    self.note(f"[skip] {tag}: {str(exc).splitlines()[-1][:200]}")
+                    broken.add(name)
+        for name in broken:
+            del new[name]
+        worst = max(
+            v
+            for k, v in E.items()
+            if k.endswith(tuple(f"r{r}" for r in range(1, 33))) and "_f16_" in k and "streamonly" not in k
+        )
+        self.note(f"[numerics] worst f16 rel err {worst:.2e}; {time.time() - t0:.0f}s")
+
+        # Edge shapes: N not a multiple of 16, a single k-step, few units (fewer than warps), a vocab head.
+        for n, k in ((100, 128), (37, 384), (1000, 1280), (248320, 5120)):
+            gen = torch.Generator(self.dev).manual_seed(n)
+            qw = torch.randint(
+                -(2**31), 2**31 - 1, (n, k // 8), device=self.dev, dtype=torch.int64, generator=gen
+            ).to(torch.int32)
+            sc = ((torch.rand(n, k // 32, device=self.dev, generator=gen) + 0.5) / (4.6 * k**0.5)).half()
+            tq, ts = tile_q4(qw, sc)
+            wd = self.dequant(qw, sc, torch.float64)
+            for tag, nt, fn in new.values():
+                for rows in (8 * nt - 7, 8 * nt - 3):
+                    x = torch.randn(rows, k, device=self.dev, generator=gen).half()
+                    y = torch.full((rows, n), float("nan"), device=self.dev, dtype=torch.float16)
+                    try:
+                        with tvm_ffi.use_torch_stream():
+                            fn(x, tq, ts, y)
+                    except (RuntimeError, ValueError) as exc:  # refused with a typed error: recorded
+                        self.note(
+                            f"[edge] {tag} [{n}, {k}] r{rows}: refused: {str(exc).splitlines()[-1][:160]}"
+                        )
+                        continue
+                    r = x.double() @ wd.T
+                    err = ((y.double() - r).norm() / r.norm()).item()
+                    E[f"edge_{tag}_n{n}_k{k}_r{rows}"] = err
+                    if not err < 1e-2:
+                        self.note(f"[edge] {tag} [{n}, {k}] r{rows}: rel err {err:.2e}")
+            del qw, sc, tq, ts, wd
+        worst_edge = max(v for key, v in E.items() if key.startswith("edge_") and "streamonly" not in key)
+        self.note(f"[edge] worst rel err {worst_edge:.2e}")
+        deq = {}
+        for i, layer in enumerate(self.layers):
+            for shape, w in layer.items():
+                deq[(i, shape)] = self.dequant(w["qw"], w["scales"], torch.bfloat16)
+        best: dict[int, tuple[str, float]] = {}
+        for rows in widths:
+            nt = (rows + 7) // 8
+            for name, (tag, cnt, fn) in new.items():
+                if cnt != nt:
+                    continue
+                if tag.endswith("_streamonly"):  # a diagnostic: timed, never "best"
+                    T[f"{tag}_f16_r{rows}"], _ = self.time_chain(
+                        chain({"up": fn, "down": fn}, rows, torch.float16, True)
+                    )
+                    continue
+                ms, _mode = self.time_chain(chain({"up": fn, "down": fn}, rows, torch.float16, True))
+                T[f"{tag}_f16_r{rows}"] = ms
+                if rows not in best or ms < best[rows][1]:
+                    best[rows] = (name, ms)
+            bname, bms = best[rows]
+            bfn = new[bname][2]
+            T[f"best_f16_r{rows}"] = bms
+            self.results.setdefault("best_tag", {})[str(rows)] = new[bname][0]
+            T[f"best_bf16_r{rows}"], _ = self.time_chain(
+                chain({"up": bfn, "down": bfn}, rows, torch.bfloat16, True)
+            )
+            tab = old_man["table"]
+            up, down = tab.get(f"{rows}|{INTER}|{HIDDEN}"), tab.get(f"{rows}|{HIDDEN}|{INTER}")
+            if up and down:
+                ofn = {"up": oldmod[up], "down": oldmod[down]}
+                T[f"old_f16_r{rows}"], _ = self.time_chain(chain(ofn, rows, torch.float16, False))
+            bufs = self.chain_buffers(rows, torch.bfloat16)
+
+            def cublas(bufs: list[Any] = bufs) -> None:
+                for i in range(NUM_LAYERS):
+                    torch.matmul(bufs[2 * i], deq[(i, "up")].T, out=bufs[2 * i + 1])
+                    torch.matmul(bufs[2 * i + 1], deq[(i, "down")].T, out=bufs[2 * i + 2])
+
+            T[f"cublas_bf16_r{rows}"], _ = self.time_chain(cublas, ffi=False)
+            self.note(
+                f"[r{rows}] best {new[bname][0]} {bms:.3f} ms; "
+                f"old {T.get(f'old_f16_r{rows}', float('nan')):.3f}; "
+                f"cublas {T[f'cublas_bf16_r{rows}']:.3f}; {time.time() - t0:.0f}s"
+            )
+
+    def print_tiled_table(self) -> None:
+        T = self.results["timings_ms"]
+        floor = self.results["floor_ms"]
+
+        def f(key: str) -> str:
+            v = T.get(key)
+            return f"{v:.3f}" if v is not None else "-"
+
+        print(
+            f"\nchain 8 x ({HIDDEN}->{INTER}->{HIDDEN}) q4_g32, floor {floor:.3f} ms "
+            f"({self.results['copy_tbps']:.2f} TB/s copy), ms per chain"
+        )
+        print("R | tiled f16 | tiled bf16 | shipped f16 | cuBLAS bf16 | %floor | best tiled config")
+        for rows in sorted(int(r) for r in self.results.get("best_tag", {})):
+            b = T.get(f"best_f16_r{rows}")
+            pct = f"{100 * floor / b:.0f}%" if b else "-"
+            print(
+                " | ".join(
+                    [
+                        str(rows),
+                        f(f"best_f16_r{rows}"),
+                        f(f"best_bf16_r{rows}"),
+                        f(f"old_f16_r{rows}"),
+                        f(f"cublas_bf16_r{rows}"),
+                        pct,
+                        self.results["best_tag"][str(rows)],
+                    ]
+                )
+            )
+
+
+def cmd_profile(args: argparse.Namespace) -> None:
+    """Launch the named candidates once per (rows, shape) after a warm-up launch (for ncu)."""
+    import torch
+    import tvm_ffi
+
+    from ignis.runtime.q4_tiled import tile_q4
+    from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+
+    mods = Path(args.modules)
+    man = json.loads((mods / "manifest.json").read_text())
+    load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib)
+    mod = load_module(mods / man["file"], cuda=True)
+    by_tag = {info["tag"]: name for name, info in man["exports"].items()}
+    dev = torch.device("cuda")
+    for tag in args.tags.split(","):
+        fn = mod[by_tag[tag]]
+        for rows in [int(r) for r in args.rows.split(",")]:
+            for shape, (n, k) in SHAPES.items():
+                qw = torch.randint(-(1 << 31), (1 << 31) - 1, (n, k // 8), device=dev, dtype=torch.int32)
+                sc = ((torch.rand(n, k // 32, device=dev) + 0.5) / (4.6 * k**0.5)).to(torch.float16)
+                tq, ts = tile_q4(qw, sc)
+                x = torch.randn(rows, k, device=dev, dtype=torch.float16)
+                y = torch.empty(rows, n, device=dev, dtype=torch.float16)
+                with tvm_ffi.use_torch_stream():
+                    fn(x, tq, ts, y)
+                    fn(x, tq, ts, y)
+                torch.cuda.synchronize()
+                print(f"[profile] {tag} {shape} r{rows} done", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--out", default=".device/q4t")
+    b.add_argument("--skip-sm120", action="store_true")
+    r = sub.add_parser("run")
+    r.add_argument("--modules", default=".device/q4t")
+    r.add_argument("--old", default=".device/final")
+    r.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    r.add_argument("--tvm-lib", default=os.environ.get("IGNIS_TVM_LIB_DIR"))
+    r.add_argument("--reps", type=int, default=30)
+    r.add_argument("--widths", default=None, help="comma-separated widths (default: 1..8,12..32)")
+    pr = sub.add_parser("profile")
+    pr.add_argument("--modules", default=".device/q4t")
+    pr.add_argument("--tvm-lib", default=os.environ.get("IGNIS_TVM_LIB_DIR"))
+    pr.add_argument("--tags", required=True, help="comma-separated candidate tags")
+    pr.add_argument("--rows", default="1,8")
+    args = p.parse_args(argv)
+    if args.cmd == "build":
+        cmd_build(args)
+    elif args.cmd == "profile":
+        cmd_profile(args)
+    else:
+        TiledBench(args).run()
+
+
+if __name__ == "__main__":
+    main()
