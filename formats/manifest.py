@@ -48,11 +48,15 @@ the same without `kernels`, and is still read: see "Versions" below):
 | profile        | object                | the card profile and its speculative defaults                |
 | provenance     | object                | ignis and tool versions, input checksums, recipe             |
 
-A module function: {name, kind ("dense" or "q4_g32"), out_features, in_features, dtype (activation
-dtype: "float32", "float16", "bfloat16")}. Calling convention (destination passing, row-major):
-dense `name(x[W, K], w[N, K], y[W, N])`, q4_g32 `name(x[W, K], packed u32[N, K/8], scales f16[N, K/32],
-y[W, N])`, with W the module's width (or any rows up to W when `dynamic_rows`), N = out_features,
-K = in_features.
+A module function: {name, kind ("dense", "q4_g32" or "q4_g32_tiled"), out_features, in_features, dtype
+(activation dtype: "float32", "float16", "bfloat16")}. Calling convention (destination passing,
+row-major): dense `name(x[W, K], w[N, K], y[W, N])`, q4_g32 `name(x[W, K], packed u32[N, K/8], scales
+f16[N, K/32], y[W, N])`, q4_g32_tiled `name(x[W, K], codes u32[T, K/128, 256], scales f16[T, K/128,
+64], y[W, N])` (the same q4_g32 weight re-laid by the runtime in the tiled layout of
+`ignis.runtime.q4_tiled`, T = ceil(N / 16), K % 128 == 0; the container still stores q4_g32), with W
+the module's width (or any rows up to W when `dynamic_rows`), N = out_features, K = in_features.
+Kind `q4_g32_tiled` (route "cuda-tiled") was added within version 2: a reader that predates it
+refuses it as an unknown kind (`ManifestError` naming `modules[i].functions[j]`).
 
 A kernel (`KernelEntry`): one exported function of a `files` library (role "module"), independent of
 the row widths. `kind` names what it computes and `abi` the version of its calling convention; each
@@ -162,8 +166,8 @@ MAX_MANIFEST_SIZE: Final[int] = 64 * 1024 * 1024
 #: Roles a listed file may have.
 FILE_ROLES: Final[frozenset[str]] = frozenset({"weights", "mtp", "module"})
 
-#: Kinds of compiled linear functions.
-FUNCTION_KINDS: Final[frozenset[str]] = frozenset({"dense", "q4_g32"})
+#: Kinds of compiled linear functions (q4_g32_tiled: the q4_g32 weight in the runtime's tiled layout).
+FUNCTION_KINDS: Final[frozenset[str]] = frozenset({"dense", "q4_g32", "q4_g32_tiled"})
 
 #: Activation dtypes of compiled functions.
 ACTIVATION_DTYPES: Final[frozenset[str]] = frozenset({"float32", "float16", "bfloat16"})
@@ -357,7 +361,7 @@ class ModuleFunction:
 
     Attributes:
         name: the exported symbol.
-        kind: "dense" or "q4_g32" (weight layout).
+        kind: "dense", "q4_g32" or "q4_g32_tiled" (weight layout, `FUNCTION_KINDS`).
         out_features: N, rows of the weight.
         in_features: K, the reduction length.
         dtype: activation (and output) dtype: "float32", "float16" or "bfloat16".
@@ -388,7 +392,8 @@ class ModuleEntry:
         width: W, the rows a call takes (the runtime pads R <= W rows up to W).
         file: the shared library (a `files` path, role "module"); several widths may share one file.
         target: the TVM target as a JSON object ({"kind": "llvm"}, {"kind": "cuda", "arch": "sm_90"}).
-        route: how it was generated ("llvm-te", "cuda-mma", "tir-dlight", ...), informational.
+        route: how it was generated ("llvm-te", "cuda-tiled", "cuda-mma", "tir-dlight", ...),
+            informational.
         dynamic_rows: the functions accept any row count 1..W (no padding needed).
         functions: the exported linear functions.
     """

@@ -25,7 +25,10 @@ offset: `ManifestError` / `ManifestVersionError`, `ArtifactFileError`, `Artifact
 with the manifest), and the container errors of `NinferReader`.
 
 Weights are zero-copy views of the memory-mapped containers; q4_g32 tensors are dequantized to the
-executor's dtype when the executor is built without compiled modules (`keep_q4=False`).
+executor's dtype when the executor is built without compiled modules (`keep_q4=False`). With compiled
+modules, `make_executor` places each q4 weight for its `LinearBackend` right after the copy to the
+device: on CUDA, the shapes the artifact's "q4_g32_tiled" functions serve are re-laid in the tiled
+layout there (`LinearBackend.place`), one tensor at a time.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from ignis.formats.manifest import (
 )
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError, TensorSetError, TensorShapeError
 from ignis.runtime.families.base import Executor, Family, FamilyConfig, check_tensor_set, get_family
-from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight
+from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight, place_weight, row_splits_of
 from ignis.runtime.profiles import CardProfile, SpecDefaults
 from ignis.runtime.topk import TopKModule, load_topk_module
 
@@ -178,13 +181,20 @@ class Artifact:
         dtype: torch.dtype | None,
         device: torch.device | str,
         keep_q4: bool,
+        linear: LinearBackend | None = None,
     ) -> torch.Tensor | Q4Weight:
         info = reader.info(name)
         if info.dtype == "q4_g32":
             parts = reader.torch_parts(name)
             w = Q4Weight(parts["packed"], parts["scales"])
             if keep_q4:
-                return w.to(device)
+                w = w.to(device)
+                if linear is not None and not self.family.is_fused_member(name):
+                    # re-laid on the device right after its copy (the row-major copy is dropped
+                    # here, one tensor at a time); fused members are placed by the executor after
+                    # it fuses them
+                    w = place_weight(linear, w, row_splits=row_splits_of(name))
+                return w
             return w.dequantize(dtype or torch.float32).to(device)
         t = reader.torch(name)
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
@@ -195,7 +205,12 @@ class Artifact:
         return {n[len(prefix) :]: self._tensor(reader, n, **kw) for n in names}
 
     def target_weights(
-        self, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", keep_q4: bool = False
+        self,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        keep_q4: bool = False,
+        linear: LinearBackend | None = None,
     ) -> dict[str, torch.Tensor | Q4Weight]:
         """The trunk's tensors by canonical name (zero-copy CPU views where no conversion is needed).
 
@@ -203,14 +218,26 @@ class Artifact:
             dtype: float tensors converted to it (None keeps the stored dtype); q4 tensors are
                 dequantized to it (float32 when None) unless `keep_q4`.
             keep_q4: return q4_g32 tensors as `Q4Weight` (for an executor that calls the linear hook).
+            linear: with `keep_q4`, the backend the weights will run on: each q4 weight is placed
+                for it right after its copy to `device` (`LinearBackend.place`: the tiled layout on
+                CUDA for the shapes its "q4_g32_tiled" functions serve), except the members of the
+                family's own fusions (`Family.fused_linears`), which the executor places once fused.
         """
         names = list(self.family.tensor_shapes(self.config))
-        return self._group(self.weights, names, "", dtype=dtype, device=device, keep_q4=keep_q4)
+        return self._group(
+            self.weights, names, "", dtype=dtype, device=device, keep_q4=keep_q4, linear=linear
+        )
 
     def drafter_weights(
-        self, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", keep_q4: bool = False
+        self,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        keep_q4: bool = False,
+        linear: LinearBackend | None = None,
     ) -> dict[str, torch.Tensor | Q4Weight]:
-        """The grafted drafter's tensors under their checkpoint names (prefix stripped).
+        """The grafted drafter's tensors under their checkpoint names (prefix stripped); the
+        arguments are `target_weights`'.
 
         Raises:
             MissingCompanionError: the artifact has no drafter.
@@ -222,7 +249,9 @@ class Artifact:
             )
         prefix = str(d["prefix"])
         names = [n for n in self.weights if n.startswith(prefix)]
-        return self._group(self.weights, names, prefix, dtype=dtype, device=device, keep_q4=keep_q4)
+        return self._group(
+            self.weights, names, prefix, dtype=dtype, device=device, keep_q4=keep_q4, linear=linear
+        )
 
     def drafter_config(self) -> dict[str, Any]:
         """The grafted drafter's config.json (a dict). Raises MissingCompanionError without one."""
@@ -234,9 +263,14 @@ class Artifact:
         return dict(self.weights.metadata[str(d["config_key"])])
 
     def mtp_weights(
-        self, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", keep_q4: bool = False
+        self,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        keep_q4: bool = False,
+        linear: LinearBackend | None = None,
     ) -> dict[str, torch.Tensor | Q4Weight]:
-        """The MTP head's tensors (`mtp.*` names).
+        """The MTP head's tensors (`mtp.*` names); the arguments are `target_weights`'.
 
         Raises:
             MissingCompanionError: the artifact has no `NAME_mtp.ninfer` (the runtime must then refuse
@@ -247,7 +281,9 @@ class Artifact:
                 f"{self.path}: the artifact has no MTP companion container; --spec-backend mtp needs a "
                 f"checkpoint with mtp.* tensors"
             )
-        return self._group(self.mtp, list(self.mtp), "", dtype=dtype, device=device, keep_q4=keep_q4)
+        return self._group(
+            self.mtp, list(self.mtp), "", dtype=dtype, device=device, keep_q4=keep_q4, linear=linear
+        )
 
     def shortlist(self, device: torch.device | str = "cpu") -> tuple[Q4Weight, torch.Tensor]:
         """The Q4 shortlist head: (Q4Weight [S, hidden], int32 token ids [S], most frequent first).
@@ -449,7 +485,9 @@ class Artifact:
         if isinstance(self.config, HybridConfig) and on_cuda and cuda_graphs is not False:
             from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 
-            weights = self.target_weights(dtype=dtype, device=device, keep_q4=linear is not None)
+            weights = self.target_weights(
+                dtype=dtype, device=device, keep_q4=linear is not None, linear=linear
+            )
             return StaticHybridExecutor(
                 self.config,
                 weights,
@@ -467,7 +505,10 @@ class Artifact:
                 "the %s executor takes no linear hook yet; compiled modules are not used",
                 self.family.model_type,
             )
-        weights = self.target_weights(dtype=dtype, device=device, keep_q4=linear is not None and accepts)
+        keep_q4 = linear is not None and accepts
+        weights = self.target_weights(
+            dtype=dtype, device=device, keep_q4=keep_q4, linear=linear if keep_q4 else None
+        )
         if linear is not None and accepts:
             return self.family.make_executor(self.config, weights, device, dtype, linear=linear)
         return self.family.make_executor(self.config, weights, device, dtype)

@@ -14,7 +14,22 @@ Dispatch, per call, with R = the rows of x (all leading dims flattened):
 3. No function for that width and shape (a module missing, or a shape the build did not cover):
    torch, with one logged warning per (width, kind, N, K, dtype).
 4. Torch: `F.linear` for a dense weight; for a `Q4Weight` the reference dequantizes the weight to
-   x's dtype on the fly (exact: (q - 8) * scale) and then runs `F.linear`.
+   x's dtype on the fly (exact: (q - 8) * scale; a tiled weight is untiled first, slower) and then
+   runs `F.linear`.
+
+The weight kind of a `Q4Weight` is its layout's (`Q4_KINDS`): a row-major one runs "q4_g32"
+functions (`name(x, packed [N, K/8], scales [N, K/32], y)`), a tiled one "q4_g32_tiled" functions
+(`name(x, codes [T, K/128, 256], scales [T, K/128, 64], y)`, the CUDA tiled kernel).
+
+Tiled placement: when the artifact's CUDA modules serve a q4 shape with "q4_g32_tiled" functions,
+the weights of that shape must be in the tiled layout on the device. `LinearBackend.place` does it
+for one weight (after its copy to the device: tile it there, then the row-major copy can be
+dropped, so the peak is about one extra weight plus ~16 x `TILE_CHUNK_BYTES` of temporaries) and
+runs each tiled function of that shape once (the kernel's workspace grows on a first call, which
+cannot happen during CUDA-graph capture and would free buffers captured graphs use: every weight
+is placed before the first capture).
+`tile_decision` is the rule (CPU-testable); `Artifact` places the weights it loads, and
+`WeightLoader` / the executors place the ones they fuse or receive (`place_weight`).
 
 `LinearBackend.counts` counts calls per route ("compiled", "torch", "fallback"), so tests and
 benchmarks can see which path ran.
@@ -22,14 +37,16 @@ benchmarks can see which path ran.
 Executors that take the hook receive linear weights that are dense tensors or `Q4Weight`s (q4_g32
 artifacts keep their codes when compiled modules run them); they fuse weights with `cat_rows`, move
 them with `to_device`, and may index a `Q4Weight`'s leading dims or slice its rows (`w[e]`,
-`w[e, :I]`), never its input dimension.
+`w[e, :I]`), never its input dimension. A tiled `Q4Weight` takes row slices on 16-row tile boundaries
+only and fuses only when every part's N % 16 == 0: executors fuse row-major weights and place the
+result (`place_weight`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,21 +54,41 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ignis.runtime.q4_tiled import STEP_K, TILE_ROWS, Q4TiledLayoutError, tile_q4, tiled_shapes, untile_q4
+
 __all__ = [
+    "Q4_KINDS",
+    "ROW_MAJOR",
+    "TILED",
     "CompiledLinears",
     "LinearBackend",
     "LinearFn",
+    "Q4TiledLayoutError",
     "Q4Weight",
     "cat_rows",
     "dequantize_q4",
+    "place_weight",
+    "row_splits_of",
+    "tile_decision",
     "to_device",
     "torch_linear",
 ]
 
 log = logging.getLogger("ignis.runtime.linear")
 
+#: Q4Weight layouts: the stored row-major q4_g32 one and the CUDA tiled kernel's (`ignis.runtime.q4_tiled`).
+ROW_MAJOR = "row_major"
+TILED = "tiled"
+
+#: Manifest function kind per Q4Weight layout (`formats.manifest.FUNCTION_KINDS`).
+Q4_KINDS = {ROW_MAJOR: "q4_g32", TILED: "q4_g32_tiled"}
+
+#: Codes bytes `Q4Weight.to_tiled` re-lays per step (its temporaries are ~16x that).
+TILE_CHUNK_BYTES = 16 * 1024 * 1024
+
 #: torch dtype -> the activation dtype names used in the manifest.
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
@@ -93,36 +130,86 @@ def dequantize_q4(
 
 @dataclass(frozen=True)
 class Q4Weight:
-    """A q4_g32 linear weight [N, K] (or a stack [*lead, N, K]) as its two stored parts.
+    """A q4_g32 linear weight [N, K] (or a stack [*lead, N, K]) as its two parts, in one of two layouts.
+
+    * "row_major" (the stored layout, `formats/q4.py`; the default): packed uint32 (or int32)
+      [*lead, N, K/8], scales float16 [*lead, N, K/32].
+    * "tiled" (what the CUDA tiled kernel streams, `ignis.runtime.q4_tiled`): packed [*lead, T, S, 256]
+      (uint32 or int32), scales float16 [*lead, T, S, 64], T = ceil(N / 16), S = K / 128; N is kept in
+      `rows` (the last tile's padding rows dequantize to 0). Made by `to_tiled()`, undone by
+      `to_row_major()`.
 
     Attributes:
-        packed: uint32 (or int32) [*lead, N, K/8].
-        scales: float16 [*lead, N, K/32].
+        packed: the codes, as above.
+        scales: the group scales, as above.
+        layout: "row_major" or "tiled".
+        rows: N for a tiled weight; None for a row-major one (N is then the parts' shape).
+
+    Raises (at construction):
+        ValueError: the parts do not match each other or their layout, wrong dtypes, an unknown
+            layout, `rows` given for a row-major weight or outside ((T - 1) * 16, T * 16] for a tiled
+            one. (`Q4TiledLayoutError`, a ValueError, for tiled parts.)
     """
 
     packed: torch.Tensor
     scales: torch.Tensor
+    layout: str = ROW_MAJOR
+    rows: int | None = None
 
     def __post_init__(self) -> None:
         p, s = self.packed, self.scales
-        if p.dim() < 2 or p.shape[:-1] != s.shape[:-1] or p.shape[-1] * 8 != s.shape[-1] * 32:
-            raise ValueError(f"Q4Weight parts do not match: packed {tuple(p.shape)}, scales {tuple(s.shape)}")
         if s.dtype != torch.float16 or p.dtype not in (torch.uint32, torch.int32):
             raise ValueError(f"Q4Weight needs u32/i32 packed and f16 scales, got {p.dtype}, {s.dtype}")
+        if self.layout == ROW_MAJOR:
+            if self.rows is not None:
+                raise ValueError(f"a row-major Q4Weight takes no rows (got {self.rows}): N is its shape's")
+            if p.dim() < 2 or p.shape[:-1] != s.shape[:-1] or p.shape[-1] * 8 != s.shape[-1] * 32:
+                raise ValueError(
+                    f"Q4Weight parts do not match: packed {tuple(p.shape)}, scales {tuple(s.shape)}"
+                )
+        elif self.layout == TILED:
+            if p.dim() < 3 or p.shape[-1] != 256 or s.shape[:-1] != p.shape[:-1] or s.shape[-1] != 64:
+                raise Q4TiledLayoutError(
+                    f"tiled Q4Weight parts must be [*lead, T, S, 256] and [*lead, T, S, 64], got packed "
+                    f"{tuple(p.shape)}, scales {tuple(s.shape)}"
+                )
+            t = int(p.shape[-3])
+            if not isinstance(self.rows, int) or not (t - 1) * TILE_ROWS < self.rows <= t * TILE_ROWS:
+                raise Q4TiledLayoutError(
+                    f"a tiled Q4Weight of {t} tiles holds {(t - 1) * 16 + 1}..{t * 16} rows, "
+                    f"got rows={self.rows!r}"
+                )
+        else:
+            raise ValueError(f"Q4Weight layout must be {ROW_MAJOR!r} or {TILED!r}, got {self.layout!r}")
+
+    @property
+    def is_tiled(self) -> bool:
+        """The parts are in the tiled layout."""
+        return self.layout == TILED
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The leading (stack) dims, e.g. (E,) for an expert stack; () for one weight."""
+        return tuple(self.packed.shape[: -3 if self.is_tiled else -2])
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The logical shape [*lead, N, K]."""
-        return (*self.scales.shape[:-1], self.scales.shape[-1] * 32)
+        """The logical shape [*lead, N, K] (the same in both layouts)."""
+        return (*self.lead, self.out_features, self.in_features)
 
     @property
     def out_features(self) -> int:
         """N."""
+        if self.is_tiled:
+            assert self.rows is not None
+            return self.rows
         return int(self.scales.shape[-2])
 
     @property
     def in_features(self) -> int:
         """K."""
+        if self.is_tiled:
+            return int(self.scales.shape[-2]) * STEP_K
         return int(self.scales.shape[-1]) * 32
 
     @property
@@ -131,25 +218,141 @@ class Q4Weight:
         return self.packed.device
 
     def __getitem__(self, index: Any) -> Q4Weight:
-        """Index the leading dims or slice rows (never the K axis): w[e], w[e, :I], w[a:b]."""
-        p, s = self.packed[index], self.scales[index]
-        return Q4Weight(p, s)
+        """Index the leading dims or slice the rows (never the K axis): w[e], w[e, :I], w[a:b].
+
+        A row-major weight takes any index torch takes on its parts' leading axes. A tiled weight
+        takes ints and slices: the lead dims by any int or slice, the row axis only by a step-1 slice
+        that starts on a 16-row tile boundary and stops on one or at N (it then slices the tile axis
+        and the result has the slice's rows).
+
+        Raises:
+            Q4TiledLayoutError: (tiled) a row slice off the 16-row tile boundaries, a row index that is
+                an int, a step other than 1, an index into the K axis, or an index type other than int
+                and slice (Ellipsis, None, tensors).
+        """
+        if not self.is_tiled:
+            p, s = self.packed[index], self.scales[index]
+            return Q4Weight(p, s)
+        items = index if isinstance(index, tuple) else (index,)
+        nl = len(self.lead)
+        for it in items:
+            if not isinstance(it, int | slice):
+                raise Q4TiledLayoutError(
+                    f"a tiled Q4Weight takes int and slice indices only, got {type(it).__name__}"
+                )
+        if len(items) > nl + 1:
+            raise Q4TiledLayoutError(
+                f"index {index!r} reaches the K axis of a tiled Q4Weight {self.shape}; only the lead dims "
+                f"and the rows may be indexed"
+            )
+        rows = self.out_features
+        if len(items) == nl + 1:
+            r = items[-1]
+            if isinstance(r, int):
+                raise Q4TiledLayoutError(
+                    f"a tiled Q4Weight cannot select one row (index {r}); slice whole 16-row tiles"
+                )
+            start, stop, step = r.indices(rows)
+            if step != 1 or stop <= start or start % TILE_ROWS or (stop % TILE_ROWS and stop != rows):
+                raise Q4TiledLayoutError(
+                    f"row slice {r.start}:{r.stop}:{r.step} of a tiled Q4Weight with {rows} rows is not on "
+                    f"16-row tile boundaries (start a multiple of 16, stop a multiple of 16 or {rows}, "
+                    f"step 1, non-empty); slice the row-major weight before tiling it (`to_row_major()`)"
+                )
+            tiles = slice(start // TILE_ROWS, -(-stop // TILE_ROWS))
+            items = (*items[:-1], tiles)
+            rows = stop - start
+        return Q4Weight(self.packed[items], self.scales[items], TILED, rows)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight as a dense tensor of `dtype` (exact in float32)."""
-        return dequantize_q4(self.packed, self.scales, dtype)
+        """The weight as a dense tensor [*lead, N, K] of `dtype` (exact in float32; a tiled weight is
+        untiled first, exactly)."""
+        w = self.to_row_major()
+        return dequantize_q4(w.packed, w.scales, dtype)
 
     def to(self, device: torch.device | str) -> Q4Weight:
-        """The same weight on `device`."""
-        return Q4Weight(self.packed.to(device), self.scales.to(device))
+        """The same weight (same layout) on `device`."""
+        return Q4Weight(self.packed.to(device), self.scales.to(device), self.layout, self.rows)
 
     def contiguous(self) -> Q4Weight:
         """Both parts contiguous (no copy when they already are)."""
-        return Q4Weight(self.packed.contiguous(), self.scales.contiguous())
+        if self.packed.is_contiguous() and self.scales.is_contiguous():
+            return self
+        return Q4Weight(self.packed.contiguous(), self.scales.contiguous(), self.layout, self.rows)
+
+    def to_tiled(self, *, chunk_bytes: int = TILE_CHUNK_BYTES) -> Q4Weight:
+        """The tiled form (`ignis.runtime.q4_tiled.tile_q4`), computed on the weight's device; itself
+        when already tiled.
+
+        Tiles `chunk_bytes` of codes at a time (whole 16-row tiles, one stack member at a time), so the
+        transform's temporaries stay ~16 x chunk_bytes whatever the weight's size; the result is the
+        same as one `tile_q4` call.
+
+        Raises:
+            Q4TiledLayoutError: K is not a multiple of 128.
+        """
+        if self.is_tiled:
+            return self
+        n, k = self.out_features, self.in_features
+        (t, s, _), _ = tiled_shapes(n, k)
+        lead = self.lead
+        packed = self.packed.reshape(-1, n, k // 8)
+        scales = self.scales.reshape(-1, n, k // 32)
+        # int32 storage (uint32 tensors support few ops on every device); viewed back at the end
+        codes = torch.empty((packed.shape[0], t, s, 256), dtype=torch.int32, device=packed.device)
+        tsc = scales.new_empty((packed.shape[0], t, s, 64))
+        row_bytes = k // 2
+        step = max(TILE_ROWS, (chunk_bytes // max(1, row_bytes)) // TILE_ROWS * TILE_ROWS)
+        for m in range(packed.shape[0]):
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                c, sc = tile_q4(packed[m, r0:r1], scales[m, r0:r1])
+                tiles = slice(r0 // TILE_ROWS, r0 // TILE_ROWS + c.shape[0])
+                codes[m, tiles] = c.view(torch.int32) if c.dtype == torch.uint32 else c
+                tsc[m, tiles] = sc
+        out = codes.view(torch.uint32) if packed.dtype == torch.uint32 else codes
+        return Q4Weight(out.reshape(*lead, t, s, 256), tsc.reshape(*lead, t, s, 64), TILED, n)
+
+    def to_row_major(self) -> Q4Weight:
+        """The stored row-major form (`ignis.runtime.q4_tiled.untile_q4`, exact); itself when already
+        row-major."""
+        if not self.is_tiled:
+            return self
+        assert self.rows is not None
+        p, s = untile_q4(self.packed, self.scales, self.rows)
+        return Q4Weight(p, s)
 
     @staticmethod
     def cat_rows(weights: Sequence[Q4Weight]) -> Q4Weight:
-        """Concatenate along the output rows (a fused projection such as q|k|v); all K equal."""
+        """Concatenate along the output rows (a fused projection such as q|k|v); all K equal.
+
+        Row-major weights concatenate their parts' rows. Tiled weights concatenate along the tile
+        axis, which needs every part's N to be a multiple of 16 (no padding rows inside the result).
+
+        Raises:
+            Q4TiledLayoutError: a mix of layouts, or tiled parts with N % 16 != 0 (fuse the row-major
+                weights first and tile the result).
+        """
+        layouts = {w.layout for w in weights}
+        if layouts == {TILED}:
+            bad = [w.out_features for w in weights if w.out_features % TILE_ROWS]
+            if bad:
+                raise Q4TiledLayoutError(
+                    f"cat_rows of tiled Q4Weights needs every part's out_features to be a multiple of "
+                    f"{TILE_ROWS}, got {[w.out_features for w in weights]}; fuse the row-major weights "
+                    f"before tiling"
+                )
+            return Q4Weight(
+                torch.cat([w.packed for w in weights], dim=-3),
+                torch.cat([w.scales for w in weights], dim=-3),
+                TILED,
+                sum(w.out_features for w in weights),
+            )
+        if len(layouts) > 1:
+            raise Q4TiledLayoutError(
+                "cat_rows: cannot fuse row-major and tiled Q4Weights; fuse the row-major weights "
+                "before tiling (or `to_row_major()` the tiled ones)"
+            )
         return Q4Weight(
             torch.cat([w.packed for w in weights], dim=-2), torch.cat([w.scales for w in weights], dim=-2)
         )
@@ -180,6 +383,52 @@ def to_device(
     return weight.to(device=device, dtype=dtype) if dtype is not None else weight.to(device)
 
 
+def row_splits_of(name: str) -> int:
+    """How many equal row blocks the executors slice a stored linear weight into before a linear runs
+    on them: 2 for a fused expert stack ``*gate_up_proj`` [E, 2 I, K] (``w[e, :I]``, ``w[e, I:]``),
+    else 1 (the rule of the build's `linear_shapes`)."""
+    return 2 if name.endswith("gate_up_proj") else 1
+
+
+def tile_decision(shape: Sequence[int], served: Collection[tuple[int, int]], *, row_splits: int = 1) -> bool:
+    """Whether a row-major q4 weight of logical `shape` [*lead, N, K] goes to the tiled layout.
+
+    Yes when K % 128 == 0, N splits into `row_splits` equal blocks of R rows that a tiled function
+    serves ((R, K) in `served`) and, when the weight is sliced (`row_splits` > 1), R % 16 == 0 (the
+    slices must fall on tile boundaries; a stack that cannot be sliced so stays row-major and its
+    linears run wherever a row-major function or torch serves them). Lead dims (expert stacks) are
+    indexed whole-row and do not matter.
+
+    Args:
+        shape: [*lead, N, K].
+        served: the (N, K) shapes a "q4_g32_tiled" function serves (`CompiledLinears.tiled_shapes`).
+        row_splits: `row_splits_of(name)`.
+
+    Raises:
+        ValueError: shape has fewer than 2 dims or row_splits < 1.
+    """
+    if len(shape) < 2 or row_splits < 1:
+        raise ValueError(
+            f"tile_decision: need a shape [*lead, N, K] and row_splits >= 1, got {shape}, {row_splits}"
+        )
+    n, k = int(shape[-2]), int(shape[-1])
+    if k <= 0 or k % STEP_K or n % row_splits:
+        return False
+    part = n // row_splits
+    if row_splits > 1 and part % TILE_ROWS:
+        return False
+    return (part, k) in served
+
+
+def place_weight(linear: Any, weight: Any, *, row_splits: int = 1) -> Any:
+    """`linear.place(weight, row_splits=...)` when the hook is a `LinearBackend` (or has `place`),
+    else `weight` unchanged (torch's `F.linear`, or a dense weight)."""
+    place = getattr(linear, "place", None)
+    if place is None or not isinstance(weight, Q4Weight):
+        return weight
+    return place(weight, row_splits=row_splits)
+
+
 class WeightLoader:
     """Fetches a module's weights by name onto one device and dtype: plain tensors (embeddings, norms,
     convolution kernels) and linear weights (dense or `Q4Weight`, which keeps its packed dtype).
@@ -189,6 +438,8 @@ class WeightLoader:
         device: where every fetched weight lands.
         dtype: the dtype of fetched dense weights.
         source: named in errors (e.g. "mtp weights").
+        linear: the executor's linear hook; a `LinearBackend` places each fetched q4 linear weight
+            in the layout its compiled functions take (`place_weight`; tiled on CUDA when served).
 
     Raises (from `plain`):
         TypeError: a `Q4Weight` where only a plain tensor is allowed.
@@ -201,8 +452,10 @@ class WeightLoader:
         dtype: torch.dtype,
         *,
         source: str,
+        linear: Any = None,
     ) -> None:
         self.weights, self.device, self.dtype, self.source = weights, device, dtype, source
+        self.hook = linear
 
     def plain(self, name: str) -> torch.Tensor:
         """A non-linear weight as a dense tensor on the device, in the dtype."""
@@ -212,9 +465,10 @@ class WeightLoader:
         return t.detach().to(device=self.device, dtype=self.dtype)
 
     def linear(self, name: str) -> torch.Tensor | Q4Weight:
-        """A linear weight (dense or Q4Weight) on the device."""
+        """A linear weight (dense or Q4Weight, placed for the hook: `place_weight`) on the device."""
         t = self.weights[name]
-        return to_device(t if isinstance(t, Q4Weight) else t.detach(), self.device, self.dtype)
+        w = to_device(t if isinstance(t, Q4Weight) else t.detach(), self.device, self.dtype)
+        return place_weight(self.hook, w, row_splits=row_splits_of(name))
 
     def optional(self, name: str) -> torch.Tensor | None:
         """`plain(name)`, or None when the checkpoint has no such tensor (e.g. an absent bias)."""
@@ -238,6 +492,7 @@ class _Fn:
     call: Any  # the tvm_ffi function
     dynamic_rows: bool
     cuda: bool
+    module: str = ""  # the library file (functions of one file share the tiled kernel's workspace)
 
 
 class CompiledLinears:
@@ -245,13 +500,13 @@ class CompiledLinears:
 
     Args:
         functions: (width, kind, out_features, in_features, dtype) -> (tvm_ffi function, dynamic_rows,
-            is_cuda).
+            is_cuda) or (..., module file); kind "dense", "q4_g32" or "q4_g32_tiled".
         widths: every width the artifact was built for (ascending), whether or not a module loaded.
     """
 
     def __init__(
         self,
-        functions: Mapping[tuple[int, str, int, int, str], tuple[Any, bool, bool]],
+        functions: Mapping[tuple[int, str, int, int, str], tuple[Any, ...]],
         widths: Sequence[int],
     ) -> None:
         self._fns = {k: _Fn(*v) for k, v in functions.items()}
@@ -259,6 +514,17 @@ class CompiledLinears:
         # Weight kinds the build compiled at all: a CUDA build compiles q4_g32 functions only and keeps
         # small precise linears (router, gates) dense on purpose, so those run on torch by design.
         self.kinds = frozenset(key[1] for key in self._fns)
+
+    def tiled_shapes(self, *, cuda: bool) -> frozenset[tuple[int, int]]:
+        """The (N, K) shapes a "q4_g32_tiled" function serves at some width, among the CUDA functions
+        (`cuda=True`) or the others (a host / test function)."""
+        return frozenset(
+            (key[2], key[3]) for key, fn in self._fns.items() if key[1] == Q4_KINDS[TILED] and fn.cuda == cuda
+        )
+
+    def functions_for(self, kind: str, n: int, k: int) -> list[tuple[tuple[int, str, int, int, str], _Fn]]:
+        """Every (key, function) of `kind` for an [n, k] weight, over widths and dtypes."""
+        return [(key, fn) for key, fn in self._fns.items() if key[1:4] == (kind, n, k)]
 
     def __len__(self) -> int:
         return len(self._fns)
@@ -283,7 +549,7 @@ class CompiledLinears:
 
         root = Path(artifact_dir)
         loaded: dict[str, Any] = {}
-        functions: dict[tuple[int, str, int, int, str], tuple[Any, bool, bool]] = {}
+        functions: dict[tuple[int, str, int, int, str], tuple[Any, ...]] = {}
         cuda_files = sorted({e.file for e in manifest.modules if e.target.get("kind") == "cuda"})
         if cuda_files and not torch.cuda.is_available():
             log.warning(
@@ -311,7 +577,7 @@ class CompiledLinears:
                     log.warning("module %s lacks function %s (%s)", entry.file, fn.name, exc)
                     continue
                 key = (entry.width, fn.kind, fn.out_features, fn.in_features, fn.dtype)
-                functions[key] = (call, entry.dynamic_rows, is_cuda)
+                functions[key] = (call, entry.dynamic_rows, is_cuda, entry.file)
         return cls(functions, manifest.widths)
 
 
@@ -333,7 +599,60 @@ class LinearBackend:
         self.compiled = compiled
         self.counts = {"compiled": 0, "torch": 0, "fallback": 0}
         self._warned: set[tuple[int, str, int, int, str]] = set()
+        self._reserved: set[tuple[str, int, int]] = set()
         self._lock = threading.Lock()
+
+    def place(self, weight: torch.Tensor | Q4Weight, *, row_splits: int = 1) -> torch.Tensor | Q4Weight:
+        """The weight in the layout the compiled functions take, on its current device.
+
+        A row-major `Q4Weight` whose shape the compiled "q4_g32_tiled" functions of its device kind
+        serve (`tile_decision` over `CompiledLinears.tiled_shapes`) is tiled there (`to_tiled`; the
+        caller drops the row-major one) and each CUDA tiled function of its shape runs once on it
+        (one row of zeros, once per library and shape) so that the kernel's workspace has its final
+        size before any CUDA-graph capture. Anything else (dense, tiled already, no tiled function for
+        it, no compiled modules) is returned as is.
+
+        Args:
+            weight: [*lead, N, K], on the device it will run on.
+            row_splits: `row_splits_of(name)`: the executor slices it into that many row blocks.
+
+        Returns:
+            The weight, tiled or unchanged.
+
+        Raises:
+            RuntimeError: (from a CUDA function) the warm-up call failed, e.g. during a capture.
+        """
+        if not isinstance(weight, Q4Weight) or weight.is_tiled or self.compiled is None:
+            return weight
+        served = self.compiled.tiled_shapes(cuda=weight.device.type == "cuda")
+        if not served or not tile_decision(weight.shape, served, row_splits=row_splits):
+            return weight
+        tiled = weight.to_tiled()
+        self._reserve(tiled, row_splits)
+        return tiled
+
+    def _reserve(self, tiled: Q4Weight, row_splits: int) -> None:
+        """Run each CUDA tiled function serving `tiled` (one stack member, one row block) once."""
+        if self.compiled is None or tiled.device.type != "cuda":
+            return
+        sub = tiled
+        while sub.lead:
+            sub = sub[0]
+        if row_splits > 1:
+            sub = sub[: sub.out_features // row_splits]
+        n, k = sub.out_features, sub.in_features
+        sub = sub.contiguous()
+        for key, fn in self.compiled.functions_for(Q4_KINDS[TILED], n, k):
+            dtype = _TORCH_DTYPES.get(key[4])
+            if not fn.cuda or dtype is None or (fn.module, n, k) in self._reserved:
+                continue
+            self._reserved.add((fn.module, n, k))
+            from ignis.runtime.tvm_runtime import torch_stream
+
+            x = torch.zeros((1, k), dtype=dtype, device=sub.device)
+            y = x.new_empty((1, n))
+            with torch_stream():
+                fn.call(x, sub.packed, sub.scales, y)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor | Q4Weight, bias: torch.Tensor | None = None
@@ -342,7 +661,8 @@ class LinearBackend:
 
         Args:
             x: [..., K], float32 / bfloat16 / float16.
-            weight: dense [N, K] (x's dtype) or `Q4Weight` [N, K].
+            weight: dense [N, K] (x's dtype) or `Q4Weight` [N, K] (row-major: "q4_g32" functions;
+                tiled: "q4_g32_tiled" functions, parts [T, K/128, 256] / [T, K/128, 64]).
             bias: [N] or None.
 
         Returns:
@@ -370,8 +690,10 @@ class LinearBackend:
         n = weight.out_features if isinstance(weight, Q4Weight) else int(weight.shape[0])
         k = int(x2.shape[1])
         dtype = _DTYPE_NAMES.get(x.dtype, str(x.dtype))
-        kind = "q4_g32" if is_q4 else "dense"
-        if kind not in compiled.kinds:  # by design (see CompiledLinears.kinds): not a missing module
+        kind = Q4_KINDS[weight.layout] if isinstance(weight, Q4Weight) else "dense"
+        if kind not in compiled.kinds and not (is_q4 and compiled.kinds & set(Q4_KINDS.values())):
+            # by design (see CompiledLinears.kinds): not a missing module. A q4 weight in a layout no
+            # function takes while the build compiled q4 functions is a missing function (logged).
             self.counts["torch"] += 1
             return torch_linear(x, weight, bias)
         fn = compiled.get(width, kind, n, k, dtype)

@@ -97,7 +97,7 @@ from ignis.runtime.engine import SpeculativeEngine  # noqa: E402
 from ignis.runtime.families.hybrid_executor import HybridExecutor  # noqa: E402
 from ignis.runtime.families.hybrid_graphs import CHUNKED_PREFILL_ROUNDS, StaticHybridExecutor  # noqa: E402
 from ignis.runtime.families.qwen3_5 import Qwen3_5TextConfig, tensor_shapes  # noqa: E402
-from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight  # noqa: E402
+from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight, place_weight, row_splits_of  # noqa: E402
 from ignis.runtime.sampling import SamplingParams  # noqa: E402
 
 T0 = time.perf_counter()
@@ -247,11 +247,12 @@ def load_compiled(mods: Path) -> CompiledLinears:
     mod = load_module(mods / man["file"], cuda=True)
     fns: dict[tuple[int, str, int, int, str], tuple[Any, bool, bool]] = {}
     cache: dict[str, Any] = {}
+    kind = man.get("kind", "q4_g32")  # "q4_g32_tiled": the weights are placed in the tiled layout
     for key, export in man["table"].items():
         w, n, k = (int(v) for v in key.split("|"))
         if export not in cache:
             cache[export] = mod[export]
-        fns[(w, "q4_g32", n, k, "bfloat16")] = (cache[export], True, True)
+        fns[(w, kind, n, k, "bfloat16")] = (cache[export], True, True)
     return CompiledLinears(fns, sorted({k[0] for k in fns}))
 
 
@@ -796,6 +797,9 @@ def main() -> int:
         compiled = None
     res["compiled_functions"] = len(compiled) if compiled is not None else 0
     backend = LinearBackend(compiled)
+    # the layout the modules take, once (tiled for "q4_g32_tiled" functions), so that the executors
+    # built below share these weights instead of each re-laying its own copy
+    weights = {n: place_weight(backend, w, row_splits=row_splits_of(n)) for n, w in weights.items()}
     gr: dict[str, Any] = {}
     if not args.no_graphs:
         try:

@@ -4,11 +4,13 @@
 
 Writes into OUT (about 6 MB for sm_90):
 
-* ``q4_e2e_<arch>.so`` + ``manifest.json``: one q4_g32 bundle holding the tile of every
-  (width, N, K) that `tools/bench_e2e_gpu.py` runs for the 27B-shaped ``qwen3_5`` (the 8 linear
-  shapes of that model x widths 1..8, 16, 32; the kernel is shape-generic, so the entries map onto a
-  few exported tiles chosen by `default_tile_config`); ``manifest.json`` maps ``"W|N|K"`` to the
-  exported function (the format `bench_e2e_gpu.load_compiled` reads);
+* ``q4_e2e_<arch>.so`` + ``manifest.json``: one q4 bundle serving every (width, N, K) that
+  `tools/bench_e2e_gpu.py` runs for the 27B-shaped ``qwen3_5`` (the 8 linear shapes of that model x
+  widths 1..8, 16, 32). ``--q4-route tiled`` (the default, the build's CUDA route): the tiled
+  stream-K kernel, one export per n-tile count (`tiled_config_for`), weights placed in the tiled
+  layout (manifest ``"kind": "q4_g32_tiled"``); ``--q4-route mma``: the row-major kernels, the tiles
+  `default_tile_config` chooses. ``manifest.json`` maps ``"W|N|K"`` to the exported function (the
+  format `bench_e2e_gpu.load_compiled` reads);
 * ``gdn_recurrent_<arch>.so`` (`build_gdn_recurrent`), ``fused_norms_<arch>.so``
   (`build_fused_norms`), ``topk_<arch>.so`` (`build_topk`) and, where the kernel exists,
   ``fused_mixers_<arch>.so``.
@@ -38,11 +40,36 @@ E2E_SHAPES = (
     (5120, 17408),
     (248320, 5120),
 )
-E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
+E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
 
 
-def build_q4_e2e_bundle(out: Path, arch: str) -> dict[str, object]:
-    """Build the q4 bundle for `E2E_SHAPES` x `E2E_WIDTHS` into `out`; returns the manifest dict."""
+def build_q4_e2e_bundle(out: Path, arch: str, route: str = "tiled") -> dict[str, object]:
+    """Build the q4 bundle for `E2E_SHAPES` x `E2E_WIDTHS` into `out`; returns the manifest dict.
+
+    route "tiled": the tiled stream-K kernel (`ignis.compiler.kernels.q4_tiled`; weights in the tiled
+    layout, manifest ``kind`` "q4_g32_tiled"), one export per n-tile count; "mma": the row-major
+    kernels of `ignis.compiler.kernels.q4_linear`, one export per (width, shape) tile rule.
+    """
+    if route == "tiled":
+        from ignis.compiler.kernels.q4_tiled import build_q4_tiled_module, tiled_config_for
+
+        texports, ttable = {}, {}
+        for w in E2E_WIDTHS:
+            for n, k in E2E_SHAPES:
+                cfg = tiled_config_for(w, n, k, arch)
+                name = "q4t_" + cfg.tag
+                texports[name] = cfg
+                ttable[f"{w}|{n}|{k}"] = name
+        tfile = f"q4_e2e_{arch.replace('_', '')}.so"
+        build_q4_tiled_module(arch, texports, out / tfile)
+        tman: dict[str, object] = {
+            "table": ttable,
+            "exports": sorted(texports),
+            "file": tfile,
+            "kind": "q4_g32_tiled",
+        }
+        (out / "manifest.json").write_text(json.dumps(tman, indent=1))
+        return tman
     from ignis.compiler.kernels.q4_linear import build_q4_cuda_bundle, default_tile_config
 
     exports, table = {}, {}
@@ -54,7 +81,7 @@ def build_q4_e2e_bundle(out: Path, arch: str) -> dict[str, object]:
             table[f"{w}|{n}|{k}"] = name
     file = f"q4_e2e_{arch.replace('_', '')}.so"
     build_q4_cuda_bundle(arch, exports, out / file)
-    manifest: dict[str, object] = {"table": table, "exports": sorted(exports), "file": file}
+    manifest: dict[str, object] = {"table": table, "exports": sorted(exports), "file": file, "kind": "q4_g32"}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -64,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="output folder (created)")
     ap.add_argument("--arch", default="sm_90", help="CUDA arch (sm_90, sm_120) [default: sm_90]")
     ap.add_argument("--skip-q4", action="store_true", help="do not rebuild the q4 bundle")
+    ap.add_argument("--q4-route", choices=("tiled", "mma"), default="tiled", help="q4 kernel route [tiled]")
     args = ap.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, time.perf_counter() - t, Path(path).stat().st_size if path else 0))
 
     if not args.skip_q4:
-        timed("q4 e2e bundle", lambda: (build_q4_e2e_bundle(out, args.arch), out / f"q4_e2e_{tag}.so")[1])
+        timed(
+            "q4 e2e bundle",
+            lambda: (build_q4_e2e_bundle(out, args.arch, args.q4_route), out / f"q4_e2e_{tag}.so")[1],
+        )
     from ignis.compiler.kernels.fused_norms import build_fused_norms
     from ignis.compiler.kernels.gdn_recurrent import build_gdn_recurrent
     from ignis.compiler.kernels.topk import build_topk

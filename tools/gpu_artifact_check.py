@@ -132,6 +132,7 @@ def check_modules(art: Any, dev: torch.device, res: dict[str, Any]) -> None:
     shapes = sorted(
         {(f.out_features, f.in_features, f.dtype, e.route) for e in art.manifest.modules for f in e.functions}
     )
+    kinds = {(f.out_features, f.in_features): f.kind for e in art.manifest.modules for f in e.functions}
     res["shapes"] = [f"{n}x{k} {d} {r}" for n, k, d, r in shapes]
     per_width: dict[str, dict[str, float]] = {}
     wref: dict[tuple[int, int], tuple[Q4Weight, torch.Tensor, str]] = {}
@@ -145,13 +146,16 @@ def check_modules(art: Any, dev: torch.device, res: dict[str, Any]) -> None:
     for width in compiled.widths:
         row: dict[str, float] = {}
         for n, k, dname, _route in shapes:
-            fn = compiled.get(width, "q4_g32", n, k, dname)
+            kind = kinds[(n, k)]  # "q4_g32", or "q4_g32_tiled" (the weight in the tiled layout)
+            fn = compiled.get(width, kind, n, k, dname)
             key = f"{n}x{k}"
             if fn is None:
                 row[key] = float("nan")
                 res.setdefault("missing", []).append(f"w{width} {key} {dname}")
                 continue
             w, w64, _ = wref[(n, k)]
+            if kind == "q4_g32_tiled":
+                w = w.to_tiled()
             x = torch.randn(width, k, generator=gen).to(dev, TORCH_DTYPES[dname])
             y = torch.full((width, n), float("nan"), device=dev, dtype=x.dtype)
             if fn.cuda:
@@ -172,7 +176,7 @@ def check_modules(art: Any, dev: torch.device, res: dict[str, Any]) -> None:
         for (n, k), (w, w64, _) in wref.items():
             dname = next(d for nn, kk, d, _ in shapes if (nn, kk) == (n, k))
             x = torch.randn(r, k, generator=gen).to(dev, TORCH_DTYPES[dname])
-            y = backend(x, w)
+            y = backend(x, backend.place(w))  # tiled where a tiled function serves the shape
             sync(dev)
             e = rel(y, x.double() @ w64.T)
             worst = e if e != e else max(worst, e)  # NaN sticks

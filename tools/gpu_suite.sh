@@ -23,12 +23,17 @@ export IGNIS_TOPK_MODULE=$M/topk_sm90.so
 [ -f "$M/fused_mixers_sm90.so" ] && export IGNIS_MIXERS_MODULE=$M/fused_mixers_sm90.so
 ART=$PWD/.device/gdn-art/tiny-hybrid-h200
 export IGNIS_GDN_ARTIFACT=$ART IGNIS_TOPK_ARTIFACT=$ART
+# the tiled q4 kernel: the bundle in $M (tools/build_gpu_modules.py) and a tiny tiled-route llama
+# artifact (tests/runtime/test_linear_tiled.py `_build_tiny_tiled_llama`, in .device/tiled-art)
+export IGNIS_Q4T_BUNDLE=$M
+[ -d "$PWD/.device/tiled-art/tiny-llama-h200" ] && export IGNIS_TILED_ARTIFACT=$PWD/.device/tiled-art/tiny-llama-h200
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # 1. GPU tests of everything that runs on CUDA (graphs, fused kernels, top-k, artifacts).
 timeout ${GPU_TESTS_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
-  -k "${GPU_TESTS_K:-fused_mixers or artifact or topk}" \
+  -k "${GPU_TESTS_K:-fused_mixers or artifact or topk or tiled}" \
   tests/runtime/test_hybrid_graphs.py tests/runtime/test_topk.py tests/runtime/test_artifact.py \
+  tests/compiler/test_q4_tiled.py tests/runtime/test_linear_tiled.py \
   >"$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 

@@ -11,11 +11,20 @@ Which functions, per card:
 
 * `cpu` (arch `llvm`): every linear, `dense` for float weights and `q4_g32` for q4 ones, built by
   `llvm_linear` (TensorIR scheduled for the CPU), one library per width: `modules/cpu/linear_w{W}.so`.
-* CUDA cards: the q4_g32 linears (float weights run on cuBLAS through torch), through the kernel
-  engineer's builder `ignis.compiler.kernels.q4_linear`: shapes with K % 128 == 0 on the
-  tensor-core mma route (one library per 8-row tile count, serving every width up to its rows:
-  `modules/<card>/q4_mma_nt{T}.so`, dynamic rows), the rest on the TensorIR route with dlight's
-  schedules (`modules/<card>/q4_tir_w{W}.so`, fixed rows). Cross-compiled with nvcc on a host without
+* CUDA cards: the q4_g32 linears (float weights run on cuBLAS through torch). Shapes with
+  K % 128 == 0 take the CUDA route `Q4_CUDA_ROUTE` picks (a build option: `plan_modules`'
+  `q4_cuda_route`), one library per 8-row tile count, serving every width up to its rows (dynamic
+  rows):
+
+  - "tiled" (the default): the stream-K kernel over the tiled weight layout
+    (`ignis.compiler.kernels.q4_tiled`, configurations from `tiled_config_for(8 T, N, K, arch)`),
+    `modules/<card>/q4_tiled_nt{T}.so`, route "cuda-tiled", functions `q4t_n{N}_k{K}` of kind
+    "q4_g32_tiled" (the runtime re-lays those weights when it places them on the GPU);
+  - "mma": the tensor-core mma kernel over the stored layout (`ignis.compiler.kernels.q4_linear`),
+    `modules/<card>/q4_mma_nt{T}.so`, route "cuda-mma", functions `q4_n{N}_k{K}` of kind "q4_g32".
+
+  The rest go on the TensorIR route with dlight's schedules (`modules/<card>/q4_tir_w{W}.so`, fixed
+  rows, kind "q4_g32", builder `ignis.compiler.kernels.q4_linear`). Cross-compiled with nvcc on a host without
   a GPU (the libcuda stub of `compiler/kernels/cuda_stub.py` keeps TVM from embedding CUDA source);
   every exported library is checked to hold SASS for the card's arch and neither PTX nor CUDA source.
   The nvcc-built libraries are stripped of their static symbol table (`strip_local_symbols`), which
@@ -42,7 +51,8 @@ Which functions, per card:
   save ~13 % of the top-k's nvcc time, 11.5 s against 13.2 s for sm_90 on the 2-core build host:
   host code dominates).
 
-Function names: `dense_n{N}_k{K}` and `q4_n{N}_k{K}`; the kernels' as their `KERNELS` exports.
+Function names: `dense_n{N}_k{K}`, `q4_n{N}_k{K}` and (tiled) `q4t_n{N}_k{K}`; the kernels' as their
+`KERNELS` exports.
 """
 
 from __future__ import annotations
@@ -66,19 +76,29 @@ from ignis.compiler.kernels.fused_mixers import MAX_CONV_KERNEL as _MIXERS_MAX_C
 from ignis.compiler.kernels.fused_mixers import MAX_HEAD_DIM as _MIXERS_MAX_HEAD_DIM
 from ignis.compiler.kernels.gdn_recurrent import MAX_KEY_DIM as _GDN_MAX_KEY_DIM
 from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction
+from ignis.runtime.families.llama import FUSED_LINEARS as _LLAMA_FUSED_LINEARS
 
 #: Executor fusions per family: (module path under each layer, member projections concatenated in
-#: this order along the output rows). The executor runs one linear over the fused weight.
+#: this order along the output rows). The executor runs one linear over the fused weight. The same
+#: table the runtime's families declare (`Family.fused_linears`: the loader leaves the members in the
+#: stored layout, the executor fuses and then places them).
 FUSED_LINEARS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "llama": (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))),
-    "qwen2": (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))),
+    "llama": _LLAMA_FUSED_LINEARS,
+    "qwen2": _LLAMA_FUSED_LINEARS,
 }
 
 #: Activation dtype of the compiled functions, by the profile's other_dtype.
 ACTIVATION_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
-#: The mma route's k-step: in_features must be a multiple of it.
+#: The CUDA routes' k-step (mma and tiled): in_features must be a multiple of it.
 MMA_STEP_K = 128
+
+#: The CUDA route of the q4 shapes with K % 128 == 0 when a build does not choose: "tiled" (the
+#: stream-K kernel over the tiled layout, `q4_tiled_nt{T}.so`) or "mma" (`q4_mma_nt{T}.so`).
+Q4_CUDA_ROUTE = "tiled"
+
+#: `plan_modules`' q4_cuda_route -> the ModuleEntry route name.
+Q4_CUDA_ROUTES = {"tiled": "cuda-tiled", "mma": "cuda-mma"}
 
 #: Every input dtype the non-linear kernels' exports dispatch on (their *_ffi.cuh).
 _ALL_DTYPES = ("bfloat16", "float16", "float32")
@@ -287,6 +307,8 @@ class ModulePlan:
         dtype: activation dtype ("float32", "bfloat16", "float16").
         target: the TVM target dict.
         kernels: the non-linear kernel libraries to build (keys of `KERNELS`; CUDA cards only).
+        q4_cuda_route: the CUDA route of the K % 128 == 0 q4 shapes, a key of `Q4_CUDA_ROUTES`
+            ("tiled" or "mma"; `Q4_CUDA_ROUTE` when not given).
     """
 
     card: str
@@ -296,6 +318,15 @@ class ModulePlan:
     dtype: str
     target: dict[str, Any]
     kernels: tuple[str, ...] = ()
+    q4_cuda_route: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.q4_cuda_route:
+            object.__setattr__(self, "q4_cuda_route", Q4_CUDA_ROUTE)
+        if self.q4_cuda_route not in Q4_CUDA_ROUTES:
+            raise ModuleBuildError(
+                f"q4_cuda_route must be one of {sorted(Q4_CUDA_ROUTES)}, got {self.q4_cuda_route!r}"
+            )
 
     @property
     def is_cuda(self) -> bool:
@@ -303,17 +334,19 @@ class ModulePlan:
         return self.arch != "llvm"
 
     def route(self, shape: LinearShape) -> str:
-        """ "llvm-te", "cuda-mma" or "tir-dlight"."""
+        """ "llvm-te", "cuda-tiled" / "cuda-mma" (per `q4_cuda_route`) or "tir-dlight"."""
         if not self.is_cuda:
             return "llvm-te"
-        return "cuda-mma" if shape.in_features % MMA_STEP_K == 0 else "tir-dlight"
+        if shape.in_features % MMA_STEP_K == 0:
+            return Q4_CUDA_ROUTES[self.q4_cuda_route]
+        return "tir-dlight"
 
     def num_functions(self) -> int:
-        """Functions compiled in all (one per shape and width, mma libraries shared across widths,
-        plus each kernel library's exports)."""
+        """Functions compiled in all (one per shape and width, tiled / mma libraries shared across
+        widths, plus each kernel library's exports)."""
         if not self.is_cuda:
             return len(self.shapes) * len(self.widths) + self._kernel_functions()
-        mma = [s for s in self.shapes if self.route(s) == "cuda-mma"]
+        mma = [s for s in self.shapes if self.route(s) in ("cuda-mma", "cuda-tiled")]
         tir = len(self.shapes) - len(mma)
         tiles = {(w + 7) // 8 for w in self.widths}
         return len(mma) * len(tiles) + tir * len(self.widths) + self._kernel_functions()
@@ -332,10 +365,16 @@ def plan_modules(
     llvm_mcpu: str | None = None,
     config: Any = None,
     dflash2: bool = False,
+    q4_cuda_route: str | None = None,
 ) -> ModulePlan:
     """Choose what to compile: on CUDA cards only the q4_g32 linears, and the `KERNELS` libraries
     `select_kernels(config=config, dflash2=dflash2)` picks (module docstring); CPU cards get no
-    kernel library."""
+    kernel library. `q4_cuda_route` ("tiled" or "mma"; None: `Q4_CUDA_ROUTE`) picks the CUDA route
+    of the K % 128 == 0 q4 shapes.
+
+    Raises:
+        ModuleBuildError: an unknown q4_cuda_route.
+    """
     dtype = ACTIVATION_DTYPES.get(other_dtype, "bfloat16")
     kernels: tuple[str, ...] = ()
     if arch == "llvm":
@@ -353,14 +392,26 @@ def plan_modules(
         dtype=dtype,
         target=target,
         kernels=kernels,
+        q4_cuda_route=q4_cuda_route or Q4_CUDA_ROUTE,
     )
 
 
-def _functions(shapes: Sequence[LinearShape], dtype: str) -> tuple[ModuleFunction, ...]:
+#: The tiled route's function kind (`formats.manifest.FUNCTION_KINDS`).
+TILED_KIND = "q4_g32_tiled"
+
+
+def tiled_function_name(shape: LinearShape) -> str:
+    """The tiled route's exported symbol: q4t_n{N}_k{K}."""
+    return f"q4t_n{shape.out_features}_k{shape.in_features}"
+
+
+def _functions(
+    shapes: Sequence[LinearShape], dtype: str, *, tiled: bool = False
+) -> tuple[ModuleFunction, ...]:
     return tuple(
         ModuleFunction(
-            name=s.function_name,
-            kind=s.kind,
+            name=tiled_function_name(s) if tiled else s.function_name,
+            kind=TILED_KIND if tiled else s.kind,
             out_features=s.out_features,
             in_features=s.in_features,
             dtype=dtype,
@@ -537,7 +588,7 @@ def build_modules(
 def _build_cuda_linears(
     plan: ModulePlan, artifact_dir: Path, rel_dir: str, done: Callable[[str], None]
 ) -> list[ModuleEntry]:
-    """The q4 linears of a CUDA card (mma and TensorIR routes), as `build_modules` describes."""
+    """The q4 linears of a CUDA card (tiled or mma, and TensorIR routes), as `build_modules` describes."""
     entries: list[ModuleEntry] = []
     try:
         from ignis.compiler.kernels import q4_linear as kernels
@@ -545,9 +596,12 @@ def _build_cuda_linears(
         raise ModuleBuildError(
             f"the q4 kernel builder (ignis.compiler.kernels.q4_linear) cannot be imported: {exc}"
         ) from exc
+    tiled = [s for s in plan.shapes if plan.route(s) == "cuda-tiled"]
     mma = [s for s in plan.shapes if plan.route(s) == "cuda-mma"]
     tir = [s for s in plan.shapes if plan.route(s) == "tir-dlight"]
     by_width: dict[int, list[ModuleEntry]] = {w: [] for w in plan.widths}
+    if tiled:
+        _build_tiled_linears(plan, tiled, artifact_dir, rel_dir, done, by_width)
     if mma:
         tiles = sorted({(w + 7) // 8 for w in plan.widths})
         for nt in tiles:
@@ -598,6 +652,58 @@ def _build_cuda_linears(
     return entries
 
 
+def _build_tiled_linears(
+    plan: ModulePlan,
+    shapes: Sequence[LinearShape],
+    artifact_dir: Path,
+    rel_dir: str,
+    done: Callable[[str], None],
+    by_width: dict[int, list[ModuleEntry]],
+) -> None:
+    """The "cuda-tiled" libraries: one per 8-row tile count T of the widths, `q4_tiled_nt{T}.so`,
+    exporting `q4t_n{N}_k{K}` for every shape (`tiled_config_for(8 T, N, K, arch)`), each stripped
+    and checked to hold SASS for the arch only; their entries are appended to `by_width`.
+
+    Raises:
+        ModuleBuildError: the builder cannot be imported, nvcc failed, or the library is not a binary
+            for the arch only.
+    """
+    try:
+        from ignis.compiler.kernels import q4_tiled
+    except ImportError as exc:
+        raise ModuleBuildError(
+            f"the tiled q4 kernel builder (ignis.compiler.kernels.q4_tiled) cannot be imported: {exc}"
+        ) from exc
+    for nt in sorted({(w + 7) // 8 for w in plan.widths}):
+        rows = 8 * nt
+        rel = f"{rel_dir}/q4_tiled_nt{nt}.so"
+        try:
+            exports = {
+                tiled_function_name(s): q4_tiled.tiled_config_for(
+                    rows, s.out_features, s.in_features, plan.arch
+                )
+                for s in shapes
+            }
+            q4_tiled.build_q4_tiled_module(plan.arch, exports, artifact_dir / rel)
+        except Exception as exc:  # Q4KernelError, nvcc failures
+            raise ModuleBuildError(f"building {rel} for {plan.arch} failed: {exc}") from exc
+        strip_local_symbols(artifact_dir / rel)
+        check_cuda_binary(artifact_dir / rel, plan.arch)
+        done(rel)
+        for w in plan.widths:
+            if (w + 7) // 8 == nt:
+                by_width[w].append(
+                    ModuleEntry(
+                        width=w,
+                        file=rel,
+                        target=dict(plan.target),
+                        route="cuda-tiled",
+                        dynamic_rows=True,
+                        functions=_functions(shapes, plan.dtype, tiled=True),
+                    )
+                )
+
+
 def prepare_cuda_build() -> str:
     """Before the first `import tvm` of a CUDA build: load the GPU driver, or the build-only stub.
 
@@ -626,6 +732,9 @@ __all__ = [
     "FUSED_LINEARS",
     "GDN_MAX_KEY_DIM",
     "KERNELS",
+    "Q4_CUDA_ROUTE",
+    "Q4_CUDA_ROUTES",
+    "TILED_KIND",
     "KernelLibrary",
     "LinearShape",
     "ModulePlan",
@@ -637,4 +746,5 @@ __all__ = [
     "prepare_cuda_build",
     "select_kernels",
     "strip_local_symbols",
+    "tiled_function_name",
 ]

@@ -102,7 +102,7 @@ from ignis.runtime.drafters.common import (
 from ignis.runtime.errors import ConfigError, StateError, TensorShapeError
 from ignis.runtime.families.base import FamilyConfig
 from ignis.runtime.families.moe import SwiGLUWeights, swiglu_mlp
-from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader
+from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader, place_weight
 from ignis.runtime.sampling import logits_to_probs
 from ignis.runtime.topk import TopKModule, topk
 
@@ -655,7 +655,7 @@ class DFlash2Network:
         w = normalize_dflash2_names(weights)  # type: ignore[arg-type]
         check_names(dflash2_tensor_shapes(config), w, source="dflash2 weights")
 
-        load = WeightLoader(w, self.device, dtype, source="dflash2 weights")
+        load = WeightLoader(w, self.device, dtype, source="dflash2 weights", linear=linear)
         get, lin, opt = load.plain, load.linear, load.optional
 
         c = config
@@ -1033,8 +1033,8 @@ class DFlash2Drafter(BaseDrafter):
         """A proposal head weight on the drafter's device: a `Q4Weight` stays one when the linear
         hook takes it, else it is dequantized to the drafter's dtype."""
         if isinstance(weight, Q4Weight):
-            if self._takes_q4:
-                return weight.to(self.device)
+            if self._takes_q4:  # placed for the hook (tiled on CUDA when a tiled function serves it)
+                return place_weight(self.linear, weight.to(self.device))
             return weight.dequantize(self.dtype).to(self.device)
         return weight.detach().to(device=self.device, dtype=self.dtype)
 

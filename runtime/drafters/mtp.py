@@ -74,7 +74,7 @@ from ignis.runtime.families.qwen3_5 import (
     Qwen3NextConfig,
     mtp_tensor_shapes,
 )
-from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader
+from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader, place_weight
 from ignis.runtime.sampling import logits_to_probs
 
 _Weight = torch.Tensor | Q4Weight
@@ -224,7 +224,7 @@ class MTPHead:
         self.linear: LinearFn = linear or F.linear
         w = {k: v for k, v in weights.items() if k.startswith("mtp.")}
 
-        load = WeightLoader(w, self.device, dtype, source="mtp weights")
+        load = WeightLoader(w, self.device, dtype, source="mtp weights", linear=linear)
         get, lin, opt = load.plain, load.linear, load.optional
 
         self.fc = lin("mtp.fc.weight")
@@ -446,7 +446,7 @@ class MTPDrafter(BaseDrafter):
         self.lm_head: _Weight
         if isinstance(lm_head, Q4Weight):  # packed for the hook, else dequantized for F.linear
             q4 = lm_head.to(self.device)
-            self.lm_head = q4 if linear is not None else q4.dequantize(dtype)
+            self.lm_head = place_weight(linear, q4) if linear is not None else q4.dequantize(dtype)
         else:
             self.lm_head = lm_head.detach().to(device=self.device, dtype=dtype)
         self.final_norm = final_norm.detach().to(device=self.device, dtype=dtype)

@@ -104,7 +104,11 @@ class Executor(Protocol):
     its `ignis.runtime.linear.LinearBackend`, which runs the compiled module for width R (and keeps
     q4 weights as `Q4Weight`s, which only the hook may consume). Executors therefore fuse linear
     weights with `ignis.runtime.linear.cat_rows`, move them with `to_device`, and never slice their
-    input dimension; embeddings, norms, convolutions and biases stay plain tensors.
+    input dimension; embeddings, norms, convolutions and biases stay plain tensors. On CUDA a q4
+    weight may arrive in the tiled layout (`Q4Weight.is_tiled`: row slices on 16-row tiles only);
+    an executor that fuses weights fuses their row-major forms (`Q4Weight.to_row_major`) and hands
+    the result to `ignis.runtime.linear.place_weight` (which tiles it where the hook's tiled
+    functions serve its shape).
 
     Protocol:
         1. `state = ex.new_lane()` for each lane.
@@ -160,6 +164,11 @@ class Family:
             it does not rewrite pass through as the same objects. It must work on `meta` tensors:
             the HF importer runs it on them to learn the canonical names and shapes before
             `check_tensor_set`. None: the checkpoint's layout is the canonical one.
+        fused_linears: the executor's own fusions of the trunk's linear weights: (module path under
+            each `model.layers.N`, member projections concatenated in this order along the output
+            rows), e.g. ("self_attn", ("q_proj", "k_proj", "v_proj")). The executor fuses the
+            members before it places the result in its compiled layout, so a loader must not
+            re-lay a member (`is_fused_member`). The build's `FUSED_LINEARS` says the same.
     """
 
     model_type: str
@@ -168,6 +177,17 @@ class Family:
     make_executor: Callable[..., Executor]
     map_hf_name: Callable[[str], str | None] = staticmethod(lambda name: name)  # type: ignore[assignment]  # noqa: RUF009
     canonicalize_tensors: Callable[[Any, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    fused_linears: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def is_fused_member(self, name: str) -> bool:
+        """Whether `name` (``model.layers.N.<path>.<member>.weight``) is a member of one of the
+        executor's `fused_linears`."""
+        parts = name.split(".")
+        if len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[5] != "weight":
+            return False
+        if not parts[2].isdigit():
+            return False
+        return any(parts[3] == path and parts[4] in members for path, members in self.fused_linears)
 
 
 FAMILIES: dict[str, Family] = {}

@@ -261,7 +261,7 @@ class HybridExecutor:
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         _check_weights(c, trunk)
 
-        load = WeightLoader(trunk, self.device, dtype, source=f"{c.model_type} weights")
+        load = WeightLoader(trunk, self.device, dtype, source=f"{c.model_type} weights", linear=linear)
         get, lin, opt, opt_lin = load.plain, load.linear, load.optional, load.optional_linear
 
         self._embed = get("model.embed_tokens.weight")

@@ -34,7 +34,7 @@ from ignis.runtime.families.base import (
     check_tensor_set,
     register_family,
 )
-from ignis.runtime.linear import LinearFn, Q4Weight, cat_rows, to_device
+from ignis.runtime.linear import LinearFn, Q4Weight, cat_rows, place_weight, to_device
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -404,10 +404,15 @@ class LlamaExecutor:
             return t.to(device=self.device, dtype=dtype)
 
         def lin(name: str) -> torch.Tensor | Q4Weight:
-            return to_device(weights[name], self.device, dtype).contiguous()
+            return place_weight(self.linear, to_device(weights[name], self.device, dtype).contiguous())
 
         def cat(*names: str) -> torch.Tensor | Q4Weight:
-            return cat_rows([to_device(weights[n], self.device, dtype) for n in names]).contiguous()
+            # fuse in the stored row-major layout (a member the caller tiled is untiled: tiled parts
+            # fuse only at 16-row multiples), then place the fused weight for the hook (tiled on CUDA
+            # when a tiled function serves its shape)
+            parts = [to_device(weights[n], self.device, dtype) for n in names]
+            parts = [p.to_row_major() if isinstance(p, Q4Weight) else p for p in parts]
+            return place_weight(self.linear, cat_rows(parts).contiguous())
 
         def cat_bias(*names: str) -> torch.Tensor:
             return torch.cat([get(n) for n in names], 0).contiguous()
@@ -693,10 +698,21 @@ def _make_executor(
     return LlamaExecutor(config, weights, device=device, dtype=dtype, linear=linear)
 
 
-LLAMA = register_family(Family("llama", LlamaConfig, tensor_shapes, _make_executor, map_hf_name))
-QWEN2 = register_family(Family("qwen2", Qwen2Config, tensor_shapes, _make_executor, map_hf_name))
+#: `LlamaExecutor`'s fusions (q|k|v and gate|up of every layer), as `Family.fused_linears`.
+FUSED_LINEARS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    ("mlp", ("gate_proj", "up_proj")),
+)
+
+LLAMA = register_family(
+    Family("llama", LlamaConfig, tensor_shapes, _make_executor, map_hf_name, fused_linears=FUSED_LINEARS)
+)
+QWEN2 = register_family(
+    Family("qwen2", Qwen2Config, tensor_shapes, _make_executor, map_hf_name, fused_linears=FUSED_LINEARS)
+)
 
 __all__ = [
+    "FUSED_LINEARS",
     "LLAMA",
     "QWEN2",
     "LlamaConfig",

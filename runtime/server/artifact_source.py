@@ -196,7 +196,7 @@ class ArtifactSource:
                     target_config=art.config,
                     target_weights=shared,
                     config=DFlash2Config.from_hf(art.drafter_config()),
-                    weights=art.drafter_weights(dtype=dtype, device=device, keep_q4=keep_q4),
+                    weights=art.drafter_weights(dtype=dtype, device=device, keep_q4=keep_q4, linear=linear),
                     draft_head=spec.draft_head,
                     device=device,
                     dtype=dtype,
@@ -209,7 +209,7 @@ class ArtifactSource:
             return build_mtp_drafter(
                 target_config=art.config,
                 target_weights=shared,
-                mtp_weights=art.mtp_weights(dtype=dtype, device=device, keep_q4=keep_q4),
+                mtp_weights=art.mtp_weights(dtype=dtype, device=device, keep_q4=keep_q4, linear=linear),
                 device=device,
                 dtype=dtype,
                 linear=linear,

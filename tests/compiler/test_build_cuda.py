@@ -40,11 +40,13 @@ def _helper(name: str) -> Any:
 
 
 def _build_in_subprocess(
-    card: str, model: Path, out: Path, recipe: Path, drafter: Path | None = None
+    card: str, model: Path, out: Path, recipe: Path, drafter: Path | None = None, q4_route: str | None = None
 ) -> None:
     code = textwrap.dedent(
         f"""
-        from ignis.compiler.build import build_artifact
+        from ignis.compiler.build import build_artifact, modules
+        if {q4_route!r} is not None:
+            modules.Q4_CUDA_ROUTE = {q4_route!r}  # the build's switch between the tiled and mma routes
         build_artifact(card={card!r}, model={str(model)!r}, recipe={str(recipe)!r}, out={str(out)!r},
                        drafter={None if drafter is None else str(drafter)!r}, progress=False,
                        echo=lambda _line: None)
@@ -73,7 +75,14 @@ def _check_binaries(
     routes = {}
     for entry in m.modules:
         assert entry.target == {"kind": "cuda", "arch": arch}
-        assert all(f.kind == "q4_g32" and f.dtype == dtype for f in entry.functions)
+        # the tiled route's functions take the runtime's tiled layout; the others the stored one
+        kind = "q4_g32_tiled" if entry.route == "cuda-tiled" else "q4_g32"
+        assert all(f.kind == kind and f.dtype == dtype for f in entry.functions)
+        assert entry.dynamic_rows == (entry.route in ("cuda-tiled", "cuda-mma"))
+        if entry.route == "cuda-tiled":
+            assert entry.file == f"modules/{card}/q4_tiled_nt{(entry.width + 7) // 8}.so"
+            assert all(f.name.startswith("q4t_") for f in entry.functions)
+            assert all(f.name.encode() in (out / entry.file).read_bytes() for f in entry.functions)
         routes[entry.file] = entry.route
     # the kernel libraries the model uses, each its own file listed as a module, one entry per export
     assert m.version == 2
@@ -105,16 +114,34 @@ def test_cross_compiled_q4_modules_hold_sass_for_the_arch(tmp_path: Path) -> Non
     recipe.write_text('name = "tiny-gpu"\n[modules]\nwidths = [8]\n')
     _build_in_subprocess(card, ckpt, tmp_path / "a" / "tiny-gpu", recipe)
     routes = _check_binaries(tmp_path / "a" / "tiny-gpu", card, arch, kernels=[])
-    # in_features 128 -> the tensor-core mma route (nvcc); down_proj's 160 -> TensorIR + dlight (TVM)
-    assert sorted(set(routes.values())) == ["cuda-mma", "tir-dlight"]
+    # in_features 128 -> the tiled stream-K route (nvcc, the default); down_proj's 160 -> TensorIR +
+    # dlight (TVM)
+    assert sorted(set(routes.values())) == ["cuda-tiled", "tir-dlight"]
+    assert routes[f"modules/{card}/q4_tiled_nt1.so"] == "cuda-tiled"
     m = read_manifest(tmp_path / "a" / "tiny-gpu")
-    shapes = {(f.out_features, f.in_features) for e in m.modules for f in e.functions}
-    assert (128, 160) in shapes and (384, 128) in shapes
+    shapes = {(f.kind, f.out_features, f.in_features) for e in m.modules for f in e.functions}
+    assert ("q4_g32", 128, 160) in shapes and ("q4_g32_tiled", 384, 128) in shapes
     # the same input gives the same bytes (nvcc's temporary names are stripped); one arch suffices
     _build_in_subprocess(card, ckpt, tmp_path / "b" / "tiny-gpu", recipe)
     for f in m.files:
         first, second = tmp_path / "a" / "tiny-gpu" / f.path, tmp_path / "b" / "tiny-gpu" / f.path
         assert first.read_bytes() == second.read_bytes(), f.path
+
+
+def test_the_mma_route_stays_available_behind_the_switch(tmp_path: Path) -> None:
+    """`modules.Q4_CUDA_ROUTE = "mma"` builds the K % 128 == 0 shapes on the mma kernel again
+    (`q4_mma_nt{T}.so`, kind q4_g32, the stored layout)."""
+    card, arch = "h200", "sm_90"
+    hf_tiny = _helper("hf_tiny")
+    model = hf_tiny.tiny_model(
+        "llama", hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2
+    )
+    ckpt = hf_tiny.save_tiny(model, tmp_path / "ckpt", tokenizer=hf_tiny.tiny_tokenizer())
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "tiny-gpu"\n[modules]\nwidths = [8, 16]\n')
+    _build_in_subprocess(card, ckpt, tmp_path / "tiny-gpu", recipe, q4_route="mma")
+    routes = _check_binaries(tmp_path / "tiny-gpu", card, arch, kernels=[])
+    assert routes == {f"modules/{card}/q4_mma_nt{t}.so": "cuda-mma" for t in (1, 2)}
 
 
 def test_cross_compiled_hybrid_kernels_for_h200(tmp_path: Path) -> None:

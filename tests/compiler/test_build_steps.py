@@ -18,7 +18,7 @@ from ignis.compiler.build.convert import (
     storage_dtype,
     write_tensor,
 )
-from ignis.compiler.build.errors import DrafterMismatchError, RecipeError, ShortlistError
+from ignis.compiler.build.errors import DrafterMismatchError, ModuleBuildError, RecipeError, ShortlistError
 from ignis.compiler.build.graft import check_fit, load_drafter
 from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module
 from ignis.compiler.build.modules import LinearShape, linear_shapes, plan_modules
@@ -361,9 +361,23 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
         shapes=[LinearShape("dense", 4, 64), LinearShape("q4_g32", 32, 128), LinearShape("q4_g32", 64, 32)],
     )
     assert [s.kind for s in plan.shapes] == ["q4_g32", "q4_g32"] and plan.dtype == "bfloat16"
-    assert plan.route(plan.shapes[0]) == "cuda-mma" and plan.route(plan.shapes[1]) == "tir-dlight"
+    # K % 128 == 0: the default CUDA route (tiled); the other K on the TensorIR route
+    assert plan.q4_cuda_route == "tiled"
+    assert plan.route(plan.shapes[0]) == "cuda-tiled" and plan.route(plan.shapes[1]) == "tir-dlight"
     assert plan.kernels == ()  # no drafter, not a hybrid: no kernel library
-    assert plan.num_functions() == 3 + 4  # mma: tiles {1, 2, 4}; tir: one per width
+    assert plan.num_functions() == 3 + 4  # tiled: tiles {1, 2, 4}; tir: one per width
+    mma = plan_modules(
+        card="h200",
+        arch="sm_90",
+        widths=[1, 8, 16, 32],
+        other_dtype="bf16",
+        shapes=plan.shapes,
+        q4_cuda_route="mma",
+    )
+    assert mma.route(mma.shapes[0]) == "cuda-mma" and mma.route(mma.shapes[1]) == "tir-dlight"
+    assert mma.num_functions() == 3 + 4
+    with pytest.raises(ModuleBuildError, match="q4_cuda_route"):
+        plan_modules(card="h200", arch="sm_90", widths=[8], other_dtype="bf16", shapes=[], q4_cuda_route="x")
     with_drafter = plan_modules(
         card="h200", arch="sm_90", widths=[1, 8, 16, 32], other_dtype="bf16", shapes=plan.shapes, dflash2=True
     )

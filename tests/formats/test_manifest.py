@@ -26,7 +26,7 @@ from ignis.formats import (
     read_manifest,
     verify_artifact,
 )
-from ignis.formats.manifest import BLOCK_SIZE, KERNEL_ABIS, KernelEntry, file_entry
+from ignis.formats.manifest import BLOCK_SIZE, FUNCTION_KINDS, KERNEL_ABIS, KernelEntry, file_entry
 
 
 def _write(root: Path, rel: str, data: bytes) -> None:
@@ -205,6 +205,25 @@ def test_schema_violations_are_refused(tmp_path: Path, change, message: str) -> 
     with pytest.raises(ManifestError, match=message) as info:
         parse_manifest(_mutated(m, change), path="manifest.json")
     assert "manifest.json" in str(info.value)
+
+
+def test_tiled_q4_functions_are_a_module_function_kind(tmp_path: Path) -> None:
+    """kind "q4_g32_tiled" (route "cuda-tiled") round-trips; an unknown kind is still refused."""
+    m = _artifact(tmp_path)
+
+    def tiled(o):  # type: ignore[no-untyped-def]
+        o["modules"][0]["route"] = "cuda-tiled"
+        o["modules"][0]["functions"][0].update(kind="q4_g32_tiled", name="q4t_n8_k128", in_features=128)
+
+    back = parse_manifest(_mutated(m, tiled), path="manifest.json")
+    fn = back.modules[0].functions[0]
+    assert (fn.kind, fn.name, back.modules[0].route) == ("q4_g32_tiled", "q4t_n8_k128", "cuda-tiled")
+    assert "q4_g32_tiled" in FUNCTION_KINDS
+    with pytest.raises(ManifestError, match=r"functions\[0\]\. kind 'q4_g32_nt'"):
+        parse_manifest(
+            _mutated(m, lambda o: o["modules"][0]["functions"][0].update(kind="q4_g32_nt")),
+            path="manifest.json",
+        )
 
 
 def test_versions_and_json_errors(tmp_path: Path) -> None:
