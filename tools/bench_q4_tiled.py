@@ -31,29 +31,20 @@ WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32]
 
 def candidates() -> dict[str, Any]:
     """Tiled configurations to time, by tag."""
+    from ignis.compiler.kernels.q4_tiled import _RULES as tiled_rules
     from ignis.compiler.kernels.q4_tiled import TiledConfig as T
 
     cfgs = [
-        # 1..8 rows
-        T(1, 1, 16, 3, True, 1, 1, x_smem=True),
-        T(1, 1, 16, 4, True, 1, 1, ring=2, x_smem=True),
-        T(1, 1, 16, 6, True, 1, 1, ring=2, x_smem=True),
-        T(1, 1, 16, 8, True, 1, 1, ring=2, x_smem=True),
-        T(1, 2, 16, 4, True, 1, 1, ring=2, x_smem=True),
-        T(1, 1, 8, 6, True, 2, 2, ring=2, x_smem=True),
-        # 9..16
-        T(2, 1, 16, 3, True, 1, 1, x_smem=True),
-        T(2, 1, 16, 4, True, 1, 1, ring=2, x_smem=True),
-        T(2, 1, 16, 6, True, 1, 1, ring=2, x_smem=True),
-        T(2, 2, 16, 4, False, 1, 1, ring=2, x_smem=True),
-        # 17..24
-        T(3, 1, 16, 3, False, 1, 1, x_smem=True),
-        T(3, 1, 16, 4, False, 1, 1, ring=2, x_smem=True),
-        T(3, 2, 16, 3, False, 1, 1, ring=2, x_smem=True),
-        # 25..32
-        T(4, 1, 16, 3, False, 1, 1, x_smem=True),
-        T(4, 1, 16, 4, False, 1, 1, ring=2, x_smem=True),
-        T(4, 2, 16, 3, False, 1, 1, ring=2, x_smem=True),
+        # the shipped rules (`_RULES`: blocks of 16 warps, activations staged in shared memory)
+        *(tiled_rules[nt] for nt in (1, 2, 3, 4)),
+        # the alternatives measured against them (docs/PERF.md, tiled runs 1-13), 1..8 and 9..16 rows
+        T(1, 1, 4, 4, True, 4),  # warp workers, activations through L1
+        T(1, 1, 4, 8, True, 6, ring=1),  # bulk-copy (TMA) ring
+        T(1, 1, 16, 4, True, 1, 1, ring=2, x_smem=True),  # per-lane cp.async ring
+        T(1, 1, 8, 4, True, 2, 1, x_smem=True),  # half-SM blocks
+        T(1, 1, 4, 4, True, 4, stream_only=True),  # diagnostic: the weight stream alone
+        T(2, 2, 4, 4, False, 4, ring=1),
+        T(4, 2, 4, 3, False, 2),
     ]
     return {c.tag: c for c in cfgs}
 

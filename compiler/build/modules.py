@@ -603,30 +603,18 @@ def _build_cuda_linears(
     if tiled:
         _build_tiled_linears(plan, tiled, artifact_dir, rel_dir, done, by_width)
     if mma:
-        tiles = sorted({(w + 7) // 8 for w in plan.widths})
-        for nt in tiles:
-            rows = 8 * nt
-            rel = f"{rel_dir}/q4_mma_nt{nt}.so"
-            exports = {s.function_name: _tile_config(kernels, rows, s, plan.arch) for s in mma}
-            try:
-                kernels.build_q4_cuda_bundle(plan.arch, exports, artifact_dir / rel)
-            except Exception as exc:  # Q4KernelError, nvcc failures
-                raise ModuleBuildError(f"building {rel} for {plan.arch} failed: {exc}") from exc
-            strip_local_symbols(artifact_dir / rel)
-            check_cuda_binary(artifact_dir / rel, plan.arch)
-            done(rel)
-            for w in plan.widths:
-                if (w + 7) // 8 == nt:
-                    by_width[w].append(
-                        ModuleEntry(
-                            width=w,
-                            file=rel,
-                            target=dict(plan.target),
-                            route="cuda-mma",
-                            dynamic_rows=True,
-                            functions=_functions(mma, plan.dtype),
-                        )
-                    )
+        _build_nt_libraries(
+            plan,
+            artifact_dir,
+            by_width,
+            done,
+            rel_of=lambda nt: f"{rel_dir}/q4_mma_nt{nt}.so",
+            build=lambda nt, path: kernels.build_q4_cuda_bundle(
+                plan.arch, {s.function_name: _tile_config(kernels, 8 * nt, s, plan.arch) for s in mma}, path
+            ),
+            route="cuda-mma",
+            functions=_functions(mma, plan.dtype),
+        )
     if tir:
         for w in plan.widths:
             rel = f"{rel_dir}/q4_tir_w{w}.so"
@@ -674,17 +662,50 @@ def _build_tiled_linears(
         raise ModuleBuildError(
             f"the tiled q4 kernel builder (ignis.compiler.kernels.q4_tiled) cannot be imported: {exc}"
         ) from exc
-    for nt in sorted({(w + 7) // 8 for w in plan.widths}):
-        rows = 8 * nt
-        rel = f"{rel_dir}/q4_tiled_nt{nt}.so"
-        try:
-            exports = {
+    _build_nt_libraries(
+        plan,
+        artifact_dir,
+        by_width,
+        done,
+        rel_of=lambda nt: f"{rel_dir}/q4_tiled_nt{nt}.so",
+        build=lambda nt, path: q4_tiled.build_q4_tiled_module(
+            plan.arch,
+            {
                 tiled_function_name(s): q4_tiled.tiled_config_for(
-                    rows, s.out_features, s.in_features, plan.arch
+                    8 * nt, s.out_features, s.in_features, plan.arch
                 )
                 for s in shapes
-            }
-            q4_tiled.build_q4_tiled_module(plan.arch, exports, artifact_dir / rel)
+            },
+            path,
+        ),
+        route="cuda-tiled",
+        functions=_functions(shapes, plan.dtype, tiled=True),
+    )
+
+
+def _build_nt_libraries(
+    plan: ModulePlan,
+    artifact_dir: Path,
+    by_width: dict[int, list[ModuleEntry]],
+    done: Callable[[str], None],
+    *,
+    rel_of: Callable[[int], str],
+    build: Callable[[int, Path], object],
+    route: str,
+    functions: tuple[ModuleFunction, ...],
+) -> None:
+    """One dynamic-rows library per 8-row tile count T of the plan's widths (`rel_of(T)`, made by
+    `build(T, path)`), stripped and checked to hold SASS for the arch only; an entry of `route` for
+    every width with that T is appended to `by_width`.
+
+    Raises:
+        ModuleBuildError: the build failed (nvcc, the kernel builder) or the library is not a binary
+            for the arch only.
+    """
+    for nt in sorted({(w + 7) // 8 for w in plan.widths}):
+        rel = rel_of(nt)
+        try:
+            build(nt, artifact_dir / rel)
         except Exception as exc:  # Q4KernelError, nvcc failures
             raise ModuleBuildError(f"building {rel} for {plan.arch} failed: {exc}") from exc
         strip_local_symbols(artifact_dir / rel)
@@ -697,9 +718,9 @@ def _build_tiled_linears(
                         width=w,
                         file=rel,
                         target=dict(plan.target),
-                        route="cuda-tiled",
+                        route=route,
                         dynamic_rows=True,
-                        functions=_functions(shapes, plan.dtype, tiled=True),
+                        functions=functions,
                     )
                 )
 

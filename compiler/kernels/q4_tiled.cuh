@@ -123,6 +123,36 @@ __device__ __forceinline__ void tiled_park(const TiledAcc<MT, NT>& a, int grp, i
       mine[(i * NT + j) * 32 + lane] = make_float4(a.v[i][j][0], a.v[i][j][1], a.v[i][j][2], a.v[i][j][3]);
 }
 
+// Sum the n slots of output group `out` in slot order (the covering workers' order: a fixed order,
+// so results are deterministic) and write y.
+template <typename T, int NT, int MT>
+__device__ __forceinline__ void tiled_sum_slots(int out, int n, const float* __restrict__ ws, int slots,
+                                                T* __restrict__ y, int n_rows, int n_out) {
+  const int lane = threadIdx.x & 31;
+  const float4* base = reinterpret_cast<const float4*>(ws) + static_cast<size_t>(out) * slots * (MT * NT * 32);
+  TiledAcc<MT, NT> sum;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sum.v[i][j][c] = 0.f;
+  for (int q = 0; q < n; ++q) {
+    const float4* slot = base + static_cast<size_t>(q) * (MT * NT * 32);
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float4 f = __ldcg(slot + (i * NT + j) * 32 + lane);
+        sum.v[i][j][0] += f.x;
+        sum.v[i][j][1] += f.y;
+        sum.v[i][j][2] += f.z;
+        sum.v[i][j][3] += f.w;
+      }
+  }
+  tiled_store_y<T, NT, MT>(sum, out, y, n_rows, n_out);
+}
+
 // After this warp's slots are visible: take a ticket of group grp; the last of its pl - pf + 1
 // warps sums every slot in warp order (a fixed order: deterministic), writes y and resets the
 // ticket for the next launch.
@@ -137,28 +167,7 @@ __device__ __forceinline__ void tiled_ticket_sum(int grp, int pf, int pl, float*
   if (ticket != pl - pf) return;  // not the last of the group's warps
   __threadfence();
   if (lane == 0) tickets[grp] = 0;
-  const float4* base = reinterpret_cast<const float4*>(ws) + static_cast<size_t>(grp) * slots * (MT * NT * 32);
-  TiledAcc<MT, NT> sum;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) sum.v[i][j][c] = 0.f;
-  for (int q = 0; q <= pl - pf; ++q) {
-    const float4* slot = base + static_cast<size_t>(q) * (MT * NT * 32);
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const float4 f = __ldcg(slot + (i * NT + j) * 32 + lane);
-        sum.v[i][j][0] += f.x;
-        sum.v[i][j][1] += f.y;
-        sum.v[i][j][2] += f.z;
-        sum.v[i][j][3] += f.w;
-      }
-  }
-  tiled_store_y<T, NT, MT>(sum, grp, y, n_rows, n_out);
+  tiled_sum_slots<T, NT, MT>(grp, pl - pf + 1, ws, slots, y, n_rows, n_out);
 }
 
 // The worker that owns unit u of U split over n_workers workers: the largest q with q U / P <= u.
@@ -217,29 +226,7 @@ __device__ __noinline__ void tiled_finish_group_block(TiledAcc<MT, NT> a, int gr
   if (ticket != pl - pf) return;
   __threadfence();
   if (threadIdx.x == 0) tickets[grp] = 0;
-  const int lane = threadIdx.x & 31;
-  const float4* base = reinterpret_cast<const float4*>(ws) + static_cast<size_t>(out) * slots * (MT * NT * 32);
-  TiledAcc<MT, NT> sum;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) sum.v[i][j][c] = 0.f;
-  for (int q = 0; q <= pl - pf; ++q) {
-    const float4* slot = base + static_cast<size_t>(q) * (MT * NT * 32);
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const float4 f = __ldcg(slot + (i * NT + j) * 32 + lane);
-        sum.v[i][j][0] += f.x;
-        sum.v[i][j][1] += f.y;
-        sum.v[i][j][2] += f.z;
-        sum.v[i][j][3] += f.w;
-      }
-  }
-  tiled_store_y<T, NT, MT>(sum, out, y, n_rows, n_out);
+  tiled_sum_slots<T, NT, MT>(out, pl - pf + 1, ws, slots, y, n_rows, n_out);
 }
 
 // Bytes of one warp's shared-memory ring (RING = 1): D stages of MT units (codes + scales) and

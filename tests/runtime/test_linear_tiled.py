@@ -5,7 +5,6 @@ runs a tiny artifact built for the GPU's card through the real tiled modules."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
@@ -14,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import hf_tiny  # tests/ is on pytest's pythonpath
 import numpy as np
 import pytest
 import torch
@@ -32,17 +32,6 @@ from ignis.runtime.linear import (
     torch_linear,
 )
 from ignis.runtime.q4_tiled import tile_q4, untile_q4
-
-
-def _helper(name: str) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _q4(*shape: int, seed: int = 0, dtype: torch.dtype = torch.int32) -> Q4Weight:
@@ -334,7 +323,6 @@ def _served(weights: dict[str, Any], extra: set[tuple[int, int]] = frozenset()) 
 def test_llama_fuses_before_tiling_and_matches_torch() -> None:
     """The llama executor fuses q|k|v and gate|up in the row-major layout and places the fused
     weights (tiled where served); logits equal the dequantized model's, every q4 linear runs tiled."""
-    hf_tiny = _helper("hf_tiny")
     from ignis.runtime.families import get_family
 
     model = hf_tiny.tiny_model("llama", hidden_size=128, intermediate_size=256)
@@ -436,7 +424,6 @@ def test_artifact_places_served_q4_weights_tiled(tmp_path: Path, monkeypatch: py
     the loaded q4 weights come out tiled (the fused members are left to the executor) and the
     logits equal the torch executor's. (A q4 artifact for the h200 card, built without compiling
     modules; Python stand-ins serve as its tiled functions.)"""
-    hf_tiny = _helper("hf_tiny")
     import dataclasses
 
     from ignis.compiler.build import build_artifact
@@ -488,7 +475,6 @@ def _build_tiny_tiled_llama(card: str, tmp_path: Path, out: Path) -> None:
     import subprocess
     import textwrap
 
-    hf_tiny = _helper("hf_tiny")
     ckpt = hf_tiny.save_tiny(
         hf_tiny.tiny_model(
             "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
