@@ -46,6 +46,11 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   return v;
 }
 
+// Release / acquire of the fixup protocol (write partials, fence, relaxed atomic ticket; the last
+// arriver: ticket, fence, read): fence.acq_rel at GPU scope is what the PTX memory model needs for
+// that pattern (a sequentially consistent __threadfence is stronger than needed).
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 // (q - 8) for the word's features, unscaled and exact: out[i] = (f_{2i} - 8, f_{2i+1} - 8).
 template <typename T>
 struct TiledDequant;
@@ -165,7 +170,7 @@ __device__ __forceinline__ void tiled_ticket_sum(int grp, int pf, int pl, float*
   if (lane == 0) ticket = atomicAdd(tickets + grp, 1);
   ticket = __shfl_sync(0xffffffffu, ticket, 0);
   if (ticket != pl - pf) return;  // not the last of the group's warps
-  __threadfence();
+  fence_acq_rel_gpu();
   if (lane == 0) tickets[grp] = 0;
   tiled_sum_slots<T, NT, MT>(grp, pl - pf + 1, ws, slots, y, n_rows, n_out);
 }
@@ -192,7 +197,7 @@ __device__ __noinline__ void tiled_finish_group(TiledAcc<MT, NT> a, int grp, int
   }
   const int pf = tiled_owner(first_u, U, n_workers), pl = tiled_owner(first_u + S - 1, U, n_workers);
   tiled_park<NT, MT>(a, out, worker, pf, ws, slots);
-  __threadfence();
+  fence_acq_rel_gpu();
   __syncwarp();
   tiled_ticket_sum<T, NT, MT>(out, pf, pl, ws, tickets, slots, y, n_rows, n_out);
 }
@@ -217,23 +222,16 @@ __device__ __noinline__ void tiled_finish_group_block(TiledAcc<MT, NT> a, int gr
   tiled_park<NT, MT>(a, out, worker, pf, ws, slots);
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
+    fence_acq_rel_gpu();
     *flag = atomicAdd(tickets + grp, 1);
   }
   __syncthreads();
   const int ticket = *flag;
   __syncthreads();  // every thread has read the flag before a later group end rewrites it
   if (ticket != pl - pf) return;
-  __threadfence();
+  fence_acq_rel_gpu();
   if (threadIdx.x == 0) tickets[grp] = 0;
   tiled_sum_slots<T, NT, MT>(out, pl - pf + 1, ws, slots, y, n_rows, n_out);
-}
-
-// Bytes of one warp's shared-memory ring (RING = 1): D stages of MT units (codes + scales) and
-// D mbarriers.
-template <int MT, int D>
-__host__ __device__ constexpr int tiled_ring_bytes() {
-  return (D * MT * (1024 + 128) + D * 8 + 127) / 128 * 128;  // every warp's ring 128-byte aligned
 }
 
 // Bytes of one warp's private per-lane ring (RING = 2): D stages of MT units, each lane's two
@@ -243,37 +241,11 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
   return D * MT * 3 * 512;
 }
 
-__device__ __forceinline__ void mbar_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
-}
-// Arm the barrier for `bytes` of bulk copies (this thread's arrival included).
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n"
-      "W:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra W;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// A bulk copy (the Hopper copy engine) of `bytes` contiguous global bytes into shared memory,
-// completing on `bar`.
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-#else
-  __trap();
-#endif
-}
-
 // Grid: any number of blocks of WARPS warps (the host launches SMs x resident blocks). RING = 0: no
-// shared memory, each lane's weights travel global -> registers, D units deep. RING = 1: each warp
-// owns a ring of D units in shared memory (tiled_ring_bytes<MT, D>() a warp) filled by bulk copies
-// (lane 0 issues 1 KB + 128 B a tile and unit), so D - 1 units stay in flight without registers.
+// shared memory for the weights, each lane's weights travel global -> registers, D units deep.
+// RING = 2: each lane streams its own pieces through a private cp.async ring in shared memory
+// (tiled_lane_ring_bytes<MT, D>() a warp), D - 1 units in flight without registers. (A bulk-copy
+// ring, filled by the Hopper copy engine, was measured slower and removed: docs/PERF.md.)
 // ws: fp32 workspace of n_groups * slots * MT * NT * 128 floats; tickets: n_groups ints, zero
 // between launches. n_workers <= U: warps p >= n_workers exit at once.
 // XDB: the next unit's activations are loaded into registers before this unit's math (instead of
@@ -285,14 +257,14 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
 // griddepcontrol.wait (320 bytes a row and k-step, after a 128-byte head holding the ticket flag
 // and, with RING 2, the warps' rings); the units then read them from there. Tickets: one per group (n_groups); workspace slots: per warp share.
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int RING, bool XDB = false,
-          int MODE = kModeCompute, bool XS = false>
+          int MODE = kModeCompute, int XS = 0>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
     q4_tiled_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const uint4* __restrict__ sc,
                     T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, int n_rows,
                     int n_out, int k_in, int n_tiles, int n_groups, int slots, int n_workers) {
   static_assert(D >= 2, "at least two units in the ring");
-  static_assert(RING >= 0 && RING <= 2, "RING is 0 (registers), 1 (bulk copies) or 2 (per-lane cp.async)");
-  static_assert(!XS || (RING != 1 && !XDB), "XS takes ring 0 or 2 and no XDB");
+  static_assert(RING == 0 || RING == 2, "RING is 0 (registers) or 2 (per-lane cp.async)");
+  static_assert(!XS || !XDB, "XS takes no XDB");
   using Tr = Q4Traits<T>;
   constexpr int NACC = (!POST && MT * NT < 4) ? 2 : 1;
   extern __shared__ __align__(128) unsigned char tsmem[];
@@ -338,14 +310,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // RING = 0: the register ring.
   uint4 wbuf[RING == 0 ? D : 1][MT][2];
   uint4 sbuf[RING == 0 ? D : 1][MT];
-  // RING = 1: this warp's shared-memory ring and barriers.
+  // RING = 2: this warp's shared-memory ring.
   // XS: [16-byte ticket flag, padded to 128][the warps' rings (RING 2)][activations]
   constexpr int kXsHead = XS ? 128 : 0;
-  constexpr int kRingBytes = RING == 2 ? tiled_lane_ring_bytes<MT, D>() : tiled_ring_bytes<MT, D>();
+  constexpr int kRingBytes = RING == 2 ? tiled_lane_ring_bytes<MT, D>() : 0;
   unsigned char* ring = tsmem + kXsHead + warp * kRingBytes;
   const uint32_t ring_a = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  const uint32_t bar_a = ring_a + D * MT * (1024 + 128);
-  uint32_t phases = 0;  // bit d: parity of stage d's next completion
 
   auto issue = [&](int d) {  // the unit at the load cursor into slot d, then advance the cursor
     if constexpr (RING == 0) {
@@ -355,7 +325,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         wbuf[d][i][1] = ldg_stream(wp[i] + 32 + lane);
         sbuf[d][i] = __ldg(sp[i] + g);
       }
-    } else if constexpr (RING == 2) {  // this lane's own pieces; the caller commits the group
+    } else {  // RING 2: this lane's own pieces; the caller commits the group
       const uint32_t dst = ring_a + d * MT * 1536 + lane * 16;
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
@@ -363,29 +333,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         cp_async16(dst + i * 1536 + 512, wp[i] + 32 + lane);
         cp_async16(dst + i * 1536 + 1024, sp[i] + g);
       }
-    } else {
-      if (lane == 0) {
-        const uint32_t bar = bar_a + 8 * d;
-        mbar_expect_tx(bar, MT * (1024 + 128));
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          const uint32_t dst = ring_a + (d * MT + i) * (1024 + 128);
-          bulk_g2s(dst, wp[i], 1024, bar);
-          bulk_g2s(dst + 1024, sp[i], 128, bar);
-        }
-      }
     }
     advance_load();
   };
 
-  if constexpr (RING == 1) {
-    if (lane == 0) {
-#pragma unroll
-      for (int d = 0; d < D; ++d) mbar_init(bar_a + 8 * d);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncwarp();
-  }
   if constexpr (RING == 2) {  // D - 1 units in flight; one commit group per unit, empty ones too
 #pragma unroll
     for (int d = 0; d < D - 1; ++d) {
@@ -432,17 +383,24 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   const int n_xs = min(u1 - u0, S);
   // XS: the ticket flag after the activations (the host reserves 16 bytes for it).
   int* xs_flag = reinterpret_cast<int*>(tsmem);
+  // The first kXsFirst k-steps' activations form one copy group and the rest a second: the units
+  // start once the first has landed, and the block waits for the rest before unit kXsFirst.
+  constexpr int kXsFirst = 4;
+  const int xs_first = min(n_xs, kXsFirst);
   if constexpr (XS && MODE == kModeCompute) {
-    const int chunks = n_xs * n_rows * 16;  // 16-byte chunks
-    for (int c = threadIdx.x; c < chunks; c += WARPS * 32) {
-      const int slot = c / (n_rows * 16), rem = c - slot * (n_rows * 16);
-      const int r = rem >> 4, col = rem & 15;
-      const int ks = ks0 + slot < S ? ks0 + slot : ks0 + slot - S;
-      cp_async16(xs_a + (slot * n_rows + r) * kXsRow + col * 16,
-                 x + static_cast<size_t>(r) * k_in + ks * kStepK + col * 8);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
+    auto stage = [&](int c0, int c1) {  // 16-byte chunks [c0, c1) of the block's activations
+      for (int c = c0 + static_cast<int>(threadIdx.x); c < c1; c += WARPS * 32) {
+        const int slot = c / (n_rows * 16), rem = c - slot * (n_rows * 16);
+        const int r = rem >> 4, col = rem & 15;
+        const int ks = ks0 + slot < S ? ks0 + slot : ks0 + slot - S;
+        cp_async16(xs_a + (slot * n_rows + r) * kXsRow + col * 16,
+                   x + static_cast<size_t>(r) * k_in + ks * kStepK + col * 8);
+      }
+      cp_async_commit();
+    };
+    stage(0, xs_first * n_rows * 16);
+    stage(xs_first * n_rows * 16, n_xs * n_rows * 16);
+    cp_async_wait<1>();
     __syncthreads();
   }
   auto load_x = [&](uint4 (&xv)[NT][4], int ks) {
@@ -528,7 +486,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
           if (NACC == 2) v += acc[NACC - 1][i][j][c];
           a.v[i][j][c] = v;
         }
-    if constexpr (XS) {
+    if constexpr (XS == 1) {
       tiled_finish_group_block<T, NT, MT>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, tickets, slots, y,
                                           n_rows, n_out, xs_flag);
     } else {
@@ -562,12 +520,16 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // Unit u = base + d sits in slot d (d is a constant once the loops below are unrolled). check:
   // the last blocks, where a unit or its refill may lie past u1.
   auto step = [&](int u, int d, bool check) {
+    if (XS && MODE == kModeCompute && u - u0 == xs_first) {  // the rest of the activations
+      cp_async_wait<0>();
+      __syncthreads();
+    }
     uint4 xv[NT][4];
     unit_x(u, xv);
     if constexpr (RING == 0) {
       compute(wbuf[d], sbuf[d], xv);
       if (!check || u + D < u1) issue(d);
-    } else if constexpr (RING == 2) {
+    } else {  // RING 2
       cp_async_wait<D - 2>();  // this lane's pieces of unit u (slot d) have landed
       uint4 wd[MT][2], sd[MT];
       const uint32_t src = ring_a + d * MT * 1536 + lane * 16;
@@ -580,20 +542,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       // Unit u + D - 1 into the slot unit u - 1 used (read by this lane during the last unit).
       if (!check || u + D - 1 < u1) issue((d + D - 1) % D);
       cp_async_commit();
-      compute(wd, sd, xv);
-    } else {
-      mbar_wait(bar_a + 8 * d, (phases >> d) & 1u);
-      phases ^= 1u << d;
-      uint4 wd[MT][2], sd[MT];
-#pragma unroll
-      for (int i = 0; i < MT; ++i) {
-        const uint32_t src = ring_a + (d * MT + i) * (1024 + 128);
-        wd[i][0] = lds128(src + lane * 16);
-        wd[i][1] = lds128(src + 512 + lane * 16);
-        sd[i] = lds128(src + 1024 + g * 16);
-      }
-      __syncwarp();  // every lane has read slot d before lane 0 refills it
-      if (!check || u + D < u1) issue(d);
       compute(wd, sd, xv);
     }
     if (MODE == kModeCompute && (cks == S - 1 || (check && u + 1 == u1))) group_end(cg);

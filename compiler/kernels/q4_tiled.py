@@ -33,8 +33,7 @@ class TiledConfig:
         min_blocks: ``__launch_bounds__`` minimum blocks per SM (caps registers per thread).
         blocks_per_sm: resident blocks per SM launched (0: as many as the occupancy allows).
         pdl: programmatic dependent launch.
-        ring: 0: weights global -> registers; 1: bulk copies (sm_90+ copy engine) into a per-warp
-            shared-memory ring of ``depth`` units, ``depth - 1`` in flight without registers.
+        ring: 0: weights global -> registers;
             2: each lane streams its own pieces through a private cp.async ring in shared memory
             (``depth - 1`` units in flight, waited for by commit-group counting).
         x_double: the next unit's activations are loaded into registers before this unit's math
@@ -43,6 +42,8 @@ class TiledConfig:
         x_smem: the stream-K workers are blocks (a unit: ``warps * m_tiles`` tiles x one k-step,
             each warp its own tiles) whose activations are copied into shared memory once;
             ``blocks_per_sm`` (0: 1) blocks a SM. Takes ring 0 or 2.
+        warp_tickets: (x_smem) each warp takes its share's fixup ticket on its own instead of the
+            block taking one per group after a barrier.
     """
 
     n_tiles: int = 1
@@ -57,6 +58,7 @@ class TiledConfig:
     x_double: bool = False
     stream_only: bool = False
     x_smem: bool = False
+    warp_tickets: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -69,14 +71,16 @@ class TiledConfig:
             raise Q4KernelError(f"depth must be at least 2, got {self.depth}")
         if not 1 <= self.min_blocks <= 32 or not 0 <= self.blocks_per_sm <= 32:
             raise Q4KernelError("min_blocks must be 1..32 and blocks_per_sm 0..32")
-        if self.ring not in (0, 1, 2) or (self.ring == 0 and self.depth > 8) or self.depth > 16:
+        if self.ring not in (0, 2) or (self.ring == 0 and self.depth > 8) or self.depth > 16:
             raise Q4KernelError(
-                f"ring must be 0 (depth <= 8), 1 or 2 (depth <= 16), got {self.ring}, {self.depth}"
+                f"ring must be 0 (depth <= 8) or 2 (depth <= 16), got {self.ring}, {self.depth}"
             )
         if self.ring == 2 and self.depth < 3:
             raise Q4KernelError("ring 2 needs depth >= 3")
-        if self.x_smem and (self.ring == 1 or self.x_double):
-            raise Q4KernelError("x_smem takes ring 0 or 2 and no x_double")
+        if self.x_smem and self.x_double:
+            raise Q4KernelError("x_smem takes no x_double")
+        if self.warp_tickets and not self.x_smem:
+            raise Q4KernelError("warp_tickets applies to x_smem configurations")
         if self.ring and self.smem_bytes > 227 * 1024:
             raise Q4KernelError(
                 f"{self.tag} needs {self.smem_bytes} bytes of shared memory a block (> 227 KiB)"
@@ -84,11 +88,10 @@ class TiledConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory a block (tiled_ring_bytes in q4_tiled.cuh times warps)."""
+        """Dynamic shared memory a block for the weight rings (tiled_lane_ring_bytes in q4_tiled.cuh
+        times warps; x_smem adds the activations at launch)."""
         if self.ring == 2:
             return self.warps * self.depth * self.m_tiles * 1536
-        if self.ring == 1:
-            return self.warps * -(-(self.depth * self.m_tiles * (1024 + 128) + self.depth * 8) // 128) * 128
         return 0
 
     @property
@@ -102,21 +105,22 @@ class TiledConfig:
         if self.blocks_per_sm:
             tag += f"_b{self.blocks_per_sm}"
         if self.ring:
-            tag += "_tma" if self.ring == 1 else "_cpa"
+            tag += "_cpa"
         if self.x_double:
             tag += "_xdb"
         if self.stream_only:
             tag += "_streamonly"
         if self.x_smem:
-            tag += "_xs"
+            tag += "_xsw" if self.warp_tickets else "_xs"
         return tag if self.pdl else tag + "_nopdl"
 
     def export_line(self, name: str) -> str:
         b = {True: "true", False: "false"}
+        xs = (2 if self.warp_tickets else 1) if self.x_smem else 0
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "
             f"{b[self.post_scale]}, {self.min_blocks}, {self.blocks_per_sm}, {b[self.pdl]}, {self.ring}, "
-            f"{b[self.x_double]}, {int(self.stream_only)}, {b[self.x_smem]})"
+            f"{b[self.x_double]}, {int(self.stream_only)}, {xs})"
         )
 
 
@@ -146,8 +150,6 @@ def build_q4_tiled_module(
             raise Q4KernelError(f"export name {name!r} is not a C identifier")
     if not arch.startswith("sm_") or not arch[3:].isdigit() or int(arch[3:]) < 80:
         raise Q4KernelError(f"the tiled q4 kernel needs sm_80 or newer, got {arch!r}")
-    if int(arch[3:]) < 90 and any(cfg.ring == 1 for cfg in exports.values()):
-        raise Q4KernelError(f"ring=1 (bulk copies) needs sm_90 or newer, got {arch!r}")
     return build_cuda_module(
         tiled_source(exports),
         arch,
@@ -160,20 +162,24 @@ def build_q4_tiled_module(
 
 
 # Configuration per n-tile count (rows 1-8, 9-16, 17-24, 25-32), measured on the H200 with
-# tools/bench_q4_tiled.py (docs/PERF.md, 2026-11-29, tiled runs 1-11): blocks of 16 warps, one a SM
+# tools/bench_q4_tiled.py (docs/PERF.md, 2026-11-29, tiled runs 1-16): blocks of 16 warps, one a SM
 # (128 registers a thread), activations staged in shared memory once per block, a 3-unit register
-# ring of weights; scales applied after the mma up to 16 rows, folded into the weights above.
-# The same configuration serves every shape and card (no shared memory is reserved at build time;
-# the launch sizes the activation buffer and falls back to the warp kernel when it does not fit).
+# ring of weights, each warp taking its own fixup tickets; scales applied after the mma up to 16
+# rows, folded into the weights above. The same configuration serves every shape and card (no
+# shared memory is reserved at build time; the launch sizes the activation buffer and falls back to
+# the warp kernel when it does not fit).
 _RULES: dict[int, TiledConfig] = {
-    1: TiledConfig(n_tiles=1, warps=16, depth=3, post_scale=True, min_blocks=1, blocks_per_sm=1, x_smem=True),
-    2: TiledConfig(n_tiles=2, warps=16, depth=3, post_scale=True, min_blocks=1, blocks_per_sm=1, x_smem=True),
-    3: TiledConfig(
-        n_tiles=3, warps=16, depth=3, post_scale=False, min_blocks=1, blocks_per_sm=1, x_smem=True
-    ),
-    4: TiledConfig(
-        n_tiles=4, warps=16, depth=3, post_scale=False, min_blocks=1, blocks_per_sm=1, x_smem=True
-    ),
+    nt: TiledConfig(
+        n_tiles=nt,
+        warps=16,
+        depth=3,
+        post_scale=nt <= 2,
+        min_blocks=1,
+        blocks_per_sm=1,
+        x_smem=True,
+        warp_tickets=True,
+    )
+    for nt in (1, 2, 3, 4)
 }
 
 

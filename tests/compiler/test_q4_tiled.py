@@ -203,12 +203,18 @@ def test_configs_are_validated_and_tagged() -> None:
     with pytest.raises(Q4KernelError, match="n_tiles"):
         TiledConfig(n_tiles=5)
     with pytest.raises(Q4KernelError, match="ring"):
-        TiledConfig(ring=3)
-    with pytest.raises(Q4KernelError, match="x_smem takes ring 0 or 2"):
-        TiledConfig(ring=1, x_smem=True)
+        TiledConfig(ring=1)
+    with pytest.raises(Q4KernelError, match="x_smem takes no x_double"):
+        TiledConfig(x_smem=True, x_double=True)
     cfg = TiledConfig(n_tiles=2, warps=16, depth=3, min_blocks=1, blocks_per_sm=1, x_smem=True)
     assert cfg.tag == "t2_mt1_w16_d3_post_mb1_b1_xs" and cfg.max_rows == 16
-    assert cfg.export_line("f") == "IGNIS_Q4T_EXPORT(f, 2, 1, 16, 3, true, 1, 1, true, 0, false, 0, true)"
+    warp = TiledConfig(
+        n_tiles=2, warps=16, depth=3, min_blocks=1, blocks_per_sm=1, x_smem=True, warp_tickets=True
+    )
+    assert warp.tag.endswith("_xsw") and warp.export_line("f").endswith(", 2)")
+    with pytest.raises(Q4KernelError, match="warp_tickets"):
+        TiledConfig(warp_tickets=True)
+    assert cfg.export_line("f") == "IGNIS_Q4T_EXPORT(f, 2, 1, 16, 3, true, 1, 1, true, 0, false, 0, 1)"
     assert tiled_source({"f": cfg}).startswith('#include "q4_tiled_ffi.cuh"')
     for rows in (1, 8, 9, 16, 17, 24, 25, 32):
         assert tiled_config_for(rows, 17408, 5120, "sm_90").max_rows >= rows
@@ -216,8 +222,8 @@ def test_configs_are_validated_and_tagged() -> None:
         tiled_config_for(33, 128, 128, "sm_90")
     with pytest.raises(Q4KernelError, match="% 128"):
         tiled_config_for(1, 128, 96, "sm_90")
-    with pytest.raises(Q4KernelError, match="sm_90"):
-        build_q4_tiled_module("sm_86", {"f": TiledConfig(ring=1)}, "/nonexistent/x.so")
+    with pytest.raises(Q4KernelError, match="sm_80"):
+        build_q4_tiled_module("sm_75", {"f": TiledConfig()}, "/nonexistent/x.so")
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
