@@ -30,11 +30,12 @@ so P(emit x at a position) = min(p(x), q(x)) + (1 - sum_y min(p(y), q(y))) * nor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AcceptanceResult", "greedy_accept", "rejection_sample"]
+__all__ = ["AcceptanceResult", "greedy_accept", "greedy_accept_ids", "rejection_sample"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,28 @@ def greedy_accept(
     return AcceptanceResult(
         output_token_ids=target_token_ids[: n + 1].to(torch.int64).clone(), num_accepted=n
     )
+
+
+def greedy_accept_ids(
+    draft_token_ids: Sequence[int], target_token_ids: Sequence[int]
+) -> tuple[list[int], int]:
+    """`greedy_accept` on host ids: (the committed run, n accepted), the same rule.
+
+    The engine's batched form: every greedy lane's argmax and drafts come to the host in one
+    transfer, then each lane's run is found here without touching the device.
+
+    Raises:
+        ValueError: len(target_token_ids) != len(draft_token_ids) + 1.
+    """
+    k = len(draft_token_ids)
+    if len(target_token_ids) != k + 1:
+        raise ValueError(
+            f"target_token_ids must have k + 1 = {k + 1} entries for {k} drafts, got {len(target_token_ids)}"
+        )
+    n = 0
+    while n < k and draft_token_ids[n] == target_token_ids[n]:
+        n += 1
+    return list(target_token_ids[: n + 1]), n
 
 
 def rejection_sample(

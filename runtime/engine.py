@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ignis.runtime.acceptance import AcceptanceResult, greedy_accept, rejection_sample
+from ignis.runtime.acceptance import AcceptanceResult, greedy_accept, greedy_accept_ids, rejection_sample
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
 from ignis.runtime.families.base import Executor, LaneState
@@ -450,36 +450,56 @@ class SpeculativeEngine:
             left = lane.stops.num_tokens_left
             caps.append(MAX_DRAFT_TOKENS if left is None else left - 1)
         proposals = self._propose(lanes, self.scheduler.plan(caps))
-        columns = [
-            torch.cat(
-                [
-                    torch.tensor([lane.output[-1]], dtype=torch.int64, device=self.device),
-                    prop.draft_token_ids.to(device=self.device, dtype=torch.int64),
-                ]
-            )
-            for lane, prop in zip(lanes, proposals, strict=True)
-        ]
+        # One host-to-device copy for every anchor; each lane's column is [anchor, d_1..d_k].
+        anchor_ids = [lane.output[-1] for lane in lanes]
+        anchors = torch.tensor(anchor_ids, dtype=torch.int64, device=self.device)
+        drafts = [prop.draft_token_ids.to(device=self.device, dtype=torch.int64) for prop in proposals]
+        columns = [torch.cat([anchors[i : i + 1], d]) for i, d in enumerate(drafts)]
         states = [lane.state for lane in lanes]
         record = any(c.numel() > 1 for c in columns)
         out = self.executor.forward(states, columns, logits="all", record=record, **self._forward_kwargs())
+        # Greedy lanes: every lane's argmax and drafts reach the host in ONE transfer (no per-lane sync),
+        # then each run is found on the host (`greedy_accept_ids`, the rule of `greedy_accept`).
+        greedy = [i for i, lane in enumerate(lanes) if lane.params.is_greedy]
+        host_runs: dict[int, tuple[list[int], int]] = {}
+        if greedy:
+            parts = [out.logits[i].argmax(dim=-1) for i in greedy] + [drafts[i] for i in greedy]
+            flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).tolist()
+            pos = 0
+            targets: list[list[int]] = []
+            for i in greedy:
+                n_rows = int(out.logits[i].shape[0])
+                targets.append(flat[pos : pos + n_rows])
+                pos += n_rows
+            for i, target in zip(greedy, targets, strict=True):
+                k = drafts[i].numel()
+                host_runs[i] = greedy_accept_ids(flat[pos : pos + k], target)
+                pos += k
         runs: list[list[int]] = []
         keeps: list[int] = []
+        inputs: list[list[int]] = []  # each lane's column on the host (for the drafter's spans)
         for i, (lane, prop) in enumerate(zip(lanes, proposals, strict=True)):
-            res = self._accept(lane, prop, out.logits[i])
-            run = res.output_token_ids.tolist()
+            if i in host_runs:
+                run, num_accepted = host_runs[i]
+            else:
+                res = self._accept(lane, prop, out.logits[i])
+                run, num_accepted = res.output_token_ids.tolist(), res.num_accepted
             num_emitted = lane.stops.extend(run)
             k = prop.draft_token_ids.numel()
             if k:
                 self.metrics.record_round(
-                    num_drafted=k, num_accepted=min(res.num_accepted, num_emitted), num_emitted=num_emitted
+                    num_drafted=k, num_accepted=min(num_accepted, num_emitted), num_emitted=num_emitted
                 )
             lane.num_rounds += 1
             runs.append(run[:num_emitted])
             keeps.append(num_emitted)
+            # The committed columns are the anchor and the accepted drafts, i.e. the anchor then the
+            # run's first keep - 1 tokens (a run starts with the accepted drafts).
+            inputs.append([anchor_ids[i], *run[: max(num_emitted - 1, 0)]])
             emitted.setdefault(lane.lane_id, []).extend(run[:num_emitted])
         self.executor.commit(states, keeps)
         finished, spans = [], []
-        for i, (lane, col, run, keep) in enumerate(zip(lanes, columns, runs, keeps, strict=True)):
+        for i, (lane, inp, run, keep) in enumerate(zip(lanes, inputs, runs, keeps, strict=True)):
             if lane.stops.is_finished:
                 finished.append(lane)
                 self._active.remove(lane)
@@ -491,7 +511,7 @@ class SpeculativeEngine:
                     CommittedSpan(
                         lane_id=lane.lane_id,
                         start=lane.num_committed - keep,
-                        input_token_ids=tuple(col[:keep].tolist()),
+                        input_token_ids=tuple(inp[:keep]),
                         next_token_ids=tuple(run),
                         hidden_states=None if out.hidden_states is None else out.hidden_states[i][:keep],
                         taps=None if out.taps is None else out.taps[i][:keep],

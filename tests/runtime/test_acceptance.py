@@ -199,3 +199,20 @@ def test_the_chi_square_test_has_power_against_a_wrong_residual():
         d = torch.multinomial(q, 1, generator=draft_gen).flatten()
         first.append(_broken_rejection_sample(d, p, q, gen)[0])
     assert chi2_pvalue(first, p[0]) < ALPHA
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_accept_ids_is_greedy_accept_on_the_host(seed: int) -> None:
+    """The engine's batched form takes the same run as the tensor form: drafts always right, always
+    wrong, and right by chance (a small vocabulary), k = 0..7."""
+    from ignis.runtime.acceptance import greedy_accept_ids
+
+    g = torch.Generator().manual_seed(seed)
+    k = seed % 8
+    target = torch.randint(0, 4, (k + 1,), generator=g)
+    for drafts in (target[:k].clone(), (target[:k] + 1) % 4, torch.randint(0, 4, (k,), generator=g)):
+        want = greedy_accept(drafts, target)
+        run, n = greedy_accept_ids(drafts.tolist(), target.tolist())
+        assert run == want.output_token_ids.tolist() and n == want.num_accepted
+    with pytest.raises(ValueError, match="k \\+ 1"):
+        greedy_accept_ids([1, 2], [1, 2])
