@@ -25,9 +25,9 @@ Tiled placement: when the artifact's CUDA modules serve a q4 shape with "q4_g32_
 the weights of that shape must be in the tiled layout on the device. `LinearBackend.place` does it
 for one weight (after its copy to the device: tile it there, then the row-major copy can be
 dropped, so the peak is about one extra weight plus ~16 x `TILE_CHUNK_BYTES` of temporaries) and
-runs each tiled function of that shape once (the kernel's workspace grows on a first call, which
-cannot happen during CUDA-graph capture and would free buffers captured graphs use: every weight
-is placed before the first capture).
+runs each tiled function of that shape at the fewest and the most rows the dispatch gives it (the
+kernel's workspace grows on a call that needs more, which cannot happen during CUDA-graph capture:
+every weight is placed before the first capture).
 `tile_decision` is the rule (CPU-testable); `Artifact` places the weights it loads, and
 `WeightLoader` / the executors place the ones they fuse or receive (`place_weight`).
 
@@ -599,7 +599,7 @@ class LinearBackend:
         self.compiled = compiled
         self.counts = {"compiled": 0, "torch": 0, "fallback": 0}
         self._warned: set[tuple[int, str, int, int, str]] = set()
-        self._reserved: set[tuple[str, int, int]] = set()
+        self._reserved: set[tuple[str, tuple[int, str, int, int, str]]] = set()
         self._lock = threading.Lock()
 
     def place(self, weight: torch.Tensor | Q4Weight, *, row_splits: int = 1) -> torch.Tensor | Q4Weight:
@@ -607,10 +607,10 @@ class LinearBackend:
 
         A row-major `Q4Weight` whose shape the compiled "q4_g32_tiled" functions of its device kind
         serve (`tile_decision` over `CompiledLinears.tiled_shapes`) is tiled there (`to_tiled`; the
-        caller drops the row-major one) and each CUDA tiled function of its shape runs once on it
-        (one row of zeros, once per library and shape) so that the kernel's workspace has its final
-        size before any CUDA-graph capture. Anything else (dense, tiled already, no tiled function for
-        it, no compiled modules) is returned as is.
+        caller drops the row-major one) and each CUDA tiled function of its shape runs on it (rows
+        of zeros: the fewest and the most its width serves, once per function) so that the
+        kernel's workspace has its final size before any CUDA-graph capture. Anything else (dense,
+        tiled already, no tiled function for it, no compiled modules) is returned as is.
 
         Args:
             weight: [*lead, N, K], on the device it will run on.
@@ -632,7 +632,15 @@ class LinearBackend:
         return tiled
 
     def _reserve(self, tiled: Q4Weight, row_splits: int) -> None:
-        """Run each CUDA tiled function serving `tiled` (one stack member, one row block) once."""
+        """Run each CUDA tiled function serving `tiled` (one stack member, one row block) at the
+        fewest and at the most rows the dispatch gives it (the function of width W serves the rows
+        above the next smaller compiled width up to W), once per function.
+
+        The kernel's workspace need depends on the rows (it is largest at one end of that range: a
+        call whose activations do not fit in shared memory, e.g. 19+ rows on a 248,320 x 5,120
+        head, runs the warp variant, which needs more tickets than the block variant at fewer
+        rows). The workspace cannot grow during a CUDA-graph capture (`q4_tiled_ffi.cuh`), so every
+        function runs at both ends of its rows before any capture."""
         if self.compiled is None or tiled.device.type != "cuda":
             return
         sub = tiled
@@ -642,17 +650,21 @@ class LinearBackend:
             sub = sub[: sub.out_features // row_splits]
         n, k = sub.out_features, sub.in_features
         sub = sub.contiguous()
+        widths = self.compiled.widths
         for key, fn in self.compiled.functions_for(Q4_KINDS[TILED], n, k):
             dtype = _TORCH_DTYPES.get(key[4])
-            if not fn.cuda or dtype is None or (fn.module, n, k) in self._reserved:
+            if not fn.cuda or dtype is None or (fn.module, key) in self._reserved:
                 continue
-            self._reserved.add((fn.module, n, k))
+            self._reserved.add((fn.module, key))
             from ignis.runtime.tvm_runtime import torch_stream
 
-            x = torch.zeros((1, k), dtype=dtype, device=sub.device)
-            y = x.new_empty((1, n))
-            with torch_stream():
-                fn.call(x, sub.packed, sub.scales, y)
+            width = key[0]
+            fewest = 1 + max((w for w in widths if w < width), default=0)
+            for rows in sorted({fewest, width}):
+                x = torch.zeros((rows, k), dtype=dtype, device=sub.packed.device)
+                y = x.new_empty((rows, n))
+                with torch_stream():
+                    fn.call(x, sub.packed, sub.scales, y)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor | Q4Weight, bias: torch.Tensor | None = None

@@ -133,8 +133,13 @@ def untile_q4(
     """Invert `tile_q4`: the row-major parts [*lead, N, K/8] (codes' dtype) and [*lead, N, K/32] f16.
 
     Raises:
-        Q4TiledLayoutError: the tiled parts are malformed or do not hold `out_features` rows.
+        Q4TiledLayoutError: the tiled parts are malformed (shapes, dtypes) or do not hold
+            `out_features` rows.
     """
+    if codes.dtype not in (torch.uint32, torch.int32) or scales.dtype != torch.float16:
+        raise Q4TiledLayoutError(
+            f"untile_q4 needs u32/i32 codes and f16 scales, got {codes.dtype}, {scales.dtype}"
+        )
     if (
         codes.dim() < 3
         or codes.shape[-1] != 256

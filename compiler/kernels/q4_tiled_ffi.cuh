@@ -5,10 +5,12 @@
 // Workspace: one fp32 buffer and one ticket buffer per CUDA device, shared by every function of the
 // module (launches on one stream run one after another; programmatic dependent launch lets the next
 // kernel start early, but it touches the workspace only after griddepcontrol.wait). They grow on a
-// call that needs more (a device synchronize, then cudaMalloc); growing is refused while the stream
-// is being captured into a CUDA graph, so a function must run once, at its widest rows, before
-// capture (the executors' warm-up does). Concurrent launches of these functions on two streams
-// of one device are not supported.
+// call that needs more (cudaMalloc on the tensors' device, tickets zeroed in stream order; the old
+// buffers are kept, never freed, so graphs captured with them stay valid); growing is refused
+// while the stream is being captured into a CUDA graph, so a function must run before capture at
+// the fewest and the most rows it will be called with (the need peaks at one end of the range;
+// `LinearBackend.place` does it). Concurrent launches of these functions on two streams of one
+// device are not supported.
 #pragma once
 
 #include <mutex>
@@ -38,6 +40,8 @@ inline TiledWorkspace& tiled_workspace(int device) {
 }
 
 // Make the device's workspace at least (ws_bytes, ticket_bytes); returns it. Tickets start at zero.
+// Superseded buffers are kept, never freed: a CUDA graph captured with them keeps replaying into
+// valid memory (they grow a few times per process at most: a few MB).
 inline TiledWorkspace& tiled_reserve(const char* name, int device, cudaStream_t stream, size_t ws_bytes,
                                      size_t ticket_bytes) {
   TiledWorkspace& w = tiled_workspace(device);
@@ -47,24 +51,28 @@ inline TiledWorkspace& tiled_reserve(const char* name, int device, cudaStream_t 
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
   TVM_FFI_CHECK(status == cudaStreamCaptureStatusNone, RuntimeError)
       << name << ": the stream-K workspace must grow to " << ws_bytes << " bytes, which cannot happen "
-      << "during CUDA-graph capture: call the function once at its widest rows before capturing";
-  e = cudaDeviceSynchronize();  // no launch in flight still uses the old buffers
+      << "during CUDA-graph capture: call the function once at its fewest and most rows before capturing";
+  int prev_device = 0;
+  e = cudaGetDevice(&prev_device);
+  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
+  e = cudaSetDevice(device);  // allocate on the tensors' device
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
   const size_t new_ws = ws_bytes > w.ws_bytes ? ws_bytes : w.ws_bytes;
   const size_t new_t = ticket_bytes > w.ticket_bytes ? ticket_bytes : w.ticket_bytes;
   float* ws = nullptr;
   int* tickets = nullptr;
   e = cudaMalloc(&ws, new_ws);
+  if (e == cudaSuccess) {
+    e = cudaMalloc(&tickets, new_t);
+    if (e != cudaSuccess) cudaFree(ws);
+  }
+  if (e == cudaSuccess) {  // zeroed in stream order, and complete before any other stream uses them
+    e = cudaMemsetAsync(tickets, 0, new_t, stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  }
+  cudaSetDevice(prev_device);
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-      << name << ": cannot allocate " << new_ws << " bytes of workspace: " << cudaGetErrorString(e);
-  e = cudaMalloc(&tickets, new_t);
-  if (e != cudaSuccess) cudaFree(ws);
-  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-      << name << ": cannot allocate " << new_t << " bytes of tickets: " << cudaGetErrorString(e);
-  e = cudaMemset(tickets, 0, new_t);
-  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
-  if (w.ws) cudaFree(w.ws);
-  if (w.tickets) cudaFree(w.tickets);
+      << name << ": cannot allocate " << new_ws << " + " << new_t << " bytes of workspace: " << cudaGetErrorString(e);
   w.ws = ws;
   w.ws_bytes = new_ws;
   w.tickets = tickets;
@@ -97,6 +105,11 @@ inline void q4_tiled_check_args(const char* name, int max_rows, const TensorView
       << ", 64], got [" << qweight.size(0) << ", " << qweight.size(1) << ", " << qweight.size(2) << "] and ["
       << scales.size(0) << ", " << scales.size(1) << ", " << scales.size(2) << "]";
   TVM_FFI_CHECK(y.size(0) == rows, ValueError) << name << ": y must have x's " << rows << " rows";
+  TVM_FFI_CHECK(n_out >= 1, ValueError) << name << ": y must have at least one output feature";
+  for (const TensorView* t : {&x, &qweight, &scales}) {  // the kernel's 16-byte loads
+    TVM_FFI_CHECK(reinterpret_cast<uintptr_t>(ignis_ffi::ptr(*t)) % 16 == 0, ValueError)
+        << name << ": x, qweight and scales must start on 16-byte boundaries";
+  }
   TVM_FFI_CHECK((dtype_is(qweight, kDLUInt, 32) || dtype_is(qweight, kDLInt, 32)) && dtype_is(scales, kDLFloat, 16),
                 TypeError)
       << name << ": qweight must be uint32 (or int32 bits) and scales float16";
@@ -112,8 +125,9 @@ template <typename K>
 int tiled_blocks_per_sm(K kernel, int threads, size_t smem, int cap) {
   int n = 0;
   cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
-  TVM_FFI_CHECK(e == cudaSuccess && n > 0, RuntimeError)
-      << "q4_tiled: occupancy query failed: " << cudaGetErrorString(e);
+  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << "q4_tiled: occupancy query failed: " << cudaGetErrorString(e);
+  TVM_FFI_CHECK(n > 0, RuntimeError) << "q4_tiled: not one block of " << threads << " threads with " << smem
+                                     << " bytes of shared memory fits on an SM";
   return cap > 0 && n > cap ? cap : n;
 }
 

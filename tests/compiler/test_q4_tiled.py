@@ -342,3 +342,39 @@ def test_tiled_kernel_in_a_cuda_graph(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="capture"):
         with torch.cuda.stream(stream), tvm_ffi.use_torch_stream(torch.cuda.graph(g2)):
             fn(x, btq, bts, by)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiled_kernel_refuses_bad_arguments(tmp_path: Path) -> None:
+    """Wrong shapes, an empty output and misaligned parts are refused with a named error (the process
+    survives and the next good call is right)."""
+    from ignis.runtime.tvm_runtime import torch_stream
+
+    fns, _arch = _bundle(tmp_path)
+    fn = fns[1]
+    n, k = 64, 256
+    qw = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int64).to(torch.int32)
+    sc = ((torch.rand(n, k // 32, device="cuda") + 0.5) / (4.6 * k**0.5)).half()
+    tq, ts = tile_q4(qw, sc)
+    x = torch.randn(2, k, device="cuda").half()
+    with torch_stream():
+        with pytest.raises(ValueError, match="tiled qweight must be"):
+            fn(x, tq[:1], ts[:1], torch.empty(2, n, device="cuda", dtype=torch.float16))
+        with pytest.raises(ValueError, match=r"contiguous|at least one output"):
+            fn(x, tq[:0], ts[:0], torch.empty(2, 0, device="cuda", dtype=torch.float16))
+        buf = torch.empty(2 * k + 1, device="cuda", dtype=torch.float16)
+        with pytest.raises(ValueError, match="16-byte"):
+            fn(buf[1:].view(2, k), tq, ts, torch.empty(2, n, device="cuda", dtype=torch.float16))
+        with pytest.raises(ValueError, match=r"compiled for 1\.\.8 rows"):
+            fn(
+                torch.randn(9, k, device="cuda").half(),
+                tq,
+                ts,
+                torch.empty(9, n, device="cuda", dtype=torch.float16),
+            )
+        y = torch.empty(2, n, device="cuda", dtype=torch.float16)
+        fn(x, tq, ts, y)
+    torch.cuda.synchronize()
+    ref = x.double() @ torch_dequantize_q4(qw, sc, torch.float64).T
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-3

@@ -94,6 +94,13 @@ def test_tiled_parts_are_validated() -> None:
         Q4Weight(t.packed, t.scales, "columns", 40)
     with pytest.raises(Q4TiledLayoutError, match="multiple of 128"):
         _q4(16, 96).to_tiled()
+    # the functions themselves name wrong dtypes (not a torch "rshift not implemented" error)
+    with pytest.raises(Q4TiledLayoutError, match="untile_q4 needs u32/i32 codes and f16 scales"):
+        untile_q4(t.packed.float(), t.scales, 40)
+    with pytest.raises(Q4TiledLayoutError, match="untile_q4 needs u32/i32 codes and f16 scales"):
+        untile_q4(t.packed, t.scales.float(), 40)
+    with pytest.raises(Q4TiledLayoutError, match="tile_q4 needs u32/i32 codes"):
+        tile_q4(_q4(16, 128).packed.long(), _q4(16, 128).scales)
 
 
 def test_tiled_getitem_indexes_lead_dims_and_whole_tiles() -> None:
@@ -275,6 +282,59 @@ def test_place_tiles_served_shapes_only() -> None:
     # CUDA functions serve weights on a CUDA device only: a CPU weight stays row-major
     fns = {(8, "q4_g32_tiled", 40, 128, "bfloat16"): (lambda *a: None, True, True, "m.so")}
     assert LinearBackend(CompiledLinears(fns, [8])).place(w) is w
+
+
+def test_place_warms_each_cuda_tiled_function_over_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiled kernel's workspace need depends on the rows (a call whose activations do not fit
+    in shared memory runs the warp variant, which needs more tickets): `place` runs each CUDA tiled
+    function at the fewest and the most rows the dispatch gives it (width W serves the rows above
+    the next smaller width up to W), once per function, so that no later call grows (and frees) a
+    workspace a CUDA graph captured. (CPU stand-ins flagged as CUDA functions; the weight's device
+    reads as CUDA.)"""
+    import contextlib
+
+    import ignis.runtime.tvm_runtime as tvm_runtime
+
+    calls: list[tuple[str, int, int, torch.dtype]] = []
+
+    def fn_of(module: str, width: int) -> Callable[..., None]:
+        def call(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, y: torch.Tensor) -> None:
+            assert 1 <= x.shape[0] <= width and y.shape == (x.shape[0], 40) and codes.shape == (3, 1, 256)
+            calls.append((module, int(x.shape[0]), width, x.dtype))
+
+        return call
+
+    widths = (1, 3, 8, 16, 32)
+    fns: dict[tuple[int, str, int, int, str], tuple[Any, ...]] = {}
+    for w in widths:
+        module = f"q4_tiled_nt{(w + 7) // 8}.so"  # the artifact's layout: one library per n-tile count
+        fns[(w, "q4_g32_tiled", 40, 128, "bfloat16")] = (fn_of(module, w), True, True, module)
+    backend = LinearBackend(CompiledLinears(fns, widths))
+    monkeypatch.setattr(Q4Weight, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(tvm_runtime, "torch_stream", contextlib.nullcontext)
+    placed = backend.place(_q4(40, 128))
+    assert isinstance(placed, Q4Weight) and placed.is_tiled
+    bf16 = torch.bfloat16
+    assert sorted(calls) == [
+        ("q4_tiled_nt1.so", 1, 1, bf16),
+        ("q4_tiled_nt1.so", 2, 3, bf16),
+        ("q4_tiled_nt1.so", 3, 3, bf16),
+        ("q4_tiled_nt1.so", 4, 8, bf16),
+        ("q4_tiled_nt1.so", 8, 8, bf16),
+        ("q4_tiled_nt2.so", 9, 16, bf16),
+        ("q4_tiled_nt2.so", 16, 16, bf16),
+        ("q4_tiled_nt4.so", 17, 32, bf16),
+        ("q4_tiled_nt4.so", 32, 32, bf16),
+    ]
+    calls.clear()
+    backend.place(_q4(2, 40, 128, seed=1))  # the same shape again (a stack member): nothing to grow
+    assert calls == []
+    # one library exporting every width's function (tools/bench_e2e_gpu.py's bundle, no module
+    # name): each function still runs within its own rows only
+    fns = {(w, "q4_g32_tiled", 40, 128, "bfloat16"): (fn_of("", w), True, True) for w in (1, 8, 32)}
+    backend = LinearBackend(CompiledLinears(fns, (1, 8, 32)))
+    backend.place(_q4(40, 128))
+    assert sorted(c[:3] for c in calls) == [("", 1, 1), ("", 2, 8), ("", 8, 8), ("", 9, 32), ("", 32, 32)]
 
 
 def test_weight_loader_places_linear_weights_for_the_hook() -> None:
