@@ -263,6 +263,14 @@ def _bundle(tmp_path: Path) -> tuple[dict[int, object], str]:
     return {nt: mod[f"q4t_nt{nt}"] for nt in (1, 2, 3, 4)}, arch
 
 
+def _cuda_q4(n: int, k: int, gen: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+    """Random q4_g32 parts on the GPU, row-major and tiled: (codes, scales, tiled codes, tiled scales)."""
+    qw = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int64, generator=gen)
+    qw = qw.to(torch.int32)
+    sc = ((torch.rand(n, k // 32, device="cuda", generator=gen) + 0.5) / (4.6 * k**0.5)).half()
+    return (qw, sc, *tile_q4(qw, sc))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -277,10 +285,7 @@ def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype) -> Non
     gen = torch.Generator(device="cuda").manual_seed(3)
     shapes = [(17408, 5120), (5120, 17408), (100, 128), (37, 384), (1000, 1280), (248320, 5120)]
     for n, k in shapes:
-        qw = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int64, generator=gen)
-        qw = qw.to(torch.int32)
-        sc = ((torch.rand(n, k // 32, device="cuda", generator=gen) + 0.5) / (4.6 * k**0.5)).half()
-        tq, ts = tile_q4(qw, sc)
+        qw, sc, tq, ts = _cuda_q4(n, k, gen)
         shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int32)
         wd = (((qw.unsqueeze(-1) >> shifts) & 15).reshape(n, k).double() - 8) * sc.double().repeat_interleave(
             32, 1
@@ -315,9 +320,7 @@ def test_tiled_kernel_in_a_cuda_graph(tmp_path: Path) -> None:
     fns, _arch = _bundle(tmp_path)
     fn = fns[1]
     n, k = 4096, 2048
-    qw = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int64).to(torch.int32)
-    sc = ((torch.rand(n, k // 32, device="cuda") + 0.5) / (4.6 * k**0.5)).half()
-    tq, ts = tile_q4(qw, sc)
+    _qw, _sc, tq, ts = _cuda_q4(n, k)
     x = torch.randn(4, k, device="cuda").half()
     want = torch.empty(4, n, device="cuda", dtype=torch.float16)
     with torch_stream():
@@ -354,9 +357,7 @@ def test_tiled_kernel_refuses_bad_arguments(tmp_path: Path) -> None:
     fns, _arch = _bundle(tmp_path)
     fn = fns[1]
     n, k = 64, 256
-    qw = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int64).to(torch.int32)
-    sc = ((torch.rand(n, k // 32, device="cuda") + 0.5) / (4.6 * k**0.5)).half()
-    tq, ts = tile_q4(qw, sc)
+    qw, sc, tq, ts = _cuda_q4(n, k)
     x = torch.randn(2, k, device="cuda").half()
     with torch_stream():
         with pytest.raises(ValueError, match="tiled qweight must be"):

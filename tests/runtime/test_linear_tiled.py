@@ -418,30 +418,19 @@ def test_llama_fuses_before_tiling_and_matches_torch() -> None:
 def test_hybrid_moe_executor_slices_tiled_expert_stacks() -> None:
     """qwen3_5_moe with fused expert stacks: gate_up [E, 2 I, H] is tiled whole (I % 16 == 0) and
     sliced per expert on tile boundaries; logits equal the dequantized model's."""
+    import hf_tiny_hybrid
+
     from ignis.runtime.families import get_family
     from ignis.runtime.families.hybrid_executor import HybridExecutor
     from ignis.runtime.families.qwen3_5 import tensor_shapes
 
+    # the tiny hybrid MoE config, at hidden 128 (K % 128 == 0: the tiled layout applies), 2 layers
     raw = dict(
+        hf_tiny_hybrid._TEXT,
+        **hf_tiny_hybrid._MOE,
         model_type="qwen3_5_moe_text",
-        vocab_size=320,
         hidden_size=128,
         num_hidden_layers=2,
-        full_attention_interval=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
         tie_word_embeddings=False,
     )
     family = get_family("qwen3_5_moe")
