@@ -174,7 +174,8 @@ class Q4Weight:
                     f"{tuple(p.shape)}, scales {tuple(s.shape)}"
                 )
             t = int(p.shape[-3])
-            if not isinstance(self.rows, int) or not (t - 1) * TILE_ROWS < self.rows <= t * TILE_ROWS:
+            rows_ok = isinstance(self.rows, int) and not isinstance(self.rows, bool)
+            if not rows_ok or not (t - 1) * TILE_ROWS < self.rows <= t * TILE_ROWS:
                 raise Q4TiledLayoutError(
                     f"a tiled Q4Weight of {t} tiles holds {(t - 1) * 16 + 1}..{t * 16} rows, "
                     f"got rows={self.rows!r}"
@@ -236,7 +237,7 @@ class Q4Weight:
         items = index if isinstance(index, tuple) else (index,)
         nl = len(self.lead)
         for it in items:
-            if not isinstance(it, int | slice):
+            if not isinstance(it, int | slice) or isinstance(it, bool):
                 raise Q4TiledLayoutError(
                     f"a tiled Q4Weight takes int and slice indices only, got {type(it).__name__}"
                 )

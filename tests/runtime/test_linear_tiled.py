@@ -615,3 +615,12 @@ def test_families_declare_the_fusions_a_loader_must_not_re_lay() -> None:
     assert not llama.is_fused_member("model.layers.0.self_attn.o_proj.weight")
     assert not llama.is_fused_member("dflash2.layers.0.self_attn.q_proj.weight")
     assert not get_family("qwen3_5").is_fused_member("model.layers.3.self_attn.q_proj.weight")
+
+
+def test_tiled_weight_refuses_bool_rows_and_indices() -> None:
+    """A bool is not a row count nor an index of a tiled weight (torch would read it as a new axis)."""
+    w = _q4(2, 32, 128).to_tiled()
+    with pytest.raises(Q4TiledLayoutError, match="rows"):
+        Q4Weight(w.packed, w.scales, "tiled", True)
+    with pytest.raises(Q4TiledLayoutError, match="int and slice"):
+        w[True]
