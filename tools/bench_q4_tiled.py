@@ -18,7 +18,6 @@ re-run to check it is bit-identical. Prints one table and writes ``q4_tiled_benc
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -44,8 +43,6 @@ def candidates() -> dict[str, Any]:
         T(1, 1, 8, 4, True, 2, 1, x_smem=True),  # half-SM blocks
         T(1, 1, 4, 4, True, 4, stream_only=True),  # diagnostic: the weight stream alone
         T(4, 2, 4, 3, False, 2),
-        # the rules with one fixup ticket per block (a CTA barrier) instead of per warp
-        *(dataclasses.replace(tiled_rules[nt], warp_tickets=False) for nt in (1, 2, 3, 4)),
     ]
     return {c.tag: c for c in cfgs}
 

@@ -202,38 +202,6 @@ __device__ __noinline__ void tiled_finish_group(TiledAcc<MT, NT> a, int grp, int
   tiled_ticket_sum<T, NT, MT>(out, pf, pl, ws, tickets, slots, y, n_rows, n_out);
 }
 
-// XS (the workers are blocks, whose warps reach every group end together): the end of block
-// `worker`'s part of group `grp`; warp w's share is output group grp * WARPS + w. Shared groups:
-// every warp parks its partial sums, the block synchronizes, and one thread makes them visible
-// (fence; CTA barrier then a GPU-scope fence is cumulative) and takes the group's ticket; the last
-// block to arrive sums every worker's slots in worker order (deterministic) and writes y.
-// `flag`: 4 bytes of shared memory for the ticket. Out of line.
-template <typename T, int NT, int MT>
-__device__ __noinline__ void tiled_finish_group_block(TiledAcc<MT, NT> a, int grp, int out, int worker, int u0,
-                                                      int u1, int S, long long U, int n_workers,
-                                                      float* __restrict__ ws, int* __restrict__ tickets, int slots,
-                                                      T* __restrict__ y, int n_rows, int n_out, int* flag) {
-  const long long first_u = static_cast<long long>(grp) * S;
-  if (u0 <= first_u && u1 >= first_u + S) {
-    tiled_store_y<T, NT, MT>(a, out, y, n_rows, n_out);
-    return;
-  }
-  const int pf = tiled_owner(first_u, U, n_workers), pl = tiled_owner(first_u + S - 1, U, n_workers);
-  tiled_park<NT, MT>(a, out, worker, pf, ws, slots);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    fence_acq_rel_gpu();
-    *flag = atomicAdd(tickets + grp, 1);
-  }
-  __syncthreads();
-  const int ticket = *flag;
-  __syncthreads();  // every thread has read the flag before a later group end rewrites it
-  if (ticket != pl - pf) return;
-  fence_acq_rel_gpu();
-  if (threadIdx.x == 0) tickets[grp] = 0;
-  tiled_sum_slots<T, NT, MT>(out, pl - pf + 1, ws, slots, y, n_rows, n_out);
-}
-
 // Bytes of one warp's private per-lane ring (RING = 2): D stages of MT units, each lane's two
 // 16-byte code pieces and its 16 scale bytes (3 x 512 bytes a tile, lane-major: no bank conflicts).
 template <int MT, int D>
@@ -254,10 +222,12 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // XS: the workers are blocks, not warps: a unit is (group of WARPS x MT tiles, k-step), warp w
 // streams tiles w MT .. w MT + MT - 1 of the group, and the block's activations for all its
 // k-steps (at most min(range, S) of them) are copied into shared memory once, after
-// griddepcontrol.wait (320 bytes a row and k-step, after a 128-byte head holding the ticket flag
-// and, with RING 2, the warps' rings); the units then read them from there. Tickets: one per group (n_groups); workspace slots: per warp share.
+// griddepcontrol.wait (320 bytes a row and k-step, after a 128-byte head and, with RING 2, the
+// warps' rings); the units then read them from there. Each warp finishes its share of a group on
+// its own: tickets and workspace slots per warp share (n_groups * WARPS). (One ticket a block, after
+// a CTA barrier, was measured 2-4 % slower and removed: docs/PERF.md, tiled run 16.)
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int RING, bool XDB = false,
-          int MODE = kModeCompute, int XS = 0>
+          int MODE = kModeCompute, bool XS = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
     q4_tiled_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const uint4* __restrict__ sc,
                     T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, int n_rows,
@@ -311,7 +281,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   uint4 wbuf[RING == 0 ? D : 1][MT][2];
   uint4 sbuf[RING == 0 ? D : 1][MT];
   // RING = 2: this warp's shared-memory ring.
-  // XS: [16-byte ticket flag, padded to 128][the warps' rings (RING 2)][activations]
+  // XS: [128 bytes, unused (the layout the measured kernels had)][the warps' rings (RING 2)][activations]
   constexpr int kXsHead = XS ? 128 : 0;
   constexpr int kRingBytes = RING == 2 ? tiled_lane_ring_bytes<MT, D>() : 0;
   unsigned char* ring = tsmem + kXsHead + warp * kRingBytes;
@@ -381,8 +351,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
 #pragma unroll
   for (int j = 0; j < NT; ++j) xs_lane[j] = xs_a + min(8 * j + g, n_rows - 1) * kXsRow + t * 16;
   const int n_xs = min(u1 - u0, S);
-  // XS: the ticket flag after the activations (the host reserves 16 bytes for it).
-  int* xs_flag = reinterpret_cast<int*>(tsmem);
   // The first kXsFirst k-steps' activations form one copy group and the rest a second: the units
   // start once the first has landed, and the block waits for the rest before unit kXsFirst.
   constexpr int kXsFirst = 4;
@@ -486,13 +454,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
           if (NACC == 2) v += acc[NACC - 1][i][j][c];
           a.v[i][j][c] = v;
         }
-    if constexpr (XS == 1) {
-      tiled_finish_group_block<T, NT, MT>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, tickets, slots, y,
-                                          n_rows, n_out, xs_flag);
-    } else {
-      tiled_finish_group<T, NT, MT>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, tickets, slots, y, n_rows,
-                                    n_out);
-    }
+    tiled_finish_group<T, NT, MT>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, tickets, slots, y, n_rows,
+                                  n_out);
     zero_acc();
   };
 

@@ -42,8 +42,6 @@ class TiledConfig:
         x_smem: the stream-K workers are blocks (a unit: ``warps * m_tiles`` tiles x one k-step,
             each warp its own tiles) whose activations are copied into shared memory once;
             ``blocks_per_sm`` (0: 1) blocks a SM. Takes ring 0 or 2.
-        warp_tickets: (x_smem) each warp takes its share's fixup ticket on its own instead of the
-            block taking one per group after a barrier.
     """
 
     n_tiles: int = 1
@@ -58,7 +56,6 @@ class TiledConfig:
     x_double: bool = False
     stream_only: bool = False
     x_smem: bool = False
-    warp_tickets: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -79,8 +76,6 @@ class TiledConfig:
             raise Q4KernelError("ring 2 needs depth >= 3")
         if self.x_smem and self.x_double:
             raise Q4KernelError("x_smem takes no x_double")
-        if self.warp_tickets and not self.x_smem:
-            raise Q4KernelError("warp_tickets applies to x_smem configurations")
         if self.ring and self.smem_bytes > 227 * 1024:
             raise Q4KernelError(
                 f"{self.tag} needs {self.smem_bytes} bytes of shared memory a block (> 227 KiB)"
@@ -111,16 +106,15 @@ class TiledConfig:
         if self.stream_only:
             tag += "_streamonly"
         if self.x_smem:
-            tag += "_xsw" if self.warp_tickets else "_xs"
+            tag += "_xs"
         return tag if self.pdl else tag + "_nopdl"
 
     def export_line(self, name: str) -> str:
         b = {True: "true", False: "false"}
-        xs = (2 if self.warp_tickets else 1) if self.x_smem else 0
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "
             f"{b[self.post_scale]}, {self.min_blocks}, {self.blocks_per_sm}, {b[self.pdl]}, {self.ring}, "
-            f"{b[self.x_double]}, {int(self.stream_only)}, {xs})"
+            f"{b[self.x_double]}, {int(self.stream_only)}, {b[self.x_smem]})"
         )
 
 
@@ -177,7 +171,6 @@ _RULES: dict[int, TiledConfig] = {
         min_blocks=1,
         blocks_per_sm=1,
         x_smem=True,
-        warp_tickets=True,
     )
     for nt in (1, 2, 3, 4)
 }

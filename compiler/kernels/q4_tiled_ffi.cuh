@@ -132,7 +132,7 @@ int tiled_blocks_per_sm(K kernel, int threads, size_t smem, int cap) {
 }
 
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, int RING, bool XDB, int MODE,
-          int XS>
+          bool XS>
 void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& qweight, const TensorView& scales,
                        const TensorView& y, bool pdl) {
   auto kernel = q4_tiled_kernel<T, NT, MT, WARPS, D, POST, MINB, RING, XDB, MODE, XS>;
@@ -202,7 +202,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   if (XS && !fits) {
     // Too many activation bytes for shared memory (a wide call on a very wide weight): the warp
     // kernel, activations through L1, same layout and numerics.
-    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0>(name, x, qweight, scales, y,
+    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, false>(name, x, qweight, scales, y,
                                                                                 pdl);
     return;
   }
@@ -215,7 +215,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   {
     std::lock_guard<std::mutex> lock(tiled_mutex());
     w = &tiled_reserve(name, device, stream, static_cast<size_t>(n_outs) * slots * MT * NT * 128 * sizeof(float),
-                       static_cast<size_t>(XS == 2 ? n_outs : n_groups) * sizeof(int));
+                       static_cast<size_t>(n_outs) * sizeof(int));
   }
   bool configured = true;  // the shared-memory limit was raised above
   launch_pdl(kernel, pdl, configured, dim3(static_cast<unsigned>(blocks)), dim3(WARPS * 32), smem, stream, 1u,
@@ -227,7 +227,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
 }
 
 template <int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, bool PDL, int RING, bool XDB, int MODE,
-          int XS>
+          bool XS>
 void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorView scales, TensorView y) {
   q4_tiled_check_args(name, 8 * NT, x, qweight, scales, y);
   if (dtype_is(x, kDLFloat, 16)) {
@@ -245,9 +245,8 @@ void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorV
 // MT tiles a warp unit, WARPS warps a block, D units in the ring, POST: scales applied after the
 // mma, MINB: __launch_bounds__ min blocks, BPS: resident blocks per SM launched (0: as many as
 // fit), PDL: programmatic dependent launch, RING: 0 registers, 2 per-lane cp.async,
-// XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only (diagnostic), XS: 0 warp
-// workers; 1 / 2 block workers whose activations are staged in shared memory once, with block / warp
-// tickets.
+// XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only (diagnostic), XS: the
+// workers are blocks whose activations are staged in shared memory once.
 #define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS)          \
   static void ignis_q4t_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,                 \
                                tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {                \
