@@ -54,7 +54,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ignis.runtime.q4_tiled import STEP_K, TILE_ROWS, Q4TiledLayoutError, tile_q4, tiled_shapes, untile_q4
+from ignis.runtime.q4_tiled import (
+    STEP_K,
+    TILE_ROWS,
+    Q4TiledLayoutError,
+    q4_codes,
+    tile_q4,
+    tiled_shapes,
+    untile_q4,
+)
 
 __all__ = [
     "Q4_KINDS",
@@ -90,8 +98,6 @@ TILE_CHUNK_BYTES = 16 * 1024 * 1024
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-
 #: The executors' linear hook: ``linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N]``
 #: (`F.linear`, or a `LinearBackend`, which also takes `Q4Weight`s).
 LinearFn = Callable[..., torch.Tensor]
@@ -120,10 +126,8 @@ def dequantize_q4(
         raise ValueError(
             f"q4_g32 parts do not match: packed {tuple(packed.shape)}, scales {tuple(scales.shape)}"
         )
-    words = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
-    codes = (words.unsqueeze(-1) >> _SHIFTS.to(words.device)) & 15
     k = packed.shape[-1] * 8
-    values = (codes.reshape(*packed.shape[:-1], k) - 8).to(torch.float32)
+    values = q4_codes(packed).to(torch.float32) - 8
     out = values.reshape(*packed.shape[:-1], k // 32, 32) * scales.to(torch.float32).unsqueeze(-1)
     return out.reshape(*packed.shape[:-1], k).to(dtype)
 

@@ -32,6 +32,7 @@ __all__ = [
     "STEP_K",
     "TILE_ROWS",
     "Q4TiledLayoutError",
+    "q4_codes",
     "tile_q4",
     "tiled_shapes",
     "untile_q4",
@@ -64,8 +65,9 @@ def tiled_shapes(out_features: int, in_features: int) -> tuple[tuple[int, int, i
     return (t, s, 256), (t, s, 64)
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """u32/i32 [..., K/8] -> uint8 codes [..., K] (code of input 8c + j = nibble j of word c)."""
+def q4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The q4 codes of packed words: u32/i32 [..., W] -> uint8 [..., 8 W] (code 8c + j = nibble j of
+    word c), on packed's device."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     words = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
     return ((words.unsqueeze(-1) >> shifts) & 15).to(torch.uint8).flatten(-2)
@@ -108,7 +110,7 @@ def tile_q4(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
     n, k = int(packed.shape[-2]), int(packed.shape[-1]) * 8
     (t, s, _), _ = tiled_shapes(n, k)
     pad = t * TILE_ROWS - n
-    codes = _nibbles(packed)  # [*lead, N, K]
+    codes = q4_codes(packed)  # [*lead, N, K]
     sc = scales
     if pad:
         codes = torch.cat([codes, codes.new_full((*lead, pad, k), 8)], dim=-2)
@@ -155,7 +157,7 @@ def untile_q4(
         raise Q4TiledLayoutError(f"untile_q4: {t} tiles cannot hold {out_features} rows")
     k = s * STEP_K
     nl = len(lead)
-    nib = _nibbles(codes.reshape(*lead, t, s, 256))  # [.., t, s, 2048] in nibble order
+    nib = q4_codes(codes.reshape(*lead, t, s, 256))  # [.., t, s, 2048] in nibble order
     nib = nib.reshape(*lead, t, s, 2, 8, 4, 4, 8)  # [.., tile, s, h, g, tt, w, p]
     inv = torch.tensor(NIBBLE_OF_FEATURE, device=nib.device)
     nib = nib.index_select(-1, inv)  # feature f from nibble NIBBLE_OF_FEATURE[f]

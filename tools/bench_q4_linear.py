@@ -278,10 +278,10 @@ class Bench:
         )
 
     def dequant(self, qw: Any, scales: Any, dtype: Any) -> Any:
-        torch = self.torch
-        shifts = torch.arange(0, 32, 4, device=self.dev, dtype=torch.int32)
-        q = ((qw.unsqueeze(-1) >> shifts) & 15).reshape(qw.shape[0], -1)
-        return ((q.to(torch.float64) - 8.0) * scales.to(torch.float64).repeat_interleave(32, dim=1)).to(dtype)
+        """The dense weight (exact: `ignis.runtime.linear.dequantize_q4`), in `dtype`."""
+        from ignis.runtime.linear import dequantize_q4
+
+        return dequantize_q4(qw, scales, dtype)
 
     # -- methods --------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,14 @@ def nvcc_command(
     if verbose:
         cmd.insert(1, "-Xptxas=-v")
     return cmd
+
+
+def exports_source(header: str, exports: Mapping[str, Any]) -> str:
+    """The ``.cu`` translation unit that includes ``header`` and instantiates each (name, config)
+    export (``config.export_line(name)``: the export macros of the q4 kernels' host headers)."""
+    lines = [f'#include "{header}"', ""]
+    lines += [cfg.export_line(name) for name, cfg in exports.items()]
+    return "\n".join(lines) + "\n"
 
 
 def build_cuda_module(

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .cuda_build import build_cuda_module
+from .cuda_build import build_cuda_module, exports_source
 
 __all__ = [
     "FUNCTION_NAME",
@@ -405,12 +405,6 @@ def _nvcc() -> str:
     raise Q4KernelError("nvcc not found: install the CUDA toolkit or set NVCC")
 
 
-def _cuda_source(exports: Mapping[str, Q4TileConfig]) -> str:
-    lines = ['#include "q4_linear_ffi.cuh"', ""]
-    lines += [cfg.export_line(name) for name, cfg in exports.items()]
-    return "\n".join(lines) + "\n"
-
-
 def build_q4_cuda_bundle(
     arch: str,
     exports: Mapping[str, Q4TileConfig],
@@ -433,7 +427,7 @@ def build_q4_cuda_bundle(
         if not name.isidentifier():
             raise Q4KernelError(f"export name {name!r} is not a C identifier")
     return build_cuda_module(
-        _cuda_source(exports),
+        exports_source("q4_linear_ffi.cuh", exports),
         arch,
         out_path,
         nvcc=_nvcc(),

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cuda_build import build_cuda_module
+from .cuda_build import build_cuda_module, exports_source
 from .q4_linear import MAX_ROWS, Q4KernelError, _nvcc
 
 __all__ = ["TiledConfig", "build_q4_tiled_module", "tiled_config_for", "tiled_source"]
@@ -120,9 +120,7 @@ class TiledConfig:
 
 def tiled_source(exports: Mapping[str, TiledConfig]) -> str:
     """The ``.cu`` translation unit exporting each (name, config)."""
-    lines = ['#include "q4_tiled_ffi.cuh"']
-    lines += [cfg.export_line(name) for name, cfg in exports.items()]
-    return "\n".join(lines) + "\n"
+    return exports_source("q4_tiled_ffi.cuh", exports)
 
 
 def build_q4_tiled_module(

@@ -280,10 +280,7 @@ def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype) -> Non
     shapes = [(17408, 5120), (5120, 17408), (100, 128), (37, 384), (1000, 1280), (248320, 5120)]
     for n, k in shapes:
         qw, sc, tq, ts = _cuda_q4(n, k, gen)
-        shifts = torch.arange(0, 32, 4, device="cuda", dtype=torch.int32)
-        wd = (((qw.unsqueeze(-1) >> shifts) & 15).reshape(n, k).double() - 8) * sc.double().repeat_interleave(
-            32, 1
-        )
+        wd = torch_dequantize_q4(qw, sc, torch.float64)
         widths = [1, 5, 8, 9, 16, 17, 24, 25, 32] if n * k < 10**9 else [1, 8, 16, 32]
         for rows in widths:
             fn = fns[(rows + 7) // 8]
