@@ -90,6 +90,7 @@ TILED = "tiled"
 
 #: Manifest function kind per Q4Weight layout (`formats.manifest.FUNCTION_KINDS`).
 Q4_KINDS = {ROW_MAJOR: "q4_g32", TILED: "q4_g32_tiled"}
+_Q4_KIND_SET = frozenset(Q4_KINDS.values())
 
 #: Codes bytes `Q4Weight.to_tiled` re-lays per step (its temporaries are ~16x that).
 TILE_CHUNK_BYTES = 16 * 1024 * 1024
@@ -708,7 +709,7 @@ class LinearBackend:
         k = int(x2.shape[1])
         dtype = _DTYPE_NAMES.get(x.dtype, str(x.dtype))
         kind = Q4_KINDS[weight.layout] if isinstance(weight, Q4Weight) else "dense"
-        if kind not in compiled.kinds and not (is_q4 and compiled.kinds & set(Q4_KINDS.values())):
+        if kind not in compiled.kinds and not (is_q4 and compiled.kinds & _Q4_KIND_SET):
             # by design (see CompiledLinears.kinds): not a missing module. A q4 weight in a layout no
             # function takes while the build compiled q4 functions is a missing function (logged).
             self.counts["torch"] += 1
