@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ignis.runtime.acceptance import AcceptanceResult, greedy_accept, greedy_accept_ids, rejection_sample
+from ignis.runtime.acceptance import AcceptanceResult, greedy_accept_ids, rejection_sample
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
 from ignis.runtime.families.base import Executor, LaneState
@@ -522,10 +522,9 @@ class SpeculativeEngine:
         return finished
 
     def _accept(self, lane: _Lane, prop: DraftProposal, logits: torch.Tensor) -> AcceptanceResult:
+        # A sampled lane (greedy lanes are accepted on the host, batched, in `_round`).
         # logits: float [k+1, vocab], row i predicts the token after column i.
         drafts = prop.draft_token_ids.to(device=logits.device, dtype=torch.int64)  # [k]
-        if lane.params.is_greedy:
-            return greedy_accept(drafts, logits.argmax(dim=-1))
         target_probs = logits_to_probs(logits, lane.params)  # [k+1, vocab]
         q = None if prop.draft_probs is None else prop.draft_probs.to(logits.device)  # [k, vocab]
         return rejection_sample(drafts, target_probs, q, lane.random.generator(logits.device))
