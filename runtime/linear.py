@@ -644,7 +644,7 @@ class LinearBackend:
 
         The kernel's workspace need depends on the rows (it is largest at one end of that range: a
         call whose activations do not fit in shared memory, e.g. 19+ rows on a 248,320 x 5,120
-        head, runs the warp variant, which needs more tickets than the block variant at fewer
+        head, runs the warp variant, which needs more workspace than the block variant at fewer
         rows). The workspace cannot grow during a CUDA-graph capture (`q4_tiled_ffi.cuh`), so every
         function runs at both ends of its rows before any capture."""
         if self.compiled is None or tiled.device.type != "cuda":

@@ -23,13 +23,19 @@
 // * Stream-K: the U = G * S units (G tile groups of MT tiles, k fastest) are split evenly over the
 //   P = grid * WARPS warps (warp p: units [p U / P, (p + 1) U / P)), so every SM streams the same
 //   number of bytes whatever the shape. A warp's units are one contiguous stream per tile. A tile
-//   group covered by one warp is written directly; otherwise each covering warp parks its fp32
-//   partial sums in a workspace slot, and the last to arrive (atomic ticket per group) sums the
-//   slots in warp order -- a fixed order, so results are deterministic -- writes y and resets the
-//   ticket for the next launch.
+//   group covered by one warp is written directly. A shared group's first worker pf does its part
+//   at the end of its range (its range starts before the group), so in the normal course it
+//   finishes the group last: every other covering worker parks its fp32 partial in its workspace
+//   slot with plain (volatile) stores and goes on -- no fence, no atomic, no wait -- and pf waits
+//   for the slots to hold values (the workspace's empty value is a NaN bit pattern arithmetic never
+//   produces, so each float announces itself), sums them after its own in worker order (a fixed
+//   order: deterministic), restores the empty value and writes y. (An atomic-ticket protocol --
+//   park, fence, ticket, the last sums -- was measured 5-15 % slower and removed: docs/PERF.md.)
 // * Programmatic dependent launch: the first D units' weights are loaded before
-//   griddepcontrol.wait; activations, outputs, workspace and tickets are touched only after it.
+//   griddepcontrol.wait; activations, outputs and workspace are touched only after it.
 #pragma once
+
+#include <type_traits>
 
 #include "q4_linear.cuh"
 
@@ -46,10 +52,9 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   return v;
 }
 
-// Release / acquire of the fixup protocol (write partials, fence, relaxed atomic ticket; the last
-// arriver: ticket, fence, read): fence.acq_rel at GPU scope is what the PTX memory model needs for
-// that pattern (a sequentially consistent __threadfence is stronger than needed).
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// MODE kModeNoFixup (diagnostic): every warp stores its partial sums of a shared group directly
+// (no workspace: wrong output), to measure what the fixups cost.
+constexpr int kModeNoFixup = 2;
 
 // (q - 8) for the word's features, unscaled and exact: out[i] = (f_{2i} - 8, f_{2i+1} - 8).
 template <typename T>
@@ -114,65 +119,74 @@ __device__ __forceinline__ void tiled_store_y(const TiledAcc<MT, NT>& a, int grp
       }
 }
 
-// Park a partial sum of tile group grp in warp p's slot (the group's units are split between the
-// warps pf..pl that own them).
+// The workspace's empty value: every float of a slot that holds no partial sum has these bits, a
+// NaN that no arithmetic produces (NVIDIA GPUs produce the canonical NaN 0x7fffffff), so a parked
+// partial announces itself. The host fills new workspace with 0xff bytes; every
+// launch restores it in the slots it read, so it holds between launches whatever shapes run.
+constexpr uint32_t kSlotEmpty = 0xffffffffu;
+
+__device__ __forceinline__ float4 sentinel4() {
+  const float e = __uint_as_float(kSlotEmpty);
+  return make_float4(e, e, e, e);
+}
+
+__device__ __forceinline__ void st_volatile_f4(float4* p, float4 v) {
+  asm volatile("st.volatile.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ float4 ld_volatile_f4(const float4* p) {
+  float4 v;
+  asm volatile("ld.volatile.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ bool any_empty(const float4& f) {
+  return __float_as_uint(f.x) == kSlotEmpty || __float_as_uint(f.y) == kSlotEmpty ||
+         __float_as_uint(f.z) == kSlotEmpty || __float_as_uint(f.w) == kSlotEmpty;
+}
+
+// Add slots [q0, q1) of output group `out` to `sum` in slot order (the covering workers' order: a
+// fixed order, so results are deterministic) and restore kSlotEmpty in them. Each output element
+// only needs its own slots in order, so the loads go element by element, up to 8 slots (8 float4 a
+// lane) in flight at once: one L2 round trip an element for up to 8 slots, whatever the order the
+// slots arrive in. A float still kSlotEmpty is re-read until its worker's value arrives (~2^24
+// polls trap: a bug, not a hang).
 template <int NT, int MT>
-__device__ __forceinline__ void tiled_park(const TiledAcc<MT, NT>& a, int grp, int p, int pf, float* __restrict__ ws,
-                                           int slots) {
+__device__ __forceinline__ void tiled_add_slots(TiledAcc<MT, NT>& sum, int out, int q0, int q1, float* __restrict__ ws,
+                                                int slots) {
+  constexpr int kPer = MT * NT;  // float4 a lane per slot
+  constexpr int kChunk = kPer >= 3 ? 4 : 8;  // slots in flight (fewer where the sums hold more registers)
   const int lane = threadIdx.x & 31;
-  float4* mine = reinterpret_cast<float4*>(ws) + (static_cast<size_t>(grp) * slots + (p - pf)) * (MT * NT * 32);
+  float4* base = reinterpret_cast<float4*>(ws) + static_cast<size_t>(out) * slots * (kPer * 32) + lane;
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+  for (int e = 0; e < kPer; ++e) {
+    for (int c0 = q0; c0 < q1; c0 += kChunk) {
+      float4 f[kChunk];
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-      mine[(i * NT + j) * 32 + lane] = make_float4(a.v[i][j][0], a.v[i][j][1], a.v[i][j][2], a.v[i][j][3]);
-}
-
-// Sum the n slots of output group `out` in slot order (the covering workers' order: a fixed order,
-// so results are deterministic) and write y.
-template <typename T, int NT, int MT>
-__device__ __forceinline__ void tiled_sum_slots(int out, int n, const float* __restrict__ ws, int slots,
-                                                T* __restrict__ y, int n_rows, int n_out) {
-  const int lane = threadIdx.x & 31;
-  const float4* base = reinterpret_cast<const float4*>(ws) + static_cast<size_t>(out) * slots * (MT * NT * 32);
-  TiledAcc<MT, NT> sum;
+      for (int c = 0; c < kChunk; ++c)
+        if (c0 + c < q1) f[c] = ld_volatile_f4(base + (static_cast<size_t>(c0 + c) * kPer + e) * 32);
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) sum.v[i][j][c] = 0.f;
-  for (int q = 0; q < n; ++q) {
-    const float4* slot = base + static_cast<size_t>(q) * (MT * NT * 32);
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const float4 f = __ldcg(slot + (i * NT + j) * 32 + lane);
-        sum.v[i][j][0] += f.x;
-        sum.v[i][j][1] += f.y;
-        sum.v[i][j][2] += f.z;
-        sum.v[i][j][3] += f.w;
+      for (int c = 0; c < kChunk; ++c) {
+        if (c0 + c >= q1) break;
+        for (int polls = 0; any_empty(f[c]); ++polls) {
+          if (polls > (1 << 24)) __trap();
+          __nanosleep(32);
+          f[c] = ld_volatile_f4(base + (static_cast<size_t>(c0 + c) * kPer + e) * 32);
+        }
+        sum.v[e / NT][e % NT][0] += f[c].x;
+        sum.v[e / NT][e % NT][1] += f[c].y;
+        sum.v[e / NT][e % NT][2] += f[c].z;
+        sum.v[e / NT][e % NT][3] += f[c].w;
       }
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c)
+        if (c0 + c < q1) st_volatile_f4(base + (static_cast<size_t>(c0 + c) * kPer + e) * 32, sentinel4());
+    }
   }
-  tiled_store_y<T, NT, MT>(sum, out, y, n_rows, n_out);
-}
-
-// After this warp's slots are visible: take a ticket of group grp; the last of its pl - pf + 1
-// warps sums every slot in warp order (a fixed order: deterministic), writes y and resets the
-// ticket for the next launch.
-template <typename T, int NT, int MT>
-__device__ __forceinline__ void tiled_ticket_sum(int grp, int pf, int pl, float* __restrict__ ws,
-                                                 int* __restrict__ tickets, int slots, T* __restrict__ y,
-                                                 int n_rows, int n_out) {
-  const int lane = threadIdx.x & 31;
-  int ticket = 0;
-  if (lane == 0) ticket = atomicAdd(tickets + grp, 1);
-  ticket = __shfl_sync(0xffffffffu, ticket, 0);
-  if (ticket != pl - pf) return;  // not the last of the group's warps
-  fence_acq_rel_gpu();
-  if (lane == 0) tickets[grp] = 0;
-  tiled_sum_slots<T, NT, MT>(grp, pl - pf + 1, ws, slots, y, n_rows, n_out);
 }
 
 // The worker that owns unit u of U split over n_workers workers: the largest q with q U / P <= u.
@@ -180,26 +194,71 @@ __device__ __forceinline__ int tiled_owner(long long u, long long U, int n_worke
   return static_cast<int>(((u + 1) * n_workers + U - 1) / U - 1);
 }
 
+// The fixup: output group `out`'s partial of a worker after the group's first worker pf
+// (parked, volatile stores, no fence and no wait: the values announce themselves against
+// kSlotEmpty), or, for pf itself -- its part of the group is the end of its range, so it is the
+// last to finish in the normal course -- wait for slots 1 .. pl - pf, sum them after its own in
+// worker order (deterministic), restore kSlotEmpty, write y. The wait is
+// safe because every block of the grid is resident (the host launches at most what fits) and the
+// blocks pf waits for never wait on pf; a wait of more than ~2^24 polls traps (a bug, not a hang).
+// GATHER false: the caller knows it is not pf (only the parking code is generated).
+template <typename T, int NT, int MT, bool GATHER>
+__device__ __forceinline__ void tiled_flag_fixup(const TiledAcc<MT, NT>& a, int out, int worker, int pf, int pl,
+                                                 float* __restrict__ ws, int slots, T* __restrict__ y, int n_rows,
+                                                 int n_out) {
+  const int lane = threadIdx.x & 31;
+  float4* base = reinterpret_cast<float4*>(ws) + static_cast<size_t>(out) * slots * (MT * NT * 32);
+  if (worker != pf) {
+    float4* mine = base + static_cast<size_t>(worker - pf) * (MT * NT * 32);
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+        st_volatile_f4(mine + (i * NT + j) * 32 + lane,
+                       make_float4(a.v[i][j][0], a.v[i][j][1], a.v[i][j][2], a.v[i][j][3]));
+    return;
+  }
+  if constexpr (GATHER) {
+    TiledAcc<MT, NT> sum;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sum.v[i][j][c] = 0.f + a.v[i][j][c];
+    tiled_add_slots<NT, MT>(sum, out, 1, pl - pf + 1, ws, slots);
+    tiled_store_y<T, NT, MT>(sum, out, y, n_rows, n_out);
+  }
+}
+
 // The end of worker `worker`'s part of unit group `grp` (units [grp S, grp S + S), of which the
-// worker owns [u0, u1) & that); this warp's share of it is output group `out` (MT tiles). Written
-// directly when the worker owns the whole group; else parked in the worker's slot, made visible
-// (fence) and ticketed: the last worker to arrive sums the slots in worker order (deterministic),
-// writes y and resets the ticket. Out of line: it runs once or twice a warp.
-template <typename T, int NT, int MT>
-__device__ __noinline__ void tiled_finish_group(TiledAcc<MT, NT> a, int grp, int out, int worker, int u0, int u1,
-                                                int S, long long U, int n_workers, float* __restrict__ ws,
-                                                int* __restrict__ tickets, int slots, T* __restrict__ y,
-                                                int n_rows, int n_out) {
+// worker owns [u0, u1) & that); this warp's share of it is output group `out` (MT tiles): written
+// directly when the worker owns the whole group, else tiled_flag_fixup. MID: a group that ends
+// inside the worker's range -- never the group's first worker (that one's part ends its range), so
+// the summation's registers are not needed there.
+template <typename T, int NT, int MT, bool MID>
+__device__ __forceinline__ void tiled_finish_group(const TiledAcc<MT, NT>& a, int grp, int out, int worker, int u0,
+                                                   int u1, int S, long long U, int n_workers, float* __restrict__ ws,
+                                                   int slots, T* __restrict__ y, int n_rows, int n_out) {
   const long long first_u = static_cast<long long>(grp) * S;
   if (u0 <= first_u && u1 >= first_u + S) {
     tiled_store_y<T, NT, MT>(a, out, y, n_rows, n_out);
     return;
   }
   const int pf = tiled_owner(first_u, U, n_workers), pl = tiled_owner(first_u + S - 1, U, n_workers);
-  tiled_park<NT, MT>(a, out, worker, pf, ws, slots);
-  fence_acq_rel_gpu();
-  __syncwarp();
-  tiled_ticket_sum<T, NT, MT>(out, pf, pl, ws, tickets, slots, y, n_rows, n_out);
+  if constexpr (MID) {
+    if (worker == pf) __trap();  // impossible: pf's part of a shared group ends its range
+  }
+  tiled_flag_fixup<T, NT, MT, !MID>(a, out, worker, pf, pl, ws, slots, y, n_rows, n_out);
+}
+
+// Out of line for the groups that end inside a worker's range (once a warp, mid-stream: the ring's
+// registers stay where they are); the range's last group is finished inline after the loop.
+template <typename T, int NT, int MT>
+__device__ __noinline__ void tiled_finish_group_mid(TiledAcc<MT, NT> a, int grp, int out, int worker, int u0, int u1,
+                                                    int S, long long U, int n_workers, float* __restrict__ ws,
+                                                    int slots, T* __restrict__ y, int n_rows, int n_out) {
+  tiled_finish_group<T, NT, MT, true>(a, grp, out, worker, u0, u1, S, U, n_workers, ws, slots, y, n_rows, n_out);
 }
 
 // Bytes of one warp's private per-lane ring (RING = 2): D stages of MT units, each lane's two
@@ -214,8 +273,8 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // RING = 2: each lane streams its own pieces through a private cp.async ring in shared memory
 // (tiled_lane_ring_bytes<MT, D>() a warp), D - 1 units in flight without registers. (A bulk-copy
 // ring, filled by the Hopper copy engine, was measured slower and removed: docs/PERF.md.)
-// ws: fp32 workspace of n_groups * slots * MT * NT * 128 floats; tickets: n_groups ints, zero
-// between launches. n_workers <= U: warps p >= n_workers exit at once.
+// ws: fp32 workspace of n_groups * slots * MT * NT * 128 floats, kSlotEmpty between launches.
+// n_workers <= U: warps p >= n_workers exit at once.
 // XDB: the next unit's activations are loaded into registers before this unit's math (instead of
 // only prefetched into L1). MODE kModeStreamOnly: a diagnostic that streams the weights and skips
 // the math (wrong output), to measure what the memory pattern alone reaches.
@@ -224,13 +283,13 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // k-steps (at most min(range, S) of them) are copied into shared memory once, after
 // griddepcontrol.wait (320 bytes a row and k-step, after a 128-byte head and, with RING 2, the
 // warps' rings); the units then read them from there. Each warp finishes its share of a group on
-// its own: tickets and workspace slots per warp share (n_groups * WARPS). (One ticket a block, after
-// a CTA barrier, was measured 2-4 % slower and removed: docs/PERF.md, tiled run 16.)
+// its own: workspace slots per warp share (n_groups * WARPS). (L2 prefetching ahead of the ring, in
+// the prologue or all along, was measured slower and removed: docs/PERF.md, runs 17 and 19.)
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int RING, bool XDB = false,
           int MODE = kModeCompute, bool XS = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
     q4_tiled_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const uint4* __restrict__ sc,
-                    T* __restrict__ y, float* __restrict__ ws, int* __restrict__ tickets, int n_rows,
+                    T* __restrict__ y, float* __restrict__ ws, int n_rows,
                     int n_out, int k_in, int n_tiles, int n_groups, int slots, int n_workers) {
   static_assert(D >= 2, "at least two units in the ring");
   static_assert(RING == 0 || RING == 2, "RING is 0 (registers) or 2 (per-lane cp.async)");
@@ -250,33 +309,41 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   const int u0 = static_cast<int>(p * U / n_workers);
   const int u1 = static_cast<int>((p + 1) * U / n_workers);
 
-  // Load cursor: the next unit to load is (group lg, k-step lks); wp[i] / sp[i] point at tile i's
-  // codes / scales of it (tiles past the last are clamped to it: their outputs are not stored).
-  int lg = u0 / S, lks = u0 - lg * S;
-  const uint4* wp[MT];
-  const uint4* sp[MT];
-  auto point = [&]() {
+  // A unit cursor: unit (group g, k-step ks); w[i] / s[i] point at tile i's codes / scales of it
+  // (tiles past the last are clamped to it: their outputs are not stored).
+  struct Cursor {
+    int g, ks;
+    const uint4* w[MT];
+    const uint4* s[MT];
+  };
+  auto point = [&](Cursor& c) {
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-      const size_t unit = static_cast<size_t>(min(tile_of(lg, i), n_tiles - 1)) * S + lks;
-      wp[i] = qw + unit * kUnitWords4;
-      sp[i] = sc + unit * kUnitScales4;
+      const size_t unit = static_cast<size_t>(min(tile_of(c.g, i), n_tiles - 1)) * S + c.ks;
+      c.w[i] = qw + unit * kUnitWords4;
+      c.s[i] = sc + unit * kUnitScales4;
     }
   };
-  point();
-  auto advance_load = [&]() {
+  auto start_at = [&](Cursor& c, int u) {
+    c.g = u / S;
+    c.ks = u - c.g * S;
+    point(c);
+  };
+  auto advance = [&](Cursor& c) {
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-      wp[i] += kUnitWords4;
-      sp[i] += kUnitScales4;
+      c.w[i] += kUnitWords4;
+      c.s[i] += kUnitScales4;
     }
-    if (++lks == S) {
-      lks = 0;
-      ++lg;
-      if (MT > 1 || XS) point();  // else tile lg + 1 follows tile lg in memory
+    if (++c.ks == S) {
+      c.ks = 0;
+      ++c.g;
+      if (MT > 1 || XS) point(c);  // else tile g + 1 follows tile g in memory
     }
   };
-
+  // Load cursor: the next unit the register ring loads.
+  Cursor lc;
+  start_at(lc, u0);
   // RING = 0: the register ring.
   uint4 wbuf[RING == 0 ? D : 1][MT][2];
   uint4 sbuf[RING == 0 ? D : 1][MT];
@@ -291,20 +358,20 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     if constexpr (RING == 0) {
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        wbuf[d][i][0] = ldg_stream(wp[i] + lane);
-        wbuf[d][i][1] = ldg_stream(wp[i] + 32 + lane);
-        sbuf[d][i] = __ldg(sp[i] + g);
+        wbuf[d][i][0] = ldg_stream(lc.w[i] + lane);
+        wbuf[d][i][1] = ldg_stream(lc.w[i] + 32 + lane);
+        sbuf[d][i] = __ldg(lc.s[i] + g);
       }
     } else {  // RING 2: this lane's own pieces; the caller commits the group
       const uint32_t dst = ring_a + d * MT * 1536 + lane * 16;
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        cp_async16(dst + i * 1536, wp[i] + lane);
-        cp_async16(dst + i * 1536 + 512, wp[i] + 32 + lane);
-        cp_async16(dst + i * 1536 + 1024, sp[i] + g);
+        cp_async16(dst + i * 1536, lc.w[i] + lane);
+        cp_async16(dst + i * 1536 + 512, lc.w[i] + 32 + lane);
+        cp_async16(dst + i * 1536 + 1024, lc.s[i] + g);
       }
     }
-    advance_load();
+    advance(lc);
   };
 
   if constexpr (RING == 2) {  // D - 1 units in flight; one commit group per unit, empty ones too
@@ -355,7 +422,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // start once the first has landed, and the block waits for the rest before unit kXsFirst.
   constexpr int kXsFirst = 4;
   const int xs_first = min(n_xs, kXsFirst);
-  if constexpr (XS && MODE == kModeCompute) {
+  if constexpr (XS && MODE != kModeStreamOnly) {
     auto stage = [&](int c0, int c1) {  // 16-byte chunks [c0, c1) of the block's activations
       for (int c = c0 + static_cast<int>(threadIdx.x); c < c1; c += WARPS * 32) {
         const int slot = c / (n_rows * 16), rem = c - slot * (n_rows * 16);
@@ -442,7 +509,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       }
     }
   };
-  auto group_end = [&](int grp) {
+  // The end of group grp's part; last: the range's last group (finished inline, after the loop).
+  auto group_end = [&](int grp, auto last) {
     TiledAcc<MT, NT> a;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
@@ -454,15 +522,21 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
           if (NACC == 2) v += acc[NACC - 1][i][j][c];
           a.v[i][j][c] = v;
         }
-    tiled_finish_group<T, NT, MT>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, tickets, slots, y, n_rows,
-                                  n_out);
+    if constexpr (MODE == kModeNoFixup)
+      tiled_store_y<T, NT, MT>(a, out_of(grp), y, n_rows, n_out);
+    else if constexpr (decltype(last)::value)
+      tiled_finish_group<T, NT, MT, false>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, slots, y, n_rows,
+                                           n_out);
+    else
+      tiled_finish_group_mid<T, NT, MT>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, slots, y, n_rows,
+                                        n_out);
     zero_acc();
   };
 
   int cg = u0 / S, cks = u0 - cg * S;  // the compute cursor
   uint4 xb[XDB ? NT : 1][4];
   if constexpr (XDB) {
-    if (MODE == kModeCompute) load_x(xb, cks);
+    if (MODE != kModeStreamOnly) load_x(xb, cks);
   }
   // This unit's activations (XDB: already in xb; the next unit's are loaded now), or an L1
   // prefetch of the next unit's and a load of this one's.
@@ -483,7 +557,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // Unit u = base + d sits in slot d (d is a constant once the loops below are unrolled). check:
   // the last blocks, where a unit or its refill may lie past u1.
   auto step = [&](int u, int d, bool check) {
-    if (XS && MODE == kModeCompute && u - u0 == xs_first) {  // the rest of the activations
+    if (XS && MODE != kModeStreamOnly && u - u0 == xs_first) {  // the rest of the activations
       cp_async_wait<0>();
       __syncthreads();
     }
@@ -507,7 +581,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       cp_async_commit();
       compute(wd, sd, xv);
     }
-    if (MODE == kModeCompute && (cks == S - 1 || (check && u + 1 == u1))) group_end(cg);
+    if (MODE != kModeStreamOnly && cks == S - 1 && (!check || u + 1 < u1)) group_end(cg, std::false_type{});
     if (++cks == S) {
       cks = 0;
       ++cg;
@@ -524,6 +598,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       if (base + d < u1) step(base + d, d, true);
   }
   if constexpr (RING == 2) cp_async_wait<0>();
+  if (MODE != kModeStreamOnly) group_end((u1 - 1) / S, std::true_type{});
   if (MODE == kModeStreamOnly && sink == 0x9e3779b9u) y[0] = Tr::from_float(1.f);  // never, in practice
 }
 

@@ -39,6 +39,8 @@ class TiledConfig:
         x_double: the next unit's activations are loaded into registers before this unit's math
             (else only prefetched into L1).
         stream_only: diagnostic: stream the weights, skip the math (wrong output).
+        no_fixup: diagnostic: every warp stores its partial sums directly, no workspace (wrong
+            output wherever a group is shared), to measure what the fixups cost.
         x_smem: the stream-K workers are blocks (a unit: ``warps * m_tiles`` tiles x one k-step,
             each warp its own tiles) whose activations are copied into shared memory once;
             ``blocks_per_sm`` (0: 1) blocks a SM. Takes ring 0 or 2.
@@ -56,6 +58,7 @@ class TiledConfig:
     x_double: bool = False
     stream_only: bool = False
     x_smem: bool = False
+    no_fixup: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -74,6 +77,8 @@ class TiledConfig:
             )
         if self.ring == 2 and self.depth < 3:
             raise Q4KernelError("ring 2 needs depth >= 3")
+        if self.stream_only and self.no_fixup:
+            raise Q4KernelError("stream_only and no_fixup are exclusive diagnostics")
         if self.x_smem and self.x_double:
             raise Q4KernelError("x_smem takes no x_double")
         if self.ring and self.smem_bytes > 227 * 1024:
@@ -88,6 +93,11 @@ class TiledConfig:
         if self.ring == 2:
             return self.warps * self.depth * self.m_tiles * 1536
         return 0
+
+    @property
+    def diagnostic(self) -> bool:
+        """A diagnostic variant (wrong output by design): timed, never used."""
+        return self.stream_only or self.no_fixup
 
     @property
     def max_rows(self) -> int:
@@ -107,14 +117,17 @@ class TiledConfig:
             tag += "_streamonly"
         if self.x_smem:
             tag += "_xs"
+        if self.no_fixup:
+            tag += "_nofixup"
         return tag if self.pdl else tag + "_nopdl"
 
     def export_line(self, name: str) -> str:
         b = {True: "true", False: "false"}
+        mode = 1 if self.stream_only else 2 if self.no_fixup else 0  # kModeStreamOnly / kModeNoFixup
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "
             f"{b[self.post_scale]}, {self.min_blocks}, {self.blocks_per_sm}, {b[self.pdl]}, {self.ring}, "
-            f"{b[self.x_double]}, {int(self.stream_only)}, {b[self.x_smem]})"
+            f"{b[self.x_double]}, {mode}, {b[self.x_smem]})"
         )
 
 
@@ -156,7 +169,8 @@ def build_q4_tiled_module(
 # Configuration per n-tile count (rows 1-8, 9-16, 17-24, 25-32), measured on the H200 with
 # tools/bench_q4_tiled.py (docs/PERF.md, 2026-11-29, tiled runs 1-16): blocks of 16 warps, one a SM
 # (128 registers a thread), activations staged in shared memory once per block, a 3-unit register
-# ring of weights, each warp taking its own fixup tickets; scales applied after the mma up to 16
+# ring of weights, shared groups finished by their first worker (self-announcing partials, session 4:
+# runs 18-19); scales applied after the mma up to 16
 # rows, folded into the weights above. The same configuration serves every shape and card (no
 # shared memory is reserved at build time; the launch sizes the activation buffer and falls back to
 # the warp kernel when it does not fit).

@@ -2,15 +2,15 @@
 // the launch. A module built by ignis.compiler.kernels.q4_tiled includes this header and
 // instantiates IGNIS_Q4T_EXPORT once per exported function.
 //
-// Workspace: one fp32 buffer and one ticket buffer per CUDA device, shared by every function of the
-// module (launches on one stream run one after another; programmatic dependent launch lets the next
-// kernel start early, but it touches the workspace only after griddepcontrol.wait). They grow on a
-// call that needs more (cudaMalloc on the tensors' device, tickets zeroed in stream order; the old
-// buffers are kept, never freed, so graphs captured with them stay valid); growing is refused
-// while the stream is being captured into a CUDA graph, so a function must run before capture at
-// the fewest and the most rows it will be called with (the need peaks at one end of the range;
-// `LinearBackend.place` does it). Concurrent launches of these functions on two streams of one
-// device are not supported.
+// Workspace: one fp32 buffer per CUDA device, shared by every function of the module (launches on
+// one stream run one after another; programmatic dependent launch lets the next kernel start
+// early, but it touches the workspace only after griddepcontrol.wait). Its floats hold kSlotEmpty
+// between launches (every launch restores the slots it used). It grows on a call that needs more
+// (cudaMalloc on the tensors' device, filled with kSlotEmpty in stream order; the old buffers are
+// kept, never freed, so graphs captured with them stay valid); growing is refused while the stream
+// is being captured into a CUDA graph, so a function must run before capture at the fewest and the
+// most rows it will be called with (the need peaks at one end of the range; `LinearBackend.place`
+// does it). Concurrent launches of these functions on two streams of one device are not supported.
 #pragma once
 
 #include <mutex>
@@ -24,8 +24,6 @@ namespace ignis_q4 {
 struct TiledWorkspace {
   float* ws = nullptr;
   size_t ws_bytes = 0;
-  int* tickets = nullptr;
-  size_t ticket_bytes = 0;
 };
 
 inline std::mutex& tiled_mutex() {
@@ -39,13 +37,12 @@ inline TiledWorkspace& tiled_workspace(int device) {
   return per_device[device];
 }
 
-// Make the device's workspace at least (ws_bytes, ticket_bytes); returns it. Tickets start at zero.
-// Superseded buffers are kept, never freed: a CUDA graph captured with them keeps replaying into
-// valid memory (they grow a few times per process at most: a few MB).
-inline TiledWorkspace& tiled_reserve(const char* name, int device, cudaStream_t stream, size_t ws_bytes,
-                                     size_t ticket_bytes) {
+// Make the device's workspace at least ws_bytes; returns it, every float kSlotEmpty. Superseded
+// buffers are kept, never freed: a CUDA graph captured with them keeps replaying into valid memory
+// (they grow a few times per process at most: a few MB).
+inline TiledWorkspace& tiled_reserve(const char* name, int device, cudaStream_t stream, size_t ws_bytes) {
   TiledWorkspace& w = tiled_workspace(device);
-  if (w.ws_bytes >= ws_bytes && w.ticket_bytes >= ticket_bytes) return w;
+  if (w.ws_bytes >= ws_bytes) return w;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(stream, &status);
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
@@ -57,26 +54,18 @@ inline TiledWorkspace& tiled_reserve(const char* name, int device, cudaStream_t 
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
   e = cudaSetDevice(device);  // allocate on the tensors' device
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << name << ": " << cudaGetErrorString(e);
-  const size_t new_ws = ws_bytes > w.ws_bytes ? ws_bytes : w.ws_bytes;
-  const size_t new_t = ticket_bytes > w.ticket_bytes ? ticket_bytes : w.ticket_bytes;
   float* ws = nullptr;
-  int* tickets = nullptr;
-  e = cudaMalloc(&ws, new_ws);
-  if (e == cudaSuccess) {
-    e = cudaMalloc(&tickets, new_t);
-    if (e != cudaSuccess) cudaFree(ws);
-  }
-  if (e == cudaSuccess) {  // zeroed in stream order, and complete before any other stream uses them
-    e = cudaMemsetAsync(tickets, 0, new_t, stream);
+  e = cudaMalloc(&ws, ws_bytes);
+  if (e == cudaSuccess) {  // every float kSlotEmpty (0xff bytes), in stream order and complete
+                           // before any other stream uses it
+    e = cudaMemsetAsync(ws, 0xff, ws_bytes, stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   }
   cudaSetDevice(prev_device);
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-      << name << ": cannot allocate " << new_ws << " + " << new_t << " bytes of workspace: " << cudaGetErrorString(e);
+      << name << ": cannot allocate " << ws_bytes << " bytes of workspace: " << cudaGetErrorString(e);
   w.ws = ws;
-  w.ws_bytes = new_ws;
-  w.tickets = tickets;
-  w.ticket_bytes = new_t;
+  w.ws_bytes = ws_bytes;
   return w;
 }
 
@@ -144,7 +133,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   const int n_tiles = static_cast<int>((n_out + 15) / 16);
   const int tiles_per_group = XS ? WARPS * MT : MT;
   const int n_groups = (n_tiles + tiles_per_group - 1) / tiles_per_group;
-  const int n_outs = XS ? n_groups * WARPS : n_groups;  // output groups: tickets and workspace
+  const int n_outs = XS ? n_groups * WARPS : n_groups;  // output groups: workspace slots
   const int64_t steps = k_in / kStepK;
   const int64_t units = n_groups * steps;
   size_t smem = RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0;
@@ -202,8 +191,8 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   if (XS && !fits) {
     // Too many activation bytes for shared memory (a wide call on a very wide weight): the warp
     // kernel, activations through L1, same layout and numerics.
-    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, false>(name, x, qweight, scales, y,
-                                                                                pdl);
+    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, false>(name, x, qweight,
+                                                                                     scales, y, pdl);
     return;
   }
   const int blocks = XS ? n_workers : (n_workers + WARPS - 1) / WARPS;
@@ -214,14 +203,13 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   TiledWorkspace* w;
   {
     std::lock_guard<std::mutex> lock(tiled_mutex());
-    w = &tiled_reserve(name, device, stream, static_cast<size_t>(n_outs) * slots * MT * NT * 128 * sizeof(float),
-                       static_cast<size_t>(n_outs) * sizeof(int));
+    w = &tiled_reserve(name, device, stream, static_cast<size_t>(n_outs) * slots * MT * NT * 128 * sizeof(float));
   }
   bool configured = true;  // the shared-memory limit was raised above
   launch_pdl(kernel, pdl, configured, dim3(static_cast<unsigned>(blocks)), dim3(WARPS * 32), smem, stream, 1u,
              static_cast<const T*>(ignis_ffi::ptr(x)), static_cast<const uint4*>(ignis_ffi::ptr(qweight)),
              static_cast<const uint4*>(ignis_ffi::ptr(scales)), static_cast<T*>(ignis_ffi::ptr(y)), w->ws,
-             w->tickets, static_cast<int>(rows), static_cast<int>(n_out), static_cast<int>(k_in), n_tiles,
+             static_cast<int>(rows), static_cast<int>(n_out), static_cast<int>(k_in), n_tiles,
              n_groups, slots, n_workers);
   ignis_ffi::check_launch(name);
 }
@@ -245,12 +233,13 @@ void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorV
 // MT tiles a warp unit, WARPS warps a block, D units in the ring, POST: scales applied after the
 // mma, MINB: __launch_bounds__ min blocks, BPS: resident blocks per SM launched (0: as many as
 // fit), PDL: programmatic dependent launch, RING: 0 registers, 2 per-lane cp.async,
-// XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only (diagnostic), XS: the
-// workers are blocks whose activations are staged in shared memory once.
+// XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only, 2 no fixups (both
+// diagnostics: wrong output), XS: the workers are blocks whose activations are staged in shared
+// memory once.
 #define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS)          \
   static void ignis_q4t_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,                 \
                                tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {                \
-    ::ignis_q4::q4_tiled_launch<NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS>(        \
+    ::ignis_q4::q4_tiled_launch<NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS>( \
         #NAME, x, qweight, scales, y);                                                               \
   }                                                                                                 \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_q4t_##NAME)

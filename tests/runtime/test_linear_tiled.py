@@ -286,7 +286,7 @@ def test_place_tiles_served_shapes_only() -> None:
 
 def test_place_warms_each_cuda_tiled_function_over_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiled kernel's workspace need depends on the rows (a call whose activations do not fit
-    in shared memory runs the warp variant, which needs more tickets): `place` runs each CUDA tiled
+    in shared memory runs the warp variant, which needs more workspace): `place` runs each CUDA tiled
     function at the fewest and the most rows the dispatch gives it (width W serves the rows above
     the next smaller width up to W), once per function, so that no later call grows (and frees) a
     workspace a CUDA graph captured. (CPU stand-ins flagged as CUDA functions; the weight's device
