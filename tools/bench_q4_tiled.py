@@ -41,8 +41,6 @@ def candidates() -> dict[str, Any]:
         # the shipped rules (`_RULES`: blocks of 16 warps, activations staged in shared memory)
         *rules,
         replace(rules[0], depth=4),
-        # warpgroup mma for 9-32 rows (session 4)
-        *(replace(r, post_scale=False, wgmma=True) for r in rules[1:]),
         # the alternatives measured against them (docs/PERF.md, tiled runs 1-13), 1..8 rows
         T(1, 1, 4, 4, True, 4),  # warp workers, activations through L1
         # diagnostics (wrong output by design): the weight stream alone; the rules without fixups
@@ -59,7 +57,7 @@ def is_diagnostic(key: str) -> bool:
 
 
 def cmd_build(args: argparse.Namespace) -> None:
-    """Build every candidate for sm_90a (timed) and the rule set for sm_120 (built, not run)."""
+    """Build every candidate for sm_90 (timed) and the rule set for sm_120 (built, not run)."""
     import subprocess
 
     from ignis.compiler.kernels.cuda_build import nvcc_command
@@ -74,8 +72,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     # One verbose nvcc run so the manifest records registers and spills per kernel.
     src = out / "q4t_candidates.cu"
     src.write_text(tiled_source(exports))
-    # sm_90a: the wgmma candidates need the arch-specific target (the other kernels are the same)
-    cmd = nvcc_command(_nvcc(), "sm_90a", src, out / "q4t_sm90.so", verbose=True)
+    cmd = nvcc_command(_nvcc(), "sm_90", src, out / "q4t_sm90.so", verbose=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     src.unlink()
     if proc.returncode:

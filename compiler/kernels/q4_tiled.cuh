@@ -261,92 +261,6 @@ __device__ __noinline__ void tiled_finish_group_mid(TiledAcc<MT, NT> a, int grp,
   tiled_finish_group<T, NT, MT, true>(a, grp, out, worker, u0, u1, S, U, n_workers, ws, slots, y, n_rows, n_out);
 }
 
-// Hopper warpgroup mma (sm_90a only: `wgmma` exists nowhere else): D[64 x 8 NT] += A[64 x 16] x
-// B[16 x 8 NT], A from registers (each warp of the warpgroup its 16 rows, the mma.m16n8k16 A
-// fragment), B from shared memory through a matrix descriptor, f32 accumulators in the
-// mma.m16n8k16 C layout per n8 block (d[j][c]). PTX ISA, "Asynchronous Warpgroup Level Matrix
-// Multiply-Accumulate" (wgmma.mma_async, its register fragments and matrix descriptors).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define IGNIS_WGMMA 1
-#else
-#define IGNIS_WGMMA 0
-#endif
-
-__device__ __forceinline__ void wgmma_fence() {
-#if IGNIS_WGMMA
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#if IGNIS_WGMMA
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-#endif
-}
-// Wait until at most N committed wgmma groups of this warp are still running.
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#if IGNIS_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-#endif
-}
-// Keeps a register the asynchronous wgmma reads (or writes) where it is until the caller's wait.
-__device__ __forceinline__ void wgmma_keep(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
-__device__ __forceinline__ void wgmma_keep(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-// Shared-memory matrix descriptor, no swizzle (PTX ISA "Matrix Descriptor Format"): start address,
-// leading-dimension and stride-dimension byte offsets, each in 16-byte units.
-__device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((smem_addr & 0x3ffffu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32);
-}
-
-// One specialization per (type, n-tiles); operands: the accumulators, then A, the descriptor and
-// scale-d (1: accumulate).
-#if IGNIS_WGMMA
-#define IGNIS_WG_RUN(SHAPE, AB, DREGS, AREGS, DESC, SCALED, ...)                                       \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALED ", 0;\n"                                    \
-               "wgmma.mma_async.sync.aligned." SHAPE ".f32." AB "." AB " " DREGS ", " AREGS ", " DESC \
-               ", p, 1, 1, 0;\n}\n"                                                                  \
-               : __VA_ARGS__                                                                         \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)                       \
-               : "memory")
-#else
-#define IGNIS_WG_RUN(SHAPE, AB, DREGS, AREGS, DESC, SCALED, ...) __trap()
-#endif
-#define IGNIS_WG_F(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-
-template <typename T, int NT>
-struct WgMma;
-
-#define IGNIS_WG_STRUCTS(TYPE, AB) \
-  template <>                                                                                  \
-  struct WgMma<TYPE, 2> {                                                                   \
-    __device__ __forceinline__ static void run(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc) { \
-      IGNIS_WG_RUN("m64n16k16", AB, "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}", "%12", "%13", \
-                   IGNIS_WG_F(0), IGNIS_WG_F(1)); \
-    }                                                                                         \
-  };                                                                                          \
-  template <>                                                                                  \
-  struct WgMma<TYPE, 3> {                                                                   \
-    __device__ __forceinline__ static void run(float (&d)[3][4], const uint32_t (&a)[4], uint64_t desc) { \
-      IGNIS_WG_RUN("m64n24k16", AB, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}", "{%12, %13, %14, %15}", "%16", "%17", \
-                   IGNIS_WG_F(0), IGNIS_WG_F(1), IGNIS_WG_F(2)); \
-    }                                                                                         \
-  };                                                                                          \
-  template <>                                                                                  \
-  struct WgMma<TYPE, 4> {                                                                   \
-    __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc) { \
-      IGNIS_WG_RUN("m64n32k16", AB, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", "{%16, %17, %18, %19}", "%20", "%21", \
-                   IGNIS_WG_F(0), IGNIS_WG_F(1), IGNIS_WG_F(2), IGNIS_WG_F(3)); \
-    }                                                                                         \
-  };
-
-IGNIS_WG_STRUCTS(half, "f16")
-IGNIS_WG_STRUCTS(__nv_bfloat16, "bf16")
-#undef IGNIS_WG_STRUCTS
-#undef IGNIS_WG_F
-#undef IGNIS_WG_RUN
-
 // Bytes of one warp's private per-lane ring (RING = 2): D stages of MT units, each lane's two
 // 16-byte code pieces and its 16 scale bytes (3 x 512 bytes a tile, lane-major: no bank conflicts).
 template <int MT, int D>
@@ -371,16 +285,8 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // warps' rings); the units then read them from there. Each warp finishes its share of a group on
 // its own: workspace slots per warp share (n_groups * WARPS). (L2 prefetching ahead of the ring, in
 // the prologue or all along, was measured slower and removed: docs/PERF.md, runs 17 and 19.)
-// WG (XS, MT 1, scales folded in, 2-4 n-tiles, WARPS a multiple of 4; sm_90a): each warpgroup's 4
-// warps (4 consecutive tiles: 64 rows) multiply with wgmma, B read by the tensor cores straight from
-// the staged activations, which are then laid out in wgmma's no-swizzle K-major core matrices: per
-// k-step slot (2048 NT bytes), 8 k16 slices (word w, mma m of the tiled layout's k order), each NT
-// core-matrix rows (8 activation rows x 16 bytes) x 2 core-matrix columns (k 0-7, 8-15); the
-// descriptor's leading offset is the k direction (128 bytes), its stride offset the row direction
-// (256) -- the other reading of the PTX ISA's wording was built and failed the float64 check
-// (docs/PERF.md, run 20).
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int RING, bool XDB = false,
-          int MODE = kModeCompute, bool XS = false, bool WG = false>
+          int MODE = kModeCompute, bool XS = false>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
     q4_tiled_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const uint4* __restrict__ sc,
                     T* __restrict__ y, float* __restrict__ ws, int n_rows,
@@ -388,11 +294,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   static_assert(D >= 2, "at least two units in the ring");
   static_assert(RING == 0 || RING == 2, "RING is 0 (registers) or 2 (per-lane cp.async)");
   static_assert(!XS || !XDB, "XS takes no XDB");
-  static_assert(!WG || (XS && MT == 1 && !POST && RING == 0 && WARPS % 4 == 0 && NT >= 2),
-                "WG needs XS, MT 1, pre-scaling, the register ring, whole warpgroups and 2+ n-tiles");
-  static_assert(!WG || MODE != kModeStreamOnly, "WG has no stream-only diagnostic");
   using Tr = Q4Traits<T>;
-  constexpr int NACC = (!POST && MT * NT < 4 && !WG) ? 2 : 1;
+  constexpr int NACC = (!POST && MT * NT < 4) ? 2 : 1;
   extern __shared__ __align__(128) unsigned char tsmem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -519,9 +422,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // start once the first has landed, and the block waits for the rest before unit kXsFirst.
   constexpr int kXsFirst = 4;
   const int xs_first = min(n_xs, kXsFirst);
-  // WG: 8 NT rows a slot (rows past n_rows repeat the last; their outputs are not stored).
-  constexpr int kWgSlot = 2048 * NT;
-  if constexpr (XS && MODE != kModeStreamOnly && !WG) {
+  if constexpr (XS && MODE != kModeStreamOnly) {
     auto stage = [&](int c0, int c1) {  // 16-byte chunks [c0, c1) of the block's activations
       for (int c = c0 + static_cast<int>(threadIdx.x); c < c1; c += WARPS * 32) {
         const int slot = c / (n_rows * 16), rem = c - slot * (n_rows * 16);
@@ -535,26 +436,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     stage(0, xs_first * n_rows * 16);
     stage(xs_first * n_rows * 16, n_xs * n_rows * 16);
     cp_async_wait<1>();
-    __syncthreads();
-  }
-  if constexpr (XS && MODE != kModeStreamOnly && WG) {
-    // 4-byte pieces: piece c (features 2c, 2c + 1) of row r's 16-byte chunk col = 4 w + t' of a
-    // k-step goes to slice (w, c >> 1), core-matrix column c & 1, row r, bytes 4 t'.
-    auto stage = [&](int c0, int c1) {
-      for (int c = c0 + static_cast<int>(threadIdx.x); c < c1; c += WARPS * 32) {
-        const int slot = c / (8 * NT * 64), rem = c - slot * (8 * NT * 64);
-        const int r = rem >> 6, pc = rem & 63, col = pc >> 2, piece = pc & 3;
-        const int ks = ks0 + slot < S ? ks0 + slot : ks0 + slot - S;
-        const uint32_t dst = xs_a + slot * kWgSlot + ((col >> 2) * 2 + (piece >> 1)) * (NT * 256) + (r >> 3) * 256 +
-                             (piece & 1) * 128 + (r & 7) * 16 + (col & 3) * 4;
-        cp_async4(dst, x + static_cast<size_t>(min(r, n_rows - 1)) * k_in + ks * kStepK + col * 8 + piece * 2);
-      }
-      cp_async_commit();
-    };
-    stage(0, xs_first * 8 * NT * 64);
-    stage(xs_first * 8 * NT * 64, n_xs * 8 * NT * 64);
-    cp_async_wait<1>();
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
     __syncthreads();
   }
   auto load_x = [&](uint4 (&xv)[NT][4], int ks) {
@@ -628,64 +509,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       }
     }
   };
-  // WG: one unit of this warp's tile through the warpgroup's wgmma (scales folded into the weights),
-  // B from k-step ks's staged slices, in two halves (words 0-1, words 2-3) with their own A
-  // registers (wa[h]): a half's A registers are rewritten only after the wgmma group that read them
-  // (two halves back) has completed (wait_group 1), so a half's dequantization overlaps the previous
-  // half's wgmmas. group_end waits for all of them before reading the accumulators.
-  uint32_t wa[WG ? 2 : 1][2][2][4];
-  auto compute_wg = [&](const uint4 (&wd)[MT][2], const uint4 (&sd)[MT], int ks) {
-    if constexpr (WG) {
-      const int slot = ks >= ks0 ? ks - ks0 : ks - ks0 + S;
-      const uint32_t sa = xs_a + slot * kWgSlot;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        wgmma_wait<1>();
-#pragma unroll
-        for (int v = 0; v < 2; ++v)
-#pragma unroll
-          for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) wgmma_keep(wa[h][v][m][r]);
-#pragma unroll
-        for (int v = 0; v < 2; ++v) {
-          const int w = 2 * h + v;
-          uint32_t p0[4], p1[4];
-          Tr::dequant((&wd[0][0].x)[w], Tr::scale2(tiled_scale_bits(sd[0], 0, w)), p0);
-          Tr::dequant((&wd[0][1].x)[w], Tr::scale2(tiled_scale_bits(sd[0], 1, w)), p1);
-          wa[h][v][0][0] = p0[0];
-          wa[h][v][0][1] = p1[0];
-          wa[h][v][0][2] = p0[1];
-          wa[h][v][0][3] = p1[1];
-          wa[h][v][1][0] = p0[2];
-          wa[h][v][1][1] = p1[2];
-          wa[h][v][1][2] = p0[3];
-          wa[h][v][1][3] = p1[3];
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int v = 0; v < 2; ++v)
-#pragma unroll
-          for (int m = 0; m < 2; ++m)
-            WgMma<T, NT>::run(acc[0][0], wa[h][v][m],
-                              wgmma_desc(sa + ((2 * h + v) * 2 + m) * (NT * 256), 128, 256));
-        wgmma_commit();
-      }
-    }
-  };
-  // WG: every wgmma done and the accumulators pinned before anything else reads them.
-  auto wg_drain = [&]() {
-    if constexpr (WG) {
-      wgmma_wait<0>();
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) wgmma_keep(acc[0][0][j][c]);
-    }
-  };
   // The end of group grp's part; last: the range's last group (finished inline, after the loop).
   auto group_end = [&](int grp, auto last) {
-    wg_drain();
     TiledAcc<MT, NT> a;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
@@ -734,15 +559,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   auto step = [&](int u, int d, bool check) {
     if (XS && MODE != kModeStreamOnly && u - u0 == xs_first) {  // the rest of the activations
       cp_async_wait<0>();
-      if constexpr (WG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncthreads();
     }
     uint4 xv[NT][4];
-    if constexpr (!WG) unit_x(u, xv);
-    if constexpr (WG && MODE != kModeStreamOnly) {
-      compute_wg(wbuf[d], sbuf[d], cks);
-      if (!check || u + D < u1) issue(d);
-    } else if constexpr (RING == 0) {
+    unit_x(u, xv);
+    if constexpr (RING == 0) {
       compute(wbuf[d], sbuf[d], xv);
       if (!check || u + D < u1) issue(d);
     } else {  // RING 2

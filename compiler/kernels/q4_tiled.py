@@ -39,9 +39,6 @@ class TiledConfig:
         x_double: the next unit's activations are loaded into registers before this unit's math
             (else only prefetched into L1).
         stream_only: diagnostic: stream the weights, skip the math (wrong output).
-        wgmma: multiply with the warpgroup mma (Hopper; the module must be built for sm_90a),
-            B read by the tensor cores from the staged activations; needs x_smem, m_tiles 1,
-            pre-scaling, ring 0, whole warpgroups and 2-4 n-tiles.
         no_fixup: diagnostic: every warp stores its partial sums directly, no workspace (wrong
             output wherever a group is shared), to measure what the fixups cost.
         x_smem: the stream-K workers are blocks (a unit: ``warps * m_tiles`` tiles x one k-step,
@@ -62,7 +59,6 @@ class TiledConfig:
     stream_only: bool = False
     x_smem: bool = False
     no_fixup: bool = False
-    wgmma: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -81,18 +77,6 @@ class TiledConfig:
             )
         if self.ring == 2 and self.depth < 3:
             raise Q4KernelError("ring 2 needs depth >= 3")
-        if self.wgmma and not (
-            self.x_smem
-            and self.m_tiles == 1
-            and not self.post_scale
-            and self.ring == 0
-            and self.warps % 4 == 0
-            and self.n_tiles >= 2
-            and not self.stream_only
-        ):
-            raise Q4KernelError(
-                "wgmma needs x_smem, m_tiles 1, pre-scaling, ring 0, whole warpgroups and 2-4 n-tiles"
-            )
         if self.stream_only and self.no_fixup:
             raise Q4KernelError("stream_only and no_fixup are exclusive diagnostics")
         if self.x_smem and self.x_double:
@@ -133,8 +117,6 @@ class TiledConfig:
             tag += "_streamonly"
         if self.x_smem:
             tag += "_xs"
-        if self.wgmma:
-            tag += "_wg"
         if self.no_fixup:
             tag += "_nofixup"
         return tag if self.pdl else tag + "_nopdl"
@@ -145,7 +127,7 @@ class TiledConfig:
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "
             f"{b[self.post_scale]}, {self.min_blocks}, {self.blocks_per_sm}, {b[self.pdl]}, {self.ring}, "
-            f"{b[self.x_double]}, {mode}, {b[self.x_smem]}, {b[self.wgmma]})"
+            f"{b[self.x_double]}, {mode}, {b[self.x_smem]})"
         )
 
 

@@ -121,10 +121,10 @@ int tiled_blocks_per_sm(K kernel, int threads, size_t smem, int cap) {
 }
 
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, int RING, bool XDB, int MODE,
-          bool XS, bool WG>
+          bool XS>
 void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& qweight, const TensorView& scales,
                        const TensorView& y, bool pdl) {
-  auto kernel = q4_tiled_kernel<T, NT, MT, WARPS, D, POST, MINB, RING, XDB, MODE, XS, WG>;
+  auto kernel = q4_tiled_kernel<T, NT, MT, WARPS, D, POST, MINB, RING, XDB, MODE, XS>;
   const int64_t rows = x.size(0), k_in = x.size(1), n_out = y.size(1);
   const int device = x.device().device_id;
   // Per instantiation: SMs, and resident blocks per SM for the last shared-memory size asked.
@@ -157,8 +157,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
       for (;;) {
         const int64_t p_guess = static_cast<int64_t>(sms) * target;
         const int64_t span = (units + p_guess - 1) / p_guess;
-        // (WG: 8 NT rows of 256 bytes a k-step, in wgmma's core-matrix layout)
-        smem = static_cast<size_t>(span < steps ? span : steps) * (WG ? 2048 * NT : rows * 320) + 128 +
+        smem = static_cast<size_t>(span < steps ? span : steps) * rows * 320 + 128 +
                (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
         if (smem > static_cast<size_t>(smem_cap)) {
           fits = false;
@@ -192,7 +191,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   if (XS && !fits) {
     // Too many activation bytes for shared memory (a wide call on a very wide weight): the warp
     // kernel, activations through L1, same layout and numerics.
-    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, false, false>(name, x, qweight,
+    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, false>(name, x, qweight,
                                                                                      scales, y, pdl);
     return;
   }
@@ -216,13 +215,13 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
 }
 
 template <int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, bool PDL, int RING, bool XDB, int MODE,
-          bool XS, bool WG>
+          bool XS>
 void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorView scales, TensorView y) {
   q4_tiled_check_args(name, 8 * NT, x, qweight, scales, y);
   if (dtype_is(x, kDLFloat, 16)) {
-    q4_tiled_launch_t<half, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS, WG>(name, x, qweight, scales, y, PDL);
+    q4_tiled_launch_t<half, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, x, qweight, scales, y, PDL);
   } else if (dtype_is(x, kDLBfloat, 16)) {
-    q4_tiled_launch_t<__nv_bfloat16, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS, WG>(name, x, qweight, scales, y, PDL);
+    q4_tiled_launch_t<__nv_bfloat16, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, x, qweight, scales, y, PDL);
   } else {
     TVM_FFI_THROW(TypeError) << name << ": x must be float16 or bfloat16";
   }
@@ -236,11 +235,11 @@ void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorV
 // fit), PDL: programmatic dependent launch, RING: 0 registers, 2 per-lane cp.async,
 // XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only, 2 no fixups (both
 // diagnostics: wrong output), XS: the workers are blocks whose activations are staged in shared
-// memory once, WG: warpgroup mma (sm_90a modules only).
-#define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS, WG)      \
+// memory once.
+#define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS)          \
   static void ignis_q4t_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,                 \
                                tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {                \
-    ::ignis_q4::q4_tiled_launch<NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS, WG>(    \
+    ::ignis_q4::q4_tiled_launch<NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS>( \
         #NAME, x, qweight, scales, y);                                                               \
   }                                                                                                 \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_q4t_##NAME)

@@ -208,7 +208,7 @@ def test_configs_are_validated_and_tagged() -> None:
         TiledConfig(x_smem=True, x_double=True)
     cfg = TiledConfig(n_tiles=2, warps=16, depth=3, min_blocks=1, blocks_per_sm=1, x_smem=True)
     assert cfg.tag == "t2_mt1_w16_d3_post_mb1_b1_xs" and cfg.max_rows == 16
-    assert cfg.export_line("f") == "IGNIS_Q4T_EXPORT(f, 2, 1, 16, 3, true, 1, 1, true, 0, false, 0, true, false)"
+    assert cfg.export_line("f") == "IGNIS_Q4T_EXPORT(f, 2, 1, 16, 3, true, 1, 1, true, 0, false, 0, true)"
     assert tiled_source({"f": cfg}).startswith('#include "q4_tiled_ffi.cuh"')
     for rows in (1, 8, 9, 16, 17, 24, 25, 32):
         assert tiled_config_for(rows, 17408, 5120, "sm_90").max_rows >= rows
