@@ -149,17 +149,21 @@ __device__ __forceinline__ bool any_empty(const float4& f) {
          __float_as_uint(f.z) == kSlotEmpty || __float_as_uint(f.w) == kSlotEmpty;
 }
 
+// Workers a shared group is split over at most (the host caps the workers at kMaxParts x groups), so
+// its first worker reads the others' partials in one pass of loads an output element.
+constexpr int kMaxParts = 8;
+
 // Add slots [q0, q1) of output group `out` to `sum` in slot order (the covering workers' order: a
 // fixed order, so results are deterministic) and restore kSlotEmpty in them. Each output element
-// only needs its own slots in order, so the loads go element by element, up to 8 slots (8 float4 a
-// lane) in flight at once: one L2 round trip an element for up to 8 slots, whatever the order the
-// slots arrive in. A float still kSlotEmpty is re-read until its worker's value arrives (~2^24
+// only needs its own slots in order, so the loads go element by element, up to kMaxParts slots
+// (float4s a lane) in flight at once: one L2 round trip an element, whatever the order the slots
+// arrive in (it runs inline after the range's loop, where the ring's registers are dead). A float still kSlotEmpty is re-read until its worker's value arrives (~2^24
 // polls trap: a bug, not a hang).
 template <int NT, int MT>
 __device__ __forceinline__ void tiled_add_slots(TiledAcc<MT, NT>& sum, int out, int q0, int q1, float* __restrict__ ws,
                                                 int slots) {
   constexpr int kPer = MT * NT;  // float4 a lane per slot
-  constexpr int kChunk = kPer >= 3 ? 4 : 8;  // slots in flight (fewer where the sums hold more registers)
+  constexpr int kChunk = kMaxParts;  // slots in flight: every slot of a group at once (the host's cap)
   const int lane = threadIdx.x & 31;
   float4* base = reinterpret_cast<float4*>(ws) + static_cast<size_t>(out) * slots * (kPer * 32) + lane;
 #pragma unroll

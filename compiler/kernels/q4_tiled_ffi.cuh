@@ -149,13 +149,19 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
       cached_device = device;
       cached_smem = SIZE_MAX;
     }
+    // At most kMaxParts workers a group: the group's first worker gathers the others' partials in
+    // one pass of loads (tiled_add_slots); a narrow weight (few groups) then runs on fewer SMs
+    // rather than split its groups 30 ways and pay a round trip per 8 partials in every tail.
+    const int64_t g_parts = kMaxParts * static_cast<int64_t>(n_groups);
+    const int64_t cap = units < g_parts ? units : g_parts;
     if (XS) {
       fits = true;
-      // The activations of at most min(S, ceil(U / P)) k-steps, P = SMs x blocks per SM: start from
-      // BPS blocks a SM and step down while that much shared memory does not fit them.
+      // The activations of at most min(S, ceil(U / P)) k-steps, P = min(SMs x blocks per SM, cap):
+      // start from BPS blocks a SM and step down while that much shared memory does not fit them.
       int target = BPS > 0 ? BPS : 1;
       for (;;) {
-        const int64_t p_guess = static_cast<int64_t>(sms) * target;
+        const int64_t p_all = static_cast<int64_t>(sms) * target;
+        const int64_t p_guess = p_all < cap ? p_all : cap;
         const int64_t span = (units + p_guess - 1) / p_guess;
         smem = static_cast<size_t>(span < steps ? span : steps) * rows * 320 + 128 +
                (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
@@ -186,7 +192,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
       cached_smem = smem;
     }
     const int64_t want = static_cast<int64_t>(sms) * bps * (XS ? 1 : WARPS);
-    n_workers = static_cast<int>(want < units ? want : units);
+    n_workers = static_cast<int>(want < cap ? want : cap);
   }
   if (XS && !fits) {
     // Too many activation bytes for shared memory (a wide call on a very wide weight): the warp

@@ -171,11 +171,15 @@ def _slots(steps: int, units: int, workers: int) -> int:
         (7, 1, 7),
         (3, 3, 5),
         (15520, 40, 132),
+        (4, 40, 132),  # a narrow weight (1024 rows): capped at 8 workers a group
+        (1, 136, 132),
+        (2, 12, 132),
     ],
 )
 def test_stream_k_partition(groups: int, steps: int, workers: int) -> None:
     units = groups * steps
-    workers = min(workers, units)  # the host launches at most one worker a unit
+    # the host launches at most one worker a unit and kMaxParts (8) workers a group
+    workers = min(workers, units, 8 * groups)
 
     def start(p: int) -> int:
         return p * units // workers
@@ -193,6 +197,8 @@ def test_stream_k_partition(groups: int, steps: int, workers: int) -> None:
     for grp in range(groups):
         cover = owner(grp * steps + steps - 1) - owner(grp * steps) + 1
         assert 1 <= cover <= slots
+        # the group's first worker gathers at most kMaxParts others: one pass of loads
+        assert cover - 1 <= 8
 
 
 # ---------------------------------------------------------------------------------------------
