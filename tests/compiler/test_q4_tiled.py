@@ -199,6 +199,16 @@ def test_stream_k_partition(groups: int, steps: int, workers: int) -> None:
         assert 1 <= cover <= slots
         # the group's first worker gathers at most kMaxParts others: one pass of loads
         assert cover - 1 <= 8
+    # Fixup protocol (q4_tiled.cuh tiled_finish_group): a group that ends inside a worker's range
+    # (not at its last unit) is never a shared group's first worker's part -- the kernel traps if it
+    # were -- so the first worker's part always ends its range and it finishes the group last.
+    for p in range(workers):
+        for u in range(start(p), start(p + 1) - 1):
+            if u % steps == steps - 1:  # a group ends mid-range
+                grp = u // steps
+                first = owner(grp * steps)
+                shared = owner(grp * steps + steps - 1) != first
+                assert not (shared and first == p)
 
 
 # ---------------------------------------------------------------------------------------------
