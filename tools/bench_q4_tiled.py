@@ -249,17 +249,14 @@ class TiledBench(Bench):
         for i, layer in enumerate(self.layers):
             for shape, w in layer.items():
                 deq[(i, shape)] = self.dequant(w["qw"], w["scales"], torch.bfloat16)
-        # Clocks up before the first timing: ~0.5 s of the first candidate's chain (without it the
-        # first width timed -- 1 row, f16 -- ran ~7 % slow in runs 17-21: bf16 at 1 row, timed after
-        # it, was faster than f16).
+        # Warm-up through the same path as the timings (graph capture and replays on a new stream):
+        # the first width timed ran ~0.02 ms slow in every run until this (runs 17-24: whichever
+        # width came first -- 1 row, or 2 rows in run 24 -- while the same width timed later did
+        # not; half a second of eager launches beforehand did not help, run 22).
         first = next(fn for _n, (tag, cnt, fn) in new.items() if cnt == 1 and not is_diagnostic(tag))
-        warm = chain({"up": first, "down": first}, 1, torch.float16, True)
         t_warm = time.time()
-        with tvm_ffi.use_torch_stream():
-            while time.time() - t_warm < args.warmup_s:
-                for _ in range(50):
-                    warm()
-                torch.cuda.synchronize()
+        while time.time() - t_warm < args.warmup_s:
+            self.time_chain(chain({"up": first, "down": first}, 1, torch.float16, True))
         best: dict[int, tuple[str, float]] = {}
         for rows in widths:
             nt = (rows + 7) // 8
@@ -374,7 +371,9 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     r.add_argument("--tvm-lib", default=os.environ.get("IGNIS_TVM_LIB_DIR"))
     r.add_argument("--reps", type=int, default=30)
-    r.add_argument("--warmup-s", type=float, default=0.5, help="seconds of GPU work before the first timing")
+    r.add_argument(
+        "--warmup-s", type=float, default=0.5, help="seconds of timed chains, thrown away, before the first"
+    )
     r.add_argument("--widths", default=None, help="comma-separated widths (default: 1..8,12..32)")
     pr = sub.add_parser("profile")
     pr.add_argument("--modules", default=".device/q4t")
