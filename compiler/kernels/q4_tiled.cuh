@@ -55,6 +55,10 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 // MODE kModeNoFixup (diagnostic): every warp stores its partial sums of a shared group directly
 // (no workspace: wrong output), to measure what the fixups cost.
 constexpr int kModeNoFixup = 2;
+// MODE kModeNoWait (diagnostic): the fixups without their waiting -- the other workers park
+// nothing and a group's first worker reads its slots once (empty: wrong output) without polling
+// or restoring them (the workspace stays empty), to measure what the wait at the end costs.
+constexpr int kModeNoWait = 3;
 
 // (q - 8) for the word's features, unscaled and exact: out[i] = (f_{2i} - 8, f_{2i+1} - 8).
 template <typename T>
@@ -144,6 +148,13 @@ __device__ __forceinline__ float4 ld_volatile_f4(const float4* p) {
   return v;
 }
 
+// A partial as parked: a value whose bits happen to be kSlotEmpty (only a NaN with that payload,
+// which NVIDIA's arithmetic does not produce, but the PTX ISA does not promise canonical NaNs) is
+// stored as the canonical NaN, so a parked value can never read as "not yet written".
+__device__ __forceinline__ float parked(float v) {
+  return __float_as_uint(v) == kSlotEmpty ? __uint_as_float(0x7fffffffu) : v;
+}
+
 __device__ __forceinline__ bool any_empty(const float4& f) {
   return __float_as_uint(f.x) == kSlotEmpty || __float_as_uint(f.y) == kSlotEmpty ||
          __float_as_uint(f.z) == kSlotEmpty || __float_as_uint(f.w) == kSlotEmpty;
@@ -159,7 +170,7 @@ constexpr int kMaxParts = 8;
 // (float4s a lane) in flight at once: one L2 round trip an element, whatever the order the slots
 // arrive in (it runs inline after the range's loop, where the ring's registers are dead). A float still kSlotEmpty is re-read until its worker's value arrives (~2^24
 // polls trap: a bug, not a hang).
-template <int NT, int MT>
+template <int NT, int MT, bool POLL = true>
 __device__ __forceinline__ void tiled_add_slots(TiledAcc<MT, NT>& sum, int out, int q0, int q1, float* __restrict__ ws,
                                                 int slots) {
   constexpr int kPer = MT * NT;  // float4 a lane per slot
@@ -176,7 +187,7 @@ __device__ __forceinline__ void tiled_add_slots(TiledAcc<MT, NT>& sum, int out, 
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) {
         if (c0 + c >= q1) break;
-        for (int polls = 0; any_empty(f[c]); ++polls) {
+        for (int polls = 0; POLL && any_empty(f[c]); ++polls) {
           if (polls > (1 << 24)) __trap();
           __nanosleep(32);
           f[c] = ld_volatile_f4(base + (static_cast<size_t>(c0 + c) * kPer + e) * 32);
@@ -186,9 +197,11 @@ __device__ __forceinline__ void tiled_add_slots(TiledAcc<MT, NT>& sum, int out, 
         sum.v[e / NT][e % NT][2] += f[c].z;
         sum.v[e / NT][e % NT][3] += f[c].w;
       }
+      if constexpr (POLL) {
 #pragma unroll
-      for (int c = 0; c < kChunk; ++c)
-        if (c0 + c < q1) st_volatile_f4(base + (static_cast<size_t>(c0 + c) * kPer + e) * 32, sentinel4());
+        for (int c = 0; c < kChunk; ++c)
+          if (c0 + c < q1) st_volatile_f4(base + (static_cast<size_t>(c0 + c) * kPer + e) * 32, sentinel4());
+      }
     }
   }
 }
@@ -202,16 +215,21 @@ __device__ __forceinline__ int tiled_owner(long long u, long long U, int n_worke
 // (parked, volatile stores, no fence and no wait: the values announce themselves against
 // kSlotEmpty), or, for pf itself -- its part of the group is the end of its range, so it is the
 // last to finish in the normal course -- wait for slots 1 .. pl - pf, sum them after its own in
-// worker order (deterministic), restore kSlotEmpty, write y. The wait is
-// safe because every block of the grid is resident (the host launches at most what fits) and the
-// blocks pf waits for never wait on pf; a wait of more than ~2^24 polls traps (a bug, not a hang).
+// worker order (deterministic), restore kSlotEmpty, write y. The wait needs the blocks pf waits
+// for to make progress: the host launches no more blocks than the occupancy API says fit on the
+// device's SMs, the blocks pf waits for never wait on pf, and a dependent (PDL) grid cannot take
+// their SMs (it launches only once every block of this grid has started). What the host cannot see
+// -- SMs withheld by MPS limits or green contexts, persistent kernels on other streams holding SMs
+// -- can leave a covering block unscheduled: the poll then ends in a trap after ~2^24 polls (an
+// error, not a hang). Such setups are not supported.
 // GATHER false: the caller knows it is not pf (only the parking code is generated).
-template <typename T, int NT, int MT, bool GATHER>
+template <typename T, int NT, int MT, bool GATHER, bool NOWAIT = false>
 __device__ __forceinline__ void tiled_flag_fixup(const TiledAcc<MT, NT>& a, int out, int worker, int pf, int pl,
                                                  float* __restrict__ ws, int slots, T* __restrict__ y, int n_rows,
                                                  int n_out) {
   const int lane = threadIdx.x & 31;
   float4* base = reinterpret_cast<float4*>(ws) + static_cast<size_t>(out) * slots * (MT * NT * 32);
+  if (NOWAIT && worker != pf) return;
   if (worker != pf) {
     float4* mine = base + static_cast<size_t>(worker - pf) * (MT * NT * 32);
 #pragma unroll
@@ -219,7 +237,8 @@ __device__ __forceinline__ void tiled_flag_fixup(const TiledAcc<MT, NT>& a, int 
 #pragma unroll
       for (int j = 0; j < NT; ++j)
         st_volatile_f4(mine + (i * NT + j) * 32 + lane,
-                       make_float4(a.v[i][j][0], a.v[i][j][1], a.v[i][j][2], a.v[i][j][3]));
+                       make_float4(parked(a.v[i][j][0]), parked(a.v[i][j][1]), parked(a.v[i][j][2]),
+                                   parked(a.v[i][j][3])));
     return;
   }
   if constexpr (GATHER) {
@@ -230,7 +249,7 @@ __device__ __forceinline__ void tiled_flag_fixup(const TiledAcc<MT, NT>& a, int 
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int c = 0; c < 4; ++c) sum.v[i][j][c] = 0.f + a.v[i][j][c];
-    tiled_add_slots<NT, MT>(sum, out, 1, pl - pf + 1, ws, slots);
+    tiled_add_slots<NT, MT, !NOWAIT>(sum, out, 1, pl - pf + 1, ws, slots);
     tiled_store_y<T, NT, MT>(sum, out, y, n_rows, n_out);
   }
 }
@@ -240,7 +259,7 @@ __device__ __forceinline__ void tiled_flag_fixup(const TiledAcc<MT, NT>& a, int 
 // directly when the worker owns the whole group, else tiled_flag_fixup. MID: a group that ends
 // inside the worker's range -- never the group's first worker (that one's part ends its range), so
 // the summation's registers are not needed there.
-template <typename T, int NT, int MT, bool MID>
+template <typename T, int NT, int MT, bool MID, bool NOWAIT = false>
 __device__ __forceinline__ void tiled_finish_group(const TiledAcc<MT, NT>& a, int grp, int out, int worker, int u0,
                                                    int u1, int S, long long U, int n_workers, float* __restrict__ ws,
                                                    int slots, T* __restrict__ y, int n_rows, int n_out) {
@@ -253,16 +272,17 @@ __device__ __forceinline__ void tiled_finish_group(const TiledAcc<MT, NT>& a, in
   if constexpr (MID) {
     if (worker == pf) __trap();  // impossible: pf's part of a shared group ends its range
   }
-  tiled_flag_fixup<T, NT, MT, !MID>(a, out, worker, pf, pl, ws, slots, y, n_rows, n_out);
+  tiled_flag_fixup<T, NT, MT, !MID, NOWAIT>(a, out, worker, pf, pl, ws, slots, y, n_rows, n_out);
 }
 
 // Out of line for the groups that end inside a worker's range (once a warp, mid-stream: the ring's
 // registers stay where they are); the range's last group is finished inline after the loop.
-template <typename T, int NT, int MT>
+template <typename T, int NT, int MT, bool NOWAIT = false>
 __device__ __noinline__ void tiled_finish_group_mid(TiledAcc<MT, NT> a, int grp, int out, int worker, int u0, int u1,
                                                     int S, long long U, int n_workers, float* __restrict__ ws,
                                                     int slots, T* __restrict__ y, int n_rows, int n_out) {
-  tiled_finish_group<T, NT, MT, true>(a, grp, out, worker, u0, u1, S, U, n_workers, ws, slots, y, n_rows, n_out);
+  tiled_finish_group<T, NT, MT, true, NOWAIT>(a, grp, out, worker, u0, u1, S, U, n_workers, ws, slots, y, n_rows,
+                                               n_out);
 }
 
 // Bytes of one warp's private per-lane ring (RING = 2): D stages of MT units, each lane's two
@@ -526,14 +546,15 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
           if (NACC == 2) v += acc[NACC - 1][i][j][c];
           a.v[i][j][c] = v;
         }
+    constexpr bool kNoWait = MODE == kModeNoWait;
     if constexpr (MODE == kModeNoFixup)
       tiled_store_y<T, NT, MT>(a, out_of(grp), y, n_rows, n_out);
     else if constexpr (decltype(last)::value)
-      tiled_finish_group<T, NT, MT, false>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, slots, y, n_rows,
-                                           n_out);
+      tiled_finish_group<T, NT, MT, false, kNoWait>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, slots, y,
+                                                    n_rows, n_out);
     else
-      tiled_finish_group_mid<T, NT, MT>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, slots, y, n_rows,
-                                        n_out);
+      tiled_finish_group_mid<T, NT, MT, kNoWait>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, slots, y,
+                                                 n_rows, n_out);
     zero_acc();
   };
 

@@ -41,6 +41,8 @@ class TiledConfig:
         stream_only: diagnostic: stream the weights, skip the math (wrong output).
         no_fixup: diagnostic: every warp stores its partial sums directly, no workspace (wrong
             output wherever a group is shared), to measure what the fixups cost.
+        no_wait: diagnostic: the fixups without their wait (nothing parked, the first worker reads
+            its still-empty slots once: wrong output), to measure what the wait at the end costs.
         x_smem: the stream-K workers are blocks (a unit: ``warps * m_tiles`` tiles x one k-step,
             each warp its own tiles) whose activations are copied into shared memory once;
             ``blocks_per_sm`` (0: 1) blocks a SM. Takes ring 0 or 2.
@@ -59,6 +61,7 @@ class TiledConfig:
     stream_only: bool = False
     x_smem: bool = False
     no_fixup: bool = False
+    no_wait: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -77,8 +80,8 @@ class TiledConfig:
             )
         if self.ring == 2 and self.depth < 3:
             raise Q4KernelError("ring 2 needs depth >= 3")
-        if self.stream_only and self.no_fixup:
-            raise Q4KernelError("stream_only and no_fixup are exclusive diagnostics")
+        if self.stream_only + self.no_fixup + self.no_wait > 1:
+            raise Q4KernelError("stream_only, no_fixup and no_wait are exclusive diagnostics")
         if self.x_smem and self.x_double:
             raise Q4KernelError("x_smem takes no x_double")
         if self.ring and self.smem_bytes > 227 * 1024:
@@ -97,7 +100,7 @@ class TiledConfig:
     @property
     def diagnostic(self) -> bool:
         """A diagnostic variant (wrong output by design): timed, never used."""
-        return self.stream_only or self.no_fixup
+        return self.stream_only or self.no_fixup or self.no_wait
 
     @property
     def max_rows(self) -> int:
@@ -119,11 +122,14 @@ class TiledConfig:
             tag += "_xs"
         if self.no_fixup:
             tag += "_nofixup"
+        if self.no_wait:
+            tag += "_nowait"
         return tag if self.pdl else tag + "_nopdl"
 
     def export_line(self, name: str) -> str:
         b = {True: "true", False: "false"}
-        mode = 1 if self.stream_only else 2 if self.no_fixup else 0  # kModeStreamOnly / kModeNoFixup
+        # kModeStreamOnly / kModeNoFixup / kModeNoWait
+        mode = 1 if self.stream_only else 2 if self.no_fixup else 3 if self.no_wait else 0
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "
             f"{b[self.post_scale]}, {self.min_blocks}, {self.blocks_per_sm}, {b[self.pdl]}, {self.ring}, "

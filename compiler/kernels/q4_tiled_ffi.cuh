@@ -138,7 +138,8 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   const int64_t units = n_groups * steps;
   size_t smem = RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0;
   int n_workers = 0;
-  bool fits = true;  // XS: the block's activations fit in shared memory
+  bool fits = true;        // XS: the block's activations fit in shared memory
+  bool uncapped = false;   // XS: only without the workers-a-group cap
   {
     std::lock_guard<std::mutex> lock(tiled_mutex());
     if (cached_device != device) {
@@ -158,13 +159,23 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
       fits = true;
       // The activations of at most min(S, ceil(U / P)) k-steps, P = min(SMs x blocks per SM, cap):
       // start from BPS blocks a SM and step down while that much shared memory does not fit them.
+      // A narrow but deep weight whose capped workers' activations do not fit takes the uncapped
+      // count (more partials a group, gathered in more passes) before the warp-kernel fallback.
       int target = BPS > 0 ? BPS : 1;
       for (;;) {
         const int64_t p_all = static_cast<int64_t>(sms) * target;
-        const int64_t p_guess = p_all < cap ? p_all : cap;
-        const int64_t span = (units + p_guess - 1) / p_guess;
-        smem = static_cast<size_t>(span < steps ? span : steps) * rows * 320 + 128 +
-               (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
+        const int64_t p_capped = p_all < cap ? p_all : cap;
+        auto smem_for = [&](int64_t p_workers) {
+          const int64_t span = (units + p_workers - 1) / p_workers;
+          return static_cast<size_t>(span < steps ? span : steps) * rows * 320 + 128 +
+                 (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
+        };
+        smem = smem_for(p_capped);
+        uncapped = false;
+        if (smem > static_cast<size_t>(smem_cap) && p_capped < p_all) {
+          smem = smem_for(p_all < units ? p_all : units);
+          uncapped = true;
+        }
         if (smem > static_cast<size_t>(smem_cap)) {
           fits = false;
           break;
@@ -192,7 +203,8 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
       cached_smem = smem;
     }
     const int64_t want = static_cast<int64_t>(sms) * bps * (XS ? 1 : WARPS);
-    n_workers = static_cast<int>(want < cap ? want : cap);
+    const int64_t limit = uncapped ? units : cap;
+    n_workers = static_cast<int>(want < limit ? want : limit);
   }
   if (XS && !fits) {
     // Too many activation bytes for shared memory (a wide call on a very wide weight): the warp
