@@ -221,8 +221,12 @@ class TiledBench(Bench):
 
         # A candidate that misses float64 (rel. error over 1e-2 on any check or edge shape) or
         # differs between re-runs is timed but never "best" (a wrong layout can be fast).
+        def edge_of(key: str, tag: str) -> bool:  # "edge_{tag}_n{N}_k..", not a longer tag's
+            head = f"edge_{tag}_n"
+            return key.startswith(head) and key[len(head) : len(head) + 1].isdigit()
+
         def misses(name: str, tag: str) -> str | None:
-            keys = [k for k in E if k.startswith((name + "_f16_", name + "_bf16_", f"edge_{tag}_n"))]
+            keys = [k for k in E if k.startswith((name + "_f16_", name + "_bf16_")) or edge_of(k, tag)]
             if any(k.endswith("_nondeterministic") for k in keys):
                 return "re-runs differ"
             if any(E[k] > 1e-2 or E[k] != E[k] for k in keys):
@@ -238,9 +242,7 @@ class TiledBench(Bench):
         wrong_tags = [new[w][0] for w in wrong]
 
         def of_wrong(key: str) -> bool:
-            return any(
-                f"{t}_f16_" in key or f"{t}_bf16_" in key or key.startswith(f"edge_{t}_n") for t in wrong_tags
-            )
+            return any(f"{t}_f16_" in key or f"{t}_bf16_" in key or edge_of(key, t) for t in wrong_tags)
 
         kept = [k for k in E if not is_diagnostic(k) and not of_wrong(k)]
         worst = max((E[k] for k in kept if "_f16_" in k and not k.startswith("edge_")), default=float("nan"))
