@@ -259,9 +259,11 @@ class TiledBench(Bench):
         # width came first -- 1 row, or 2 rows in run 24 -- while the same width timed later did
         # not; half a second of eager launches beforehand did not help, run 22).
         first = next((fn for _n, (tag, cnt, fn) in new.items() if cnt == 1 and not is_diagnostic(tag)), None)
-        t_warm = time.time()
-        while first is not None and time.time() - t_warm < args.warmup_s:
-            self.time_chain(chain({"up": first, "down": first}, 1, torch.float16, True))
+        if first is not None:  # one chain (its buffers made once), timed and thrown away
+            warm = chain({"up": first, "down": first}, 1, torch.float16, True)
+            t_warm = time.time()
+            while time.time() - t_warm < args.warmup_s:
+                self.time_chain(warm)
         best: dict[int, tuple[str, float]] = {}
         for rows in widths:
             nt = (rows + 7) // 8
