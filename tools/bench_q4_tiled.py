@@ -38,11 +38,13 @@ def candidates() -> dict[str, Any]:
 
     rules = [tiled_rules[nt] for nt in (1, 2, 3, 4)]
     cfgs = [
-        # the shipped rules (`_RULES`: blocks of 16 warps, activations staged in shared memory)
+        # the shipped rules (`_RULES`: blocks of 16 warps, activations staged in shared memory by
+        # bulk copies)
         *rules,
+        # the same staged by cp.async (the rules before sm_90 and before session 5's run 30)
+        *[replace(r, x_bulk=False) for r in rules],
         replace(rules[0], depth=4),
-        # the alternatives measured against them (docs/PERF.md, tiled runs 1-13), 1..8 rows
-        T(1, 1, 4, 4, True, 4),  # warp workers, activations through L1
+        replace(rules[1], depth=4),
         # diagnostics (wrong output by design): the weight stream alone; the rules without fixups
         T(1, 1, 4, 4, True, 4, stream_only=True),
         replace(rules[0], no_fixup=True),

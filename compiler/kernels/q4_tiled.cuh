@@ -19,7 +19,9 @@
 // * POST: dequantize to (q - 8) exactly, run the group's two mmas into a fresh accumulator and apply
 //   the two row scales to it in fp32 (4 FFMA a group and n-tile instead of 8 packed multiplies a
 //   group; more exact than rounding the scaled weight); else the scale is multiplied in before the
-//   mma (cheaper from 2 n-tiles on).
+//   mma (cheaper from 2 n-tiles on). (Weights left biased -- no half arithmetic in the
+//   dequantization -- with the bias removed by two more mmas a group were measured 5-23 % slower:
+//   docs/PERF.md run 30.)
 // * Stream-K: the U = G * S units (G tile groups of MT tiles, k fastest) are split evenly over the
 //   P = grid * WARPS warps (warp p: units [p U / P, (p + 1) U / P)), so every SM streams the same
 //   number of bytes whatever the shape. A warp's units are one contiguous stream per tile. A tile
@@ -50,6 +52,33 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
+}
+
+// Shared-memory mbarriers and 1-d bulk copies (the Hopper copy engine; sm_90+), for the block's
+// activation staging (XS = 2). PTX ISA 8.x: mbarrier, cp.async.bulk.
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+// This thread's arrival, with `bytes` of bulk copies to complete the phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n"
+      "MBAR_WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra MBAR_WAIT;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// `bytes` (a multiple of 16) contiguous global bytes into shared memory, completing on `bar`.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+#else
+  __trap();
+#endif
 }
 
 // MODE kModeNoFixup (diagnostic): every warp stores its partial sums of a shared group directly
@@ -285,6 +314,10 @@ __device__ __noinline__ void tiled_finish_group_mid(TiledAcc<MT, NT> a, int grp,
                                                n_out);
 }
 
+// XS: the first kXsFirst k-steps' activations form one copy group and the rest a second: the
+// units start once the first has landed, and the block waits for the rest before unit kXsFirst.
+constexpr int kXsFirst = 4;
+
 // Bytes of one warp's private per-lane ring (RING = 2): D stages of MT units, each lane's two
 // 16-byte code pieces and its 16 scale bytes (3 x 512 bytes a tile, lane-major: no bank conflicts).
 template <int MT, int D>
@@ -310,7 +343,7 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // its own: workspace slots per warp share (n_groups * WARPS). (L2 prefetching ahead of the ring, in
 // the prologue or all along, was measured slower and removed: docs/PERF.md, runs 17 and 19.)
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int RING, bool XDB = false,
-          int MODE = kModeCompute, bool XS = false>
+          int MODE = kModeCompute, int XS = 0>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
     q4_tiled_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const uint4* __restrict__ sc,
                     T* __restrict__ y, float* __restrict__ ws, int n_rows,
@@ -409,6 +442,21 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     for (int d = 0; d < D; ++d)
       if (u0 + d < u1) issue(d);
   }
+  if constexpr (XS == 2 && MODE != kModeStreamOnly) {
+    // The activation staging's two mbarriers (in the 128-byte head, see below), armed with their
+    // bytes by thread 0 (its arrival is each phase's only one), initialized before any warp's
+    // copies complete on them or any thread waits.
+    const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(tsmem));
+    if (threadIdx.x == 0) {
+      const int n_xs = min(u1 - u0, S), first = min(n_xs, kXsFirst);  // as xs_first below
+      mbar_init(bar0);
+      mbar_init(bar0 + 8);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      mbar_arrive_expect_tx(bar0, static_cast<uint32_t>(first * n_rows * 256));
+      mbar_arrive_expect_tx(bar0 + 8, static_cast<uint32_t>((n_xs - first) * n_rows * 256));
+    }
+    __syncthreads();
+  }
   pdl_launch_dependents();
   pdl_wait();
 
@@ -431,22 +479,49 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   };
   zero_acc();
 
-  // XS: the block's k-steps ks0, ks0 + 1, .. (mod S), n_xs of them, at smem slot (ks - ks0) mod S:
-  // row r of slot s at (s R + r) * kXsRow bytes (256 bytes + 64 of padding: the 8 rows a quarter
-  // warp reads fall in distinct banks).
+  // XS: the block's k-steps ks0, ks0 + 1, .. (mod S), n_xs of them, at smem slot (ks - ks0) mod S.
+  // XS 1 (cp.async): row r of slot s at (s R + r) * kXsRow bytes (256 bytes + 64 of padding: the 8
+  // rows a quarter warp reads fall in distinct banks). XS 2 (bulk copies): row r's slots are
+  // contiguous, s * 256 bytes into the row's xs_rs = 256 n_xs + 64 bytes (xs_rs = 64 mod 128: the
+  // same bank spread), so one bulk copy moves a row's span of k-steps.
   constexpr int kXsRow = 320;
   const int ks0 = u0 % S;
-  const uint32_t xs_a =
-      static_cast<uint32_t>(__cvta_generic_to_shared(tsmem)) + kXsHead + (RING == 2 ? WARPS * kRingBytes : 0);
+  const uint32_t smem_a = static_cast<uint32_t>(__cvta_generic_to_shared(tsmem));
+  const uint32_t xs_a = smem_a + kXsHead + (RING == 2 ? WARPS * kRingBytes : 0);
+  const int n_xs = min(u1 - u0, S);
+  const int xs_rs = XS == 2 ? 256 * n_xs + 64 : kXsRow;  // bytes between rows
+  const int xs_ss = XS == 2 ? 256 : n_rows * kXsRow;      // bytes between slots
   uint32_t xs_lane[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) xs_lane[j] = xs_a + min(8 * j + g, n_rows - 1) * kXsRow + t * 16;
-  const int n_xs = min(u1 - u0, S);
-  // The first kXsFirst k-steps' activations form one copy group and the rest a second: the units
-  // start once the first has landed, and the block waits for the rest before unit kXsFirst.
-  constexpr int kXsFirst = 4;
+  for (int j = 0; j < NT; ++j) xs_lane[j] = xs_a + min(8 * j + g, n_rows - 1) * xs_rs + t * 16;
   const int xs_first = min(n_xs, kXsFirst);
-  if constexpr (XS && MODE != kModeStreamOnly) {
+  // XS 2: the two groups' mbarriers, in the 128-byte head.
+  const uint32_t xs_bar0 = smem_a, xs_bar1 = smem_a + 8;
+  if constexpr (XS == 2 && MODE != kModeStreamOnly) {
+    // Lane 0 of warp w copies rows w, w + WARPS, ..: each row's spans of slots [0, xs_first) and
+    // [xs_first, n_xs), split in two where the k-steps wrap past S. The barriers were armed with
+    // their bytes before (below the ring's first loads); every thread waits for a group's barrier
+    // before it reads the group (phase 0: the barriers are fresh each launch).
+    if (lane == 0) {
+      for (int r = warp; r < n_rows; r += WARPS) {
+        const T* xr = x + static_cast<size_t>(r) * k_in;
+        const uint32_t row_a = xs_a + r * xs_rs;
+        auto span = [&](int s0, int s1, uint32_t bar) {  // slots [s0, s1), split at the wrap
+          const int wrap = S - ks0;  // slot of k-step 0
+          if (s0 < wrap) {
+            const int e = min(s1, wrap);
+            bulk_g2s(row_a + s0 * 256, xr + (ks0 + s0) * kStepK, (e - s0) * 256, bar);
+            s0 = e;
+          }
+          if (s0 < s1) bulk_g2s(row_a + s0 * 256, xr + (s0 - wrap) * kStepK, (s1 - s0) * 256, bar);
+        };
+        span(0, xs_first, xs_bar0);
+        span(xs_first, n_xs, xs_bar1);
+      }
+    }
+    mbar_wait(xs_bar0, 0);
+  }
+  if constexpr (XS == 1 && MODE != kModeStreamOnly) {
     auto stage = [&](int c0, int c1) {  // 16-byte chunks [c0, c1) of the block's activations
       for (int c = c0 + static_cast<int>(threadIdx.x); c < c1; c += WARPS * 32) {
         const int slot = c / (n_rows * 16), rem = c - slot * (n_rows * 16);
@@ -468,7 +543,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int w = 0; w < 4; ++w) xv[j][w] = lds128(xs_lane[j] + slot * n_rows * kXsRow + w * 64);
+        for (int w = 0; w < 4; ++w) xv[j][w] = lds128(xs_lane[j] + slot * xs_ss + w * 64);
     } else {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
@@ -583,8 +658,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // the last blocks, where a unit or its refill may lie past u1.
   auto step = [&](int u, int d, bool check) {
     if (XS && MODE != kModeStreamOnly && u - u0 == xs_first) {  // the rest of the activations
-      cp_async_wait<0>();
-      __syncthreads();
+      if constexpr (XS == 2) {
+        mbar_wait(xs_bar1, 0);
+      } else {
+        cp_async_wait<0>();
+        __syncthreads();
+      }
     }
     uint4 xv[NT][4];
     unit_x(u, xv);

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .cuda_build import build_cuda_module, exports_source
@@ -46,6 +46,9 @@ class TiledConfig:
         x_smem: the stream-K workers are blocks (a unit: ``warps * m_tiles`` tiles x one k-step,
             each warp its own tiles) whose activations are copied into shared memory once;
             ``blocks_per_sm`` (0: 1) blocks a SM. Takes ring 0 or 2.
+        x_bulk: with ``x_smem``, the activations are staged by bulk copies (the copy engine, one
+            per row and span of k-steps, completing on mbarriers) instead of per-thread 16-byte
+            cp.async copies.
     """
 
     n_tiles: int = 1
@@ -62,6 +65,7 @@ class TiledConfig:
     x_smem: bool = False
     no_fixup: bool = False
     no_wait: bool = False
+    x_bulk: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -84,6 +88,8 @@ class TiledConfig:
             raise Q4KernelError("stream_only, no_fixup and no_wait are exclusive diagnostics")
         if self.x_smem and self.x_double:
             raise Q4KernelError("x_smem takes no x_double")
+        if self.x_bulk and not self.x_smem:
+            raise Q4KernelError("x_bulk needs x_smem")
         if self.ring and self.smem_bytes > 227 * 1024:
             raise Q4KernelError(
                 f"{self.tag} needs {self.smem_bytes} bytes of shared memory a block (> 227 KiB)"
@@ -119,7 +125,7 @@ class TiledConfig:
         if self.stream_only:
             tag += "_streamonly"
         if self.x_smem:
-            tag += "_xs"
+            tag += "_xb" if self.x_bulk else "_xs"
         if self.no_fixup:
             tag += "_nofixup"
         if self.no_wait:
@@ -130,10 +136,11 @@ class TiledConfig:
         b = {True: "true", False: "false"}
         # kModeStreamOnly / kModeNoFixup / kModeNoWait
         mode = 1 if self.stream_only else 2 if self.no_fixup else 3 if self.no_wait else 0
+        xs = 2 if self.x_bulk else int(self.x_smem)  # the kernel's XS
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "
             f"{b[self.post_scale]}, {self.min_blocks}, {self.blocks_per_sm}, {b[self.pdl]}, {self.ring}, "
-            f"{b[self.x_double]}, {mode}, {b[self.x_smem]})"
+            f"{b[self.x_double]}, {mode}, {xs})"
         )
 
 
@@ -161,6 +168,9 @@ def build_q4_tiled_module(
             raise Q4KernelError(f"export name {name!r} is not a C identifier")
     if not arch.startswith("sm_") or not arch[3:].isdigit() or int(arch[3:]) < 80:
         raise Q4KernelError(f"the tiled q4 kernel needs sm_80 or newer, got {arch!r}")
+    for name, cfg in exports.items():
+        if cfg.x_bulk and not _has_bulk_copies(arch):
+            raise Q4KernelError(f"{name}: x_bulk needs sm_90 or newer (bulk copies), got {arch!r}")
     return build_cuda_module(
         tiled_source(exports),
         arch,
@@ -174,12 +184,13 @@ def build_q4_tiled_module(
 
 # Configuration per n-tile count (rows 1-8, 9-16, 17-24, 25-32), measured on the H200 with
 # tools/bench_q4_tiled.py (docs/PERF.md, 2026-11-29, tiled runs 1-16): blocks of 16 warps, one a SM
-# (128 registers a thread), activations staged in shared memory once per block, a 3-unit register
-# ring of weights, shared groups finished by their first worker (self-announcing partials, session 4:
-# runs 18-19); scales applied after the mma up to 16
-# rows, folded into the weights above. The same configuration serves every shape and card (no
-# shared memory is reserved at build time; the launch sizes the activation buffer and falls back to
-# the warp kernel when it does not fit).
+# (128 registers a thread), activations staged in shared memory once per block -- by bulk copies
+# on sm_90 and newer (session 5, run 30: 2-5 % faster than cp.async staging at 1-16 and 28-32
+# rows), by cp.async before (no bulk copies there) --, a 3-unit register ring of weights, shared
+# groups finished by their first worker (self-announcing partials, session 4: runs 18-19); scales
+# applied after the mma up to 16 rows, folded into the weights above. The same configuration serves
+# every shape (no shared memory is reserved at build time; the launch sizes the activation buffer
+# and falls back to the warp kernel when it does not fit).
 _RULES: dict[int, TiledConfig] = {
     nt: TiledConfig(
         n_tiles=nt,
@@ -189,6 +200,7 @@ _RULES: dict[int, TiledConfig] = {
         min_blocks=1,
         blocks_per_sm=1,
         x_smem=True,
+        x_bulk=True,
     )
     for nt in (1, 2, 3, 4)
 }
@@ -198,7 +210,8 @@ def tiled_config_for(rows: int, out_features: int, in_features: int, arch: str) 
     """The configuration the build uses for ``rows`` (1..32) on an [out, in] q4_g32 weight.
 
     Raises:
-        Q4KernelError: rows outside 1..32 or in_features not a positive multiple of 128.
+        Q4KernelError: rows outside 1..32, in_features not a positive multiple of 128, or a
+            malformed ``arch``.
     """
     if not 1 <= rows <= MAX_ROWS:
         raise Q4KernelError(f"the tiled q4 kernel takes 1..{MAX_ROWS} rows, got {rows}")
@@ -206,5 +219,14 @@ def tiled_config_for(rows: int, out_features: int, in_features: int, arch: str) 
         raise Q4KernelError(
             f"the tiled q4 kernel needs in_features % 128 == 0, got [{out_features}, {in_features}]"
         )
-    del arch  # one rule for every card so far (no shared memory: nothing to shrink for sm_120)
-    return _RULES[(rows + 7) // 8]
+    rule = _RULES[(rows + 7) // 8]
+    return rule if _has_bulk_copies(arch) else replace(rule, x_bulk=False)
+
+
+def _has_bulk_copies(arch: str) -> bool:
+    """Whether ``arch`` (``sm_NN``) has the copy engine's bulk copies and mbarrier transaction
+    counts (PTX ``cp.async.bulk``, ``mbarrier.expect_tx``: sm_90 and newer)."""
+    digits = arch[3:].rstrip("af")
+    if not arch.startswith("sm_") or not digits.isdigit():
+        raise Q4KernelError(f"arch must be sm_NN (e.g. sm_90, sm_120), got {arch!r}")
+    return int(digits) >= 90

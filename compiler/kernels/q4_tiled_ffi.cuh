@@ -121,7 +121,7 @@ int tiled_blocks_per_sm(K kernel, int threads, size_t smem, int cap) {
 }
 
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, int RING, bool XDB, int MODE,
-          bool XS>
+          int XS>
 void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& qweight, const TensorView& scales,
                        const TensorView& y, bool pdl) {
   auto kernel = q4_tiled_kernel<T, NT, MT, WARPS, D, POST, MINB, RING, XDB, MODE, XS>;
@@ -209,7 +209,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   if (XS && !fits) {
     // Too many activation bytes for shared memory (a wide call on a very wide weight): the warp
     // kernel, activations through L1, same layout and numerics.
-    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, false>(name, x, qweight,
+    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0>(name, x, qweight,
                                                                                      scales, y, pdl);
     return;
   }
@@ -233,7 +233,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
 }
 
 template <int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, bool PDL, int RING, bool XDB, int MODE,
-          bool XS>
+          int XS>
 void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorView scales, TensorView y) {
   q4_tiled_check_args(name, 8 * NT, x, qweight, scales, y);
   if (dtype_is(x, kDLFloat, 16)) {
@@ -252,8 +252,8 @@ void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorV
 // mma, MINB: __launch_bounds__ min blocks, BPS: resident blocks per SM launched (0: as many as
 // fit), PDL: programmatic dependent launch, RING: 0 registers, 2 per-lane cp.async,
 // XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only, 2 no fixups (both
-// diagnostics: wrong output), XS: the workers are blocks whose activations are staged in shared
-// memory once.
+// diagnostics: wrong output), XS: 0 warp workers, 1 block workers whose activations are staged in
+// shared memory once by cp.async, 2 the same staged by bulk copies.
 #define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS)          \
   static void ignis_q4t_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,                 \
                                tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {                \

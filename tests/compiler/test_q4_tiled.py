@@ -223,7 +223,18 @@ def test_configs_are_validated_and_tagged() -> None:
         TiledConfig(x_smem=True, x_double=True)
     cfg = TiledConfig(n_tiles=2, warps=16, depth=3, min_blocks=1, blocks_per_sm=1, x_smem=True)
     assert cfg.tag == "t2_mt1_w16_d3_post_mb1_b1_xs" and cfg.max_rows == 16
-    assert cfg.export_line("f") == "IGNIS_Q4T_EXPORT(f, 2, 1, 16, 3, true, 1, 1, true, 0, false, 0, true)"
+    assert cfg.export_line("f") == "IGNIS_Q4T_EXPORT(f, 2, 1, 16, 3, true, 1, 1, true, 0, false, 0, 1)"
+    bulk = TiledConfig(n_tiles=2, warps=16, depth=3, min_blocks=1, blocks_per_sm=1, x_smem=True, x_bulk=True)
+    assert bulk.tag == "t2_mt1_w16_d3_post_mb1_b1_xb" and bulk.export_line("f").endswith(", 0, 2)")
+    with pytest.raises(Q4KernelError, match="x_bulk needs x_smem"):
+        TiledConfig(x_bulk=True)
+    # bulk-copy staging on sm_90 and newer, cp.async staging before (no bulk copies there)
+    staging = {arch: tiled_config_for(8, 17408, 5120, arch) for arch in ("sm_80", "sm_89", "sm_90", "sm_120")}
+    assert [(c.x_smem, c.x_bulk) for c in staging.values()] == [(True, False)] * 2 + [(True, True)] * 2
+    with pytest.raises(Q4KernelError, match="sm_NN"):
+        tiled_config_for(8, 17408, 5120, "hopper")
+    with pytest.raises(Q4KernelError, match="x_bulk needs sm_90"):
+        build_q4_tiled_module("sm_86", {"f": bulk}, "/nonexistent/x.so")
     assert tiled_source({"f": cfg}).startswith('#include "q4_tiled_ffi.cuh"')
     for rows in (1, 8, 9, 16, 17, 24, 25, 32):
         assert tiled_config_for(rows, 17408, 5120, "sm_90").max_rows >= rows
@@ -236,7 +247,7 @@ def test_configs_are_validated_and_tagged() -> None:
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
-@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
 def test_rule_modules_cross_compile(tmp_path: Path, arch: str) -> None:
     exports = {f"q4t_nt{nt}": tiled_config_for(8 * nt, 17408, 5120, arch) for nt in (1, 4)}
     path = build_q4_tiled_module(arch, exports, tmp_path / f"q4t_{arch}.so")
