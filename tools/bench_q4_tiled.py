@@ -43,13 +43,14 @@ def candidates() -> dict[str, Any]:
         *rules,
         # the same staged by cp.async (the rules before sm_90 and before session 5's run 30)
         *[replace(r, x_bulk=False) for r in rules],
-        replace(rules[0], depth=4),
-        replace(rules[1], depth=4),
         # diagnostics (wrong output by design): the weight stream alone; the rules without fixups
         T(1, 1, 4, 4, True, 4, stream_only=True),
         replace(rules[0], no_fixup=True),
         replace(rules[0], no_wait=True),
+        replace(rules[2], no_fixup=True),
+        replace(rules[2], no_wait=True),
         replace(rules[3], no_fixup=True),
+        replace(rules[3], no_wait=True),
     ]
     return {c.tag: c for c in cfgs}
 

@@ -316,6 +316,9 @@ __device__ __noinline__ void tiled_finish_group_mid(TiledAcc<MT, NT> a, int grp,
 
 // XS: the first kXsFirst k-steps' activations form one copy group and the rest a second: the
 // units start once the first has landed, and the block waits for the rest before unit kXsFirst.
+// XS 2 copies every row's first group before any row's second (row by row, the first group waited
+// behind most of the second's bytes: docs/PERF.md run 32; groups of 2, 4, 8, .. k-steps were no
+// faster than two: run 34).
 constexpr int kXsFirst = 4;
 
 // Bytes of one warp's private per-lane ring (RING = 2): D stages of MT units, each lane's two
@@ -443,12 +446,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       if (u0 + d < u1) issue(d);
   }
   if constexpr (XS == 2 && MODE != kModeStreamOnly) {
-    // The activation staging's two mbarriers (in the 128-byte head, see below), armed with their
-    // bytes by thread 0 (its arrival is each phase's only one), initialized before any warp's
-    // copies complete on them or any thread waits.
+    // The two copy groups' mbarriers (the 128-byte head, see below), armed with their bytes by
+    // thread 0 (its arrival is each group's only one), initialized before any warp's copies
+    // complete on them or any thread waits.
     const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(tsmem));
     if (threadIdx.x == 0) {
-      const int n_xs = min(u1 - u0, S), first = min(n_xs, kXsFirst);  // as xs_first below
+      const int n_xs = min(u1 - u0, S), first = min(n_xs, kXsFirst);  // as below
       mbar_init(bar0);
       mbar_init(bar0 + 8);
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -495,31 +498,31 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
 #pragma unroll
   for (int j = 0; j < NT; ++j) xs_lane[j] = xs_a + min(8 * j + g, n_rows - 1) * xs_rs + t * 16;
   const int xs_first = min(n_xs, kXsFirst);
-  // XS 2: the two groups' mbarriers, in the 128-byte head.
-  const uint32_t xs_bar0 = smem_a, xs_bar1 = smem_a + 8;
+  const uint32_t xs_bar = smem_a;  // XS 2: the groups' mbarriers
   if constexpr (XS == 2 && MODE != kModeStreamOnly) {
-    // Lane 0 of warp w copies rows w, w + WARPS, ..: each row's spans of slots [0, xs_first) and
-    // [xs_first, n_xs), split in two where the k-steps wrap past S. The barriers were armed with
-    // their bytes before (below the ring's first loads); every thread waits for a group's barrier
-    // before it reads the group (phase 0: the barriers are fresh each launch).
+    // Lane 0 of warp w copies rows w, w + WARPS, .., group by group (every row's first group before
+    // any row's second): each row's span of the group's slots, split in two where the k-steps wrap
+    // past S. The barriers were armed with their bytes before (below the ring's first loads); every
+    // thread waits for a group's barrier before it reads the group (parity 0: the barriers are
+    // fresh each launch).
     if (lane == 0) {
-      for (int r = warp; r < n_rows; r += WARPS) {
-        const T* xr = x + static_cast<size_t>(r) * k_in;
-        const uint32_t row_a = xs_a + r * xs_rs;
-        auto span = [&](int s0, int s1, uint32_t bar) {  // slots [s0, s1), split at the wrap
-          const int wrap = S - ks0;  // slot of k-step 0
+      const int wrap = S - ks0;  // slot of k-step 0
+      for (int grp = 0; grp < 2; ++grp) {
+        const int lo = grp ? xs_first : 0, hi = grp ? n_xs : xs_first;
+        for (int r = warp; r < n_rows && lo < hi; r += WARPS) {
+          const T* xr = x + static_cast<size_t>(r) * k_in;
+          const uint32_t row_a = xs_a + r * xs_rs;
+          int s0 = lo;
           if (s0 < wrap) {
-            const int e = min(s1, wrap);
-            bulk_g2s(row_a + s0 * 256, xr + (ks0 + s0) * kStepK, (e - s0) * 256, bar);
+            const int e = min(hi, wrap);
+            bulk_g2s(row_a + s0 * 256, xr + (ks0 + s0) * kStepK, (e - s0) * 256, xs_bar + 8 * grp);
             s0 = e;
           }
-          if (s0 < s1) bulk_g2s(row_a + s0 * 256, xr + (s0 - wrap) * kStepK, (s1 - s0) * 256, bar);
-        };
-        span(0, xs_first, xs_bar0);
-        span(xs_first, n_xs, xs_bar1);
+          if (s0 < hi) bulk_g2s(row_a + s0 * 256, xr + (s0 - wrap) * kStepK, (hi - s0) * 256, xs_bar + 8 * grp);
+        }
       }
     }
-    mbar_wait(xs_bar0, 0);
+    mbar_wait(xs_bar, 0);
   }
   if constexpr (XS == 1 && MODE != kModeStreamOnly) {
     auto stage = [&](int c0, int c1) {  // 16-byte chunks [c0, c1) of the block's activations
@@ -659,7 +662,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   auto step = [&](int u, int d, bool check) {
     if (XS && MODE != kModeStreamOnly && u - u0 == xs_first) {  // the rest of the activations
       if constexpr (XS == 2) {
-        mbar_wait(xs_bar1, 0);
+        mbar_wait(xs_bar + 8, 0);
       } else {
         cp_async_wait<0>();
         __syncthreads();
