@@ -203,34 +203,33 @@ template <int NT, int MT, bool POLL = true>
 __device__ __forceinline__ void tiled_add_slots(TiledAcc<MT, NT>& sum, int out, int q0, int q1, float* __restrict__ ws,
                                                 int slots) {
   constexpr int kPer = MT * NT;  // float4 a lane per slot
-  constexpr int kChunk = kMaxParts;  // slots in flight: every slot of a group at once (the host's cap)
   const int lane = threadIdx.x & 31;
   float4* base = reinterpret_cast<float4*>(ws) + static_cast<size_t>(out) * slots * (kPer * 32) + lane;
+  // One slot a pass, its kPer elements in flight together; the pass is a loop, not unrolled: this
+  // code runs once a launch, at its end, from a cold instruction cache (docs/PERF.md run 35).
+#pragma unroll 1
+  for (int c = q0; c < q1; ++c) {
+    float4* slot = base + static_cast<size_t>(c) * kPer * 32;
+    float4 f[kPer];
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    for (int c0 = q0; c0 < q1; c0 += kChunk) {
-      float4 f[kChunk];
+    for (int e = 0; e < kPer; ++e) f[e] = ld_volatile_f4(slot + e * 32);
 #pragma unroll
-      for (int c = 0; c < kChunk; ++c)
-        if (c0 + c < q1) f[c] = ld_volatile_f4(base + (static_cast<size_t>(c0 + c) * kPer + e) * 32);
-#pragma unroll
-      for (int c = 0; c < kChunk; ++c) {
-        if (c0 + c >= q1) break;
-        for (int polls = 0; POLL && any_empty(f[c]); ++polls) {
-          if (polls > (1 << 24)) __trap();
-          __nanosleep(32);
-          f[c] = ld_volatile_f4(base + (static_cast<size_t>(c0 + c) * kPer + e) * 32);
-        }
-        sum.v[e / NT][e % NT][0] += f[c].x;
-        sum.v[e / NT][e % NT][1] += f[c].y;
-        sum.v[e / NT][e % NT][2] += f[c].z;
-        sum.v[e / NT][e % NT][3] += f[c].w;
+    for (int e = 0; e < kPer; ++e) {
+#pragma unroll 1
+      for (int polls = 0; POLL && any_empty(f[e]); ++polls) {
+        if (polls > (1 << 24)) __trap();
+        __nanosleep(32);
+        f[e] = ld_volatile_f4(slot + e * 32);
       }
-      if constexpr (POLL) {
+      // each element adds its slots in slot order (the covering workers' order): deterministic
+      sum.v[e / NT][e % NT][0] += f[e].x;
+      sum.v[e / NT][e % NT][1] += f[e].y;
+      sum.v[e / NT][e % NT][2] += f[e].z;
+      sum.v[e / NT][e % NT][3] += f[e].w;
+    }
+    if constexpr (POLL) {
 #pragma unroll
-        for (int c = 0; c < kChunk; ++c)
-          if (c0 + c < q1) st_volatile_f4(base + (static_cast<size_t>(c0 + c) * kPer + e) * 32, sentinel4());
-      }
+      for (int e = 0; e < kPer; ++e) st_volatile_f4(slot + e * 32, sentinel4());
     }
   }
 }
