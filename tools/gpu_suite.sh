@@ -26,6 +26,8 @@ export IGNIS_GDN_ARTIFACT=$ART IGNIS_TOPK_ARTIFACT=$ART
 # the tiled q4 kernel: the bundle in $M (tools/build_gpu_modules.py) and a tiny tiled-route llama
 # artifact (tests/runtime/test_linear_tiled.py `_build_tiny_tiled_llama`, in .device/tiled-art)
 export IGNIS_Q4T_BUNDLE=$M
+# the rules with cp.async staging (cards before sm_90), from the chain bench's build if present
+[ -f "$PWD/.device/q4t/manifest.json" ] && export IGNIS_Q4T_CANDIDATES=$PWD/.device/q4t
 [ -d "$PWD/.device/tiled-art/tiny-llama-h200" ] && export IGNIS_TILED_ARTIFACT=$PWD/.device/tiled-art/tiny-llama-h200
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 

@@ -190,15 +190,14 @@ __device__ __forceinline__ bool any_empty(const float4& f) {
 }
 
 // Workers a shared group is split over at most (the host caps the workers at kMaxParts x groups), so
-// its first worker reads the others' partials in one pass of loads an output element.
+// its first worker gathers a bounded number of other partials (one slot a round trip).
 constexpr int kMaxParts = 8;
 
 // Add slots [q0, q1) of output group `out` to `sum` in slot order (the covering workers' order: a
-// fixed order, so results are deterministic) and restore kSlotEmpty in them. Each output element
-// only needs its own slots in order, so the loads go element by element, up to kMaxParts slots
-// (float4s a lane) in flight at once: one L2 round trip an element, whatever the order the slots
-// arrive in (it runs inline after the range's loop, where the ring's registers are dead). A float still kSlotEmpty is re-read until its worker's value arrives (~2^24
-// polls trap: a bug, not a hang).
+// fixed order, so results are deterministic) and restore kSlotEmpty in them. It runs inline after
+// the range's loop. A float still kSlotEmpty is re-read until its worker's value arrives (~2^24
+// polls trap: a bug, not a hang). (Every slot's elements in flight at once, 16 float4s a lane, was
+// 4-9 % slower at 9-32 rows than this loop: docs/PERF.md runs 35-36.)
 template <int NT, int MT, bool POLL = true>
 __device__ __forceinline__ void tiled_add_slots(TiledAcc<MT, NT>& sum, int out, int q0, int q1, float* __restrict__ ws,
                                                 int slots) {
@@ -340,8 +339,9 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // XS: the workers are blocks, not warps: a unit is (group of WARPS x MT tiles, k-step), warp w
 // streams tiles w MT .. w MT + MT - 1 of the group, and the block's activations for all its
 // k-steps (at most min(range, S) of them) are copied into shared memory once, after
-// griddepcontrol.wait (320 bytes a row and k-step, after a 128-byte head and, with RING 2, the
-// warps' rings); the units then read them from there. Each warp finishes its share of a group on
+// griddepcontrol.wait (after a 128-byte head and, with RING 2, the warps' rings; XS 1: per-thread
+// cp.async, 320 bytes a row and k-step; XS 2: bulk copies completing on two mbarriers in the head,
+// 256 bytes a row and k-step plus 64 a row); the units then read them from there. Each warp finishes its share of a group on
 // its own: workspace slots per warp share (n_groups * WARPS). (L2 prefetching ahead of the ring, in
 // the prologue or all along, was measured slower and removed: docs/PERF.md, runs 17 and 19.)
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int RING, bool XDB = false,
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   uint4 wbuf[RING == 0 ? D : 1][MT][2];
   uint4 sbuf[RING == 0 ? D : 1][MT];
   // RING = 2: this warp's shared-memory ring.
-  // XS: [128 bytes, unused (the layout the measured kernels had)][the warps' rings (RING 2)][activations]
+  // XS: [128-byte head: XS 2's two mbarriers][the warps' rings (RING 2)][activations]
   constexpr int kXsHead = XS ? 128 : 0;
   constexpr int kRingBytes = RING == 2 ? tiled_lane_ring_bytes<MT, D>() : 0;
   unsigned char* ring = tsmem + kXsHead + warp * kRingBytes;

@@ -150,9 +150,9 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
       cached_device = device;
       cached_smem = SIZE_MAX;
     }
-    // At most kMaxParts workers a group: the group's first worker gathers the others' partials in
-    // one pass of loads (tiled_add_slots); a narrow weight (few groups) then runs on fewer SMs
-    // rather than split its groups 30 ways and pay a round trip per 8 partials in every tail.
+    // At most kMaxParts workers a group: the group's first worker gathers the others' partials, a
+    // round trip a slot (tiled_add_slots); a narrow weight (few groups) then runs on fewer SMs
+    // rather than split its groups 30 ways and pay ~30 round trips in every tail.
     const int64_t g_parts = kMaxParts * static_cast<int64_t>(n_groups);
     const int64_t cap = units < g_parts ? units : g_parts;
     if (XS) {
@@ -165,10 +165,11 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
       for (;;) {
         const int64_t p_all = static_cast<int64_t>(sms) * target;
         const int64_t p_capped = p_all < cap ? p_all : cap;
-        auto smem_for = [&](int64_t p_workers) {
+        auto smem_for = [&](int64_t p_workers) {  // the kernel's XS layouts (q4_tiled.cuh)
           const int64_t span = (units + p_workers - 1) / p_workers;
-          return static_cast<size_t>(span < steps ? span : steps) * rows * 320 + 128 +
-                 (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
+          const size_t n_xs = static_cast<size_t>(span < steps ? span : steps);
+          const size_t xs = XS == 2 ? rows * (256 * n_xs + 64) : n_xs * rows * 320;
+          return xs + 128 + (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
         };
         smem = smem_for(p_capped);
         uncapped = false;

@@ -206,8 +206,58 @@ def test_stream_k_partition(groups: int, steps: int, workers: int) -> None:
     for grp in range(groups):
         cover = owner(grp * steps + steps - 1) - owner(grp * steps) + 1
         assert 1 <= cover <= slots
-        # the group's first worker gathers at most kMaxParts others (one pass of loads an element)
+        # the host's cap bounds the other partials the group's first worker gathers (a round trip each)
         assert cover - 1 <= _MAX_PARTS
+
+
+_KXS = re.search(
+    r"constexpr int kXsFirst = (\d+);", (Path(q4_tiled_module.__file__).parent / "q4_tiled.cuh").read_text()
+)
+assert _KXS, "kXsFirst not found in q4_tiled.cuh"
+_XS_FIRST = int(_KXS.group(1))
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 7, 40, 136])
+def test_bulk_staging_plan(steps: int) -> None:
+    """The bulk-copy staging (q4_tiled.cuh, XS 2) as the kernel computes it: each copy group's bytes
+    equal what its mbarrier is armed with, every (row, slot) is written once with the k-step the
+    units read from it, the second group only after its wait, every copy 16-byte aligned and inside
+    its row of the layout."""
+    rng = np.random.default_rng(steps)
+    lengths = {1, 2, 3, 4, 5, steps - 1, steps, steps + 1, 2 * steps + 3, *rng.integers(1, 3 * steps, 6)}
+    for rows in (1, 7, 8, 16, 17, 32):
+        for ks0 in sorted({0, 1, steps // 2, steps - 1} & set(range(steps))):
+            for length in sorted(n for n in lengths if n >= 1):
+                n_xs = min(length, steps)
+                first = min(n_xs, _XS_FIRST)
+                armed = [first * rows * 256, (n_xs - first) * rows * 256]
+                row_stride = 256 * n_xs + 64
+                moved, where = [0, 0], {}
+                wrap = steps - ks0  # the slot of k-step 0
+                for warp in range(16):
+                    for grp, (lo, hi) in enumerate([(0, first), (first, n_xs)]):
+                        for r in range(warp, rows, 16):
+                            spans = [(lo, min(hi, wrap), ks0 + lo)] if lo < wrap else []
+                            s0 = max(lo, wrap)
+                            if s0 < hi:
+                                spans.append((s0, hi, s0 - wrap))
+                            for a, b, ks in spans:
+                                if a >= b:
+                                    continue
+                                dst = r * row_stride + a * 256
+                                assert dst % 16 == 0 and 0 <= ks and ks + b - a <= steps  # 256-byte k-steps
+                                assert dst + (b - a) * 256 <= r * row_stride + 256 * n_xs
+                                moved[grp] += (b - a) * 256
+                                for slot in range(a, b):
+                                    assert (r, slot) not in where
+                                    where[(r, slot)] = (grp, ks + slot - a)
+                assert moved == armed and len(where) == rows * n_xs
+                for i in range(length):  # unit u0 + i reads k-step (ks0 + i) mod S from its slot
+                    ks = (ks0 + i) % steps
+                    slot = ks - ks0 if ks >= ks0 else ks - ks0 + steps
+                    for r in range(rows):
+                        grp, staged = where[(r, slot)]
+                        assert staged == ks and (grp == 0 or i >= first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,16 +307,33 @@ def test_rule_modules_cross_compile(tmp_path: Path, arch: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # On a GPU host: the CUDA kernel against float64 (a `build_gpu_modules` bundle: IGNIS_Q4T_BUNDLE,
-# or built here when nvcc exists)
+# or built here when nvcc exists; the cp.async staging of cards before sm_90 from a
+# `bench_q4_tiled build` folder: IGNIS_Q4T_CANDIDATES)
 
 
-def _bundle(tmp_path: Path) -> tuple[dict[int, object], str]:
+def _bundle(tmp_path: Path, x_bulk: bool = True) -> tuple[dict[int, object], str]:
+    """The rules' functions by n-tile count; ``x_bulk=False``: the same rules with cp.async staging
+    (what cards before sm_90 run), on any card."""
+    from dataclasses import replace
+
     from ignis.runtime.tvm_runtime import load_module
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
+    rules = {nt: tiled_config_for(8 * nt, 5120, 5120, arch) for nt in (1, 2, 3, 4)}
+    if not x_bulk:
+        rules = {nt: replace(cfg, x_bulk=False) for nt, cfg in rules.items()}
+        folder = os.environ.get("IGNIS_Q4T_CANDIDATES")
+        if folder:
+            man = json.loads((Path(folder) / "manifest.json").read_text())
+            by_tag = {info["tag"]: name for name, info in man["exports"].items()}
+            missing = [cfg.tag for cfg in rules.values() if cfg.tag not in by_tag]
+            if missing:
+                pytest.skip(f"{folder} lacks {missing}")
+            mod = load_module(Path(folder) / man["file"], cuda=True)
+            return {nt: mod[by_tag[cfg.tag]] for nt, cfg in rules.items()}, arch
     folder = os.environ.get("IGNIS_Q4T_BUNDLE")
-    if folder:
+    if folder and x_bulk:
         man = json.loads((Path(folder) / "manifest.json").read_text())
         if man.get("kind") != "q4_g32_tiled":
             pytest.skip(f"{folder} is not a tiled bundle")
@@ -277,8 +344,8 @@ def _bundle(tmp_path: Path) -> tuple[dict[int, object], str]:
             by_nt.setdefault((w + 7) // 8, mod[name])
         return by_nt, arch
     if not HAS_NVCC:
-        pytest.skip("needs IGNIS_Q4T_BUNDLE (tools/build_gpu_modules.py) or nvcc")
-    exports = {f"q4t_nt{nt}": tiled_config_for(8 * nt, 5120, 5120, arch) for nt in (1, 2, 3, 4)}
+        pytest.skip("needs IGNIS_Q4T_BUNDLE (tools/build_gpu_modules.py), IGNIS_Q4T_CANDIDATES or nvcc")
+    exports = {f"q4t_nt{nt}": cfg for nt, cfg in rules.items()}
     mod = load_module(build_q4_tiled_module(arch, exports, tmp_path / "q4t.so"), cuda=True)
     return {nt: mod[f"q4t_nt{nt}"] for nt in (1, 2, 3, 4)}, arch
 
@@ -293,14 +360,19 @@ def _cuda_q4(n: int, k: int, gen: torch.Generator | None = None) -> tuple[torch.
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "x_bulk"), [(torch.float16, True), (torch.bfloat16, True), (torch.float16, False)]
+)
+def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype, x_bulk: bool) -> None:
     """Every width bucket on the 27B's MLP shapes, shapes whose N is not a multiple of 16, a single
     k-step, fewer units than SMs, and the vocabulary head (whose wide calls take the warp kernel
-    fallback); outputs fully written, deterministic, within the output dtype's rounding."""
+    fallback); outputs fully written, deterministic, within the output dtype's rounding. With the
+    activations staged by bulk copies (sm_90+) and by cp.async (the staging before sm_90)."""
     from ignis.runtime.tvm_runtime import torch_stream
 
-    fns, _arch = _bundle(tmp_path)
+    fns, arch = _bundle(tmp_path, x_bulk)
+    if x_bulk and int(arch[3:]) < 90:
+        pytest.skip(f"bulk-copy staging needs sm_90 or newer, this card is {arch}")
     tol = 2e-3 if dtype == torch.float16 else 1e-2
     gen = torch.Generator(device="cuda").manual_seed(3)
     # (1024, 5120): a narrow weight, its workers capped at kMaxParts a group; (1024, 27648): narrow and
