@@ -341,8 +341,8 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // k-steps (at most min(range, S) of them) are copied into shared memory once, after
 // griddepcontrol.wait (after a 128-byte head and, with RING 2, the warps' rings; XS 1: per-thread
 // cp.async, 320 bytes a row and k-step; XS 2: bulk copies completing on two mbarriers in the head,
-// 256 bytes a row and k-step plus 64 a row); the units then read them from there. Each warp finishes its share of a group on
-// its own: workspace slots per warp share (n_groups * WARPS). (L2 prefetching ahead of the ring, in
+// 256 bytes a row and k-step plus 64 a row); the units then read them from there. Each warp
+// finishes its share of a group on its own: workspace slots per warp share (n_groups * WARPS). (L2 prefetching ahead of the ring, in
 // the prologue or all along, was measured slower and removed: docs/PERF.md, runs 17 and 19.)
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int RING, bool XDB = false,
           int MODE = kModeCompute, int XS = 0>
@@ -444,18 +444,21 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     for (int d = 0; d < D; ++d)
       if (u0 + d < u1) issue(d);
   }
+  // XS: the block's k-steps staged (at most S) and the first copy group's; XS 2: the groups'
+  // mbarriers, in the 128-byte head at the start of shared memory.
+  const uint32_t smem_a = static_cast<uint32_t>(__cvta_generic_to_shared(tsmem));
+  const int n_xs = min(u1 - u0, S);
+  const int xs_first = min(n_xs, kXsFirst);
+  const uint32_t xs_bar = smem_a;
   if constexpr (XS == 2 && MODE != kModeStreamOnly) {
-    // The two copy groups' mbarriers (the 128-byte head, see below), armed with their bytes by
-    // thread 0 (its arrival is each group's only one), initialized before any warp's copies
-    // complete on them or any thread waits.
-    const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(tsmem));
+    // The two copy groups' mbarriers, armed with their bytes by thread 0 (its arrival is each
+    // group's only one), initialized before any warp's copies complete on them or any thread waits.
     if (threadIdx.x == 0) {
-      const int n_xs = min(u1 - u0, S), first = min(n_xs, kXsFirst);  // as below
-      mbar_init(bar0);
-      mbar_init(bar0 + 8);
+      mbar_init(xs_bar);
+      mbar_init(xs_bar + 8);
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      mbar_arrive_expect_tx(bar0, static_cast<uint32_t>(first * n_rows * 256));
-      mbar_arrive_expect_tx(bar0 + 8, static_cast<uint32_t>((n_xs - first) * n_rows * 256));
+      mbar_arrive_expect_tx(xs_bar, static_cast<uint32_t>(xs_first * n_rows * 256));
+      mbar_arrive_expect_tx(xs_bar + 8, static_cast<uint32_t>((n_xs - xs_first) * n_rows * 256));
     }
     __syncthreads();
   }
@@ -488,16 +491,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // same bank spread), so one bulk copy moves a row's span of k-steps.
   constexpr int kXsRow = 320;
   const int ks0 = u0 % S;
-  const uint32_t smem_a = static_cast<uint32_t>(__cvta_generic_to_shared(tsmem));
   const uint32_t xs_a = smem_a + kXsHead + (RING == 2 ? WARPS * kRingBytes : 0);
-  const int n_xs = min(u1 - u0, S);
   const int xs_rs = XS == 2 ? 256 * n_xs + 64 : kXsRow;  // bytes between rows
   const int xs_ss = XS == 2 ? 256 : n_rows * kXsRow;      // bytes between slots
   uint32_t xs_lane[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) xs_lane[j] = xs_a + min(8 * j + g, n_rows - 1) * xs_rs + t * 16;
-  const int xs_first = min(n_xs, kXsFirst);
-  const uint32_t xs_bar = smem_a;  // XS 2: the groups' mbarriers
   if constexpr (XS == 2 && MODE != kModeStreamOnly) {
     // Lane 0 of warp w copies rows w, w + WARPS, .., group by group (every row's first group before
     // any row's second): each row's span of the group's slots, split in two where the k-steps wrap
