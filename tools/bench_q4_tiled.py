@@ -43,8 +43,6 @@ def candidates() -> dict[str, Any]:
         *rules,
         # the same staged by cp.async (the rules before sm_90 and before session 5's run 30)
         *[replace(r, x_bulk=False) for r in rules],
-        # the warpgroup mma (sm_90a: the candidates are built for it) at 9-32 rows, ring of 2 and 3
-        *[replace(r, post_scale=False, wgmma=True, depth=d) for r in rules[1:] for d in (2, 3)],
         # diagnostics (wrong output by design): the weight stream alone; the rules without fixups
         T(1, 1, 4, 4, True, 4, stream_only=True),
         replace(rules[0], no_fixup=True),
@@ -78,8 +76,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     # One verbose nvcc run so the manifest records registers and spills per kernel.
     src = out / "q4t_candidates.cu"
     src.write_text(tiled_source(exports))
-    # sm_90a: the same SASS for every kernel but the wgmma ones, which exist only there.
-    cmd = nvcc_command(_nvcc(), "sm_90a", src, out / "q4t_sm90.so", verbose=True)
+    cmd = nvcc_command(_nvcc(), "sm_90", src, out / "q4t_sm90.so", verbose=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     src.unlink()
     if proc.returncode:

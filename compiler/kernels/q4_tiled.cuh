@@ -54,11 +54,6 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
-
 // Shared-memory mbarriers and 1-d bulk copies (the Hopper copy engine; sm_90+), for the block's
 // activation staging (XS = 2). PTX ISA 8.x: mbarrier, cp.async.bulk.
 __device__ __forceinline__ void mbar_init(uint32_t bar) {
@@ -85,95 +80,6 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
   __trap();
 #endif
 }
-
-// Hopper warpgroup mma (XS 3; sm_90a only: `wgmma` exists nowhere else): D[64 x 8 NT] += A[64 x 16]
-// x B[16 x 8 NT], A from registers (warp i of the warpgroup holds rows 16 i .. 16 i + 15 as the
-// mma.m16n8k16 A fragment), B read by the tensor cores from shared memory through a matrix
-// descriptor, f32 accumulators d[j][c] in the mma.m16n8k16 C layout per n8 block j. PTX ISA
-// "Asynchronous Warpgroup Level Matrix Multiply-Accumulate" (wgmma.mma_async with A in registers,
-// wgmma.fence / commit_group / wait_group, the matrix descriptor format).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define IGNIS_Q4T_WGMMA 1
-#else
-#define IGNIS_Q4T_WGMMA 0
-#endif
-
-__device__ __forceinline__ void wg_fence() {
-#if IGNIS_Q4T_WGMMA
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wg_commit() {
-#if IGNIS_Q4T_WGMMA
-  asm volatile("wgmma.commit_group.sync.aligned;");
-#endif
-}
-// Wait until at most N of this warp's committed wgmma groups are still running.
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-#if IGNIS_Q4T_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-#endif
-}
-// Pins a register an asynchronous wgmma reads or writes, so the compiler neither moves nor reuses
-// it across the fence / wait that brackets the wgmma (the CUTLASS "fence operand" idiom).
-__device__ __forceinline__ void wg_pin(uint32_t& r) { asm volatile("" : "+r"(r)); }
-__device__ __forceinline__ void wg_pin(float& r) { asm volatile("" : "+f"(r)); }
-
-#if IGNIS_Q4T_WGMMA
-#define IGNIS_WG_ASM(SHAPE, AB, DLIST, ALIST, DLO, DHI, ...)                                            \
-  asm volatile("{\n.reg .pred p;\n.reg .b64 desc;\nsetp.eq.u32 p, 0, 0;\nmov.b64 desc, {" DLO ", " DHI \
-               "};\nwgmma.mma_async.sync.aligned." SHAPE ".f32." AB "." AB " " DLIST ", " ALIST          \
-               ", desc, p, 1, 1, 0;\n}\n"                                                              \
-               : __VA_ARGS__                                                                           \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(desc_hi))
-#else
-#define IGNIS_WG_ASM(SHAPE, AB, DLIST, ALIST, DLO, DHI, ...) __trap()
-#endif
-#define IGNIS_WG_D(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-
-// WgMma<T, NT>::run(d, a, desc_lo, desc_hi): one m64n(8 NT)k16 wgmma, accumulating into d.
-template <typename T, int NT>
-struct WgMma;
-#define IGNIS_WG_STRUCTS(TYPE, AB)                                                                      \
-  template <>                                                                                         \
-  struct WgMma<TYPE, 1> {                                                                             \
-    __device__ __forceinline__ static void run(float (&d)[1][4], const uint32_t (&a)[4], uint32_t desc_lo, \
-                                               uint32_t desc_hi) {                                    \
-      IGNIS_WG_ASM("m64n8k16", AB, "{%0, %1, %2, %3}", "{%4, %5, %6, %7}", "%8", "%9", IGNIS_WG_D(0));     \
-    }                                                                                                 \
-  };                                                                                                  \
-  template <>                                                                                         \
-  struct WgMma<TYPE, 2> {                                                                             \
-    __device__ __forceinline__ static void run(float (&d)[2][4], const uint32_t (&a)[4], uint32_t desc_lo, \
-                                               uint32_t desc_hi) {                                    \
-      IGNIS_WG_ASM("m64n16k16", AB, "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}", "%12", "%13", \
-                   IGNIS_WG_D(0), IGNIS_WG_D(1));                                                     \
-    }                                                                                                 \
-  };                                                                                                  \
-  template <>                                                                                         \
-  struct WgMma<TYPE, 3> {                                                                             \
-    __device__ __forceinline__ static void run(float (&d)[3][4], const uint32_t (&a)[4], uint32_t desc_lo, \
-                                               uint32_t desc_hi) {                                    \
-      IGNIS_WG_ASM("m64n24k16", AB, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}",              \
-                   "{%12, %13, %14, %15}", "%16", "%17", IGNIS_WG_D(0), IGNIS_WG_D(1), IGNIS_WG_D(2)); \
-    }                                                                                                 \
-  };                                                                                                  \
-  template <>                                                                                         \
-  struct WgMma<TYPE, 4> {                                                                             \
-    __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint32_t desc_lo, \
-                                               uint32_t desc_hi) {                                    \
-      IGNIS_WG_ASM("m64n32k16", AB,                                                                   \
-                   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",          \
-                   "{%16, %17, %18, %19}", "%20", "%21", IGNIS_WG_D(0), IGNIS_WG_D(1), IGNIS_WG_D(2),  \
-                   IGNIS_WG_D(3));                                                                    \
-    }                                                                                                 \
-  };
-IGNIS_WG_STRUCTS(half, "f16")
-IGNIS_WG_STRUCTS(__nv_bfloat16, "bf16")
-#undef IGNIS_WG_STRUCTS
-#undef IGNIS_WG_D
-#undef IGNIS_WG_ASM
 
 // MODE kModeNoFixup (diagnostic): every warp stores its partial sums of a shared group directly
 // (no workspace: wrong output), to measure what the fixups cost.
@@ -406,37 +312,6 @@ __device__ __noinline__ void tiled_finish_group_mid(TiledAcc<MT, NT> a, int grp,
                                                n_out);
 }
 
-// XS 3: the transpose of slots [lo, hi) into the core-matrix layout, one (slot, word) block of
-// 8 NT rows x 64 bytes a warp at a time (lane r its row: 4 loads, 4 stores), then the generic
-// proxy's writes are made visible to wgmma's async-proxy reads and the block synchronizes. Out of
-// line: it runs twice a launch.
-template <int NT, int WARPS>
-__device__ __noinline__ void wg_transpose_slots(uint32_t xs_a, int lo, int hi) {
-  constexpr int kWgSlot = 2048 * NT;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int b = lo * 4 + warp; b < hi * 4; b += WARPS) {
-    const uint32_t base = xs_a + (b >> 2) * kWgSlot + (b & 3) * (512 * NT);
-    uint4 in[4];
-    if (lane < 8 * NT) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) in[k] = lds128(base + lane * 64 + k * 16);
-    }
-    __syncwarp();
-    if (lane < 8 * NT) {
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int e = 2 * m + c;
-          sts128(base + m * (NT * 256) + (lane >> 3) * 256 + c * 128 + (lane & 7) * 16,
-                 make_uint4((&in[0].x)[e], (&in[1].x)[e], (&in[2].x)[e], (&in[3].x)[e]));
-        }
-    }
-  }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncthreads();
-}
-
 // XS: the first kXsFirst k-steps' activations form one copy group and the rest a second: the
 // units start once the first has landed, and the block waits for the rest before unit kXsFirst.
 // XS 2 copies every row's first group before any row's second (row by row, the first group waited
@@ -478,8 +353,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   static_assert(D >= 2, "at least two units in the ring");
   static_assert(RING == 0 || RING == 2, "RING is 0 (registers) or 2 (per-lane cp.async)");
   static_assert(!XS || !XDB, "XS takes no XDB");
-  static_assert(XS != 3 || (MT == 1 && !POST && RING == 0 && WARPS % 4 == 0 && MODE != kModeStreamOnly),
-                "XS 3 (wgmma) needs MT 1, pre-scaling, the register ring, whole warpgroups and the math");
   using Tr = Q4Traits<T>;
   constexpr int NACC = (!POST && MT * NT < 4) ? 2 : 1;
   extern __shared__ __align__(128) unsigned char tsmem[];
@@ -577,7 +450,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   const int n_xs = min(u1 - u0, S);
   const int xs_first = min(n_xs, kXsFirst);
   const uint32_t xs_bar = smem_a;
-  if constexpr (XS >= 2 && MODE != kModeStreamOnly) {
+  if constexpr (XS == 2 && MODE != kModeStreamOnly) {
     // The two copy groups' mbarriers, armed with their bytes by thread 0 (its arrival is each
     // group's only one), initialized before any warp's copies complete on them or any thread waits.
     if (threadIdx.x == 0) {
@@ -621,25 +494,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   const uint32_t xs_a = smem_a + kXsHead + (RING == 2 ? WARPS * kRingBytes : 0);
   const int xs_rs = XS == 2 ? 256 * n_xs + 64 : kXsRow;  // bytes between rows
   const int xs_ss = XS == 2 ? 256 : n_rows * kXsRow;      // bytes between slots
-  uint32_t xs_lane[XS == 3 ? 1 : NT];
-  if constexpr (XS != 3) {
+  uint32_t xs_lane[NT];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) xs_lane[j] = xs_a + min(8 * j + g, n_rows - 1) * xs_rs + t * 16;
-  }
-  // XS 3 (wgmma): slot s (kWgSlot bytes) holds k-step ks0 + s as wgmma's no-swizzle K-major core
-  // matrices: 8 k16 slices b = 2 w + m (word w, mma m of the tiled layout's k order; NT * 256 bytes
-  // each), each NT core-matrix rows (8 activation rows, 256 bytes apart) x 2 core-matrix columns
-  // (k 0-7, 8-15; 128 bytes apart) of 8 rows x 16 bytes. Word w's two slices hold, before the
-  // transpose, the bulk-copied 64-byte pieces (row r at r * 64) of features 32 w .. 32 w + 31;
-  // the transpose regroups each row's 16 4-byte pairs into the slices' k order (lane (g, t)'s A
-  // fragment holds features 8 t + 4 m + (0, 1) at k 2 t and 8 t + 4 m + (2, 3) at k 2 t + 8).
-  constexpr int kWgSlot = 2048 * NT;
-  // Descriptor (PTX ISA "Matrix Descriptor Format"): start address >> 4 (bits 0-13), leading
-  // byte offset >> 4 (bits 16-29: the k direction, 128), stride byte offset >> 4 (bits 32-45: the
-  // row direction, 256), no swizzle. The other reading of the offsets failed the float64 check
-  // (docs/PERF.md, session 4 run 20).
-  const uint32_t wg_desc_lo = ((xs_a & 0x3ffffu) >> 4) | ((128u >> 4) << 16);
-  constexpr uint32_t kWgDescHi = 256u >> 4;
+  for (int j = 0; j < NT; ++j) xs_lane[j] = xs_a + min(8 * j + g, n_rows - 1) * xs_rs + t * 16;
   if constexpr (XS == 2 && MODE != kModeStreamOnly) {
     // Lane 0 of warp w copies rows w, w + WARPS, .., group by group (every row's first group before
     // any row's second): each row's span of the group's slots, split in two where the k-steps wrap
@@ -664,25 +521,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       }
     }
     mbar_wait(xs_bar, 0);
-  }
-  auto wg_transpose = [&](int lo, int hi) { wg_transpose_slots<NT, WARPS>(xs_a, lo, hi); };
-  if constexpr (XS == 3) {
-    // Every thread copies 64-byte pieces (row r, word w of a slot's k-step) into place, group by
-    // group, completing on the group's mbarrier; then the first group is transposed.
-    const int per_slot = 4 * n_rows;
-    const int wrap = S - ks0;
-    for (int grp = 0; grp < 2; ++grp) {
-      const int lo = grp ? xs_first : 0, hi = grp ? n_xs : xs_first;
-      for (int q = static_cast<int>(threadIdx.x); q < (hi - lo) * per_slot; q += WARPS * 32) {
-        const int sl = q / per_slot, rw = q - sl * per_slot, s = lo + sl;
-        const int r = rw >> 2, w = rw & 3;
-        const int ks = s < wrap ? ks0 + s : s - wrap;
-        bulk_g2s(xs_a + s * kWgSlot + w * (512 * NT) + r * 64, x + static_cast<size_t>(r) * k_in + ks * kStepK + w * 32,
-                 64, xs_bar + 8 * grp);
-      }
-    }
-    mbar_wait(xs_bar, 0);
-    wg_transpose(0, xs_first);
   }
   if constexpr (XS == 1 && MODE != kModeStreamOnly) {
     auto stage = [&](int c0, int c1) {  // 16-byte chunks [c0, c1) of the block's activations
@@ -771,58 +609,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       }
     }
   };
-  // XS 3: one unit of this warp's tile through the warpgroup's wgmma, B from slot `slot`, in two
-  // halves (words 0-1, 2-3) with their own A registers: a half's registers are rewritten only once
-  // the wgmma group that read them (two halves back) is done (wait_group 1), so a half's
-  // dequantization overlaps the previous half's wgmmas. group_end waits for all of them.
-  uint32_t wa[XS == 3 ? 2 : 1][2][2][4];
-  auto compute_wg = [&](const uint4 (&wd)[MT][2], const uint4 (&sd)[MT], int slot) {
-    if constexpr (XS == 3) {
-      const uint32_t lo_u = wg_desc_lo + slot * (kWgSlot >> 4);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        wg_wait<1>();
-#pragma unroll
-        for (int v = 0; v < 2; ++v) {
-          const int w = 2 * h + v;
-          uint32_t p0[4], p1[4];
-          Tr::dequant((&wd[0][0].x)[w], Tr::scale2(tiled_scale_bits(sd[0], 0, w)), p0);
-          Tr::dequant((&wd[0][1].x)[w], Tr::scale2(tiled_scale_bits(sd[0], 1, w)), p1);
-          uint32_t(&a)[2][4] = wa[h][v];
-          a[0][0] = p0[0];
-          a[0][1] = p1[0];
-          a[0][2] = p0[1];
-          a[0][3] = p1[1];
-          a[1][0] = p0[2];
-          a[1][1] = p1[2];
-          a[1][2] = p0[3];
-          a[1][3] = p1[3];
-        }
-#pragma unroll
-        for (int v = 0; v < 2; ++v)
-#pragma unroll
-          for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) wg_pin(wa[h][v][m][r]);
-        wg_fence();
-#pragma unroll
-        for (int v = 0; v < 2; ++v)
-#pragma unroll
-          for (int m = 0; m < 2; ++m)
-            WgMma<T, NT>::run(acc[0][0], wa[h][v][m], lo_u + ((2 * h + v) * 2 + m) * (NT * 16), kWgDescHi);
-        wg_commit();
-      }
-    }
-  };
   // The end of group grp's part; last: the range's last group (finished inline, after the loop).
   auto group_end = [&](int grp, auto last) {
-    if constexpr (XS == 3) {  // every wgmma done and the accumulators pinned before they are read
-      wg_wait<0>();
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) wg_pin(acc[0][0][j][c]);
-    }
     TiledAcc<MT, NT> a;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
@@ -871,10 +659,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // the last blocks, where a unit or its refill may lie past u1.
   auto step = [&](int u, int d, bool check) {
     if (XS && MODE != kModeStreamOnly && u - u0 == xs_first) {  // the rest of the activations
-      if constexpr (XS == 3) {
-        mbar_wait(xs_bar + 8, 0);
-        wg_transpose(xs_first, n_xs);
-      } else if constexpr (XS == 2) {
+      if constexpr (XS == 2) {
         mbar_wait(xs_bar + 8, 0);
       } else {
         cp_async_wait<0>();
@@ -882,15 +667,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       }
     }
     uint4 xv[NT][4];
-    if constexpr (XS == 3) {
-      compute_wg(wbuf[d], sbuf[d], cks >= ks0 ? cks - ks0 : cks - ks0 + S);
-      if (!check || u + D < u1) issue(d);
-    } else if constexpr (RING == 0) {
-      unit_x(u, xv);
+    unit_x(u, xv);
+    if constexpr (RING == 0) {
       compute(wbuf[d], sbuf[d], xv);
       if (!check || u + D < u1) issue(d);
     } else {  // RING 2
-      unit_x(u, xv);
       cp_async_wait<D - 2>();  // this lane's pieces of unit u (slot d) have landed
       uint4 wd[MT][2], sd[MT];
       const uint32_t src = ring_a + d * MT * 1536 + lane * 16;

@@ -49,11 +49,6 @@ class TiledConfig:
         x_bulk: with ``x_smem``, the activations are staged by bulk copies (the copy engine, one
             per row and span of k-steps, completing on mbarriers) instead of per-thread 16-byte
             cp.async copies.
-        wgmma: with ``x_bulk``, each warpgroup (4 warps, 4 consecutive tiles) multiplies with the
-            Hopper warpgroup mma (``wgmma.mma_async``, A = the dequantized weights from registers,
-            B read by the tensor cores from the staged activations, bulk-copied in 64-byte pieces
-            and transposed into wgmma's core-matrix layout); sm_90a only. Needs m_tiles 1,
-            pre-scaling, ring 0 and whole warpgroups.
     """
 
     n_tiles: int = 1
@@ -71,7 +66,6 @@ class TiledConfig:
     no_fixup: bool = False
     no_wait: bool = False
     x_bulk: bool = False
-    wgmma: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -96,17 +90,6 @@ class TiledConfig:
             raise Q4KernelError("x_smem takes no x_double")
         if self.x_bulk and not self.x_smem:
             raise Q4KernelError("x_bulk needs x_smem")
-        if self.wgmma and not (
-            self.x_bulk
-            and self.m_tiles == 1
-            and not self.post_scale
-            and self.ring == 0
-            and self.warps % 4 == 0
-            and not self.stream_only
-        ):
-            raise Q4KernelError(
-                "wgmma needs x_bulk, m_tiles 1, pre-scaling, ring 0, whole warpgroups and the math"
-            )
         if self.ring and self.smem_bytes > 227 * 1024:
             raise Q4KernelError(
                 f"{self.tag} needs {self.smem_bytes} bytes of shared memory a block (> 227 KiB)"
@@ -142,7 +125,7 @@ class TiledConfig:
         if self.stream_only:
             tag += "_streamonly"
         if self.x_smem:
-            tag += "_wg" if self.wgmma else "_xb" if self.x_bulk else "_xs"
+            tag += "_xb" if self.x_bulk else "_xs"
         if self.no_fixup:
             tag += "_nofixup"
         if self.no_wait:
@@ -153,7 +136,7 @@ class TiledConfig:
         b = {True: "true", False: "false"}
         # kModeStreamOnly / kModeNoFixup / kModeNoWait
         mode = 1 if self.stream_only else 2 if self.no_fixup else 3 if self.no_wait else 0
-        xs = 3 if self.wgmma else 2 if self.x_bulk else int(self.x_smem)  # the kernel's XS
+        xs = 2 if self.x_bulk else int(self.x_smem)  # the kernel's XS
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "
             f"{b[self.post_scale]}, {self.min_blocks}, {self.blocks_per_sm}, {b[self.pdl]}, {self.ring}, "
@@ -183,14 +166,11 @@ def build_q4_tiled_module(
     for name in exports:
         if not name.isidentifier():
             raise Q4KernelError(f"export name {name!r} is not a C identifier")
-    digits = arch[3:].rstrip("a")
-    if not arch.startswith("sm_") or not digits.isdigit() or int(digits) < 80:
+    if not arch.startswith("sm_") or not arch[3:].isdigit() or int(arch[3:]) < 80:
         raise Q4KernelError(f"the tiled q4 kernel needs sm_80 or newer, got {arch!r}")
     for name, cfg in exports.items():
         if cfg.x_bulk and not _has_bulk_copies(arch):
             raise Q4KernelError(f"{name}: x_bulk needs sm_90 or newer (bulk copies), got {arch!r}")
-        if cfg.wgmma and arch != "sm_90a":
-            raise Q4KernelError(f"{name}: wgmma needs sm_90a (the warpgroup mma), got {arch!r}")
     return build_cuda_module(
         tiled_source(exports),
         arch,

@@ -168,9 +168,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
         auto smem_for = [&](int64_t p_workers) {  // the kernel's XS layouts (q4_tiled.cuh)
           const int64_t span = (units + p_workers - 1) / p_workers;
           const size_t n_xs = static_cast<size_t>(span < steps ? span : steps);
-          const size_t xs = XS == 3   ? n_xs * 2048 * NT
-                            : XS == 2 ? rows * (256 * n_xs + 64)
-                                      : n_xs * rows * 320;
+          const size_t xs = XS == 2 ? rows * (256 * n_xs + 64) : n_xs * rows * 320;
           return xs + 128 + (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
         };
         smem = smem_for(p_capped);
@@ -256,8 +254,7 @@ void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorV
 // fit), PDL: programmatic dependent launch, RING: 0 registers, 2 per-lane cp.async,
 // XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only, 2 no fixups (both
 // diagnostics: wrong output), XS: 0 warp workers, 1 block workers whose activations are staged in
-// shared memory once by cp.async, 2 the same staged by bulk copies, 3 the same multiplied by wgmma
-// (sm_90a) from activations bulk-copied and transposed into its core-matrix layout.
+// shared memory once by cp.async, 2 the same staged by bulk copies.
 #define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS)          \
   static void ignis_q4t_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,                 \
                                tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {                \
