@@ -381,6 +381,49 @@ def bench_graph_rounds(
     return res
 
 
+def profile_round(ex: StaticHybridExecutor, dev: torch.device, r: int, vocab: int, reps: int = 3) -> dict:
+    """Where one graphed round's GPU time goes (1 lane, r columns): the kernels of `reps` replays
+    recorded by torch.profiler (CUPTI records the kernels a CUDA graph launches), summed per kernel
+    name and per replay. Returns {"kernels": [{name, calls, us}], "us_per_round", "launches_per_round"},
+    us = microseconds of kernel time per round (gaps between kernels are not counted)."""
+    gen = torch.Generator().manual_seed(11)
+    st = ex.new_lane()
+    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).to(dev)
+    ex.forward([st], [prompt], logits="last", record=False)
+    ex.commit([st], [PROMPT_LEN])
+    cols = torch.randint(0, vocab, (r,), generator=gen).to(dev)
+
+    def rnd() -> None:
+        ex.forward([st], [cols], logits="all", record=True)
+        ex.commit([st], [0])
+
+    rnd()  # capture
+    sync(dev)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            rnd()
+        sync(dev)
+    per: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            acc = per.setdefault(ev.name, [0, 0.0])
+            acc[0] += 1
+            acc[1] += ev.device_time_total
+    ex.release_lane(st)
+    rows = sorted(
+        ({"name": n[:160], "calls": c / reps, "us": round(t / reps, 1)} for n, (c, t) in per.items()),
+        key=lambda x: -x["us"],
+    )
+    return {
+        "columns": r,
+        "us_per_round": round(sum(x["us"] for x in rows), 1),
+        "launches_per_round": sum(x["calls"] for x in rows),
+        "kernels": rows,
+    }
+
+
 def bench_gdn_layer(cfg: Any, dev: torch.device, kernel: Any, reps: int) -> dict:
     """One GDN layer's recurrence at the model's shape, replayed from a CUDA graph: the torch path of
     a static round (preparation + `StaticHybridExecutor._recurrence`) against the fused kernel, per
@@ -742,6 +785,13 @@ def main() -> int:
         help="with --gdn-module: skip the graphed rounds without the kernel",
     )
     ap.add_argument("--no-decode", action="store_true", help="skip the graphed decode")
+    ap.add_argument(
+        "--profile-round",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[],
+        help="with --mixers-module: comma-separated widths whose graphed round is also run under "
+        "torch.profiler (kernel time by name)",
+    )
     ap.add_argument("--no-eager-rounds", action="store_true", help="skip the eager rounds per width")
     ap.add_argument(
         "--no-eager",
@@ -855,6 +905,14 @@ def main() -> int:
                 log("graphed route with every given fused module + the mixers: rounds per width")
                 gr["rounds_mixers"] = bench_graph_rounds(mixf, ref, dev, widths, args.reps, vocab)
                 save()
+                for r in args.profile_round:
+                    log(f"graphed round of {r} columns under torch.profiler: kernel time by name")
+                    prof = profile_round(mixf, dev, r, vocab)
+                    gr[f"profile_r{r}"] = prof
+                    log(f"  {prof['us_per_round']} us of kernels in {prof['launches_per_round']} launches")
+                    for row in prof["kernels"][:25]:
+                        log(f"  {row['us']:9.1f} us {row['calls']:6.1f}x  {row['name'][:100]}")
+                    save()
                 del mixf
                 gc.collect()
             if args.no_decode:

@@ -10,9 +10,10 @@
 // the identity for float32. One block of kAddThreads threads per row: thread t handles elements
 // t, t + kAddThreads, ... (a strided FMA sum of squares in float32), the warp sums by an xor-shuffle
 // tree, the kAddThreads / 32 warp sums added in warp order by every thread (deterministic). The
-// first pass only reads (h + d, rounded, squared and summed: its loads pipeline), the second
-// recomputes the rounded sum and writes h_out and x_out; the outputs must not overlap the inputs
-// (restrict pointers).
+// first pass only reads (h + d, rounded, squared and summed), keeping its values and w1p in
+// registers (up to kAddKeep a thread: one round trip of loads a row), the second writes h_out and
+// x_out (rows wider than kAddThreads * kAddKeep recompute the sum from reloaded inputs); the
+// outputs must not overlap the inputs (restrict pointers).
 //
 // gated_rms_norm (the GDN output norm, HF Qwen3_5RMSNormGated):
 //
@@ -79,6 +80,12 @@ struct AddParams {
   float eps;
 };
 
+// Elements a thread keeps in registers between the two passes of add_rms_norm (hidden <= kAddThreads *
+// kAddKeep, 8192): the first pass then issues all its loads (h, d and w1p) at once -- one memory
+// round trip a row instead of one per few elements and a second read -- and the second pass only
+// stores. Wider rows take the reloading loop. The order of the arithmetic is the same either way.
+constexpr int kAddKeep = 16;
+
 template <typename T>
 __global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) {
   const int row = blockIdx.x;
@@ -86,11 +93,32 @@ __global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) 
   const T* __restrict__ d = static_cast<const T*>(p.d) + row * p.d_row;
   T* __restrict__ ho = static_cast<T*>(p.h_out) + row * p.ho_row;
   T* __restrict__ xo = static_cast<T*>(p.x_out) + row * p.xo_row;
+  const bool keep = p.hidden <= kAddThreads * kAddKeep;
+  float v[kAddKeep], w[kAddKeep];
   float ss = 0.f;
+  if (keep) {
+    // Every load issued before any is used: indices past the row read its last element (in cache,
+    // never used), so no load waits behind a predicate.
+    T hv[kAddKeep], dv[kAddKeep];
+#pragma unroll
+    for (int j = 0; j < kAddKeep; ++j) {
+      const int i = min(static_cast<int>(threadIdx.x) + j * kAddThreads, p.hidden - 1);
+      hv[j] = h[i];
+      dv[j] = d[i];
+      w[j] = p.w1p[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kAddKeep; ++j) v[j] = round_to<T>(to_f(hv[j]) + to_f(dv[j]));
+#pragma unroll
+    for (int j = 0; j < kAddKeep; ++j) {
+      if (static_cast<int>(threadIdx.x) + j * kAddThreads < p.hidden) ss = fmaf(v[j], v[j], ss);
+    }
+  } else {
 #pragma unroll 4
-  for (int i = threadIdx.x; i < p.hidden; i += kAddThreads) {
-    const float v = round_to<T>(to_f(h[i]) + to_f(d[i]));
-    ss = fmaf(v, v, ss);
+    for (int i = threadIdx.x; i < p.hidden; i += kAddThreads) {
+      const float u = round_to<T>(to_f(h[i]) + to_f(d[i]));
+      ss = fmaf(u, u, ss);
+    }
   }
   __shared__ float part[kAddThreads / 32];
   ss = warp_sum(ss);
@@ -98,13 +126,25 @@ __global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) 
   __syncthreads();
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kAddThreads / 32; ++w) total += part[w];
+  for (int k = 0; k < kAddThreads / 32; ++k) total += part[k];
   const float r = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
+  if (keep) {
+#pragma unroll
+    for (int j = 0; j < kAddKeep; ++j) {
+      const int i = threadIdx.x + j * kAddThreads;
+      if (i < p.hidden) {
+        const T s = from_f<T>(v[j]);  // v[j] is already rounded to T: exact
+        ho[i] = s;
+        xo[i] = from_f<T>((v[j] * r) * w[j]);
+      }
+    }
+  } else {
 #pragma unroll 4
-  for (int i = threadIdx.x; i < p.hidden; i += kAddThreads) {
-    const T s = from_f<T>(to_f(h[i]) + to_f(d[i]));
-    ho[i] = s;
-    xo[i] = from_f<T>((to_f(s) * r) * p.w1p[i]);
+    for (int i = threadIdx.x; i < p.hidden; i += kAddThreads) {
+      const T s = from_f<T>(to_f(h[i]) + to_f(d[i]));
+      ho[i] = s;
+      xo[i] = from_f<T>((to_f(s) * r) * p.w1p[i]);
+    }
   }
 }
 

@@ -113,6 +113,9 @@ class _GdnWeights:
     in_proj_a: _Weight | None  # [v_heads, hidden]
     in_proj_qkvz: _Weight | None  # [2 key_dim + 2 value_dim, hidden] (qwen3_next, grouped per k-head)
     in_proj_ba: _Weight | None  # [2 v_heads, hidden] (qwen3_next, grouped per k-head)
+    # [2 v_heads, hidden]: in_proj_b over in_proj_a, stacked at load (then both None) when they are
+    # dense weights no compiled function serves: one GEMM a layer instead of two on torch
+    in_proj_b_a: torch.Tensor | None
     conv: torch.Tensor  # [conv_dim, kernel]
     dt_bias: torch.Tensor  # [v_heads]
     a_log: torch.Tensor  # [v_heads]
@@ -291,11 +294,17 @@ class HybridExecutor:
             else:
                 slot = self._gdn_slot[i] = len(self._gdn_slot)
                 g = f"{p}.linear_attn"
+                b_w, a_w = opt_lin(f"{g}.in_proj_b.weight"), opt_lin(f"{g}.in_proj_a.weight")
+                b_a = None
+                if self._stackable(b_w, a_w):
+                    assert isinstance(b_w, torch.Tensor) and isinstance(a_w, torch.Tensor)
+                    b_a, b_w, a_w = torch.cat([b_w, a_w]), None, None
                 gdn = _GdnWeights(
                     in_proj_qkv=opt_lin(f"{g}.in_proj_qkv.weight"),
                     in_proj_z=opt_lin(f"{g}.in_proj_z.weight"),
-                    in_proj_b=opt_lin(f"{g}.in_proj_b.weight"),
-                    in_proj_a=opt_lin(f"{g}.in_proj_a.weight"),
+                    in_proj_b=b_w,
+                    in_proj_a=a_w,
+                    in_proj_b_a=b_a,
                     in_proj_qkvz=opt_lin(f"{g}.in_proj_qkvz.weight"),
                     in_proj_ba=opt_lin(f"{g}.in_proj_ba.weight"),
                     conv=get(f"{g}.conv1d.weight").squeeze(1),
@@ -614,6 +623,17 @@ class HybridExecutor:
             out[start : start + n] = o[0].transpose(0, 1)
         return linear(out.reshape(rows, nh * hd) * torch.sigmoid(gate), a.o_proj, a.o_bias)
 
+    def _stackable(self, b: _Weight | None, a: _Weight | None) -> bool:
+        """Whether the GDN gate projections in_proj_b and in_proj_a ([v_heads, hidden] each) can run
+        as one GEMM: both dense tensors of one shape and dtype that the linear hook runs on torch
+        (no compiled dense function serves their shape, so the stacked shape needs none either)."""
+        if not (isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor)):
+            return False
+        if b.shape != a.shape or b.dtype != a.dtype or b.ndim != 2:
+            return False
+        compiled = getattr(self.linear, "compiled", None)
+        return compiled is None or not compiled.functions_for("dense", int(b.shape[0]), int(b.shape[1]))
+
     def _gdn_projections(
         self, g: _GdnWeights, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -629,13 +649,12 @@ class HybridExecutor:
         )
         if g.in_proj_qkvz is None:
             assert g.in_proj_qkv is not None and g.in_proj_z is not None
-            assert g.in_proj_b is not None and g.in_proj_a is not None
-            return (
-                linear(x, g.in_proj_qkv, None),
-                linear(x, g.in_proj_z, None).view(rows, nv, dv),
-                linear(x, g.in_proj_b, None),
-                linear(x, g.in_proj_a, None),
-            )
+            if g.in_proj_b_a is not None:  # views of one GEMM's output (their consumers take strides)
+                b, a = linear(x, g.in_proj_b_a, None).split([nv, nv], -1)
+            else:
+                assert g.in_proj_b is not None and g.in_proj_a is not None
+                b, a = linear(x, g.in_proj_b, None), linear(x, g.in_proj_a, None)
+            return linear(x, g.in_proj_qkv, None), linear(x, g.in_proj_z, None).view(rows, nv, dv), b, a
         # qwen3_next: outputs grouped per key head:
         # [q (dk) | k (dk) | v (r*dv) | z (r*dv)] and [b (r) | a (r)].
         assert g.in_proj_ba is not None

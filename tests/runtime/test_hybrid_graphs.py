@@ -685,6 +685,36 @@ def test_cuda_graphs_with_the_fused_norms(tiny: TinyHybrid, dtype: torch.dtype) 
     recaptured_matches(exs, lanes, vocab, 500, same)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_add_rms_norm_matches_its_cpu_model(dtype: torch.dtype) -> None:
+    """The compiled add_rms_norm against its CPU model (`add_rms_norm_emulated`: the kernel's order
+    of operations) on rows kept in registers (hidden <= 8192), rows past that (the reloading loop),
+    ragged widths and strided rows: the residual sum bit for bit, the normed row within 4 units in
+    the last place of the dtype (CUDA's rsqrtf is not correctly rounded: up to 2.2 measured in float32,
+    docs/PERF.md run 43; a wrong or missing element would be off by far more)."""
+    from ignis.compiler.kernels.fused_norms import add_rms_norm_emulated
+    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+
+    path = _norms_module_path()
+    if path is None:
+        pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
+    norms = FusedNormsKernel(path)
+    gen = torch.Generator().manual_seed(5)
+    ulp = torch.finfo(dtype).eps
+    for rows, hidden in [(1, 5120), (3, 100), (8, 8192), (2, 8193), (64, 4133), (5, 12288)]:
+        wide = torch.randn(rows, hidden + 24, generator=gen) * 3
+        h = wide[:, 7 : 7 + hidden].to(dtype)  # strided rows
+        d = torch.randn(rows, hidden, generator=gen).to(dtype)
+        w1p = 1 + torch.randn(hidden, generator=gen) * 0.1
+        want_h, want_x = add_rms_norm_emulated(h, d, w1p, 1e-6)
+        got_h, got_x = norms.add_rms_norm(h.cuda(), d.cuda(), w1p.cuda(), 1e-6)
+        assert torch.equal(got_h.cpu(), want_h), (rows, hidden)
+        err = (got_x.cpu().double() - want_x.double()).abs()
+        assert bool((err <= 4 * ulp * want_x.double().abs() + 1e-30).all()), (rows, hidden, float(err.max()))
+
+
 def _emulated_mixers_module(calls: list[str]) -> dict:
     """A CPU stand-in for the compiled fused mixers: the kernels' CPU models, with the module's
     calling convention (outputs written in place)."""
