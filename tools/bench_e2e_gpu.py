@@ -94,6 +94,7 @@ import torch  # noqa: E402
 
 from ignis.runtime.drafters.testing import right_with_probability  # noqa: E402
 from ignis.runtime.engine import SpeculativeEngine  # noqa: E402
+from ignis.runtime.families import get_family  # noqa: E402
 from ignis.runtime.families.hybrid_executor import HybridExecutor  # noqa: E402
 from ignis.runtime.families.hybrid_graphs import CHUNKED_PREFILL_ROUNDS, StaticHybridExecutor  # noqa: E402
 from ignis.runtime.families.qwen3_5 import Qwen3_5TextConfig, tensor_shapes  # noqa: E402
@@ -849,7 +850,12 @@ def main() -> int:
     backend = LinearBackend(compiled)
     # the layout the modules take, once (tiled for "q4_g32_tiled" functions), so that the executors
     # built below share these weights instead of each re-laying its own copy
-    weights = {n: place_weight(backend, w, row_splits=row_splits_of(n)) for n, w in weights.items()}
+    # (not the members of the executor's own fusions, which it stacks row-major and then places)
+    family = get_family(cfg.model_type)
+    weights = {
+        n: w if family.is_fused_member(n) else place_weight(backend, w, row_splits=row_splits_of(n))
+        for n, w in weights.items()
+    }
     gr: dict[str, Any] = {}
     if not args.no_graphs:
         try:

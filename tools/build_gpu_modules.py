@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 #: (out_features, in_features) of every q4 linear of the 27B-shaped qwen3_5 in bench_e2e_gpu
-#: (GDN in_proj_qkv / z, attention q / k+v, o_proj from 6144, MLP up/gate and down, LM head).
+#: (GDN in_proj_qkv / z, attention q / k+v, o_proj from 6144, MLP up/gate and down, LM head), and
+#: the executor's fusions of them (attention q|k|v, GDN qkv|z, MLP gate|up: `HYBRID_FUSED_LINEARS`).
 E2E_SHAPES = (
     (12288, 5120),
     (1024, 5120),
@@ -39,6 +40,9 @@ E2E_SHAPES = (
     (17408, 5120),
     (5120, 17408),
     (248320, 5120),
+    (14336, 5120),
+    (16384, 5120),
+    (34816, 5120),
 )
 E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
 

@@ -5,7 +5,8 @@ Which linears (`linear_shapes`): every tensor the executors hand to a linear lay
 as [N, K] = (out_features, in_features); fused expert stacks [E, N, K] count per expert (the
 executor slices them: gate_up[e, :I], gate_up[e, I:], down[e]); a tied output head is the embedding;
 and the executors' own fusions (`FUSED_LINEARS`: llama/qwen2 concatenate the trunk's q/k/v and
-gate/up rows into one weight) replace their members.
+gate/up rows into one weight, the hybrid families q/k/v, the GDN's qkv/z and the dense MLP's
+gate/up) replace their members.
 
 Which functions, per card:
 
@@ -76,15 +77,14 @@ from ignis.compiler.kernels.fused_mixers import MAX_CONV_KERNEL as _MIXERS_MAX_C
 from ignis.compiler.kernels.fused_mixers import MAX_HEAD_DIM as _MIXERS_MAX_HEAD_DIM
 from ignis.compiler.kernels.gdn_recurrent import MAX_KEY_DIM as _GDN_MAX_KEY_DIM
 from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction
-from ignis.runtime.families.llama import FUSED_LINEARS as _LLAMA_FUSED_LINEARS
+from ignis.runtime.families import FAMILIES
 
 #: Executor fusions per family: (module path under each layer, member projections concatenated in
 #: this order along the output rows). The executor runs one linear over the fused weight. The same
 #: table the runtime's families declare (`Family.fused_linears`: the loader leaves the members in the
 #: stored layout, the executor fuses and then places them).
 FUSED_LINEARS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "llama": _LLAMA_FUSED_LINEARS,
-    "qwen2": _LLAMA_FUSED_LINEARS,
+    model_type: family.fused_linears for model_type, family in FAMILIES.items() if family.fused_linears
 }
 
 #: Activation dtype of the compiled functions, by the profile's other_dtype.

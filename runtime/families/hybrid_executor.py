@@ -39,6 +39,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +54,15 @@ from ignis.runtime.families.gated_deltanet import (
 )
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig, tensor_shapes
-from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader
+from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader, cat_rows, place_weight, to_device
 
 _Weight = torch.Tensor | Q4Weight
+
+
+def _out_rows(w: Any) -> int:
+    """Output features of a 2-d linear weight (dense [N, K] or `Q4Weight`)."""
+    return int(w.out_features) if isinstance(w, Q4Weight) else int(w.shape[0])
+
 
 __all__ = ["HybridExecutor", "HybridLaneState", "gated_rms_norm", "rms_norm_one_plus"]
 
@@ -93,9 +100,9 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 @dataclass(frozen=True)
 class _AttentionWeights:
-    q_proj: _Weight  # [2 * heads * head_dim, hidden]: per head [query | gate]
-    k_proj: _Weight  # [kv_heads * head_dim, hidden]
-    v_proj: _Weight  # [kv_heads * head_dim, hidden]
+    q_proj: _Weight | None  # [2 * heads * head_dim, hidden]: per head [query | gate]; None when fused
+    k_proj: _Weight | None  # [kv_heads * head_dim, hidden]; None when fused
+    v_proj: _Weight | None  # [kv_heads * head_dim, hidden]; None when fused
     o_proj: _Weight  # [hidden, heads * head_dim]
     q_norm: torch.Tensor  # [head_dim]
     k_norm: torch.Tensor  # [head_dim]
@@ -103,12 +110,16 @@ class _AttentionWeights:
     k_bias: torch.Tensor | None
     v_bias: torch.Tensor | None
     o_bias: torch.Tensor | None
+    # [q_proj rows + 2 * kv_heads * head_dim, hidden]: q_proj over k_proj over v_proj (one GEMM), or
+    # None; its bias the members' biases stacked (None when they have none)
+    qkv_proj: _Weight | None = None
+    qkv_bias: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class _GdnWeights:
-    in_proj_qkv: _Weight | None  # [conv_dim, hidden] (split projections)
-    in_proj_z: _Weight | None  # [value_dim, hidden]
+    in_proj_qkv: _Weight | None  # [conv_dim, hidden] (split projections; None when fused)
+    in_proj_z: _Weight | None  # [value_dim, hidden] (None when fused)
     in_proj_b: _Weight | None  # [v_heads, hidden]
     in_proj_a: _Weight | None  # [v_heads, hidden]
     in_proj_qkvz: _Weight | None  # [2 key_dim + 2 value_dim, hidden] (qwen3_next, grouped per k-head)
@@ -116,6 +127,8 @@ class _GdnWeights:
     # [2 v_heads, hidden]: in_proj_b over in_proj_a, stacked at load (then both None) when they are
     # dense weights no compiled function serves: one GEMM a layer instead of two on torch
     in_proj_b_a: torch.Tensor | None
+    # [conv_dim + value_dim, hidden]: in_proj_qkv over in_proj_z (one GEMM), or None
+    in_proj_qkv_z: _Weight | None
     conv: torch.Tensor  # [conv_dim, kernel]
     dt_bias: torch.Tensor  # [v_heads]
     a_log: torch.Tensor  # [v_heads]
@@ -279,17 +292,30 @@ class HybridExecutor:
             if c.is_full_attention(i):
                 slot = self._attn_slot[i] = len(self._attn_slot)
                 a = f"{p}.self_attn"
+                qkv = self._fuse(trunk, [f"{a}.{m}_proj.weight" for m in "qkv"])
+                biases = [opt(f"{a}.{m}_proj.bias") for m in "qkv"]
+                qkv_bias = None
+                if qkv is not None and any(b is not None for b in biases):
+                    sizes = [_out_rows(trunk[f"{a}.{m}_proj.weight"]) for m in "qkv"]
+                    qkv_bias = torch.cat(
+                        [
+                            b if b is not None else torch.zeros(n, device=self.device, dtype=dtype)
+                            for b, n in zip(biases, sizes, strict=True)
+                        ]
+                    )
                 attn = _AttentionWeights(
-                    q_proj=lin(f"{a}.q_proj.weight"),
-                    k_proj=lin(f"{a}.k_proj.weight"),
-                    v_proj=lin(f"{a}.v_proj.weight"),
+                    q_proj=None if qkv is not None else lin(f"{a}.q_proj.weight"),
+                    k_proj=None if qkv is not None else lin(f"{a}.k_proj.weight"),
+                    v_proj=None if qkv is not None else lin(f"{a}.v_proj.weight"),
                     o_proj=lin(f"{a}.o_proj.weight"),
                     q_norm=get(f"{a}.q_norm.weight"),
                     k_norm=get(f"{a}.k_norm.weight"),
-                    q_bias=opt(f"{a}.q_proj.bias"),
-                    k_bias=opt(f"{a}.k_proj.bias"),
-                    v_bias=opt(f"{a}.v_proj.bias"),
+                    q_bias=biases[0],
+                    k_bias=biases[1],
+                    v_bias=biases[2],
                     o_bias=opt(f"{a}.o_proj.bias"),
+                    qkv_proj=qkv,
+                    qkv_bias=qkv_bias,
                 )
             else:
                 slot = self._gdn_slot[i] = len(self._gdn_slot)
@@ -299,9 +325,11 @@ class HybridExecutor:
                 if self._stackable(b_w, a_w):
                     assert isinstance(b_w, torch.Tensor) and isinstance(a_w, torch.Tensor)
                     b_a, b_w, a_w = torch.cat([b_w, a_w]), None, None
+                qkv_z = self._fuse(trunk, [f"{g}.in_proj_qkv.weight", f"{g}.in_proj_z.weight"])
                 gdn = _GdnWeights(
-                    in_proj_qkv=opt_lin(f"{g}.in_proj_qkv.weight"),
-                    in_proj_z=opt_lin(f"{g}.in_proj_z.weight"),
+                    in_proj_qkv=None if qkv_z is not None else opt_lin(f"{g}.in_proj_qkv.weight"),
+                    in_proj_z=None if qkv_z is not None else opt_lin(f"{g}.in_proj_z.weight"),
+                    in_proj_qkv_z=qkv_z,
                     in_proj_b=b_w,
                     in_proj_a=a_w,
                     in_proj_b_a=b_a,
@@ -317,10 +345,12 @@ class HybridExecutor:
             if c.is_moe_layer(i):
                 mlp = self._moe_weights(f"{p}.mlp", lin, trunk)
             else:
+                gate_up = self._fuse(trunk, [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"])
                 mlp = SwiGLUWeights(
-                    lin(f"{p}.mlp.gate_proj.weight"),
-                    lin(f"{p}.mlp.up_proj.weight"),
+                    None if gate_up is not None else lin(f"{p}.mlp.gate_proj.weight"),
+                    None if gate_up is not None else lin(f"{p}.mlp.up_proj.weight"),
                     lin(f"{p}.mlp.down_proj.weight"),
+                    gate_up,
                 )
             self._layers.append(
                 _Layer(
@@ -592,12 +622,12 @@ class HybridExecutor:
         c, a = self.config, layer.attn
         assert a is not None
         rows, hd, nh, nkv = x.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        linear = self.linear
-        qg = linear(x, a.q_proj, a.q_bias).view(rows, nh, 2 * hd)
+        q_lin, k_lin, v_lin = self._attn_projections(a, x)
+        qg = q_lin.view(rows, nh, 2 * hd)
         gate = qg[..., hd:].reshape(rows, nh * hd)
         q = rms_norm_one_plus(qg[..., :hd], a.q_norm, c.rms_norm_eps)
-        k = rms_norm_one_plus(linear(x, a.k_proj, a.k_bias).view(rows, nkv, hd), a.k_norm, c.rms_norm_eps)
-        v = linear(x, a.v_proj, a.v_bias).view(rows, nkv, hd)
+        k = rms_norm_one_plus(k_lin.view(rows, nkv, hd), a.k_norm, c.rms_norm_eps)
+        v = v_lin.view(rows, nkv, hd)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         out = x.new_empty(rows, nh, hd)
         for state, start, n in zip(states, starts, lens, strict=True):
@@ -621,7 +651,38 @@ class HybridExecutor:
                 enable_gqa=nh != nkv,
             )
             out[start : start + n] = o[0].transpose(0, 1)
-        return linear(out.reshape(rows, nh * hd) * torch.sigmoid(gate), a.o_proj, a.o_bias)
+        return self.linear(out.reshape(rows, nh * hd) * torch.sigmoid(gate), a.o_proj, a.o_bias)
+
+    def _fuse(self, trunk: Mapping[str, Any], names: Sequence[str]) -> _Weight | None:
+        """The linear weights `names` stacked along their output rows (`qwen3_5.HYBRID_FUSED_LINEARS`) and
+        placed for the linear hook, or None to keep them apart: a member is missing, the members mix
+        dense and q4 weights, dtypes or in_features, or the hook's compiled functions serve every
+        member's shape but not the stacked one (an artifact built before the fusion)."""
+        if not all(n in trunk for n in names):
+            return None
+        raw = [trunk[n] for n in names]
+        if len({isinstance(w, Q4Weight) for w in raw}) != 1:
+            return None
+        q4 = isinstance(raw[0], Q4Weight)
+        if not q4 and len({w.dtype for w in raw}) != 1:
+            return None
+        ks = {int(w.in_features) if isinstance(w, Q4Weight) else int(w.shape[-1]) for w in raw}
+        if len(ks) != 1 or any((w.ndim if isinstance(w, torch.Tensor) else 2) != 2 for w in raw):
+            return None
+        k = ks.pop()
+        compiled = getattr(self.linear, "compiled", None)
+        if compiled is not None and len(compiled):
+            kinds = ("q4_g32", "q4_g32_tiled") if q4 else ("dense",)
+
+            def served(n: int) -> bool:
+                return any(compiled.functions_for(kind, n, k) for kind in kinds)
+
+            if not served(sum(_out_rows(w) for w in raw)) and any(served(_out_rows(w)) for w in raw):
+                return None
+        dev, dt = self.device, self.dtype
+        parts = [to_device(w if isinstance(w, Q4Weight) else w.detach(), dev, dt) for w in raw]
+        parts = [w.to_row_major() if isinstance(w, Q4Weight) else w for w in parts]
+        return place_weight(self.linear, cat_rows(parts).contiguous())
 
     def _stackable(self, b: _Weight | None, a: _Weight | None) -> bool:
         """Whether the GDN gate projections in_proj_b and in_proj_a ([v_heads, hidden] each) can run
@@ -633,6 +694,20 @@ class HybridExecutor:
             return False
         compiled = getattr(self.linear, "compiled", None)
         return compiled is None or not compiled.functions_for("dense", int(b.shape[0]), int(b.shape[1]))
+
+    def _attn_projections(
+        self, a: _AttentionWeights, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_proj's output [R, 2 heads head_dim] (per head [query | gate]), k [R, kv_heads head_dim],
+        v [R, kv_heads head_dim]) in the model dtype: views of one GEMM's output when fused."""
+        c, linear = self.config, self.linear
+        if a.qkv_proj is not None:
+            kv = c.num_key_value_heads * c.head_dim
+            q_rows = 2 * c.num_attention_heads * c.head_dim
+            q, k, v = linear(x, a.qkv_proj, a.qkv_bias).split([q_rows, kv, kv], -1)
+            return q, k, v
+        assert a.q_proj is not None and a.k_proj is not None and a.v_proj is not None
+        return linear(x, a.q_proj, a.q_bias), linear(x, a.k_proj, a.k_bias), linear(x, a.v_proj, a.v_bias)
 
     def _gdn_projections(
         self, g: _GdnWeights, x: torch.Tensor
@@ -648,13 +723,18 @@ class HybridExecutor:
             c.linear_value_head_dim,
         )
         if g.in_proj_qkvz is None:
-            assert g.in_proj_qkv is not None and g.in_proj_z is not None
-            if g.in_proj_b_a is not None:  # views of one GEMM's output (their consumers take strides)
+            # fused weights: views of one GEMM's output (their consumers take strides)
+            if g.in_proj_b_a is not None:
                 b, a = linear(x, g.in_proj_b_a, None).split([nv, nv], -1)
             else:
                 assert g.in_proj_b is not None and g.in_proj_a is not None
                 b, a = linear(x, g.in_proj_b, None), linear(x, g.in_proj_a, None)
-            return linear(x, g.in_proj_qkv, None), linear(x, g.in_proj_z, None).view(rows, nv, dv), b, a
+            if g.in_proj_qkv_z is not None:
+                qkv, z = linear(x, g.in_proj_qkv_z, None).split([2 * nk * dk + nv * dv, nv * dv], -1)
+            else:
+                assert g.in_proj_qkv is not None and g.in_proj_z is not None
+                qkv, z = linear(x, g.in_proj_qkv, None), linear(x, g.in_proj_z, None)
+            return qkv, z.view(rows, nv, dv), b, a
         # qwen3_next: outputs grouped per key head:
         # [q (dk) | k (dk) | v (r*dv) | z (r*dv)] and [b (r) | a (r)].
         assert g.in_proj_ba is not None

@@ -1100,11 +1100,12 @@ class StaticHybridExecutor(HybridExecutor):
         rows, hd, nh, nkv = x.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
         rep = nh // nkv
         linear = self.linear
-        qg = linear(x, a.q_proj, a.q_bias).view(rows, nh, 2 * hd)
+        q_lin, k_flat, v_flat = self._attn_projections(a, x)
+        qg = q_lin.view(rows, nh, 2 * hd)
         gate = qg[..., hd:].reshape(rows, nh * hd)
         kc, vc = self._keys[layer.slot], self._values[layer.slot]  # [S, cap, nkv, hd]
-        k_lin = linear(x, a.k_proj, a.k_bias).view(rows, nkv, hd)
-        v = linear(x, a.v_proj, a.v_bias).view(rows, nkv, hd)
+        k_lin = k_flat.view(rows, nkv, hd)
+        v = v_flat.view(rows, nkv, hd)
         pos_rows = pos.reshape(-1)
         mixers = self._mixers_kernel if eager is None else None
         if mixers is not None:  # q/k norms + RoPE + the KV write, one launch

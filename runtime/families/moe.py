@@ -33,14 +33,19 @@ class SwiGLUWeights:
     """One SwiGLU MLP (dense layer, one routed expert, or the shared expert).
 
     Attributes:
-        gate: [intermediate, hidden] (HF `gate_proj.weight`, or the first half of a fused `gate_up_proj[e]`).
-        up: [intermediate, hidden] (HF `up_proj.weight`, or the second half of `gate_up_proj[e]`).
+        gate: [intermediate, hidden] (HF `gate_proj.weight`, or the first half of a fused `gate_up_proj[e]`);
+            None when `gate_up` holds it.
+        up: [intermediate, hidden] (HF `up_proj.weight`, or the second half of `gate_up_proj[e]`); None
+            when `gate_up` holds it.
         down: [hidden, intermediate] (HF `down_proj.weight`).
+        gate_up: [2 intermediate, hidden]: gate over up in one weight (one GEMM, its output split in
+            halves), or None.
     """
 
     gate: Any  # torch.Tensor | Q4Weight
     up: Any
     down: Any
+    gate_up: Any = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,11 @@ class SparseMoeWeights:
 
 
 def swiglu_mlp(x: torch.Tensor, w: SwiGLUWeights, *, linear: LinearFn = F.linear) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` for x [R, hidden] -> [R, hidden], in x's dtype."""
+    """``down(silu(gate(x)) * up(x))`` for x [R, hidden] -> [R, hidden], in x's dtype (gate and up from
+    one GEMM when `w.gate_up` is set)."""
+    if w.gate_up is not None:
+        gate, up = linear(x, w.gate_up, None).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w.down, None)
     return linear(F.silu(linear(x, w.gate, None)) * linear(x, w.up, None), w.down, None)
 
 

@@ -33,6 +33,7 @@ from ignis.runtime.errors import ConfigError
 from ignis.runtime.families.base import Family, FamilyConfig, register_family
 
 __all__ = [
+    "HYBRID_FUSED_LINEARS",
     "HybridConfig",
     "Qwen3NextConfig",
     "Qwen3_5Config",
@@ -588,6 +589,20 @@ def make_hybrid_executor(
     return HybridExecutor(config, weights, device=device, dtype=dtype, linear=linear)
 
 
+#: The hybrid executors' own fusions of a decoder layer's linear weights (as `Family.fused_linears`:
+#: the module path under ``model.layers.N``, the members stacked along the output rows in this
+#: order): one GEMM each for the attention's q|k|v, the split-projection GDN's qkv|z and the dense
+#: MLP's gate|up. The executor stacks a group when its compiled functions serve the stacked shape
+#: (the build compiles it: `ignis.compiler.build.modules.FUSED_LINEARS`) or serve none of the
+#: members' shapes either (torch runs them), else it keeps the members apart (an artifact built
+#: before these fusions).
+HYBRID_FUSED_LINEARS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    ("linear_attn", ("in_proj_qkv", "in_proj_z")),
+    ("mlp", ("gate_proj", "up_proj")),
+)
+
+
 def _canonicalize_tensors(config: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`Family.canonicalize_tensors` of the hybrid families: routed experts into the family's layout."""
     return canonicalize_moe_tensors(config, tensors)
@@ -602,6 +617,7 @@ for _cls in (Qwen3_5Config, Qwen3_5TextConfig, Qwen3_5MoeConfig, Qwen3_5MoeTextC
             make_executor=make_hybrid_executor,
             map_hf_name=map_hf_name,
             canonicalize_tensors=_canonicalize_tensors if _cls.is_moe else None,
+            fused_linears=HYBRID_FUSED_LINEARS,
         )
     )
 del _cls

@@ -531,3 +531,35 @@ def test_cuda_matches_cpu(tiny: TinyHybrid, ex: HybridExecutor) -> None:
             agree_ours = float((ours16.argmax(-1) == ref_prompt.argmax(-1)).float().mean())
             agree_hf = float((hf_prompt16.argmax(-1) == ref_prompt.argmax(-1)).float().mean())
             assert agree_ours >= agree_hf - 0.05
+
+
+def test_fusions_follow_what_the_compiled_functions_serve(tiny: TinyHybrid, ex: HybridExecutor) -> None:
+    """The executor stacks a layer's q|k|v (and qkv|z, gate|up) when nothing is compiled or a
+    compiled function serves the stacked shape, and keeps the members apart when only their own
+    shapes are served (an artifact built before the fusion); the logits are the same either way."""
+    from ignis.runtime.linear import CompiledLinears, LinearBackend
+
+    c = tiny.config
+    tensors = tiny.canonical_tensors()
+    i = next(j for j in range(c.num_hidden_layers) if c.is_full_attention(j))
+    q, k, v = (tuple(tensors[f"model.layers.{i}.self_attn.{m}_proj.weight"].shape) for m in "qkv")
+    stacked = (q[0] + k[0] + v[0], q[1])
+
+    def matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+        y.copy_(x @ w.T)
+
+    def backend(shapes: set[tuple[int, int]]) -> LinearBackend:
+        fns = {(64, "dense", n, kk, "float32"): (matmul, True, False) for n, kk in shapes}
+        return LinearBackend(CompiledLinears(fns, [64]))
+
+    ids = tokens(9, 3, c.vocab_size)
+    want = ex.forward([ex.new_lane()], [ids]).logits[0]
+    for linear, fused in ((None, True), (backend({q, k, v}), False), (backend({stacked}), True)):
+        e = HybridExecutor(c, tensors, device="cpu", dtype=torch.float32, linear=linear)
+        attn = e._layers[i].attn
+        assert attn is not None and (attn.qkv_proj is not None) == fused
+        assert (attn.q_proj is None) == fused
+        gdn = next(layer.gdn for layer in e._layers if layer.gdn is not None)
+        assert (gdn.in_proj_qkv_z is not None) == (c.model_type != "qwen3_next")
+        got = e.forward([e.new_lane()], [ids]).logits[0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -614,7 +614,14 @@ def test_families_declare_the_fusions_a_loader_must_not_re_lay() -> None:
     assert not llama.is_fused_member("model.layers.0.mlp.down_proj.weight")
     assert not llama.is_fused_member("model.layers.0.self_attn.o_proj.weight")
     assert not llama.is_fused_member("dflash2.layers.0.self_attn.q_proj.weight")
-    assert not get_family("qwen3_5").is_fused_member("model.layers.3.self_attn.q_proj.weight")
+    hybrid = get_family("qwen3_5")
+    assert hybrid.fused_linears == FUSED_LINEARS["qwen3_5"] == FUSED_LINEARS["qwen3_next"]
+    for member in ("self_attn.q_proj", "self_attn.v_proj", "linear_attn.in_proj_z", "mlp.gate_proj"):
+        assert hybrid.is_fused_member(f"model.layers.3.{member}.weight"), member
+    for other in ("linear_attn.in_proj_b", "linear_attn.out_proj", "mlp.down_proj", "self_attn.o_proj"):
+        assert not hybrid.is_fused_member(f"model.layers.3.{other}.weight"), other
+    assert not hybrid.is_fused_member("model.layers.3.mlp.shared_expert.gate_proj.weight")
+    assert not hybrid.is_fused_member("mtp.layers.0.self_attn.q_proj.weight")
 
 
 def test_tiled_weight_refuses_bool_rows_and_indices() -> None:
