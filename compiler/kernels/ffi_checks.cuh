@@ -41,6 +41,42 @@ inline bool inner_contiguous(const TensorView& t, int inner) {
   return true;
 }
 
+// Whether `device` supports programmatic dependent launch (compute capability 9.0+), cached per device.
+inline bool device_has_pdl(int device) {
+  static int cached[64] = {};  // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= 64) return false;
+  if (cached[device] == 0) {
+    int major = 0;
+    cached[device] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                             major >= 9
+                         ? 2
+                         : 1;
+  }
+  return cached[device] == 2;
+}
+
+// Launch `kernel` on `stream`, as a programmatic dependent launch where the current device has it (CUDA
+// programming guide, "Programmatic Dependent Launch"): the kernel may start while the previous
+// kernel on the stream is finishing, so it must execute griddepcontrol.wait before it reads that
+// kernel's outputs or writes anything (`pdl_grid_wait` in the device code). The caller checks the
+// launch (`check_launch`).
+template <typename... KArgs, typename... Args>
+void launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {
+  int device = -1;  // the launch's device: the current one
+  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = device_has_pdl(device) ? 1 : 0;
+  (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
 // Every tensor is on the first one's CUDA device (ValueError otherwise).
 inline void check_cuda(const char* name, std::initializer_list<const TensorView*> ts) {
   const TensorView* first = *ts.begin();

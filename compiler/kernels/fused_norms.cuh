@@ -29,6 +29,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "pdl.cuh"
+
 namespace ignis_norms {
 
 constexpr int kAddThreads = 512;  // threads per row of add_rms_norm
@@ -52,6 +54,9 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
+
+using ignis_pdl::pdl_grid_trigger;
+using ignis_pdl::pdl_grid_wait;
 
 // Rounded to T and back (the model dtype's rounding point).
 template <typename T>
@@ -88,6 +93,7 @@ constexpr int kAddKeep = 16;
 
 template <typename T>
 __global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) {
+  pdl_grid_wait();
   const int row = blockIdx.x;
   const T* __restrict__ h = static_cast<const T*>(p.h) + row * p.h_row;
   const T* __restrict__ d = static_cast<const T*>(p.d) + row * p.d_row;
@@ -107,6 +113,7 @@ __global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) 
       dv[j] = d[i];
       w[j] = p.w1p[i];
     }
+    pdl_grid_trigger();
 #pragma unroll
     for (int j = 0; j < kAddKeep; ++j) v[j] = round_to<T>(to_f(hv[j]) + to_f(dv[j]));
 #pragma unroll
@@ -163,6 +170,8 @@ struct GatedParams {
 
 template <typename X, typename T>
 __global__ void __launch_bounds__(kGatedWarps * 32) gated_rms_norm_kernel(GatedParams p) {
+  pdl_grid_wait();
+  pdl_grid_trigger();
   const int lane = threadIdx.x & 31;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kGatedWarps + (threadIdx.x >> 5);
   if (g >= static_cast<int64_t>(p.rows) * p.heads) return;

@@ -52,7 +52,14 @@ __all__ = [
 
 FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm")
 ADD_THREADS = 512  # kAddThreads in fused_norms.cuh
-_SOURCES = ("fused_norms.cuh", "fused_norms_ffi.cuh", "ffi_checks.cuh", "fused_norms.py", "cuda_build.py")
+_SOURCES = (
+    "fused_norms.cuh",
+    "fused_norms_ffi.cuh",
+    "ffi_checks.cuh",
+    "pdl.cuh",
+    "fused_norms.py",
+    "cuda_build.py",
+)
 
 
 class FusedNormsError(ValueError):

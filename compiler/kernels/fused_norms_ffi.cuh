@@ -65,11 +65,11 @@ inline void add_rms_norm_launch(const char* name, TensorView h, TensorView d, Te
   cudaStream_t stream = stream_of(h);
   const dim3 grid(static_cast<unsigned>(rows)), block(kAddThreads);
   if (dtype_is(h, kDLFloat, 32)) {
-    add_rms_norm_kernel<float><<<grid, block, 0, stream>>>(p);
+    launch_maybe_pdl(add_rms_norm_kernel<float>, grid, block, 0, stream, p);
   } else if (dtype_is(h, kDLBfloat, 16)) {
-    add_rms_norm_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(p);
+    launch_maybe_pdl(add_rms_norm_kernel<__nv_bfloat16>, grid, block, 0, stream, p);
   } else if (dtype_is(h, kDLFloat, 16)) {
-    add_rms_norm_kernel<__half><<<grid, block, 0, stream>>>(p);
+    launch_maybe_pdl(add_rms_norm_kernel<__half>, grid, block, 0, stream, p);
   } else {
     TVM_FFI_THROW(TypeError) << name << ": h must be float32, bfloat16 or float16";
   }
@@ -79,9 +79,9 @@ inline void add_rms_norm_launch(const char* name, TensorView h, TensorView d, Te
 template <typename T>
 void gated_launch(const GatedParams& p, bool x_f32, dim3 grid, dim3 block, cudaStream_t stream) {
   if (x_f32) {
-    gated_rms_norm_kernel<float, T><<<grid, block, 0, stream>>>(p);
+    launch_maybe_pdl(gated_rms_norm_kernel<float, T>, grid, block, 0, stream, p);
   } else {
-    gated_rms_norm_kernel<T, T><<<grid, block, 0, stream>>>(p);
+    launch_maybe_pdl(gated_rms_norm_kernel<T, T>, grid, block, 0, stream, p);
   }
 }
 
@@ -124,7 +124,7 @@ inline void gated_rms_norm_launch(const char* name, TensorView x, TensorView z, 
   TVM_FFI_CHECK(blocks <= 2147483647LL, ValueError) << name << ": too many blocks (" << blocks << ")";
   const dim3 grid(static_cast<unsigned>(blocks)), block(kGatedWarps * 32);
   if (dtype_is(z, kDLFloat, 32)) {
-    gated_rms_norm_kernel<float, float><<<grid, block, 0, stream>>>(p);
+    launch_maybe_pdl(gated_rms_norm_kernel<float, float>, grid, block, 0, stream, p);
   } else if (dtype_is(z, kDLBfloat, 16)) {
     gated_launch<__nv_bfloat16>(p, x_f32, grid, block, stream);
   } else if (dtype_is(z, kDLFloat, 16)) {
