@@ -135,10 +135,11 @@ struct TiledAcc {
   float v[MT][NT][4];
 };
 
-// acc.v[i][j][c] of lane (g, t): y[row 8 j + 2 t + (c & 1)][out 16 (grp MT + i) + g + 8 (c >> 1)].
+// acc.v[i][j][c] of lane (g, t): y[row 8 j + 2 t + (c & 1)][out 16 (grp MT + i) + g + 8 (c >> 1)]; y's
+// rows are y_ld elements apart (n_out <= y_ld: a launch over a slice of the weight's tiles).
 template <typename T, int NT, int MT>
 __device__ __forceinline__ void tiled_store_y(const TiledAcc<MT, NT>& a, int grp, T* __restrict__ y, int n_rows,
-                                              int n_out) {
+                                              int n_out, int y_ld) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < MT; ++i)
@@ -148,7 +149,7 @@ __device__ __forceinline__ void tiled_store_y(const TiledAcc<MT, NT>& a, int grp
       for (int c = 0; c < 4; ++c) {
         const int r = 8 * j + 2 * t + (c & 1);
         const int o = 16 * (grp * MT + i) + g + 8 * (c >> 1);
-        if (r < n_rows && o < n_out) y[static_cast<size_t>(r) * n_out + o] = Q4Traits<T>::from_float(a.v[i][j][c]);
+        if (r < n_rows && o < n_out) y[static_cast<size_t>(r) * y_ld + o] = Q4Traits<T>::from_float(a.v[i][j][c]);
       }
 }
 
@@ -253,7 +254,7 @@ __device__ __forceinline__ int tiled_owner(long long u, long long U, int n_worke
 template <typename T, int NT, int MT, bool GATHER, bool NOWAIT = false>
 __device__ __forceinline__ void tiled_flag_fixup(const TiledAcc<MT, NT>& a, int out, int worker, int pf, int pl,
                                                  float* __restrict__ ws, int slots, T* __restrict__ y, int n_rows,
-                                                 int n_out) {
+                                                 int n_out, int y_ld) {
   const int lane = threadIdx.x & 31;
   float4* base = reinterpret_cast<float4*>(ws) + static_cast<size_t>(out) * slots * (MT * NT * 32);
   if (NOWAIT && worker != pf) return;
@@ -277,7 +278,7 @@ __device__ __forceinline__ void tiled_flag_fixup(const TiledAcc<MT, NT>& a, int 
 #pragma unroll
         for (int c = 0; c < 4; ++c) sum.v[i][j][c] = 0.f + a.v[i][j][c];
     tiled_add_slots<NT, MT, !NOWAIT>(sum, out, 1, pl - pf + 1, ws, slots);
-    tiled_store_y<T, NT, MT>(sum, out, y, n_rows, n_out);
+    tiled_store_y<T, NT, MT>(sum, out, y, n_rows, n_out, y_ld);
   }
 }
 
@@ -289,17 +290,17 @@ __device__ __forceinline__ void tiled_flag_fixup(const TiledAcc<MT, NT>& a, int 
 template <typename T, int NT, int MT, bool MID, bool NOWAIT = false>
 __device__ __forceinline__ void tiled_finish_group(const TiledAcc<MT, NT>& a, int grp, int out, int worker, int u0,
                                                    int u1, int S, long long U, int n_workers, float* __restrict__ ws,
-                                                   int slots, T* __restrict__ y, int n_rows, int n_out) {
+                                                   int slots, T* __restrict__ y, int n_rows, int n_out, int y_ld) {
   const long long first_u = static_cast<long long>(grp) * S;
   if (u0 <= first_u && u1 >= first_u + S) {
-    tiled_store_y<T, NT, MT>(a, out, y, n_rows, n_out);
+    tiled_store_y<T, NT, MT>(a, out, y, n_rows, n_out, y_ld);
     return;
   }
   const int pf = tiled_owner(first_u, U, n_workers), pl = tiled_owner(first_u + S - 1, U, n_workers);
   if constexpr (MID) {
     if (worker == pf) __trap();  // impossible: pf's part of a shared group ends its range
   }
-  tiled_flag_fixup<T, NT, MT, !MID, NOWAIT>(a, out, worker, pf, pl, ws, slots, y, n_rows, n_out);
+  tiled_flag_fixup<T, NT, MT, !MID, NOWAIT>(a, out, worker, pf, pl, ws, slots, y, n_rows, n_out, y_ld);
 }
 
 // Out of line for the groups that end inside a worker's range (once a warp, mid-stream: the ring's
@@ -307,9 +308,9 @@ __device__ __forceinline__ void tiled_finish_group(const TiledAcc<MT, NT>& a, in
 template <typename T, int NT, int MT, bool NOWAIT = false>
 __device__ __noinline__ void tiled_finish_group_mid(TiledAcc<MT, NT> a, int grp, int out, int worker, int u0, int u1,
                                                     int S, long long U, int n_workers, float* __restrict__ ws,
-                                                    int slots, T* __restrict__ y, int n_rows, int n_out) {
+                                                    int slots, T* __restrict__ y, int n_rows, int n_out, int y_ld) {
   tiled_finish_group<T, NT, MT, true, NOWAIT>(a, grp, out, worker, u0, u1, S, U, n_workers, ws, slots, y, n_rows,
-                                               n_out);
+                                               n_out, y_ld);
 }
 
 // XS: the first kXsFirst k-steps' activations form one copy group and the rest a second: the
@@ -349,7 +350,7 @@ template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int
 __global__ void __launch_bounds__(WARPS * 32, MINB)
     q4_tiled_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const uint4* __restrict__ sc,
                     T* __restrict__ y, float* __restrict__ ws, int n_rows,
-                    int n_out, int k_in, int n_tiles, int n_groups, int slots, int n_workers) {
+                    int n_out, int y_ld, int k_in, int n_tiles, int n_groups, int slots, int n_workers) {
   static_assert(D >= 2, "at least two units in the ring");
   static_assert(RING == 0 || RING == 2, "RING is 0 (registers) or 2 (per-lane cp.async)");
   static_assert(!XS || !XDB, "XS takes no XDB");
@@ -624,13 +625,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         }
     constexpr bool kNoWait = MODE == kModeNoWait;
     if constexpr (MODE == kModeNoFixup)
-      tiled_store_y<T, NT, MT>(a, out_of(grp), y, n_rows, n_out);
+      tiled_store_y<T, NT, MT>(a, out_of(grp), y, n_rows, n_out, y_ld);
     else if constexpr (decltype(last)::value)
       tiled_finish_group<T, NT, MT, false, kNoWait>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, slots, y,
-                                                    n_rows, n_out);
+                                                    n_rows, n_out, y_ld);
     else
       tiled_finish_group_mid<T, NT, MT, kNoWait>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, slots, y,
-                                                 n_rows, n_out);
+                                                 n_rows, n_out, y_ld);
     zero_acc();
   };
 

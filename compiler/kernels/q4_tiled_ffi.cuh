@@ -120,6 +120,11 @@ int tiled_blocks_per_sm(K kernel, int threads, size_t smem, int cap) {
   return cap > 0 && n > cap ? cap : n;
 }
 
+// Most launches one call is split into (tile ranges of whole groups, one after another) when the
+// block's activations for the whole weight do not fit in shared memory but those of a slice do (a
+// wide stacked weight at many rows): each launch streams fewer units a block, so fewer k-steps.
+constexpr int kMaxTileChunks = 4;
+
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, int RING, bool XDB, int MODE,
           int XS>
 void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& qweight, const TensorView& scales,
@@ -133,14 +138,18 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   const int n_tiles = static_cast<int>((n_out + 15) / 16);
   const int tiles_per_group = XS ? WARPS * MT : MT;
   const int n_groups = (n_tiles + tiles_per_group - 1) / tiles_per_group;
-  const int n_outs = XS ? n_groups * WARPS : n_groups;  // output groups: workspace slots
   const int64_t steps = k_in / kStepK;
-  const int64_t units = n_groups * steps;
-  size_t smem = RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0;
-  int n_workers = 0;
-  bool fits = true;        // XS: the block's activations fit in shared memory
-  bool uncapped = false;   // XS: only without the workers-a-group cap
-  {
+  // The plan of one launch over `groups` groups: shared memory, workers, whether XS fits.
+  struct Plan {
+    size_t smem = 0;
+    int n_workers = 0;
+    bool fits = true;
+  };
+  auto plan_for = [&](int groups) {
+    Plan pl;
+    const int64_t units = groups * steps;
+    pl.smem = RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0;
+    bool uncapped = false;  // XS: only without the workers-a-group cap
     std::lock_guard<std::mutex> lock(tiled_mutex());
     if (cached_device != device) {
       cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -153,14 +162,14 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
     // At most kMaxParts workers a group: the group's first worker gathers the others' partials, a
     // round trip a slot (tiled_add_slots); a narrow weight (few groups) then runs on fewer SMs
     // rather than split its groups 30 ways and pay ~30 round trips in every tail.
-    const int64_t g_parts = kMaxParts * static_cast<int64_t>(n_groups);
+    const int64_t g_parts = kMaxParts * static_cast<int64_t>(groups);
     const int64_t cap = units < g_parts ? units : g_parts;
     if (XS) {
-      fits = true;
       // The activations of at most min(S, ceil(U / P)) k-steps, P = min(SMs x blocks per SM, cap):
       // start from BPS blocks a SM and step down while that much shared memory does not fit them.
       // A narrow but deep weight whose capped workers' activations do not fit takes the uncapped
-      // count (more partials a group, gathered in more passes) before the warp-kernel fallback.
+      // count (more partials a group, gathered in more passes) before the caller splits the launch
+      // or falls back to the warp kernel.
       int target = BPS > 0 ? BPS : 1;
       for (;;) {
         const int64_t p_all = static_cast<int64_t>(sms) * target;
@@ -171,66 +180,93 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
           const size_t xs = XS == 2 ? rows * (256 * n_xs + 64) : n_xs * rows * 320;
           return xs + 128 + (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
         };
-        smem = smem_for(p_capped);
+        pl.smem = smem_for(p_capped);
         uncapped = false;
-        if (smem > static_cast<size_t>(smem_cap) && p_capped < p_all) {
-          smem = smem_for(p_all < units ? p_all : units);
+        if (pl.smem > static_cast<size_t>(smem_cap) && p_capped < p_all) {
+          pl.smem = smem_for(p_all < units ? p_all : units);
           uncapped = true;
         }
-        if (smem > static_cast<size_t>(smem_cap)) {
-          fits = false;
-          break;
+        if (pl.smem > static_cast<size_t>(smem_cap)) {
+          pl.fits = false;
+          return pl;
         }
-        if (smem > raised_smem) {
+        if (pl.smem > raised_smem) {
           cudaError_t e =
-              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pl.smem));
           TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-              << name << ": cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
-          raised_smem = smem;
+              << name << ": cannot reserve " << pl.smem << " bytes of shared memory: " << cudaGetErrorString(e);
+          raised_smem = pl.smem;
         }
-        bps = tiled_blocks_per_sm(kernel, WARPS * 32, smem, target);
+        bps = tiled_blocks_per_sm(kernel, WARPS * 32, pl.smem, target);
         if (bps >= target || target == 1) break;
         target = bps;
       }
       cached_smem = SIZE_MAX;  // recomputed per call (depends on the rows)
-    } else if (smem != cached_smem) {
-      if (smem > raised_smem) {
-        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    } else if (pl.smem != cached_smem) {
+      if (pl.smem > raised_smem) {
+        cudaError_t e =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pl.smem));
         TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-            << name << ": cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
-        raised_smem = smem;
+            << name << ": cannot reserve " << pl.smem << " bytes of shared memory: " << cudaGetErrorString(e);
+        raised_smem = pl.smem;
       }
-      bps = tiled_blocks_per_sm(kernel, WARPS * 32, smem, BPS);
-      cached_smem = smem;
+      bps = tiled_blocks_per_sm(kernel, WARPS * 32, pl.smem, BPS);
+      cached_smem = pl.smem;
     }
     const int64_t want = static_cast<int64_t>(sms) * bps * (XS ? 1 : WARPS);
     const int64_t limit = uncapped ? units : cap;
-    n_workers = static_cast<int>(want < limit ? want : limit);
+    pl.n_workers = static_cast<int>(want < limit ? want : limit);
+    return pl;
+  };
+  // XS: the fewest tile ranges (of whole groups) whose launches fit in shared memory.
+  int chunks = 1;
+  Plan pl = plan_for(n_groups);
+  if (XS) {
+    while (!pl.fits && chunks < kMaxTileChunks && chunks < n_groups) {
+      ++chunks;
+      pl = plan_for((n_groups + chunks - 1) / chunks);
+    }
+    if (!pl.fits) {
+      // Too many activation bytes for shared memory even in kMaxTileChunks launches (a wide call
+      // on a very wide weight): the warp kernel, activations through L1, same layout and numerics.
+      q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0>(name, x, qweight, scales, y,
+                                                                                       pdl);
+      return;
+    }
   }
-  if (XS && !fits) {
-    // Too many activation bytes for shared memory (a wide call on a very wide weight): the warp
-    // kernel, activations through L1, same layout and numerics.
-    q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0>(name, x, qweight,
-                                                                                     scales, y, pdl);
-    return;
-  }
-  const int blocks = XS ? n_workers : (n_workers + WARPS - 1) / WARPS;
-  // Workers covering one group: at most ceil((S - 2) / floor(U / P)) + 2.
-  const int64_t per = units / n_workers;
-  const int slots = steps >= 2 ? static_cast<int>((steps - 2 + per - 1) / per + 2) : 1;
   cudaStream_t stream = ignis_ffi::stream_of(x);
-  TiledWorkspace* w;
-  {
-    std::lock_guard<std::mutex> lock(tiled_mutex());
-    w = &tiled_reserve(name, device, stream, static_cast<size_t>(n_outs) * slots * MT * NT * 128 * sizeof(float));
+  const int groups_per_chunk = (n_groups + chunks - 1) / chunks;
+  const uint4* qw = static_cast<const uint4*>(ignis_ffi::ptr(qweight));
+  const uint4* sc = static_cast<const uint4*>(ignis_ffi::ptr(scales));
+  T* yp = static_cast<T*>(ignis_ffi::ptr(y));
+  for (int c = 0; c < chunks; ++c) {
+    const int g0 = c * groups_per_chunk;
+    const int groups = (g0 + groups_per_chunk < n_groups ? groups_per_chunk : n_groups - g0);
+    if (groups <= 0) break;
+    const int t0 = g0 * tiles_per_group;
+    const int tiles = (t0 + groups * tiles_per_group < n_tiles ? groups * tiles_per_group : n_tiles - t0);
+    const int64_t out_c = (static_cast<int64_t>(t0 + tiles) * 16 < n_out ? static_cast<int64_t>(tiles) * 16
+                                                                        : n_out - static_cast<int64_t>(t0) * 16);
+    if (c > 0) pl = plan_for(groups);  // the last range may be shorter
+    const int n_outs = XS ? groups * WARPS : groups;  // output groups: workspace slots
+    const int64_t units = groups * steps;
+    const int blocks = XS ? pl.n_workers : (pl.n_workers + WARPS - 1) / WARPS;
+    // Workers covering one group: at most ceil((S - 2) / floor(U / P)) + 2.
+    const int64_t per = units / pl.n_workers;
+    const int slots = steps >= 2 ? static_cast<int>((steps - 2 + per - 1) / per + 2) : 1;
+    TiledWorkspace* w;
+    {
+      std::lock_guard<std::mutex> lock(tiled_mutex());
+      w = &tiled_reserve(name, device, stream, static_cast<size_t>(n_outs) * slots * MT * NT * 128 * sizeof(float));
+    }
+    bool configured = true;  // the shared-memory limit was raised above
+    const size_t unit0 = static_cast<size_t>(t0) * steps;  // the range's first (tile, k-step) unit
+    launch_pdl(kernel, pdl, configured, dim3(static_cast<unsigned>(blocks)), dim3(WARPS * 32), pl.smem, stream, 1u,
+               static_cast<const T*>(ignis_ffi::ptr(x)), qw + unit0 * kUnitWords4, sc + unit0 * kUnitScales4,
+               yp + static_cast<size_t>(t0) * 16, w->ws, static_cast<int>(rows), static_cast<int>(out_c),
+               static_cast<int>(n_out), static_cast<int>(k_in), tiles, groups, slots, pl.n_workers);
+    ignis_ffi::check_launch(name);
   }
-  bool configured = true;  // the shared-memory limit was raised above
-  launch_pdl(kernel, pdl, configured, dim3(static_cast<unsigned>(blocks)), dim3(WARPS * 32), smem, stream, 1u,
-             static_cast<const T*>(ignis_ffi::ptr(x)), static_cast<const uint4*>(ignis_ffi::ptr(qweight)),
-             static_cast<const uint4*>(ignis_ffi::ptr(scales)), static_cast<T*>(ignis_ffi::ptr(y)), w->ws,
-             static_cast<int>(rows), static_cast<int>(n_out), static_cast<int>(k_in), n_tiles,
-             n_groups, slots, n_workers);
-  ignis_ffi::check_launch(name);
 }
 
 template <int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, bool PDL, int RING, bool XDB, int MODE,

@@ -364,9 +364,10 @@ def _cuda_q4(n: int, k: int, gen: torch.Generator | None = None) -> tuple[torch.
     ("dtype", "x_bulk"), [(torch.float16, True), (torch.bfloat16, True), (torch.float16, False)]
 )
 def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype, x_bulk: bool) -> None:
-    """Every width bucket on the 27B's MLP shapes, shapes whose N is not a multiple of 16, a single
-    k-step, fewer units than SMs, and the vocabulary head (whose wide calls take the warp kernel
-    fallback); outputs fully written, deterministic, within the output dtype's rounding. With the
+    """Every width bucket on the 27B's MLP shapes (and their stacked gate|up, split into launches over
+    tile ranges at 25-32 rows), shapes whose N is not a multiple of 16, a single k-step, fewer units
+    than SMs, and the vocabulary head (whose wide calls take the warp kernel fallback); outputs fully
+    written, deterministic, within the output dtype's rounding. With the
     activations staged by bulk copies (sm_90+) and by cp.async (the staging before sm_90)."""
     from ignis.runtime.tvm_runtime import torch_stream
 
@@ -376,8 +377,11 @@ def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype, x_bulk
     tol = 2e-3 if dtype == torch.float16 else 1e-2
     gen = torch.Generator(device="cuda").manual_seed(3)
     # (1024, 5120): a narrow weight, its workers capped at kMaxParts a group; (1024, 27648): narrow and
-    # deep, whose capped workers' activations do not fit at 25-32 rows (the host lifts the cap)
+    # deep, whose capped workers' activations do not fit at 25-32 rows (the host lifts the cap);
+    # (34816, 5120): a stacked gate|up whose activations fit at 25-32 rows only in two launches over
+    # halves of its tiles (kMaxTileChunks)
     shapes = [
+        (34816, 5120),
         (17408, 5120),
         (5120, 17408),
         (100, 128),
