@@ -7,7 +7,8 @@ It prints the resolved plan before working; every refusal is one clear message a
     1  the build failed or was refused: missing tensors (all listed), a drafter that does not fit,
        too little disk, an unreadable checkpoint, a module that did not compile
     2  bad usage: unknown card, invalid recipe, an existing --out without --force, an --out that is
-       (or holds) an input, --force on a non-empty directory that is not an artifact
+       (or holds) an input or cannot be written, --force on a non-empty directory that is not an
+       artifact
     130 interrupted (Ctrl-C); nothing was left behind
 
 An unexpected exception is reported as one "internal error" line (exit 1); set IGNIS_DEBUG=1 to get
@@ -160,6 +161,7 @@ def main(
         DrafterMismatchError,
         MissingTensorsError,
         OutputExistsError,
+        OutputNotWritableError,
         RecipeError,
         UnknownCardError,
         build_artifact,
@@ -191,7 +193,7 @@ def main(
         )
     except KeyboardInterrupt:
         _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
-    except (UnknownCardError, RecipeError, OutputExistsError) as exc:
+    except (UnknownCardError, RecipeError, OutputExistsError, OutputNotWritableError) as exc:
         _fail(str(exc), EXIT_USAGE)
     except (TensorSetError, MissingTensorsError) as exc:
         missing, unexpected = list(exc.missing), list(exc.unexpected)

@@ -47,6 +47,36 @@ def _load_factory(spec: str) -> Any:
     return obj() if callable(obj) else obj
 
 
+def _checked_device(value: Any) -> str | None:
+    """`--device` (or the config file's `device`) checked before any loading: a name torch parses,
+    and for CUDA a torch built with it and a device of that index.
+
+    Raises:
+        click.BadParameter: otherwise.
+    """
+    if value is None:
+        return None
+    import torch
+
+    try:
+        dev = torch.device(str(value))
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise click.BadParameter(
+            f"{value!r} is not a torch device (cpu, cuda, cuda:1, ...)", param_hint="--device"
+        ) from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise click.BadParameter(
+                f"{value!r}: this torch has no usable CUDA (built without it, or no GPU visible)",
+                param_hint="--device",
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise click.BadParameter(
+                f"{value!r}: only {torch.cuda.device_count()} CUDA device(s) visible", param_hint="--device"
+            )
+    return str(value)
+
+
 def run_command(opts: dict[str, Any]) -> None:
     """Resolve, load and serve (the body of `ignis-run`; `opts` are its options by parameter name).
 
@@ -113,28 +143,37 @@ def run_command(opts: dict[str, Any]) -> None:
     max_context = opts.get("model_max_context")
     if max_context is None and cfg is not None:
         max_context = cfg.max_context_for(names)
-    server_options = ServerOptions(
-        socket=pick("socket"),
-        socket_group=pick("socket_group"),
-        host=pick("host"),
-        port=pick("port"),
-        lanes=int(pick("lanes")),
-        queue_size=int(pick("queue_size")),
-        retry_after=int(pick("retry_after")),
-        shutdown_timeout=float(pick("shutdown_timeout")),
-        log_level=str(pick("log_level")),
-    )
+    try:
+        server_options = ServerOptions(
+            socket=pick("socket"),
+            socket_group=pick("socket_group"),
+            host=pick("host"),
+            port=pick("port"),
+            lanes=int(pick("lanes")),
+            queue_size=int(pick("queue_size")),
+            retry_after=int(pick("retry_after")),
+            shutdown_timeout=float(pick("shutdown_timeout")),
+            log_level=str(pick("log_level")),
+        )
+    except ValueError as exc:  # a usage error: from the command line or the config file's [server]
+        where = f" (the command line or {cfg.path})" if cfg is not None else ""
+        raise click.UsageError(f"{exc}{where}") from exc
     if server_options.socket is not None:
         check_unix_socket_path(server_options.socket)  # refuse a live server's path before a long load
 
-    head = resolved.spec.draft_head if resolved.spec.backend in ("dflash2", "mtp") else "none"
+    backend = resolved.spec.backend
+    if opts.get("spec_draft_head") is not None and backend not in ("dflash2", "mtp"):
+        logger.warning("--spec-draft-head applies to dflash2 and mtp; ignored with backend %s", backend)
+    if opts.get("spec_draft_model") is not None and backend != "draft-model":
+        logger.warning("--spec-draft-model applies to backend draft-model; ignored with backend %s", backend)
+    head = resolved.spec.draft_head if backend in ("dflash2", "mtp") else "none"
     logging.getLogger("ignis.runtime.draft_head").info("proposal head: %s; %s", head, resolved.describe())
     logger.info("loading %s (context %s)", served_name, max_context or "the model's own")
     model = source.load(
         ModelSettings(
             spec=resolved.spec,
             max_context=max_context,
-            device=pick("device"),
+            device=_checked_device(pick("device")),
             cuda_graphs=bool(pick("cuda_graphs")),
         )
     )
@@ -276,7 +315,7 @@ def main(**opts: Any) -> None:
 
     \b
     Example:
-      ignis-run --artifact artifacts/smollm2 --socket /run/ignis/ignis.sock
+      ignis-run --artifact artifacts/smollm2-135m --socket /run/ignis/ignis.sock
       curl --unix-socket /run/ignis/ignis.sock http://localhost/v1/models
     """
     logging.basicConfig(

@@ -2,7 +2,8 @@
 
 The format (YAML shown; TOML has the same keys, `[spec]`, `[spec.NAME]`, ...)::
 
-    artifact: artifacts/qwen38-27b      # any ignis-run option, by its long name (dashes or underscores)
+    artifact: artifacts/qwen38-27b      # any ignis-run option, by its long name (dashes or underscores;
+                                        # --spec-X also as spec: {X: ..}, --cuda-graphs as cuda_graphs: true)
     socket: /run/ignis/ignis.sock
     lanes: 8
     spec:                               # speculative settings for every model ...
@@ -58,7 +59,11 @@ SERVER_KEYS: dict[str, type] = {
     "device": str,
     "log_level": str,
     "model_max_context": int,
+    "cuda_graphs": bool,
 }
+
+# ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.
+_TOP_SPEC_KEYS = {f"spec_{k}": k for k in ("backend", "draft_tokens", "draft_rows", "draft_head")}
 SPEC_KEYS: dict[str, type] = {"backend": str, "draft_tokens": int, "draft_rows": int, "draft_head": str}
 MODEL_KEYS: dict[str, type] = {"max_context": int}
 
@@ -189,6 +194,7 @@ def load_config_file(path: str | Path) -> ConfigFile:
     spec_models: dict[str, dict[str, Any]] = {}
     model: dict[str, Any] = {}
     model_models: dict[str, dict[str, Any]] = {}
+    top_spec: dict[str, Any] = {}
     for key, value in raw.items():
         k = str(key).replace("-", "_")
         if k == "spec":
@@ -197,10 +203,19 @@ def load_config_file(path: str | Path) -> ConfigFile:
             model, model_models = _section(p, "model", value, MODEL_KEYS)
         elif k in SERVER_KEYS:
             server[k] = _check_value(p, "", k, value, SERVER_KEYS[k])
+        elif k in _TOP_SPEC_KEYS:
+            top_spec[_TOP_SPEC_KEYS[k]] = _check_value(
+                p, "spec.", _TOP_SPEC_KEYS[k], value, SPEC_KEYS[_TOP_SPEC_KEYS[k]]
+            )
         else:
             raise ConfigFileError(
-                f"{p}: unknown key {key!r}; the file takes {sorted([*SERVER_KEYS, 'spec', 'model'])}"
+                f"{p}: unknown key {key!r}; the file takes "
+                f"{sorted([*SERVER_KEYS, *_TOP_SPEC_KEYS, 'spec', 'model'])}"
             )
+    for k, value in top_spec.items():  # --spec-X at the top level: as spec.X, given once
+        if k in spec:
+            raise ConfigFileError(f"{p}: spec_{k} and spec.{k} both given; keep one")
+        spec[k] = value
     return ConfigFile(
         path=p, server=server, spec=spec, spec_models=spec_models, model=model, model_models=model_models
     )

@@ -184,6 +184,14 @@ def _inspect_dir(path: str, verify: bool) -> None:
     except ArtifactChecksumError as exc:
         sizes = {f.path: f.size for f in m.files}
         for rel, offset in exc.mismatches:
+            if offset >= sizes.get(rel, 0):  # every block matches its hash: the whole-file entry is off
+                click.echo(
+                    f"MISMATCH {os.path.join(path, rel)}: sha256 differs from the manifest although every "
+                    f"block matches its block hash: the manifest's sha256 of this file is damaged",
+                    err=True,
+                )
+                problems.append(rel)
+                continue
             end = max(offset, min(offset + m.block_size, sizes.get(rel, 0)) - 1)
             click.echo(
                 f"MISMATCH {os.path.join(path, rel)}: sha256 differs from the manifest (first corrupt "

@@ -222,6 +222,12 @@ class BuildPlan:
         lines.append(
             f"  tokenizer {'stored' if self.tokenizer is not None else 'none in the checkpoint'}"
             + (
+                " (WARNING: no tokenizer.json: ignis-run cannot serve this artifact; the typed API and "
+                "token-id executors can use it)"
+                if self.tokenizer is None
+                else ""
+            )
+            + (
                 ", chat template stored"
                 if self.tokenizer is not None and self.tokenizer.chat_template
                 else ""

@@ -444,6 +444,8 @@ class _Service:
                             param=f"messages[{i}].content[{j}]",
                         )
                 msg["content"] = "".join(p.text or "" for p in m.content)
+            elif m.content is None:  # allowed (e.g. an assistant turn of tool calls): the template reads ""
+                msg["content"] = ""
             messages.append(msg)
         if req.continue_final_message and req.add_generation_prompt:
             raise InvalidRequestError(

@@ -83,11 +83,12 @@ class ErrorEvent:
 
 @dataclass(frozen=True)
 class LaneSnapshot:
-    """The loop's state after its last step (read by /health and /metrics from other threads).
+    """The loop's state (read by /health and /metrics from other threads): published before and
+    after every step and when a request is taken.
 
     Attributes:
-        num_active: lanes decoding.
-        num_waiting: requests queued for a lane (not yet prefilled).
+        num_active: lanes decoding or being prefilled by the current step.
+        num_waiting: requests queued for a lane.
         spec_samples: the speculative counters as (name, labels, value) (`SpeculativeMetrics.samples`).
     """
 
@@ -238,6 +239,10 @@ class LaneLoop:
             self._num_inflight += 1
             self._ops.append(("add", handle))
             self._cond.notify()
+            # counted as waiting now, not after the step the lane thread may be busy with
+            snap = self.snapshot
+            waiting = self._num_inflight - snap.num_active
+            self.snapshot = LaneSnapshot(snap.num_active, waiting, snap.spec_samples)
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
@@ -312,6 +317,7 @@ class LaneLoop:
         if not self._engine.has_unfinished:
             self._publish()
             return True
+        self._publish()  # before the step: its prefills can take long
         try:
             updates = self._engine.step()
         except Exception as exc:  # the engine is unusable now (engine docstring): restart it
@@ -342,9 +348,13 @@ class LaneLoop:
         return True
 
     def _publish(self) -> None:
+        # a lane being prefilled counts as active: the requests the engine holds, up to max_lanes
+        # (its step admits that many), so /health and /metrics see a long prefill while it runs
+        held = self._engine.num_active + self._engine.num_waiting
+        active = min(held, max(self.max_lanes, self._engine.num_active))
         self.snapshot = LaneSnapshot(
-            num_active=self._engine.num_active,
-            num_waiting=self._num_inflight - self._engine.num_active,
+            num_active=active,
+            num_waiting=self._num_inflight - active,
             spec_samples=tuple(self.spec_metrics.samples()),
         )
 

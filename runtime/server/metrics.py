@@ -127,7 +127,9 @@ class _LiveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        yield GaugeMetricFamily("ignis_lanes_active", "Lanes decoding now.", value=snap.num_active)
+        yield GaugeMetricFamily(
+            "ignis_lanes_active", "Lanes decoding or being prefilled now.", value=snap.num_active
+        )
         yield GaugeMetricFamily(
             "ignis_requests_waiting",
             "Requests waiting for a lane (not yet prefilled).",

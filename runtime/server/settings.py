@@ -147,7 +147,7 @@ def resolve_spec(
             _, origin, value = merged["draft_tokens"]
             raise ConfigError(
                 f"{origin}: draft_tokens {value} without a speculative backend is refused; "
-                "set --spec-backend dflash2 or mtp (or spec.backend in the config file)"
+                "set --spec-backend dflash2, mtp, ngram or draft-model (or spec.backend in the config file)"
             )
         return ResolvedSpec(SpecDefaults(backend="off"), origins)
 

@@ -192,7 +192,7 @@ def test_cli_reports_typed_errors_without_traceback(llama: Path, tmp_path: Path)
     )
     assert r.exit_code == 2 and "control character" in r.output and "Traceback" not in r.output
     r = runner.invoke(build_cli, ["--card", "cpu", "--model", str(llama), "--out", "/proc/x", "--dry-run"])
-    assert r.exit_code == 1 and "not writable" in r.output and "disk" not in r.output
+    assert r.exit_code == 2 and "not writable" in r.output and "disk" not in r.output
 
 
 # ---------------------------------------------------------------------------------------------

@@ -314,6 +314,21 @@ def test_inspect_verify_names_the_corrupt_block_range(artifact: Path, tmp_path: 
     )
 
 
+def test_inspect_verify_tells_a_damaged_manifest_entry(artifact: Path, tmp_path: Path) -> None:
+    """Only the manifest's whole-file sha256 of a file is wrong (its blocks all match): the report
+    says so instead of naming a block past the end of the file."""
+    a = shutil.copytree(artifact, tmp_path / "a")
+    manifest = json.loads((a / "manifest.json").read_text())
+    entry = next(f for f in manifest["files"] if f["path"].endswith("linear_w1.so"))
+    entry["sha256"] = "0" * 64
+    (a / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(inspect_cli, [str(a), "--verify"])
+    _no_traceback(result)
+    assert result.exit_code == 1, result.output
+    assert "the manifest's sha256 of this file is damaged" in result.output
+    assert "first corrupt block" not in result.output
+
+
 # ---------------------------------------------------------------------------------------------
 # ignis-chat
 

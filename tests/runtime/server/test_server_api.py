@@ -300,6 +300,23 @@ def test_chat_content_parts_and_max_completion_tokens(client: httpx.Client) -> N
     assert out[0]["usage"]["completion_tokens"] <= 5
 
 
+def test_chat_null_content_reads_as_empty(client: httpx.Client) -> None:
+    """`"content": null` (allowed: an assistant turn of tool calls) is served as an empty text, the
+    same as `"content": ""`, not a template error."""
+    out = []
+    for content in (None, ""):
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": "again"},
+        ]
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0]["message"])
+    assert out[0] == out[1]
+
+
 def test_chat_stream_role_first_then_content(client: httpx.Client) -> None:
     r = client.post(
         "/v1/chat/completions",

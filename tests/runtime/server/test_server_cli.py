@@ -147,7 +147,7 @@ def test_needs_exactly_one_model_and_a_listener(captured) -> None:
     result = CliRunner().invoke(cli.main, ["--socket", "/tmp/x.sock"])
     assert result.exit_code == 2 and "exactly one of --artifact" in result.output
     result = invoke()
-    assert result.exit_code == 1 and "socket path or a TCP port" in result.output
+    assert result.exit_code == 2 and "socket path or a TCP port" in result.output
 
 
 def test_a_live_servers_socket_is_refused_before_loading(captured) -> None:

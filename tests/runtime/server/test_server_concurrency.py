@@ -236,3 +236,28 @@ def test_engine_failure_fails_the_requests_in_flight_and_the_server_recovers() -
         assert streamed.status_code == 200 and "error" not in streamed.text
         assert running.server.lanes.num_engine_restarts == 1
         assert client.get("/health").status_code == 200
+
+
+def test_health_counts_a_lane_while_its_prefill_runs() -> None:
+    """/health and the gauges see a request as active from the step that prefills it (a long prefill
+    is not an idle server), and a second one behind it as waiting."""
+    with serve(ToySource(step_delay=1.5), SpecDefaults("off"), lanes=1, queue_size=4) as running:
+
+        async def main() -> None:
+            async with running.async_client() as client:
+                body = {"prompt": [1, 2], "max_tokens": 1, "temperature": 0}
+                first = asyncio.ensure_future(client.post("/v1/completions", json=body))
+                t0 = time.monotonic()
+                while (await client.get("/health")).json()["lanes_active"] != 1:
+                    assert time.monotonic() - t0 < 1.0, "the prefilling request is not counted"
+                    await asyncio.sleep(0.02)
+                second = asyncio.ensure_future(client.post("/v1/completions", json=body))
+                while running.server.lanes.num_inflight < 2:
+                    await asyncio.sleep(0.005)
+                health = (await client.get("/health")).json()
+                assert (health["lanes_active"], health["requests_waiting"]) == (1, 1)
+                assert _metric(client_sync, "ignis_requests_waiting") == 1
+                assert (await first).status_code == 200 and (await second).status_code == 200
+
+        with running.client() as client_sync:
+            asyncio.run(main())

@@ -182,6 +182,22 @@ def test_config_file_errors(tmp_path, name: str, text: str, match: str) -> None:
         load_config_file(path)
 
 
+def test_config_file_takes_options_by_their_long_names(tmp_path) -> None:
+    """`cuda-graphs` and the --spec-* options at the top level (dashes or underscores), the latter as
+    the `spec` section's knobs; one knob given both ways is refused."""
+    path = tmp_path / "c.yaml"
+    path.write_text("cuda-graphs: false\nspec_backend: dflash2\nspec-draft-tokens: 3\n")
+    cfg = load_config_file(path)
+    assert cfg.server == {"cuda_graphs": False}
+    assert cfg.spec == {"backend": "dflash2", "draft_tokens": 3}
+    path.write_text("spec_draft_tokens: 3\nspec: {draft_tokens: 4}\n")
+    with pytest.raises(ConfigFileError, match=r"spec_draft_tokens and spec\.draft_tokens both given"):
+        load_config_file(path)
+    path.write_text("cuda_graphs: 1\n")
+    with pytest.raises(ConfigFileError, match="cuda_graphs must be bool"):
+        load_config_file(path)
+
+
 def test_config_file_missing(tmp_path) -> None:
     with pytest.raises(ConfigFileError, match="cannot read"):
         load_config_file(tmp_path / "nope.yaml")
