@@ -59,6 +59,12 @@ def _rebuild(
     return err
 
 
+def with_offset(exc: FormatError, offset: int) -> FormatError:
+    """A copy of `exc` (same type and attributes) that names `offset` in its message."""
+    state = {k: v for k, v in exc.__dict__.items() if k not in ("path", "tensor", "offset", "detail")}
+    return _rebuild(type(exc), exc.detail, exc.path, exc.tensor, offset, state)
+
+
 class ContainerIOError(FormatError):
     """The operating system refused an operation (open, read, map, write, rename); see `__cause__`."""
 

@@ -32,6 +32,7 @@ from .errors import (
     MalformedHeaderError,
     TensorSizeError,
     UnknownDtypeError,
+    with_offset,
 )
 
 #: A metadata value: msgpack's types less extension types; map keys are strings.
@@ -297,7 +298,12 @@ def decode_header(
         raise MalformedHeaderError(
             f"'tensors' must be a list, got {type(table).__name__}", path=path, offset=offset
         )
-    infos = [parse_tensor_entry(e, i, path=path) for i, e in enumerate(table)]
+    try:
+        infos = [parse_tensor_entry(e, i, path=path) for i, e in enumerate(table)]
+    except FormatError as exc:  # name the header's offset: the entry is somewhere in it
+        if exc.offset is not None:
+            raise
+        raise with_offset(exc, offset) from exc
     seen: set[str] = set()
     dups: set[str] = set()
     for info in infos:

@@ -180,14 +180,17 @@ class NinferReader:
         end = header_offset + header_length
         if end > size:
             raise TruncatedFileError(
-                f"the file is {size} bytes but its header ends at byte {end}; the file is truncated "
-                f"(re-copy or rebuild it)",
+                f"the file is {size} bytes but its header ends at byte {end} (the preamble's header "
+                f"offset {header_offset} and length {header_length}, bytes 16-31): the file is truncated "
+                f"or its preamble is corrupt (re-copy or rebuild it)",
                 path=self.path,
                 offset=size,
             )
         if end < size:
             raise TrailingBytesError(
-                f"{size - end} byte(s) follow the end of the header at byte {end}",
+                f"{size - end} byte(s) follow the end of the header at byte {end} (the preamble's header "
+                f"offset {header_offset} and length {header_length}, bytes 16-31): data appended to the "
+                f"file, or a corrupt preamble",
                 path=self.path,
                 offset=end,
             )

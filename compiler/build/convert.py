@@ -273,7 +273,8 @@ def write_tensor(
 
     Raises:
         CheckpointError: a non-float tensor (an integer or bool tensor, a GGUF type the importer
-            does not dequantize); the message names the tensor, its dtype and the file.
+            does not dequantize), or one holding NaN or inf values; the message names the tensor
+            and the file.
         ValueError: an unsupported storage dtype (a bug of the caller).
         ignis.formats.FormatError: from the writer or the quantizer (non-finite values, bad shape).
     """
@@ -285,6 +286,14 @@ def write_tensor(
         )
     t = tensor.detach().to("cpu").contiguous()
     shape = tuple(t.shape)
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):  # a corrupt checkpoint (GGUF has no checksums): refused, not stored
+        bad = (~finite).reshape(-1)
+        first = int(bad.nonzero()[0, 0])
+        raise CheckpointError(
+            f"{file or 'the checkpoint'}: tensor {source or name} holds {int(bad.sum())} non-finite "
+            f"value(s) (NaN or inf; the first at flat index {first}); the checkpoint is corrupt"
+        )
     if dtype == "q4_g32":
         return writer.add_tensor_chunks(name, dtype=dtype, shape=shape, chunks=_q4_chunks(t))
     if dtype not in _TORCH_DTYPES:

@@ -214,6 +214,28 @@ def test_non_float_tensor_names_tensor_dtype_and_file(tmp_path: Path) -> None:
     assert "/models/m.gguf" in msg and "token_embd.weight" in msg and "int8" in msg
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "q4_g32"])
+def test_non_finite_tensor_is_refused_with_its_name_and_file(tmp_path: Path, dtype: str) -> None:
+    """A NaN or inf in a weight (a corrupt checkpoint: GGUF has no checksums) is refused, naming
+    the tensor, the file and the first bad index, whatever the storage dtype."""
+    w = torch.randn(4, 64)
+    w[2, 5] = float("nan")
+    w[3, 0] = float("inf")
+    job = TensorJob(
+        name="model.layers.0.mlp.up_proj.weight",
+        shape=(4, 64),
+        dtype=dtype,
+        load=lambda: w,
+        source="blk.0.ffn_up.weight",
+        file="/models/m.gguf",
+    )
+    with NinferWriter(tmp_path / "t.ninfer") as writer, pytest.raises(CheckpointError) as info:
+        write_jobs(writer, [job])
+    msg = str(info.value)
+    assert "/models/m.gguf" in msg and "blk.0.ffn_up.weight" in msg
+    assert "2 non-finite value(s)" in msg and "flat index 133" in msg
+
+
 def test_unreadable_drafter_safetensors_names_the_file(llama: Path, tmp_path: Path) -> None:
     from ignis.tools.make_test_drafter import make_dflash2_drafter
 

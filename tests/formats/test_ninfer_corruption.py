@@ -274,6 +274,15 @@ def test_unknown_dtype(tmp_path: Path, valid: bytes, dtype: str) -> None:
 
     err = expect(tmp_path, edit(valid, change), UnknownDtypeError)
     assert err.tensor == "b"
+    assert err.offset is not None and f"byte offset {err.offset}" in str(err)  # the header's start
+
+
+def test_negative_dimension_names_the_header_offset(tmp_path: Path, valid: bytes) -> None:
+    def change(h: dict[str, Any]) -> None:
+        entry(h, "b")["shape"] = [-1]
+
+    err = expect(tmp_path, edit(valid, change), MalformedHeaderError)
+    assert err.tensor == "b" and err.offset is not None and f"byte offset {err.offset}" in str(err)
 
 
 def test_size_mismatches(tmp_path: Path, valid: bytes) -> None:
