@@ -184,22 +184,28 @@ class Artifact:
         linear: LinearBackend | None = None,
     ) -> torch.Tensor | Q4Weight:
         info = reader.info(name)
+        # A member of the family's own fusions stays on the host (a view of the mapped file where no
+        # conversion is needed): the executor stacks the members and moves the result, so the
+        # device never holds a layer's members and their stack at once.
+        fused = self.family.is_fused_member(name)
         if info.dtype == "q4_g32":
             parts = reader.torch_parts(name)
             w = Q4Weight(parts["packed"], parts["scales"])
             if keep_q4:
+                if fused:
+                    return w
                 w = w.to(device)
-                if linear is not None and not self.family.is_fused_member(name):
+                if linear is not None:
                     # re-laid on the device right after its copy (the row-major copy is dropped
-                    # here, one tensor at a time); fused members are placed by the executor after
-                    # it fuses them
+                    # here, one tensor at a time)
                     w = place_weight(linear, w, row_splits=row_splits_of(name))
                 return w
-            return w.dequantize(dtype or torch.float32).to(device)
+            dense = w.dequantize(dtype or torch.float32)
+            return dense if fused else dense.to(device)
         t = reader.torch(name)
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
-        return t.to(device)
+        return t if fused else t.to(device)
 
     def _group(self, reader: NinferReader, names: list[str], prefix: str, **kw: Any) -> dict[str, Any]:
         return {n[len(prefix) :]: self._tensor(reader, n, **kw) for n in names}
@@ -221,7 +227,8 @@ class Artifact:
             linear: with `keep_q4`, the backend the weights will run on: each q4 weight is placed
                 for it right after its copy to `device` (`LinearBackend.place`: the tiled layout on
                 CUDA for the shapes its "q4_g32_tiled" functions serve), except the members of the
-                family's own fusions (`Family.fused_linears`), which the executor places once fused.
+                family's own fusions (`Family.fused_linears`): those stay on the host, and the
+                executor stacks, moves and places them.
         """
         names = list(self.family.tensor_shapes(self.config))
         return self._group(
