@@ -212,6 +212,9 @@ def load_config_file(path: str | Path) -> ConfigFile:
                 f"{p}: unknown key {key!r}; the file takes "
                 f"{sorted([*SERVER_KEYS, *_TOP_SPEC_KEYS, 'spec', 'model'])}"
             )
+    for where, knobs in [("model.", model), *((f"model.{n}.", m) for n, m in model_models.items())]:
+        if "max_context" in knobs and knobs["max_context"] < 2:  # as the executors refuse it
+            raise ConfigFileError(f"{p}: {where}max_context must be >= 2, got {knobs['max_context']}")
     for k, value in top_spec.items():  # --spec-X at the top level: as spec.X, given once
         if k in spec:
             raise ConfigFileError(f"{p}: spec_{k} and spec.{k} both given; keep one")

@@ -169,6 +169,8 @@ def test_config_file_formats(tmp_path, name: str, text: str) -> None:
         ("c.yaml", "spec: {draft_tokens: seven}\n", "draft_tokens must be int"),
         ("c.yaml", "spec: 3\n", "must be a mapping"),
         ("c.yaml", "model: {max_context: 1.5}\n", "max_context must be int"),
+        ("c.yaml", "model: {max_context: -5}\n", r"c\.yaml: model\.max_context must be >= 2, got -5"),
+        ("c.toml", "[model.m]\nmax_context = 1\n", r"model\.m\.max_context must be >= 2"),
         ("c.yaml", "- a\n- b\n", "top level must be a mapping"),
         ("c.yaml", "a: [\n", "not valid YAML"),
         ("c.toml", "a = \n", "not valid TOML"),
