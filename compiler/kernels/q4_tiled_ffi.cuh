@@ -134,7 +134,13 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   const int device = x.device().device_id;
   // Per instantiation: SMs, and resident blocks per SM for the last shared-memory size asked.
   static int cached_device = -1, sms = 0, bps = 0, smem_cap = 0;
-  static size_t cached_smem = 0, raised_smem = 48 * 1024;
+  static size_t cached_smem = 0;
+  // The dynamic shared-memory limit raised for this kernel, per device (a function attribute is
+  // set per device): 48 KiB until raised.
+  static size_t raised_per_device[64];
+  TVM_FFI_CHECK(device >= 0 && device < 64, ValueError) << name << ": CUDA device id " << device << " out of range";
+  size_t& raised_smem = raised_per_device[device];
+  if (raised_smem == 0) raised_smem = 48 * 1024;
   const int n_tiles = static_cast<int>((n_out + 15) / 16);
   const int tiles_per_group = XS ? WARPS * MT : MT;
   const int n_groups = (n_tiles + tiles_per_group - 1) / tiles_per_group;
