@@ -55,26 +55,46 @@ inline bool device_has_pdl(int device) {
   return cached[device] == 2;
 }
 
-// Launch `kernel` on `stream`, as a programmatic dependent launch where the current device has it (CUDA
-// programming guide, "Programmatic Dependent Launch"): the kernel may start while the previous
+// cudaLaunchKernelEx with the attributes the kernels use: `pdl`, programmatic stream serialization
+// (CUDA programming guide, "Programmatic Dependent Launch": the kernel may start while the previous
 // kernel on the stream is finishing, so it must execute griddepcontrol.wait before it reads that
-// kernel's outputs or writes anything (`pdl_grid_wait` in the device code). The caller checks the
-// launch (`check_launch`).
+// kernel's outputs or writes anything), and `cluster_x` > 1, thread-block clusters of that many
+// blocks along x. Returns the launch's error.
 template <typename... KArgs, typename... Args>
-void launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {
-  int device = -1;  // the launch's device: the current one
-  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+cudaError_t launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                      unsigned cluster_x, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n_attr = 0;
+  if (pdl) {
+    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
+    ++n_attr;
+  }
+  if (cluster_x > 1) {
+    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attr].val.clusterDim.x = cluster_x;
+    attr[n_attr].val.clusterDim.y = 1;
+    attr[n_attr].val.clusterDim.z = 1;
+    ++n_attr;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = device_has_pdl(device) ? 1 : 0;
-  (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+  cfg.numAttrs = n_attr;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
+// Launch `kernel` on `stream`, as a programmatic dependent launch where the current device has it
+// (`launch_ex`; the device code calls `pdl_grid_wait` first). The caller checks the launch
+// (`check_launch`).
+template <typename... KArgs, typename... Args>
+void launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {
+  int device = -1;  // the launch's device: the current one
+  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+  (void)launch_ex(kernel, grid, block, smem, stream, device_has_pdl(device), 1u, args...);
 }
 
 // Every tensor is on the first one's CUDA device (ValueError otherwise).

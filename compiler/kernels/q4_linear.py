@@ -588,7 +588,7 @@ def build_q4_linear(
 
 def _sources_hash() -> str:
     h = hashlib.sha256()
-    for name in ("q4_linear.cuh", "q4_linear_ffi.cuh", "q4_linear.py", "cuda_build.py"):
+    for name in ("q4_linear.cuh", "q4_linear_ffi.cuh", "ffi_checks.cuh", "q4_linear.py", "cuda_build.py"):
         h.update((_KERNEL_DIR / name).read_bytes())
     return h.hexdigest()[:16]
 

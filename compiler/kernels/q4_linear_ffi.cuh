@@ -9,6 +9,7 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include "ffi_checks.cuh"
 #include "q4_linear.cuh"
 
 namespace ignis_q4 {
@@ -36,28 +37,7 @@ void launch_pdl(void (*kernel)(KArgs...), bool pdl, bool& configured, dim3 grid,
         << "q4_linear: cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
     configured = true;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  unsigned n_attr = 0;
-  if (pdl) {
-    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
-    ++n_attr;
-  }
-  if (cluster_x > 1) {
-    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
-    attr[n_attr].val.clusterDim.x = cluster_x;
-    attr[n_attr].val.clusterDim.y = 1;
-    attr[n_attr].val.clusterDim.z = 1;
-    ++n_attr;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = n_attr;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+  cudaError_t e = ignis_ffi::launch_ex(kernel, grid, block, smem, stream, pdl, cluster_x, args...);
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << "q4_linear: launch failed: " << cudaGetErrorString(e);
 }
 

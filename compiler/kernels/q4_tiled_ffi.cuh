@@ -151,6 +151,13 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
     int n_workers = 0;
     bool fits = true;
   };
+  auto raise_limit = [&](size_t smem) {  // the kernel's dynamic shared-memory limit, under tiled_mutex
+    if (smem <= raised_smem) return;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
+        << name << ": cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
+    raised_smem = smem;
+  };
   auto plan_for = [&](int groups) {
     Plan pl;
     const int64_t units = groups * steps;
@@ -196,26 +203,14 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
           pl.fits = false;
           return pl;
         }
-        if (pl.smem > raised_smem) {
-          cudaError_t e =
-              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pl.smem));
-          TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-              << name << ": cannot reserve " << pl.smem << " bytes of shared memory: " << cudaGetErrorString(e);
-          raised_smem = pl.smem;
-        }
+        raise_limit(pl.smem);
         bps = tiled_blocks_per_sm(kernel, WARPS * 32, pl.smem, target);
         if (bps >= target || target == 1) break;
         target = bps;
       }
       cached_smem = SIZE_MAX;  // recomputed per call (depends on the rows)
     } else if (pl.smem != cached_smem) {
-      if (pl.smem > raised_smem) {
-        cudaError_t e =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pl.smem));
-        TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-            << name << ": cannot reserve " << pl.smem << " bytes of shared memory: " << cudaGetErrorString(e);
-        raised_smem = pl.smem;
-      }
+      raise_limit(pl.smem);
       bps = tiled_blocks_per_sm(kernel, WARPS * 32, pl.smem, BPS);
       cached_smem = pl.smem;
     }
@@ -253,7 +248,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
     const int tiles = (t0 + groups * tiles_per_group < n_tiles ? groups * tiles_per_group : n_tiles - t0);
     const int64_t out_c = (static_cast<int64_t>(t0 + tiles) * 16 < n_out ? static_cast<int64_t>(tiles) * 16
                                                                         : n_out - static_cast<int64_t>(t0) * 16);
-    if (c > 0) pl = plan_for(groups);  // the last range may be shorter
+    if (groups != groups_per_chunk) pl = plan_for(groups);  // a shorter last range
     const int n_outs = XS ? groups * WARPS : groups;  // output groups: workspace slots
     const int64_t units = groups * steps;
     const int blocks = XS ? pl.n_workers : (pl.n_workers + WARPS - 1) / WARPS;
