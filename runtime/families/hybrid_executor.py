@@ -124,9 +124,9 @@ class _GdnWeights:
     in_proj_a: _Weight | None  # [v_heads, hidden]
     in_proj_qkvz: _Weight | None  # [2 key_dim + 2 value_dim, hidden] (qwen3_next, grouped per k-head)
     in_proj_ba: _Weight | None  # [2 v_heads, hidden] (qwen3_next, grouped per k-head)
-    # [2 v_heads, hidden]: in_proj_b over in_proj_a, stacked at load (then both None) when they are
-    # dense weights no compiled function serves: one GEMM a layer instead of two on torch
-    in_proj_b_a: torch.Tensor | None
+    # [2 v_heads, hidden]: in_proj_b over in_proj_a (one GEMM; `_fuse`'s rule: the build keeps them
+    # precise and compiles neither shape for CUDA, so torch runs the stack), or None
+    in_proj_b_a: _Weight | None
     # [conv_dim + value_dim, hidden]: in_proj_qkv over in_proj_z (one GEMM), or None
     in_proj_qkv_z: _Weight | None
     conv: torch.Tensor  # [conv_dim, kernel]
@@ -320,18 +320,14 @@ class HybridExecutor:
             else:
                 slot = self._gdn_slot[i] = len(self._gdn_slot)
                 g = f"{p}.linear_attn"
-                b_w, a_w = opt_lin(f"{g}.in_proj_b.weight"), opt_lin(f"{g}.in_proj_a.weight")
-                b_a = None
-                if self._stackable(b_w, a_w):
-                    assert isinstance(b_w, torch.Tensor) and isinstance(a_w, torch.Tensor)
-                    b_a, b_w, a_w = torch.cat([b_w, a_w]), None, None
+                b_a = self._fuse(trunk, [f"{g}.in_proj_b.weight", f"{g}.in_proj_a.weight"])
                 qkv_z = self._fuse(trunk, [f"{g}.in_proj_qkv.weight", f"{g}.in_proj_z.weight"])
                 gdn = _GdnWeights(
                     in_proj_qkv=None if qkv_z is not None else opt_lin(f"{g}.in_proj_qkv.weight"),
                     in_proj_z=None if qkv_z is not None else opt_lin(f"{g}.in_proj_z.weight"),
                     in_proj_qkv_z=qkv_z,
-                    in_proj_b=b_w,
-                    in_proj_a=a_w,
+                    in_proj_b=None if b_a is not None else opt_lin(f"{g}.in_proj_b.weight"),
+                    in_proj_a=None if b_a is not None else opt_lin(f"{g}.in_proj_a.weight"),
                     in_proj_b_a=b_a,
                     in_proj_qkvz=opt_lin(f"{g}.in_proj_qkvz.weight"),
                     in_proj_ba=opt_lin(f"{g}.in_proj_ba.weight"),
@@ -683,17 +679,6 @@ class HybridExecutor:
         parts = [to_device(w if isinstance(w, Q4Weight) else w.detach(), dev, dt) for w in raw]
         parts = [w.to_row_major() if isinstance(w, Q4Weight) else w for w in parts]
         return place_weight(self.linear, cat_rows(parts).contiguous())
-
-    def _stackable(self, b: _Weight | None, a: _Weight | None) -> bool:
-        """Whether the GDN gate projections in_proj_b and in_proj_a ([v_heads, hidden] each) can run
-        as one GEMM: both dense tensors of one shape and dtype that the linear hook runs on torch
-        (no compiled dense function serves their shape, so the stacked shape needs none either)."""
-        if not (isinstance(b, torch.Tensor) and isinstance(a, torch.Tensor)):
-            return False
-        if b.shape != a.shape or b.dtype != a.dtype or b.ndim != 2:
-            return False
-        compiled = getattr(self.linear, "compiled", None)
-        return compiled is None or not compiled.functions_for("dense", int(b.shape[0]), int(b.shape[1]))
 
     def _attn_projections(
         self, a: _AttentionWeights, x: torch.Tensor
