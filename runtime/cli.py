@@ -18,6 +18,7 @@ import click
 import prometheus_client
 
 from ignis.runtime.errors import IgnisRuntimeError
+from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 
 __all__ = ["main", "run_command"]
 
@@ -28,6 +29,7 @@ _DEFAULTS: dict[str, Any] = {
     "shutdown_timeout": 30.0,
     "log_level": "info",
     "cuda_graphs": True,
+    "max_prefill_tokens": DEFAULT_MAX_PREFILL_TOKENS,
 }
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -175,6 +177,7 @@ def run_command(opts: dict[str, Any]) -> None:
             max_context=max_context,
             device=_checked_device(pick("device")),
             cuda_graphs=bool(pick("cuda_graphs")),
+            max_prefill_tokens=int(pick("max_prefill_tokens")),
         )
     )
     if served_name != model.name:
@@ -230,6 +233,14 @@ def run_command(opts: dict[str, Any]) -> None:
     "--lanes",
     type=click.IntRange(min=1),
     help=f"Requests decoded at once; a new request joins at the next round. [default: {_DEFAULTS['lanes']}]",
+)
+@click.option(
+    "--max-prefill-tokens",
+    type=click.IntRange(min=0),
+    metavar="TOKENS",
+    help="Prompt tokens prefilled per step across all lanes: a longer prompt is prefilled in chunks "
+    "over several steps while the other lanes keep decoding (one verify round per step); 0 prefills "
+    f"every prompt whole at once. [default: {_DEFAULTS['max_prefill_tokens']}]",
 )
 @click.option(
     "--queue-size",

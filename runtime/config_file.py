@@ -6,6 +6,7 @@ The format (YAML shown; TOML has the same keys, `[spec]`, `[spec.NAME]`, ...)::
                                         # --spec-X also as spec: {X: ..}, --cuda-graphs as cuda_graphs: true)
     socket: /run/ignis/ignis.sock
     lanes: 8
+    max_prefill_tokens: 2048            # prompt tokens prefilled per step (0: whole prompts at once)
     spec:                               # speculative settings for every model ...
       backend: dflash2
       draft_tokens: 7
@@ -60,6 +61,7 @@ SERVER_KEYS: dict[str, type] = {
     "log_level": str,
     "model_max_context": int,
     "cuda_graphs": bool,
+    "max_prefill_tokens": int,
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.
@@ -215,6 +217,10 @@ def load_config_file(path: str | Path) -> ConfigFile:
     for where, knobs in [("model.", model), *((f"model.{n}.", m) for n, m in model_models.items())]:
         if "max_context" in knobs and knobs["max_context"] < 2:  # as the executors refuse it
             raise ConfigFileError(f"{p}: {where}max_context must be >= 2, got {knobs['max_context']}")
+    if server.get("max_prefill_tokens", 0) < 0:  # as the engine refuses it
+        raise ConfigFileError(
+            f"{p}: max_prefill_tokens must be >= 0 (0 means no limit), got {server['max_prefill_tokens']}"
+        )
     for k, value in top_spec.items():  # --spec-X at the top level: as spec.X, given once
         if k in spec:
             raise ConfigFileError(f"{p}: spec_{k} and spec.{k} both given; keep one")

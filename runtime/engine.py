@@ -3,10 +3,18 @@
 `SpeculativeEngine` drives one `Executor` (a family's forward pass over several lanes) and an
 optional `Drafter` (None = backend `off`, plain decode rounds). Each `step()`:
 
-1. **Admit and prefill.** Waiting lanes join (up to `max_lanes`). Their prompts run through the model in
-   one forward (`record=False`, `logits="last"`) and are committed whole. The first output token is
-   chosen from the last prompt position's logits (argmax, or sampled from p with the lane's stream),
-   stop-checked and emitted.
+1. **Admit and prefill, within the prefill budget.** Waiting lanes join (up to `max_lanes`, lanes being
+   prefilled counted) in arrival order. At most `max_prefill_tokens` prompt tokens are prefilled per step
+   across all lanes (0: no limit): the lane whose prompt was cut last step continues first, then the
+   joining lanes take what is left, and a prompt longer than the budget is prefilled chunk after chunk
+   over several steps. All chunks of a step run in one forward (`record=False`, `logits="last"`) and
+   are committed whole, so each chunk continues the lane's state where the previous one ended (KV
+   appended, conv and recurrent state carried: what a verify round does). Only a prompt's last chunk
+   gives the first output token, chosen from the last prompt position's logits (argmax, or sampled
+   from p with the lane's stream), stop-checked and emitted; the lane then decodes. The drafter is
+   started at the lane's first chunk and told each chunk's columns as one `CommittedSpan` (start = the
+   chunk's first position, next_token_ids = the following prompt tokens, the first output token after
+   the last one), so its context after the last chunk is what one unchunked prefill would have given.
 2. **One verify round over every active lane** (newly prefilled lanes included):
    a. the scheduler gives each lane its drafts (`ignis.runtime.scheduler`), capped so that no draft is
       proposed whose token could not be emitted (max_tokens, context end);
@@ -31,6 +39,12 @@ Randomness: each lane has its own stream (`ignis.runtime.sampling.LaneRandom`), 
 seed. Lanes never share state: each lane's output is what it would produce alone (for greedy decoding
 up to the executor's numerics, which the families guarantee per lane).
 
+Chunked prefill keeps the active lanes decoding while a long prompt is prefilled: each step still runs
+one verify round over every active lane, after at most one forward of `max_prefill_tokens` prompt
+columns (vLLM's chunked prefill with `max_num_batched_tokens`, llama.cpp's `n_batch`). Greedy outputs do
+not depend on the chunking beyond the executor's numerics (a family's batched math over a different
+split of the same columns).
+
 Errors raised by the executor or the drafter propagate out of `step()`; the engine is then in an
 undefined state and must be discarded (a server restarts its lanes).
 """
@@ -50,7 +64,7 @@ from ignis.runtime.errors import ConfigError, IgnisRuntimeError
 from ignis.runtime.families.base import Executor, LaneState
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.sampling import LaneRandom, SamplingParams, logits_to_probs, sample_token
-from ignis.runtime.scheduler import MAX_DRAFT_TOKENS, LaneScheduler
+from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, MAX_DRAFT_TOKENS, LaneScheduler
 from ignis.runtime.stops import Detokenize, StopChecker
 
 __all__ = ["LaneRequestError", "LaneResult", "LaneUpdate", "SpeculativeEngine"]
@@ -118,6 +132,8 @@ class _Lane:
     random: LaneRandom
     state: LaneState | None = None
     num_rounds: int = 0
+    num_prefilled: int = 0  # prompt tokens committed so far (< len(prompt) while being prefilled)
+    drafter_started: bool = False  # drafter.start_lane was called (at the lane's first chunk)
 
     @property
     def output(self) -> list[int]:
@@ -142,14 +158,20 @@ class SpeculativeEngine:
             `max_position_embeddings` (unlimited if it has none), or the executor's own `max_context`
             attribute when smaller (fixed-capacity lane buffers), and may not exceed either. An
             executor with a `release_lane(state)` method gets each finished lane's state back.
-        max_lanes: most lanes decoding at once (others wait, first come first served); None = no limit.
+        max_lanes: most lanes decoding or being prefilled at once (others wait, first come first
+            served); None = no limit.
+        max_prefill_tokens: prompt tokens prefilled per step across all lanes (module docstring); a
+            longer prompt is prefilled over several steps while the active lanes keep decoding.
+            0 = no limit (every joining prompt whole in one step). Default
+            `ignis.runtime.scheduler.DEFAULT_MAX_PREFILL_TOKENS` (2048, its docstring says why).
         device: where column tensors and lane generators live; defaults to `executor.device` if the
             executor has one, else CPU.
         metrics: the counters to update (a fresh `SpeculativeMetrics` by default).
 
     Raises:
         ConfigError: draft_tokens missing or outside 1..7 with a drafter, draft_rows outside 0..32,
-            max_context above the model's limit or < 2, max_lanes < 1.
+            max_context above the model's limit or < 2, max_lanes < 1, max_prefill_tokens not an
+            integer >= 0.
     """
 
     def __init__(
@@ -163,6 +185,7 @@ class SpeculativeEngine:
         detokenize: Detokenize | None = None,
         max_context: int | None = None,
         max_lanes: int | None = None,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         device: torch.device | str | None = None,
         metrics: SpeculativeMetrics | None = None,
     ) -> None:
@@ -179,6 +202,7 @@ class SpeculativeEngine:
             draft_rows=draft_rows,
             is_row_budgeted=bool(drafter is not None and drafter.is_row_budgeted),
             max_lanes=max_lanes,
+            max_prefill_tokens=max_prefill_tokens,
         )
         model_max = getattr(executor.config, "max_position_embeddings", None)
         pool_max = getattr(executor, "max_context", None)  # executors with fixed-capacity lane buffers
@@ -202,8 +226,9 @@ class SpeculativeEngine:
         self.device = torch.device(device if device is not None else getattr(executor, "device", "cpu"))
         self.metrics = metrics if metrics is not None else SpeculativeMetrics()
         self._ids = itertools.count()
-        self._waiting: list[_Lane] = []
-        self._active: list[_Lane] = []
+        self._waiting: list[_Lane] = []  # queued, nothing prefilled yet (arrival order)
+        self._prefilling: list[_Lane] = []  # part of the prompt committed (arrival order)
+        self._active: list[_Lane] = []  # decoding
         self._results: dict[int, LaneResult] = {}
 
     # ------------------------------------------------------------------ lanes
@@ -243,27 +268,33 @@ class SpeculativeEngine:
         return lane.lane_id
 
     def abort(self, lane_id: int) -> None:
-        """Cancel a waiting or running lane between steps (finish_reason "abort"); no-op once finished.
+        """Cancel a waiting, prefilling or running lane between steps (finish_reason "abort"); its
+        state is released (and the drafter's lane ended). No-op once finished.
 
         Raises:
             LaneRequestError: unknown lane id.
         """
-        for pool in (self._waiting, self._active):
+        for pool in (self._waiting, self._prefilling, self._active):
             for lane in pool:
                 if lane.lane_id == lane_id:
                     pool.remove(lane)
                     lane.stops.abort()
-                    if lane.state is not None and self.drafter is not None:
+                    if lane.drafter_started and self.drafter is not None:
                         self.drafter.end_lane(lane_id)
-                    self._finish(lane)
+                    self._finish(lane)  # gives a pooled executor its slot back (a lane mid-prefill too)
                     return
         if lane_id not in self._results:
             raise LaneRequestError(f"unknown lane id {lane_id}")
 
     @property
     def num_waiting(self) -> int:
-        """Lanes queued for prefill."""
+        """Lanes queued for prefill, none of their prompt prefilled yet."""
         return len(self._waiting)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Lanes whose prompt is partly prefilled (chunked prefill); they hold a lane (`max_lanes`)."""
+        return len(self._prefilling)
 
     @property
     def num_active(self) -> int:
@@ -271,9 +302,14 @@ class SpeculativeEngine:
         return len(self._active)
 
     @property
+    def max_prefill_tokens(self) -> int:
+        """The prefill budget: prompt tokens prefilled per step across all lanes (0: no limit)."""
+        return self.scheduler.max_prefill_tokens
+
+    @property
     def has_unfinished(self) -> bool:
-        """True while some lane waits or decodes."""
-        return bool(self._waiting or self._active)
+        """True while some lane waits, is being prefilled or decodes."""
+        return bool(self._waiting or self._prefilling or self._active)
 
     def result(self, lane_id: int) -> LaneResult | None:
         """A finished lane's result (kept until `pop_result`), or None while it runs."""
@@ -311,22 +347,19 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ the round
 
     def step(self) -> list[LaneUpdate]:
-        """Admit and prefill waiting lanes, then run one verify round over every active lane.
+        """Prefill (within `max_prefill_tokens`), then run one verify round over every active lane.
 
         Returns:
-            one update per lane that emitted tokens or finished this step (prefill and round merged).
+            one update per lane that emitted tokens or finished this step (prefill and round merged);
+            a lane whose prompt is only partly prefilled emits nothing yet.
 
         Raises:
             DrafterError: the drafter broke its protocol (the message names the lane).
             StateError: from the executor (e.g. a lane past its context); the engine is then unusable.
         """
         emitted: dict[int, list[int]] = {}
-        num_admit = self.scheduler.num_to_admit(len(self._active), len(self._waiting))
-        if num_admit:
-            joining, self._waiting = self._waiting[:num_admit], self._waiting[num_admit:]
-            finished = self._prefill(joining, emitted)
-        else:
-            finished = []
+        chunks = self._plan_prefill()
+        finished = self._prefill(chunks, emitted) if chunks else []
         if self._active:
             finished += self._round(emitted)
         updates = []
@@ -356,31 +389,58 @@ class SpeculativeEngine:
             return int(logits.argmax().item())
         return sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
 
-    def _prefill(self, lanes: list[_Lane], emitted: dict[int, list[int]]) -> list[_Lane]:
+    def _plan_prefill(self) -> list[tuple[_Lane, int]]:
+        """This step's prompt chunks, (lane, columns), in arrival order within the prefill budget
+        (`LaneScheduler.plan_prefill`): the lanes being prefilled first, then the waiting lanes that may
+        join (`max_lanes`). A waiting lane the budget does not reach keeps waiting."""
+        num_admit = self.scheduler.num_to_admit(len(self._active) + len(self._prefilling), len(self._waiting))
+        queue = [*self._prefilling, *self._waiting[:num_admit]]
+        sizes = self.scheduler.plan_prefill([len(lane.prompt) - lane.num_prefilled for lane in queue])
+        return list(zip(queue, sizes, strict=False))
+
+    def _prefill(self, chunks: list[tuple[_Lane, int]], emitted: dict[int, list[int]]) -> list[_Lane]:
         ex = self.executor
+        lanes = [lane for lane, _ in chunks]
         for lane in lanes:
-            lane.state = ex.new_lane()
+            if lane.state is None:  # its first chunk: the lane joins
+                self._waiting.remove(lane)
+                self._prefilling.append(lane)
+                lane.state = ex.new_lane()
         states = [lane.state for lane in lanes]
-        columns = [torch.tensor(lane.prompt, dtype=torch.int64, device=self.device) for lane in lanes]
+        bounds = [(lane.num_prefilled, lane.num_prefilled + n) for lane, n in chunks]
+        columns = [
+            torch.tensor(lane.prompt[a:b], dtype=torch.int64, device=self.device)
+            for lane, (a, b) in zip(lanes, bounds, strict=True)
+        ]
         out = ex.forward(states, columns, logits="last", record=False, **self._forward_kwargs())
-        ex.commit(states, [len(lane.prompt) for lane in lanes])
+        ex.commit(states, [n for _, n in chunks])
         finished, spans = [], []
-        for i, lane in enumerate(lanes):
-            token = self._choose_first(lane, out.logits[i][-1])
-            lane.stops.extend([token])
-            emitted[lane.lane_id] = [token]
-            if lane.stops.is_finished:
-                finished.append(lane)
-                continue
-            self._active.append(lane)
+        for i, (lane, (a, b)) in enumerate(zip(lanes, bounds, strict=True)):
+            lane.num_prefilled = b
+            if b < len(lane.prompt):  # more chunks to come: the next prompt token follows this chunk
+                following: tuple[int, ...] = lane.prompt[a + 1 : b + 1]
+            else:
+                self._prefilling.remove(lane)
+                token = self._choose_first(lane, out.logits[i][-1])
+                lane.stops.extend([token])
+                emitted[lane.lane_id] = [token]
+                if lane.stops.is_finished:
+                    finished.append(lane)
+                    if lane.drafter_started and self.drafter is not None:
+                        self.drafter.end_lane(lane.lane_id)
+                    continue
+                self._active.append(lane)
+                following = (*lane.prompt[a + 1 :], token)
             if self.drafter is not None:
-                self.drafter.start_lane(lane.lane_id, lane.prompt)
+                if not lane.drafter_started:
+                    self.drafter.start_lane(lane.lane_id, lane.prompt)
+                    lane.drafter_started = True
                 spans.append(
                     CommittedSpan(
                         lane_id=lane.lane_id,
-                        start=0,
-                        input_token_ids=lane.prompt,
-                        next_token_ids=(*lane.prompt[1:], token),
+                        start=a,
+                        input_token_ids=lane.prompt[a:b],
+                        next_token_ids=following,
                         hidden_states=None if out.hidden_states is None else out.hidden_states[i],
                         taps=None if out.taps is None else out.taps[i],
                     )

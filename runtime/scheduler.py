@@ -14,7 +14,13 @@ speculative-decoding, "The row budget"; DESIGN.md, "The verify round", step 1):
 
 Per-lane caps (`plan`) then clip each lane's drafts to what can still be used: a lane never drafts past
 its `max_tokens` or its context end, because the committed run (drafts + 1 tokens) could not be
-emitted anyway. Lanes join and leave only between rounds; `num_to_admit` applies `max_lanes`.
+emitted anyway. Lanes join and leave only between rounds; `num_to_admit` applies `max_lanes` (a lane
+being prefilled holds its lane).
+
+Prefill budget (`plan_prefill`): at most `max_prefill_tokens` prompt tokens are prefilled per step
+across all lanes (0: no limit), in arrival order; a prompt longer than what is left is cut, and the
+lane continues first at the next step (chunked prefill, as vLLM's `max_num_batched_tokens` and
+llama.cpp's `n_batch`), while the active lanes get their verify round every step.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from ignis.runtime.errors import ConfigError
 
 __all__ = [
     "DEFAULT_DRAFT_ROWS",
+    "DEFAULT_MAX_PREFILL_TOKENS",
     "MAX_DRAFT_ROWS",
     "MAX_DRAFT_TOKENS",
     "LaneScheduler",
+    "check_max_prefill_tokens",
     "drafts_per_lane",
     "effective_draft_rows",
 ]
@@ -36,6 +44,32 @@ __all__ = [
 MAX_DRAFT_TOKENS = 7  # most drafts per lane per round (--spec-draft-tokens 1..7)
 DEFAULT_DRAFT_ROWS = 8  # what --spec-draft-rows 0 means: the widest decode-route width
 MAX_DRAFT_ROWS = 32  # widest verify round a profile compiles
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+"""Prompt tokens prefilled per step across all lanes by default (`max_prefill_tokens`).
+
+2048 is llama.cpp's default `n_batch`, and of the order of vLLM's `max_num_batched_tokens` defaults
+(2048 to 8192 by device and entry point). A forward of 2048 columns already runs the GPU's matrix
+products at their compute-bound rate, so a longer chunk gains little prefill throughput, while the
+active lanes wait for at most one such forward per step instead of a whole long prompt. It is a
+multiple of the 64-column chunk of the Gated DeltaNet prefill
+(`ignis.runtime.families.gated_deltanet.GDN_CHUNK_SIZE`), so a chunked prompt keeps that chunk grid.
+On CPU, where a 2048-token chunk takes seconds, a smaller value (e.g. 256) keeps the other lanes more
+responsive at some cost in prefill throughput.
+"""
+
+
+def check_max_prefill_tokens(value: object) -> int:
+    """`max_prefill_tokens` checked: an integer >= 0 (0: no limit, a whole prompt in one step).
+
+    Raises:
+        ConfigError: a bool, a non-integer or a negative value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"max_prefill_tokens {value!r} must be an integer >= 0 (prompt tokens prefilled per step "
+            "across all lanes; 0 means no limit)"
+        )
+    return value
 
 
 def effective_draft_rows(draft_rows: int) -> int:
@@ -100,9 +134,11 @@ class LaneScheduler:
     draft_tokens: int  # k: drafts per lane per round, 1..7; 0 = plain decode rounds (backend off)
     draft_rows: int = 0  # row budget across lanes for row-budgeted drafters (0 means 8, at most 32)
     is_row_budgeted: bool = False  # True: MTP-like (budget applies); False: DFlash2-like (k per lane)
-    max_lanes: int | None = None  # most lanes decoding at once (>= 1); None = unlimited
+    max_lanes: int | None = None  # most lanes decoding or being prefilled at once (>= 1); None = unlimited
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # prompt tokens prefilled per step; 0 = unlimited
 
     def __post_init__(self) -> None:
+        check_max_prefill_tokens(self.max_prefill_tokens)
         _check_draft_tokens(self.draft_tokens, allow_zero=True)
         effective_draft_rows(self.draft_rows)
         if self.max_lanes is not None and (
@@ -141,7 +177,32 @@ class LaneScheduler:
         return [max(0, min(base, cap)) for cap in max_useful_drafts]
 
     def num_to_admit(self, num_active: int, num_waiting: int) -> int:
-        """How many waiting lanes may join before the next round (first come, first served)."""
+        """How many waiting lanes may join before the next round (first come, first served); num_active
+        counts the lanes decoding and the lanes being prefilled."""
         if self.max_lanes is None:
             return num_waiting
         return max(0, min(num_waiting, self.max_lanes - num_active))
+
+    def plan_prefill(self, num_left: Sequence[int]) -> list[int]:
+        """Prompt tokens to prefill this step for each lane of the prefill queue, within the budget.
+
+        Args:
+            num_left: per lane, in queue order (the lane being prefilled first, then the waiting lanes
+                that may join), the prompt tokens not yet prefilled (>= 1).
+
+        Returns:
+            chunk sizes (each >= 1) for the first lanes of the queue, in order: each lane takes what is
+            left of its prompt or of the budget, whichever is smaller, until the budget is spent (only
+            the last lane planned can be cut). Every lane when max_prefill_tokens is 0.
+        """
+        if not self.max_prefill_tokens:
+            return list(num_left)
+        left = self.max_prefill_tokens
+        sizes: list[int] = []
+        for n in num_left:
+            if left <= 0:
+                break
+            take = min(n, left)
+            sizes.append(take)
+            left -= take
+        return sizes

@@ -8,9 +8,14 @@ either (DFlash2: the tapped target hidden states over its 2,048-position window;
 
 Lifecycle per lane, driven by `ignis.runtime.engine.SpeculativeEngine`:
 
-1. `start_lane(lane_id, prompt_token_ids)` after the lane's prefill forward, then
-   `commit([span])` with the prompt's span (positions 0..len(prompt)-1, the first output token as the
-   last `next_token_ids` entry).
+1. `start_lane(lane_id, prompt_token_ids)` (the whole prompt) after the lane's first prefill forward,
+   then `commit([span])` with the prompt's span (positions 0..len(prompt)-1, the first output token as
+   the last `next_token_ids` entry). A prompt longer than the engine's prefill budget
+   (`max_prefill_tokens`) is prefilled in chunks over several steps: one `commit([span])` per chunk,
+   in order (start = the chunk's first position; an inner chunk's last `next_token_ids` entry is the
+   next prompt token, the last chunk's is the first output token), so the spans tile the prompt as the
+   one span would. No `propose` comes before the last chunk; a lane cancelled between chunks gets
+   `end_lane`.
 2. Each round the lane drafts in: `propose([request, ...])` (only lanes with num_drafts >= 1), then,
    after acceptance, `commit([span, ...])` with every continuing lane's committed columns.
 3. `end_lane(lane_id)` when the lane finishes (stop, length, abort); no commit for its last run.
@@ -128,7 +133,8 @@ class Drafter(Protocol):
     tap_layers: tuple[int, ...]
 
     def start_lane(self, lane_id: int, prompt_token_ids: Sequence[int]) -> None:
-        """A lane joined (its prompt was prefilled); its prompt span's `commit` follows."""
+        """A lane joined (its prompt, or the prompt's first chunk, was prefilled); the prompt's span
+        (or one span per chunk) is committed next."""
         ...
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:

@@ -239,6 +239,7 @@ class ArtifactSource:
                 detokenize=detokenize,
                 max_context=settings.max_context,
                 max_lanes=max_lanes,
+                max_prefill_tokens=settings.max_prefill_tokens,
                 device=device,
                 metrics=metrics,
             )

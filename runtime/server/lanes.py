@@ -87,7 +87,8 @@ class LaneSnapshot:
     after every step and when a request is taken.
 
     Attributes:
-        num_active: lanes decoding or being prefilled by the current step.
+        num_active: lanes decoding or being prefilled (a prompt prefilled in chunks over several steps
+            counts from its first chunk on).
         num_waiting: requests queued for a lane.
         spec_samples: the speculative counters as (name, labels, value) (`SpeculativeMetrics.samples`).
     """
@@ -349,9 +350,12 @@ class LaneLoop:
 
     def _publish(self) -> None:
         # a lane being prefilled counts as active: the requests the engine holds, up to max_lanes
-        # (its step admits that many), so /health and /metrics see a long prefill while it runs
-        held = self._engine.num_active + self._engine.num_waiting
-        active = min(held, max(self.max_lanes, self._engine.num_active))
+        # (its steps admit that many, as the prefill budget reaches them), so /health and /metrics see
+        # a long prefill, chunked over several steps, while it runs
+        eng = self._engine
+        busy = eng.num_active + eng.num_prefilling
+        held = busy + eng.num_waiting
+        active = min(held, max(self.max_lanes, busy))
         self.snapshot = LaneSnapshot(
             num_active=active,
             num_waiting=self._num_inflight - active,

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile, SpecDefaults
+from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_max_prefill_tokens
 
 __all__ = [
     "ChatTokenizer",
@@ -81,12 +82,22 @@ class ModelSettings:
         device: torch device to load on ("cuda", "cpu", ...), or None for the source's default.
         cuda_graphs: on CUDA, replay verify rounds from CUDA graphs where the executor can
             (`Artifact.make_executor`); False runs them eagerly.
+        max_prefill_tokens: the engine's prefill budget, prompt tokens prefilled per step across all
+            lanes (`SpeculativeEngine`; a longer prompt is prefilled in chunks over several steps while
+            the other lanes decode); 0 = no limit.
+
+    Raises:
+        ConfigError: max_prefill_tokens is not an integer >= 0.
     """
 
     spec: SpecDefaults
     max_context: int | None = None
     device: str | None = None
     cuda_graphs: bool = True
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+
+    def __post_init__(self) -> None:
+        check_max_prefill_tokens(self.max_prefill_tokens)  # refused before a long load
 
 
 @dataclass

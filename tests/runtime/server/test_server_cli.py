@@ -45,6 +45,7 @@ def test_help_explains_every_option() -> None:
         "--profile",
         "--config",
         "--lanes",
+        "--max-prefill-tokens",
         "--socket-group",
     ):
         assert name in result.output
@@ -136,11 +137,31 @@ def test_refusals_exit_1_with_the_reason(captured, args: list[str], env: dict[st
         (["--spec-draft-rows", "33"], 2, "0<=x<=32"),
         (["--spec-backend", "medusa"], 2, "dflash2"),
         (["--lanes", "0"], 2, "x>=1"),
+        (["--max-prefill-tokens", "-1"], 2, "x>=0"),
     ],
 )
 def test_out_of_range_options_are_usage_errors(args: list[str], code: int, match: str) -> None:
     result = invoke("--socket", "/tmp/unused.sock", *args)
     assert result.exit_code == code and match in result.output
+
+
+def test_max_prefill_tokens_reaches_the_engine(captured, tmp_path: Path) -> None:
+    """--max-prefill-tokens, else the config file's max_prefill_tokens, else 2048; 0 (no limit) allowed."""
+    sock = short_tmpdir() / "s.sock"
+    cfg = tmp_path / "ignis.toml"
+    cfg.write_text(f'socket = "{sock}"\nmax_prefill_tokens = 96\n')
+    for args, want in (
+        (["--socket", str(sock)], 2048),
+        (["--socket", str(sock), "--max-prefill-tokens", "0"], 0),
+        (["--config", str(cfg)], 96),
+        (["--config", str(cfg), "--max-prefill-tokens", "512"], 512),
+    ):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+        assert captured[-1].lanes._engine.max_prefill_tokens == want, args
+    cfg.write_text(f'socket = "{sock}"\nmax_prefill_tokens = -4\n')
+    result = invoke("--config", str(cfg))
+    assert result.exit_code == 1 and "max_prefill_tokens must be >= 0" in result.output
 
 
 def test_needs_exactly_one_model_and_a_listener(captured) -> None:

@@ -169,6 +169,8 @@ def test_config_file_formats(tmp_path, name: str, text: str) -> None:
         ("c.yaml", "spec: {draft_tokens: seven}\n", "draft_tokens must be int"),
         ("c.yaml", "spec: 3\n", "must be a mapping"),
         ("c.yaml", "model: {max_context: 1.5}\n", "max_context must be int"),
+        ("c.yaml", "max_prefill_tokens: -1\n", r"c\.yaml: max_prefill_tokens must be >= 0 .*got -1"),
+        ("c.toml", "max_prefill_tokens = '8'\n", "max_prefill_tokens must be int"),
         ("c.yaml", "model: {max_context: -5}\n", r"c\.yaml: model\.max_context must be >= 2, got -5"),
         ("c.toml", "[model.m]\nmax_context = 1\n", r"model\.m\.max_context must be >= 2"),
         ("c.yaml", "- a\n- b\n", "top level must be a mapping"),
@@ -188,9 +190,11 @@ def test_config_file_takes_options_by_their_long_names(tmp_path) -> None:
     """`cuda-graphs` and the --spec-* options at the top level (dashes or underscores), the latter as
     the `spec` section's knobs; one knob given both ways is refused."""
     path = tmp_path / "c.yaml"
-    path.write_text("cuda-graphs: false\nspec_backend: dflash2\nspec-draft-tokens: 3\n")
+    path.write_text(
+        "cuda-graphs: false\nmax-prefill-tokens: 0\nspec_backend: dflash2\nspec-draft-tokens: 3\n"
+    )
     cfg = load_config_file(path)
-    assert cfg.server == {"cuda_graphs": False}
+    assert cfg.server == {"cuda_graphs": False, "max_prefill_tokens": 0}
     assert cfg.spec == {"backend": "dflash2", "draft_tokens": 3}
     path.write_text("spec_draft_tokens: 3\nspec: {draft_tokens: 4}\n")
     with pytest.raises(ConfigFileError, match=r"spec_draft_tokens and spec\.draft_tokens both given"):

@@ -114,6 +114,7 @@ class ToySource:
                 detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 max_context=settings.max_context,
                 max_lanes=max_lanes,
+                max_prefill_tokens=settings.max_prefill_tokens,
                 metrics=metrics,
             )
 
