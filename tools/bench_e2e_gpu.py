@@ -105,6 +105,9 @@ T0 = time.perf_counter()
 BW = 4.2e12  # H200 HBM3e copy bandwidth used for the floor (bytes/s)
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 PROMPT_LEN = 16
+#: tokens committed before the timed graphed rounds and the profiled round (`--context`): the KV length
+#: their attention layers read
+ROUND_CONTEXT = PROMPT_LEN
 
 # Public Qwen3.5-27B text config (HF `Qwen/Qwen3.5-27B` config.json text_config; the same numbers in
 # THUDM/slime scripts/models/qwen3.5-27B.sh: 24 heads, 4 query groups, kv-channels 256, rotary 0.25,
@@ -348,10 +351,10 @@ def bench_graph_rounds(
     the capture's cost (first call), and max |logits - eager HybridExecutor's| for that round."""
     gen = torch.Generator().manual_seed(7)
     st, rs = ex.new_lane(), ref.new_lane()
-    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).to(dev)
+    prompt = torch.randint(0, vocab, (ROUND_CONTEXT,), generator=gen).to(dev)
     for e, lane in ((ex, st), (ref, rs)):
         e.forward([lane], [prompt], logits="last", record=False)
-        e.commit([lane], [PROMPT_LEN])
+        e.commit([lane], [ROUND_CONTEXT])
     res: dict[str, Any] = {}
     for r in widths:
         if r > ex.max_columns:
@@ -389,9 +392,9 @@ def profile_round(ex: StaticHybridExecutor, dev: torch.device, r: int, vocab: in
     us = microseconds of kernel time per round (gaps between kernels are not counted)."""
     gen = torch.Generator().manual_seed(11)
     st = ex.new_lane()
-    prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).to(dev)
+    prompt = torch.randint(0, vocab, (ROUND_CONTEXT,), generator=gen).to(dev)
     ex.forward([st], [prompt], logits="last", record=False)
-    ex.commit([st], [PROMPT_LEN])
+    ex.commit([st], [ROUND_CONTEXT])
     cols = torch.randint(0, vocab, (r,), generator=gen).to(dev)
 
     def rnd() -> None:
@@ -787,6 +790,13 @@ def main() -> int:
     )
     ap.add_argument("--no-decode", action="store_true", help="skip the graphed decode")
     ap.add_argument(
+        "--context",
+        type=int,
+        default=PROMPT_LEN,
+        help=f"tokens committed before the graphed rounds per width and --profile-round (default "
+        f"{PROMPT_LEN}): the KV length their attention reads",
+    )
+    ap.add_argument(
         "--profile-round",
         type=lambda v: [int(x) for x in v.split(",")],
         default=[],
@@ -801,6 +811,10 @@ def main() -> int:
         "(cuBLAS) route as graphed rounds per width with the given fused modules, then HF",
     )
     args = ap.parse_args()
+    if args.context < 1:
+        ap.error("--context must be >= 1")
+    global ROUND_CONTEXT
+    ROUND_CONTEXT = args.context
     budget = Budget(args.budget_s)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     raw = TINY if args.tiny else FULL
@@ -859,7 +873,7 @@ def main() -> int:
     gr: dict[str, Any] = {}
     if not args.no_graphs:
         try:
-            ctx = PROMPT_LEN + 2 * tokens + 64
+            ctx = max(PROMPT_LEN, ROUND_CONTEXT) + 2 * tokens + 64
             ref = HybridExecutor(cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend)
             if args.fused_only:
                 res["not_done"].append("graphed rounds without the fused GDN kernel (--fused-only)")
@@ -1019,7 +1033,7 @@ def main() -> int:
             torch.cuda.empty_cache()
         ex = HybridExecutor(cfg, dense, device=dev, dtype=torch.bfloat16)
         if args.no_eager:
-            ctx_b = PROMPT_LEN + 2 * tokens + 64
+            ctx_b = max(PROMPT_LEN, ROUND_CONTEXT) + 2 * tokens + 64
             gb = StaticHybridExecutor(
                 cfg, dense, device=dev, dtype=torch.bfloat16,
                 max_lanes=1, max_columns=max(widths), max_context=ctx_b, gdn_module=args.gdn_module,

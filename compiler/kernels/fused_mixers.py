@@ -1,8 +1,9 @@
 """Fused pieces of the hybrid token mixers (the GDN causal conv1d + SiLU; attention's q/k RMSNorm,
-partial RoPE and KV write), CUDA kernels exported through tvm-ffi, for CUDA-graphed verify rounds.
+partial RoPE and KV write; the gated attention itself), CUDA kernels exported through tvm-ffi, for
+CUDA-graphed verify rounds.
 
 A graphed 27B-shaped round is graph-node bound outside its linears (docs/perf-drafts/fused-kernels.md):
-every small torch kernel is a node of ~2 us. These two functions replace per-layer chains of them in
+every small torch kernel is a node of ~2 us. These three functions replace per-layer chains of them in
 ``StaticHybridExecutor``'s static rounds:
 
 * ``gdn_conv_silu(qkv, state, slots, weight, windows, out)`` -- once per GDN layer: the gather of the
@@ -23,6 +24,19 @@ every small torch kernel is a node of ~2 us. These two functions replace per-lay
       o = round(round(y * cos) + round(rotate_half(y) * sin))  on e < rot, y elsewhere
       q_out[r] = o(q[r]);  kc[slots[r // n], pos[r]] = o(k[r]);  vc[slots[r // n], pos[r]] = v[r]
 
+* ``gated_attention(q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)`` --
+  once per full-attention layer, after ``qk_norm_rope_kv``: grouped-query attention of the round's
+  query rows over their lanes' caches, masked at each row's position, times the sigmoid output gate
+  (torch: two cache gathers, the mask, cuDNN's SDPA, two head permutes, sigmoid, multiply)::
+
+      o[r, h]   = softmax_t((q[r, h] . K[slots[r // n], t, h // rep]) * scale) V[..]   t <= pos[r]
+      out[r, h] = round(round(o[r, h]) * round(sigmoid(gate[r, h])))
+
+  FlashAttention-2's online softmax on mma.m16n8k16 (P in the model dtype, fp32 accumulation), the
+  keys split flash-decoding style in `attention_split_keys` pieces merged in split order
+  (``gated_attention.cuh``); bf16 / f16, head_dim in `GATED_ATTENTION_HEAD_DIMS`. Its oracle is
+  :func:`gated_attention_reference` (the torch path's math).
+
 ``round`` is to the model dtype (identity for float32), at the points HF's Qwen3.5 modules and the
 torch path round (conv1d and SiLU each in the model dtype; RMSNorm in float32 cast once; RoPE's
 products and sum each in the model dtype, cos/sin given in the model dtype). Only the order of the
@@ -32,7 +46,7 @@ float32 sums (the conv's, the sum of squares) differs from torch's. Shapes, dtyp
 / :func:`qk_norm_rope_kv_emulated` CPU models of the kernels (same order of operations), with the
 module's calling convention (outputs written in place), tested against them.
 
-One module holds both (:data:`FUNCTION_NAMES`); :func:`build_fused_mixers` returns the exported
+One module holds all three (:data:`FUNCTION_NAMES`); :func:`build_fused_mixers` returns the exported
 ``.so`` (nvcc, SASS for one arch, no PTX). The kernels allocate nothing and launch on the stream
 tvm-ffi reports (torch's current one under ``tvm_ffi.use_torch_stream()``), so they can be captured
 in CUDA graphs. The caller is ``ignis.runtime.families.hybrid_graphs``
@@ -47,20 +61,33 @@ from typing import Any
 
 __all__ = [
     "FUNCTION_NAMES",
+    "GATED_ATTENTION_HEAD_DIMS",
     "MAX_CONV_KERNEL",
     "MAX_HEAD_DIM",
     "FusedMixersError",
+    "attention_split_keys",
     "build_fused_mixers",
+    "gated_attention_reference",
     "gdn_conv_silu_emulated",
     "gdn_conv_silu_reference",
     "qk_norm_rope_kv_emulated",
     "qk_norm_rope_kv_reference",
 ]
 
-FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
+FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention")
 MAX_CONV_KERNEL = 8  # kMaxConvKernel in fused_mixers.cuh
 MAX_HEAD_DIM = 1024  # kMaxHeadDim
-_SOURCES = ("fused_mixers.cuh", "fused_mixers_ffi.cuh", "ffi_checks.cuh", "fused_mixers.py", "cuda_build.py")
+GATED_ATTENTION_HEAD_DIMS = (32, 64, 128, 256)  # the head dims gated_attention is compiled for
+_ATTN_CHUNK = 32  # kChunk in gated_attention.cuh: keys a shared-memory stage
+_SOURCES = (
+    "fused_mixers.cuh",
+    "fused_mixers_ffi.cuh",
+    "gated_attention.cuh",
+    "gated_attention_ffi.cuh",
+    "ffi_checks.cuh",
+    "fused_mixers.py",
+    "cuda_build.py",
+)
 
 
 class FusedMixersError(ValueError):
@@ -202,6 +229,48 @@ def qk_norm_rope_kv_emulated(
     vc[slot_rows[ok], pos[ok]] = v[ok]
 
 
+def attention_split_keys(max_keys: int) -> int:
+    """Keys a split of ``gated_attention`` holds when it may read ``max_keys`` keys: at least 256 (one
+    split, no combine launch, up to 256 keys), else ``max_keys / 16`` rounded up to the kernel's 32-key
+    stages, so at most 16 splits (a bounded workspace: lanes x kv_heads x 16 x rows x head_dim fp32)
+    that spread a long context over the SMs (flash-decoding). A row's result depends on the keys,
+    its position and this split size only (not on the other lanes or columns of the round).
+
+    Raises:
+        ValueError: max_keys < 1.
+    """
+    if max_keys < 1:
+        raise ValueError(f"max_keys must be >= 1, got {max_keys}")
+    per = -(-max_keys // 16)
+    return max(256, -(-per // _ATTN_CHUNK) * _ATTN_CHUNK)
+
+
+def gated_attention_reference(q: Any, kc: Any, vc: Any, gate: Any, pos: Any, slots: Any) -> Any:
+    """The torch path of ``StaticHybridExecutor._static_attention`` after the q / k norms (the oracle of
+    ``gated_attention``): q [rows, heads, hd], gate [rows, heads, hd] (any strides), kc / vc
+    [S, cap, kv_heads, hd], pos [rows] and slots [L] int64 (rows = L * n), one dtype. Returns
+    ``round(round(softmax(q K^T * hd^-0.5, keys t <= pos) V) * round(sigmoid(gate)))`` as
+    [rows, heads * hd] in q's dtype, attention computed in float32 (rounded once, as SDPA's output)."""
+    import torch
+
+    rows, heads, hd = q.shape
+    lanes = slots.shape[0]
+    n, kv_heads = rows // lanes, kc.shape[2]
+    rep = heads // kv_heads
+    out = torch.empty(rows, heads, hd, dtype=q.dtype, device=q.device)
+    for li in range(lanes):
+        s = int(slots[li])
+        for c in range(n):
+            r = li * n + c
+            t = int(pos[r]) + 1
+            keys = kc[s, :t].float().repeat_interleave(rep, dim=1)  # [t, heads, hd]
+            values = vc[s, :t].float().repeat_interleave(rep, dim=1)
+            scores = torch.einsum("he,the->ht", q[r].float(), keys) * hd**-0.5
+            o = torch.einsum("ht,the->he", torch.softmax(scores, dim=-1), values).to(q.dtype)
+            out[r] = o * torch.sigmoid(gate[r])
+    return out.reshape(rows, heads * hd)
+
+
 # --------------------------------------------------------------------------------------------
 # Building the module.
 
@@ -221,8 +290,8 @@ def build_fused_mixers(
         verbose: print ptxas' register and shared-memory report.
 
     Returns:
-        The library, exporting ``gdn_conv_silu`` and ``qk_norm_rope_kv`` (module docstring), SASS
-        for that arch only.
+        The library, exporting ``gdn_conv_silu``, ``qk_norm_rope_kv`` and ``gated_attention`` (module
+        docstring), SASS for that arch only.
 
     Raises:
         FusedMixersError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
@@ -235,7 +304,10 @@ def build_fused_mixers(
     dest, reuse = cached_module_path("fused_mixers", arch, _SOURCES, out_path)
     if reuse:
         return dest
-    source = '#include "fused_mixers_ffi.cuh"\n\nIGNIS_FUSED_MIXERS_EXPORT()\n'
+    source = (
+        '#include "fused_mixers_ffi.cuh"\n#include "gated_attention_ffi.cuh"\n\n'
+        "IGNIS_FUSED_MIXERS_EXPORT()\nIGNIS_GATED_ATTENTION_EXPORT()\n"
+    )
     return build_cuda_module(
         source,
         arch,

@@ -232,6 +232,8 @@ class _ModuleFunctions:
     """
 
     function_names: ClassVar[tuple[str, ...]] = ()
+    #: exports used when the module has them (added to the module after artifacts were built with it)
+    optional_function_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, source: Any) -> None:
         if isinstance(source, type(self)):
@@ -241,6 +243,11 @@ class _ModuleFunctions:
 
             source = load_module(source, cuda=True)
         self.funcs = {name: source[name] for name in self.function_names}
+        for name in self.optional_function_names:
+            try:
+                self.funcs[name] = source[name]
+            except (KeyError, AttributeError):  # a dict / a tvm_ffi.Module without it
+                pass
 
     def _call(self, name: str, args: tuple[Any, ...], cuda: bool) -> None:
         if not cuda:  # a CPU stand-in (tests: the kernels' CPU models)
@@ -295,7 +302,8 @@ class FusedNormsKernel(_ModuleFunctions):
 
 
 MIXERS_FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
-"""The exports of a module built by ``ignis.compiler.kernels.fused_mixers.build_fused_mixers``."""
+"""The exports of every module built by ``ignis.compiler.kernels.fused_mixers.build_fused_mixers``
+(``gated_attention`` too since session 7: `FusedMixersKernel.has_gated_attention`)."""
 
 
 class FusedMixersKernel(_ModuleFunctions):
@@ -315,6 +323,58 @@ class FusedMixersKernel(_ModuleFunctions):
     """
 
     function_names = MIXERS_FUNCTION_NAMES
+    optional_function_names = ("gated_attention",)
+
+    @property
+    def has_gated_attention(self) -> bool:
+        """Whether the module exports ``gated_attention`` (modules built before it do not)."""
+        return "gated_attention" in self.funcs
+
+    def gated_attention_takes(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether `gated_attention` serves a layer of this dtype and head_dim (bf16 / f16; head_dim
+        32, 64, 128 or 256) in this module."""
+        from ignis.compiler.kernels.fused_mixers import GATED_ATTENTION_HEAD_DIMS
+
+        return (
+            self.has_gated_attention
+            and dtype in (torch.bfloat16, torch.float16)
+            and head_dim in GATED_ATTENTION_HEAD_DIMS
+        )
+
+    def gated_attention(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        gate: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        max_keys: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Gated GQA attention over the lanes' caches (``ignis.compiler.kernels.fused_mixers``,
+        "gated_attention"): ``round(round(attn(q, K, V)) * round(sigmoid(gate)))`` as
+        [rows, heads * hd] in q's dtype (a new tensor). q [rows, heads, hd] contiguous, gate
+        [rows, heads, hd] (hd contiguous), kc / vc [S, cap, kv_heads, hd], pos [rows] and slots [L]
+        int64 (rows = L * n); every pos < max_keys (the keys read). Allocates the split workspace
+        (`attention_split_keys`) with torch. Raises ValueError / TypeError (from the module) on
+        shapes, dtypes or devices it does not take."""
+        from ignis.compiler.kernels.fused_mixers import attention_split_keys
+
+        rows, heads, hd = q.shape
+        lanes, kv_heads = slots.shape[0], kc.shape[2]
+        split_keys = attention_split_keys(max_keys)
+        splits = -(-max_keys // split_keys)
+        r_pad = -(-(heads // kv_heads) * (rows // lanes) // 64) * 64
+        out = q.new_empty(rows, heads * hd)
+        if splits > 1:
+            ws_o = torch.empty(lanes, kv_heads, splits, r_pad, hd, dtype=torch.float32, device=q.device)
+            ws_ml = torch.empty(lanes, kv_heads, splits, r_pad, 2, dtype=torch.float32, device=q.device)
+        else:
+            ws_o = ws_ml = torch.empty(0, dtype=torch.float32, device=q.device)
+        args = (q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)
+        self._call("gated_attention", args, q.is_cuda)
+        return out
 
     def gdn_conv_silu(
         self,
@@ -1134,6 +1194,10 @@ class StaticHybridExecutor(HybridExecutor):
                 valid = eager[2]
                 kc[slot_rows[valid], pos_rows[valid]] = k[valid]
                 vc[slot_rows[valid], pos_rows[valid]] = v[valid]
+        if mixers is not None and mixers.gated_attention_takes(x.dtype, hd):  # one launch: no gathers
+            gate3 = qg[..., hd:]  # [rows, nh, hd], hd contiguous
+            o = mixers.gated_attention(q, kc, vc, gate3, pos_rows, slots, bucket, hd**-0.5)
+            return linear(o, a.o_proj, a.o_bias)
         keys = kc[:, :bucket].index_select(0, slots).transpose(1, 2)  # [L, nkv, T, hd]
         values = vc[:, :bucket].index_select(0, slots).transpose(1, 2)
         # query head h uses kv head h // rep: group the rep query heads of a kv head as extra rows

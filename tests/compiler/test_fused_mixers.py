@@ -15,7 +15,9 @@ from kernel_module_checks import HAS_NVCC, check_sass_and_exports, load_on_host_
 from ignis.compiler.kernels.fused_mixers import (
     FUNCTION_NAMES,
     FusedMixersError,
+    attention_split_keys,
     build_fused_mixers,
+    gated_attention_reference,
     gdn_conv_silu_emulated,
     gdn_conv_silu_reference,
     qk_norm_rope_kv_emulated,
@@ -169,7 +171,8 @@ def test_build_rejects_non_cuda_targets() -> None:
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_build_emits_sass_and_both_exports(arch: str, tmp_path: Path) -> None:
     path = build_fused_mixers(arch, out_path=tmp_path / f"mixers_{arch}.so")
-    check_sass_and_exports(path, arch, FUNCTION_NAMES, ("gdn_conv_silu_kernel", "qk_norm_rope_kv_kernel"))
+    kernels = ("gdn_conv_silu_kernel", "qk_norm_rope_kv_kernel", "gated_attention_kernel")
+    check_sass_and_exports(path, arch, FUNCTION_NAMES, kernels)
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
@@ -201,6 +204,68 @@ def test_module_loads_and_checks_arguments(tmp_path: Path) -> None:
         mod["qk_norm_rope_kv"](
             q, k, k, one.half(), one, cos, cos, pos, slots, kc, kc, torch.empty(6, 4, 16), 1e-6
         )
+    # gated_attention(q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)
+    qa, kca = torch.zeros(6, 4, 32, dtype=torch.bfloat16), torch.zeros(3, 10, 2, 32, dtype=torch.bfloat16)
+    outa, ws = torch.empty(6, 128, dtype=torch.bfloat16), torch.empty(0)
+    with pytest.raises(ValueError, match="CUDA device"):
+        mod["gated_attention"](qa, kca, kca, qa, pos, slots, outa, ws, ws, 10, 256, 0.1)
+    with pytest.raises(ValueError, match="head_dim must be"):
+        mod["gated_attention"](q, kc, kc, q, pos, slots, torch.empty(6, 64), ws, ws, 10, 256, 0.1)
+    with pytest.raises(TypeError, match="q's dtype"):
+        mod["gated_attention"](qa, kca.float(), kca, qa, pos, slots, outa, ws, ws, 10, 256, 0.1)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mod["gated_attention"](qa, kca, kca, qa, pos, slots, outa, ws, ws, 10, 100, 0.1)
+    with pytest.raises(ValueError, match="ws_o must be"):  # 300 keys in splits of 256: two splits
+        mod["gated_attention"](qa, kca, kca, qa, pos, slots, outa, ws, ws, 300, 256, 0.1)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        mod["gated_attention"](qa[:, :3], kca, kca, qa[:, :3], pos, slots, outa, ws, ws, 10, 256, 0.1)
+
+
+def test_attention_split_keys() -> None:
+    """One split up to 256 keys; beyond, at most 16 splits of whole 32-key stages."""
+    assert [attention_split_keys(k) for k in (1, 16, 256, 257, 4096)] == [256] * 5
+    assert attention_split_keys(4097) == 288
+    for max_keys in (1, 255, 256, 257, 1000, 4096, 4097, 10_000, 131_072, 262_145):
+        sk = attention_split_keys(max_keys)
+        assert sk % 32 == 0 and sk >= 256
+        assert -(-max_keys // sk) <= 16
+    with pytest.raises(ValueError, match="max_keys"):
+        attention_split_keys(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gated_attention_reference_matches_masked_sdpa(dtype: torch.dtype) -> None:
+    """The oracle of ``gated_attention`` against the executor's own formulation (gathered caches, a
+    [L, 1, rep * n, T] mask at each row's position, SDPA over the kv heads' grouped rows, the sigmoid
+    gate), in float64: each lane reads its own slot, each column only keys up to its position."""
+    g = torch.Generator().manual_seed(7)
+    lanes, n, heads, kv, hd, cap, num_slots = 3, 4, 6, 2, 16, 24, 5
+    rep, rows = heads // kv, lanes * n
+    q = torch.randn(rows, heads, hd, generator=g).to(dtype)
+    kc = torch.randn(num_slots, cap, kv, hd, generator=g).to(dtype)
+    vc = torch.randn(num_slots, cap, kv, hd, generator=g).to(dtype)
+    gate = torch.randn(rows, heads, 2 * hd, generator=g).to(dtype)[..., hd:]  # strided, as qg[..., hd:]
+    slots = torch.tensor([4, 0, 2])
+    past = torch.tensor([3, 11, 0])
+    pos = (past[:, None] + torch.arange(n)[None, :]).reshape(-1)
+    got = gated_attention_reference(q, kc, vc, gate, pos, slots)
+    bucket = int(pos.max()) + 1
+    keys = kc[:, :bucket].index_select(0, slots).transpose(1, 2).double()  # [L, kv, T, hd]
+    values = vc[:, :bucket].index_select(0, slots).transpose(1, 2).double()
+    mask = torch.arange(bucket)[None, None, :] <= pos.view(lanes, n)[:, :, None]
+    mask = mask[:, None].expand(lanes, rep, n, bucket).reshape(lanes, 1, rep * n, bucket)
+    qq = q.double().view(lanes, n, kv, rep, hd).permute(0, 2, 3, 1, 4).reshape(lanes, kv, rep * n, hd)
+    o = torch.nn.functional.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=hd**-0.5)
+    o = o.view(lanes, kv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(rows, heads * hd).to(dtype)
+    want = o * torch.sigmoid(gate.reshape(rows, heads * hd))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
+    # a change to a key past a row's position changes nothing for it
+    kc2 = kc.clone()
+    kc2[4, 4] = 100.0  # lane 0 (slot 4): position 4 is column 1's and later
+    got2 = gated_attention_reference(q, kc2, vc, gate, pos, slots)
+    torch.testing.assert_close(got2[:1], got[:1], atol=0, rtol=0)
+    assert not torch.equal(got2[1:4], got[1:4])
 
 
 # --------------------------------------------------------------------------------------------

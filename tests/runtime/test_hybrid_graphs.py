@@ -794,6 +794,63 @@ def test_fused_mixers_path_matches_hybrid_executor(
     )
 
 
+def _emulated_attention_module(calls: list[str]) -> dict:
+    """The mixers' CPU models plus ``gated_attention`` served by its oracle, with the module's calling
+    convention (out written in place) and its workspace contract checked."""
+    from ignis.compiler.kernels.fused_mixers import attention_split_keys, gated_attention_reference
+
+    def attention(q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale):
+        rows, heads, hd = q.shape
+        assert q.is_contiguous() and gate.stride(-1) == 1 and out.shape == (rows, heads * hd)
+        assert int(pos.max()) < max_keys and split_keys == attention_split_keys(max_keys)
+        splits = -(-max_keys // split_keys)
+        assert ws_o.numel() == 0 if splits == 1 else ws_o.shape[2] == ws_ml.shape[2] == splits
+        assert scale == hd**-0.5
+        out.copy_(gated_attention_reference(q, kc, vc, gate, pos, slots))
+        calls.append("gated_attention")
+
+    return {**_emulated_mixers_module(calls), "gated_attention": attention}
+
+
+def test_gated_attention_path_matches_the_sdpa_path(tiny: TinyHybrid) -> None:
+    """bf16 static rounds whose attention runs through the module's ``gated_attention`` (served by its
+    oracle) against the same rounds through SDPA: logits and the KV caches of later layers agree to
+    bf16 rounding carried through the layers; a module without the export keeps SDPA."""
+    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+
+    c = tiny.config
+    vocab = c.vocab_size
+    n_attn = sum(c.is_full_attention(i) for i in range(c.num_hidden_layers))
+    bf = {"dtype": torch.bfloat16, "max_lanes": 3}
+    st, plain = static(tiny, **bf), static(tiny, **bf)
+    calls: list[str] = []
+    st._mixers_kernel = FusedMixersKernel(_emulated_attention_module(calls))  # the setter wants CUDA
+    plain._mixers_kernel = FusedMixersKernel(_emulated_mixers_module([]))
+    assert st.mixers_module.has_gated_attention and not plain.mixers_module.has_gated_attention
+    head, cols = tokens(9, 31, vocab), tokens(8, 32, vocab)
+    lanes, pl = [st.new_lane(), st.new_lane()], [plain.new_lane(), plain.new_lane()]
+    for ex, ls in ((st, lanes), (plain, pl)):
+        ex.forward(ls, [head, head[:4]], record=False)
+        ex.commit(ls, [9, 4])
+    calls.clear()
+    for shape, keeps in (((8, 3), (5, 2)), ((2, 5), (2, 5)), ((1, 1), (1, 0))):
+        columns = [cols[: shape[0]], cols[3 : 3 + shape[1]]]
+        calls.clear()
+        a = st.forward(lanes, columns, output_hidden_states=True)
+        b = plain.forward(pl, columns, output_hidden_states=True)
+        assert calls.count("gated_attention") == n_attn
+        for la, lb in zip(a.logits, b.logits, strict=True):  # bf16 rounding through the layers
+            torch.testing.assert_close(la, lb, atol=0.15, rtol=0.05)
+        st.commit(lanes, list(keeps))
+        plain.commit(pl, list(keeps))
+        for x, y in zip(lanes, pl, strict=True):
+            assert x.num_tokens == y.num_tokens
+            for layer in range(c.num_hidden_layers):
+                if c.is_full_attention(layer):
+                    for kx, ky in zip(x.kv(layer), y.kv(layer), strict=True):
+                        torch.testing.assert_close(kx, ky, atol=0.15, rtol=0.05)
+
+
 def _mixers_module_path() -> str | None:
     """$IGNIS_MIXERS_MODULE, else a build for this GPU's arch with nvcc, else None."""
     return module_path("IGNIS_MIXERS_MODULE", "fused_mixers", "build_fused_mixers")
@@ -824,6 +881,10 @@ def test_cuda_graphs_with_the_fused_mixers(
     eager = HybridExecutor(tiny.config, tiny.canonical_tensors(), device="cuda", dtype=dtype)
     assert fused.cuda_graphs == plain.cuda_graphs == graphs and fused.mixers_module is not None
     same, tol = gpu_tolerances(dtype)
+    if dtype != torch.float32 and fused.mixers_module.has_gated_attention:
+        # the fused attention rounds P to bf16 and sums in another order than cuDNN's SDPA: fused and
+        # plain rounds agree to the tolerance both keep against the eager executor
+        same = tol
     exs = (fused, plain, eager)
     lanes = prefill_on_gpu(exs, vocab, 40)
     replays0 = fused.num_replays  # the prefill's chunks (graphed)
@@ -851,6 +912,82 @@ def test_cuda_graphs_with_the_fused_mixers(
     commit_every_k_on_gpu(fused, eager, c, vocab, range(9), 87, tol=tol, kv=True)
     plain.mixers_module = path  # set after captures: recaptured with the mixers
     recaptured_matches(exs, lanes, vocab, 600, same)
+
+
+_ATTN_CASES = [  # (lanes, n, heads, kv_heads, hd, max_keys, pasts): 1 split, several, 16, 27B-shaped
+    (3, 1, 4, 2, 32, 40, (0, 17, 39)),
+    (2, 8, 4, 4, 64, 700, (5, 690)),
+    (3, 5, 8, 2, 128, 300, (250, 3, 290)),
+    (1, 32, 24, 4, 256, 96, (60,)),
+    (2, 8, 24, 4, 256, 5000, (4990, 1200)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", _ATTN_CASES, ids=lambda c: f"L{c[0]}n{c[1]}h{c[2]}kv{c[3]}d{c[4]}k{c[5]}")
+def test_compiled_gated_attention_matches_its_reference(dtype: torch.dtype, case: tuple) -> None:
+    """The compiled ``gated_attention`` against its oracle (attention in float32 rounded once, the
+    torch path's gate): one split, several and sixteen (the combine kernel), every head_dim, GQA
+    groups of 1 to 6, 1 to 32 columns, lanes in permuted slots and one whose slot is out of range
+    (zeros); a stale cache row past every position changes nothing; a captured graph replays it."""
+    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+
+    path = _mixers_module_path()
+    if path is None:
+        pytest.skip("no compiled mixers module ($IGNIS_MIXERS_MODULE) and no nvcc")
+    mixers = FusedMixersKernel(path)
+    if not mixers.has_gated_attention:
+        pytest.skip("this mixers module predates gated_attention")
+    lanes, n, heads, kv, hd, max_keys, pasts = case
+    rows, num_slots = lanes * n, lanes + 2
+    gen = torch.Generator().manual_seed(hd + lanes * 7 + n)
+    q = torch.randn(rows, heads, hd, generator=gen).to(dtype).cuda()
+    kc = torch.randn(num_slots, max_keys + 8, kv, hd, generator=gen).to(dtype).cuda()
+    vc = torch.randn(num_slots, max_keys + 8, kv, hd, generator=gen).to(dtype).cuda()
+    gate = torch.randn(rows, heads, 2 * hd, generator=gen).to(dtype).cuda()[..., hd:]
+    slots = torch.tensor([num_slots - 1 - i for i in range(lanes)], device="cuda")
+    pos = torch.tensor(
+        [min(p + c, max_keys - 1) for p in pasts for c in range(n)], dtype=torch.int64, device="cuda"
+    )
+    scale = hd**-0.5
+    got = mixers.gated_attention(q, kc, vc, gate, pos, slots, max_keys, scale)
+    want = gated_attention_reference_cpu(q, kc, vc, gate, pos, slots)
+    tol = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {"atol": 4e-3, "rtol": 4e-3}
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    assert (got.float().cpu() - want.float()).abs().mean() < tol["atol"] / 6
+    # rows past every position and the slots no lane holds are never read (NaN there changes nothing)
+    for cache in (kc, vc):
+        cache[:, max_keys:] = float("nan")
+        cache[0] = float("nan")
+    again = mixers.gated_attention(q, kc, vc, gate, pos, slots, max_keys, scale)
+    assert torch.equal(again, got)
+    # an out-of-range slot reads no keys: zeros for its rows, the other lanes unchanged
+    bad = slots.clone()
+    bad[0] = num_slots + 3
+    zero = mixers.gated_attention(q, kc, vc, gate, pos, bad, max_keys, scale)
+    assert torch.all(zero[:n] == 0) and torch.equal(zero[n:], got[n:])
+    # CUDA graph: captured once, replayed over new queries
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mixers.gated_attention(q, kc, vc, gate, pos, slots, max_keys, scale)  # warm-up outside capture
+        with torch.cuda.graph(g):
+            captured = mixers.gated_attention(q, kc, vc, gate, pos, slots, max_keys, scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    q.copy_(torch.randn(rows, heads, hd, generator=gen).to(dtype))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, mixers.gated_attention(q, kc, vc, gate, pos, slots, max_keys, scale))
+
+
+def gated_attention_reference_cpu(q, kc, vc, gate, pos, slots):
+    """`gated_attention_reference` on the CPU copies (only the slots the lanes read)."""
+    from ignis.compiler.kernels.fused_mixers import gated_attention_reference
+
+    return gated_attention_reference(q.cpu(), kc.cpu(), vc.cpu(), gate.cpu(), pos.cpu(), slots.cpu())
 
 
 class _Loaded(Exception):
