@@ -68,6 +68,7 @@ __all__ = [
     "attention_split_keys",
     "build_fused_mixers",
     "gated_attention_reference",
+    "gated_attention_smem_bytes",
     "gdn_conv_silu_emulated",
     "gdn_conv_silu_reference",
     "qk_norm_rope_kv_emulated",
@@ -227,6 +228,14 @@ def qk_norm_rope_kv_emulated(
     keys = _rope_emulated(_head_norm_emulated(k, wk, eps), cos, sin, dtype)
     kc[slot_rows[ok], pos[ok]] = keys[ok]
     vc[slot_rows[ok], pos[ok]] = v[ok]
+
+
+def gated_attention_smem_bytes(head_dim: int, element_bytes: int = 2) -> int:
+    """Dynamic shared memory (bytes) of one ``gated_attention`` block (``gated_attention_smem_bytes`` in
+    gated_attention.cuh): 64 query rows and two stages of 32 keys and 32 values, rows of head_dim + 8
+    elements -- 101,376 bytes at head_dim 256 in bf16 / f16, the 99 KiB a block that sm_86 / sm_89 /
+    sm_120 cards allow at most."""
+    return (64 + 4 * 32) * (head_dim + 8) * element_bytes
 
 
 def attention_split_keys(max_keys: int) -> int:

@@ -122,7 +122,7 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
 template <typename T>
 __device__ __forceinline__ float gated(float o, float g) {
   using Tr = AttnTraits<T>;
-  const float sg = Tr::to_f(Tr::from_f(1.f / (1.f + __expf(-g))));
+  const float sg = Tr::to_f(Tr::from_f(__frcp_rn(1.f + __expf(-g))));  // == 1.f / (1 + e), rounded
   return Tr::to_f(Tr::from_f(o)) * sg;
 }
 
@@ -161,15 +161,15 @@ __global__ void __launch_bounds__(kWarps * 32) gated_attention_kernel(Params p) 
   const int64_t k0 = static_cast<int64_t>(split) * p.split_keys;
   const int64_t k1 = slot_ok ? min(k0 + p.split_keys, kend) : k0;  // an unknown slot reads nothing
 
-  // The block's query rows into shared memory (rows past R zero).
+  // The block's valid query rows into shared memory (padding rows stay unset: their scores are
+  // masked to -inf below whatever the bytes hold, and they are never stored).
   const T* q = static_cast<const T*>(p.q);
-  for (int i = threadIdx.x; i < kRowsPerBlock * PIECES; i += kWarps * 32) {
+  const int blk_rows = max(0, min(kRowsPerBlock, R - mg * kRowsPerBlock));
+  for (int i = threadIdx.x; i < blk_rows * PIECES; i += kWarps * 32) {
     const int row = i / PIECES, piece = i % PIECES;
     const int rr = mg * kRowsPerBlock + row;
-    const bool ok = rr < R;
-    const int c = ok ? rr / p.rep : 0, e = ok ? rr % p.rep : 0;
-    const T* src = q + ((static_cast<int64_t>(l) * p.n + c) * p.heads + h * p.rep + e) * HD + piece * 8;
-    cp_async16_zfill(sq_a + (row * LD + piece * 8) * sizeof(T), ok ? src : q, ok);
+    const T* src = q + ((static_cast<int64_t>(l) * p.n + rr / p.rep) * p.heads + h * p.rep + rr % p.rep) * HD + piece * 8;
+    cp_async16_zfill(sq_a + (row * LD + piece * 8) * sizeof(T), src, true);
   }
   const T* kc = static_cast<const T*>(p.kc) + (slot_ok ? slot : 0) * p.kc_slot + h * p.kc_head;
   const T* vc = static_cast<const T*>(p.vc) + (slot_ok ? slot : 0) * p.vc_slot + h * p.vc_head;
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(kWarps * 32) gated_attention_kernel(Params p) 
       if (rr >= R) continue;
       const int64_t r = r_lane + rr / p.rep;
       const int hq = h * p.rep + rr % p.rep;
-      const float sum = l_run[i];
+      const float inv = l_run[i] > 0.f ? __frcp_rn(l_run[i]) : 0.f;  // one reciprocal a row
       const T* __restrict__ gr = gate + r * p.g_row + hq * p.g_head;
       T* __restrict__ orow = out + (r * p.heads + hq) * HD;
       // 8 n-tiles at a time: their gate loads all issued before any store (one memory round trip a
@@ -318,8 +318,8 @@ __global__ void __launch_bounds__(kWarps * 32) gated_attention_kernel(Params p) 
 #pragma unroll
         for (int j = 0; j < G; ++j) {
           const int e = 8 * (j0 + j) + 2 * t;
-          const float y0 = gated<T>(sum > 0.f ? o[j0 + j][2 * i] / sum : 0.f, Tr::to_f(g0[j]));
-          const float y1 = gated<T>(sum > 0.f ? o[j0 + j][2 * i + 1] / sum : 0.f, Tr::to_f(g1[j]));
+          const float y0 = gated<T>(o[j0 + j][2 * i] * inv, Tr::to_f(g0[j]));
+          const float y1 = gated<T>(o[j0 + j][2 * i + 1] * inv, Tr::to_f(g1[j]));
           *reinterpret_cast<uint32_t*>(orow + e) = Tr::pack(y0, y1);
         }
       }

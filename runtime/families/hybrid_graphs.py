@@ -330,16 +330,24 @@ class FusedMixersKernel(_ModuleFunctions):
         """Whether the module exports ``gated_attention`` (modules built before it do not)."""
         return "gated_attention" in self.funcs
 
-    def gated_attention_takes(self, dtype: torch.dtype, head_dim: int) -> bool:
+    def gated_attention_takes(
+        self, dtype: torch.dtype, head_dim: int, device: torch.device | None = None
+    ) -> bool:
         """Whether `gated_attention` serves a layer of this dtype and head_dim (bf16 / f16; head_dim
-        32, 64, 128 or 256) in this module."""
-        from ignis.compiler.kernels.fused_mixers import GATED_ATTENTION_HEAD_DIMS
+        32, 64, 128 or 256) in this module, on `device` (a CUDA device whose blocks may hold its
+        shared memory: `gated_attention_smem_bytes`; not checked for other devices)."""
+        from ignis.compiler.kernels.fused_mixers import GATED_ATTENTION_HEAD_DIMS, gated_attention_smem_bytes
 
-        return (
+        if not (
             self.has_gated_attention
             and dtype in (torch.bfloat16, torch.float16)
             and head_dim in GATED_ATTENTION_HEAD_DIMS
-        )
+        ):
+            return False
+        if device is not None and device.type == "cuda":
+            limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+            return gated_attention_smem_bytes(head_dim) <= limit
+        return True
 
     def gated_attention(
         self,
@@ -1194,7 +1202,7 @@ class StaticHybridExecutor(HybridExecutor):
                 valid = eager[2]
                 kc[slot_rows[valid], pos_rows[valid]] = k[valid]
                 vc[slot_rows[valid], pos_rows[valid]] = v[valid]
-        if mixers is not None and mixers.gated_attention_takes(x.dtype, hd):  # one launch: no gathers
+        if mixers is not None and mixers.gated_attention_takes(x.dtype, hd, x.device):  # no gathers
             gate3 = qg[..., hd:]  # [rows, nh, hd], hd contiguous
             o = mixers.gated_attention(q, kc, vc, gate3, pos_rows, slots, bucket, hd**-0.5)
             return linear(o, a.o_proj, a.o_bias)

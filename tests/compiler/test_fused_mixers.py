@@ -18,6 +18,7 @@ from ignis.compiler.kernels.fused_mixers import (
     attention_split_keys,
     build_fused_mixers,
     gated_attention_reference,
+    gated_attention_smem_bytes,
     gdn_conv_silu_emulated,
     gdn_conv_silu_reference,
     qk_norm_rope_kv_emulated,
@@ -219,6 +220,30 @@ def test_module_loads_and_checks_arguments(tmp_path: Path) -> None:
         mod["gated_attention"](qa, kca, kca, qa, pos, slots, outa, ws, ws, 300, 256, 0.1)
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         mod["gated_attention"](qa[:, :3], kca, kca, qa[:, :3], pos, slots, outa, ws, ws, 10, 256, 0.1)
+
+
+def test_gated_attention_needs_a_device_that_holds_its_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """101,376 bytes a block at head_dim 256 (the 99 KiB of sm_86 / sm_89 / sm_120 cards); the executor
+    keeps SDPA on a device whose blocks cannot hold it, and for float32 or another head_dim."""
+    from types import SimpleNamespace
+
+    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+
+    assert gated_attention_smem_bytes(256) == 101_376 == 99 * 1024
+    assert gated_attention_smem_bytes(64) == 27_648
+    mix = FusedMixersKernel({"gdn_conv_silu": None, "qk_norm_rope_kv": None, "gated_attention": None})
+    cuda = torch.device("cuda", 0)
+    props = SimpleNamespace(shared_memory_per_block_optin=65_536)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert not mix.gated_attention_takes(torch.bfloat16, 256, cuda)
+    assert mix.gated_attention_takes(torch.bfloat16, 64, cuda)
+    props.shared_memory_per_block_optin = 101_376
+    assert mix.gated_attention_takes(torch.float16, 256, cuda)
+    assert not mix.gated_attention_takes(torch.float32, 64, cuda)
+    assert not mix.gated_attention_takes(torch.bfloat16, 96, cuda)
+    assert mix.gated_attention_takes(torch.bfloat16, 256)  # CPU stand-ins: not checked
+    old = FusedMixersKernel({"gdn_conv_silu": None, "qk_norm_rope_kv": None})  # built before it
+    assert not old.has_gated_attention and not old.gated_attention_takes(torch.bfloat16, 256)
 
 
 def test_attention_split_keys() -> None:
