@@ -112,9 +112,23 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   raise ValueError, dtypes TypeError; they allocate nothing and run on the caller's CUDA stream
   (capturable in a CUDA graph).
 
+* `gated_attention`, abi 1 (the same library as `gdn_conv_silu`; `ignis.compiler.kernels.fused_mixers`,
+  `gated_attention.cuh`; target kind "cuda"; sm_80+): `name(q[rows, H, D], kc[S, cap, Hkv, D],
+  vc[S, cap, Hkv, D], gate[rows, H, D], pos int64[rows], slots int64[L], out[rows, H * D],
+  ws_o f32[L, Hkv, splits, r_pad, D], ws_ml f32[L, Hkv, splits, r_pad, 2], max_keys: int,
+  split_keys: int, scale: float)`, rows = L * n, q, kc, vc, gate, out of one dtype from `dtypes`
+  (bfloat16 / float16; q and out contiguous, the others with D contiguous): per row r of lane l
+  `out[r, h] = round(round(softmax_t(q[r, h] . kc[slots[l], t, h // (H / Hkv)] * scale) vc[..]) *
+  round(sigmoid(gate[r, h])))` over keys t <= pos[r], t < max_keys (fp32 sums, the probabilities
+  rounded to the dtype before the value product); splits = ceil(max_keys / split_keys), split_keys a
+  multiple of 32, r_pad = (H / Hkv) n rounded up to 64 (the workspace is read only when splits > 1).
+  Limits: D in 32 / 64 / 128 / 256, H a multiple of Hkv; a lane whose slot is out of range gets
+  zeros; wrong shapes or devices raise ValueError, dtypes TypeError; allocates nothing; runs on the
+  caller's CUDA stream (capturable in a CUDA graph).
+
 Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, `gdn_conv_silu`,
-`qk_norm_rope_kv`, after `topk`) are refused by a reader that predates them (a `ManifestError` naming
-`kernels[i].kind`).
+`qk_norm_rope_kv`, `gated_attention`, after `topk`) are refused by a reader that predates them (a
+`ManifestError` naming `kernels[i].kind`).
 
 Versions: version 2 added `kernels`. A reader of version 2 reads version 1 manifests (no `kernels` key;
 a version 1 manifest holding one is refused as an unknown key), as a manifest without kernels;
@@ -182,6 +196,7 @@ KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
         "gated_rms_norm": 1,
         "gdn_conv_silu": 1,
         "qk_norm_rope_kv": 1,
+        "gated_attention": 1,
     }
 )
 KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
@@ -192,6 +207,7 @@ KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
         "gated_rms_norm": "cuda",
         "gdn_conv_silu": "cuda",
         "qk_norm_rope_kv": "cuda",
+        "gated_attention": "cuda",
     }
 )
 

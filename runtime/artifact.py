@@ -418,8 +418,9 @@ class Artifact:
 
     def mixers_module(self) -> Any:
         """The artifact's fused mixer pieces (the manifest's `kernels` entries of kinds
-        "gdn_conv_silu" and "qk_norm_rope_kv", one library), loaded once with the lean TVM runtime;
-        what `StaticHybridExecutor` takes as its `mixers_module`.
+        "gdn_conv_silu" and "qk_norm_rope_kv", one library, and "gated_attention" from that library
+        when listed), loaded once with the lean TVM runtime; what `StaticHybridExecutor` takes as its
+        `mixers_module`.
 
         Returns:
             A `ignis.runtime.families.hybrid_graphs.FusedMixersKernel` over the two functions, or
@@ -435,7 +436,11 @@ class Artifact:
             from ignis.runtime.tvm_runtime import load_module
 
             module = load_module(path, cuda=True)
-            return FusedMixersKernel({"gdn_conv_silu": module[conv.name], "qk_norm_rope_kv": module[qk.name]})
+            funcs = {"gdn_conv_silu": module[conv.name], "qk_norm_rope_kv": module[qk.name]}
+            attn = self.manifest.kernel("gated_attention")  # optional: artifacts built since session 7
+            if attn is not None and attn.file == conv.file:
+                funcs["gated_attention"] = module[attn.name]
+            return FusedMixersKernel(funcs)
 
         return self._kernel_library(
             "fused_mixers",

@@ -43,10 +43,11 @@ Which functions, per card:
     linear_key_head_dim <= 256, value heads a multiple of key heads);
   - `modules/<card>/fused_norms.so` (`fused_norms.build_fused_norms`, kinds `add_rms_norm` and
     `gated_rms_norm`): the hybrid families' fused residual-add + RMSNorm and gated RMSNorm;
-  - `modules/<card>/fused_mixers.so` (`fused_mixers.build_fused_mixers`, kinds `gdn_conv_silu` and
-    `qk_norm_rope_kv`): the hybrid families' GDN conv1d + SiLU and attention q/k norm + RoPE + KV
-    write, when the kernels take the config's shapes (`mixers_kernel_fits`: conv taps 2..8,
-    head_dim <= 1024, an even rotary dim).
+  - `modules/<card>/fused_mixers.so` (`fused_mixers.build_fused_mixers`, kinds `gdn_conv_silu`,
+    `qk_norm_rope_kv` and `gated_attention`): the hybrid families' GDN conv1d + SiLU, attention
+    q/k norm + RoPE + KV write and the gated attention itself (bf16 / f16 only; head_dims it does not
+    take keep SDPA at run time), when the kernels take the config's shapes (`mixers_kernel_fits`:
+    conv taps 2..8, head_dim <= 1024, an even rotary dim).
 
   Each exports its functions for float32, bfloat16 and float16 inputs (compiling one dtype would
   save ~13 % of the top-k's nvcc time, 11.5 s against 13.2 s for sm_90 on the 2-core build host:
@@ -114,13 +115,15 @@ class KernelLibrary:
             `function({"kind": "cuda", "arch": arch}, out_path=dest)` (nvcc, SASS for that arch).
         exports: (manifest kernel kind, exported symbol) per function the library exports; one
             manifest `kernels` entry each.
-        dtypes: the input dtypes every export takes (ascending).
+        dtypes: the input dtypes every export takes (ascending), unless `export_dtypes` names them.
+        export_dtypes: (manifest kernel kind, its dtypes) for exports that take fewer.
     """
 
     file: str
     builder: str
     exports: tuple[tuple[str, str], ...]
     dtypes: tuple[str, ...] = _ALL_DTYPES
+    export_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 #: Non-linear kernel libraries a CUDA card may get (`select_kernels` picks them per model):
@@ -139,7 +142,12 @@ KERNELS: dict[str, KernelLibrary] = {
     "fused_mixers": KernelLibrary(
         "fused_mixers.so",
         "fused_mixers:build_fused_mixers",
-        (("gdn_conv_silu", "gdn_conv_silu"), ("qk_norm_rope_kv", "qk_norm_rope_kv")),
+        (
+            ("gdn_conv_silu", "gdn_conv_silu"),
+            ("qk_norm_rope_kv", "qk_norm_rope_kv"),
+            ("gated_attention", "gated_attention"),
+        ),
+        export_dtypes=(("gated_attention", ("bfloat16", "float16")),),
     ),
 }
 
@@ -499,7 +507,7 @@ def _kernel_entries(kind: str, rel: str, plan: ModulePlan) -> list[KernelEntry]:
             abi=KERNEL_ABIS[entry_kind],
             file=rel,
             target=dict(plan.target),
-            dtypes=lib.dtypes,
+            dtypes=dict(lib.export_dtypes).get(entry_kind, lib.dtypes),
         )
         for entry_kind, symbol in lib.exports
     ]

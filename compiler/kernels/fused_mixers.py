@@ -259,19 +259,24 @@ def gated_attention_reference(q: Any, kc: Any, vc: Any, gate: Any, pos: Any, slo
     ``gated_attention``): q [rows, heads, hd], gate [rows, heads, hd] (any strides), kc / vc
     [S, cap, kv_heads, hd], pos [rows] and slots [L] int64 (rows = L * n), one dtype. Returns
     ``round(round(softmax(q K^T * hd^-0.5, keys t <= pos) V) * round(sigmoid(gate)))`` as
-    [rows, heads * hd] in q's dtype, attention computed in float32 (rounded once, as SDPA's output)."""
+    [rows, heads * hd] in q's dtype, attention computed in float32 (rounded once, as SDPA's output);
+    zeros for a lane whose slot is out of range or a row with no key (pos < 0), as the kernel."""
     import torch
 
     rows, heads, hd = q.shape
     lanes = slots.shape[0]
     n, kv_heads = rows // lanes, kc.shape[2]
     rep = heads // kv_heads
-    out = torch.empty(rows, heads, hd, dtype=q.dtype, device=q.device)
+    out = torch.zeros(rows, heads, hd, dtype=q.dtype, device=q.device)
     for li in range(lanes):
         s = int(slots[li])
+        if not 0 <= s < kc.shape[0]:  # an unknown slot reads no keys: zeros, as the kernel
+            continue
         for c in range(n):
             r = li * n + c
-            t = int(pos[r]) + 1
+            t = max(0, min(int(pos[r]) + 1, kc.shape[1]))
+            if t == 0:
+                continue
             keys = kc[s, :t].float().repeat_interleave(rep, dim=1)  # [t, heads, hd]
             values = vc[s, :t].float().repeat_interleave(rep, dim=1)
             scores = torch.einsum("he,the->ht", q[r].float(), keys) * hd**-0.5

@@ -54,6 +54,7 @@ struct Params {
   int64_t kc_slot, kc_pos, kc_head, vc_slot, vc_pos, vc_head;
   int64_t g_row, g_head;
   int64_t capacity;
+  int64_t max_keys;  // keys 0 .. max_keys - 1 are read at most (the caller's KV bucket)
   int num_slots;
   int n, heads, kv_heads, rep;  // rows = L * n; rep * n query rows a (lane, kv head)
   int r_pad;                    // rep * n rounded up to kRowsPerBlock
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(kWarps * 32) gated_attention_kernel(Params p) 
   const bool slot_ok = slot >= 0 && slot < p.num_slots;
   int64_t kend = 0;  // keys the lane's columns read: 0 .. max position
   for (int c = 0; c < p.n; ++c) kend = max(kend, p.pos[static_cast<int64_t>(l) * p.n + c] + 1);
-  kend = min(kend, p.capacity);
+  kend = min(kend, min(p.capacity, p.max_keys));  // keys from max_keys on are never read
   const int64_t k0 = static_cast<int64_t>(split) * p.split_keys;
   const int64_t k1 = slot_ok ? min(k0 + p.split_keys, kend) : k0;  // an unknown slot reads nothing
 

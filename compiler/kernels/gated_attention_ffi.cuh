@@ -9,9 +9,10 @@
 //                   (contiguous; unused, any shape, when splits = 1), max_keys, split_keys, scale)
 //       one dtype, bf16 or f16, for q, kc, vc, gate and out; hd in {32, 64, 128, 256}; heads a
 //       multiple of kv_heads; splits = ceil(max_keys / split_keys), split_keys a positive multiple of
-//       32, r_pad = (heads / kv_heads) * n rounded up to 64. Every pos[r] < max_keys (the caller's
-//       promise: keys from max_keys on are not read). A lane whose slot is out of range reads no keys
-//       (its output is 0).
+//       32, r_pad = (heads / kv_heads) * n rounded up to 64. Keys from max_keys on are never read (a
+//       row at pos[r] >= max_keys sees keys 0 .. max_keys - 1 only: the caller's KV bucket). A lane
+//       whose slot is out of range reads no keys (its output is 0). Needs sm_80+ (mma.m16n8k16,
+//       cp.async).
 //
 // Launch on the stream tvm-ffi reports for the tensors' device (torch's current stream under
 // tvm_ffi.use_torch_stream(), so CUDA-graph capture works); no allocation. The first launch on a
@@ -148,6 +149,7 @@ inline void gated_attention_launch(const char* name, TensorView q, TensorView kc
   p.g_row = gate.stride(0);
   p.g_head = gate.stride(1);
   p.capacity = kc.size(1);
+  p.max_keys = max_keys;
   p.num_slots = static_cast<int>(kc.size(0) > 2147483647LL ? 2147483647LL : kc.size(0));
   p.n = static_cast<int>(n);
   p.heads = static_cast<int>(heads);
@@ -157,11 +159,12 @@ inline void gated_attention_launch(const char* name, TensorView q, TensorView kc
   p.split_keys = static_cast<int>(split_keys);
   p.splits = static_cast<int>(splits);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  // 16-byte alignment of every row the kernel copies (cp.async 16 bytes)
+  // 16-byte alignment of every row the kernel copies (cp.async 16 bytes); out takes pairs of elements
   for (const TensorView* t : {&q, &kc, &vc}) {
     TVM_FFI_CHECK(reinterpret_cast<uintptr_t>(ptr(*t)) % 16 == 0, ValueError)
         << name << ": q, kc and vc must be 16-byte aligned";
   }
+  TVM_FFI_CHECK(reinterpret_cast<uintptr_t>(ptr(out)) % 4 == 0, ValueError) << name << ": out must be 4-byte aligned";
   TVM_FFI_CHECK(kc.stride(1) % 8 == 0 && kc.stride(2) % 8 == 0 && kc.stride(0) % 8 == 0 && vc.stride(0) % 8 == 0 &&
                     vc.stride(1) % 8 == 0 && vc.stride(2) % 8 == 0,
                 ValueError)

@@ -345,7 +345,10 @@ class FusedMixersKernel(_ModuleFunctions):
         ):
             return False
         if device is not None and device.type == "cuda":
-            limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+            props = torch.cuda.get_device_properties(device)
+            limit = getattr(props, "shared_memory_per_block_optin", None)  # torch >= 2.5
+            if limit is None:
+                limit = getattr(props, "shared_memory_per_block", 48 * 1024)
             return gated_attention_smem_bytes(head_dim) <= limit
         return True
 

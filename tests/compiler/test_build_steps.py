@@ -392,9 +392,9 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
         dflash2=True,
     )
     # the GDN recurrence (1 function), the fused norms (add_rms_norm + gated_rms_norm) and the fused
-    # mixers (gdn_conv_silu + qk_norm_rope_kv)
+    # mixers (gdn_conv_silu + qk_norm_rope_kv + gated_attention)
     assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms", "fused_mixers")
-    assert hybrid.num_functions() == 6
+    assert hybrid.num_functions() == 7
     cpu = plan_modules(
         card="cpu",
         arch="llvm",
@@ -553,6 +553,14 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
         KernelEntry("gated_rms_norm", "gated_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("gdn_conv_silu", "gdn_conv_silu", 1, "modules/h200/fused_mixers.so", target, dtypes),
         KernelEntry("qk_norm_rope_kv", "qk_norm_rope_kv", 1, "modules/h200/fused_mixers.so", target, dtypes),
+        KernelEntry(
+            "gated_attention",
+            "gated_attention",
+            1,
+            "modules/h200/fused_mixers.so",
+            target,
+            ("bfloat16", "float16"),
+        ),
     ]
 
 
@@ -562,7 +570,12 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
         ("topk", "topk", "build_topk", ("topk",)),
         ("gdn_recurrent", "gdn_recurrent", "build_gdn_recurrent", ("gdn_recurrent",)),
         ("fused_norms", "fused_norms", "build_fused_norms", ("add_rms_norm", "gated_rms_norm")),
-        ("fused_mixers", "fused_mixers", "build_fused_mixers", ("gdn_conv_silu", "qk_norm_rope_kv")),
+        (
+            "fused_mixers",
+            "fused_mixers",
+            "build_fused_mixers",
+            ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention"),
+        ),
     ],
 )
 def test_each_kernel_library_calls_its_builder(

@@ -95,7 +95,12 @@ BUILDERS = [
         '#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT(gdn_recurrent)\n',
     ),
     (build_fused_norms, "fused_norms", '#include "fused_norms_ffi.cuh"\n\nIGNIS_FUSED_NORMS_EXPORT()\n'),
-    (build_fused_mixers, "fused_mixers", '#include "fused_mixers_ffi.cuh"\n\nIGNIS_FUSED_MIXERS_EXPORT()\n'),
+    (
+        build_fused_mixers,
+        "fused_mixers",
+        '#include "fused_mixers_ffi.cuh"\n#include "gated_attention_ffi.cuh"\n\n'
+        "IGNIS_FUSED_MIXERS_EXPORT()\nIGNIS_GATED_ATTENTION_EXPORT()\n",
+    ),
 ]
 
 

@@ -285,6 +285,12 @@ def test_gated_attention_reference_matches_masked_sdpa(dtype: torch.dtype) -> No
     want = o * torch.sigmoid(gate.reshape(rows, heads * hd))
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got, want, **tol)
+    # an unknown slot or a row before any key reads nothing: zeros, as the kernel
+    bad = gated_attention_reference(
+        q, kc, vc, gate, pos - torch.tensor([0] * n + [0] * n + [5] * n), torch.tensor([4, 9, 2])
+    )
+    assert torch.all(bad[n:] == 0)
+    torch.testing.assert_close(bad[:n], got[:n], atol=0, rtol=0)
     # a change to a key past a row's position changes nothing for it
     kc2 = kc.clone()
     kc2[4, 4] = 100.0  # lane 0 (slot 4): position 4 is column 1's and later

@@ -511,7 +511,14 @@ def _fake_tvm(monkeypatch: pytest.MonkeyPatch, loaded: list[Path], *, fail: bool
 
     funcs: dict[str, Any] = {
         n: (lambda *args, n=n: None)
-        for n in ("gdn_recurrent", "add_rms_norm", "gated_rms_norm", "gdn_conv_silu", "qk_norm_rope_kv")
+        for n in (
+            "gdn_recurrent",
+            "add_rms_norm",
+            "gated_rms_norm",
+            "gdn_conv_silu",
+            "qk_norm_rope_kv",
+            "gated_attention",
+        )
     }
 
     def load_module(path: Any, *, cuda: bool | None = None) -> dict[str, Any]:
@@ -634,6 +641,30 @@ def test_mixers_module_loads_the_listed_kernels_once(
         assert art.mixers_module() is None
         assert "mixers_module" not in art._hybrid_kernels(torch.bfloat16)
     assert "compiled mixer pieces modules/h200/fused_mixers.so not loaded" in caplog.text
+
+
+def test_mixers_module_takes_the_gated_attention_of_its_library(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An artifact built since the gated attention lists it in the mixers' library: the executor's
+    mixers get it (`has_gated_attention`); listed in another file, or not listed (an artifact built
+    before it), they do not."""
+    bf = ("bfloat16", "float16")
+    loaded: list[Path] = []
+    funcs = _fake_tvm(monkeypatch, loaded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cases = (
+        ((*_MIXERS, ("gated_attention", "fused_mixers.so", bf)), True),
+        ((*_MIXERS, ("gated_attention", "other.so", bf)), False),
+        (_MIXERS, False),
+    )
+    for i, (mixers, expect) in enumerate(cases):
+        a = _with_hybrid_entries(artifact, tmp_path / f"a{i}", mixers=mixers)
+        with load_artifact(a) as art:
+            mod = art.mixers_module()
+            assert mod is not None and mod.has_gated_attention is expect
+            if expect:
+                assert mod.funcs["gated_attention"] is funcs["gated_attention"]
 
 
 @pytest.mark.parametrize(
@@ -818,6 +849,10 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
                 got = out.logits[0].float()
                 torch.testing.assert_close(got, torch.stack(rows[1:9]), atol=0.15, rtol=0.05)
             assert calls, "the static rounds did not call the artifact's GDN kernel"
-            assert sorted(mixer_calls) == ["gdn_conv_silu", "qk_norm_rope_kv"], (
-                f"the static rounds did not call both fused mixers: {mixer_calls}"
+            # the gated attention (an artifact built since session 7) serves bf16 / f16 rounds only
+            expect = ["gdn_conv_silu", "qk_norm_rope_kv"]
+            if mixers.has_gated_attention and dtype != torch.float32:
+                expect = ["gated_attention", *expect]
+            assert sorted(mixer_calls) == expect, (
+                f"the static rounds did not call the fused mixers: {mixer_calls}"
             )

@@ -920,6 +920,8 @@ _ATTN_CASES = [  # (lanes, n, heads, kv_heads, hd, max_keys, pasts): 1 split, se
     (3, 5, 8, 2, 128, 300, (250, 3, 290)),
     (1, 32, 24, 4, 256, 96, (60,)),
     (2, 8, 24, 4, 256, 5000, (4990, 1200)),
+    (1, 32, 24, 4, 256, 5000, (4900,)),  # 3 row groups x 16 splits
+    (2, 4, 4, 2, 32, 700, (650, 300)),  # head_dim 32, 3 splits
 ]
 
 
@@ -956,7 +958,10 @@ def test_compiled_gated_attention_matches_its_reference(dtype: torch.dtype, case
     want = gated_attention_reference_cpu(q, kc, vc, gate, pos, slots)
     tol = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {"atol": 4e-3, "rtol": 4e-3}
     torch.testing.assert_close(got.cpu(), want, **tol)
-    assert (got.float().cpu() - want.float()).abs().mean() < tol["atol"] / 6
+    # relative to the output's own size (long contexts average to small outputs, where an absolute
+    # tolerance would let a dropped split pass): bf16 / f16 rounding of o, P and the gate
+    rel = float((got.float().cpu() - want.float()).norm() / want.float().norm())
+    assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
     # rows past every position and the slots no lane holds are never read (NaN there changes nothing)
     for cache in (kc, vc):
         cache[:, max_keys:] = float("nan")
