@@ -168,6 +168,13 @@ def test_build_rejects_non_cuda_targets() -> None:
         build_fused_mixers({"kind": "cuda", "arch": "gfx90a"})
 
 
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc (the arch is checked after nvcc is found)")
+def test_build_refuses_archs_before_sm_80() -> None:
+    """The gated attention's mma.m16n8k16 and cp.async need sm_80: an older arch is refused by name."""
+    with pytest.raises(FusedMixersError, match="sm_80 or newer, got 'sm_75'"):
+        build_fused_mixers("sm_75")
+
+
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_build_emits_sass_and_both_exports(arch: str, tmp_path: Path) -> None:
