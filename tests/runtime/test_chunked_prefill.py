@@ -18,15 +18,14 @@ chunks frees the lane's state and the drafter's lane; the knob is validated with
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
-import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+import toy_executor as toy
 
 from ignis.runtime.drafters.base import BaseDrafter, CommittedSpan, DraftRequest
 from ignis.runtime.drafters.testing import ModelDrafter, always_right, always_wrong
@@ -38,20 +37,6 @@ from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, LaneScheduler, c
 from ignis.runtime.server.lanes import LaneLoop, RequestHandle, TokenEvent
 from ignis.runtime.server.model import ModelSettings
 
-TESTS = Path(__file__).resolve().parents[1]
-
-
-def _helper(name: str):  # tests/<name>.py by path (tests/ is not a package)
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TESTS / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-toy = _helper("toy_executor")
 VOCAB = 50
 NEAR_TIE_MARGIN = 1e-4
 BUDGETS = (1, 3, 7, 1000)  # 1000: larger than every prompt (one chunk each, still a budget)
@@ -427,19 +412,22 @@ class _Family:
         self.name = name
         self.drafters = {}
         if name == "llama":
+            import hf_tiny
+
             from ignis.compiler.importers import load_checkpoint
 
-            hf_tiny = _helper("hf_tiny")
             folder = hf_tiny.save_tiny(hf_tiny.tiny_model("llama", seed=0), base / "ckpt")
             ckpt = load_checkpoint(folder)
             config, weights = ckpt.config, ckpt.tensors.load_all()
         else:
+            import hf_tiny_hybrid
+
             from ignis.runtime.drafters.dflash2 import build_dflash2_drafter
             from ignis.runtime.drafters.mtp import build_mtp_drafter, load_mtp_checkpoint
             from ignis.runtime.families.qwen3_5 import canonicalize_moe_tensors
             from ignis.tools.make_test_drafter import make_dflash2_drafter, make_mtp_drafter
 
-            tiny = _helper("hf_tiny_hybrid").make_tiny_hybrid(name, base / "target")
+            tiny = hf_tiny_hybrid.make_tiny_hybrid(name, base / "target")
             make_mtp_drafter(tiny.folder, base / "with_mtp", seed=11)
             # a sliding window of 8: the drafter's context is trimmed across the chunks of a prompt
             make_dflash2_drafter(tiny.folder, base / "dflash2", seed=12, sliding_window=8)
