@@ -1068,7 +1068,9 @@ class StaticHybridExecutor(HybridExecutor):
             padded.view(-1),
             pos,
             slots,
-            max(s.num_tokens for s in states) + n,
+            # the keys the real columns read: a lane far into its prompt with a short last chunk
+            # beside a fresh lane with a long one (chunked prefill) must not read past the capacity
+            max(s.num_tokens + n_i for s, n_i in zip(states, lens, strict=True)),
             want_hidden=want_hidden,
             taps=tuple(taps),
             eager=(lens, record, torch.tensor(valid, device=dev), pending),

@@ -531,3 +531,30 @@ def test_pooled_static_hybrid_executor_chunked_equals_unchunked_and_abort_frees_
         engine.step()
     _check_equal(fam.ex, {fam.prompts[0]: engine.pop_result(a).output_token_ids}, fam.refs, "static a")
     assert ex.num_free_lanes == 3
+
+
+@pytest.mark.parametrize("chunked_prefill", [32, 0])
+def test_pooled_executor_near_its_capacity_with_a_short_last_chunk_beside_a_long_one(family, chunked_prefill):
+    """One forward of the fixed-capacity executor can hold a lane far into its prompt (a short last
+    chunk) beside a fresh lane with a long chunk: max_context 100, budget 64, prompts of 70 and 60 --
+    step 2 prefills the first's last 6 tokens (from 64) and the second's first 58 together. The keys
+    read are each lane's own (at most the capacity), and the outputs equal the unchunked run's."""
+    from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+
+    fam = family("qwen3_5")
+    g = torch.Generator().manual_seed(5)
+    prompts = [tuple(torch.randint(3, fam.vocab, (n,), generator=g).tolist()) for n in (70, 60)]
+    outs = {}
+    for budget in (0, 64):
+        ex = StaticHybridExecutor(
+            fam.ex.config,
+            fam.weights,
+            max_lanes=2,
+            max_context=100,
+            kv_bucket=16,
+            chunked_prefill=chunked_prefill,
+        )
+        outs[budget], _, _ = _run(ex, prompts, budget=budget, max_tokens=4)
+    ref, _, _ = _run(fam.ex, prompts, budget=0, max_tokens=4)
+    _check_equal(fam.ex, outs[64], ref, "chunked near the capacity")
+    _check_equal(fam.ex, outs[0], ref, "unchunked near the capacity")
