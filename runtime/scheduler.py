@@ -54,8 +54,9 @@ active lanes wait for at most one such forward per step instead of a whole long 
 multiple of the 64-column chunk of the Gated DeltaNet prefill
 (`ignis.runtime.families.gated_deltanet.GDN_CHUNK_SIZE`), so a prompt prefilled alone keeps that chunk
 grid; when other prompts share a step's budget its chunk boundaries shift with theirs (the same
-columns split differently: float rounding, not a different result). On CPU, where a 2048-token chunk takes seconds, a smaller value (e.g. 256) keeps the other lanes more
-responsive at some cost in prefill throughput.
+columns split differently: float rounding, not a different result). On CPU, where a 2048-token chunk
+takes seconds, a smaller value (e.g. 256) keeps the other lanes more responsive at some cost in
+prefill throughput.
 """
 
 

@@ -367,9 +367,9 @@ class FusedMixersKernel(_ModuleFunctions):
         "gated_attention"): ``round(round(attn(q, K, V)) * round(sigmoid(gate)))`` as
         [rows, heads * hd] in q's dtype (a new tensor). q [rows, heads, hd] contiguous, gate
         [rows, heads, hd] (hd contiguous), kc / vc [S, cap, kv_heads, hd], pos [rows] and slots [L]
-        int64 (rows = L * n); every pos < max_keys (the keys read). Allocates the split workspace
-        (`attention_split_keys`) with torch. Raises ValueError / TypeError (from the module) on
-        shapes, dtypes or devices it does not take."""
+        int64 (rows = L * n); keys from max_keys on (the graph's KV bucket) are never read.
+        Allocates the split workspace (`attention_split_keys`) with torch. Raises ValueError /
+        TypeError (from the module) on shapes, dtypes or devices it does not take."""
         from ignis.compiler.kernels.fused_mixers import attention_split_keys
 
         rows, heads, hd = q.shape
