@@ -87,8 +87,8 @@ class LaneSnapshot:
     after every step and when a request is taken.
 
     Attributes:
-        num_active: lanes decoding or being prefilled (a prompt prefilled in chunks over several steps
-            counts from its first chunk on).
+        num_active: lanes decoding or being prefilled, and requests admitted to a lane (up to
+            max_lanes) whose prefill the step's budget has not reached yet.
         num_waiting: requests queued for a lane.
         spec_samples: the speculative counters as (name, labels, value) (`SpeculativeMetrics.samples`).
     """
