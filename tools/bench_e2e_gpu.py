@@ -828,6 +828,7 @@ def main() -> int:
         "torch": torch.__version__,
         "config": raw,
         "argv": sys.argv,
+        "round_context": ROUND_CONTEXT,  # tokens committed before the timed graphed rounds (--context)
         "not_done": [],
     }
     out_path = args.out / "bench_e2e_gpu.json"
