@@ -143,6 +143,10 @@ def _print_manifest(path: str, m: Any) -> None:
             f"  width {mod.width:>2}: {mod.file} ({mod.route}, {len(mod.functions)} function(s)"
             f"{', dynamic rows' if mod.dynamic_rows else ''})"
         )
+    if m.kernels:  # the compiled non-linear kernels the runtime loads (manifest v2 `kernels`)
+        click.echo(f"kernels: {len(m.kernels)}")
+        for k in m.kernels:
+            click.echo(f"  {k.kind} (abi {k.abi}): {k.file} :: {k.name} [{', '.join(k.dtypes)}]")
     spec = m.profile.get("spec") or {}
     for kind, vals in sorted(spec.items()):
         click.echo(f"profile spec {kind}: {vals}")

@@ -643,6 +643,31 @@ def test_mixers_module_loads_the_listed_kernels_once(
     assert "compiled mixer pieces modules/h200/fused_mixers.so not loaded" in caplog.text
 
 
+def test_inspect_lists_the_kernel_libraries(artifact: Path, tmp_path: Path) -> None:
+    """`ignis-inspect` lists the manifest's compiled kernels (kind, abi, file, symbol, dtypes)."""
+    from click.testing import CliRunner
+
+    from ignis.tools.inspect import main as inspect_cli
+
+    a = _with_hybrid_entries(
+        artifact,
+        tmp_path / "a",
+        mixers=(*_MIXERS, ("gated_attention", "fused_mixers.so", ("bfloat16", "float16"))),
+    )
+    result = CliRunner().invoke(inspect_cli, [str(a)])
+    assert result.exit_code == 0, result.output
+    assert "kernels: 6" in result.output
+    assert (
+        "  gdn_recurrent (abi 1): modules/h200/gdn_recurrent.so :: gdn_recurrent [bfloat16]" in result.output
+    )
+    assert (
+        "  gated_attention (abi 1): modules/h200/fused_mixers.so :: gated_attention [bfloat16, float16]"
+        in (result.output)
+    )
+    plain = CliRunner().invoke(inspect_cli, [str(artifact)])  # a CPU artifact lists none
+    assert plain.exit_code == 0 and "kernels:" not in plain.output
+
+
 def test_mixers_module_takes_the_gated_attention_of_its_library(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
