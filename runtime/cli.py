@@ -184,6 +184,14 @@ def run_command(opts: dict[str, Any]) -> None:
         model.aliases = (*model.aliases, model.name)
         model.name = served_name
     server = IgnisServer(model, server_options)
+    budget, built = int(pick("max_prefill_tokens")), server.lanes.max_prefill_tokens
+    if built is not None and built != budget:  # a --model-factory source that does not pass it on
+        logger.warning(
+            "the model source built its engine with max_prefill_tokens %s, not the %s asked for "
+            "(its make_engine does not pass ModelSettings.max_prefill_tokens on)",
+            built,
+            budget,
+        )
     server.bind()
     server.run()
 

@@ -348,6 +348,11 @@ class LaneLoop:
         self._publish()
         return True
 
+    @property
+    def max_prefill_tokens(self) -> int | None:
+        """The prefill budget of the engine the loop runs (None for an engine without one)."""
+        return getattr(self._engine, "max_prefill_tokens", None)
+
     def _publish(self) -> None:
         # a lane being prefilled counts as active: the requests the engine holds, up to max_lanes
         # (its steps admit that many, as the prefill budget reaches them), so /health and /metrics see

@@ -164,6 +164,22 @@ def test_max_prefill_tokens_reaches_the_engine(captured, tmp_path: Path) -> None
     assert result.exit_code == 1 and "max_prefill_tokens must be >= 0" in result.output
 
 
+def test_a_source_that_drops_the_prefill_budget_is_named_in_a_warning(
+    captured, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A custom source whose engines ignore ModelSettings.max_prefill_tokens serves with its own
+    budget, and ignis-run says so (once, at start); a source that passes it on gets no warning."""
+    sock = short_tmpdir() / "s.sock"
+    with caplog.at_level(logging.WARNING, logger="ignis.runtime.cli"):
+        assert invoke("--socket", str(sock), "--max-prefill-tokens", "64").exit_code == 0
+    assert "max_prefill_tokens" not in caplog.text
+    monkeypatch.setenv("IGNIS_TOY_IGNORE_PREFILL_BUDGET", "1")
+    with caplog.at_level(logging.WARNING, logger="ignis.runtime.cli"):
+        assert invoke("--socket", str(sock), "--max-prefill-tokens", "64").exit_code == 0
+    assert captured[-1].lanes.max_prefill_tokens == 2048
+    assert "built its engine with max_prefill_tokens 2048, not the 64 asked for" in caplog.text
+
+
 def test_needs_exactly_one_model_and_a_listener(captured) -> None:
     result = CliRunner().invoke(cli.main, ["--socket", "/tmp/x.sock"])
     assert result.exit_code == 2 and "exactly one of --artifact" in result.output

@@ -13,7 +13,7 @@
 
 Environment (for `ignis-run --model-factory toy_model:from_env` in a subprocess):
 IGNIS_TOY_CONTEXT, IGNIS_TOY_DELAY, IGNIS_TOY_DRAFTER_SEED, IGNIS_TOY_KINDS ("dflash2,mtp"),
-IGNIS_TOY_PROFILE.
+IGNIS_TOY_PROFILE, IGNIS_TOY_IGNORE_PREFILL_BUDGET ("1": engines ignore --max-prefill-tokens).
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class ToySource:
     step_delay: float = 0.0
     drafter_seed: int = 0
     fail_after_steps: int | None = None  # make the executor raise after this many forwards (tests)
+    ignore_prefill_budget: bool = False  # build engines with the default budget, as a careless source
 
     def missing_backend_reason(self, backend: str) -> str:
         return f"the toy model has no {backend} drafter"
@@ -114,7 +115,11 @@ class ToySource:
                 detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 max_context=settings.max_context,
                 max_lanes=max_lanes,
-                max_prefill_tokens=settings.max_prefill_tokens,
+                **(
+                    {}
+                    if source.ignore_prefill_budget
+                    else {"max_prefill_tokens": settings.max_prefill_tokens}
+                ),
                 metrics=metrics,
             )
 
@@ -145,6 +150,7 @@ def from_env() -> ToySource:
         drafter_seed=int(env.get("IGNIS_TOY_DRAFTER_SEED", "0")),
         spec_kinds=tuple(k for k in kinds.split(",") if k),
         profile=env.get("IGNIS_TOY_PROFILE") or None,
+        ignore_prefill_budget=env.get("IGNIS_TOY_IGNORE_PREFILL_BUDGET") == "1",
     )
 
 
