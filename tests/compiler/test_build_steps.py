@@ -631,6 +631,41 @@ def test_llvm_linears_match_float64(tmp_path: Path) -> None:
         assert err < 1e-5, (s, err)
 
 
+def test_llvm_tile_schedule_for_wide_q4_rounds_on_a_named_cpu(tmp_path: Path) -> None:
+    """q4_g32 functions of 5+ rows built for a named CPU get the dequantized-tile schedule (float32,
+    out_features % 16, in_features % 64); built for this host's CPU they match float64 at 5, 8 and 16
+    rows, next to the per-element schedule's 1-4-row functions of the same library."""
+    import tvm_ffi
+
+    from ignis.compiler.build.llvm_linear import llvm_target, uses_tile_schedule
+    from ignis.tools.quickstart import host_llvm_cpu
+
+    named = llvm_target("x86-64-v3")
+    assert uses_tile_schedule(LinearSpec("a", "q4_g32", 5, 32, 128), named)
+    assert not uses_tile_schedule(LinearSpec("a", "q4_g32", 4, 32, 128), named)  # 1-4 rows
+    assert not uses_tile_schedule(LinearSpec("a", "q4_g32", 8, 32, 128), llvm_target(None))  # generic
+    assert not uses_tile_schedule(LinearSpec("a", "q4_g32", 8, 40, 128), named)  # 40 % 16
+    assert not uses_tile_schedule(LinearSpec("a", "q4_g32", 8, 32, 96), named)  # 96 % 64
+    assert not uses_tile_schedule(LinearSpec("a", "dense", 8, 32, 128), named)
+    assert not uses_tile_schedule(LinearSpec("a", "q4_g32", 8, 32, 128, "bfloat16"), named)
+    host = host_llvm_cpu()
+    if host is None:
+        pytest.skip("TVM's LLVM does not name this host's CPU")
+    g = torch.Generator().manual_seed(4)
+    specs = [LinearSpec(f"q_r{rows}", "q4_g32", rows, 48, 192) for rows in (1, 3, 5, 8, 16)]
+    target = llvm_target(host)
+    assert [uses_tile_schedule(s, target) for s in specs] == [False, False, True, True, True]
+    mod = tvm_ffi.load_module(str(build_llvm_module(specs, tmp_path / "tile.so", target=target)))
+    for s in specs:
+        x = torch.randn(s.rows, s.in_features, generator=g)
+        packed, scales = quantize_q4_g32(torch.randn(s.out_features, s.in_features, generator=g).numpy())
+        y = torch.empty(s.rows, s.out_features)
+        mod[s.name](x, torch.from_numpy(packed), torch.from_numpy(scales), y)
+        ref = x.double() @ torch.from_numpy(dequantize_q4_g32(packed, scales)).double().T
+        err = float((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+        assert err < 1e-5, (s, err)
+
+
 def test_select_kernels_fused_mixers_only_where_their_limits_hold() -> None:
     """The fused mixers' rule: a hybrid config whose GDN conv taps are 2..MAX_CONV_KERNEL and whose
     attention heads are at most MAX_HEAD_DIM wide with an even rotary dim (fused_mixers.py's limits,
