@@ -70,9 +70,18 @@ def _largest_divisor(n: int, candidates: Sequence[int]) -> int:
     return next(c for c in candidates if n % c == 0)
 
 
+def _q4_weight(packed: Any, scales: Any, n: Any, kk: Any) -> Any:
+    """Weight (n, kk) of a q4_g32 layer, float32: nibble kk % 8 of word kk // 8, (q - 8) * scale."""
+    from tvm import tirx
+
+    shift = tirx.const(4, "uint32") * (kk % 8).astype("uint32")
+    q = (packed[n, kk // 8] >> shift) & tirx.const(15, "uint32")
+    return (q.astype("int32") - 8).astype("float32") * scales[n, kk // 32].astype("float32")
+
+
 def _definition(spec: LinearSpec) -> Any:
     import_tvm_for_build()  # driver or stub before the first `import tvm`: see cuda_stub.py
-    from tvm import te, tirx
+    from tvm import te
 
     r_, n_, k_ = spec.rows, spec.out_features, spec.in_features
     x = te.placeholder((r_, k_), spec.dtype, name="x")
@@ -89,13 +98,10 @@ def _definition(spec: LinearSpec) -> Any:
         packed = te.placeholder((n_, k_ // 8), "uint32", name="packed")
         scales = te.placeholder((n_, k_ // 32), "float16", name="scales")
 
-        def weight(n: Any, kk: Any) -> Any:
-            shift = tirx.const(4, "uint32") * (kk % 8).astype("uint32")
-            q = (packed[n, kk // 8] >> shift) & tirx.const(15, "uint32")
-            return (q.astype("int32") - 8).astype("float32") * scales[n, kk // 32].astype("float32")
-
         y = te.compute(
-            (r_, n_), lambda r, n: te.sum(x[r, k].astype("float32") * weight(n, k), axis=k), name="acc"
+            (r_, n_),
+            lambda r, n: te.sum(x[r, k].astype("float32") * _q4_weight(packed, scales, n, k), axis=k),
+            name="acc",
         )
         args = [x, packed, scales]
     if spec.dtype != "float32":
@@ -128,19 +134,14 @@ def _tile_definition(spec: LinearSpec) -> Any:
     """q4_g32 with the dequantized weight as its own stage, transposed: wdt[k, n] (float32), so a tile
     of it can be computed once and read by every row with the outputs contiguous."""
     import_tvm_for_build()
-    from tvm import te, tirx
+    from tvm import te
 
     r_, n_, k_ = spec.rows, spec.out_features, spec.in_features
     x = te.placeholder((r_, k_), "float32", name="x")
     packed = te.placeholder((n_, k_ // 8), "uint32", name="packed")
     scales = te.placeholder((n_, k_ // 32), "float16", name="scales")
 
-    def weight(kk: Any, n: Any) -> Any:
-        shift = tirx.const(4, "uint32") * (kk % 8).astype("uint32")
-        q = (packed[n, kk // 8] >> shift) & tirx.const(15, "uint32")
-        return (q.astype("int32") - 8).astype("float32") * scales[n, kk // 32].astype("float32")
-
-    wdt = te.compute((k_, n_), weight, name="wdt")
+    wdt = te.compute((k_, n_), lambda kk, n: _q4_weight(packed, scales, n, kk), name="wdt")
     k = te.reduce_axis((0, k_), name="k")
     y = te.compute((r_, n_), lambda r, n: te.sum(x[r, k] * wdt[k, n], axis=k), name="acc")
     return te.create_prim_func([x, packed, scales, y])
