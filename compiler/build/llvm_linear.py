@@ -14,7 +14,14 @@ buffer, vectorized over contiguous input features of x and w; output columns are
 the inner loop, so every weight vector loaded is used by all W rows before it leaves the cache
 (the verify round's point: W rows for the weight bytes of one). The partial sums are added in a
 fixed order, so results are deterministic; they differ from torch's (another summation order) by
-float32 rounding only.
+float32 rounding only. `vec` x W stays <= 32 (16 lanes up to 2 rows, 8 beyond): past that the code
+LLVM generated on AVX-512 ran 10x slower.
+
+For a target that names its CPU, float32 q4_g32 functions of 5+ rows use `_tile_schedule` instead:
+a [64 x 16] tile of the weights is dequantized once into a local buffer and every row's FMAs run
+vectorized over the tile's 16 outputs (the per-element schedule dequantizes again for every row).
+Measured in docs/PERF.md ("CPU route check" and after): 4-8x faster at 8-16 rows on AVX-512, slower
+at 1-2 rows and on the generic target, which keep the per-element schedule.
 
 Everything here imports `tvm` (the compiler); the runtime loads the exported library with the lean
 runtime (`ignis.runtime.tvm_runtime.load_module`).
