@@ -97,6 +97,18 @@ void launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sm
   (void)launch_ex(kernel, grid, block, smem, stream, device_has_pdl(device), 1u, args...);
 }
 
+// Raise `kernel`'s dynamic shared-memory limit to `smem` bytes when `raised` (the limit already set for
+// it on the device this call launches on; 0 = the default 48 KiB) is lower. A function attribute is
+// set per device: the caller keeps one `raised` per device and kernel. RuntimeError on failure.
+template <typename Kernel>
+void raise_smem_limit(const char* name, Kernel kernel, size_t smem, size_t& raised) {
+  if (smem <= (raised ? raised : size_t{48} * 1024)) return;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
+      << name << ": cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
+  raised = smem;
+}
+
 // Every tensor is on the first one's CUDA device (ValueError otherwise).
 inline void check_cuda(const char* name, std::initializer_list<const TensorView*> ts) {
   const TensorView* first = *ts.begin();

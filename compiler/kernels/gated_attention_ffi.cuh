@@ -36,19 +36,11 @@ using namespace ignis_ffi;
 template <typename T, int HD>
 void gated_attention_run(const char* name, const Params& p, int lanes, int64_t rows, cudaStream_t stream) {
   const size_t smem = gated_attention_smem_bytes<T, HD>();
-  // this instantiation's dynamic shared-memory limit, raised once a device (a function attribute is
-  // set per device)
-  static bool raised[64] = {};
+  static size_t raised[64] = {};  // this instantiation's shared-memory limit, per device
   int device = 0;
   TVM_FFI_CHECK(cudaGetDevice(&device) == cudaSuccess && device >= 0 && device < 64, RuntimeError)
       << name << ": no current CUDA device (or more than 64)";
-  if (smem > 48 * 1024 && !raised[device]) {
-    const cudaError_t e = cudaFuncSetAttribute(gated_attention_kernel<T, HD>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-        << name << ": cannot raise the shared-memory limit to " << smem << " bytes: " << cudaGetErrorString(e);
-    raised[device] = true;
-  }
+  raise_smem_limit(name, gated_attention_kernel<T, HD>, smem, raised[device]);
   const int m_groups = p.r_pad / kRowsPerBlock;
   const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.kv_heads * m_groups),
                   static_cast<unsigned>(lanes));

@@ -136,11 +136,10 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   static int cached_device = -1, sms = 0, bps = 0, smem_cap = 0;
   static size_t cached_smem = 0;
   // The dynamic shared-memory limit raised for this kernel, per device (a function attribute is
-  // set per device): 48 KiB until raised.
+  // set per device): 0 = the default 48 KiB until `raise_smem_limit` raises it.
   static size_t raised_per_device[64];
   TVM_FFI_CHECK(device >= 0 && device < 64, ValueError) << name << ": CUDA device id " << device << " out of range";
   size_t& raised_smem = raised_per_device[device];
-  if (raised_smem == 0) raised_smem = 48 * 1024;
   const int n_tiles = static_cast<int>((n_out + 15) / 16);
   const int tiles_per_group = XS ? WARPS * MT : MT;
   const int n_groups = (n_tiles + tiles_per_group - 1) / tiles_per_group;
@@ -152,11 +151,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
     bool fits = true;
   };
   auto raise_limit = [&](size_t smem) {  // the kernel's dynamic shared-memory limit, under tiled_mutex
-    if (smem <= raised_smem) return;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-        << name << ": cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
-    raised_smem = smem;
+    ignis_ffi::raise_smem_limit(name, kernel, smem, raised_smem);
   };
   auto plan_for = [&](int groups) {
     Plan pl;
