@@ -29,6 +29,13 @@ def tvm_ffi_paths() -> tuple[Path, Path]:
     return include, lib
 
 
+def sm_number(arch: str) -> int | None:
+    """The number of an ``sm_NN`` arch, its ``a`` / ``f`` suffixes aside (``sm_90a`` -> 90), or None for
+    anything else."""
+    digits = arch[3:].rstrip("af") if arch.startswith("sm_") else ""
+    return int(digits) if digits.isdigit() else None
+
+
 def gencode(arch: str) -> str:
     """nvcc's ``-gencode`` value for SASS of ``arch`` only: ``sm_90`` -> ``arch=compute_90,code=sm_90``."""
     num = arch[3:]

@@ -56,7 +56,6 @@ in CUDA graphs. The caller is ``ignis.runtime.families.hybrid_graphs``
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -312,13 +311,13 @@ def build_fused_mixers(
         FusedMixersError: not a CUDA target, an arch before sm_80 (the gated attention's mma and
             cp.async), nvcc missing, or nvcc failed (its stderr included).
     """
-    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target
+    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target, sm_number
 
     arch, nvcc = resolve_cuda_target(
         target, not_cuda="the fused mixers are CUDA only", error=FusedMixersError
     )
-    major = re.match(r"sm_(\d+)", arch)
-    if major is None or int(major.group(1)) < 80:  # gated_attention: mma.m16n8k16 and cp.async
+    number = sm_number(arch)
+    if number is None or number < 80:  # gated_attention: mma.m16n8k16 and cp.async
         raise FusedMixersError(f"the fused mixers need sm_80 or newer, got {arch!r}")
     dest, reuse = cached_module_path("fused_mixers", arch, _SOURCES, out_path)
     if reuse:

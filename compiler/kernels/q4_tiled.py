@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .cuda_build import build_cuda_module, exports_source
+from .cuda_build import build_cuda_module, exports_source, sm_number
 from .q4_linear import MAX_ROWS, Q4KernelError, _nvcc
 
 __all__ = ["TiledConfig", "build_q4_tiled_module", "tiled_config_for", "tiled_source"]
@@ -226,7 +226,7 @@ def tiled_config_for(rows: int, out_features: int, in_features: int, arch: str) 
 def _has_bulk_copies(arch: str) -> bool:
     """Whether ``arch`` (``sm_NN``) has the copy engine's bulk copies and mbarrier transaction
     counts (PTX ``cp.async.bulk``, ``mbarrier.expect_tx``: sm_90 and newer)."""
-    digits = arch[3:].rstrip("af")
-    if not arch.startswith("sm_") or not digits.isdigit():
+    number = sm_number(arch)
+    if number is None:
         raise Q4KernelError(f"arch must be sm_NN (e.g. sm_90, sm_120), got {arch!r}")
-    return int(digits) >= 90
+    return number >= 90
