@@ -423,7 +423,7 @@ class Artifact:
         `mixers_module`.
 
         Returns:
-            A `ignis.runtime.families.hybrid_graphs.FusedMixersKernel` over the two functions, or
+            A `ignis.runtime.families.hybrid_graphs.FusedMixersKernel` over those functions, or
             None: neither entry (a CPU card, a non-hybrid family, shapes the kernels do not take, an
             artifact built before them), only one of them or two libraries (logged as a warning), a
             CUDA kernel while torch sees no CUDA device, or a library that does not load here

@@ -100,6 +100,7 @@ layer), not host launches.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -301,6 +302,15 @@ class FusedNormsKernel(_ModuleFunctions):
         return out
 
 
+@functools.cache
+def _smem_per_block_optin(device: torch.device) -> int:
+    """Bytes of shared memory a block of `device` may opt in to (read once a device: every static
+    attention layer asks)."""
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", None)  # torch >= 2.5
+    return int(limit if limit is not None else getattr(props, "shared_memory_per_block", 48 * 1024))
+
+
 MIXERS_FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
 """The exports of every module built by ``ignis.compiler.kernels.fused_mixers.build_fused_mixers``
 (``gated_attention`` too since session 7: `FusedMixersKernel.has_gated_attention`)."""
@@ -345,11 +355,7 @@ class FusedMixersKernel(_ModuleFunctions):
         ):
             return False
         if device is not None and device.type == "cuda":
-            props = torch.cuda.get_device_properties(device)
-            limit = getattr(props, "shared_memory_per_block_optin", None)  # torch >= 2.5
-            if limit is None:
-                limit = getattr(props, "shared_memory_per_block", 48 * 1024)
-            return gated_attention_smem_bytes(head_dim) <= limit
+            return gated_attention_smem_bytes(head_dim) <= _smem_per_block_optin(device)
         return True
 
     def gated_attention(

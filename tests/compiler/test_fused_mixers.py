@@ -234,7 +234,7 @@ def test_gated_attention_needs_a_device_that_holds_its_shared_memory(monkeypatch
     keeps SDPA on a device whose blocks cannot hold it, and for float32 or another head_dim."""
     from types import SimpleNamespace
 
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel, _smem_per_block_optin
 
     assert gated_attention_smem_bytes(256) == 101_376 == 99 * 1024
     assert gated_attention_smem_bytes(64) == 27_648
@@ -242,15 +242,18 @@ def test_gated_attention_needs_a_device_that_holds_its_shared_memory(monkeypatch
     cuda = torch.device("cuda", 0)
     props = SimpleNamespace(shared_memory_per_block_optin=65_536)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    _smem_per_block_optin.cache_clear()  # read once a device: start from this fake one
     assert not mix.gated_attention_takes(torch.bfloat16, 256, cuda)
     assert mix.gated_attention_takes(torch.bfloat16, 64, cuda)
     props.shared_memory_per_block_optin = 101_376
+    _smem_per_block_optin.cache_clear()
     assert mix.gated_attention_takes(torch.float16, 256, cuda)
     assert not mix.gated_attention_takes(torch.float32, 64, cuda)
     assert not mix.gated_attention_takes(torch.bfloat16, 96, cuda)
     assert mix.gated_attention_takes(torch.bfloat16, 256)  # CPU stand-ins: not checked
     old = FusedMixersKernel({"gdn_conv_silu": None, "qk_norm_rope_kv": None})  # built before it
     assert not old.has_gated_attention and not old.gated_attention_takes(torch.bfloat16, 256)
+    _smem_per_block_optin.cache_clear()  # no fake device left behind
 
 
 def test_attention_split_keys() -> None:
