@@ -82,6 +82,19 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   out[l, t]; `state` is only read. Limits: Dk <= 256, Hv a multiple of Hk = num_key_heads; wrong
   shapes, dtypes or devices raise ValueError / TypeError; allocates nothing; runs on the caller's
   CUDA stream (capturable in a CUDA graph).
+* `gdn_recurrent_stash`, abi 1 (the same library as `gdn_recurrent`; target kind "cuda"): the
+  `gdn_recurrent` call with `stash f32[>= n, >= L, W]` (the last dim contiguous) in place of
+  `record`, W = Hk Dk + Hv Dv + 2 Hv: the same `out`, no per-column state; writes to `stash[t, l]`
+  what column t of lane l fed the recurrence, float32: the normalized k of key head kh at kh Dk, v of
+  value head h at Hk Dk + h Dv, beta[h] at Hk Dk + Hv Dv + h and exp(g)[h] after it.
+* `gdn_replay`, abi 1 (the same library as `gdn_recurrent`; target kind "cuda"; `dtypes`
+  ["float32"]): `name(stash f32[G, C, Ls, W], state f32[G, S, Hv, Dk, Dv], slots int64[m], keep
+  int64[m], pos int64[m], num_key_heads: int)`: for every layer g and lane i, the first
+  min(keep[i], C) columns of `stash[g, :, pos[i]]` (rows as `gdn_recurrent_stash` writes them) run
+  the update above from `state[g, slots[i]]`, and the state after the last is written back there in
+  place, equal bit for bit to what `gdn_recurrent` records after that column; keep <= 0, or a slot or
+  pos out of range, leaves the lane. One launch over every layer; the same checks, stream and
+  allocation rules as `gdn_recurrent`.
 * `add_rms_norm`, abi 1 (`ignis.compiler.kernels.fused_norms`; target kind "cuda"): `name(h[rows,
   D], d[rows, D], w1p f32[D], h_out[rows, D], x_out[rows, D], eps: float)`, h, d, h_out, x_out of
   one of `dtypes`, the last dim contiguous: `h_out = round(h + d)`, `x_out = round(h_out *
@@ -127,8 +140,8 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   caller's CUDA stream (capturable in a CUDA graph).
 
 Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, `gdn_conv_silu`,
-`qk_norm_rope_kv`, `gated_attention`, after `topk`) are refused by a reader that predates them (a
-`ManifestError` naming `kernels[i].kind`).
+`qk_norm_rope_kv`, `gated_attention`, `gdn_recurrent_stash`, `gdn_replay`, after `topk`) are refused
+by a reader that predates them (a `ManifestError` naming `kernels[i].kind`).
 
 Versions: version 2 added `kernels`. A reader of version 2 reads version 1 manifests (no `kernels` key;
 a version 1 manifest holding one is refused as an unknown key), as a manifest without kernels;
@@ -197,6 +210,8 @@ KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
         "gdn_conv_silu": 1,
         "qk_norm_rope_kv": 1,
         "gated_attention": 1,
+        "gdn_recurrent_stash": 1,
+        "gdn_replay": 1,
     }
 )
 KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
@@ -208,6 +223,8 @@ KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
         "gdn_conv_silu": "cuda",
         "qk_norm_rope_kv": "cuda",
         "gated_attention": "cuda",
+        "gdn_recurrent_stash": "cuda",
+        "gdn_replay": "cuda",
     }
 )
 

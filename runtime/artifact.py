@@ -370,8 +370,9 @@ class Artifact:
 
     def gdn_module(self) -> Any:
         """The artifact's fused Gated DeltaNet recurrence (the manifest's `kernels` entry of kind
-        "gdn_recurrent"), loaded once with the lean TVM runtime; what `StaticHybridExecutor` takes as
-        its `gdn_module`.
+        "gdn_recurrent", with the "gdn_recurrent_stash" and "gdn_replay" entries of its library when
+        listed), loaded once with the lean TVM runtime; what `StaticHybridExecutor` takes as its
+        `gdn_module`.
 
         Returns:
             A `ignis.runtime.families.hybrid_graphs.GdnRecurrentKernel` over the entry's function,
@@ -383,10 +384,21 @@ class Artifact:
         """
 
         def load(path: Path, entry: KernelEntry) -> Any:
-            from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+            from ignis.runtime.families.hybrid_graphs import (
+                GDN_REPLAY_FUNCTION_NAME,
+                GDN_STASH_FUNCTION_NAME,
+                GdnRecurrentKernel,
+            )
             from ignis.runtime.tvm_runtime import load_module
 
-            return GdnRecurrentKernel(load_module(path, cuda=True)[entry.name])
+            module = load_module(path, cuda=True)
+            funcs = {"gdn_recurrent": module[entry.name]}
+            # optional (artifacts built since session 8): the stash round and the commit's replay
+            stash, replay = self.manifest.kernel("gdn_recurrent_stash"), self.manifest.kernel("gdn_replay")
+            if stash is not None and replay is not None and stash.file == replay.file == entry.file:
+                funcs[GDN_STASH_FUNCTION_NAME] = module[stash.name]
+                funcs[GDN_REPLAY_FUNCTION_NAME] = module[replay.name]
+            return GdnRecurrentKernel(funcs)
 
         return self._kernel_library(
             "gdn_recurrent", ("gdn_recurrent",), "GDN recurrence", "rounds run the torch recurrence", load

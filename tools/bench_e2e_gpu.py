@@ -803,6 +803,12 @@ def main() -> int:
         help="with --mixers-module: comma-separated widths whose graphed round is also run under "
         "torch.profiler (kernel time by name)",
     )
+    ap.add_argument(
+        "--gdn-record",
+        action="store_true",
+        help="with --gdn-module: run its record round (the state after every column written, commit "
+        "copies it out) even when the module has the stash round and the replay (A/B)",
+    )
     ap.add_argument("--no-eager-rounds", action="store_true", help="skip the eager rounds per width")
     ap.add_argument(
         "--no-eager",
@@ -813,6 +819,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.context < 1:
         ap.error("--context must be >= 1")
+    if args.gdn_record and args.gdn_module is None:
+        ap.error("--gdn-record needs --gdn-module")
     global ROUND_CONTEXT
     ROUND_CONTEXT = args.context
     budget = Budget(args.budget_s)
@@ -836,6 +844,16 @@ def main() -> int:
 
     def save() -> None:
         out_path.write_text(json.dumps(res, indent=1, default=str))
+
+    if args.gdn_module is not None and dev.type == "cuda":
+        from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+
+        kernel = GdnRecurrentKernel(args.gdn_module)
+        if args.gdn_record:  # the record round only: the function without the stash round and replay
+            kernel = GdnRecurrentKernel(kernel.func)
+        res["gdn_path"] = "replay" if kernel.has_replay else "record"
+        log(f"GDN recurrence: the {res['gdn_path']} path ({args.gdn_module})")
+        args.gdn_module = kernel
 
     vocab = cfg.vocab_size
     g = torch.Generator().manual_seed(3)

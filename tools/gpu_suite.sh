@@ -33,8 +33,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # 1. GPU tests of everything that runs on CUDA (graphs, fused kernels, top-k, artifacts).
 timeout ${GPU_TESTS_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
-  -k "${GPU_TESTS_K:-fused_mixers or gated_attention or artifact or topk or tiled}" \
+  -k "${GPU_TESTS_K:-fused_mixers or gated_attention or artifact or topk or tiled or gdn}" \
   tests/runtime/test_hybrid_graphs.py tests/runtime/test_topk.py tests/runtime/test_artifact.py \
+  tests/compiler/test_gdn_kernel.py \
   tests/compiler/test_q4_tiled.py tests/runtime/test_linear_tiled.py \
   >"$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"

@@ -132,7 +132,14 @@ class KernelLibrary:
 KERNELS: dict[str, KernelLibrary] = {
     "topk": KernelLibrary("topk.so", "topk:build_topk", (("topk", "topk"),)),
     "gdn_recurrent": KernelLibrary(
-        "gdn_recurrent.so", "gdn_recurrent:build_gdn_recurrent", (("gdn_recurrent", "gdn_recurrent"),)
+        "gdn_recurrent.so",
+        "gdn_recurrent:build_gdn_recurrent",
+        (
+            ("gdn_recurrent", "gdn_recurrent"),
+            ("gdn_recurrent_stash", "gdn_recurrent_stash"),
+            ("gdn_replay", "gdn_replay"),
+        ),
+        export_dtypes=(("gdn_replay", ("float32",)),),
     ),
     "fused_norms": KernelLibrary(
         "fused_norms.so",

@@ -25,6 +25,22 @@
 // sequential part touches only registers and shared memory; every state write is a 128-byte row
 // segment per warp.
 // Limits: k_dim <= kWarps * 32 = 256 (R = 2, 4, 8, 16 or 32 picked by the host side).
+//
+// Modes (template MODE):
+// * kModeRecord: the state after every column is written to the round's record buffer
+//   (record[t, lane], 4 * k_dim * v_dim bytes a head and column: at 8 columns and more the kernel
+//   is bound by these writes, ~1.1 us a column for the 27B shape: docs/PERF.md run 59).
+// * kModeStash: the round writes no state at all; it writes what the recurrence consumed of each
+//   column -- the normalized k of every key head, v, beta and the decay exp(g) of every value head,
+//   float32 -- into a stash row (stash layout below, ~33 KB a column for the 27B shape instead of
+//   3 MB), and the commit replays the kept columns from it (kModeReplay).
+// * kModeReplay: per (layer, lane) the first keep[lane] columns of the stash are run from the
+//   lane's state and the state after the last is written back in place; no q, no output. The
+//   staging reads the stash's floats instead of preparing them, and the per-column update is the
+//   same code as the round's, so the state equals, bit for bit, the state after that column in
+//   kModeRecord (and what feeding the kept tokens alone gives).
+// Stash row (W = hk * k_dim + hv * v_dim + 2 * hv floats): [0, hk k_dim) k of key head kh at
+// kh * k_dim; then v of value head h at hk k_dim + h v_dim; then beta[hv]; then alpha[hv].
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,6 +54,9 @@ constexpr int kCols = 32;        // value columns per block (one per lane)
 constexpr int kChunk = 16;       // round columns staged in shared memory at a time
 constexpr int kMaxKeyDim = 256;  // kWarps * the largest R
 constexpr float kL2Eps = 1e-6f;
+constexpr int kModeRecord = 0;
+constexpr int kModeStash = 1;
+constexpr int kModeReplay = 2;
 
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
@@ -77,10 +96,23 @@ struct Params {
   bool out_f32;
   int lanes, n, hk, hv, dk, dv;
   float scale;
+  // kModeStash (written) / kModeReplay (read): rows of W floats (layout above) at
+  // stash + t * sh_col + lane * sh_lane (+ layer * sh_layer in replay).
+  float* stash;
+  int64_t sh_col, sh_lane, sh_layer;
+  // kModeReplay: columns to replay and the lane's index in the stash, per lane ([lanes] int64,
+  // device memory); the state is written in place (layer g's at state + g * st_layer). n is the
+  // stash's column count (keep is clamped to 0..n) and stash_lanes its lane count (a pos outside
+  // is skipped).
+  const int64_t* keep;
+  const int64_t* pos;
+  int64_t st_layer;
+  int stash_lanes;
 };
 
-template <typename T, int R>
+template <typename T, int R, int MODE>
 __global__ void __launch_bounds__(kWarps * 32) gdn_recurrent_kernel(const Params p) {
+  constexpr bool kReplay = MODE == kModeReplay;
   constexpr int DK = kWarps * R;  // padded key rows
   __shared__ float sq[kChunk][DK];
   __shared__ float sk[kChunk][DK];
@@ -100,9 +132,21 @@ __global__ void __launch_bounds__(kWarps * 32) gdn_recurrent_kernel(const Params
   const int64_t slot = p.slots[li];
   if (slot < 0 || slot >= p.num_slots) return;  // the whole block: no barrier is left waiting
   const int64_t head = static_cast<int64_t>(p.dk) * p.dv;
+  int n = p.n;        // columns this lane runs
+  int64_t si = li;    // the lane's index in the stash
+  const int layer = kReplay ? static_cast<int>(blockIdx.y) : 0;
+  if constexpr (kReplay) {
+    const int64_t keep = p.keep[li];
+    si = p.pos[li];
+    if (keep <= 0 || si < 0 || si >= p.stash_lanes) return;
+    n = static_cast<int>(keep < p.n ? keep : p.n);
+  }
+  const int64_t hk_dk = static_cast<int64_t>(p.hk) * p.dk;
+  const int64_t w_v = hk_dk, w_beta = hk_dk + static_cast<int64_t>(p.hv) * p.dv, w_alpha = w_beta + p.hv;
+  float* stash = p.stash + (MODE == kModeRecord ? 0 : layer * p.sh_layer + si * p.sh_lane);
 
   float s[R];
-  const float* s0 = p.state + slot * p.st_slot + h * head;
+  float* s0 = const_cast<float*>(p.state) + layer * p.st_layer + slot * p.st_slot + h * head;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int i = warp * R + r;
@@ -115,50 +159,89 @@ __global__ void __launch_bounds__(kWarps * 32) gdn_recurrent_kernel(const Params
   const int64_t qoff = static_cast<int64_t>(kh) * p.dk;
   const int64_t koff = static_cast<int64_t>(p.hk + kh) * p.dk;
   const int64_t voff = 2 * static_cast<int64_t>(p.hk) * p.dk + static_cast<int64_t>(h) * p.dv + tile * kCols;
-  const float neg_a = p.neg_a[h], dt_bias = p.dt_bias[h];
+  const float neg_a = kReplay ? 0.f : p.neg_a[h], dt_bias = kReplay ? 0.f : p.dt_bias[h];
 
-  for (int c0 = 0; c0 < p.n; c0 += kChunk) {
-    const int nc = min(kChunk, p.n - c0);
+  const int rep = p.hv / p.hk;
+  for (int c0 = 0; c0 < n; c0 += kChunk) {
+    const int nc = min(kChunk, n - c0);
     __syncthreads();  // the previous chunk is consumed
-    for (int e = threadIdx.x; e < nc * DK; e += blockDim.x) {
-      const int c = e / DK, i = e % DK;
-      const T* row = mixed + static_cast<int64_t>(c0 + c) * p.m_col;
-      const bool ok = i < p.dk;
-      sq[c][i] = ok ? to_f(row[(qoff + i) * p.m_ch]) : 0.f;
-      sk[c][i] = ok ? to_f(row[(koff + i) * p.m_ch]) : 0.f;
-    }
-    for (int e = threadIdx.x; e < nc * kCols; e += blockDim.x) {
-      const int c = e / kCols, jj = e % kCols;
-      const T* row = mixed + static_cast<int64_t>(c0 + c) * p.m_col;
-      sv[c][jj] = (tile * kCols + jj < p.dv) ? to_f(row[(voff + jj) * p.m_ch]) : 0.f;
-    }
-    if (threadIdx.x < nc) {
-      const int64_t t = c0 + threadIdx.x;
-      const float bx = to_f(bp[t * p.b_col]);
-      sbeta[threadIdx.x] = to_f(from_f<T>(1.f / (1.f + expf(-bx))));  // sigmoid in T, as torch
-      const float ax = to_f(ap[t * p.a_col]) + dt_bias;
-      const float sp = ax > 20.f ? ax : log1pf(expf(ax));  // F.softplus (threshold 20)
-      salpha[threadIdx.x] = expf(neg_a * sp);
-    }
-    __syncthreads();
-    for (int c = warp; c < nc; c += kWarps) {  // l2 norms: one warp per column
-      float aq = 0.f, ak = 0.f;
-      for (int i = lid; i < DK; i += 32) {
-        aq = fmaf(sq[c][i], sq[c][i], aq);
-        ak = fmaf(sk[c][i], sk[c][i], ak);
+    if constexpr (kReplay) {  // the round's floats, as it consumed them
+      for (int e = threadIdx.x; e < nc * DK; e += blockDim.x) {
+        const int c = e / DK, i = e % DK;
+        sk[c][i] = i < p.dk ? stash[(c0 + c) * p.sh_col + static_cast<int64_t>(kh) * p.dk + i] : 0.f;
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        aq += __shfl_xor_sync(0xffffffffu, aq, o);
-        ak += __shfl_xor_sync(0xffffffffu, ak, o);
+      for (int e = threadIdx.x; e < nc * kCols; e += blockDim.x) {
+        const int c = e / kCols, jj = e % kCols;
+        const int64_t at = (c0 + c) * p.sh_col + w_v + static_cast<int64_t>(h) * p.dv + tile * kCols + jj;
+        sv[c][jj] = (tile * kCols + jj < p.dv) ? stash[at] : 0.f;
       }
-      const float rq = rsqrtf(aq + kL2Eps), rk = rsqrtf(ak + kL2Eps);
-      for (int i = lid; i < DK; i += 32) {
-        sq[c][i] = (sq[c][i] * rq) * p.scale;
-        sk[c][i] = sk[c][i] * rk;
+      if (threadIdx.x < nc) {
+        const int64_t row = (c0 + threadIdx.x) * p.sh_col;
+        sbeta[threadIdx.x] = stash[row + w_beta + h];
+        salpha[threadIdx.x] = stash[row + w_alpha + h];
+      }
+      __syncthreads();
+    } else {
+      for (int e = threadIdx.x; e < nc * DK; e += blockDim.x) {
+        const int c = e / DK, i = e % DK;
+        const T* row = mixed + static_cast<int64_t>(c0 + c) * p.m_col;
+        const bool ok = i < p.dk;
+        sq[c][i] = ok ? to_f(row[(qoff + i) * p.m_ch]) : 0.f;
+        sk[c][i] = ok ? to_f(row[(koff + i) * p.m_ch]) : 0.f;
+      }
+      for (int e = threadIdx.x; e < nc * kCols; e += blockDim.x) {
+        const int c = e / kCols, jj = e % kCols;
+        const T* row = mixed + static_cast<int64_t>(c0 + c) * p.m_col;
+        sv[c][jj] = (tile * kCols + jj < p.dv) ? to_f(row[(voff + jj) * p.m_ch]) : 0.f;
+      }
+      if (threadIdx.x < nc) {
+        const int64_t t = c0 + threadIdx.x;
+        const float bx = to_f(bp[t * p.b_col]);
+        sbeta[threadIdx.x] = to_f(from_f<T>(1.f / (1.f + expf(-bx))));  // sigmoid in T, as torch
+        const float ax = to_f(ap[t * p.a_col]) + dt_bias;
+        const float sp = ax > 20.f ? ax : log1pf(expf(ax));  // F.softplus (threshold 20)
+        salpha[threadIdx.x] = expf(neg_a * sp);
+      }
+      __syncthreads();
+      for (int c = warp; c < nc; c += kWarps) {  // l2 norms: one warp per column
+        float aq = 0.f, ak = 0.f;
+        for (int i = lid; i < DK; i += 32) {
+          aq = fmaf(sq[c][i], sq[c][i], aq);
+          ak = fmaf(sk[c][i], sk[c][i], ak);
+        }
+  #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          aq += __shfl_xor_sync(0xffffffffu, aq, o);
+          ak += __shfl_xor_sync(0xffffffffu, ak, o);
+        }
+        const float rq = rsqrtf(aq + kL2Eps), rk = rsqrtf(ak + kL2Eps);
+        for (int i = lid; i < DK; i += 32) {
+          sq[c][i] = (sq[c][i] * rq) * p.scale;
+          sk[c][i] = sk[c][i] * rk;
+        }
+      }
+      __syncthreads();
+      if constexpr (MODE == kModeStash) {  // what the recurrence consumes of each column
+        for (int e = threadIdx.x; e < nc * kCols; e += blockDim.x) {
+          const int c = e / kCols, jj = e % kCols;
+          if (tile * kCols + jj < p.dv)
+            stash[(c0 + c) * p.sh_col + w_v + static_cast<int64_t>(h) * p.dv + tile * kCols + jj] = sv[c][jj];
+        }
+        if (tile == 0) {
+          if (h % rep == 0) {  // one block per key head writes its k
+            for (int e = threadIdx.x; e < nc * p.dk; e += blockDim.x) {
+              const int c = e / p.dk, i = e % p.dk;
+              stash[(c0 + c) * p.sh_col + static_cast<int64_t>(kh) * p.dk + i] = sk[c][i];
+            }
+          }
+          if (threadIdx.x < nc) {
+            const int64_t row = (c0 + threadIdx.x) * p.sh_col;
+            stash[row + w_beta + h] = sbeta[threadIdx.x];
+            stash[row + w_alpha + h] = salpha[threadIdx.x];
+          }
+        }
       }
     }
-    __syncthreads();
     for (int c = 0; c < nc; ++c) {
       const int64_t t = c0 + c;
       const float alpha = salpha[c], beta = sbeta[c];
@@ -168,19 +251,27 @@ __global__ void __launch_bounds__(kWarps * 32) gdn_recurrent_kernel(const Params
         s[r] *= alpha;
         part = fmaf(s[r], sk[c][warp * R + r], part);
       }
-      red[0][warp][lid] = part;
+      // replay: one barrier a column, the partials' buffer alternating (a warp still reading
+      // column c's buffer is behind column c + 1's barrier before it is written again)
+      float(&kv_red)[kWarps][kCols] = red[kReplay ? (c & 1) : 0];
+      kv_red[warp][lid] = part;
       __syncthreads();
       float kv = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) kv += red[0][w][lid];
+      for (int w = 0; w < kWarps; ++w) kv += kv_red[w][lid];
       const float delta = (sv[c][lid] - kv) * beta;
+      if constexpr (kReplay) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) s[r] = fmaf(sk[c][warp * R + r], delta, s[r]);
+        continue;
+      }
       float* rec = p.record + t * p.rec_col + li * p.rec_lane + h * head;
       float po = 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int i = warp * R + r;
         s[r] = fmaf(sk[c][i], delta, s[r]);
-        if (jok && i < p.dk) rec[static_cast<int64_t>(i) * p.dv + j] = s[r];
+        if (MODE == kModeRecord && jok && i < p.dk) rec[static_cast<int64_t>(i) * p.dv + j] = s[r];
         po = fmaf(s[r], sq[c][i], po);
       }
       red[1][warp][lid] = po;
@@ -196,6 +287,13 @@ __global__ void __launch_bounds__(kWarps * 32) gdn_recurrent_kernel(const Params
           static_cast<T*>(p.out)[at] = from_f<T>(o);
         }
       }
+    }
+  }
+  if constexpr (kReplay) {  // the state after the last kept column, in place
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int i = warp * R + r;
+      if (jok && i < p.dk) s0[static_cast<int64_t>(i) * p.dv + j] = s[r];
     }
   }
 }

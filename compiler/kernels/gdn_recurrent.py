@@ -60,16 +60,25 @@ __all__ = [
     "CHUNK",
     "COLS",
     "FUNCTION_NAME",
+    "FUNCTION_NAMES",
     "MAX_KEY_DIM",
+    "REPLAY_FUNCTION_NAME",
+    "STASH_FUNCTION_NAME",
     "WARPS",
     "GdnKernelError",
     "build_gdn_recurrent",
     "gdn_recurrent_emulated",
     "gdn_recurrent_reference",
+    "gdn_replay_emulated",
+    "gdn_stash_emulated",
     "rows_per_thread",
 ]
 
 FUNCTION_NAME = "gdn_recurrent"
+STASH_FUNCTION_NAME = "gdn_recurrent_stash"
+REPLAY_FUNCTION_NAME = "gdn_replay"
+FUNCTION_NAMES = (FUNCTION_NAME, STASH_FUNCTION_NAME, REPLAY_FUNCTION_NAME)
+"""Every export of the module, in the order the build's manifest lists them."""
 WARPS = 8  # kWarps in gdn_recurrent.cuh
 COLS = 32  # kCols: value columns per block
 CHUNK = 16  # kChunk: round columns staged in shared memory at a time
@@ -170,6 +179,97 @@ def gdn_recurrent_reference(
     return out, record
 
 
+def _emulated_inputs(
+    mixed: Any, b: Any, a: Any, neg_a: Any, dt_bias: Any, num_key_heads: int, dk: int
+) -> tuple:
+    """The kernel's staged floats of every column, as its CPU model: q (normalized, scaled), k
+    (normalized) [L, n, hk, dk], v [L, n, hv, dv], beta and alpha = exp(g) [L, n, hv], float32."""
+    import torch
+
+    lanes, n, _ = mixed.shape
+    hk, hv = num_key_heads, b.shape[-1]
+    dv = (mixed.shape[-1] - 2 * hk * dk) // hv
+    pad = WARPS * rows_per_thread(dk)
+    f32, f64 = torch.float32, torch.float64
+    x = mixed.float()
+    q_raw = x[..., : hk * dk].reshape(lanes, n, hk, dk)
+    k_raw = x[..., hk * dk : 2 * hk * dk].reshape(lanes, n, hk, dk)
+    v = x[..., 2 * hk * dk :].reshape(lanes, n, hv, dv)
+
+    def l2_factor(t: torch.Tensor) -> torch.Tensor:
+        """rsqrt(sum of squares + eps): lane l sums elements l, l + 32, ... then an xor tree."""
+        tp = torch.zeros(*t.shape[:-1], ((pad + 31) // 32) * 32, dtype=f32)
+        tp[..., :dk] = t
+        lanes_sum = torch.zeros(*t.shape[:-1], 32, dtype=f32)
+        for m in range(tp.shape[-1] // 32):
+            seg = tp[..., m * 32 : (m + 1) * 32]
+            lanes_sum = (seg.to(f64) * seg.to(f64) + lanes_sum.to(f64)).to(f32)
+        width = 16
+        while width:
+            idx = torch.arange(32) ^ width
+            lanes_sum = lanes_sum + lanes_sum[..., idx]
+            width //= 2
+        return torch.rsqrt(lanes_sum[..., :1] + L2_EPS)
+
+    q = (q_raw * l2_factor(q_raw)) * dk**-0.5
+    k = k_raw * l2_factor(k_raw)
+    beta = torch.sigmoid(b.float()).to(mixed.dtype).float()
+    ax = a.float() + dt_bias.float()
+    sp = torch.where(ax > 20, ax, torch.log1p(torch.exp(ax)))
+    alpha = torch.exp(neg_a.float() * sp)  # [L, n, hv]
+    return q, k, v, beta, alpha
+
+
+def _emulated_steps(
+    s: Any, k: Any, v: Any, beta: Any, alpha: Any, q: Any, dk: int, on_state: Any = None
+) -> Any:
+    """The kernel's per-column update in its order of operations, from the padded state s [B, hv,
+    pad, dv] over the columns of k [B, n, hv, pad] (repeated to the value heads, zero-padded), v
+    [B, n, hv, dv], beta, alpha [B, n, hv]; q like k or None (no output). Calls on_state(t, s) after
+    column t; returns (out [B, n, hv, dv] or None, s)."""
+    import torch
+
+    f32, f64 = torch.float32, torch.float64
+    lanes, n, hv, dv = v.shape
+    r_rows = s.shape[2] // WARPS
+
+    def fma(x_: torch.Tensor, y_: torch.Tensor, z_: torch.Tensor) -> torch.Tensor:
+        return (x_.to(f64) * y_.to(f64) + z_.to(f64)).to(f32)
+
+    def read(st: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        """sum_i st[.., i, j] vec[.., i]: per-warp FMA chains over R rows, then warps in order."""
+        total = torch.zeros(lanes, hv, dv, dtype=f32)
+        for w in range(WARPS):
+            part = torch.zeros(lanes, hv, dv, dtype=f32)
+            for r in range(r_rows):
+                i = w * r_rows + r
+                part = fma(st[:, :, i], vec[:, :, i, None], part)
+            total = total + part
+        return total
+
+    out = None if q is None else torch.empty(lanes, n, hv, dv, dtype=f32)
+    for t in range(n):
+        s = s * alpha[:, t, :, None, None]
+        kv = read(s, k[:, t])
+        delta = (v[:, t] - kv) * beta[:, t, :, None]  # [B, hv, dv]
+        s = fma(k[:, t, :, :, None], delta[:, :, None, :], s)
+        if on_state is not None:
+            on_state(t, s[:, :, :dk])
+        if out is not None:
+            out[:, t] = read(s, q[:, t])
+    return out, s
+
+
+def _padded(t: Any, rep: int, pad: int) -> Any:
+    """[B, n, hk, dk] -> [B, n, hk * rep, pad] (GQA repeat, zero rows up to pad)."""
+    import torch
+
+    t = t.repeat_interleave(rep, dim=2)
+    out = torch.zeros(*t.shape[:-1], pad, dtype=torch.float32)
+    out[..., : t.shape[-1]] = t
+    return out
+
+
 def gdn_recurrent_emulated(
     mixed: Any, b: Any, a: Any, neg_a: Any, dt_bias: Any, state: Any, slots: Any, num_key_heads: int
 ) -> tuple[Any, Any]:
@@ -188,68 +288,75 @@ def gdn_recurrent_emulated(
     import torch
 
     lanes, n, hv, dk, dv = _check(mixed, b, state, slots, num_key_heads)
-    hk = num_key_heads
-    r_rows = rows_per_thread(dk)
-    pad = WARPS * r_rows
-    f32, f64 = torch.float32, torch.float64
-    x = mixed.float()
-    q_raw = x[..., : hk * dk].reshape(lanes, n, hk, dk)
-    k_raw = x[..., hk * dk : 2 * hk * dk].reshape(lanes, n, hk, dk)
-    v = x[..., 2 * hk * dk :].reshape(lanes, n, hv, dv)
-
-    def fma(x_: torch.Tensor, y_: torch.Tensor, z_: torch.Tensor) -> torch.Tensor:
-        return (x_.to(f64) * y_.to(f64) + z_.to(f64)).to(f32)
-
-    def l2_factor(t: torch.Tensor) -> torch.Tensor:
-        """rsqrt(sum of squares + eps): lane l sums elements l, l + 32, ... then an xor tree."""
-        tp = torch.zeros(*t.shape[:-1], ((pad + 31) // 32) * 32, dtype=f32)
-        tp[..., :dk] = t
-        lanes_sum = torch.zeros(*t.shape[:-1], 32, dtype=f32)
-        for m in range(tp.shape[-1] // 32):
-            seg = tp[..., m * 32 : (m + 1) * 32]
-            lanes_sum = fma(seg, seg, lanes_sum)
-        width = 16
-        while width:
-            idx = torch.arange(32) ^ width
-            lanes_sum = lanes_sum + lanes_sum[..., idx]
-            width //= 2
-        return torch.rsqrt(lanes_sum[..., :1] + L2_EPS)
-
-    q = (q_raw * l2_factor(q_raw)) * dk**-0.5
-    k = k_raw * l2_factor(k_raw)
-    rep = hv // hk
-    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)  # [L, n, hv, dk]
-    qp = torch.zeros(lanes, n, hv, pad, dtype=f32)
-    kp = torch.zeros(lanes, n, hv, pad, dtype=f32)
-    qp[..., :dk], kp[..., :dk] = q, k
-    beta = torch.sigmoid(b.float()).to(mixed.dtype).float()
-    ax = a.float() + dt_bias.float()
-    sp = torch.where(ax > 20, ax, torch.log1p(torch.exp(ax)))
-    alpha = torch.exp(neg_a.float() * sp)  # [L, n, hv]
-    s = torch.zeros(lanes, hv, pad, dv, dtype=f32)
+    pad = WARPS * rows_per_thread(dk)
+    q, k, v, beta, alpha = _emulated_inputs(mixed, b, a, neg_a, dt_bias, num_key_heads, dk)
+    rep = hv // num_key_heads
+    s = torch.zeros(lanes, hv, pad, dv, dtype=torch.float32)
     s[:, :, :dk] = state[slots.long()].float()
-    out = torch.empty(lanes, n, hv, dv, dtype=f32)
-    record = torch.empty(n, lanes, hv, dk, dv, dtype=f32)
+    record = torch.empty(n, lanes, hv, dk, dv, dtype=torch.float32)
 
-    def read(st: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
-        """sum_i st[.., i, j] vec[.., i]: per-warp FMA chains over R rows, then warps in order."""
-        total = torch.zeros(lanes, hv, dv, dtype=f32)
-        for w in range(WARPS):
-            part = torch.zeros(lanes, hv, dv, dtype=f32)
-            for r in range(r_rows):
-                i = w * r_rows + r
-                part = fma(st[:, :, i], vec[:, :, i, None], part)
-            total = total + part
-        return total
+    def keep(t: int, st: Any) -> None:
+        record[t] = st
 
-    for t in range(n):
-        s = s * alpha[:, t, :, None, None]
-        kv = read(s, kp[:, t])
-        delta = (v[:, t] - kv) * beta[:, t, :, None]  # [L, hv, dv]
-        s = fma(kp[:, t, :, :, None], delta[:, :, None, :], s)
-        record[t] = s[:, :, :dk]
-        out[:, t] = read(s, qp[:, t])
+    out, _ = _emulated_steps(s, _padded(k, rep, pad), v, beta, alpha, _padded(q, rep, pad), dk, keep)
     return out, record
+
+
+def gdn_stash_emulated(
+    mixed: Any, b: Any, a: Any, neg_a: Any, dt_bias: Any, state: Any, slots: Any, num_key_heads: int
+) -> tuple[Any, Any]:
+    """CPU model of ``gdn_recurrent_stash``: (out [L, n, v_heads, v_dim] float32 as
+    `gdn_recurrent_emulated`, stash [n, L, W] float32: per column and lane the normalized k of
+    every key head, v, beta and alpha of every value head, W = hk * k_dim + hv * v_dim + 2 * hv).
+
+    Raises:
+        GdnKernelError: inconsistent shapes or k_dim above MAX_KEY_DIM.
+    """
+    import torch
+
+    lanes, n, hv, dk, dv = _check(mixed, b, state, slots, num_key_heads)
+    pad = WARPS * rows_per_thread(dk)
+    q, k, v, beta, alpha = _emulated_inputs(mixed, b, a, neg_a, dt_bias, num_key_heads, dk)
+    rep = hv // num_key_heads
+    s = torch.zeros(lanes, hv, pad, dv, dtype=torch.float32)
+    s[:, :, :dk] = state[slots.long()].float()
+    out, _ = _emulated_steps(s, _padded(k, rep, pad), v, beta, alpha, _padded(q, rep, pad), dk)
+    stash = torch.cat([k.reshape(lanes, n, -1), v.reshape(lanes, n, -1), beta, alpha], dim=-1).transpose(0, 1)
+    return out, stash.contiguous()
+
+
+def gdn_replay_emulated(stash: Any, state: Any, slots: Any, keep: Any, pos: Any, num_key_heads: int) -> None:
+    """CPU model of ``gdn_replay``: for every layer g and lane i, the first keep[i] columns (clamped
+    to the stash's) of stash[g, :, pos[i]] run from state[g, slots[i]], the state after the last
+    written back in place; keep <= 0, or a slot or pos outside, leaves the lane. stash [G, C, Ls, W],
+    state [G, S, hv, dk, dv] float32, slots / keep / pos [m] int64.
+
+    Raises:
+        GdnKernelError: a stash row width that does not match the state's heads.
+    """
+    import torch
+
+    g_layers, num_slots, hv, dk, dv = state.shape
+    hk = num_key_heads
+    if stash.shape[-1] != hk * dk + hv * dv + 2 * hv or hv % hk:
+        raise GdnKernelError(
+            f"stash rows of {stash.shape[-1]} floats do not match state {tuple(state.shape)}"
+        )
+    pad = WARPS * rows_per_thread(dk)
+    cols, stash_lanes = stash.shape[1], stash.shape[2]
+    for i in range(slots.shape[0]):
+        slot, n, p = int(slots[i]), min(int(keep[i]), cols), int(pos[i])
+        if n <= 0 or not 0 <= slot < num_slots or not 0 <= p < stash_lanes:
+            continue
+        rows = stash[:, :n, p].float()  # [G, n, W]
+        k = rows[..., : hk * dk].reshape(g_layers, n, hk, dk)
+        v = rows[..., hk * dk : hk * dk + hv * dv].reshape(g_layers, n, hv, dv)
+        beta = rows[..., hk * dk + hv * dv : hk * dk + hv * dv + hv]
+        alpha = rows[..., hk * dk + hv * dv + hv :]
+        s = torch.zeros(g_layers, hv, pad, dv, dtype=torch.float32)
+        s[:, :, :dk] = state[:, slot].float()
+        _, s = _emulated_steps(s, _padded(k, hv // hk, pad), v, beta, alpha, None, dk)
+        state[:, slot] = s[:, :, :dk]
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,7 +391,10 @@ def build_gdn_recurrent(
     dest, reuse = cached_module_path("gdn_recurrent", arch, _SOURCES, out_path)
     if reuse:
         return dest
-    source = f'#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT({FUNCTION_NAME})\n'
+    source = (
+        f'#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT({FUNCTION_NAME})\n'
+        f"IGNIS_GDN_STASH_EXPORT({STASH_FUNCTION_NAME})\nIGNIS_GDN_REPLAY_EXPORT({REPLAY_FUNCTION_NAME})\n"
+    )
     return build_cuda_module(
         source,
         arch,

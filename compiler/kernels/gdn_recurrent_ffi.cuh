@@ -31,33 +31,42 @@ namespace ignis_gdn {
 using tvm::ffi::TensorView;
 using namespace ignis_ffi;  // the shared argument checks (ffi_checks.cuh)
 
-template <typename T>
-void launch(const char* name, const Params& p, cudaStream_t stream) {
+// `layers` > 1: kModeReplay over that many layers (grid.y).
+template <typename T, int MODE = kModeRecord>
+void launch(const char* name, const Params& p, cudaStream_t stream, int layers = 1) {
   const int tiles = (p.dv + kCols - 1) / kCols;
   const int64_t blocks = static_cast<int64_t>(p.lanes) * p.hv * tiles;
   TVM_FFI_CHECK(blocks <= 2147483647LL, ValueError) << name << ": too many blocks (" << blocks << ")";
-  const dim3 grid(static_cast<unsigned>(blocks)), block(kWarps * 32);
+  TVM_FFI_CHECK(layers >= 1 && layers <= 65535, ValueError) << name << ": 1..65535 layers, got " << layers;
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(layers)), block(kWarps * 32);
   if (p.dk <= kWarps * 2) {
-    gdn_recurrent_kernel<T, 2><<<grid, block, 0, stream>>>(p);
+    gdn_recurrent_kernel<T, 2, MODE><<<grid, block, 0, stream>>>(p);
   } else if (p.dk <= kWarps * 4) {
-    gdn_recurrent_kernel<T, 4><<<grid, block, 0, stream>>>(p);
+    gdn_recurrent_kernel<T, 4, MODE><<<grid, block, 0, stream>>>(p);
   } else if (p.dk <= kWarps * 8) {
-    gdn_recurrent_kernel<T, 8><<<grid, block, 0, stream>>>(p);
+    gdn_recurrent_kernel<T, 8, MODE><<<grid, block, 0, stream>>>(p);
   } else if (p.dk <= kWarps * 16) {
-    gdn_recurrent_kernel<T, 16><<<grid, block, 0, stream>>>(p);
+    gdn_recurrent_kernel<T, 16, MODE><<<grid, block, 0, stream>>>(p);
   } else {
-    gdn_recurrent_kernel<T, 32><<<grid, block, 0, stream>>>(p);
+    gdn_recurrent_kernel<T, 32, MODE><<<grid, block, 0, stream>>>(p);
   }
   check_launch(name);
 }
 
-inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView b, TensorView a, TensorView neg_a,
-                                 TensorView dt_bias, TensorView state, TensorView slots, TensorView record,
-                                 TensorView out, int64_t num_key_heads, double scale) {
+// Floats of one stash row: k of every key head, v, beta and alpha of every value head.
+inline int64_t stash_width(int64_t hk, int64_t hv, int64_t dk, int64_t dv) { return hk * dk + hv * dv + 2 * hv; }
+
+// STASH false: `record` is the record buffer [>= n, >= L, hv, dk, dv]; true: the stash
+// [>= n, >= L, W] (kModeStash).
+template <bool STASH = false>
+void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView b, TensorView a, TensorView neg_a,
+                          TensorView dt_bias, TensorView state, TensorView slots, TensorView record,
+                          TensorView out, int64_t num_key_heads, double scale) {
   TVM_FFI_CHECK(mixed.ndim() == 3 && b.ndim() == 3 && a.ndim() == 3, ValueError)
       << name << ": mixed, b and a must be 3-d [lanes, n, *]";
-  TVM_FFI_CHECK(state.ndim() == 4 && record.ndim() == 5 && out.ndim() == 4, ValueError)
-      << name << ": state must be [S, hv, dk, dv], record [cols, lanes, hv, dk, dv], out [lanes, n, hv, dv]";
+  TVM_FFI_CHECK(state.ndim() == 4 && record.ndim() == (STASH ? 3 : 5) && out.ndim() == 4, ValueError)
+      << name << ": state must be [S, hv, dk, dv], " << (STASH ? "stash [cols, lanes, W]" : "record [cols, lanes, hv, dk, dv]")
+      << ", out [lanes, n, hv, dv]";
   TVM_FFI_CHECK(slots.ndim() == 1 && neg_a.ndim() == 1 && dt_bias.ndim() == 1, ValueError)
       << name << ": slots, neg_a and dt_bias must be 1-d";
   const int64_t lanes = mixed.size(0), n = mixed.size(1), conv_dim = mixed.size(2);
@@ -87,11 +96,18 @@ inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView 
       << name << ": slots must be contiguous [" << lanes << "]";
   TVM_FFI_CHECK(inner_contiguous(state, 3) && state.size(0) >= 1, ValueError)
       << name << ": state's [hv, dk, dv] must be contiguous";
-  TVM_FFI_CHECK(record.size(0) >= n && record.size(1) >= lanes && record.size(2) == hv && record.size(3) == dk &&
-                    record.size(4) == dv && inner_contiguous(record, 3),
-                ValueError)
-      << name << ": record must be [>= " << n << ", >= " << lanes << ", " << hv << ", " << dk << ", " << dv
-      << "] with the last three dims contiguous";
+  if constexpr (STASH) {
+    const int64_t w = stash_width(num_key_heads, hv, dk, dv);
+    TVM_FFI_CHECK(record.size(0) >= n && record.size(1) >= lanes && record.size(2) == w && record.stride(2) == 1,
+                  ValueError)
+        << name << ": stash must be [>= " << n << ", >= " << lanes << ", " << w << "] with the last dim contiguous";
+  } else {
+    TVM_FFI_CHECK(record.size(0) >= n && record.size(1) >= lanes && record.size(2) == hv && record.size(3) == dk &&
+                      record.size(4) == dv && inner_contiguous(record, 3),
+                  ValueError)
+        << name << ": record must be [>= " << n << ", >= " << lanes << ", " << hv << ", " << dk << ", " << dv
+        << "] with the last three dims contiguous";
+  }
   TVM_FFI_CHECK(out.size(0) == lanes && out.size(1) == n && out.size(2) == hv && out.size(3) == dv &&
                     inner_contiguous(out, 4),
                 ValueError)
@@ -99,7 +115,7 @@ inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView 
   const bool out_f32 = dtype_is(out, kDLFloat, 32);
   TVM_FFI_CHECK(out_f32 || same_dtype(out, mixed), TypeError) << name << ": out must be float32 or mixed's dtype";
   check_cuda(name, {&mixed, &b, &a, &neg_a, &dt_bias, &state, &slots, &record, &out});
-  Params p;
+  Params p{};
   p.mixed = ptr(mixed);
   p.m_lane = mixed.stride(0);
   p.m_col = mixed.stride(1);
@@ -118,9 +134,15 @@ inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView 
   p.st_slot = state.stride(0);
   p.num_slots = state.size(0);
   p.slots = static_cast<const int64_t*>(ptr(slots));
-  p.record = static_cast<float*>(ptr(record));
-  p.rec_col = record.stride(0);
-  p.rec_lane = record.stride(1);
+  if constexpr (STASH) {
+    p.stash = static_cast<float*>(ptr(record));
+    p.sh_col = record.stride(0);
+    p.sh_lane = record.stride(1);
+  } else {
+    p.record = static_cast<float*>(ptr(record));
+    p.rec_col = record.stride(0);
+    p.rec_lane = record.stride(1);
+  }
   p.out = ptr(out);
   p.out_f32 = out_f32;
   p.lanes = static_cast<int>(lanes);
@@ -131,15 +153,72 @@ inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView 
   p.dv = static_cast<int>(dv);
   p.scale = static_cast<float>(scale);
   cudaStream_t stream = stream_of(mixed);
+  constexpr int kMode = STASH ? kModeStash : kModeRecord;
   if (dtype_is(mixed, kDLFloat, 32)) {
-    launch<float>(name, p, stream);
+    launch<float, kMode>(name, p, stream);
   } else if (dtype_is(mixed, kDLBfloat, 16)) {
-    launch<__nv_bfloat16>(name, p, stream);
+    launch<__nv_bfloat16, kMode>(name, p, stream);
   } else if (dtype_is(mixed, kDLFloat, 16)) {
-    launch<__half>(name, p, stream);
+    launch<__half, kMode>(name, p, stream);
   } else {
     TVM_FFI_THROW(TypeError) << name << ": mixed must be float32, bfloat16 or float16";
   }
+}
+
+// kModeReplay: stash [G, C, Ls, W] f32 (last dim contiguous), state [G, S, hv, dk, dv] f32 (inner four
+// dims contiguous; written in place), slots / keep / pos [m] int64, num_key_heads. Per layer g and lane
+// l < m: the first keep[l] columns (clamped to 0..C) of stash[g, :, pos[l]] run from state[g, slots[l]],
+// and the state after the last is written there; keep 0, or a slot or pos outside, leaves the lane.
+inline void gdn_replay_launch(const char* name, TensorView stash, TensorView state, TensorView slots,
+                              TensorView keep, TensorView pos, int64_t num_key_heads) {
+  TVM_FFI_CHECK(stash.ndim() == 4 && state.ndim() == 5, ValueError)
+      << name << ": stash must be [layers, cols, lanes, W] and state [layers, S, hv, dk, dv]";
+  TVM_FFI_CHECK(slots.ndim() == 1 && keep.ndim() == 1 && pos.ndim() == 1, ValueError)
+      << name << ": slots, keep and pos must be 1-d";
+  const int64_t layers = state.size(0), hv = state.size(2), dk = state.size(3), dv = state.size(4);
+  const int64_t m = slots.size(0);
+  TVM_FFI_CHECK(m >= 1 && keep.size(0) == m && pos.size(0) == m && slots.stride(0) == 1 && keep.stride(0) == 1 &&
+                    pos.stride(0) == 1,
+                ValueError)
+      << name << ": slots, keep and pos must be contiguous [m], m >= 1, one length";
+  TVM_FFI_CHECK(layers >= 1 && hv >= 1 && dk >= 1 && dv >= 1 && state.size(1) >= 1, ValueError)
+      << name << ": empty state";
+  TVM_FFI_CHECK(num_key_heads >= 1 && hv % num_key_heads == 0, ValueError)
+      << name << ": v_heads " << hv << " must be a multiple of num_key_heads " << num_key_heads;
+  TVM_FFI_CHECK(dk <= kMaxKeyDim, ValueError) << name << ": k_dim must be <= " << kMaxKeyDim << ", got " << dk;
+  const int64_t w = stash_width(num_key_heads, hv, dk, dv);
+  TVM_FFI_CHECK(stash.size(0) == layers && stash.size(1) >= 1 && stash.size(2) >= 1 && stash.size(3) == w &&
+                    stash.stride(3) == 1,
+                ValueError)
+      << name << ": stash must be [" << layers << ", cols, lanes, " << w << "] with the last dim contiguous";
+  TVM_FFI_CHECK(inner_contiguous(state, 4), ValueError) << name << ": state's [S, hv, dk, dv] must be contiguous";
+  TVM_FFI_CHECK(dtype_is(stash, kDLFloat, 32) && dtype_is(state, kDLFloat, 32), TypeError)
+      << name << ": stash and state must be float32";
+  TVM_FFI_CHECK(dtype_is(slots, kDLInt, 64) && dtype_is(keep, kDLInt, 64) && dtype_is(pos, kDLInt, 64), TypeError)
+      << name << ": slots, keep and pos must be int64";
+  TVM_FFI_CHECK(stash.size(1) <= 2147483647LL && stash.size(2) <= 2147483647LL && m <= 2147483647LL, ValueError)
+      << name << ": stash too large";
+  check_cuda(name, {&stash, &state, &slots, &keep, &pos});
+  Params p{};
+  p.state = static_cast<const float*>(ptr(state));
+  p.st_slot = state.stride(1);
+  p.st_layer = state.stride(0);
+  p.num_slots = state.size(1);
+  p.slots = static_cast<const int64_t*>(ptr(slots));
+  p.stash = static_cast<float*>(ptr(stash));
+  p.sh_layer = stash.stride(0);
+  p.sh_col = stash.stride(1);
+  p.sh_lane = stash.stride(2);
+  p.keep = static_cast<const int64_t*>(ptr(keep));
+  p.pos = static_cast<const int64_t*>(ptr(pos));
+  p.stash_lanes = static_cast<int>(stash.size(2));
+  p.lanes = static_cast<int>(m);
+  p.n = static_cast<int>(stash.size(1));
+  p.hk = static_cast<int>(num_key_heads);
+  p.hv = static_cast<int>(hv);
+  p.dk = static_cast<int>(dk);
+  p.dv = static_cast<int>(dv);
+  launch<float, kModeReplay>(name, p, stream_of(state), static_cast<int>(layers));
 }
 
 }  // namespace ignis_gdn
@@ -151,7 +230,29 @@ inline void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView 
                                tvm::ffi::TensorView state, tvm::ffi::TensorView slots,                       \
                                tvm::ffi::TensorView record, tvm::ffi::TensorView out, int64_t num_key_heads, \
                                double scale) {                                                               \
-    ::ignis_gdn::gdn_recurrent_launch(#NAME, mixed, b, a, neg_a, dt_bias, state, slots, record, out,          \
-                                      num_key_heads, scale);                                                 \
+    ::ignis_gdn::gdn_recurrent_launch<false>(#NAME, mixed, b, a, neg_a, dt_bias, state, slots, record, out,   \
+                                             num_key_heads, scale);                                          \
+  }                                                                                                          \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_gdn_##NAME)
+
+// Export `NAME(mixed, b, a, neg_a, dt_bias, state, slots, stash, out, num_key_heads, scale)`: a round
+// that writes the stash (kModeStash) instead of the record.
+#define IGNIS_GDN_STASH_EXPORT(NAME)                                                                          \
+  static void ignis_gdn_##NAME(tvm::ffi::TensorView mixed, tvm::ffi::TensorView b, tvm::ffi::TensorView a,     \
+                               tvm::ffi::TensorView neg_a, tvm::ffi::TensorView dt_bias,                     \
+                               tvm::ffi::TensorView state, tvm::ffi::TensorView slots,                       \
+                               tvm::ffi::TensorView stash, tvm::ffi::TensorView out, int64_t num_key_heads,  \
+                               double scale) {                                                               \
+    ::ignis_gdn::gdn_recurrent_launch<true>(#NAME, mixed, b, a, neg_a, dt_bias, state, slots, stash, out,     \
+                                            num_key_heads, scale);                                           \
+  }                                                                                                          \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_gdn_##NAME)
+
+// Export `NAME(stash, state, slots, keep, pos, num_key_heads)` (kModeReplay, gdn_replay_launch).
+#define IGNIS_GDN_REPLAY_EXPORT(NAME)                                                                         \
+  static void ignis_gdn_##NAME(tvm::ffi::TensorView stash, tvm::ffi::TensorView state,                        \
+                               tvm::ffi::TensorView slots, tvm::ffi::TensorView keep,                        \
+                               tvm::ffi::TensorView pos, int64_t num_key_heads) {                            \
+    ::ignis_gdn::gdn_replay_launch(#NAME, stash, state, slots, keep, pos, num_key_heads);                    \
   }                                                                                                          \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_gdn_##NAME)

@@ -17,7 +17,13 @@ State (allocated at construction, never resized):
   float32, the recurrent state after every column of the current round (by round position, not
   slot), and the conv windows ``[gdn_layers, max_lanes, conv_dim, kernel - 1 + max_columns]``.
   SGLang and vLLM keep such intermediate SSM states for speculative decoding too. For the 27B shape
-  (48 GDN layers, 48 x 128 x 128 heads) at 8 lanes x 8 columns the record is 9.7 GB.
+  (48 GDN layers, 48 x 128 x 128 heads) at 8 lanes x 8 columns the record is 9.7 GB. With a fused
+  GDN module that has the stash round and the replay (`GdnRecurrentKernel.has_replay`) there is no
+  record: the round writes a stash ``[gdn_layers, max_columns, max_lanes, W]`` float32 of what each
+  column fed the recurrence (W = k_heads k_dim + v_heads v_dim + 2 v_heads: 33 KB a column for the
+  27B, 101 MB at 8 x 8) and `commit` replays the kept columns from it, every layer and lane in one
+  launch, to the same state bit for bit (docs/PERF.md run 59: at 8 columns and more the record's
+  writes bound the round's recurrence, ~1.1 us a column and layer).
 
 A *static round* is a forward whose lanes have n_i <= max_columns columns. It runs as one shape keyed
 by (lanes L, padded columns n = max n_i, KV bucket T, hidden states wanted, tap layers): shorter lanes
@@ -29,8 +35,9 @@ values of every column (dummy ones too, past the lane's committed length, where 
 later) are written into the cache; the Gated DeltaNet runs the token-by-token recurrence batched over
 lanes and heads, writing each column's state into the record; logits of every row (and hidden states,
 taps) are the outputs. `commit` then costs a handful of device ops: the kept state is copied out of
-the record (one copy per lane, no temporary), the kept conv window gathered out of the windows (all
-lanes together), and KV commits by moving the host-side length. The record belongs to the round: a
+the record (one copy per lane, no temporary) or replayed from the stash (one launch), the kept conv
+window gathered out of the windows (all lanes together), and KV commits by moving the host-side
+length. The record belongs to the round: a
 static round must be committed before the next one starts (`StateError` otherwise).
 
 CUDA graphs: captured lazily per key (warm-up on a side stream first, as the torch.cuda.graphs docs
@@ -149,8 +156,18 @@ max_columns chunks run as static rounds."""
 
 GDN_FUNCTION_NAME = "gdn_recurrent"
 """The export of a module built by ``ignis.compiler.kernels.gdn_recurrent.build_gdn_recurrent``."""
+GDN_STASH_FUNCTION_NAME = "gdn_recurrent_stash"
+"""The round that writes the stash instead of the record (modules built since session 8)."""
+GDN_REPLAY_FUNCTION_NAME = "gdn_replay"
+"""The commit's replay of the kept columns from the stash (modules built since session 8)."""
 
 _GDN_MAX_KEY_DIM = 256  # ignis.compiler.kernels.gdn_recurrent.MAX_KEY_DIM
+
+
+def gdn_stash_width(num_key_heads: int, v_heads: int, k_dim: int, v_dim: int) -> int:
+    """Floats in one stash row of the fused GDN recurrence (the normalized k of every key head, v,
+    beta and the decay of every value head: ``ignis.compiler.kernels.gdn_recurrent``)."""
+    return num_key_heads * k_dim + v_heads * v_dim + 2 * v_heads
 
 
 class GdnRecurrentKernel:
@@ -161,25 +178,48 @@ class GdnRecurrentKernel:
     math and its source are in ``ignis.compiler.kernels.gdn_recurrent``. It launches on torch's
     current stream (capturable).
 
+    A module that also exports ``gdn_recurrent_stash`` and ``gdn_replay`` (built since session 8;
+    `has_replay`) runs rounds that keep no per-column states: the round writes a small stash of what
+    it consumed per column (`round_stash`) and the commit replays the kept columns from it, every
+    GDN layer in one launch (`replay`). The state equals the record path's bit for bit; the record
+    (4 x k_dim x v_dim bytes a head, column and lane: 9.7 GB for the 27B shape at 8 lanes x 8
+    columns) is not allocated.
+
     Args:
-        source: the module's ``gdn_recurrent`` function (a tvm-ffi function), a loaded module
-            holding it, or the path of a ``.so`` built by ``build_gdn_recurrent`` (loaded with the
-            lean runtime, ``ignis.runtime.tvm_runtime.load_module``).
+        source: the module's ``gdn_recurrent`` function (a tvm-ffi function: record rounds only), a
+            loaded module (or a dict, for CPU tests) holding it and optionally the two others, or the
+            path of a ``.so`` built by ``build_gdn_recurrent`` (loaded with the lean runtime,
+            ``ignis.runtime.tvm_runtime.load_module``).
 
     Raises:
         TvmRuntimeError: a path that is missing or cannot be loaded.
     """
 
     def __init__(self, source: Any) -> None:
+        self.stash_func: Any = None
+        self.replay_func: Any = None
         if isinstance(source, GdnRecurrentKernel):
+            self.stash_func, self.replay_func = source.stash_func, source.replay_func
             source = source.func
         if isinstance(source, str | os.PathLike):
             from ignis.runtime.tvm_runtime import load_module
 
-            source = load_module(source, cuda=True)[GDN_FUNCTION_NAME]
-        elif not callable(source) and hasattr(source, "__getitem__"):
-            source = source[GDN_FUNCTION_NAME]
+            source = load_module(source, cuda=True)
+        if not callable(source) and hasattr(source, "__getitem__"):
+            module = source
+            source = module[GDN_FUNCTION_NAME]
+            stash, replay = (
+                _optional_export(module, GDN_STASH_FUNCTION_NAME),
+                _optional_export(module, GDN_REPLAY_FUNCTION_NAME),
+            )
+            if stash is not None and replay is not None:
+                self.stash_func, self.replay_func = stash, replay
         self.func = source
+
+    @property
+    def has_replay(self) -> bool:
+        """Whether rounds run with the stash and commits replay (`round_stash`, `replay`)."""
+        return self.stash_func is not None and self.replay_func is not None
 
     @staticmethod
     def supports(config: HybridConfig) -> bool:
@@ -189,6 +229,15 @@ class GdnRecurrentKernel:
             config.linear_key_head_dim <= _GDN_MAX_KEY_DIM
             and config.linear_num_value_heads % config.linear_num_key_heads == 0
         )
+
+    def _run(self, func: Any, args: tuple[Any, ...], on_cuda: bool) -> None:
+        if not on_cuda:  # a CPU stand-in (tests: the kernel's CPU model)
+            func(*args)
+            return
+        from ignis.runtime.tvm_runtime import torch_stream
+
+        with torch_stream():
+            func(*args)
 
     def __call__(
         self,
@@ -211,13 +260,51 @@ class GdnRecurrentKernel:
         (float32 or the model dtype, written). Raises ValueError / TypeError (from the module) on
         shapes, dtypes or devices it does not take."""
         args = (mixed, b, a, neg_a, dt_bias, state, slots, record, out, num_key_heads, scale)
-        if not mixed.is_cuda:  # a CPU stand-in (tests: the kernel's CPU model)
-            self.func(*args)
-            return
-        from ignis.runtime.tvm_runtime import torch_stream
+        self._run(self.func, args, mixed.is_cuda)
 
-        with torch_stream():
-            self.func(*args)
+    def round_stash(
+        self,
+        mixed: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        neg_a: torch.Tensor,
+        dt_bias: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        stash: torch.Tensor,
+        out: torch.Tensor,
+        num_key_heads: int,
+        scale: float,
+    ) -> None:
+        """Run a round as `__call__`, writing the stash [>= n, >= L, W] float32 (W =
+        `gdn_stash_width`; stash[t, l] = what column t of lane l fed the recurrence) instead of a
+        record. Raises ValueError / TypeError (from the module) on what it does not take."""
+        args = (mixed, b, a, neg_a, dt_bias, state, slots, stash, out, num_key_heads, scale)
+        self._run(self.stash_func, args, mixed.is_cuda)
+
+    def replay(
+        self,
+        stash: torch.Tensor,
+        state: torch.Tensor,
+        slots: torch.Tensor,
+        keep: torch.Tensor,
+        pos: torch.Tensor,
+        num_key_heads: int,
+    ) -> None:
+        """Commit: for every layer g and lane i < m, run the first keep[i] columns of stash[g, :,
+        pos[i]] from state[g, slots[i]] and write the state after the last back in place (keep 0
+        leaves the lane). stash [G, C, Ls, W] float32, state [G, S, v_heads, k_dim, v_dim]
+        float32, slots / keep / pos [m] int64. One launch. Raises ValueError / TypeError (from the
+        module) on what it does not take."""
+        self._run(self.replay_func, (stash, state, slots, keep, pos, num_key_heads), state.is_cuda)
+
+
+def _optional_export(module: Any, name: str) -> Any:
+    """module[name], or None when the module does not export it (built before the export)."""
+    try:
+        return module[name]
+    except (KeyError, AttributeError):  # a dict / a tvm_ffi.Module without it
+        return None
 
 
 class _ModuleFunctions:
@@ -450,6 +537,9 @@ class _StaticPending:
     # chunked prefill: the lane's (conv [G, C, kd], recurrent [G, hv, dk, dv]) before the forward; its
     # chunks are committed already, so commit(whole) moves the length and commit(0) restores these
     saved: tuple[torch.Tensor, torch.Tensor] | None = None
+    # static: the kernel whose stash path the round ran, so commit replays the kept columns with it
+    # (None: commit copies the kept state out of the record)
+    replay: GdnRecurrentKernel | None = None
 
 
 class StaticLaneState:
@@ -617,7 +707,10 @@ class StaticHybridExecutor(HybridExecutor):
         self._values = [torch.zeros_like(k) for k in self._keys]
         self._conv = torch.zeros(n_gdn, max_lanes, c.linear_conv_dim, kd, dtype=dtype, device=dev)
         self._rec = torch.zeros(n_gdn, max_lanes, hv, dk, dv, dtype=torch.float32, device=dev)
-        self._record = torch.zeros(n_gdn, max_columns, max_lanes, hv, dk, dv, dtype=torch.float32, device=dev)
+        # the round's per-column GDN states (record path) or what it consumed per column (stash path,
+        # kernels with replay): allocated for the recurrence in use by `_gdn_buffers`
+        self._record: torch.Tensor | None = None
+        self._stash: torch.Tensor | None = None
         self._windows = torch.zeros(
             n_gdn, max_lanes, c.linear_conv_dim, kd + max_columns, dtype=dtype, device=dev
         )
@@ -671,6 +764,7 @@ class StaticHybridExecutor(HybridExecutor):
                 )
             source = GdnRecurrentKernel(source)
         self._gdn_kernel = source
+        self._gdn_buffers()
         if self._graphs:  # captured with the other recurrence: recaptured on demand, in a new pool
             self._graphs.clear()
             self._pool = None
@@ -721,6 +815,37 @@ class StaticHybridExecutor(HybridExecutor):
         self._rec[:, slot].zero_()
         return StaticLaneState(self, slot)
 
+    @property
+    def _replays(self) -> bool:
+        """Whether static rounds run the stash path (a fused GDN kernel with replay)."""
+        return self._gdn_kernel is not None and self._gdn_kernel.has_replay
+
+    def _gdn_buffers(self) -> None:
+        """Allocate the round buffer the GDN recurrence in use needs -- the record [G, max_columns,
+        max_lanes, hv, dk, dv] or, with replay, the stash [G, max_columns, max_lanes, W] float32 --
+        and free the other one when no round is open (an open round commits from the buffer it ran
+        with)."""
+        c = self.config
+        g, dev = len(self._gdn_slot), self.device
+        hk, hv, dk, dv = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        )
+        mc, ml = self.max_columns, self.max_lanes
+        if self._replays:
+            if self._stash is None:
+                w = gdn_stash_width(hk, hv, dk, dv)
+                self._stash = torch.zeros(g, mc, ml, w, dtype=torch.float32, device=dev)
+            if not self._round_open:
+                self._record = None
+        else:
+            if self._record is None:
+                self._record = torch.zeros(g, mc, ml, hv, dk, dv, dtype=torch.float32, device=dev)
+            if not self._round_open:
+                self._stash = None
+
     def _grow(self) -> None:
         """Double the lane slots (every slot taken): new pools with the old contents, graphs dropped
         (recaptured on demand, at the new addresses)."""
@@ -741,7 +866,11 @@ class StaticHybridExecutor(HybridExecutor):
         self._keys = [widen(k, 0) for k in self._keys]
         self._values = [widen(v, 0) for v in self._values]
         self._conv, self._rec = widen(self._conv, 1), widen(self._rec, 1)
-        self._record, self._windows = widen(self._record, 2), widen(self._windows, 1)
+        self._windows = widen(self._windows, 1)
+        if self._record is not None:
+            self._record = widen(self._record, 2)
+        if self._stash is not None:
+            self._stash = widen(self._stash, 2)
         self._inputs = self._inputs.new_zeros(2 * new * self.max_columns + new)
         self._graphs.clear()
         self._pool = None
@@ -827,7 +956,9 @@ class StaticHybridExecutor(HybridExecutor):
                 )
             out = self._static_forward(states, columns, lens, output_hidden_states, tuple(tap_layers))
             for i, state in enumerate(states):
-                state._pending = _StaticPending(lens[i], record, i, True)
+                state._pending = _StaticPending(
+                    lens[i], record, i, True, replay=self._gdn_kernel if self._replays else None
+                )
                 self._round_open.add(id(state))
         else:
             out = self._eager_forward(states, columns, lens, record, logits, output_hidden_states, tap_layers)
@@ -869,10 +1000,18 @@ class StaticHybridExecutor(HybridExecutor):
             )
             idx = host.to(self.device, non_blocking=True)
             pos, keep_t, slots = idx[0], idx[1], idx[2]
-            # one copy per lane, record -> state: an indexed assignment would gather into a temporary
-            # first, twice the traffic (4 x lanes x 151 MB for the 27B shape; graphs-lanes.md)
-            for (state, keep), p in zip(static, positions, strict=True):
-                self._rec[:, state.slot].copy_(self._record[:, keep - 1, p])
+            kernel = static[0][0]._pending.replay  # type: ignore[union-attr]
+            if kernel is not None:
+                # every GDN layer and lane in one launch: the kept columns replayed from the stash
+                assert self._stash is not None
+                kernel.replay(self._stash, self._rec, slots, keep_t, pos, self.config.linear_num_key_heads)
+            else:
+                # one copy per lane, record -> state: an indexed assignment would gather into a
+                # temporary first, twice the traffic (4 x lanes x 151 MB for the 27B shape;
+                # graphs-lanes.md)
+                assert self._record is not None
+                for (state, keep), p in zip(static, positions, strict=True):
+                    self._rec[:, state.slot].copy_(self._record[:, keep - 1, p])
             gi = keep_t[:, None] + torch.arange(kd, device=self.device)[None, :]  # [m, kd]
             win = self._windows[:, pos]  # [G, m, C, kd + max_columns]
             g, _, ch, _ = win.shape
@@ -1254,7 +1393,8 @@ class StaticHybridExecutor(HybridExecutor):
             if window is not None:
                 self._windows[gs, :lanes, :, : kd + n] = window
             out_core = x.new_empty(lanes, n, nv, dv)  # rounded to the model dtype once, as below
-            self._gdn_kernel(
+            kern = self._gdn_kernel
+            args = (
                 conv,
                 b.reshape(lanes, n, nv),
                 a.reshape(lanes, n, nv),
@@ -1262,11 +1402,13 @@ class StaticHybridExecutor(HybridExecutor):
                 dt_bias,
                 self._rec[gs],
                 slots,
-                self._record[gs],
-                out_core,
-                nk,
-                dk**-0.5,
             )
+            if kern.has_replay:  # no per-column states: what the columns fed it, for commit's replay
+                assert self._stash is not None
+                kern.round_stash(*args, self._stash[gs], out_core, nk, dk**-0.5)
+            else:
+                assert self._record is not None
+                kern(*args, self._record[gs], out_core, nk, dk**-0.5)
             if self._norms_kernel is not None:  # the fused gated norm reads the kernel's output as is
                 return self._gdn_output(layer, out_core.view(lanes * n, nv, dv), z, x.dtype, fused=True)
             return self._gdn_output(layer, out_core.view(lanes * n, nv, dv).float(), z, x.dtype)
@@ -1283,6 +1425,7 @@ class StaticHybridExecutor(HybridExecutor):
         if eager is None:
             if window is not None:
                 self._windows[gs, :lanes, :, : kd + n] = window
+            assert self._record is not None
             core = self._recurrence(q, k, v, decay, beta, prev, self._record[gs, :n, :lanes])
         else:
             lens, record, _, pendings = eager

@@ -60,6 +60,8 @@ def _build_in_subprocess(
 _TOPK = [("topk", "topk", "topk.so")]
 _HYBRID = [
     ("gdn_recurrent", "gdn_recurrent", "gdn_recurrent.so"),
+    ("gdn_recurrent_stash", "gdn_recurrent_stash", "gdn_recurrent.so"),
+    ("gdn_replay", "gdn_replay", "gdn_recurrent.so"),
     ("add_rms_norm", "add_rms_norm", "fused_norms.so"),
     ("gated_rms_norm", "gated_rms_norm", "fused_norms.so"),
     ("gdn_conv_silu", "gdn_conv_silu", "fused_mixers.so"),
@@ -92,8 +94,10 @@ def _check_binaries(
     ]
     for k in m.kernels:
         assert k.abi == 1 and k.target == {"kind": "cuda", "arch": arch}
-        # the gated attention takes the mma's input types only
-        want = ("bfloat16", "float16") if k.kind == "gated_attention" else ("bfloat16", "float16", "float32")
+        # the gated attention takes the mma's input types only, the replay float32 stash and state
+        want = {"gated_attention": ("bfloat16", "float16"), "gdn_replay": ("float32",)}.get(
+            k.kind, ("bfloat16", "float16", "float32")
+        )
         assert k.dtypes == want
         assert m.file(k.file).role == "module" and k.file not in routes
         assert k.name.encode() in (out / k.file).read_bytes()

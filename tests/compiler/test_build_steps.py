@@ -391,10 +391,11 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
         config=_hybrid_config(),
         dflash2=True,
     )
-    # the GDN recurrence (1 function), the fused norms (add_rms_norm + gated_rms_norm) and the fused
-    # mixers (gdn_conv_silu + qk_norm_rope_kv + gated_attention)
+    # the top-k, the GDN recurrence (its round, the stash round and the replay), the fused norms
+    # (add_rms_norm + gated_rms_norm) and the fused mixers (gdn_conv_silu + qk_norm_rope_kv +
+    # gated_attention)
     assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms", "fused_mixers")
-    assert hybrid.num_functions() == 7
+    assert hybrid.num_functions() == 9
     cpu = plan_modules(
         card="cpu",
         arch="llvm",
@@ -549,6 +550,10 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
     dtypes = ("bfloat16", "float16", "float32")
     assert kernels == [
         KernelEntry("gdn_recurrent", "gdn_recurrent", 1, "modules/h200/gdn_recurrent.so", target, dtypes),
+        KernelEntry(
+            "gdn_recurrent_stash", "gdn_recurrent_stash", 1, "modules/h200/gdn_recurrent.so", target, dtypes
+        ),
+        KernelEntry("gdn_replay", "gdn_replay", 1, "modules/h200/gdn_recurrent.so", target, ("float32",)),
         KernelEntry("add_rms_norm", "add_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("gated_rms_norm", "gated_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("gdn_conv_silu", "gdn_conv_silu", 1, "modules/h200/fused_mixers.so", target, dtypes),
@@ -568,7 +573,12 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
     ("kind", "module", "builder", "symbols"),
     [
         ("topk", "topk", "build_topk", ("topk",)),
-        ("gdn_recurrent", "gdn_recurrent", "build_gdn_recurrent", ("gdn_recurrent",)),
+        (
+            "gdn_recurrent",
+            "gdn_recurrent",
+            "build_gdn_recurrent",
+            ("gdn_recurrent", "gdn_recurrent_stash", "gdn_replay"),
+        ),
         ("fused_norms", "fused_norms", "build_fused_norms", ("add_rms_norm", "gated_rms_norm")),
         (
             "fused_mixers",

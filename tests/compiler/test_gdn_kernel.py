@@ -17,11 +17,15 @@ from ignis.compiler.kernels.gdn_recurrent import (
     COLS,
     FUNCTION_NAME,
     MAX_KEY_DIM,
+    REPLAY_FUNCTION_NAME,
+    STASH_FUNCTION_NAME,
     WARPS,
     GdnKernelError,
     build_gdn_recurrent,
     gdn_recurrent_emulated,
     gdn_recurrent_reference,
+    gdn_replay_emulated,
+    gdn_stash_emulated,
     rows_per_thread,
 )
 from ignis.runtime.families.gated_deltanet import gated_delta_rule_recurrent, l2_normalize
@@ -106,6 +110,54 @@ def test_emulated_kernel_bf16_inputs_round_beta_like_torch() -> None:
         torch.testing.assert_close(out, out_f32_beta, atol=2e-6, rtol=1e-5)
 
 
+def _stash_replay_case(shape, seed, layers=2):
+    """Per layer g the inputs of one round over the same lanes: (per-layer args, state [G, S, hv,
+    dk, dv], keep [L], pos [L]) with keep covering 0, n and values between, pos a permutation."""
+    lanes, n, hk, hv, dk, dv, total = shape
+    per = [_inputs(lanes, n, hk, hv, dk, dv, total, seed=seed + g) for g in range(layers)]
+    state = torch.stack([p[5] for p in per])  # [G, S, hv, dk, dv]
+    slots = per[0][6]
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.randint(0, n + 1, (lanes,), generator=gen)
+    keep[0] = n
+    if lanes > 1:
+        keep[1] = 0
+    pos = torch.randperm(lanes, generator=gen)
+    return per, state, slots, keep, pos
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_stash_and_replay_emulated_equal_the_record(shape: tuple[int, ...]) -> None:
+    """The stash path's CPU model: its output equals the record path's bit for bit, and replaying
+    keep columns from the stash leaves exactly record[keep - 1] (keep 0: the state untouched), for
+    every layer in one call, lanes addressed through pos."""
+    lanes, n, hk, hv, dk, dv, total = shape
+    per, state, slots, keep, pos = _stash_replay_case(shape, seed=3 * sum(shape))
+    stash = torch.zeros(len(per), n + 2, lanes, hk * dk + hv * dv + 2 * hv)  # more columns than n
+    records = []
+    for g, (mixed, b, a, neg_a, dt_bias, _, _) in enumerate(per):
+        args = (mixed, b, a, neg_a, dt_bias, state[g], slots)
+        out, rec = gdn_recurrent_emulated(*args, hk)
+        out_s, st = gdn_stash_emulated(*args, hk)
+        assert torch.equal(out, out_s) and st.shape == (n, lanes, stash.shape[-1])
+        stash[g, :n, pos] = st  # lane i's rows at stash lane pos[i]
+        records.append(rec)
+    before = state.clone()
+    gdn_replay_emulated(stash, state, slots, keep, pos, hk)
+    for i in range(lanes):
+        slot, k = int(slots[i]), int(keep[i])
+        for g in range(len(per)):
+            want = before[g, slot] if k == 0 else records[g][k - 1, i]
+            assert torch.equal(state[g, slot], want), (i, g, k)
+    untouched = [s for s in range(total) if s not in set(slots.tolist())]
+    assert torch.equal(state[:, untouched], before[:, untouched])
+    # a mutation the comparison catches: one column fewer
+    if n > 1:
+        again = before.clone()
+        gdn_replay_emulated(stash, again, slots, torch.clamp(keep - 1, min=0), pos, hk)
+        assert not torch.equal(again, state)
+
+
 def test_limits_and_shape_errors() -> None:
     assert [rows_per_thread(d) for d in (1, 16, 17, 64, 65, 128, 129, 256)] == [2, 2, 4, 8, 16, 16, 32, 32]
     with pytest.raises(GdnKernelError, match="k_dim"):
@@ -142,7 +194,8 @@ def test_build_holds_sass_for_its_arch_only(tmp_path: Path, arch: str) -> None:
     path = build_gdn_recurrent({"kind": "cuda", "arch": arch}, out_path=tmp_path / f"gdn_{arch}.so")
     check_cuda_binary(path, arch)
     assert cuda_binary_info(path).sass_archs == (arch,)
-    assert FUNCTION_NAME.encode() in path.read_bytes()
+    for name in (FUNCTION_NAME, STASH_FUNCTION_NAME, REPLAY_FUNCTION_NAME):
+        assert name.encode() in path.read_bytes()
     if arch != "sm_90":
         return
     # the exported function loads without a GPU and checks its arguments before any CUDA call
@@ -190,6 +243,90 @@ def test_build_holds_sass_for_its_arch_only(tmp_path: Path, arch: str) -> None:
             1,
             0.1,
         )
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit (nvcc)")
+def test_stash_and_replay_exports_check_their_arguments(tmp_path: Path) -> None:
+    import tvm_ffi
+
+    path = build_gdn_recurrent({"kind": "cuda", "arch": "sm_90"}, out_path=tmp_path / "gdn.so")
+    module = tvm_ffi.load_module(str(path))
+    stash_f, replay_f = module[STASH_FUNCTION_NAME], module[REPLAY_FUNCTION_NAME]
+    hk, hv, dk, dv = 2, 4, 16, 8
+    w = hk * dk + hv * dv + 2 * hv
+    mixed, b, a, neg_a, dt_bias, state, slots = _inputs(2, 3, hk, hv, dk, dv, 2)
+    out = torch.empty(2, 3, hv, dv)
+    with pytest.raises(ValueError, match="CUDA device"):
+        stash_f(mixed, b, a, neg_a, dt_bias, state, slots, torch.empty(3, 2, w), out, hk, 0.25)
+    with pytest.raises(ValueError, match="stash must be"):
+        stash_f(mixed, b, a, neg_a, dt_bias, state, slots, torch.empty(3, 2, w + 1), out, hk, 0.25)
+    with pytest.raises(ValueError, match=r"stash \[cols, lanes, W\]"):  # a record where the stash goes
+        stash_f(mixed, b, a, neg_a, dt_bias, state, slots, torch.empty(3, 2, hv, dk, dv), out, hk, 0.25)
+    st = torch.zeros(3, 2, hv, dk, dv)
+    i64 = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="CUDA device"):
+        replay_f(torch.zeros(3, 4, 2, w), st, i64, i64, i64, hk)
+    with pytest.raises(ValueError, match="stash must be"):
+        replay_f(torch.zeros(2, 4, 2, w), st, i64, i64, i64, hk)  # layers differ
+    with pytest.raises(ValueError, match="stash must be"):
+        replay_f(torch.zeros(3, 4, 2, w - 2), st, i64, i64, i64, hk)
+    with pytest.raises(TypeError, match="int64"):
+        replay_f(torch.zeros(3, 4, 2, w), st, i64, i64.int(), i64, hk)
+    with pytest.raises(ValueError, match="one length"):
+        replay_f(torch.zeros(3, 4, 2, w), st, i64, i64[:1], i64, hk)
+    with pytest.raises(ValueError, match="multiple"):
+        replay_f(torch.zeros(3, 4, 2, w), st, i64, i64, i64, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_compiled_stash_and_replay_bit_identical_to_the_record(shape: tuple[int, ...]) -> None:
+    """On CUDA, the compiled module: the stash round's output equals the record round's bit for
+    bit, its stash equals the CPU model's, and one replay launch over every layer leaves exactly
+    record[keep - 1] per lane (keep 0, and slots no lane names, untouched)."""
+    import os
+
+    import tvm_ffi
+
+    from ignis.runtime.tvm_runtime import load_module, torch_stream
+
+    path = os.environ.get("IGNIS_GDN_MODULE")
+    if not path:
+        pytest.skip("no compiled GDN module ($IGNIS_GDN_MODULE)")
+    module = load_module(path, cuda=True)
+    rec_f, stash_f, replay_f = (module[k] for k in (FUNCTION_NAME, STASH_FUNCTION_NAME, REPLAY_FUNCTION_NAME))
+    del tvm_ffi
+    lanes, n, hk, hv, dk, dv, total = shape
+    per, state, slots, keep, pos = _stash_replay_case(shape, seed=5 * sum(shape), layers=3)
+    dev = torch.device("cuda")
+    w = hk * dk + hv * dv + 2 * hv
+    state_d = state.to(dev)
+    stash = torch.full((len(per), n + 1, lanes, w), float("nan"), device=dev)
+    records = []
+    with torch_stream():
+        for g, (mixed, b, a, neg_a, dt_bias, _, _) in enumerate(per):
+            args = [t.to(dev) for t in (mixed, b, a, neg_a, dt_bias)] + [state_d[g], slots.to(dev)]
+            rec = torch.empty(n, lanes, hv, dk, dv, device=dev)
+            out_r, out_s = (torch.empty(lanes, n, hv, dv, device=dev) for _ in range(2))
+            rec_f(*args, rec, out_r, hk, dk**-0.5)
+            st = torch.empty(n, lanes, w, device=dev)
+            stash_f(*args, st, out_s, hk, dk**-0.5)
+            assert torch.equal(out_r, out_s)
+            _, st_cpu = gdn_stash_emulated(mixed, b, a, neg_a, dt_bias, state[g], slots, hk)
+            torch.testing.assert_close(st.cpu(), st_cpu, atol=1e-6, rtol=1e-6)
+            stash[g, :n, pos.to(dev)] = st
+            records.append(rec)
+        before = state_d.clone()
+        replay_f(stash, state_d, slots.to(dev), keep.to(dev), pos.to(dev), hk)
+    torch.cuda.synchronize()
+    for i in range(lanes):
+        slot, k = int(slots[i]), int(keep[i])
+        for g in range(len(per)):
+            want = before[g, slot] if k == 0 else records[g][k - 1, i]
+            assert torch.equal(state_d[g, slot], want), (i, g, k)
+    untouched = [s for s in range(total) if s not in set(slots.tolist())]
+    assert torch.equal(state_d[:, untouched], before[:, untouched])
 
 
 def test_build_rejects_non_cuda_targets() -> None:

@@ -484,9 +484,10 @@ def _with_hybrid_entries(
     *,
     norms: tuple[str, ...] = ("add_rms_norm", "gated_rms_norm"),
     mixers: tuple[tuple[str, str, tuple[str, ...]], ...] = (),
+    gdn_extra: tuple[tuple[str, str], ...] = (),
 ) -> Path:
-    """A copy of the CPU artifact whose manifest lists (dummy) CUDA GDN and norm libraries, and the
-    `mixers` entries (kind, file under modules/h200/, dtypes)."""
+    """A copy of the CPU artifact whose manifest lists (dummy) CUDA GDN and norm libraries, the
+    `mixers` entries (kind, file under modules/h200/, dtypes) and `gdn_extra` ones (kind, file)."""
     from ignis.formats.manifest import KernelEntry
 
     a = _copy(artifact, dst)
@@ -494,6 +495,7 @@ def _with_hybrid_entries(
     entries = [
         KernelEntry("gdn_recurrent", "gdn_recurrent", 1, "modules/h200/gdn_recurrent.so", cuda, ("bfloat16",))
     ]
+    entries += [KernelEntry(k, k, 1, f"modules/h200/{f}", cuda, ("float32",)) for k, f in gdn_extra]
     entries += [KernelEntry(k, k, 1, "modules/h200/fused_norms.so", cuda, _ALL) for k in norms]
     entries += [KernelEntry(k, k, 1, f"modules/h200/{f}", cuda, d) for k, f, d in mixers]
     (a / "modules/h200").mkdir(parents=True)
@@ -513,6 +515,8 @@ def _fake_tvm(monkeypatch: pytest.MonkeyPatch, loaded: list[Path], *, fail: bool
         n: (lambda *args, n=n: None)
         for n in (
             "gdn_recurrent",
+            "gdn_recurrent_stash",
+            "gdn_replay",
             "add_rms_norm",
             "gated_rms_norm",
             "gdn_conv_silu",
@@ -560,6 +564,7 @@ def test_gdn_and_norms_modules_load_the_listed_kernels_once(
     with load_artifact(a) as art:
         gdn, norms = art.gdn_module(), art.norms_module()
         assert isinstance(gdn, GdnRecurrentKernel) and gdn.func is funcs["gdn_recurrent"]
+        assert not gdn.has_replay  # the manifest lists no stash round and replay
         assert isinstance(norms, FusedNormsKernel)
         assert norms.funcs == {k: funcs[k] for k in ("add_rms_norm", "gated_rms_norm")}
         assert art.gdn_module() is gdn and art.norms_module() is norms  # loaded once each
@@ -571,6 +576,30 @@ def test_gdn_and_norms_modules_load_the_listed_kernels_once(
         assert art.gdn_module() is None and art.norms_module() is None
     assert "compiled GDN recurrence modules/h200/gdn_recurrent.so not loaded" in caplog.text
     assert "compiled row norms modules/h200/fused_norms.so not loaded" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "replay"),
+    [
+        ((("gdn_recurrent_stash", "gdn_recurrent.so"), ("gdn_replay", "gdn_recurrent.so")), True),
+        ((("gdn_replay", "gdn_recurrent.so"),), False),  # half of the pair
+        ((("gdn_recurrent_stash", "gdn_recurrent.so"), ("gdn_replay", "other.so")), False),  # two files
+    ],
+)
+def test_gdn_module_takes_the_stash_round_and_replay_when_listed(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: tuple, replay: bool
+) -> None:
+    """An artifact listing `gdn_recurrent_stash` and `gdn_replay` in the GDN library gives rounds
+    that keep no per-column states (the executor's replay path); anything less, the record path."""
+    a = _with_hybrid_entries(artifact, tmp_path / "a", gdn_extra=extra)
+    loaded: list[Path] = []
+    funcs = _fake_tvm(monkeypatch, loaded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with load_artifact(a) as art:
+        gdn = art.gdn_module()
+        assert gdn is not None and gdn.has_replay == replay and gdn.func is funcs["gdn_recurrent"]
+        if replay:
+            assert gdn.stash_func is funcs["gdn_recurrent_stash"] and gdn.replay_func is funcs["gdn_replay"]
 
 
 def test_half_listed_norms_are_not_used(
@@ -836,9 +865,13 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
         mixers = art.mixers_module()
         assert isinstance(mixers, FusedMixersKernel), "the artifact lists no fused mixers (rebuild it)"
         assert art.mixers_module() is mixers
-        calls: list[int] = []
-        real = gdn.func
-        gdn.func = lambda *a, _f=real: (calls.append(1), _f(*a))[1]
+        # an artifact built since session 8 lists the stash round and the commit's replay
+        assert gdn.has_replay == (art.manifest.kernel("gdn_replay") is not None)
+        calls: list[str] = []
+        for attr in ("func", "stash_func", "replay_func"):
+            real = getattr(gdn, attr)
+            if real is not None:
+                setattr(gdn, attr, lambda *a, _f=real, _n=attr: (calls.append(_n), _f(*a))[1])
         mixer_calls: dict[str, int] = {}
         for name, func in list(mixers.funcs.items()):
             mixers.funcs[name] = lambda *a, _f=func, _n=name: (
@@ -874,6 +907,8 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
                 got = out.logits[0].float()
                 torch.testing.assert_close(got, torch.stack(rows[1:9]), atol=0.15, rtol=0.05)
             assert calls, "the static rounds did not call the artifact's GDN kernel"
+            if gdn.has_replay:  # rounds write the stash, commits replay; no record round
+                assert {"stash_func", "replay_func"} <= set(calls) and "func" not in calls, calls
             # the gated attention (an artifact built since session 7) serves bf16 / f16 rounds only
             expect = ["gdn_conv_silu", "qk_norm_rope_kv"]
             if mixers.has_gated_attention and dtype != torch.float32:

@@ -484,10 +484,16 @@ def test_cuda_graphs_replay_like_the_eager_paths(tiny: TinyHybrid, dtype: torch.
         states_agree(c, a, b, same=exact, attn="", conv=False)
 
 
-def _emulated_gdn_module(calls: list[tuple[int, int]]):
+def _emulated_gdn_module(calls: list, replay: bool = False):
     """A CPU stand-in for the compiled `gdn_recurrent` function: the kernel's CPU model
-    (`gdn_recurrent_emulated`), writing record[:n, :L] and out as the kernel does."""
-    from ignis.compiler.kernels.gdn_recurrent import gdn_recurrent_emulated
+    (`gdn_recurrent_emulated`), writing record[:n, :L] and out as the kernel does. replay: a module
+    dict that also has `gdn_recurrent_stash` and `gdn_replay` (their CPU models; calls records
+    ("stash", L, n) and ("replay", keep list))."""
+    from ignis.compiler.kernels.gdn_recurrent import (
+        gdn_recurrent_emulated,
+        gdn_replay_emulated,
+        gdn_stash_emulated,
+    )
 
     def func(mixed, b, a, neg_a, dt_bias, state, slots, record, out, num_key_heads, scale):
         assert scale == state.shape[2] ** -0.5 and state.dtype == record.dtype == torch.float32
@@ -497,19 +503,40 @@ def _emulated_gdn_module(calls: list[tuple[int, int]]):
         out.copy_(o.to(out.dtype))
         calls.append((lanes, n))
 
-    return func
+    if not replay:
+        return func
+
+    def stash_func(mixed, b, a, neg_a, dt_bias, state, slots, stash, out, num_key_heads, scale):
+        assert scale == state.shape[2] ** -0.5 and stash.dtype == torch.float32 and stash.dim() == 3
+        o, st = gdn_stash_emulated(mixed, b, a, neg_a, dt_bias, state, slots, num_key_heads)
+        lanes, n = mixed.shape[:2]
+        stash[:n, :lanes] = st
+        out.copy_(o.to(out.dtype))
+        calls.append(("stash", lanes, n))
+
+    def replay_func(stash, state, slots, keep, pos, num_key_heads):
+        gdn_replay_emulated(stash, state, slots, keep, pos, num_key_heads)
+        calls.append(("replay", keep.tolist()))
+
+    return {"gdn_recurrent": func, "gdn_recurrent_stash": stash_func, "gdn_replay": replay_func}
 
 
-def test_fused_gdn_module_path_matches_hybrid_executor(tiny: TinyHybrid, ref: HybridExecutor) -> None:
-    """The executor's kernel path (arguments, record layout, slots, commit) with the kernel's CPU
-    model in place of the module: rounds, every commit k, and the state after commit equal to
-    feeding the committed tokens alone."""
+@pytest.mark.parametrize("replay", [False, True])
+def test_fused_gdn_module_path_matches_hybrid_executor(
+    tiny: TinyHybrid, ref: HybridExecutor, replay: bool
+) -> None:
+    """The executor's kernel path (arguments, record or stash layout, slots, commit) with the
+    kernel's CPU model in place of the module: rounds, every commit k, and the state after commit
+    equal to feeding the committed tokens alone. replay: a module with the stash round and the
+    commit's replay (no record allocated; one replay call a commit, every layer)."""
     from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
 
     vocab = tiny.config.vocab_size
     st = static(tiny, max_lanes=3)
-    calls: list[tuple[int, int]] = []
-    st._gdn_kernel = GdnRecurrentKernel(_emulated_gdn_module(calls))  # the setter wants CUDA
+    calls: list = []
+    st._gdn_kernel = GdnRecurrentKernel(_emulated_gdn_module(calls, replay))  # the setter wants CUDA
+    st._gdn_buffers()
+    assert (st._record is None) == replay and (st._stash is None) == (not replay)
     n_gdn = sum(not tiny.config.is_full_attention(i) for i in range(tiny.config.num_hidden_layers))
     head, cols = tokens(9, 17, vocab), tokens(8, 18, vocab)
     for keep in (0, 1, 3, 8):
@@ -518,7 +545,10 @@ def test_fused_gdn_module_path_matches_hybrid_executor(tiny: TinyHybrid, ref: Hy
         run_both(ref, st, [rl, ro], [lane, other], [head, head[:4]], [9, 4], record=False)  # eager
         calls.clear()
         run_both(ref, st, [rl, ro], [lane, other], [cols, cols[:3]], [keep, 2])  # static: the kernel
-        assert calls == [(2, 8)] * n_gdn
+        if replay:  # the lanes with keep 0 are not sent
+            assert calls == [("stash", 2, 8)] * n_gdn + [("replay", [keep, 2] if keep else [2])]
+        else:
+            assert calls == [(2, 8)] * n_gdn
         expect = feed_alone(ref, torch.cat([head, cols[:keep]]))
         assert_same_state(tiny.config, lane, expect)
         nxt = tokens(4, 60 + keep, vocab)
