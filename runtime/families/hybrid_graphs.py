@@ -205,13 +205,12 @@ class GdnRecurrentKernel:
             from ignis.runtime.tvm_runtime import load_module
 
             source = load_module(source, cuda=True)
-        if not callable(source) and hasattr(source, "__getitem__"):
+        # a module (tvm_ffi.Module, which is callable too: its "main") or a dict of functions
+        if isinstance(source, Mapping) or hasattr(source, "get_function"):
             module = source
             source = module[GDN_FUNCTION_NAME]
-            stash, replay = (
-                _optional_export(module, GDN_STASH_FUNCTION_NAME),
-                _optional_export(module, GDN_REPLAY_FUNCTION_NAME),
-            )
+            stash = _optional_export(module, GDN_STASH_FUNCTION_NAME)
+            replay = _optional_export(module, GDN_REPLAY_FUNCTION_NAME)
             if stash is not None and replay is not None:
                 self.stash_func, self.replay_func = stash, replay
         self.func = source

@@ -246,11 +246,27 @@ def test_build_holds_sass_for_its_arch_only(tmp_path: Path, arch: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit (nvcc)")
-def test_stash_and_replay_exports_check_their_arguments(tmp_path: Path) -> None:
+def test_stash_and_replay_exports_check_their_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import tvm_ffi
+
+    import ignis.runtime.tvm_runtime as tvm_runtime
+    from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
 
     path = build_gdn_recurrent({"kind": "cuda", "arch": "sm_90"}, out_path=tmp_path / "gdn.so")
     module = tvm_ffi.load_module(str(path))
+    # the executor's wrapper takes the .so's path or the loaded module (a tvm_ffi.Module is callable:
+    # it must not be taken for the function) with all three exports; the function alone, the record
+    monkeypatch.setattr(tvm_runtime, "load_module", lambda p, cuda=None: tvm_ffi.load_module(str(p)))
+    for source in (path, module):
+        kernel = GdnRecurrentKernel(source)
+        assert kernel.has_replay and GdnRecurrentKernel(kernel).has_replay
+        with pytest.raises(ValueError, match="CUDA device"):  # the round function, not the module
+            kernel.func(
+                *_inputs(1, 1, 1, 1, 16, 8, 1), torch.empty(1, 1, 1, 16, 8), torch.empty(1, 1, 1, 8), 1, 0.25
+            )
+    assert not GdnRecurrentKernel(module[FUNCTION_NAME]).has_replay
     stash_f, replay_f = module[STASH_FUNCTION_NAME], module[REPLAY_FUNCTION_NAME]
     hk, hv, dk, dv = 2, 4, 16, 8
     w = hk * dk + hv * dv + 2 * hv
