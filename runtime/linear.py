@@ -695,27 +695,48 @@ class LinearBackend:
         rows = int(x2.shape[0])
         if rows > compiled.widths[-1] and isinstance(weight, Q4Weight):
             # A q4 weight wider than every compiled width (e.g. 8 lanes x 8 columns = 64 rows): run the
-            # compiled modules on chunks of the widest width rather than dequantizing on torch. A dense
-            # weight at that many rows goes to torch's GEMM (cuBLAS / MKL), which is built for it.
+            # compiled modules on chunks of the widest width rather than dequantizing on torch, each
+            # writing its rows of one output (no concatenation: docs/PERF.md run 59). A dense weight
+            # at that many rows goes to torch's GEMM (cuBLAS / MKL), which is built for it.
             step = compiled.widths[-1]
-            parts = [self(x2[i : i + step], weight, bias) for i in range(0, rows, step)]
-            return torch.cat(parts).reshape(*lead, parts[0].shape[-1])
+            y = x2.new_empty((rows, weight.out_features))
+            for i in range(0, rows, step):
+                dst = y[i : i + step]
+                part = self._linear_2d(x2[i : i + step], weight, bias, dst)
+                if part.data_ptr() != dst.data_ptr():
+                    dst.copy_(part)
+            return y.reshape(*lead, weight.out_features)
+        n = weight.out_features if isinstance(weight, Q4Weight) else int(weight.shape[0])
+        return self._linear_2d(x2, weight, bias).reshape(*lead, n)
+
+    def _linear_2d(
+        self,
+        x2: torch.Tensor,
+        weight: torch.Tensor | Q4Weight,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`__call__` on x2 [rows, K], rows <= the widest compiled width or a dense weight: [rows, N].
+        out: a contiguous [rows, N] the compiled function writes when it can (else a new tensor)."""
+        compiled = self.compiled
+        assert compiled is not None
+        rows = int(x2.shape[0])
         width = compiled.width_for(rows) if rows > 0 else None
         if width is None:
             self.counts["torch"] += 1
-            return torch_linear(x, weight, bias)
+            return torch_linear(x2, weight, bias)
         is_q4 = isinstance(weight, Q4Weight)
         n = weight.out_features if isinstance(weight, Q4Weight) else int(weight.shape[0])
         k = int(x2.shape[1])
-        dtype = _DTYPE_NAMES.get(x.dtype, str(x.dtype))
+        dtype = _DTYPE_NAMES.get(x2.dtype, str(x2.dtype))
         kind = Q4_KINDS[weight.layout] if isinstance(weight, Q4Weight) else "dense"
         if kind not in compiled.kinds and not (is_q4 and compiled.kinds & _Q4_KIND_SET):
             # by design (see CompiledLinears.kinds): not a missing module. A q4 weight in a layout no
             # function takes while the build compiled q4 functions is a missing function (logged).
             self.counts["torch"] += 1
-            return torch_linear(x, weight, bias)
+            return torch_linear(x2, weight, bias)
         fn = compiled.get(width, kind, n, k, dtype)
-        if fn is None or (not is_q4 and isinstance(weight, torch.Tensor) and weight.dtype != x.dtype):
+        if fn is None or (not is_q4 and isinstance(weight, torch.Tensor) and weight.dtype != x2.dtype):
             key = (width, kind, n, k, dtype)
             with self._lock:
                 if key not in self._warned:
@@ -730,13 +751,14 @@ class LinearBackend:
                         rows,
                     )
             self.counts["fallback"] += 1
-            return torch_linear(x, weight, bias)
+            return torch_linear(x2, weight, bias)
         if fn.dynamic_rows or rows == width:
             xp = x2.contiguous()
         else:
             xp = x2.new_zeros((width, k))
             xp[:rows] = x2
-        y = x2.new_empty((xp.shape[0], n))
+        direct = out is not None and out.is_contiguous() and xp.shape[0] == rows and bias is None
+        y = out if direct else x2.new_empty((xp.shape[0], n))
         if isinstance(weight, Q4Weight):
             w = weight.contiguous()
             args: tuple[Any, ...] = (xp, w.packed, w.scales, y)
@@ -749,8 +771,8 @@ class LinearBackend:
                 fn.call(*args)
         else:
             fn.call(*args)
-        out = y[:rows]
+        result = y[:rows]
         if bias is not None:
-            out = out + bias
+            result = result + bias
         self.counts["compiled"] += 1
-        return out.reshape(*lead, n)
+        return result

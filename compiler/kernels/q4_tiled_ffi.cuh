@@ -125,13 +125,29 @@ int tiled_blocks_per_sm(K kernel, int threads, size_t smem, int cap) {
 // wide stacked weight at many rows): each launch streams fewer units a block, so fewer k-steps.
 constexpr int kMaxTileChunks = 4;
 
+// One call's operands once checked (q4_tiled_check_args): x [rows, k_in] and y [rows, n_out] contiguous.
+struct TiledArgs {
+  const void* x;
+  void* y;
+  const uint4* qw;
+  const uint4* sc;
+  int64_t rows, k_in, n_out;
+  int device;
+  cudaStream_t stream;
+};
+
+// Rows a call is split into when its block activations do not fit in shared memory at its row count
+// but do at this many (the 2-n-tile kernel, a launch per such row slice): a wide weight at 17-32 rows
+// (the 248,320 x 5,120 lm head) streams its weights twice through the block kernel rather than once
+// through the warp kernel, which reads every unit's activations from L1 (docs/PERF.md run 61).
+constexpr int kRowSlice = 16;
+
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, int RING, bool XDB, int MODE,
           int XS>
-void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& qweight, const TensorView& scales,
-                       const TensorView& y, bool pdl) {
+void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
   auto kernel = q4_tiled_kernel<T, NT, MT, WARPS, D, POST, MINB, RING, XDB, MODE, XS>;
-  const int64_t rows = x.size(0), k_in = x.size(1), n_out = y.size(1);
-  const int device = x.device().device_id;
+  const int64_t rows = args.rows, k_in = args.k_in, n_out = args.n_out;
+  const int device = args.device;
   // Per instantiation: SMs, and resident blocks per SM for the last shared-memory size asked.
   static int cached_device = -1, sms = 0, bps = 0, smem_cap = 0;
   static size_t cached_smem = 0;
@@ -153,7 +169,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   auto raise_limit = [&](size_t smem) {  // the kernel's dynamic shared-memory limit, under tiled_mutex
     ignis_ffi::raise_smem_limit(name, kernel, smem, raised_smem);
   };
-  auto plan_for = [&](int groups) {
+  auto plan_for = [&](int groups, int64_t plan_rows) {
     Plan pl;
     const int64_t units = groups * steps;
     pl.smem = RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0;
@@ -185,7 +201,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
         auto smem_for = [&](int64_t p_workers) {  // the kernel's XS layouts (q4_tiled.cuh)
           const int64_t span = (units + p_workers - 1) / p_workers;
           const size_t n_xs = static_cast<size_t>(span < steps ? span : steps);
-          const size_t xs = XS == 2 ? rows * (256 * n_xs + 64) : n_xs * rows * 320;
+          const size_t xs = XS == 2 ? plan_rows * (256 * n_xs + 64) : n_xs * plan_rows * 320;
           return xs + 128 + (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
         };
         pl.smem = smem_for(p_capped);
@@ -216,25 +232,39 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
   };
   // XS: the fewest tile ranges (of whole groups) whose launches fit in shared memory.
   int chunks = 1;
-  Plan pl = plan_for(n_groups);
-  if (XS) {
+  Plan pl = plan_for(n_groups, rows);
+  if constexpr (XS != 0) {
     while (!pl.fits && chunks < kMaxTileChunks && chunks < n_groups) {
       ++chunks;
-      pl = plan_for((n_groups + chunks - 1) / chunks);
+      pl = plan_for((n_groups + chunks - 1) / chunks, rows);
     }
     if (!pl.fits) {
+      if constexpr (NT * 8 > kRowSlice) {
+        // Slices of kRowSlice rows through the 2-n-tile block kernel (scales after the mma, as the
+        // rules at those rows), when that many rows fit with tile-range splits.
+        const int most = n_groups < kMaxTileChunks ? n_groups : kMaxTileChunks;
+        if (plan_for((n_groups + most - 1) / most, kRowSlice).fits) {
+          for (int64_t r0 = 0; r0 < rows; r0 += kRowSlice) {
+            TiledArgs sub = args;
+            sub.rows = rows - r0 < kRowSlice ? rows - r0 : kRowSlice;
+            sub.x = static_cast<const T*>(args.x) + r0 * k_in;
+            sub.y = static_cast<T*>(args.y) + r0 * n_out;
+            q4_tiled_launch_t<T, kRowSlice / 8, MT, WARPS, D, true, MINB, BPS, RING, XDB, MODE, XS>(name, sub, pdl);
+          }
+          return;
+        }
+      }
       // Too many activation bytes for shared memory even in kMaxTileChunks launches (a wide call
       // on a very wide weight): the warp kernel, activations through L1, same layout and numerics.
-      q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0>(name, x, qweight, scales, y,
-                                                                                       pdl);
+      q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0>(name, args, pdl);
       return;
     }
   }
-  cudaStream_t stream = ignis_ffi::stream_of(x);
+  cudaStream_t stream = args.stream;
   const int groups_per_chunk = (n_groups + chunks - 1) / chunks;
-  const uint4* qw = static_cast<const uint4*>(ignis_ffi::ptr(qweight));
-  const uint4* sc = static_cast<const uint4*>(ignis_ffi::ptr(scales));
-  T* yp = static_cast<T*>(ignis_ffi::ptr(y));
+  const uint4* qw = args.qw;
+  const uint4* sc = args.sc;
+  T* yp = static_cast<T*>(args.y);
   for (int c = 0; c < chunks; ++c) {
     const int g0 = c * groups_per_chunk;
     const int groups = (g0 + groups_per_chunk < n_groups ? groups_per_chunk : n_groups - g0);
@@ -243,7 +273,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
     const int tiles = (t0 + groups * tiles_per_group < n_tiles ? groups * tiles_per_group : n_tiles - t0);
     const int64_t out_c = (static_cast<int64_t>(t0 + tiles) * 16 < n_out ? static_cast<int64_t>(tiles) * 16
                                                                         : n_out - static_cast<int64_t>(t0) * 16);
-    if (groups != groups_per_chunk) pl = plan_for(groups);  // a shorter last range
+    if (groups != groups_per_chunk) pl = plan_for(groups, rows);  // a shorter last range
     const int n_outs = XS ? groups * WARPS : groups;  // output groups: workspace slots
     const int64_t units = groups * steps;
     const int blocks = XS ? pl.n_workers : (pl.n_workers + WARPS - 1) / WARPS;
@@ -258,7 +288,7 @@ void q4_tiled_launch_t(const char* name, const TensorView& x, const TensorView& 
     bool configured = true;  // the shared-memory limit was raised above
     const size_t unit0 = static_cast<size_t>(t0) * steps;  // the range's first (tile, k-step) unit
     launch_pdl(kernel, pdl, configured, dim3(static_cast<unsigned>(blocks)), dim3(WARPS * 32), pl.smem, stream, 1u,
-               static_cast<const T*>(ignis_ffi::ptr(x)), qw + unit0 * kUnitWords4, sc + unit0 * kUnitScales4,
+               static_cast<const T*>(args.x), qw + unit0 * kUnitWords4, sc + unit0 * kUnitScales4,
                yp + static_cast<size_t>(t0) * 16, w->ws, static_cast<int>(rows), static_cast<int>(out_c),
                static_cast<int>(n_out), static_cast<int>(k_in), tiles, groups, slots, pl.n_workers);
     ignis_ffi::check_launch(name);
@@ -269,10 +299,19 @@ template <int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, bool P
           int XS>
 void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorView scales, TensorView y) {
   q4_tiled_check_args(name, 8 * NT, x, qweight, scales, y);
+  const TiledArgs args{ignis_ffi::ptr(x),
+                       ignis_ffi::ptr(y),
+                       static_cast<const uint4*>(ignis_ffi::ptr(qweight)),
+                       static_cast<const uint4*>(ignis_ffi::ptr(scales)),
+                       x.size(0),
+                       x.size(1),
+                       y.size(1),
+                       x.device().device_id,
+                       ignis_ffi::stream_of(x)};
   if (dtype_is(x, kDLFloat, 16)) {
-    q4_tiled_launch_t<half, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, x, qweight, scales, y, PDL);
+    q4_tiled_launch_t<half, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, args, PDL);
   } else if (dtype_is(x, kDLBfloat, 16)) {
-    q4_tiled_launch_t<__nv_bfloat16, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, x, qweight, scales, y, PDL);
+    q4_tiled_launch_t<__nv_bfloat16, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, args, PDL);
   } else {
     TVM_FFI_THROW(TypeError) << name << ": x must be float16 or bfloat16";
   }

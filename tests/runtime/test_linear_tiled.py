@@ -180,14 +180,19 @@ def test_tile_decision() -> None:
         tile_decision((64,), served)
 
 
-def _tiled_call(calls: list[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> Callable[..., None]:
-    """A stand-in for a "q4_g32_tiled" function: the math in torch, from the tiled parts."""
+def _tiled_call(
+    calls: list[tuple[str, tuple[int, ...], tuple[int, ...]]], outs: list[int] | None = None
+) -> Callable[..., None]:
+    """A stand-in for a "q4_g32_tiled" function: the math in torch, from the tiled parts (outs: the
+    data_ptr of every y it writes)."""
 
     def call(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, y: torch.Tensor) -> None:
         assert codes.dim() == 3 and codes.shape[-1] == 256 and scales.shape == (*codes.shape[:2], 64)
         assert codes.shape[0] == math.ceil(y.shape[1] / 16) and codes.shape[1] * 128 == x.shape[1]
-        assert x.is_contiguous() and codes.is_contiguous() and scales.is_contiguous()
+        assert x.is_contiguous() and codes.is_contiguous() and scales.is_contiguous() and y.is_contiguous()
         calls.append(("tiled", tuple(x.shape), tuple(codes.shape)))
+        if outs is not None:
+            outs.append(y.data_ptr())
         p, s = untile_q4(codes, scales, y.shape[1])
         y.copy_(torch_linear(x, Q4Weight(p, s)))
 
@@ -209,12 +214,18 @@ def _fake_compiled(
     widths: tuple[int, ...] = (8, 16),
     dtype: str = "float32",
     calls: list[Any] | None = None,
+    outs: list[int] | None = None,
 ) -> CompiledLinears:
     calls = [] if calls is None else calls
     fns: dict[tuple[int, str, int, int, str], tuple[Any, ...]] = {}
     for w in widths:
         for n, k in tiled:
-            fns[(w, "q4_g32_tiled", n, k, dtype)] = (_tiled_call(calls), True, False, f"nt{(w + 7) // 8}")
+            fns[(w, "q4_g32_tiled", n, k, dtype)] = (
+                _tiled_call(calls, outs),
+                True,
+                False,
+                f"nt{(w + 7) // 8}",
+            )
         for n, k in row_major:
             fns[(w, "q4_g32", n, k, dtype)] = (_row_major_call(calls), True, False, "tir")
     return CompiledLinears(fns, widths)
@@ -232,10 +243,16 @@ def test_dispatch_of_a_tiled_weight(caplog: pytest.LogCaptureFixture) -> None:
     want = torch_linear(x, w, bias)
     torch.testing.assert_close(backend(x, t, bias), want, rtol=1e-5, atol=1e-5)
     assert calls[-1] == ("tiled", (10, 128), (3, 1, 256)) and backend.counts["compiled"] == 1
-    # rows above every width: chunks of the widest, each on the tiled function
+    # rows above every width: chunks of the widest, each on the tiled function, each writing its
+    # rows of the one result (no concatenation)
     big = torch.randn(37, 128)
-    torch.testing.assert_close(backend(big, t), torch_linear(big, w), rtol=1e-5, atol=1e-5)
+    outs: list[int] = []
+    backend = LinearBackend(_fake_compiled({(40, 128)}, {(24, 64)}, calls=calls, outs=outs))
+    got = backend(big, t)
+    torch.testing.assert_close(got, torch_linear(big, w), rtol=1e-5, atol=1e-5)
     assert [c[1][0] for c in calls[-3:]] == [16, 16, 5]
+    row_bytes = 40 * got.element_size()
+    assert outs == [got.data_ptr() + i * row_bytes for i in (0, 16, 32)]
     # a row-major weight still goes to the row-major function
     r = _q4(24, 64, seed=9)
     x2 = torch.randn(3, 64)
