@@ -26,7 +26,7 @@ from typing import Any
 
 from ignis.tools.bench_q4_linear import HIDDEN, INTER, NUM_LAYERS, SHAPES, Bench
 
-WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32]
+WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64]
 
 
 def candidates() -> dict[str, Any]:
@@ -36,13 +36,15 @@ def candidates() -> dict[str, Any]:
     from ignis.compiler.kernels.q4_tiled import _RULES as tiled_rules
     from ignis.compiler.kernels.q4_tiled import TiledConfig as T
 
-    rules = [tiled_rules[nt] for nt in (1, 2, 3, 4)]
+    rules = [tiled_rules[nt] for nt in sorted(tiled_rules)]
     cfgs = [
         # the shipped rules (`_RULES`: blocks of 16 warps, activations staged in shared memory by
         # bulk copies)
         *rules,
         # the same staged by cp.async (the rules before sm_90 and before session 5's run 30)
         *[replace(r, x_bulk=False) for r in rules],
+        # 33-64 rows in blocks of 8 warps (255 registers a thread: no spills at 8 n-tiles)
+        *[replace(r, warps=8) for r in rules[4:]],
         # diagnostics (wrong output by design): the weight stream alone; the rules without fixups
         T(1, 1, 4, 4, True, 4, stream_only=True),
         replace(rules[0], no_fixup=True),
@@ -297,6 +299,18 @@ class TiledBench(Bench):
             if up and down:
                 ofn = {"up": oldmod[up], "down": oldmod[down]}
                 T[f"old_f16_r{rows}"], _ = self.time_chain(chain(ofn, rows, torch.float16, False))
+            if rows > 32:  # what these rows cost before 5-8 n-tiles: 32-row calls of the best 4-n-tile
+                b32 = best.get(32)
+                if b32 is not None:
+                    f32 = new[b32[0]][2]
+
+                    def halves(x: Any, wq: Any, ws: Any, y: Any, f32: Any = f32) -> None:
+                        for r0 in range(0, x.shape[0], 32):
+                            f32(x[r0 : r0 + 32], wq, ws, y[r0 : r0 + 32])
+
+                    T[f"split32_f16_r{rows}"], _ = self.time_chain(
+                        chain({"up": halves, "down": halves}, rows, torch.float16, True)
+                    )
             bufs = self.chain_buffers(rows, torch.bfloat16)
 
             def cublas(bufs: list[Any] = bufs) -> None:
@@ -323,7 +337,10 @@ class TiledBench(Bench):
             f"\nchain 8 x ({HIDDEN}->{INTER}->{HIDDEN}) q4_g32, floor {floor:.3f} ms "
             f"({self.results['copy_tbps']:.2f} TB/s copy), ms per chain"
         )
-        print("R | tiled f16 | tiled bf16 | shipped f16 | cuBLAS bf16 | %floor | best tiled config")
+        print(
+            "R | tiled f16 | tiled bf16 | shipped f16 | 32-row calls f16 | cuBLAS bf16 | %floor"
+            " | best tiled config"
+        )
         for rows in sorted(int(r) for r in self.results.get("best_tag", {})):
             b = T.get(f"best_f16_r{rows}")
             pct = f"{100 * floor / b:.0f}%" if b else "-"
@@ -334,6 +351,7 @@ class TiledBench(Bench):
                         f(f"best_f16_r{rows}"),
                         f(f"best_bf16_r{rows}"),
                         f(f"old_f16_r{rows}"),
+                        f(f"split32_f16_r{rows}"),
                         f(f"cublas_bf16_r{rows}"),
                         pct,
                         self.results["best_tag"][str(rows)],

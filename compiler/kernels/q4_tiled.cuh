@@ -356,6 +356,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   static_assert(!XS || !XDB, "XS takes no XDB");
   using Tr = Q4Traits<T>;
   constexpr int NACC = (!POST && MT * NT < 4) ? 2 : 1;
+  // Above 4 n-tiles (33-64 rows) a unit's activations (NT x 4 uint4 a lane) do not fit in registers
+  // beside the accumulators: with shared-memory staging they are read word by word inside the mma
+  // loop (NT uint4 live) instead of a unit at a time.
+  constexpr bool kLateX = XS != 0 && NT > 4;
+  constexpr int XN = kLateX ? 1 : NT;
   extern __shared__ __align__(128) unsigned char tsmem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -539,8 +544,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     cp_async_wait<1>();
     __syncthreads();
   }
-  auto load_x = [&](uint4 (&xv)[NT][4], int ks) {
-    if constexpr (XS) {
+  auto load_x = [&](uint4 (&xv)[XN][4], int ks) {
+    if constexpr (kLateX) {
+      return;  // read inside compute
+    } else if constexpr (XS) {
       const int slot = ks >= ks0 ? ks - ks0 : ks - ks0 + S;
 #pragma unroll
       for (int j = 0; j < NT; ++j)
@@ -564,7 +571,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   };
   uint32_t sink = 0;  // kModeStreamOnly: keeps the loads alive
   // One unit: weights wd / scales sd of MT tiles, activations xv.
-  auto compute = [&](const uint4 (&wd)[MT][2], const uint4 (&sd)[MT], const uint4 (&xv)[NT][4]) {
+  int x_slot = 0;  // kLateX: the shared-memory slot of the unit being computed
+  auto compute = [&](const uint4 (&wd)[MT][2], const uint4 (&sd)[MT], const uint4 (&xv)[XN][4]) {
     if constexpr (MODE == kModeStreamOnly) {
 #pragma unroll
       for (int i = 0; i < MT; ++i) sink ^= wd[i][0].x ^ wd[i][1].w ^ sd[i].y;
@@ -572,6 +580,18 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     }
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
+      uint4 xw[kLateX ? NT : 1];  // kLateX: this word's activations of every n-tile
+      if constexpr (kLateX) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) xw[j] = lds128(xs_lane[j] + x_slot * xs_ss + w * 64);
+      }
+      auto xj = [&](int j) -> const uint4& {
+        if constexpr (kLateX) {
+          return xw[j];
+        } else {
+          return xv[j][w];
+        }
+      };
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
         const uint32_t q0 = (&wd[i][0].x)[w], q1 = (&wd[i][1].x)[w];
@@ -593,8 +613,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
             float c[4] = {0.f, 0.f, 0.f, 0.f};
-            Tr::mma(c, a0, xv[j][w].x, xv[j][w].y);
-            Tr::mma(c, a1, xv[j][w].z, xv[j][w].w);
+            Tr::mma(c, a0, xj(j).x, xj(j).y);
+            Tr::mma(c, a1, xj(j).z, xj(j).w);
             acc[0][i][j][0] = fmaf(s0, c[0], acc[0][i][j][0]);
             acc[0][i][j][1] = fmaf(s0, c[1], acc[0][i][j][1]);
             acc[0][i][j][2] = fmaf(s1, c[2], acc[0][i][j][2]);
@@ -603,8 +623,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         } else {
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
-            Tr::mma(acc[w & (NACC - 1)][i][j], a0, xv[j][w].x, xv[j][w].y);
-            Tr::mma(acc[w & (NACC - 1)][i][j], a1, xv[j][w].z, xv[j][w].w);
+            Tr::mma(acc[w & (NACC - 1)][i][j], a0, xj(j).x, xj(j).y);
+            Tr::mma(acc[w & (NACC - 1)][i][j], a1, xj(j).z, xj(j).w);
           }
         }
       }
@@ -636,16 +656,18 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   };
 
   int cg = u0 / S, cks = u0 - cg * S;  // the compute cursor
-  uint4 xb[XDB ? NT : 1][4];
+  uint4 xb[XDB ? XN : 1][4];
   if constexpr (XDB) {
     if (MODE != kModeStreamOnly) load_x(xb, cks);
   }
   // This unit's activations (XDB: already in xb; the next unit's are loaded now), or an L1
   // prefetch of the next unit's and a load of this one's.
-  auto unit_x = [&](int u, uint4 (&xv)[NT][4]) {
+  auto unit_x = [&](int u, uint4 (&xv)[XN][4]) {
     if constexpr (MODE == kModeStreamOnly) return;
     const int nks = cks + 1 == S ? 0 : cks + 1;
-    if constexpr (XDB) {
+    if constexpr (kLateX) {
+      x_slot = cks >= ks0 ? cks - ks0 : cks - ks0 + S;
+    } else if constexpr (XDB) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -667,7 +689,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         __syncthreads();
       }
     }
-    uint4 xv[NT][4];
+    uint4 xv[XN][4];
     unit_x(u, xv);
     if constexpr (RING == 0) {
       compute(wbuf[d], sbuf[d], xv);

@@ -15,9 +15,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .cuda_build import build_cuda_module, exports_source, sm_number
-from .q4_linear import MAX_ROWS, Q4KernelError, _nvcc
+from .q4_linear import Q4KernelError, _nvcc
 
-__all__ = ["TiledConfig", "build_q4_tiled_module", "tiled_config_for", "tiled_source"]
+#: Rows the tiled kernel takes (8 n-tiles: 8 lanes x 8 columns of a verify round in one call; the
+#: row-major mma kernel of `q4_linear` stops at its MAX_ROWS, 32).
+MAX_ROWS = 64
+
+__all__ = ["MAX_ROWS", "TiledConfig", "build_q4_tiled_module", "tiled_config_for", "tiled_source"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,8 @@ class TiledConfig:
     """Template arguments of ``q4_tiled_kernel``.
 
     Attributes:
-        n_tiles: mma n-tiles of 8 activation rows (the function takes 1 .. 8 n_tiles rows).
+        n_tiles: mma n-tiles of 8 activation rows (the function takes 1 .. 8 n_tiles rows); above 4
+            (33-64 rows) the activations are read word by word in the mma loop (``x_smem`` only).
         m_tiles: 16-row weight tiles a warp streams per unit (each activation load feeds them all).
         warps: warps per block.
         depth: units in each warp's register ring (depth - 1 units of weights in flight).
@@ -88,6 +93,8 @@ class TiledConfig:
             raise Q4KernelError("stream_only, no_fixup and no_wait are exclusive diagnostics")
         if self.x_smem and self.x_double:
             raise Q4KernelError("x_smem takes no x_double")
+        if self.n_tiles > 4 and not self.x_smem:
+            raise Q4KernelError("more than 4 n-tiles need x_smem (activations read from shared memory)")
         if self.x_bulk and not self.x_smem:
             raise Q4KernelError("x_bulk needs x_smem")
         if self.ring and self.smem_bytes > 227 * 1024:
@@ -182,15 +189,17 @@ def build_q4_tiled_module(
     )
 
 
-# Configuration per n-tile count (rows 1-8, 9-16, 17-24, 25-32), measured on the H200 with
+# Configuration per n-tile count (rows 1-8, 9-16, .., 57-64), measured on the H200 with
 # tools/bench_q4_tiled.py (docs/PERF.md, 2026-11-29, tiled runs 1-16): blocks of 16 warps, one a SM
 # (128 registers a thread), activations staged in shared memory once per block -- by bulk copies
 # on sm_90 and newer (session 5, run 30: 2-5 % faster than cp.async staging at 1-16 and 28-32
 # rows), by cp.async before (no bulk copies there) --, a 3-unit register ring of weights, shared
 # groups finished by their first worker (self-announcing partials, session 4: runs 18-19); scales
 # applied after the mma up to 16 rows, folded into the weights above. The same configuration serves
-# every shape (no shared memory is reserved at build time; the launch sizes the activation buffer
-# and falls back to the warp kernel when it does not fit).
+# every shape (no shared memory is reserved at build time; the launch sizes the activation buffer,
+# splits the call over tile ranges or 16-row slices when it does not fit, and falls back to the warp
+# kernel last). 33-64 rows (5-8 n-tiles, session 8) read the activations word by word in the mma
+# loop (docs/PERF.md run 62).
 _RULES: dict[int, TiledConfig] = {
     nt: TiledConfig(
         n_tiles=nt,
@@ -202,12 +211,12 @@ _RULES: dict[int, TiledConfig] = {
         x_smem=True,
         x_bulk=True,
     )
-    for nt in (1, 2, 3, 4)
+    for nt in range(1, MAX_ROWS // 8 + 1)
 }
 
 
 def tiled_config_for(rows: int, out_features: int, in_features: int, arch: str) -> TiledConfig:
-    """The configuration the build uses for ``rows`` (1..32) on an [out, in] q4_g32 weight.
+    """The configuration the build uses for ``rows`` (1..64) on an [out, in] q4_g32 weight.
 
     Raises:
         Q4KernelError: rows outside 1..32, in_features not a positive multiple of 128, or a

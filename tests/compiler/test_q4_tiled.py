@@ -266,7 +266,10 @@ def test_bulk_staging_plan(steps: int) -> None:
 
 def test_configs_are_validated_and_tagged() -> None:
     with pytest.raises(Q4KernelError, match="n_tiles"):
-        TiledConfig(n_tiles=5)
+        TiledConfig(n_tiles=9)
+    with pytest.raises(Q4KernelError, match="more than 4 n-tiles need x_smem"):
+        TiledConfig(n_tiles=5)  # 33-64 rows read their activations from the shared-memory staging
+    assert TiledConfig(n_tiles=8, warps=16, min_blocks=1, x_smem=True).max_rows == 64
     with pytest.raises(Q4KernelError, match="ring"):
         TiledConfig(ring=1)
     with pytest.raises(Q4KernelError, match="x_smem takes no x_double"):
@@ -286,10 +289,11 @@ def test_configs_are_validated_and_tagged() -> None:
     with pytest.raises(Q4KernelError, match="x_bulk needs sm_90"):
         build_q4_tiled_module("sm_86", {"f": bulk}, "/nonexistent/x.so")
     assert tiled_source({"f": cfg}).startswith('#include "q4_tiled_ffi.cuh"')
-    for rows in (1, 8, 9, 16, 17, 24, 25, 32):
-        assert tiled_config_for(rows, 17408, 5120, "sm_90").max_rows >= rows
-    with pytest.raises(Q4KernelError, match=r"1\.\.32 rows"):
-        tiled_config_for(33, 128, 128, "sm_90")
+    for rows in (1, 8, 9, 16, 17, 24, 25, 32, 33, 40, 57, 64):
+        cfg_r = tiled_config_for(rows, 17408, 5120, "sm_90")
+        assert cfg_r.max_rows - 8 < rows <= cfg_r.max_rows
+    with pytest.raises(Q4KernelError, match=r"1\.\.64 rows"):
+        tiled_config_for(65, 128, 128, "sm_90")
     with pytest.raises(Q4KernelError, match="% 128"):
         tiled_config_for(1, 128, 96, "sm_90")
     with pytest.raises(Q4KernelError, match="sm_80"):
@@ -320,7 +324,7 @@ def _bundle(tmp_path: Path, x_bulk: bool = True) -> tuple[dict[int, object], str
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
-    rules = {nt: tiled_config_for(8 * nt, 5120, 5120, arch) for nt in (1, 2, 3, 4)}
+    rules = {nt: tiled_config_for(8 * nt, 5120, 5120, arch) for nt in range(1, 9)}
     if not x_bulk:
         rules = {nt: replace(cfg, x_bulk=False) for nt, cfg in rules.items()}
         folder = os.environ.get("IGNIS_Q4T_CANDIDATES")
@@ -347,7 +351,7 @@ def _bundle(tmp_path: Path, x_bulk: bool = True) -> tuple[dict[int, object], str
         pytest.skip("needs IGNIS_Q4T_BUNDLE (tools/build_gpu_modules.py), IGNIS_Q4T_CANDIDATES or nvcc")
     exports = {f"q4t_nt{nt}": cfg for nt, cfg in rules.items()}
     mod = load_module(build_q4_tiled_module(arch, exports, tmp_path / "q4t.so"), cuda=True)
-    return {nt: mod[f"q4t_nt{nt}"] for nt in (1, 2, 3, 4)}, arch
+    return {nt: mod[f"q4t_nt{nt}"] for nt in rules}, arch
 
 
 def _cuda_q4(n: int, k: int, gen: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
@@ -395,9 +399,12 @@ def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype, x_bulk
     for n, k in shapes:
         qw, sc, tq, ts = _cuda_q4(n, k, gen)
         wd = torch_dequantize_q4(qw, sc, torch.float64)
-        widths = [1, 5, 8, 9, 16, 17, 24, 25, 32] if n * k < 10**9 else [1, 8, 16, 24, 32]
+        widths = [1, 5, 8, 9, 16, 17, 24, 25, 32, 33, 48, 57, 64] if n * k < 10**9 else [1, 8, 16, 24, 32, 64]
         for rows in widths:
-            fn = fns[(rows + 7) // 8]
+            # the next function up where a bundle has no function of this n-tile count
+            fn = next((fns[nt] for nt in range((rows + 7) // 8, 9) if nt in fns), None)
+            if fn is None:
+                continue
             x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
             y1 = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
             y2 = torch.full_like(y1, float("nan"))
