@@ -21,7 +21,7 @@ export PYTHONPATH=/tmp/site:/tmp/ns IGNIS_TVM_LIB_DIR=$PWD/.device/q4/tvm_lib PY
 export IGNIS_GDN_MODULE=$M/gdn_recurrent_sm90.so IGNIS_NORMS_MODULE=$M/fused_norms_sm90.so
 export IGNIS_TOPK_MODULE=$M/topk_sm90.so
 [ -f "$M/fused_mixers_sm90.so" ] && export IGNIS_MIXERS_MODULE=$M/fused_mixers_sm90.so
-ART=$PWD/.device/gdn-art/tiny-hybrid-h200
+ART=${IGNIS_GDN_ARTIFACT:-$PWD/.device/gdn-art/tiny-hybrid-h200}
 export IGNIS_GDN_ARTIFACT=$ART IGNIS_TOPK_ARTIFACT=$ART
 # the tiled q4 kernel: the bundle in $M (tools/build_gpu_modules.py) and a tiny tiled-route llama
 # artifact (tests/runtime/test_linear_tiled.py `_build_tiny_tiled_llama`, in .device/tiled-art)

@@ -199,7 +199,10 @@ def build_q4_tiled_module(
 # every shape (no shared memory is reserved at build time; the launch sizes the activation buffer,
 # splits the call over tile ranges or 16-row slices when it does not fit, and falls back to the warp
 # kernel last). 33-64 rows (5-8 n-tiles, session 8) read the activations word by word in the mma
-# loop (docs/PERF.md run 62).
+# loop. They are built on request only -- no card profile lists a width above 32, so 64 rows run as
+# two 32-row calls: on the 27B's MLP chain 40 rows in one call took 0.51 ms against 0.84 as two
+# calls, but 48-64 rows took 0.91-1.17 against 0.85 (their activations need launches split over
+# tile ranges, and each split launch took about as long as an unsplit one: docs/PERF.md runs 62-64).
 _RULES: dict[int, TiledConfig] = {
     nt: TiledConfig(
         n_tiles=nt,

@@ -186,11 +186,7 @@ void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
     // At most kMaxParts workers a group: the group's first worker gathers the others' partials, a
     // round trip a slot (tiled_add_slots); a narrow weight (few groups) then runs on fewer SMs
     // rather than split its groups 30 ways and pay ~30 round trips in every tail.
-    // A launch over a slice of the call's tile ranges (groups < n_groups: split because the
-    // activations did not fit) is not capped: its few groups would leave SMs idle (48 rows of the
-    // 27B's down projection ran on 80 of 132 SMs, docs/PERF.md run 62); more partials a group cost
-    // less than idle SMs at the rows that need the split.
-    const int64_t g_parts = groups < n_groups ? units : kMaxParts * static_cast<int64_t>(groups);
+    const int64_t g_parts = kMaxParts * static_cast<int64_t>(groups);
     const int64_t cap = units < g_parts ? units : g_parts;
     if (XS) {
       // The activations of at most min(S, ceil(U / P)) k-steps, P = min(SMs x blocks per SM, cap):
