@@ -28,15 +28,11 @@ inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
 // in the stream finishes; it waits (griddepcontrol.wait) before touching activations or outputs.
 // cluster_x > 1: thread-block clusters of cluster_x blocks along x (the N layout's split K).
 template <typename... KArgs, typename... Args>
-void launch_pdl(void (*kernel)(KArgs...), bool pdl, bool& configured, dim3 grid, dim3 block,
+void launch_pdl(void (*kernel)(KArgs...), bool pdl, size_t& raised, dim3 grid, dim3 block,
                 size_t smem, cudaStream_t stream, unsigned cluster_x, Args... args) {
-  if (!configured) {  // the kernel's dynamic shared memory limit, raised once (current device)
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-    TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-        << "q4_linear: cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
-    configured = true;
-  }
+  // the kernel's dynamic shared-memory limit on this launch's device (`raised`: the caller's per
+  // device and kernel)
+  ignis_ffi::raise_smem_limit("q4_linear", kernel, smem, raised);
   cudaError_t e = ignis_ffi::launch_ex(kernel, grid, block, smem, stream, pdl, cluster_x, args...);
   TVM_FFI_CHECK(e == cudaSuccess, RuntimeError) << "q4_linear: launch failed: " << cudaGetErrorString(e);
 }
@@ -89,14 +85,16 @@ void q4_linear_n_launch(const char* name, TensorView x, TensorView qweight, Tens
   const size_t smem = q4n_smem_bytes<NT, MT, WN, STAGES, KS>();
   const uint32_t* qw = static_cast<const uint32_t*>(qweight.data_ptr());
   const uint16_t* sc = static_cast<const uint16_t*>(scales.data_ptr());
-  static bool configured_f16 = false, configured_bf16 = false;
+  static size_t raised_f16[64], raised_bf16[64];  // per device
+  const int dev = x.device().device_id;
+  TVM_FFI_CHECK(dev >= 0 && dev < 64, ValueError) << name << ": CUDA device id " << dev << " out of range";
   if (dtype_is(x, kDLFloat, 16)) {
-    launch_pdl(q4_linear_n_kernel<half, NT, MT, WN, KC, STAGES, MINB, EARLY_W, MODE, KSPAN, X_CA, KS>, PDL, configured_f16, grid,
+    launch_pdl(q4_linear_n_kernel<half, NT, MT, WN, KC, STAGES, MINB, EARLY_W, MODE, KSPAN, X_CA, KS>, PDL, raised_f16[dev], grid,
                block, smem, stream, static_cast<unsigned>(KC), static_cast<const half*>(x.data_ptr()),
                qw, sc, static_cast<half*>(y.data_ptr()), static_cast<int>(rows),
                static_cast<int>(n_out), static_cast<int>(k_in));
   } else if (dtype_is(x, kDLBfloat, 16)) {
-    launch_pdl(q4_linear_n_kernel<__nv_bfloat16, NT, MT, WN, KC, STAGES, MINB, EARLY_W, MODE, KSPAN, X_CA, KS>, PDL, configured_bf16,
+    launch_pdl(q4_linear_n_kernel<__nv_bfloat16, NT, MT, WN, KC, STAGES, MINB, EARLY_W, MODE, KSPAN, X_CA, KS>, PDL, raised_bf16[dev],
                grid, block, smem, stream, static_cast<unsigned>(KC),
                static_cast<const __nv_bfloat16*>(x.data_ptr()), qw, sc,
                static_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<int>(rows),
@@ -122,15 +120,17 @@ void q4_linear_launch(const char* name, TensorView x, TensorView qweight, Tensor
   const size_t smem = size_t(WARPS) * q4_smem_bytes_per_warp<NT, MT, STAGES, V, XR>();
   const uint32_t* qw = static_cast<const uint32_t*>(qweight.data_ptr());
   const uint16_t* sc = static_cast<const uint16_t*>(scales.data_ptr());
-  static bool configured_f16 = false, configured_bf16 = false;
+  static size_t raised_f16[64], raised_bf16[64];  // per device
+  const int dev = x.device().device_id;
+  TVM_FFI_CHECK(dev >= 0 && dev < 64, ValueError) << name << ": CUDA device id " << dev << " out of range";
   if (dtype_is(x, kDLFloat, 16)) {
-    launch_pdl(q4_linear_mma_kernel<half, NT, MT, WARPS, STAGES, V, PX, XR, MODE, MINB, FP>, PDL, configured_f16, grid, block,
+    launch_pdl(q4_linear_mma_kernel<half, NT, MT, WARPS, STAGES, V, PX, XR, MODE, MINB, FP>, PDL, raised_f16[dev], grid, block,
                smem, stream, 1u,
                static_cast<const half*>(x.data_ptr()), qw, sc, static_cast<half*>(y.data_ptr()),
                static_cast<int>(rows), static_cast<int>(n_out), static_cast<int>(k_in));
   } else if (dtype_is(x, kDLBfloat, 16)) {
     launch_pdl(q4_linear_mma_kernel<__nv_bfloat16, NT, MT, WARPS, STAGES, V, PX, XR, MODE, MINB, FP>, PDL,
-               configured_bf16,
+               raised_bf16[dev],
                grid, block, smem, stream, 1u, static_cast<const __nv_bfloat16*>(x.data_ptr()), qw, sc,
                static_cast<__nv_bfloat16*>(y.data_ptr()), static_cast<int>(rows),
                static_cast<int>(n_out), static_cast<int>(k_in));

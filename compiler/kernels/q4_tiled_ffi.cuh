@@ -285,9 +285,9 @@ void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
       std::lock_guard<std::mutex> lock(tiled_mutex());
       w = &tiled_reserve(name, device, stream, static_cast<size_t>(n_outs) * slots * MT * NT * 128 * sizeof(float));
     }
-    bool configured = true;  // the shared-memory limit was raised above
     const size_t unit0 = static_cast<size_t>(t0) * steps;  // the range's first (tile, k-step) unit
-    launch_pdl(kernel, pdl, configured, dim3(static_cast<unsigned>(blocks)), dim3(WARPS * 32), pl.smem, stream, 1u,
+    // the shared-memory limit was raised by plan_for: launch_pdl finds it raised (no attribute call)
+    launch_pdl(kernel, pdl, raised_smem, dim3(static_cast<unsigned>(blocks)), dim3(WARPS * 32), pl.smem, stream, 1u,
                static_cast<const T*>(args.x), qw + unit0 * kUnitWords4, sc + unit0 * kUnitScales4,
                yp + static_cast<size_t>(t0) * 16, w->ws, static_cast<int>(rows), static_cast<int>(out_c),
                static_cast<int>(n_out), static_cast<int>(k_in), tiles, groups, slots, pl.n_workers);

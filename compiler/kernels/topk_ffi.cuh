@@ -6,8 +6,8 @@
 //
 // k is values.shape[1]. Both kernels run on the stream tvm-ffi reports for x's device (torch's
 // current stream under tvm_ffi.use_torch_stream(), so CUDA-graph capture works). The select
-// kernel's 64 KiB of dynamic shared memory is reserved on the first call: call once before
-// capturing a graph.
+// kernel's 64 KiB of dynamic shared memory is reserved on the first call on each device: call once
+// before capturing a graph.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,15 +28,13 @@ template <typename T>
 void launch(const char* name, const TensorView& x, const TensorView& values, const TensorView& indices,
             const TensorView& workspace, int64_t rows, int64_t vocab, int k, int tiles,
             cudaStream_t stream) {
-  static bool configured = false;  // the select kernel's dynamic shared memory, raised once
+  // the select kernel's dynamic shared-memory limit, raised once per device (a function attribute
+  // is per device)
+  static size_t raised_per_device[64];
+  const int device = x.device().device_id;
+  TVM_FFI_CHECK(device >= 0 && device < 64, ValueError) << name << ": CUDA device id " << device << " out of range";
   const size_t smem = size_t(kCap) * sizeof(uint64_t);
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(topk_select_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-    TVM_FFI_CHECK(e == cudaSuccess, RuntimeError)
-        << name << ": cannot reserve " << smem << " bytes of shared memory: " << cudaGetErrorString(e);
-    configured = true;
-  }
+  raise_smem_limit(name, topk_select_kernel<T>, smem, raised_per_device[device]);
   const T* xp = static_cast<const T*>(x.data_ptr());
   uint64_t* gm = static_cast<uint64_t*>(workspace.data_ptr());
   const bool vec_ok = (reinterpret_cast<uintptr_t>(xp) % 16 == 0) && ((vocab * sizeof(T)) % 16 == 0);
