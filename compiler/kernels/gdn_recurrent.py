@@ -288,18 +288,38 @@ def gdn_recurrent_emulated(
     import torch
 
     lanes, n, hv, dk, dv = _check(mixed, b, state, slots, num_key_heads)
-    pad = WARPS * rows_per_thread(dk)
-    q, k, v, beta, alpha = _emulated_inputs(mixed, b, a, neg_a, dt_bias, num_key_heads, dk)
-    rep = hv // num_key_heads
-    s = torch.zeros(lanes, hv, pad, dv, dtype=torch.float32)
-    s[:, :, :dk] = state[slots.long()].float()
     record = torch.empty(n, lanes, hv, dk, dv, dtype=torch.float32)
 
     def keep(t: int, st: Any) -> None:
         record[t] = st
 
-    out, _ = _emulated_steps(s, _padded(k, rep, pad), v, beta, alpha, _padded(q, rep, pad), dk, keep)
+    out, _ = _emulated_round(mixed, b, a, neg_a, dt_bias, state, slots, num_key_heads, keep)
     return out, record
+
+
+def _emulated_round(
+    mixed: Any,
+    b: Any,
+    a: Any,
+    neg_a: Any,
+    dt_bias: Any,
+    state: Any,
+    slots: Any,
+    num_key_heads: int,
+    on_state: Any,
+) -> tuple[Any, tuple[Any, ...]]:
+    """One round of the CPU model from the lanes' states: (out [L, n, hv, dv], the staged floats
+    (q, k, v, beta, alpha) of `_emulated_inputs`); on_state(t, state) after every column."""
+    import torch
+
+    lanes, _n, hv, dk, dv = _check(mixed, b, state, slots, num_key_heads)
+    pad = WARPS * rows_per_thread(dk)
+    q, k, v, beta, alpha = _emulated_inputs(mixed, b, a, neg_a, dt_bias, num_key_heads, dk)
+    rep = hv // num_key_heads
+    s = torch.zeros(lanes, hv, pad, dv, dtype=torch.float32)
+    s[:, :, :dk] = state[slots.long()].float()
+    out, _ = _emulated_steps(s, _padded(k, rep, pad), v, beta, alpha, _padded(q, rep, pad), dk, on_state)
+    return out, (q, k, v, beta, alpha)
 
 
 def gdn_stash_emulated(
@@ -314,13 +334,10 @@ def gdn_stash_emulated(
     """
     import torch
 
-    lanes, n, hv, dk, dv = _check(mixed, b, state, slots, num_key_heads)
-    pad = WARPS * rows_per_thread(dk)
-    q, k, v, beta, alpha = _emulated_inputs(mixed, b, a, neg_a, dt_bias, num_key_heads, dk)
-    rep = hv // num_key_heads
-    s = torch.zeros(lanes, hv, pad, dv, dtype=torch.float32)
-    s[:, :, :dk] = state[slots.long()].float()
-    out, _ = _emulated_steps(s, _padded(k, rep, pad), v, beta, alpha, _padded(q, rep, pad), dk)
+    lanes, n = mixed.shape[:2]
+    out, (_q, k, v, beta, alpha) = _emulated_round(
+        mixed, b, a, neg_a, dt_bias, state, slots, num_key_heads, None
+    )
     stash = torch.cat([k.reshape(lanes, n, -1), v.reshape(lanes, n, -1), beta, alpha], dim=-1).transpose(0, 1)
     return out, stash.contiguous()
 

@@ -223,30 +223,25 @@ inline void gdn_replay_launch(const char* name, TensorView stash, TensorView sta
 
 }  // namespace ignis_gdn
 
-// Export `NAME(mixed, b, a, neg_a, dt_bias, state, slots, record, out, num_key_heads, scale)`.
-#define IGNIS_GDN_RECURRENT_EXPORT(NAME)                                                                      \
+// A round's export: `NAME(mixed, b, a, neg_a, dt_bias, state, slots, buf, out, num_key_heads, scale)`,
+// buf the record (STASH false) or the stash (true: kModeStash).
+#define IGNIS_GDN_ROUND_EXPORT_(NAME, STASH)                                                                  \
   static void ignis_gdn_##NAME(tvm::ffi::TensorView mixed, tvm::ffi::TensorView b, tvm::ffi::TensorView a,     \
                                tvm::ffi::TensorView neg_a, tvm::ffi::TensorView dt_bias,                     \
                                tvm::ffi::TensorView state, tvm::ffi::TensorView slots,                       \
-                               tvm::ffi::TensorView record, tvm::ffi::TensorView out, int64_t num_key_heads, \
+                               tvm::ffi::TensorView buf, tvm::ffi::TensorView out, int64_t num_key_heads,    \
                                double scale) {                                                               \
-    ::ignis_gdn::gdn_recurrent_launch<false>(#NAME, mixed, b, a, neg_a, dt_bias, state, slots, record, out,   \
+    ::ignis_gdn::gdn_recurrent_launch<STASH>(#NAME, mixed, b, a, neg_a, dt_bias, state, slots, buf, out,      \
                                              num_key_heads, scale);                                          \
   }                                                                                                          \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_gdn_##NAME)
 
+// Export `NAME(mixed, b, a, neg_a, dt_bias, state, slots, record, out, num_key_heads, scale)`.
+#define IGNIS_GDN_RECURRENT_EXPORT(NAME) IGNIS_GDN_ROUND_EXPORT_(NAME, false)
+
 // Export `NAME(mixed, b, a, neg_a, dt_bias, state, slots, stash, out, num_key_heads, scale)`: a round
 // that writes the stash (kModeStash) instead of the record.
-#define IGNIS_GDN_STASH_EXPORT(NAME)                                                                          \
-  static void ignis_gdn_##NAME(tvm::ffi::TensorView mixed, tvm::ffi::TensorView b, tvm::ffi::TensorView a,     \
-                               tvm::ffi::TensorView neg_a, tvm::ffi::TensorView dt_bias,                     \
-                               tvm::ffi::TensorView state, tvm::ffi::TensorView slots,                       \
-                               tvm::ffi::TensorView stash, tvm::ffi::TensorView out, int64_t num_key_heads,  \
-                               double scale) {                                                               \
-    ::ignis_gdn::gdn_recurrent_launch<true>(#NAME, mixed, b, a, neg_a, dt_bias, state, slots, stash, out,     \
-                                            num_key_heads, scale);                                           \
-  }                                                                                                          \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_gdn_##NAME)
+#define IGNIS_GDN_STASH_EXPORT(NAME) IGNIS_GDN_ROUND_EXPORT_(NAME, true)
 
 // Export `NAME(stash, state, slots, keep, pos, num_key_heads)` (kModeReplay, gdn_replay_launch).
 #define IGNIS_GDN_REPLAY_EXPORT(NAME)                                                                         \
