@@ -92,7 +92,8 @@ BUILDERS = [
     (
         build_gdn_recurrent,
         "gdn_recurrent",
-        '#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT(gdn_recurrent)\n',
+        '#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT(gdn_recurrent)\n'
+        "IGNIS_GDN_STASH_EXPORT(gdn_recurrent_stash)\nIGNIS_GDN_REPLAY_EXPORT(gdn_replay)\n",
     ),
     (build_fused_norms, "fused_norms", '#include "fused_norms_ffi.cuh"\n\nIGNIS_FUSED_NORMS_EXPORT()\n'),
     (
