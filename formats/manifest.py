@@ -86,15 +86,15 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   `gdn_recurrent` call with `stash f32[>= n, >= L, W]` (the last dim contiguous) in place of
   `record`, W = Hk Dk + Hv Dv + 2 Hv: the same `out`, no per-column state; writes to `stash[t, l]`
   what column t of lane l fed the recurrence, float32: the normalized k of key head kh at kh Dk, v of
-  value head h at Hk Dk + h Dv, beta[h] at Hk Dk + Hv Dv + h and exp(g)[h] after it.
+  value head h at Hk Dk + h Dv, beta[h] at Hk Dk + Hv Dv + h and exp(g)[h] at Hk Dk + Hv Dv + Hv + h.
 * `gdn_replay`, abi 1 (the same library as `gdn_recurrent`; target kind "cuda"; `dtypes`
   ["float32"]): `name(stash f32[G, C, Ls, W], state f32[G, S, Hv, Dk, Dv], slots int64[m], keep
   int64[m], pos int64[m], num_key_heads: int)`: for every layer g and lane i, the first
   min(keep[i], C) columns of `stash[g, :, pos[i]]` (rows as `gdn_recurrent_stash` writes them) run
   the update above from `state[g, slots[i]]`, and the state after the last is written back there in
   place, equal bit for bit to what `gdn_recurrent` records after that column; keep <= 0, or a slot or
-  pos out of range, leaves the lane. One launch over every layer; the same checks, stream and
-  allocation rules as `gdn_recurrent`.
+  pos out of range, leaves the lane; the slots must be distinct. One launch over every layer; the
+  same checks, stream and allocation rules as `gdn_recurrent`.
 * `add_rms_norm`, abi 1 (`ignis.compiler.kernels.fused_norms`; target kind "cuda"): `name(h[rows,
   D], d[rows, D], w1p f32[D], h_out[rows, D], x_out[rows, D], eps: float)`, h, d, h_out, x_out of
   one of `dtypes`, the last dim contiguous: `h_out = round(h + d)`, `x_out = round(h_out *

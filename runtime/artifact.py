@@ -388,6 +388,7 @@ class Artifact:
                 GDN_REPLAY_FUNCTION_NAME,
                 GDN_STASH_FUNCTION_NAME,
                 GdnRecurrentKernel,
+                _optional_export,
             )
             from ignis.runtime.tvm_runtime import load_module
 
@@ -396,8 +397,12 @@ class Artifact:
             # optional (artifacts built since session 8): the stash round and the commit's replay
             stash, replay = self.manifest.kernel("gdn_recurrent_stash"), self.manifest.kernel("gdn_replay")
             if stash is not None and replay is not None and stash.file == replay.file == entry.file:
-                funcs[GDN_STASH_FUNCTION_NAME] = module[stash.name]
-                funcs[GDN_REPLAY_FUNCTION_NAME] = module[replay.name]
+                # listed but missing from the library: the record path (GdnRecurrentKernel takes
+                # the pair only when both are there), not the torch recurrence
+                for key, listed in ((GDN_STASH_FUNCTION_NAME, stash), (GDN_REPLAY_FUNCTION_NAME, replay)):
+                    func = _optional_export(module, listed.name)
+                    if func is not None:
+                        funcs[key] = func
             return GdnRecurrentKernel(funcs)
 
         return self._kernel_library(

@@ -86,7 +86,8 @@ struct Params {
   int64_t a_lane, a_col, a_head;
   const float* neg_a;    // [v_heads]: -exp(A_log)
   const float* dt_bias;  // [v_heads]
-  const float* state;    // [slots, v_heads, k_dim, v_dim], inner three dims contiguous
+  const float* state;    // [slots, v_heads, k_dim, v_dim], inner three dims contiguous (kModeReplay
+                         // writes it in place, through a const_cast)
   int64_t st_slot;
   int64_t num_slots;
   const int64_t* slots;  // [lanes]

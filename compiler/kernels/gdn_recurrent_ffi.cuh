@@ -1,6 +1,7 @@
-// Host side of the fused Gated DeltaNet recurrence (gdn_recurrent.cuh): the tvm-ffi exported function
-// with its argument checks. A module built by ignis.compiler.kernels.gdn_recurrent includes this
-// header and IGNIS_GDN_RECURRENT_EXPORT(name).
+// Host side of the fused Gated DeltaNet recurrence (gdn_recurrent.cuh): the tvm-ffi exported functions
+// with their argument checks. A module built by ignis.compiler.kernels.gdn_recurrent includes this
+// header and IGNIS_GDN_RECURRENT_EXPORT(name), IGNIS_GDN_STASH_EXPORT(name) (the round with a stash in
+// place of the record) and IGNIS_GDN_REPLAY_EXPORT(name) (gdn_replay_launch below).
 //
 //   name(mixed [L, n, conv_dim] f32|bf16|f16 (any strides),
 //        b [L, n, hv], a [L, n, hv] (mixed's dtype, any strides),
@@ -12,7 +13,7 @@
 //
 // conv_dim must be 2 * num_key_heads * dk + hv * dv; hv a multiple of num_key_heads; dk <= 256;
 // slots[l] in 0..S-1 (device memory, not checked here: a lane with a slot outside is skipped).
-// state is read, never written. Launches on the stream tvm-ffi reports for mixed's device (torch's
+// The rounds read state, never write it (the replay writes it in place). Launches on the stream tvm-ffi reports for mixed's device (torch's
 // current stream under tvm_ffi.use_torch_stream(), so CUDA-graph capture works); no allocation, no
 // attribute change: capturable from the first call.
 #pragma once
@@ -90,7 +91,7 @@ void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView b, Tens
   TVM_FFI_CHECK(dtype_is(neg_a, kDLFloat, 32) && dtype_is(dt_bias, kDLFloat, 32) && dtype_is(state, kDLFloat, 32) &&
                     dtype_is(record, kDLFloat, 32),
                 TypeError)
-      << name << ": neg_a, dt_bias, state and record must be float32";
+      << name << ": neg_a, dt_bias, state and " << (STASH ? "stash" : "record") << " must be float32";
   TVM_FFI_CHECK(dtype_is(slots, kDLInt, 64), TypeError) << name << ": slots must be int64";
   TVM_FFI_CHECK(slots.size(0) == lanes && slots.stride(0) == 1, ValueError)
       << name << ": slots must be contiguous [" << lanes << "]";
@@ -169,6 +170,7 @@ void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView b, Tens
 // dims contiguous; written in place), slots / keep / pos [m] int64, num_key_heads. Per layer g and lane
 // l < m: the first keep[l] columns (clamped to 0..C) of stash[g, :, pos[l]] run from state[g, slots[l]],
 // and the state after the last is written there; keep 0, or a slot or pos outside, leaves the lane.
+// The slots must be distinct (two lanes on one slot would update it concurrently).
 inline void gdn_replay_launch(const char* name, TensorView stash, TensorView state, TensorView slots,
                               TensorView keep, TensorView pos, int64_t num_key_heads) {
   TVM_FFI_CHECK(stash.ndim() == 4 && state.ndim() == 5, ValueError)

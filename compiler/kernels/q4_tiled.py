@@ -222,7 +222,7 @@ def tiled_config_for(rows: int, out_features: int, in_features: int, arch: str) 
     """The configuration the build uses for ``rows`` (1..64) on an [out, in] q4_g32 weight.
 
     Raises:
-        Q4KernelError: rows outside 1..32, in_features not a positive multiple of 128, or a
+        Q4KernelError: rows outside 1..64, in_features not a positive multiple of 128, or a
             malformed ``arch``.
     """
     if not 1 <= rows <= MAX_ROWS:

@@ -241,9 +241,11 @@ void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
     if (!pl.fits) {
       if constexpr (NT * 8 > kRowSlice) {
         // Slices of kRowSlice rows through the 2-n-tile block kernel (scales after the mma, as the
-        // rules at those rows), when that many rows fit with tile-range splits.
+        // rules at those rows), when that many rows fit with tile-range splits -- always above 4
+        // n-tiles, whose activations a warp kernel could not hold in registers (the slices fall
+        // back to the 2-n-tile warp kernel themselves).
         const int most = n_groups < kMaxTileChunks ? n_groups : kMaxTileChunks;
-        if (plan_for((n_groups + most - 1) / most, kRowSlice).fits) {
+        if (NT > 4 || plan_for((n_groups + most - 1) / most, kRowSlice).fits) {
           for (int64_t r0 = 0; r0 < rows; r0 += kRowSlice) {
             TiledArgs sub = args;
             sub.rows = rows - r0 < kRowSlice ? rows - r0 : kRowSlice;
@@ -254,10 +256,12 @@ void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
           return;
         }
       }
-      // Too many activation bytes for shared memory even in kMaxTileChunks launches (a wide call
-      // on a very wide weight): the warp kernel, activations through L1, same layout and numerics.
-      q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0>(name, args, pdl);
-      return;
+      if constexpr (NT <= 4) {
+        // Too many activation bytes for shared memory even in kMaxTileChunks launches (a wide call
+        // on a very wide weight): the warp kernel, activations through L1, same layout and numerics.
+        q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0>(name, args, pdl);
+        return;
+      }
     }
   }
   cudaStream_t stream = args.stream;

@@ -5,7 +5,7 @@ with every lane's state in fixed buffers allocated once, so that a verify round 
 kernels over fixed addresses: on CUDA it is captured once per shape and replayed; on the CPU (and with
 ``cuda_graphs=False``) the very same code runs eagerly, which is how the CPU tests prove it.
 
-State (allocated at construction, never resized):
+State (allocated at construction; grown only by `new_lane` when every slot is taken):
 
 * ``capacity = max_context + max_columns`` token slots per lane; ``max_lanes`` lane slots. A lane
   (`new_lane`) takes a free slot; `release_lane` (or dropping the state object) gives it back. With
@@ -529,7 +529,7 @@ class FusedMixersKernel(_ModuleFunctions):
 class _StaticPending:
     num_columns: int
     record: bool
-    position: int  # the lane's index in its forward (its rows in the record buffer)
+    position: int  # the lane's index in its forward (its rows in the round buffer)
     static: bool  # True: the state after column t is record[:, t, position]
     conv_windows: list[torch.Tensor] | None = None  # eager: per GDN slot [conv_dim, kernel - 1 + n]
     rec_states: list[torch.Tensor] | None = None  # eager: per GDN slot [n, hv, dk, dv] or [hv, dk, dv]
@@ -638,7 +638,8 @@ class StaticHybridExecutor(HybridExecutor):
 
     Memory (bytes): KV 2 x attn_layers x max_lanes x capacity x kv_heads x head_dim x dtype size;
     recurrent state 4 x gdn_layers x max_lanes x v_heads x k_dim x v_dim, and max_columns times that
-    for the record.
+    for the record (the torch recurrence and GDN modules without replay), or 4 x gdn_layers x
+    max_columns x max_lanes x `gdn_stash_width` for the stash (modules with replay).
 
     Raises:
         ValueError: max_lanes, max_columns, kv_bucket or max_context out of range; cuda_graphs=True
@@ -717,7 +718,7 @@ class StaticHybridExecutor(HybridExecutor):
         # static inputs: token ids [rows] | positions [rows] | slots [max_lanes]
         self._inputs = torch.zeros(2 * rows + max_lanes, dtype=torch.long, device=dev)
         self._free: list[int] = list(range(max_lanes))
-        self._round_open: set[int] = set()  # id() of lanes whose pending forward lives in the record
+        self._round_open: set[int] = set()  # id() of lanes whose pending forward lives in the round buffer
         self._graphs: dict[tuple[Any, ...], _Graph] = {}
         self._pool: Any = None
         self.num_captures = 0
@@ -823,7 +824,8 @@ class StaticHybridExecutor(HybridExecutor):
         """Allocate the round buffer the GDN recurrence in use needs -- the record [G, max_columns,
         max_lanes, hv, dk, dv] or, with replay, the stash [G, max_columns, max_lanes, W] float32 --
         and free the other one when no round is open (an open round commits from the buffer it ran
-        with)."""
+        with; the setter, every static forward and every commit call this, so a buffer kept for a
+        round open during a swap goes once that round is settled)."""
         c = self.config
         g, dev = len(self._gdn_slot), self.device
         hk, hv, dk, dv = (
@@ -941,18 +943,20 @@ class StaticHybridExecutor(HybridExecutor):
         if not record and self.max_columns < n <= self.chunked_prefill:
             if self._round_open:
                 raise StateError(
-                    "a static round is pending: commit it before the next forward (the per-column "
-                    "states live in one record buffer)"
+                    "a static round is pending: commit it before the next forward (its per-column "
+                    "states live in one round buffer)"
                 )
+            self._gdn_buffers()  # a buffer left from a swapped recurrence goes now
             return self._chunked_forward(
                 states, columns, lens, logits, output_hidden_states, tuple(tap_layers)
             )
         if n <= self.max_columns:
             if self._round_open:
                 raise StateError(
-                    "a static round is pending: commit it before the next forward (the per-column "
-                    "states live in one record buffer)"
+                    "a static round is pending: commit it before the next forward (its per-column "
+                    "states live in one round buffer)"
                 )
+            self._gdn_buffers()  # a buffer left from a swapped recurrence goes now
             out = self._static_forward(states, columns, lens, output_hidden_states, tuple(tap_layers))
             for i, state in enumerate(states):
                 state._pending = _StaticPending(
@@ -981,8 +985,9 @@ class StaticHybridExecutor(HybridExecutor):
     def commit(self, states: Sequence[StaticLaneState], num_keep: Sequence[int]) -> None:  # type: ignore[override]
         """Keep the first num_keep[i] columns of lane i's pending forward (`HybridExecutor.commit`).
 
-        Static rounds: one copy per lane (the kept recurrent state out of the record) and a few
-        device ops for all lanes (the kept conv windows); no host sync. Chunked prefills: whole
+        Static rounds: one copy per lane (the kept recurrent state out of the record) or one replay
+        launch for all lanes and layers (the stash path), and a few device ops for all lanes (the
+        kept conv windows); no host sync. Chunked prefills: whole
         moves the lengths, 0 copies the saved states back.
 
         Raises:
@@ -1031,6 +1036,8 @@ class StaticHybridExecutor(HybridExecutor):
             state._num_tokens += keep
             state._pending = None
             self._round_open.discard(id(state))
+        if not self._round_open:  # the round buffer of a recurrence swapped mid-round goes now
+            self._gdn_buffers()
 
     # ---- internals ----
 
