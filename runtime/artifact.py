@@ -388,7 +388,7 @@ class Artifact:
                 GDN_REPLAY_FUNCTION_NAME,
                 GDN_STASH_FUNCTION_NAME,
                 GdnRecurrentKernel,
-                _optional_export,
+                optional_export,
             )
             from ignis.runtime.tvm_runtime import load_module
 
@@ -400,7 +400,7 @@ class Artifact:
                 # listed but missing from the library: the record path (GdnRecurrentKernel takes
                 # the pair only when both are there), not the torch recurrence
                 for key, listed in ((GDN_STASH_FUNCTION_NAME, stash), (GDN_REPLAY_FUNCTION_NAME, replay)):
-                    func = _optional_export(module, listed.name)
+                    func = optional_export(module, listed.name)
                     if func is not None:
                         funcs[key] = func
             return GdnRecurrentKernel(funcs)

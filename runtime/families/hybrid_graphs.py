@@ -209,8 +209,8 @@ class GdnRecurrentKernel:
         if isinstance(source, Mapping) or hasattr(source, "get_function"):
             module = source
             source = module[GDN_FUNCTION_NAME]
-            stash = _optional_export(module, GDN_STASH_FUNCTION_NAME)
-            replay = _optional_export(module, GDN_REPLAY_FUNCTION_NAME)
+            stash = optional_export(module, GDN_STASH_FUNCTION_NAME)
+            replay = optional_export(module, GDN_REPLAY_FUNCTION_NAME)
             if stash is not None and replay is not None:
                 self.stash_func, self.replay_func = stash, replay
         self.func = source
@@ -298,7 +298,7 @@ class GdnRecurrentKernel:
         self._run(self.replay_func, (stash, state, slots, keep, pos, num_key_heads), state.is_cuda)
 
 
-def _optional_export(module: Any, name: str) -> Any:
+def optional_export(module: Any, name: str) -> Any:
     """module[name], or None when the module does not export it (built before the export)."""
     try:
         return module[name]
