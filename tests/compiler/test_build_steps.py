@@ -676,6 +676,46 @@ def test_llvm_tile_schedule_for_wide_q4_rounds_on_a_named_cpu(tmp_path: Path) ->
         assert err < 1e-5, (s, err)
 
 
+def test_llvm_tree_schedule_for_one_and_two_row_q4(tmp_path: Path) -> None:
+    """float32 q4_g32 functions of 1-2 rows sum their 16 lane partials as a tree (`_tree_schedule`),
+    on the generic target and on a named CPU; they match float64 and the per-element schedule's
+    results to float32 rounding, and re-runs give the same bits."""
+    import tvm_ffi
+
+    import ignis.compiler.build.llvm_linear as llvm_linear
+    from ignis.compiler.build.llvm_linear import llvm_target, uses_tree_schedule
+
+    generic, named = llvm_target(None), llvm_target("x86-64-v3")
+    for target in (generic, named):
+        assert uses_tree_schedule(LinearSpec("a", "q4_g32", 1, 40, 64), target)
+        assert uses_tree_schedule(LinearSpec("a", "q4_g32", 2, 40, 64), target)
+        assert not uses_tree_schedule(LinearSpec("a", "q4_g32", 3, 40, 64), target)  # 8 lanes from 3 rows
+        assert not uses_tree_schedule(LinearSpec("a", "dense", 1, 40, 64), target)
+        assert not uses_tree_schedule(LinearSpec("a", "q4_g32", 1, 40, 64, "bfloat16"), target)
+    g = torch.Generator().manual_seed(6)
+    specs = [LinearSpec(f"q_r{rows}_n{n}", "q4_g32", rows, n, 96) for rows in (1, 2) for n in (40, 7)]
+    path = build_llvm_module(specs, tmp_path / "tree.so")
+    mod = tvm_ffi.load_module(str(path))
+    old = llvm_linear.uses_tree_schedule
+    try:  # the same specs through the per-element schedule
+        llvm_linear.uses_tree_schedule = lambda spec, target=None: False  # type: ignore[assignment]
+        ref_mod = tvm_ffi.load_module(str(build_llvm_module(specs, tmp_path / "flat.so")))
+    finally:
+        llvm_linear.uses_tree_schedule = old  # type: ignore[assignment]
+    for s in specs:
+        x = torch.randn(s.rows, s.in_features, generator=g)
+        packed, scales = quantize_q4_g32(torch.randn(s.out_features, s.in_features, generator=g).numpy())
+        args = (x, torch.from_numpy(packed), torch.from_numpy(scales))
+        y, y2, flat = (torch.empty(s.rows, s.out_features) for _ in range(3))
+        mod[s.name](*args, y)
+        mod[s.name](*args, y2)
+        ref_mod[s.name](*args, flat)
+        ref = x.double() @ torch.from_numpy(dequantize_q4_g32(packed, scales)).double().T
+        err = float((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+        assert err < 1e-5 and torch.equal(y, y2), (s, err)
+        torch.testing.assert_close(y, flat, rtol=1e-5, atol=1e-5)
+
+
 def test_select_kernels_fused_mixers_only_where_their_limits_hold() -> None:
     """The fused mixers' rule: a hybrid config whose GDN conv taps are 2..MAX_CONV_KERNEL and whose
     attention heads are at most MAX_HEAD_DIM wide with an even rotary dim (fused_mixers.py's limits,
