@@ -852,6 +852,7 @@ def main() -> int:
         if args.gdn_record:  # the record round only: the function without the stash round and replay
             kernel = GdnRecurrentKernel(kernel.func)
         res["gdn_path"] = "replay" if kernel.has_replay else "record"
+        res["gdn_module_file"] = str(args.gdn_module)
         log(f"GDN recurrence: the {res['gdn_path']} path ({args.gdn_module})")
         args.gdn_module = kernel
 
@@ -913,7 +914,7 @@ def main() -> int:
                     cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
                     max_lanes=1, max_columns=max(widths), max_context=ctx, gdn_module=args.gdn_module,
                 )  # fmt: skip
-                gr["gdn_module"] = str(args.gdn_module)
+                gr["gdn_module"] = res.get("gdn_module_file", str(args.gdn_module))
                 log("graphed route with the fused GDN recurrence: rounds per width")
                 gr["rounds_fused"] = bench_graph_rounds(fused, ref, dev, widths, args.reps, vocab)
                 save()
