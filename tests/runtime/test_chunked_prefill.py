@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import toy_executor as toy
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
 
 from ignis.runtime.drafters.base import BaseDrafter, CommittedSpan, DraftRequest
 from ignis.runtime.drafters.testing import ModelDrafter, always_right, always_wrong
@@ -41,14 +42,6 @@ VOCAB = 50
 NEAR_TIE_MARGIN = 1e-4
 BUDGETS = (1, 3, 7, 1000)  # 1000: larger than every prompt (one chunk each, still a budget)
 TOY_PROMPT_LENGTHS = (9, 40, 3)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
 
 
 def _greedy(n: int) -> SamplingParams:

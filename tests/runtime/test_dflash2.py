@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
 
 from ignis.runtime.drafters import DRAFTERS, get_drafter_factory
 from ignis.runtime.drafters.base import CommittedSpan, DrafterError, DraftRequest
@@ -68,14 +69,6 @@ make_tiny_hybrid = _load_helper().make_tiny_hybrid
 WINDOW = 6  # tiny sliding window: 5 context rows kept per layer
 VOCAB_SIZE = 320  # the tiny targets' vocabulary
 GREEDY = SamplingParams(temperature=0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
 
 
 @pytest.fixture(scope="module")

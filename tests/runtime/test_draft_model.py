@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from sampling_checks import exact_joint, pooled_chi2
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
 
 from ignis.compiler.importers import load_checkpoint
 from ignis.runtime.drafters import DRAFTERS, get_drafter_factory
@@ -70,14 +71,6 @@ MAX_TOKENS = 16
 PROMPT_LENGTHS = (5, 40, 12)
 VOCAB = 384
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
 
 
 @cache

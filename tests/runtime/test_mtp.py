@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from hf_tiny_hybrid import FAMILIES, make_tiny_hybrid
 from safetensors.torch import load_file, save_file
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
 
 from ignis.runtime.drafters import DRAFTERS
 from ignis.runtime.drafters.base import CommittedSpan, DrafterError
@@ -33,14 +34,6 @@ from ignis.tools.make_test_drafter import make_mtp_drafter
 
 VOCAB = 320
 GREEDY = SamplingParams(temperature=0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
 
 
 @dataclasses.dataclass

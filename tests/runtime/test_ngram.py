@@ -25,6 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sampling_checks import exact_joint, pooled_chi2
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
 
 from ignis.compiler.importers import load_checkpoint
 from ignis.runtime.drafters import DRAFTERS, DraftRequest, get_drafter_factory
@@ -54,14 +55,6 @@ NEAR_TIE_MARGIN = 1e-4
 MAX_TOKENS = 24
 VOCAB = 384
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
 
 
 def _request(tokens, k, lane_id=0):

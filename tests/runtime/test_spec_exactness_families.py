@@ -29,6 +29,8 @@ import torch
 
 engine_mod = pytest.importorskip("ignis.runtime.engine")
 
+from torch_threads import one_torch_thread  # noqa: E402, F401 (autouse: one torch thread a module)
+
 from ignis.runtime.drafters.base import BaseDrafter, DraftProposal, DraftRequest  # noqa: E402
 from ignis.runtime.drafters.dflash2 import build_dflash2_drafter  # noqa: E402
 from ignis.runtime.drafters.mtp import build_mtp_drafter, load_mtp_checkpoint  # noqa: E402
@@ -70,14 +72,6 @@ CASES = [
     ("qwen3_5", "mtp"),
     ("qwen3_next", "dflash2"),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
 
 
 class Target:
