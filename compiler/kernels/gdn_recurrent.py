@@ -353,9 +353,11 @@ def gdn_replay_emulated(stash: Any, state: Any, slots: Any, keep: Any, pos: Any,
     """
     import torch
 
+    from ignis.runtime.families.hybrid_graphs import gdn_stash_width
+
     g_layers, num_slots, hv, dk, dv = state.shape
     hk = num_key_heads
-    if stash.shape[-1] != hk * dk + hv * dv + 2 * hv or hv % hk:
+    if stash.shape[-1] != gdn_stash_width(hk, hv, dk, dv) or hv % hk:
         raise GdnKernelError(
             f"stash rows of {stash.shape[-1]} floats do not match state {tuple(state.shape)}"
         )

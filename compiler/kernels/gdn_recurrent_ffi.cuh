@@ -54,6 +54,13 @@ void launch(const char* name, const Params& p, cudaStream_t stream, int layers =
   check_launch(name);
 }
 
+// The kernel's head limits: v_heads a multiple of num_key_heads, k_dim <= kMaxKeyDim (ValueError).
+inline void check_heads(const char* name, int64_t hv, int64_t dk, int64_t num_key_heads) {
+  TVM_FFI_CHECK(num_key_heads >= 1 && hv % num_key_heads == 0, ValueError)
+      << name << ": v_heads " << hv << " must be a multiple of num_key_heads " << num_key_heads;
+  TVM_FFI_CHECK(dk <= kMaxKeyDim, ValueError) << name << ": k_dim must be <= " << kMaxKeyDim << ", got " << dk;
+}
+
 // Floats of one stash row: k of every key head, v, beta and alpha of every value head.
 inline int64_t stash_width(int64_t hk, int64_t hv, int64_t dk, int64_t dv) { return hk * dk + hv * dv + 2 * hv; }
 
@@ -74,9 +81,7 @@ void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView b, Tens
   const int64_t hv = state.size(1), dk = state.size(2), dv = state.size(3);
   TVM_FFI_CHECK(lanes >= 1 && n >= 1 && hv >= 1 && dk >= 1 && dv >= 1, ValueError)
       << name << ": empty lanes, columns or state";
-  TVM_FFI_CHECK(num_key_heads >= 1 && hv % num_key_heads == 0, ValueError)
-      << name << ": v_heads " << hv << " must be a multiple of num_key_heads " << num_key_heads;
-  TVM_FFI_CHECK(dk <= kMaxKeyDim, ValueError) << name << ": k_dim must be <= " << kMaxKeyDim << ", got " << dk;
+  check_heads(name, hv, dk, num_key_heads);
   TVM_FFI_CHECK(conv_dim == 2 * num_key_heads * dk + hv * dv, ValueError)
       << name << ": mixed has " << conv_dim << " channels, expected 2 * " << num_key_heads << " * " << dk
       << " + " << hv << " * " << dv;
@@ -185,9 +190,7 @@ inline void gdn_replay_launch(const char* name, TensorView stash, TensorView sta
       << name << ": slots, keep and pos must be contiguous [m], m >= 1, one length";
   TVM_FFI_CHECK(layers >= 1 && hv >= 1 && dk >= 1 && dv >= 1 && state.size(1) >= 1, ValueError)
       << name << ": empty state";
-  TVM_FFI_CHECK(num_key_heads >= 1 && hv % num_key_heads == 0, ValueError)
-      << name << ": v_heads " << hv << " must be a multiple of num_key_heads " << num_key_heads;
-  TVM_FFI_CHECK(dk <= kMaxKeyDim, ValueError) << name << ": k_dim must be <= " << kMaxKeyDim << ", got " << dk;
+  check_heads(name, hv, dk, num_key_heads);
   const int64_t w = stash_width(num_key_heads, hv, dk, dv);
   TVM_FFI_CHECK(stash.size(0) == layers && stash.size(1) >= 1 && stash.size(2) >= 1 && stash.size(3) == w &&
                     stash.stride(3) == 1,
