@@ -59,8 +59,8 @@ class CardProfile:
                 raise ConfigError(f"profile {self.name}: dtype {dt!r} not in {_DTYPES}")
         if any(not 1 <= w <= 8 for w in self.decode_widths):
             raise ConfigError(f"profile {self.name}: decode widths must lie in 1..8")
-        if any(not 9 <= w <= 32 for w in self.wide_widths):
-            raise ConfigError(f"profile {self.name}: wide widths must lie in 9..32")
+        if any(not 9 <= w <= 64 for w in self.wide_widths):
+            raise ConfigError(f"profile {self.name}: wide widths must lie in 9..64")
 
     @property
     def widths(self) -> tuple[int, ...]:

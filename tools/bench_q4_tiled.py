@@ -41,16 +41,16 @@ def candidates() -> dict[str, Any]:
         # the shipped rules (`_RULES`: blocks of 16 warps, activations staged in shared memory by
         # bulk copies)
         *rules,
-        # the same staged by cp.async (the rules before sm_90 and before session 5's run 30)
-        *[replace(r, x_bulk=False) for r in rules],
-        # 33-64 rows in blocks of 8 warps (255 registers a thread: no spills at 8 n-tiles)
-        *[replace(r, warps=8) for r in rules[4:]],
+        # the same staged by cp.async (the rules before sm_90; the GPU tests read them from here)
+        *[replace(r, x_bulk=False, x_ring=0, x_ring_k=1) for r in rules],
+        # 41-64 rows: whole-span staging split over tile ranges (the rules before session 9), and
+        # the ring with 3 slots of 3 k-steps (runs 69-71)
+        *[replace(r, x_ring=0, x_ring_k=1) for r in rules[5:]],
+        *[replace(r, x_ring=3, x_ring_k=3) for r in rules[5:]],
         # diagnostics (wrong output by design): the weight stream alone; the rules without fixups
         T(1, 1, 4, 4, True, 4, stream_only=True),
         replace(rules[0], no_fixup=True),
         replace(rules[0], no_wait=True),
-        replace(rules[2], no_fixup=True),
-        replace(rules[2], no_wait=True),
         replace(rules[3], no_fixup=True),
         replace(rules[3], no_wait=True),
     ]

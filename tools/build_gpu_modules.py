@@ -6,11 +6,11 @@ Writes into OUT (about 6 MB for sm_90):
 
 * ``q4_e2e_<arch>.so`` + ``manifest.json``: one q4 bundle serving every (width, N, K) that
   `tools/bench_e2e_gpu.py` runs for the 27B-shaped ``qwen3_5`` (the 8 linear shapes of that model x
-  widths 1..8, 16, 32). ``--q4-route tiled`` (the default, the build's CUDA route): the tiled
-  stream-K kernel, one export per n-tile count (`tiled_config_for`), weights placed in the tiled
-  layout (manifest ``"kind": "q4_g32_tiled"``); ``--q4-route mma``: the row-major kernels, the tiles
-  `default_tile_config` chooses. ``manifest.json`` maps ``"W|N|K"`` to the exported function (the
-  format `bench_e2e_gpu.load_compiled` reads);
+  widths 1..8, 16, 24, 32, and 48, 64 on the tiled route). ``--q4-route tiled`` (the default, the
+  build's CUDA route): the tiled stream-K kernel, one export per n-tile count (`tiled_config_for`),
+  weights placed in the tiled layout (manifest ``"kind": "q4_g32_tiled"``); ``--q4-route mma``: the
+  row-major kernels, the tiles `default_tile_config` chooses. ``manifest.json`` maps ``"W|N|K"`` to
+  the exported function (the format `bench_e2e_gpu.load_compiled` reads);
 * ``gdn_recurrent_<arch>.so`` (`build_gdn_recurrent`), ``fused_norms_<arch>.so``
   (`build_fused_norms`), ``topk_<arch>.so`` (`build_topk`) and, where the kernel exists,
   ``fused_mixers_<arch>.so``.
@@ -45,10 +45,14 @@ E2E_SHAPES = (
     (34816, 5120),
 )
 E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
+#: The tiled route's widths: also 48 and 64 (33-64 rows in one call, as the h200 profile compiles:
+#: docs/PERF.md runs 69-71); the mma route's kernels stop at 32 rows.
+E2E_WIDTHS_TILED = (*E2E_WIDTHS, 48, 64)
 
 
 def build_q4_e2e_bundle(out: Path, arch: str, route: str = "tiled") -> dict[str, object]:
-    """Build the q4 bundle for `E2E_SHAPES` x `E2E_WIDTHS` into `out`; returns the manifest dict.
+    """Build the q4 bundle for `E2E_SHAPES` x `E2E_WIDTHS` (`E2E_WIDTHS_TILED` on the tiled route) into
+    `out`; returns the manifest dict.
 
     route "tiled": the tiled stream-K kernel (`ignis.compiler.kernels.q4_tiled`; weights in the tiled
     layout, manifest ``kind`` "q4_g32_tiled"), one export per n-tile count; "mma": the row-major
@@ -58,7 +62,7 @@ def build_q4_e2e_bundle(out: Path, arch: str, route: str = "tiled") -> dict[str,
         from ignis.compiler.kernels.q4_tiled import build_q4_tiled_module, tiled_config_for
 
         texports, ttable = {}, {}
-        for w in E2E_WIDTHS:
+        for w in E2E_WIDTHS_TILED:
             for n, k in E2E_SHAPES:
                 cfg = tiled_config_for(w, n, k, arch)
                 name = "q4t_" + cfg.tag

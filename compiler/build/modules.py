@@ -77,6 +77,7 @@ from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module, llvm
 from ignis.compiler.kernels.fused_mixers import MAX_CONV_KERNEL as _MIXERS_MAX_CONV_KERNEL
 from ignis.compiler.kernels.fused_mixers import MAX_HEAD_DIM as _MIXERS_MAX_HEAD_DIM
 from ignis.compiler.kernels.gdn_recurrent import MAX_KEY_DIM as _GDN_MAX_KEY_DIM
+from ignis.compiler.kernels.q4_linear import MAX_ROWS as _MMA_MAX_ROWS
 from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction
 from ignis.runtime.families import FAMILIES
 
@@ -341,6 +342,11 @@ class ModulePlan:
         if self.q4_cuda_route not in Q4_CUDA_ROUTES:
             raise ModuleBuildError(
                 f"q4_cuda_route must be one of {sorted(Q4_CUDA_ROUTES)}, got {self.q4_cuda_route!r}"
+            )
+        if self.is_cuda and self.q4_cuda_route == "mma" and self.widths and max(self.widths) > _MMA_MAX_ROWS:
+            raise ModuleBuildError(
+                f"the mma q4 route compiles at most {_MMA_MAX_ROWS} rows, the plan asks for width "
+                f"{max(self.widths)}: use the tiled route (up to 64 rows) or narrower widths"
             )
 
     @property

@@ -55,9 +55,13 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
 }
 
 // Shared-memory mbarriers and 1-d bulk copies (the Hopper copy engine; sm_90+), for the block's
-// activation staging (XS = 2). PTX ISA 8.x: mbarrier, cp.async.bulk.
-__device__ __forceinline__ void mbar_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+// activation staging (XS = 2, 3). PTX ISA 8.x: mbarrier, cp.async.bulk.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count = 1) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// This thread's arrival (release at CTA scope: its earlier shared-memory reads are done).
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 // This thread's arrival, with `bytes` of bulk copies to complete the phase.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -320,6 +324,20 @@ __device__ __noinline__ void tiled_finish_group_mid(TiledAcc<MT, NT> a, int grp,
 // faster than two: run 34).
 constexpr int kXsFirst = 4;
 
+// XS 3 (an activation ring): the block's units read their activations from a ring of XR slots of XK
+// k-steps each (row r of a slot at r (256 XK + 64) bytes: 64 mod 128, the 8 rows a quarter warp
+// reads fall in distinct banks), each slot with a "full" mbarrier (one arrival a warp with its
+// rows' bytes, completed by the bulk copies) and an "empty" one (one arrival a warp once it has read
+// the slot's last unit). Unit i of the block (its i-th k-step) reads use m = i / XK of the ring,
+// slot m mod XR. At the start of use m each warp refills its rows (w, w + WARPS, ..; one bulk copy a
+// row, two where the k-steps wrap) of the slot use m - lag read, for use m - lag + XR, once every
+// warp has finished it -- lag (tiled_xr_lag) uses late, so a warp rarely waits for a straggler, and
+// XR - lag uses ahead of the slot's next use. (One warp issuing all of a slot's row copies, in turn,
+// was 0.09-0.17 ms a chain slower at 40-64 rows: run 69; a barrier round every unit, XK = 1, cost
+// 6-19 % at 1 row: runs 69-70.) The shared memory no longer grows with the block's span of
+// k-steps, so 33-64 rows run in one launch (XS 2 splits them over tile ranges: runs 62-68).
+__host__ __device__ constexpr int tiled_xr_lag(int xr) { return xr > 2 ? 2 : 1; }
+
 // Bytes of one warp's private per-lane ring (RING = 2): D stages of MT units, each lane's two
 // 16-byte code pieces and its 16 scale bytes (3 x 512 bytes a tile, lane-major: no bank conflicts).
 template <int MT, int D>
@@ -342,11 +360,12 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // k-steps (at most min(range, S) of them) are copied into shared memory once, after
 // griddepcontrol.wait (after a 128-byte head and, with RING 2, the warps' rings; XS 1: per-thread
 // cp.async, 320 bytes a row and k-step; XS 2: bulk copies completing on two mbarriers in the head,
-// 256 bytes a row and k-step plus 64 a row); the units then read them from there. Each warp
+// 256 bytes a row and k-step plus 64 a row; XS 3: a ring of XR x XK k-steps refilled by bulk copies
+// as the units advance, see tiled_xr_lag); the units then read them from there. Each warp
 // finishes its share of a group on its own: workspace slots per warp share (n_groups * WARPS). (L2 prefetching ahead of the ring, in
 // the prologue or all along, was measured slower and removed: docs/PERF.md, runs 17 and 19.)
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int RING, bool XDB = false,
-          int MODE = kModeCompute, int XS = 0>
+          int MODE = kModeCompute, int XS = 0, int XR = 0, int XK = 1>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
     q4_tiled_kernel(const T* __restrict__ x, const uint4* __restrict__ qw, const uint4* __restrict__ sc,
                     T* __restrict__ y, float* __restrict__ ws, int n_rows,
@@ -354,6 +373,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   static_assert(D >= 2, "at least two units in the ring");
   static_assert(RING == 0 || RING == 2, "RING is 0 (registers) or 2 (per-lane cp.async)");
   static_assert(!XS || !XDB, "XS takes no XDB");
+  static_assert((XS == 3) == (XR > 0) && (XR == 0 || (XR >= 2 && XR <= 8 && XK >= 1 && XK <= 8)),
+                "XS 3 takes XR 2..8 ring slots of XK 1..8 k-steps");
   using Tr = Q4Traits<T>;
   constexpr int NACC = (!POST && MT * NT < 4) ? 2 : 1;
   // Above 4 n-tiles (33-64 rows) a unit's activations (NT x 4 uint4 a lane) do not fit in registers
@@ -413,8 +434,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   uint4 wbuf[RING == 0 ? D : 1][MT][2];
   uint4 sbuf[RING == 0 ? D : 1][MT];
   // RING = 2: this warp's shared-memory ring.
-  // XS: [128-byte head: XS 2's two mbarriers][the warps' rings (RING 2)][activations]
+  // XS: [128-byte head: XS 2's two mbarriers, XS 3's 2 XR][the warps' rings (RING 2)][activations]
   constexpr int kXsHead = XS ? 128 : 0;
+  static_assert(16 * XR <= kXsHead || XR == 0, "XS 3's mbarriers fit in the head");
   constexpr int kRingBytes = RING == 2 ? tiled_lane_ring_bytes<MT, D>() : 0;
   unsigned char* ring = tsmem + kXsHead + warp * kRingBytes;
   const uint32_t ring_a = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
@@ -468,6 +490,22 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     }
     __syncthreads();
   }
+  // XS 3: slot s's full mbarrier at head + 8 s, its empty one at head + 8 (XR + s), both counting
+  // one arrival a warp.
+  const int n_units = u1 - u0;
+  auto xr_full = [&](int s) { return smem_a + 8 * s; };
+  auto xr_empty = [&](int s) { return smem_a + 8 * (XR + s); };
+  if constexpr (XS == 3 && MODE != kModeStreamOnly) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int s = 0; s < XR; ++s) {
+        mbar_init(xr_full(s), WARPS);
+        mbar_init(xr_empty(s), WARPS);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+  }
   pdl_launch_dependents();
   pdl_wait();
 
@@ -494,12 +532,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // XS 1 (cp.async): row r of slot s at (s R + r) * kXsRow bytes (256 bytes + 64 of padding: the 8
   // rows a quarter warp reads fall in distinct banks). XS 2 (bulk copies): row r's slots are
   // contiguous, s * 256 bytes into the row's xs_rs = 256 n_xs + 64 bytes (xs_rs = 64 mod 128: the
-  // same bank spread), so one bulk copy moves a row's span of k-steps.
+  // same bank spread), so one bulk copy moves a row's span of k-steps. XS 3: see tiled_xr_lag.
   constexpr int kXsRow = 320;
   const int ks0 = u0 % S;
   const uint32_t xs_a = smem_a + kXsHead + (RING == 2 ? WARPS * kRingBytes : 0);
-  const int xs_rs = XS == 2 ? 256 * n_xs + 64 : kXsRow;  // bytes between rows
-  const int xs_ss = XS == 2 ? 256 : n_rows * kXsRow;      // bytes between slots
+  const int xs_rs = XS == 2 ? 256 * n_xs + 64 : XS == 3 ? 256 * XK + 64 : kXsRow;  // bytes between rows
+  const int xs_ss = XS == 2 ? 256 : n_rows * xs_rs;  // bytes between slots (XS 3: ring slots)
   uint32_t xs_lane[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) xs_lane[j] = xs_a + min(8 * j + g, n_rows - 1) * xs_rs + t * 16;
@@ -528,6 +566,31 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     }
     mbar_wait(xs_bar, 0);
   }
+  // XS 3 (lane 0): this warp's arrival on the full barrier of ring use n's slot (n mod XR) with its
+  // rows' bytes, then its rows w, w + WARPS, .. of the use's k-steps into the slot: one bulk copy a
+  // row and run of consecutive k-steps (a new run where the k-steps wrap past S, more than once
+  // when S < XK).
+  const int xr_my_rows = n_rows > warp ? (n_rows - 1 - warp) / WARPS + 1 : 0;
+  auto xr_copy = [&](int n) {
+    const int i0 = n * XK, cnt = min(XK, n_units - i0);  // the use's units (k-steps)
+    int ks_first = ks0 + i0;
+    while (ks_first >= S) ks_first -= S;
+    const uint32_t full = xr_full(n % XR), slot_a = xs_a + (n % XR) * xs_ss;
+    mbar_arrive_expect_tx(full, static_cast<uint32_t>(xr_my_rows * cnt * 256));
+    for (int r = warp; r < n_rows; r += WARPS) {
+      const T* row = x + static_cast<size_t>(r) * k_in;
+      for (int q = 0, ks = ks_first; q < cnt; ks = 0) {
+        const int len = min(cnt - q, S - ks);
+        bulk_g2s(slot_a + r * xs_rs + q * 256, row + static_cast<size_t>(ks) * kStepK, len * 256, full);
+        q += len;
+      }
+    }
+  };
+  if constexpr (XS == 3 && MODE != kModeStreamOnly) {
+    if (lane == 0) {  // the first min(XR, uses) slots, slot by slot
+      for (int n = 0; n < XR && n * XK < n_units; ++n) xr_copy(n);
+    }
+  }
   if constexpr (XS == 1 && MODE != kModeStreamOnly) {
     auto stage = [&](int c0, int c1) {  // 16-byte chunks [c0, c1) of the block's activations
       for (int c = c0 + static_cast<int>(threadIdx.x); c < c1; c += WARPS * 32) {
@@ -544,15 +607,16 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     cp_async_wait<1>();
     __syncthreads();
   }
+  int x_off = 0;  // kLateX, XS 3: the shared-memory offset of the unit being computed (bytes)
   auto load_x = [&](uint4 (&xv)[XN][4], int ks) {
     if constexpr (kLateX) {
       return;  // read inside compute
     } else if constexpr (XS) {
-      const int slot = ks >= ks0 ? ks - ks0 : ks - ks0 + S;
+      const int off = XS == 3 ? x_off : (ks >= ks0 ? ks - ks0 : ks - ks0 + S) * xs_ss;
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int w = 0; w < 4; ++w) xv[j][w] = lds128(xs_lane[j] + slot * xs_ss + w * 64);
+        for (int w = 0; w < 4; ++w) xv[j][w] = lds128(xs_lane[j] + off + w * 64);
     } else {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
@@ -571,7 +635,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   };
   uint32_t sink = 0;  // kModeStreamOnly: keeps the loads alive
   // One unit: weights wd / scales sd of MT tiles, activations xv.
-  int x_slot = 0;  // kLateX: the shared-memory slot of the unit being computed
   auto compute = [&](const uint4 (&wd)[MT][2], const uint4 (&sd)[MT], const uint4 (&xv)[XN][4]) {
     if constexpr (MODE == kModeStreamOnly) {
 #pragma unroll
@@ -583,7 +646,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       uint4 xw[kLateX ? NT : 1];  // kLateX: this word's activations of every n-tile
       if constexpr (kLateX) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) xw[j] = lds128(xs_lane[j] + x_slot * xs_ss + w * 64);
+        for (int j = 0; j < NT; ++j) xw[j] = lds128(xs_lane[j] + x_off + w * 64);
       }
       auto xj = [&](int j) -> const uint4& {
         if constexpr (kLateX) {
@@ -666,7 +729,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     if constexpr (MODE == kModeStreamOnly) return;
     const int nks = cks + 1 == S ? 0 : cks + 1;
     if constexpr (kLateX) {
-      x_slot = cks >= ks0 ? cks - ks0 : cks - ks0 + S;
+      if constexpr (XS != 3) x_off = (cks >= ks0 ? cks - ks0 : cks - ks0 + S) * xs_ss;  // (XS 3: set by step)
     } else if constexpr (XDB) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
@@ -681,7 +744,23 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   // Unit u = base + d sits in slot d (d is a constant once the loops below are unrolled). check:
   // the last blocks, where a unit or its refill may lie past u1.
   auto step = [&](int u, int d, bool check) {
-    if (XS && MODE != kModeStreamOnly && u - u0 == xs_first) {  // the rest of the activations
+    if constexpr (XS == 3 && MODE != kModeStreamOnly) {
+      const int i = u - u0;
+      const int m = i / XK, q = i - m * XK;  // ring use m, its unit q
+      constexpr int kLag = tiled_xr_lag(XR);
+      if (q == 0) {
+        // This warp's rows of the slot use m - lag read, for use m - lag + XR, once every warp has
+        // finished it; then this use's slot.
+        if (lane == 0 && m >= kLag && (m - kLag + XR) * XK < n_units) {
+          const int done = m - kLag;
+          mbar_wait(xr_empty(done % XR), (done / XR) & 1);
+          xr_copy(done + XR);
+        }
+        mbar_wait(xr_full(m % XR), (m / XR) & 1);
+      }
+      x_off = (m % XR) * xs_ss + q * 256;
+    }
+    if ((XS == 1 || XS == 2) && MODE != kModeStreamOnly && u - u0 == xs_first) {  // the rest of the activations
       if constexpr (XS == 2) {
         mbar_wait(xs_bar + 8, 0);
       } else {
@@ -708,6 +787,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
       if (!check || u + D - 1 < u1) issue((d + D - 1) % D);
       cp_async_commit();
       compute(wd, sd, xv);
+    }
+    if constexpr (XS == 3 && MODE != kModeStreamOnly) {  // this warp has read its slot's last unit
+      if ((u - u0) % XK == XK - 1) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(xr_empty(((u - u0) / XK) % XR));
+      }
     }
     if (MODE != kModeStreamOnly && cks == S - 1 && (!check || u + 1 < u1)) group_end(cg, std::false_type{});
     if (++cks == S) {

@@ -54,6 +54,12 @@ class TiledConfig:
         x_bulk: with ``x_smem``, the activations are staged by bulk copies (the copy engine, one
             per row and span of k-steps, completing on mbarriers) instead of per-thread 16-byte
             cp.async copies.
+        x_ring: with ``x_bulk``, 2..8: the activations stream through a ring of that many slots of
+            ``x_ring_k`` k-steps each (bulk copies a row and slot, a full and an empty mbarrier a
+            slot, refilled as the units advance) instead of being staged for the block's whole span
+            of k-steps, so the shared memory does not grow with the span (33-64 rows in one
+            launch); 0: whole span.
+        x_ring_k: k-steps a ring slot (1..8).
     """
 
     n_tiles: int = 1
@@ -71,6 +77,8 @@ class TiledConfig:
     no_fixup: bool = False
     no_wait: bool = False
     x_bulk: bool = False
+    x_ring: int = 0
+    x_ring_k: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -97,6 +105,10 @@ class TiledConfig:
             raise Q4KernelError("more than 4 n-tiles need x_smem (activations read from shared memory)")
         if self.x_bulk and not self.x_smem:
             raise Q4KernelError("x_bulk needs x_smem")
+        if self.x_ring and not (self.x_bulk and 2 <= self.x_ring <= 8):
+            raise Q4KernelError(f"x_ring must be 0 or 2..8 with x_bulk, got {self.x_ring}")
+        if not 1 <= self.x_ring_k <= 8 or (self.x_ring_k > 1 and not self.x_ring):
+            raise Q4KernelError(f"x_ring_k must be 1..8 (above 1 only with x_ring), got {self.x_ring_k}")
         if self.ring and self.smem_bytes > 227 * 1024:
             raise Q4KernelError(
                 f"{self.tag} needs {self.smem_bytes} bytes of shared memory a block (> 227 KiB)"
@@ -131,7 +143,9 @@ class TiledConfig:
             tag += "_xdb"
         if self.stream_only:
             tag += "_streamonly"
-        if self.x_smem:
+        if self.x_ring:
+            tag += f"_xr{self.x_ring}" + (f"k{self.x_ring_k}" if self.x_ring_k > 1 else "")
+        elif self.x_smem:
             tag += "_xb" if self.x_bulk else "_xs"
         if self.no_fixup:
             tag += "_nofixup"
@@ -143,11 +157,11 @@ class TiledConfig:
         b = {True: "true", False: "false"}
         # kModeStreamOnly / kModeNoFixup / kModeNoWait
         mode = 1 if self.stream_only else 2 if self.no_fixup else 3 if self.no_wait else 0
-        xs = 2 if self.x_bulk else int(self.x_smem)  # the kernel's XS
+        xs = 3 if self.x_ring else 2 if self.x_bulk else int(self.x_smem)  # the kernel's XS
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "
             f"{b[self.post_scale]}, {self.min_blocks}, {self.blocks_per_sm}, {b[self.pdl]}, {self.ring}, "
-            f"{b[self.x_double]}, {mode}, {xs})"
+            f"{b[self.x_double]}, {mode}, {xs}, {self.x_ring}, {self.x_ring_k})"
         )
 
 
@@ -199,10 +213,13 @@ def build_q4_tiled_module(
 # every shape (no shared memory is reserved at build time; the launch sizes the activation buffer,
 # splits the call over tile ranges or 16-row slices when it does not fit, and falls back to the warp
 # kernel last). 33-64 rows (5-8 n-tiles, session 8) read the activations word by word in the mma
-# loop. They are built on request only -- no card profile lists a width above 32, so 64 rows run as
-# two 32-row calls: on the 27B's MLP chain 40 rows in one call took 0.51 ms against 0.84 as two
-# calls, but 48-64 rows took 0.91-1.17 against 0.85 (their activations need launches split over
-# tile ranges, and each split launch took about as long as an unsplit one: docs/PERF.md runs 62-64).
+# loop. At 41-64 rows (6-8 n-tiles) the activations of a block's whole span of k-steps do not fit
+# in shared memory, and splitting the launch over tile ranges cost ~37 us a launch (0.91-1.17 ms on
+# the 27B's MLP chain against 0.85 as two 32-row calls: docs/PERF.md runs 62-68); they stream
+# through a ring of 2 slots of 4 k-steps instead (session 9, runs 69-71: 0.62 / 0.70 / 0.82 ms at
+# 48 / 56 / 64 rows). The ring is slower wherever the whole span fits (+10-14 % at 1 row, +7 % at
+# 40 rows, run 71), so 1-40 rows keep whole-span staging. Without bulk copies (before sm_90) both
+# fall back to cp.async whole-span staging.
 _RULES: dict[int, TiledConfig] = {
     nt: TiledConfig(
         n_tiles=nt,
@@ -213,6 +230,8 @@ _RULES: dict[int, TiledConfig] = {
         blocks_per_sm=1,
         x_smem=True,
         x_bulk=True,
+        x_ring=2 if nt >= 6 else 0,
+        x_ring_k=4 if nt >= 6 else 1,
     )
     for nt in range(1, MAX_ROWS // 8 + 1)
 }
@@ -232,7 +251,7 @@ def tiled_config_for(rows: int, out_features: int, in_features: int, arch: str) 
             f"the tiled q4 kernel needs in_features % 128 == 0, got [{out_features}, {in_features}]"
         )
     rule = _RULES[(rows + 7) // 8]
-    return rule if _has_bulk_copies(arch) else replace(rule, x_bulk=False)
+    return rule if _has_bulk_copies(arch) else replace(rule, x_bulk=False, x_ring=0, x_ring_k=1)
 
 
 def _has_bulk_copies(arch: str) -> bool:

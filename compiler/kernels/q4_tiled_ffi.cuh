@@ -143,9 +143,9 @@ struct TiledArgs {
 constexpr int kRowSlice = 16;
 
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, int RING, bool XDB, int MODE,
-          int XS>
+          int XS, int XR, int XK>
 void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
-  auto kernel = q4_tiled_kernel<T, NT, MT, WARPS, D, POST, MINB, RING, XDB, MODE, XS>;
+  auto kernel = q4_tiled_kernel<T, NT, MT, WARPS, D, POST, MINB, RING, XDB, MODE, XS, XR, XK>;
   const int64_t rows = args.rows, k_in = args.k_in, n_out = args.n_out;
   const int device = args.device;
   // Per instantiation: SMs, and resident blocks per SM for the last shared-memory size asked.
@@ -201,7 +201,9 @@ void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
         auto smem_for = [&](int64_t p_workers) {  // the kernel's XS layouts (q4_tiled.cuh)
           const int64_t span = (units + p_workers - 1) / p_workers;
           const size_t n_xs = static_cast<size_t>(span < steps ? span : steps);
-          const size_t xs = XS == 2 ? plan_rows * (256 * n_xs + 64) : n_xs * plan_rows * 320;
+          const size_t xs = XS == 3   ? static_cast<size_t>(XR) * plan_rows * (256 * XK + 64)  // any span
+                            : XS == 2 ? plan_rows * (256 * n_xs + 64)
+                                      : n_xs * plan_rows * 320;
           return xs + 128 + (RING == 2 ? static_cast<size_t>(WARPS) * tiled_lane_ring_bytes<MT, D>() : 0);
         };
         pl.smem = smem_for(p_capped);
@@ -251,7 +253,9 @@ void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
             sub.rows = rows - r0 < kRowSlice ? rows - r0 : kRowSlice;
             sub.x = static_cast<const T*>(args.x) + r0 * k_in;
             sub.y = static_cast<T*>(args.y) + r0 * n_out;
-            q4_tiled_launch_t<T, kRowSlice / 8, MT, WARPS, D, true, MINB, BPS, RING, XDB, MODE, XS>(name, sub, pdl);
+            // (a ring's slices take whole-span staging: the slices' spans are what fits)
+            q4_tiled_launch_t<T, kRowSlice / 8, MT, WARPS, D, true, MINB, BPS, RING, XDB, MODE, (XS == 3 ? 2 : XS),
+                              0, 1>(name, sub, pdl);
           }
           return;
         }
@@ -259,7 +263,7 @@ void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
       if constexpr (NT <= 4) {
         // Too many activation bytes for shared memory even in kMaxTileChunks launches (a wide call
         // on a very wide weight): the warp kernel, activations through L1, same layout and numerics.
-        q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0>(name, args, pdl);
+        q4_tiled_launch_t<T, NT, MT, 4, D, POST, (NT <= 2 ? 4 : 2), 0, 0, XDB, MODE, 0, 0, 1>(name, args, pdl);
         return;
       }
     }
@@ -300,7 +304,7 @@ void q4_tiled_launch_t(const char* name, const TiledArgs& args, bool pdl) {
 }
 
 template <int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, bool PDL, int RING, bool XDB, int MODE,
-          int XS>
+          int XS, int XR, int XK>
 void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorView scales, TensorView y) {
   q4_tiled_check_args(name, 8 * NT, x, qweight, scales, y);
   const TiledArgs args{ignis_ffi::ptr(x),
@@ -313,9 +317,10 @@ void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorV
                        x.device().device_id,
                        ignis_ffi::stream_of(x)};
   if (dtype_is(x, kDLFloat, 16)) {
-    q4_tiled_launch_t<half, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, args, PDL);
+    q4_tiled_launch_t<half, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS, XR, XK>(name, args, PDL);
   } else if (dtype_is(x, kDLBfloat, 16)) {
-    q4_tiled_launch_t<__nv_bfloat16, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS>(name, args, PDL);
+    q4_tiled_launch_t<__nv_bfloat16, NT, MT, WARPS, D, POST, MINB, BPS, RING, XDB, MODE, XS, XR, XK>(name, args,
+                                                                                                  PDL);
   } else {
     TVM_FFI_THROW(TypeError) << name << ": x must be float16 or bfloat16";
   }
@@ -329,11 +334,12 @@ void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorV
 // fit), PDL: programmatic dependent launch, RING: 0 registers, 2 per-lane cp.async,
 // XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only, 2 no fixups (both
 // diagnostics: wrong output), XS: 0 warp workers, 1 block workers whose activations are staged in
-// shared memory once by cp.async, 2 the same staged by bulk copies.
-#define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS)          \
+// shared memory once by cp.async, 2 the same staged by bulk copies, 3 block workers reading a ring
+// of XR slots of XK k-steps of activations refilled by bulk copies (XR: 0 unless XS 3).
+#define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS, XR, XK)  \
   static void ignis_q4t_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,                 \
                                tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {                \
-    ::ignis_q4::q4_tiled_launch<NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS>( \
+    ::ignis_q4::q4_tiled_launch<NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS, XR, XK>( \
         #NAME, x, qweight, scales, y);                                                               \
   }                                                                                                 \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(NAME, ignis_q4t_##NAME)

@@ -260,6 +260,88 @@ def test_bulk_staging_plan(steps: int) -> None:
                         assert staged == ks and (grp == 0 or i >= first)
 
 
+_KXR_LAG = re.search(
+    r"constexpr int tiled_xr_lag\(int xr\) \{ return xr > 2 \? (\d+) : (\d+); \}",
+    (Path(q4_tiled_module.__file__).parent / "q4_tiled.cuh").read_text(),
+)
+assert _KXR_LAG, "tiled_xr_lag not found in q4_tiled.cuh"
+
+
+def _xr_lag(xr: int) -> int:
+    assert _KXR_LAG
+    return int(_KXR_LAG.group(1)) if xr > 2 else int(_KXR_LAG.group(2))
+
+
+@pytest.mark.parametrize(("xr", "xk"), [(2, 4), (3, 3), (4, 2), (6, 1), (2, 1), (8, 8)])
+def test_activation_ring_plan(xr: int, xk: int) -> None:
+    """The activation ring (q4_tiled.cuh, XS 3) as the kernel schedules it: each use of a slot is
+    copied once, by every warp for its rows, with the bytes that warp arms the slot's full barrier
+    with; every unit reads its own k-step (ks0 + i) mod S at its slot and position; a slot is
+    refilled only once every warp has finished its previous use (the refill waits on that use's
+    empty phase, issued at the start of a later use), and before the new use is read; the empty
+    and full parities are the slot's completed phases; the shared memory is the host's size."""
+    rng = np.random.default_rng(xr * 10 + xk)
+    lag = _xr_lag(xr)
+    assert 1 <= lag < xr
+    for steps in (1, 3, 40, 136):
+        for rows in (1, 8, 17, 48, 64):
+            for _ in range(6):
+                ks0 = int(rng.integers(0, steps))
+                n_units = int(rng.integers(1, 3 * steps + 2 * xr * xk))
+                uses = -(-n_units // xk)
+                row_stride = 256 * xk + 64
+                slot_bytes = rows * row_stride
+                assert xr * slot_bytes == xr * rows * (256 * xk + 64)  # q4_tiled_ffi.cuh's plan
+                contents: dict[tuple[int, int, int], int] = {}  # (slot, row, position) -> k-step
+                issued_at: dict[int, int] = {}  # use -> the use at whose start it is copied (-1: prologue)
+                fills = [0] * xr  # full phases completed per slot
+                for n in range(min(xr, uses)):
+                    issued_at[n] = -1
+                for m in range(uses):  # the start of use m: the refill, as every warp issues it
+                    if m >= lag and (m - lag + xr) * xk < n_units:
+                        assert (m - lag + xr) not in issued_at
+                        issued_at[m - lag + xr] = m
+                assert sorted(issued_at) == list(range(uses))  # every use copied exactly once
+                for n in range(uses):
+                    cnt = min(xk, n_units - n * xk)
+                    ks_first = (ks0 + n * xk) % steps
+                    runs, q, ks = [], 0, ks_first  # (position, end, first k-step) a bulk copy
+                    while q < cnt:
+                        length = min(cnt - q, steps - ks)
+                        runs.append((q, q + length, ks))
+                        q, ks = q + length, 0
+                    slot = n % xr
+                    moved = 0
+                    for warp in range(16):
+                        my_rows = (rows - 1 - warp) // 16 + 1 if rows > warp else 0
+                        armed = my_rows * cnt * 256
+                        mine = 0
+                        for r in range(warp, rows, 16):
+                            for a, b, k0 in runs:
+                                row_end = slot * slot_bytes + (r + 1) * row_stride
+                                dst = slot * slot_bytes + r * row_stride + a * 256
+                                assert dst % 16 == 0 and dst + (b - a) * 256 <= row_end
+                                assert k0 + (b - a) <= steps
+                                mine += (b - a) * 256
+                                for q in range(a, b):
+                                    contents[(slot, r, q)] = k0 + q - a
+                        assert mine == armed
+                        moved += mine
+                    assert moved == rows * cnt * 256
+                    # the refill of this slot for use n waited for every warp to finish use n - xr
+                    # (its empty phase (n - xr) // xr) and was issued before use n is read
+                    if n >= xr:
+                        assert n - xr < issued_at[n] < n
+                    else:
+                        assert issued_at[n] == -1
+                    assert fills[slot] == n // xr  # the full parity a reader of use n waits on
+                    fills[slot] += 1
+                    for i in range(n * xk, n * xk + cnt):
+                        q = i - n * xk
+                        for r in range(rows):
+                            assert contents[(slot, r, q)] == (ks0 + i) % steps
+
+
 # ---------------------------------------------------------------------------------------------
 # Configurations and cross-compiled modules
 
@@ -276,11 +358,28 @@ def test_configs_are_validated_and_tagged() -> None:
         TiledConfig(x_smem=True, x_double=True)
     cfg = TiledConfig(n_tiles=2, warps=16, depth=3, min_blocks=1, blocks_per_sm=1, x_smem=True)
     assert cfg.tag == "t2_mt1_w16_d3_post_mb1_b1_xs" and cfg.max_rows == 16
-    assert cfg.export_line("f") == "IGNIS_Q4T_EXPORT(f, 2, 1, 16, 3, true, 1, 1, true, 0, false, 0, 1)"
+    assert cfg.export_line("f") == "IGNIS_Q4T_EXPORT(f, 2, 1, 16, 3, true, 1, 1, true, 0, false, 0, 1, 0, 1)"
     bulk = TiledConfig(n_tiles=2, warps=16, depth=3, min_blocks=1, blocks_per_sm=1, x_smem=True, x_bulk=True)
-    assert bulk.tag == "t2_mt1_w16_d3_post_mb1_b1_xb" and bulk.export_line("f").endswith(", 0, 2)")
+    assert bulk.tag == "t2_mt1_w16_d3_post_mb1_b1_xb" and bulk.export_line("f").endswith(", 0, 2, 0, 1)")
     with pytest.raises(Q4KernelError, match="x_bulk needs x_smem"):
         TiledConfig(x_bulk=True)
+    ring = TiledConfig(
+        n_tiles=8, warps=16, min_blocks=1, blocks_per_sm=1, x_smem=True, x_bulk=True, x_ring=2, x_ring_k=4
+    )
+    assert ring.tag.endswith("_xr2k4") and ring.export_line("f").endswith(", 3, 2, 4)")
+    for bad in (
+        {"x_ring": 1, "x_bulk": True, "x_smem": True},
+        {"x_ring": 9, "x_bulk": True, "x_smem": True},
+        {"x_ring": 2, "x_smem": True},
+        {"x_ring_k": 2, "x_bulk": True, "x_smem": True},
+        {"x_ring": 2, "x_ring_k": 9, "x_bulk": True, "x_smem": True},
+    ):
+        with pytest.raises(Q4KernelError, match="x_ring"):
+            TiledConfig(**bad)
+    # 41-64 rows stream their activations through a ring on sm_90+; 1-40 rows and older archs stage
+    # the whole span
+    assert [tiled_config_for(8 * nt, 5120, 5120, "sm_90").x_ring for nt in range(1, 9)] == [0] * 5 + [2] * 3
+    assert tiled_config_for(64, 5120, 5120, "sm_80").x_ring == 0
     # bulk-copy staging on sm_90 and newer, cp.async staging before (no bulk copies there)
     staging = {arch: tiled_config_for(8, 17408, 5120, arch) for arch in ("sm_80", "sm_89", "sm_90", "sm_120")}
     assert [(c.x_smem, c.x_bulk) for c in staging.values()] == [(True, False)] * 2 + [(True, True)] * 2
@@ -315,9 +414,12 @@ def test_rule_modules_cross_compile(tmp_path: Path, arch: str) -> None:
 # `bench_q4_tiled build` folder: IGNIS_Q4T_CANDIDATES)
 
 
-def _bundle(tmp_path: Path, x_bulk: bool = True) -> tuple[dict[int, object], str]:
+def _bundle(tmp_path: Path, x_bulk: bool = True, fresh: bool = False) -> tuple[dict[int, object], str]:
     """The rules' functions by n-tile count; ``x_bulk=False``: the same rules with cp.async staging
-    (what cards before sm_90 run), on any card."""
+    (what cards before sm_90 run), on any card. ``fresh``: from a copy of the library under
+    `tmp_path`, so its stream-K workspace (a static of the library) starts empty whatever earlier
+    tests grew it to."""
+    import shutil
     from dataclasses import replace
 
     from ignis.runtime.tvm_runtime import load_module
@@ -326,7 +428,7 @@ def _bundle(tmp_path: Path, x_bulk: bool = True) -> tuple[dict[int, object], str
     arch = f"sm_{major}{minor}"
     rules = {nt: tiled_config_for(8 * nt, 5120, 5120, arch) for nt in range(1, 9)}
     if not x_bulk:
-        rules = {nt: replace(cfg, x_bulk=False) for nt, cfg in rules.items()}
+        rules = {nt: replace(cfg, x_bulk=False, x_ring=0, x_ring_k=1) for nt, cfg in rules.items()}
         folder = os.environ.get("IGNIS_Q4T_CANDIDATES")
         if folder:
             man = json.loads((Path(folder) / "manifest.json").read_text())
@@ -341,7 +443,10 @@ def _bundle(tmp_path: Path, x_bulk: bool = True) -> tuple[dict[int, object], str
         man = json.loads((Path(folder) / "manifest.json").read_text())
         if man.get("kind") != "q4_g32_tiled":
             pytest.skip(f"{folder} is not a tiled bundle")
-        mod = load_module(Path(folder) / man["file"], cuda=True)
+        lib = Path(folder) / man["file"]
+        if fresh:
+            lib = Path(shutil.copy(lib, tmp_path / f"fresh_{lib.name}"))
+        mod = load_module(lib, cuda=True)
         by_nt = {}
         for key, name in man["table"].items():
             w = int(key.split("|")[0])
@@ -457,12 +562,14 @@ def test_tiled_kernel_with_nan_inputs(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tiled_kernel_in_a_cuda_graph(tmp_path: Path) -> None:
     """Captured after one eager call (the workspace is sized then), replays equal the eager result;
-    a shape whose workspace would have to grow during capture is refused with a clear error."""
+    a shape whose workspace would have to grow during capture is refused with a clear error (a fresh
+    copy of the library: earlier tests' 64-row calls on the vocabulary head grow the shared workspace
+    past what the large shape below needs)."""
     import tvm_ffi
 
     from ignis.runtime.tvm_runtime import torch_stream
 
-    fns, _arch = _bundle(tmp_path)
+    fns, _arch = _bundle(tmp_path, fresh=True)
     fn = fns[1]
     n, k = 4096, 2048
     _qw, _sc, tq, ts = _cuda_q4(n, k)

@@ -35,6 +35,18 @@ def test_width_for_picks_smallest_compiled_width():
     p = get_profile("rtxpro6000")
     assert p.widths == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
     assert [p.width_for(r) for r in (1, 8, 9, 16, 17, 32, 33)] == [1, 8, 16, 16, 32, 32, None]
+    h200 = get_profile("h200")  # 33-64 rows in one tiled call on the H200 (docs/PERF.md runs 69-71)
+    assert h200.widths[-3:] == (32, 48, 64)
+    assert [h200.width_for(r) for r in (33, 48, 49, 64, 65)] == [48, 48, 64, 64, None]
+
+
+def test_wide_widths_are_bounded():
+    from dataclasses import replace
+
+    p = get_profile("h200")
+    for bad in ((8,), (65,)):
+        with pytest.raises(ConfigError, match=r"9\.\.64"):
+            replace(p, wide_widths=bad)
 
 
 def test_unknown_card_is_refused_with_the_known_list():
