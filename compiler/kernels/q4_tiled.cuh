@@ -198,42 +198,65 @@ __device__ __forceinline__ bool any_empty(const float4& f) {
 // its first worker gathers a bounded number of other partials (one slot a round trip).
 constexpr int kMaxParts = 8;
 
+// A float4 of a slot re-read until none of its floats is kSlotEmpty (its worker's value has arrived;
+// ~2^24 polls trap: a bug, not a hang). Out of line: it runs rarely, and the gather that calls it
+// stays compact.
+__device__ __noinline__ float4 tiled_poll(const float4* p) {
+  float4 f = ld_volatile_f4(p);
+#pragma unroll 1
+  for (int polls = 0; any_empty(f); ++polls) {
+    if (polls > (1 << 24)) __trap();
+    __nanosleep(32);
+    f = ld_volatile_f4(p);
+  }
+  return f;
+}
+
 // Add slots [q0, q1) of output group `out` to `sum` in slot order (the covering workers' order: a
 // fixed order, so results are deterministic) and restore kSlotEmpty in them. It runs inline after
-// the range's loop. A float still kSlotEmpty is re-read until its worker's value arrives (~2^24
-// polls trap: a bug, not a hang). (Every slot's elements in flight at once, 16 float4s a lane, was
-// 4-9 % slower at 9-32 rows than this loop: docs/PERF.md runs 35-36.)
+// the range's loop, at the end of the launch, when the block has nothing else to do, so the loads
+// of up to kBatch slots are issued together at 1-8 rows (8 float4s a lane; -0.001 to -0.002 ms a
+// chain; 4 slots a pass at 9-16 rows were 3 % slower: docs/PERF.md runs 75-76). The pass is a loop,
+// not unrolled, and a float still kSlotEmpty is polled out of line (tiled_poll): this code runs from
+// a cold instruction cache (a gather unrolled over every slot with a poll loop each was 4-9 %
+// slower: runs 35-36; the poll out of line made 48-64 rows 2 % faster: run 75).
 template <int NT, int MT, bool POLL = true>
 __device__ __forceinline__ void tiled_add_slots(TiledAcc<MT, NT>& sum, int out, int q0, int q1, float* __restrict__ ws,
                                                 int slots) {
-  constexpr int kPer = MT * NT;  // float4 a lane per slot
+  constexpr int kPer = MT * NT;                     // float4 a lane per slot
+  constexpr int kBatch = kPer == 1 ? 8 : 1;  // slots a pass
   const int lane = threadIdx.x & 31;
   float4* base = reinterpret_cast<float4*>(ws) + static_cast<size_t>(out) * slots * (kPer * 32) + lane;
-  // One slot a pass, its kPer elements in flight together; the pass is a loop, not unrolled: this
-  // code runs once a launch, at its end, from a cold instruction cache (docs/PERF.md run 35).
 #pragma unroll 1
-  for (int c = q0; c < q1; ++c) {
-    float4* slot = base + static_cast<size_t>(c) * kPer * 32;
-    float4 f[kPer];
+  for (int c0 = q0; c0 < q1; c0 += kBatch) {
+    const int n = min(kBatch, q1 - c0);
+    float4* first = base + static_cast<size_t>(c0) * kPer * 32;
+    float4 f[kBatch][kPer];
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) f[e] = ld_volatile_f4(slot + e * 32);
+    for (int b = 0; b < kBatch; ++b)
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-#pragma unroll 1
-      for (int polls = 0; POLL && any_empty(f[e]); ++polls) {
-        if (polls > (1 << 24)) __trap();
-        __nanosleep(32);
-        f[e] = ld_volatile_f4(slot + e * 32);
+      for (int e = 0; e < kPer; ++e)
+        if (b < n) f[b][e] = ld_volatile_f4(first + (b * kPer + e) * 32);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (b < n) {
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          if (POLL && any_empty(f[b][e])) f[b][e] = tiled_poll(first + (b * kPer + e) * 32);
+          // each element adds its slots in slot order (the covering workers' order): deterministic
+          sum.v[e / NT][e % NT][0] += f[b][e].x;
+          sum.v[e / NT][e % NT][1] += f[b][e].y;
+          sum.v[e / NT][e % NT][2] += f[b][e].z;
+          sum.v[e / NT][e % NT][3] += f[b][e].w;
+        }
       }
-      // each element adds its slots in slot order (the covering workers' order): deterministic
-      sum.v[e / NT][e % NT][0] += f[e].x;
-      sum.v[e / NT][e % NT][1] += f[e].y;
-      sum.v[e / NT][e % NT][2] += f[e].z;
-      sum.v[e / NT][e % NT][3] += f[e].w;
     }
     if constexpr (POLL) {
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) st_volatile_f4(slot + e * 32, sentinel4());
+      for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+        for (int e = 0; e < kPer; ++e)
+          if (b < n) st_volatile_f4(first + (b * kPer + e) * 32, sentinel4());
     }
   }
 }
