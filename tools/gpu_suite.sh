@@ -51,7 +51,7 @@ fi
 #    graphed, and HF transformers generating on the same weights.
 MIX=""; [ -n "${IGNIS_MIXERS_MODULE:-}" ] && MIX="--mixers-module $IGNIS_MIXERS_MODULE"
 timeout $((BUDGET + 45)) python3 tools/bench_e2e_gpu.py --mods "$M" --gdn-module "$IGNIS_GDN_MODULE" \
-  --norms-module "$IGNIS_NORMS_MODULE" $MIX --fused-only --no-eager-rounds --no-eager --widths 1,2,4,8,16,32 \
+  --norms-module "$IGNIS_NORMS_MODULE" $MIX --fused-only --no-eager-rounds --no-eager --widths 1,2,4,8,16,32,48,64 \
   --budget-s "$BUDGET" --reps 5 ${E2E_EXTRA:-} --hf-tokens 16 --out "$OUT" >"$OUT/bench_e2e.log" 2>&1
 echo "bench_e2e rc=$?"
 [ -f "$OUT/bench_topk.log" ] && { echo "== top-k =="; tail -n 16 "$OUT/bench_topk.log"; }
