@@ -30,7 +30,7 @@ the same without `kernels`, and is still read: see "Versions" below):
 | family         | str                   | model family (HF model_type)                                 |
 | linear_dtype   | str                   | stored dtype of the linear weights ("q4_g32", "bf16", "f32") |
 | other_dtype    | str                   | stored dtype of every other tensor                           |
-| widths         | [int]                 | verify row widths compiled (ascending, unique, 1..32)         |
+| widths         | [int]                 | verify row widths compiled (ascending, unique, 1..64)         |
 | weights        | str                   | the target's `.ninfer` file (a `files` path)                 |
 | mtp            | str or null           | the MTP companion `.ninfer` (a `files` path)                 |
 | tokenizer      | location or null      | {file, tensor, metadata_key, sha256}: tokenizer.json bytes   |
@@ -143,6 +143,10 @@ Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`,
 `qk_norm_rope_kv`, `gated_attention`, `gdn_recurrent_stash`, `gdn_replay`, after `topk`) are refused
 by a reader that predates them (a `ManifestError` naming `kernels[i].kind`).
 
+Widths 33..64 (8 lanes x 8 columns in one call on the tiled route) were allowed within version 2
+(the h200 profile compiles 48 and 64): a reader that predates it refuses such a manifest (a
+`ManifestError` naming `widths`).
+
 Versions: version 2 added `kernels`. A reader of version 2 reads version 1 manifests (no `kernels` key;
 a version 1 manifest holding one is refused as an unknown key), as a manifest without kernels;
 writers write version 2. Any other change to the schema is a new version.
@@ -180,6 +184,9 @@ MANIFEST_FORMAT: Final[str] = "ignis-artifact"
 
 #: The manifest schema version this code writes (2: `kernels` added).
 MANIFEST_VERSION: Final[int] = 2
+
+#: The widest verify row width a manifest may list (the tiled q4 kernel's 8 n-tiles).
+MAX_WIDTH: Final[int] = 64
 
 #: Every manifest schema version this code reads (a version 1 manifest has no `kernels`).
 READABLE_MANIFEST_VERSIONS: Final[frozenset[int]] = frozenset({1, 2})
@@ -833,7 +840,7 @@ def parse_manifest(data: bytes, *, path: str | os.PathLike[str] | None) -> Manif
 
     Raises:
         ManifestError: not UTF-8 JSON, a repeated key, NaN/Infinity, a missing, unknown or mistyped
-            key, a bad path, duplicate files, widths not ascending and unique in 1..32, a module width
+            key, a bad path, duplicate files, widths not ascending and unique in 1..64, a module width
             not in `widths`, a referenced file that is not listed with the right role, a kernel of an
             unknown kind, another abi, a target of another kind, dtypes not ascending, unique and
             known, or a (kind, dtype) served twice (the message names the field: `kernels[0].abi`).
@@ -877,9 +884,9 @@ def parse_manifest(data: bytes, *, path: str | os.PathLike[str] | None) -> Manif
             raise _fail(path, f"{key} must not be empty")
     widths = _typed(m, "widths", list, "", path)
     if not all(
-        isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= 32 for w in widths
+        isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= MAX_WIDTH for w in widths
     ) or widths != sorted(set(widths)):
-        raise _fail(path, f"widths must be ascending unique integers in 1..32, got {widths!r}")
+        raise _fail(path, f"widths must be ascending unique integers in 1..{MAX_WIDTH}, got {widths!r}")
     block_size = _int(m, "block_size", "", path, low=4096)
     files = [_parse_file(e, i, block_size, path) for i, e in enumerate(_typed(m, "files", list, "", path))]
     paths = [f.path for f in files]
@@ -1096,6 +1103,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
+    "MAX_WIDTH",
     "META_ARTIFACT",
     "META_CHAT_TEMPLATE",
     "META_CONFIG",

@@ -694,7 +694,7 @@ class LinearBackend:
         x2 = x.reshape(-1, x.shape[-1])
         rows = int(x2.shape[0])
         if rows > compiled.widths[-1] and isinstance(weight, Q4Weight):
-            # A q4 weight wider than every compiled width (e.g. 8 lanes x 8 columns = 64 rows): run the
+            # A q4 weight wider than every compiled width (e.g. 64 rows where a profile stops at 32): run the
             # compiled modules on chunks of the widest width rather than dequantizing on torch, each
             # writing its rows of one output (no concatenation: docs/PERF.md run 59). A dense weight
             # at that many rows goes to torch's GEMM (cuBLAS / MKL), which is built for it.

@@ -343,7 +343,8 @@ class ModulePlan:
             raise ModuleBuildError(
                 f"q4_cuda_route must be one of {sorted(Q4_CUDA_ROUTES)}, got {self.q4_cuda_route!r}"
             )
-        if self.is_cuda and self.q4_cuda_route == "mma" and self.widths and max(self.widths) > _MMA_MAX_ROWS:
+        mma = self.is_cuda and any(self.route(s) == "cuda-mma" for s in self.shapes)
+        if mma and self.widths and max(self.widths) > _MMA_MAX_ROWS:
             raise ModuleBuildError(
                 f"the mma q4 route compiles at most {_MMA_MAX_ROWS} rows, the plan asks for width "
                 f"{max(self.widths)}: use the tiled route (up to 64 rows) or narrower widths"

@@ -195,8 +195,9 @@ def test_cross_compile_every_family_at_every_width(tmp_path: Path, card: str, ar
     recipe.write_text('name = "tiny-gpu"\n')
     _build_in_subprocess(card, model, tmp_path / "tiny-gpu", recipe, drafter)
     m = read_manifest(tmp_path / "tiny-gpu")
-    # h200 compiles 33-64 rows too (one tiled call for 8 lanes x 8 columns); the sm_120 cards stop at 32
-    wide = [16, 32, 48, 64] if card == "h200" else [16, 32]
+    # h200 compiles every 8 rows to 64 (one tiled call for 1-8 lanes x 8 columns); the sm_120 cards
+    # stop at 32
+    wide = [16, 24, 32, 40, 48, 56, 64] if card == "h200" else [16, 32]
     assert list(m.widths) == [1, 2, 3, 4, 5, 6, 7, 8, *wide]
     assert {e.width for e in m.modules} == set(m.widths)
     _check_binaries(tmp_path / "tiny-gpu", card, arch, kernels=[] if drafter is None else _TOPK + _HYBRID)

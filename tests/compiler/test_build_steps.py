@@ -378,6 +378,20 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
     assert mma.num_functions() == 3 + 4
     with pytest.raises(ModuleBuildError, match="q4_cuda_route"):
         plan_modules(card="h200", arch="sm_90", widths=[8], other_dtype="bf16", shapes=[], q4_cuda_route="x")
+    # the mma kernels stop at 32 rows: a plan that routes a shape to them refuses wider widths, one
+    # with no such shape does not
+    with pytest.raises(ModuleBuildError, match="at most 32 rows"):
+        plan_modules(
+            card="h200",
+            arch="sm_90",
+            widths=[1, 64],
+            other_dtype="bf16",
+            shapes=plan.shapes,
+            q4_cuda_route="mma",
+        )
+    plan_modules(
+        card="h200", arch="sm_90", widths=[1, 64], other_dtype="bf16", shapes=[], q4_cuda_route="mma"
+    )
     with_drafter = plan_modules(
         card="h200", arch="sm_90", widths=[1, 8, 16, 32], other_dtype="bf16", shapes=plan.shapes, dflash2=True
     )

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -274,12 +276,12 @@ def _xr_lag(xr: int) -> int:
 
 @pytest.mark.parametrize(("xr", "xk"), [(2, 4), (3, 3), (4, 2), (6, 1), (2, 1), (8, 8)])
 def test_activation_ring_plan(xr: int, xk: int) -> None:
-    """The activation ring (q4_tiled.cuh, XS 3) as the kernel schedules it: each use of a slot is
+    """The activation ring's copy plan (q4_tiled.cuh, XS 3), sequentially: each use of a slot is
     copied once, by every warp for its rows, with the bytes that warp arms the slot's full barrier
-    with; every unit reads its own k-step (ks0 + i) mod S at its slot and position; a slot is
-    refilled only once every warp has finished its previous use (the refill waits on that use's
-    empty phase, issued at the start of a later use), and before the new use is read; the empty
-    and full parities are the slot's completed phases; the shared memory is the host's size."""
+    with, in bulk copies that stay inside their rows (runs of consecutive k-steps, K < 128 XK
+    included); every unit reads its own k-step (ks0 + i) mod S at its slot and position; a refill is
+    issued after the slot's previous use and before its new one; the shared memory is the host's
+    size. The barriers' phases under concurrency: `test_activation_ring_interleavings`."""
     rng = np.random.default_rng(xr * 10 + xk)
     lag = _xr_lag(xr)
     assert 1 <= lag < xr
@@ -340,6 +342,105 @@ def test_activation_ring_plan(xr: int, xk: int) -> None:
                         q = i - n * xk
                         for r in range(rows):
                             assert contents[(slot, r, q)] == (ks0 + i) % steps
+
+
+class _Mbarrier:
+    """A shared-memory mbarrier as PTX defines it: a phase completes when its pending arrivals reach
+    zero and its transaction count (bytes expected minus bytes completed) is zero."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+
+    def arrive(self, expect_tx: int = 0) -> None:
+        self.tx += expect_tx
+        self.pending -= 1
+        assert self.pending >= 0, "more arrivals than the barrier's count in one phase"
+        self._complete_phase()
+
+    def complete_tx(self, nbytes: int) -> None:
+        self.tx -= nbytes
+        self._complete_phase()
+
+    def _complete_phase(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def try_wait(self, parity: int) -> bool:  # mbarrier.try_wait.parity: the phase of that parity is over
+        return (self.phase & 1) != parity
+
+
+def _ring_interleaving(warps: int, xr: int, xk: int, rows: int, steps: int, n_units: int, seed: int) -> None:
+    """One random interleaving of the ring's warps and its in-flight bulk copies, transcribed from the
+    kernel (q4_tiled.cuh: the prologue's `xr_copy`s, `step`'s refill, full wait and empty arrival):
+    asserts that every unit reads its own use's data, no copy lands in a slot another warp is still
+    reading, no warp deadlocks and no copy is in flight when the warps are done."""
+    rnd = random.Random(seed)
+    lag = _xr_lag(xr)
+    full = [_Mbarrier(warps) for _ in range(xr)]
+    empty = [_Mbarrier(warps) for _ in range(xr)]
+    held: list[list[int | None]] = [[None] * rows for _ in range(xr)]  # slot, row -> the use it holds
+    inflight: list[tuple[int, int, int]] = []  # (slot, use, bytes) of issued, not yet landed copies
+    reading: list[tuple[int, int] | None] = [None] * warps  # warp -> (slot, use) being read
+
+    def xr_copy(w: int, n: int) -> None:
+        cnt = min(xk, n_units - n * xk)
+        mine = list(range(w, rows, warps))
+        full[n % xr].arrive(len(mine) * cnt * 256)  # arrive.expect_tx before the copies
+        inflight.extend((n % xr, n, cnt * 256) for _ in mine)
+
+    def warp(w: int) -> Iterator[None]:
+        for n in range(xr):
+            if n * xk < n_units:
+                xr_copy(w, n)
+        for i in range(n_units):
+            m, q = divmod(i, xk)
+            if q == 0:
+                if m >= lag and (m - lag + xr) * xk < n_units:
+                    done = m - lag
+                    while not empty[done % xr].try_wait((done // xr) & 1):
+                        yield
+                    xr_copy(w, done + xr)
+                while not full[m % xr].try_wait((m // xr) & 1):
+                    yield
+            assert all(held[m % xr][r] == m for r in range(rows)), "a unit read before its copy landed"
+            reading[w] = (m % xr, m)
+            yield
+            reading[w] = None
+            if q == xk - 1:
+                empty[m % xr].arrive()
+            yield
+
+    live = {w: warp(w) for w in range(warps)}
+    for _ in range(10**6):
+        if not live and not inflight:
+            return
+        pick = rnd.randrange(len(live) + (1 if inflight else 0))
+        if pick == len(live):  # a copy lands (one row)
+            slot, use, nbytes = inflight.pop(rnd.randrange(len(inflight)))
+            assert all(r is None or r[0] != slot or r[1] == use for r in reading), "overwrote a slot in use"
+            row = next(r for r in range(rows) if held[slot][r] != use)
+            held[slot][row] = use
+            full[slot].complete_tx(nbytes)
+        else:
+            w = list(live)[pick]
+            try:
+                next(live[w])
+            except StopIteration:
+                del live[w]
+    raise AssertionError("the ring deadlocked")
+
+
+@pytest.mark.parametrize(("xr", "xk"), [(2, 4), (3, 3), (2, 1), (8, 2)])
+def test_activation_ring_interleavings(xr: int, xk: int) -> None:
+    """The ring's synchronization under random interleavings of warps and copy completions (real
+    mbarrier phase, transaction-count and parity semantics): no read before its data, no overwrite
+    of a slot in use, no deadlock, nothing in flight at the end."""
+    for warps in (1, 4, 16):
+        for rows in (1, 17, 64):
+            for n_units in (1, xr * xk, xr * xk + 1, 3 * xr * xk + 2):
+                for seed in range(2):
+                    _ring_interleaving(warps, xr, xk, rows, 40, n_units, seed * 31 + n_units)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_hash_file_blocks(tmp_path: Path) -> None:
         (lambda o: o.update(extra=1), "unknown key"),
         (lambda o: o.update(widths=[2, 1]), "widths"),
         (lambda o: o.update(widths=[0]), "widths"),
-        (lambda o: o.update(widths=[1, 33]), "widths"),
+        (lambda o: o.update(widths=[1, 65]), "widths"),
         (lambda o: o.update(weights="../m.ninfer"), "relative POSIX path"),
         (lambda o: o.update(weights="/abs/m.ninfer"), "relative POSIX path"),
         (lambda o: o.update(weights="a\\b"), "relative POSIX path"),

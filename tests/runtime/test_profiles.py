@@ -35,9 +35,9 @@ def test_width_for_picks_smallest_compiled_width():
     p = get_profile("rtxpro6000")
     assert p.widths == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
     assert [p.width_for(r) for r in (1, 8, 9, 16, 17, 32, 33)] == [1, 8, 16, 16, 32, 32, None]
-    h200 = get_profile("h200")  # 33-64 rows in one tiled call on the H200 (docs/PERF.md runs 69-71)
-    assert h200.widths[-3:] == (32, 48, 64)
-    assert [h200.width_for(r) for r in (33, 48, 49, 64, 65)] == [48, 48, 64, 64, None]
+    h200 = get_profile("h200")  # every 8 rows to 64 on the H200, each in one tiled call
+    assert h200.widths == (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert [h200.width_for(r) for r in (17, 33, 40, 41, 57, 64, 65)] == [24, 40, 40, 48, 64, 64, None]
 
 
 def test_wide_widths_are_bounded():
