@@ -52,3 +52,13 @@ def test_wide_widths_are_bounded():
 def test_unknown_card_is_refused_with_the_known_list():
     with pytest.raises(ConfigError, match="known cards"):
         get_profile("gtx1080")
+
+
+def test_every_profile_fits_the_manifest():
+    """Every card profile's widths are widths a manifest may list (the build writes them there and
+    re-parses what it writes: a profile wider than the reader allows fails every build at its end)."""
+    from ignis.formats.manifest import MAX_WIDTH
+    from ignis.runtime.profiles import load_profiles
+
+    for profile in load_profiles().values():
+        assert profile.widths and max(profile.widths) <= MAX_WIDTH, profile.name
