@@ -6,7 +6,7 @@ Writes into OUT (about 6 MB for sm_90):
 
 * ``q4_e2e_<arch>.so`` + ``manifest.json``: one q4 bundle serving every (width, N, K) that
   `tools/bench_e2e_gpu.py` runs for the 27B-shaped ``qwen3_5`` (the 8 linear shapes of that model x
-  widths 1..8, 16, 24, 32, and 48, 64 on the tiled route). ``--q4-route tiled`` (the default, the
+  widths 1..8, 16, 24, 32, and 40, 48, 56, 64 on the tiled route). ``--q4-route tiled`` (the default, the
   build's CUDA route): the tiled stream-K kernel, one export per n-tile count (`tiled_config_for`),
   weights placed in the tiled layout (manifest ``"kind": "q4_g32_tiled"``); ``--q4-route mma``: the
   row-major kernels, the tiles `default_tile_config` chooses. ``manifest.json`` maps ``"W|N|K"`` to
@@ -45,9 +45,9 @@ E2E_SHAPES = (
     (34816, 5120),
 )
 E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
-#: The tiled route's widths: also 48 and 64 (33-64 rows in one call, as the h200 profile compiles:
-#: docs/PERF.md runs 69-71); the mma route's kernels stop at 32 rows.
-E2E_WIDTHS_TILED = (*E2E_WIDTHS, 48, 64)
+#: The tiled route's widths: also 40-64 (33-64 rows in one call, every 8 rows as the h200 profile
+#: compiles: docs/PERF.md runs 69-72); the mma route's kernels stop at 32 rows.
+E2E_WIDTHS_TILED = (*E2E_WIDTHS, 40, 48, 56, 64)
 
 
 def build_q4_e2e_bundle(out: Path, arch: str, route: str = "tiled") -> dict[str, object]:
