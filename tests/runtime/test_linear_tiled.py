@@ -535,9 +535,11 @@ def test_artifact_places_served_q4_weights_tiled(tmp_path: Path, monkeypatch: py
         assert backend.counts["fallback"] == 0 and calls and all(c[0] == "tiled" for c in calls)
 
 
-def _build_tiny_tiled_llama(card: str, tmp_path: Path, out: Path) -> None:
+def _build_tiny_tiled_llama(
+    card: str, tmp_path: Path, out: Path, widths: tuple[int, ...] | None = (1, 4, 8, 16)
+) -> None:
     """A tiny llama (K % 128 == 0, so its q4 linears take the tiled route) built for `card` into
-    `out`, in a subprocess (the build imports TVM)."""
+    `out`, in a subprocess (the build imports TVM); `widths` None: the card profile's widths."""
     import subprocess
     import textwrap
 
@@ -548,7 +550,10 @@ def _build_tiny_tiled_llama(card: str, tmp_path: Path, out: Path) -> None:
         tmp_path / "ckpt",
         tokenizer=hf_tiny.tiny_tokenizer(),
     )
-    (tmp_path / "r.toml").write_text('name = "tiny"\n[modules]\nwidths = [1, 4, 8, 16]\n')
+    recipe = 'name = "tiny"\n'
+    if widths is not None:
+        recipe += f"[modules]\nwidths = {list(widths)}\n"
+    (tmp_path / "r.toml").write_text(recipe)
     code = textwrap.dedent(
         f"""
         from ignis.compiler.build import build_artifact
@@ -618,6 +623,47 @@ def test_tiled_modules_give_the_torch_greedy_tokens(tmp_path: Path) -> None:
         first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
         assert first is None or margins[first] < 0.1, (got, want, margins)  # only a near-tie may differ
         assert backend.counts["compiled"] > 0 and backend.counts["fallback"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiled_artifact_at_the_profile_widths(tmp_path: Path) -> None:
+    """An artifact built at its card profile's widths (the h200's reach 64 rows: 33-64-row calls
+    through the ring kernel) runs forwards of 1 x 64, 8 x 8, 5 x 8 and 1 x 57 rows on CUDA with the
+    compiled functions (every call within the widest width: no 32-row chunks), and its logits match
+    the same artifact on torch."""
+    import shutil
+
+    prebuilt = os.environ.get("IGNIS_TILED_WIDE_ARTIFACT")  # built on a host with nvcc
+    if prebuilt:
+        out = Path(prebuilt)
+    else:
+        if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
+            pytest.skip("building the GPU artifact needs nvcc (or IGNIS_TILED_WIDE_ARTIFACT)")
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wide profile widths are the h200's (sm_90)")
+        out = tmp_path / "tiny"
+        _build_tiny_tiled_llama("h200", tmp_path, out, widths=None)
+    from ignis.runtime.artifact import load_artifact
+
+    with load_artifact(out) as art:
+        assert art.manifest.widths[-1] == 64
+        backend = art.linear_backend()
+        ex = art.make_executor(device="cuda", dtype=torch.bfloat16, linear=backend)
+        ref = art.make_executor(device="cuda", dtype=torch.bfloat16)
+        gen = torch.Generator().manual_seed(0)
+        for lanes, cols in ((1, 64), (8, 8), (5, 8), (1, 57)):
+            prompts = [torch.randint(3, 200, (cols,), generator=gen).cuda() for _ in range(lanes)]
+            before = backend.counts["compiled"]
+            outs = []
+            for executor in (ex, ref):
+                states = [executor.new_lane() for _ in range(lanes)]
+                o = executor.forward(states, prompts, record=False)
+                outs.append(torch.stack([lg.float() for lg in o.logits]))
+            assert backend.counts["compiled"] > before and backend.counts["fallback"] == 0
+            got, want = outs
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 2e-2, f"{lanes} x {cols}: rel err {err:.2e}"
 
 
 def test_families_declare_the_fusions_a_loader_must_not_re_lay() -> None:
