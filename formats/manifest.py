@@ -144,7 +144,7 @@ Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`,
 by a reader that predates them (a `ManifestError` naming `kernels[i].kind`).
 
 Widths 33..64 (8 lanes x 8 columns in one call on the tiled route) were allowed within version 2
-(the h200 profile compiles 48 and 64): a reader that predates it refuses such a manifest (a
+(the h200 profile compiles every 8 rows to 64): a reader that predates it refuses such a manifest (a
 `ManifestError` naming `widths`).
 
 Versions: version 2 added `kernels`. A reader of version 2 reads version 1 manifests (no `kernels` key;

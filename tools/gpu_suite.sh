@@ -29,6 +29,9 @@ export IGNIS_Q4T_BUNDLE=$M
 # the rules with cp.async staging (cards before sm_90), from the chain bench's build if present
 [ -f "$PWD/.device/q4t/manifest.json" ] && export IGNIS_Q4T_CANDIDATES=$PWD/.device/q4t
 [ -d "$PWD/.device/tiled-art/tiny-llama-h200" ] && export IGNIS_TILED_ARTIFACT=$PWD/.device/tiled-art/tiny-llama-h200
+# the same tiny llama built at the h200 profile's widths (every 8 rows to 64: `_build_tiny_tiled_llama(..,
+# widths=None)`, in .device/wide-art)
+[ -d "$PWD/.device/wide-art/tiny-llama-h200-wide" ] && export IGNIS_TILED_WIDE_ARTIFACT=$PWD/.device/wide-art/tiny-llama-h200-wide
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # 1. GPU tests of everything that runs on CUDA (graphs, fused kernels, top-k, artifacts).
