@@ -223,7 +223,7 @@ __device__ __noinline__ float4 tiled_poll(const float4* p) {
 template <int NT, int MT, bool POLL = true>
 __device__ __forceinline__ void tiled_add_slots(TiledAcc<MT, NT>& sum, int out, int q0, int q1, float* __restrict__ ws,
                                                 int slots) {
-  constexpr int kPer = MT * NT;                     // float4 a lane per slot
+  constexpr int kPer = MT * NT;              // float4 a lane per slot
   constexpr int kBatch = kPer == 1 ? 8 : 1;  // slots a pass
   const int lane = threadIdx.x & 31;
   float4* base = reinterpret_cast<float4*>(ws) + static_cast<size_t>(out) * slots * (kPer * 32) + lane;
@@ -353,7 +353,7 @@ constexpr int kXsFirst = 4;
 // rows' bytes, completed by the bulk copies) and an "empty" one (one arrival a warp once it has read
 // the slot's last unit). Unit i of the block (its i-th k-step) reads use m = i / XK of the ring,
 // slot m mod XR. At the start of use m each warp refills its rows (w, w + WARPS, ..; one bulk copy a
-// row, two where the k-steps wrap) of the slot use m - lag read, for use m - lag + XR, once every
+// row, one more at each wrap of the k-steps past K) of the slot use m - lag read, for use m - lag + XR, once every
 // warp has finished it -- lag (tiled_xr_lag) uses late, so a warp rarely waits for a straggler, and
 // XR - lag uses ahead of the slot's next use. (One warp issuing all of a slot's row copies, in turn,
 // was 0.09-0.17 ms a chain slower at 40-64 rows: run 69; a barrier round every unit, XK = 1, cost
