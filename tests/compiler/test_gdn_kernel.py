@@ -126,6 +126,18 @@ def _stash_replay_case(shape, seed, layers=2):
     return per, state, slots, keep, pos
 
 
+def _assert_replayed(state, before, records, slots, keep, total):
+    """state [G, S, ..] after a replay of `before`: lane i's slot holds record[g][keep[i] - 1, i] (its
+    state before the round when keep[i] is 0), and every other slot is unchanged."""
+    for i in range(len(slots)):
+        slot, k = int(slots[i]), int(keep[i])
+        for g in range(len(records)):
+            want = before[g, slot] if k == 0 else records[g][k - 1, i]
+            assert torch.equal(state[g, slot], want), (i, g, k)
+    untouched = [s for s in range(total) if s not in set(slots.tolist())]
+    assert torch.equal(state[:, untouched], before[:, untouched])
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_stash_and_replay_emulated_equal_the_record(shape: tuple[int, ...]) -> None:
     """The stash path's CPU model: its output equals the record path's bit for bit, and replaying
@@ -144,13 +156,7 @@ def test_stash_and_replay_emulated_equal_the_record(shape: tuple[int, ...]) -> N
         records.append(rec)
     before = state.clone()
     gdn_replay_emulated(stash, state, slots, keep, pos, hk)
-    for i in range(lanes):
-        slot, k = int(slots[i]), int(keep[i])
-        for g in range(len(per)):
-            want = before[g, slot] if k == 0 else records[g][k - 1, i]
-            assert torch.equal(state[g, slot], want), (i, g, k)
-    untouched = [s for s in range(total) if s not in set(slots.tolist())]
-    assert torch.equal(state[:, untouched], before[:, untouched])
+    _assert_replayed(state, before, records, slots, keep, total)
     # a mutation the comparison catches: one column fewer
     if n > 1:
         again = before.clone()
@@ -336,13 +342,7 @@ def test_compiled_stash_and_replay_bit_identical_to_the_record(shape: tuple[int,
         before = state_d.clone()
         replay_f(stash, state_d, slots.to(dev), keep.to(dev), pos.to(dev), hk)
     torch.cuda.synchronize()
-    for i in range(lanes):
-        slot, k = int(slots[i]), int(keep[i])
-        for g in range(len(per)):
-            want = before[g, slot] if k == 0 else records[g][k - 1, i]
-            assert torch.equal(state_d[g, slot], want), (i, g, k)
-    untouched = [s for s in range(total) if s not in set(slots.tolist())]
-    assert torch.equal(state_d[:, untouched], before[:, untouched])
+    _assert_replayed(state_d, before, records, slots, keep, total)
 
 
 def test_build_rejects_non_cuda_targets() -> None:
