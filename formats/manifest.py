@@ -105,6 +105,15 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   or z's dtype: `out = round(round(w * round(x * rsqrt(mean(x^2) + eps))) * silu(z))` over the last
   dim. Both norms: wrong shapes or devices raise ValueError, dtypes TypeError; they allocate nothing
   and run on the caller's CUDA stream.
+* `silu_mul`, abi 1 (the same library as `add_rms_norm`; `ignis.compiler.kernels.fused_norms`;
+  target kind "cuda"): `name(gu[rows, 2 I], out[rows, I])`, one of `dtypes`, the last dims
+  contiguous: `out = round(round(silu(gu[:, :I])) * gu[:, I:])` (float32 math, silu(v) = v / (1 +
+  exp(-v)), `round` to the dtype: torch's `F.silu(gate) * up`).
+* `narrow_linear`, abi 1 (the same library as `add_rms_norm`; `ignis.compiler.kernels.fused_norms`;
+  target kind "cuda"): `name(x[rows, K], w[N, K], y[rows, N])`, one of `dtypes`, the last dims
+  contiguous, K and the row strides of x and w multiples of 16 bytes: `y = round(x @ w^T)` (float32
+  sums). Both: wrong shapes, alignments or devices raise ValueError, dtypes TypeError; they allocate
+  nothing and run on the caller's CUDA stream.
 * `gdn_conv_silu`, abi 1 (the GDN causal conv1d + SiLU of a verify round,
   `ignis.compiler.kernels.fused_mixers`; target kind "cuda"): `name(qkv[L * n, C], state[S, C, K -
   1], slots int64[L], weight[C, K], windows[>= L, C, >= K - 1 + n], out[L, n, C])`, qkv, state,
@@ -140,8 +149,9 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   caller's CUDA stream (capturable in a CUDA graph).
 
 Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, `gdn_conv_silu`,
-`qk_norm_rope_kv`, `gated_attention`, `gdn_recurrent_stash`, `gdn_replay`, after `topk`) are refused
-by a reader that predates them (a `ManifestError` naming `kernels[i].kind`).
+`qk_norm_rope_kv`, `gated_attention`, `gdn_recurrent_stash`, `gdn_replay`, `silu_mul`,
+`narrow_linear`, after `topk`) are refused by a reader that predates them (a `ManifestError` naming
+`kernels[i].kind`).
 
 Widths 33..64 (8 lanes x 8 columns in one call on the tiled route) were allowed within version 2
 (the h200 profile compiles every 8 rows to 64): a reader that predates it refuses such a manifest (a
@@ -219,6 +229,8 @@ KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
         "gated_attention": 1,
         "gdn_recurrent_stash": 1,
         "gdn_replay": 1,
+        "silu_mul": 1,
+        "narrow_linear": 1,
     }
 )
 KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
@@ -232,6 +244,8 @@ KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
         "gated_attention": "cuda",
         "gdn_recurrent_stash": "cuda",
         "gdn_replay": "cuda",
+        "silu_mul": "cuda",
+        "narrow_linear": "cuda",
     }
 )
 

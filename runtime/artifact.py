@@ -411,11 +411,12 @@ class Artifact:
 
     def norms_module(self) -> Any:
         """The artifact's fused row norms (the manifest's `kernels` entries of kinds "add_rms_norm"
-        and "gated_rms_norm", one library), loaded once with the lean TVM runtime; what
-        `StaticHybridExecutor` takes as its `norms_module`.
+        and "gated_rms_norm", one library, and "silu_mul" / "narrow_linear" from that library when
+        listed), loaded once with the lean TVM runtime; what `StaticHybridExecutor` takes as its
+        `norms_module`.
 
         Returns:
-            A `ignis.runtime.families.hybrid_graphs.FusedNormsKernel` over the two functions, or
+            A `ignis.runtime.families.hybrid_graphs.FusedNormsKernel` over those functions, or
             None: neither entry (a CPU card, a non-hybrid family, an artifact built before them),
             only one of them or two libraries (logged as a warning), a CUDA kernel while torch sees
             no CUDA device, or a library that does not load here (logged as a warning). None means
@@ -423,11 +424,18 @@ class Artifact:
         """
 
         def load(path: Path, add: KernelEntry, gated: KernelEntry) -> Any:
-            from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+            from ignis.runtime.families.hybrid_graphs import FusedNormsKernel, optional_export
             from ignis.runtime.tvm_runtime import load_module
 
             module = load_module(path, cuda=True)
-            return FusedNormsKernel({"add_rms_norm": module[add.name], "gated_rms_norm": module[gated.name]})
+            funcs = {"add_rms_norm": module[add.name], "gated_rms_norm": module[gated.name]}
+            for kind in ("silu_mul", "narrow_linear"):  # optional: artifacts built since session 10
+                entry = self.manifest.kernel(kind)
+                if entry is not None and entry.file == add.file:
+                    func = optional_export(module, entry.name)
+                    if func is not None:
+                        funcs[kind] = func
+            return FusedNormsKernel(funcs)
 
         return self._kernel_library(
             "fused_norms", ("add_rms_norm", "gated_rms_norm"), "row norms", "rounds run the torch norms", load

@@ -41,8 +41,9 @@ Which functions, per card:
     the fused Gated DeltaNet verify-round recurrence, for the hybrid families (qwen3_5,
     qwen3_5_moe, qwen3_next) when the kernel takes the config's shapes (`gdn_kernel_fits`:
     linear_key_head_dim <= 256, value heads a multiple of key heads);
-  - `modules/<card>/fused_norms.so` (`fused_norms.build_fused_norms`, kinds `add_rms_norm` and
-    `gated_rms_norm`): the hybrid families' fused residual-add + RMSNorm and gated RMSNorm;
+  - `modules/<card>/fused_norms.so` (`fused_norms.build_fused_norms`, kinds `add_rms_norm`,
+    `gated_rms_norm`, `silu_mul` and `narrow_linear`): the hybrid families' fused residual-add +
+    RMSNorm and gated RMSNorm, the dense MLP's SwiGLU activation and the GDN's b|a projection;
   - `modules/<card>/fused_mixers.so` (`fused_mixers.build_fused_mixers`, kinds `gdn_conv_silu`,
     `qk_norm_rope_kv` and `gated_attention`): the hybrid families' GDN conv1d + SiLU, attention
     q/k norm + RoPE + KV write and the gated attention itself (bf16 / f16 only; head_dims it does not
@@ -145,7 +146,12 @@ KERNELS: dict[str, KernelLibrary] = {
     "fused_norms": KernelLibrary(
         "fused_norms.so",
         "fused_norms:build_fused_norms",
-        (("add_rms_norm", "add_rms_norm"), ("gated_rms_norm", "gated_rms_norm")),
+        (
+            ("add_rms_norm", "add_rms_norm"),
+            ("gated_rms_norm", "gated_rms_norm"),
+            ("silu_mul", "silu_mul"),
+            ("narrow_linear", "narrow_linear"),
+        ),
     ),
     "fused_mixers": KernelLibrary(
         "fused_mixers.so",

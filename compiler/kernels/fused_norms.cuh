@@ -195,4 +195,152 @@ __global__ void __launch_bounds__(kGatedWarps * 32) gated_rms_norm_kernel(GatedP
   }
 }
 
+// silu_mul (the SwiGLU MLP's activation, HF ``act_fn(gate_proj(x)) * up_proj(x)`` on the stacked
+// gate|up GEMM's output):
+//
+//     out[r, i] = round(float(round(silu(float(gu[r, i])))) * float(gu[r, I + i]))
+//     silu(v) = v / (1 + exp(-v))                                   (ATen's silu_kernel, float32)
+//
+// torch's ``F.silu(gate) * up``: two elementwise kernels (graph nodes) and an intermediate tensor.
+// One thread per kActVec elements of a row (16-byte loads and stores when the host found the rows
+// aligned, VEC; else one element at a time), grid (chunks / kActThreads, rows).
+constexpr int kActThreads = 256;
+
+struct ActParams {
+  const void* gu;  // [rows, 2 inter]: gate = [:, :inter], up = [:, inter:]; inner dim contiguous
+  int64_t gu_row;
+  void* out;  // [rows, inter], inner dim contiguous
+  int64_t out_row;
+  int rows;
+  int inter;
+};
+
+template <typename T>
+__device__ __forceinline__ float silu_mul_one(T g, T u) {
+  const float gf = to_f(g);
+  return round_to<T>(gf / (1.f + expf(-gf))) * to_f(u);
+}
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kActThreads) silu_mul_kernel(ActParams p) {
+  pdl_grid_wait();
+  pdl_grid_trigger();
+  constexpr int E = VEC ? 16 / static_cast<int>(sizeof(T)) : 1;  // elements a thread
+  const int row = blockIdx.y;
+  const int i0 = (blockIdx.x * kActThreads + threadIdx.x) * E;
+  if (i0 >= p.inter) return;
+  const T* __restrict__ gate = static_cast<const T*>(p.gu) + row * p.gu_row;
+  T* __restrict__ out = static_cast<T*>(p.out) + row * p.out_row;
+  if constexpr (VEC) {  // the host checked: inter % E == 0, rows and bases 16-byte aligned
+    const uint4 gv = *reinterpret_cast<const uint4*>(gate + i0);
+    const uint4 uv = *reinterpret_cast<const uint4*>(gate + p.inter + i0);
+    const T* g = reinterpret_cast<const T*>(&gv);
+    const T* u = reinterpret_cast<const T*>(&uv);
+    uint4 ov;
+    T* o = reinterpret_cast<T*>(&ov);
+#pragma unroll
+    for (int e = 0; e < E; ++e) o[e] = from_f<T>(silu_mul_one(g[e], u[e]));
+    *reinterpret_cast<uint4*>(out + i0) = ov;
+  } else {
+    out[i0] = from_f<T>(silu_mul_one(gate[i0], gate[p.inter + i0]));
+  }
+}
+
+// narrow_linear (a dense linear with few output features: the GDN's b|a projection, [2 v_heads,
+// hidden], which cuBLAS runs as a split-K GEMM plus a reduction kernel, two graph nodes a layer:
+// docs/PERF.md run 81):
+//
+//     y[r, n] = round(sum_k float(x[r, k]) * float(w[n, k]))          fp32 accumulation
+//
+// Block (output feature n, kLinRows rows of x): kLinThreads threads over the K dim in 16-byte
+// chunks (thread t: chunks t, t + kLinThreads, ..; per row an FMA chain over the chunk's elements, k
+// ascending). A thread's first kLinKeep chunks are loaded all at once -- the weight's before the
+// grid wait (constant), x's after it (the previous kernel writes it) -- so a row tile costs about one
+// memory round trip (a loop of dependent chunk loads was latency-bound: 3.5 us a call at one row,
+// 9.8 at eight, docs/PERF.md run 84); K past kLinThreads x kLinKeep chunks is looped. The
+// per-thread sums of a row meet in an xor-shuffle tree per warp and the warp sums are added in warp
+// order (deterministic).
+constexpr int kLinThreads = 512;
+constexpr int kLinRows = 8;  // rows of x a block
+constexpr int kLinKeep = 2;  // chunks a thread loaded at once (K <= 512 x 2 x 16 bytes; more looped)
+
+struct LinParams {
+  const void* x;  // [rows, k], rows 16-byte aligned, inner dim contiguous
+  int64_t x_row;
+  const void* w;  // [n, k], the same
+  int64_t w_row;
+  void* y;  // [rows, n], inner dim contiguous
+  int64_t y_row;
+  int rows;
+  int n;
+  int k;
+};
+
+template <typename T>
+__device__ __forceinline__ float dot_chunk(const uint4& a, const uint4& b, float acc) {
+  constexpr int E = 16 / static_cast<int>(sizeof(T));
+  const T* av = reinterpret_cast<const T*>(&a);
+  const T* bv = reinterpret_cast<const T*>(&b);
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc = fmaf(to_f(av[e]), to_f(bv[e]), acc);
+  return acc;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kLinThreads) narrow_linear_kernel(LinParams p) {
+  constexpr int E = 16 / static_cast<int>(sizeof(T));
+  const int n = blockIdx.x, r0 = blockIdx.y * kLinRows;
+  const int chunks = p.k / E, tid = threadIdx.x;
+  const uint4* __restrict__ w = reinterpret_cast<const uint4*>(static_cast<const T*>(p.w) + n * p.w_row);
+  uint4 wk[kLinKeep];
+#pragma unroll
+  for (int j = 0; j < kLinKeep; ++j) {
+    const int c = tid + j * kLinThreads;
+    if (c < chunks) wk[j] = __ldg(w + c);
+  }
+  pdl_grid_wait();
+  pdl_grid_trigger();
+  const int nr = min(kLinRows, p.rows - r0);
+  const T* __restrict__ x = static_cast<const T*>(p.x) + r0 * p.x_row;
+  uint4 xk[kLinKeep][kLinRows];
+#pragma unroll
+  for (int j = 0; j < kLinKeep; ++j)
+#pragma unroll
+    for (int r = 0; r < kLinRows; ++r) {
+      const int c = tid + j * kLinThreads;
+      if (c < chunks && r < nr) xk[j][r] = *reinterpret_cast<const uint4*>(x + r * p.x_row + c * E);
+    }
+  float acc[kLinRows];
+#pragma unroll
+  for (int r = 0; r < kLinRows; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kLinKeep; ++j)
+#pragma unroll
+    for (int r = 0; r < kLinRows; ++r)
+      if (tid + j * kLinThreads < chunks && r < nr) acc[r] = dot_chunk<T>(wk[j], xk[j][r], acc[r]);
+  for (int c = tid + kLinKeep * kLinThreads; c < chunks; c += kLinThreads) {
+    const uint4 wv = __ldg(w + c);
+    uint4 xv[kLinRows];
+#pragma unroll
+    for (int r = 0; r < kLinRows; ++r)
+      if (r < nr) xv[r] = *reinterpret_cast<const uint4*>(x + r * p.x_row + c * E);
+#pragma unroll
+    for (int r = 0; r < kLinRows; ++r)
+      if (r < nr) acc[r] = dot_chunk<T>(wv, xv[r], acc[r]);
+  }
+  __shared__ float part[kLinThreads / 32][kLinRows];
+#pragma unroll
+  for (int r = 0; r < kLinRows; ++r) {
+    const float v = warp_sum(acc[r]);
+    if ((tid & 31) == 0) part[tid >> 5][r] = v;
+  }
+  __syncthreads();
+  if (tid < nr) {
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < kLinThreads / 32; ++q) s += part[q][tid];
+    static_cast<T*>(p.y)[(r0 + tid) * p.y_row + n] = from_f<T>(s);
+  }
+}
+
 }  // namespace ignis_norms

@@ -1,8 +1,9 @@
 """Fused row norms of the hybrid decoder layers (residual add + (1 + w) RMSNorm; the GDN gated
-RMSNorm), CUDA kernels exported through tvm-ffi, for CUDA-graphed verify rounds.
+RMSNorm), the SwiGLU activation and a narrow dense linear, CUDA kernels exported through tvm-ffi,
+for CUDA-graphed verify rounds.
 
 A graphed 27B-shaped round is graph-node bound outside its linears (docs/perf-drafts/e2e-graphs.md):
-every small torch kernel is a node of ~2 us. These two functions replace the most frequent chains:
+every small torch kernel is a node of ~2 us. These four functions replace the most frequent chains:
 
 * ``add_rms_norm(h, d, w1p, h_out, x_out, eps)`` -- twice per decoder layer (after the mixer and
   after the MLP, the latter fused with the next layer's input norm, or the final norm)::
@@ -18,15 +19,28 @@ every small torch kernel is a node of ~2 us. These two functions replace the mos
 
   over the last dim of x, z [rows, heads, dim] (``gated_rms_norm`` in hybrid_executor.py: 6-7
   kernels).
+* ``silu_mul(gu, out)`` -- once per dense MLP (HF ``act_fn(gate_proj(x)) * up_proj(x)`` on the
+  stacked gate|up GEMM's output ``gu = [gate | up]``, [rows, 2 I])::
 
-Both compute in float32 and round at the points the torch path does; only the order of the sum of
-squares differs (float32 rounding). Shapes, dtypes and layouts: ``fused_norms_ffi.cuh``; the
-kernels: ``fused_norms.cuh``. :func:`add_rms_norm_reference` / :func:`gated_rms_norm_reference` are
-the torch paths (the oracle), :func:`add_rms_norm_emulated` / :func:`gated_rms_norm_emulated` CPU
-models of the kernels (same reduction order), tested against them.
+      out = round(round(silu(gate)) * up)          silu(v) = v / (1 + exp(-v)), float32 math
 
-One module holds both functions (:data:`FUNCTION_NAMES`): one build, one file to carry and load, one
-argument-checking header; both are row norms of the same rounds. :func:`build_fused_norms` returns
+  (torch: ``F.silu(gate) * up``, two kernels; bit-identical to them: the same float32 formula as
+  ATen's ``silu_kernel`` and the same roundings).
+* ``narrow_linear(x, w, y)`` -- once per GDN layer, the b|a projection ``y = x @ w^T`` for a dense
+  weight of few output features ([2 v_heads, hidden] = [96, 5120] on the 27B: cuBLAS runs it as a
+  split-K GEMM plus its reduction, 2 kernels, ~6 us a layer at one row, docs/PERF.md run 81), one
+  launch with fp32 accumulation in a fixed order (not cuBLAS's: the sums agree to float32 rounding).
+
+All compute in float32 and round at the points the torch path does; only the order of the float32
+sums differs (the norms' sum of squares, the linear's dot products). Shapes, dtypes and layouts:
+``fused_norms_ffi.cuh``; the kernels: ``fused_norms.cuh``. The ``*_reference`` functions are the
+torch paths (the oracles), the ``*_emulated`` ones CPU models of the kernels (same reduction order),
+tested against them.
+
+One module holds the four functions (:data:`FUNCTION_NAMES`): one build, one file to carry and load,
+one argument-checking header; all are small per-row pieces of the same rounds. Modules built before
+``silu_mul`` and ``narrow_linear`` (session 10) export only the norms; the runtime takes them as
+optional. :func:`build_fused_norms` returns
 the exported ``.so`` (nvcc, SASS for one arch, no PTX). The kernels allocate nothing and launch on
 the stream tvm-ffi reports (torch's current one under ``tvm_ffi.use_torch_stream()``), so they can be
 captured in CUDA graphs. The caller is ``ignis.runtime.families.hybrid_graphs``
@@ -48,10 +62,15 @@ __all__ = [
     "build_fused_norms",
     "gated_rms_norm_emulated",
     "gated_rms_norm_reference",
+    "narrow_linear_emulated",
+    "narrow_linear_reference",
+    "silu_mul_emulated",
+    "silu_mul_reference",
 ]
 
-FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm")
+FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear")
 ADD_THREADS = 512  # kAddThreads in fused_norms.cuh
+LIN_THREADS = 512  # kLinThreads in fused_norms.cuh
 _SOURCES = (
     "fused_norms.cuh",
     "fused_norms_ffi.cuh",
@@ -162,6 +181,64 @@ def gated_rms_norm_emulated(x: Any, z: Any, w: Any, eps: float) -> Any:
     return (wy * (zf / (1.0 + torch.exp(-zf)))).to(dtype).reshape(rows, heads * dim)
 
 
+def silu_mul_reference(gu: Any) -> Any:
+    """The torch path (``swiglu_mlp``): ``F.silu(gate) * up`` with ``gate, up = gu.chunk(2, -1)``.
+    gu [rows, 2 I] float32 / bfloat16 / float16. Returns [rows, I] in gu's dtype."""
+    import torch.nn.functional as F
+
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul_emulated(gu: Any) -> Any:
+    """CPU model of ``silu_mul``: ``round(round(g / (1 + exp(-g))) * u)`` in float32 (the kernel's
+    formula; equal to :func:`silu_mul_reference` up to the CPU's and CUDA's exp). Same arguments and
+    return as :func:`silu_mul_reference`."""
+    import torch
+
+    dtype = gu.dtype
+    inter = gu.shape[-1] // 2
+    g, u = gu[..., :inter].float(), gu[..., inter:].float()
+    s = _round(g / (1.0 + torch.exp(-g)), dtype)
+    return (s * u).to(dtype)
+
+
+def narrow_linear_reference(x: Any, w: Any) -> Any:
+    """The torch path: ``F.linear(x, w)``. x [rows, K], w [N, K], one dtype. Returns [rows, N]."""
+    import torch.nn.functional as F
+
+    return F.linear(x, w)
+
+
+def narrow_linear_emulated(x: Any, w: Any) -> Any:
+    """CPU model of ``narrow_linear`` (float32 torch, the kernel's order): per (row, n) LIN_THREADS
+    FMA chains, thread t over the 16-byte chunks t, t + LIN_THREADS, .. of the K dim (elements in
+    order within a chunk), warp xor trees, the warp sums added in warp order. Same arguments and
+    return as :func:`narrow_linear_reference`."""
+    import torch
+
+    dtype = x.dtype
+    rows, k = x.shape
+    n = w.shape[0]
+    per = 16 // x.element_size()  # elements a chunk
+    chunks = k // per
+    xf = x.float().reshape(rows, 1, chunks, per)
+    wf = w.float().reshape(1, n, chunks, per)
+    steps = -(-chunks // LIN_THREADS)
+    acc = torch.zeros(rows, n, LIN_THREADS, dtype=torch.float32)
+    for j in range(steps):
+        lo, hi = j * LIN_THREADS, min(chunks, (j + 1) * LIN_THREADS)
+        for e in range(per):
+            xe = xf[:, :, lo:hi, e].expand(rows, n, hi - lo)
+            we = wf[:, :, lo:hi, e].expand(rows, n, hi - lo)
+            acc[..., : hi - lo] = _fma(xe, we, acc[..., : hi - lo])
+    warps = _warp_tree(acc)
+    total = torch.zeros(rows, n, dtype=torch.float32)
+    for q in range(warps.shape[-1]):
+        total = total + warps[..., q]
+    return total.to(dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Building the module.
 
@@ -181,8 +258,7 @@ def build_fused_norms(
         verbose: print ptxas' register and shared-memory report.
 
     Returns:
-        The library, exporting ``add_rms_norm`` and ``gated_rms_norm`` (module docstring), SASS for
-        that arch only.
+        The library, exporting :data:`FUNCTION_NAMES` (module docstring), SASS for that arch only.
 
     Raises:
         FusedNormsError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).

@@ -1,6 +1,6 @@
 // Host side of the fused row norms (fused_norms.cuh): the tvm-ffi exported functions with their
 // argument checks. A module built by ignis.compiler.kernels.fused_norms includes this header and
-// IGNIS_FUSED_NORMS_EXPORT(), which exports both:
+// IGNIS_FUSED_NORMS_EXPORT(), which exports all four:
 //
 //   add_rms_norm(h [rows, hidden], d [rows, hidden], w1p [hidden] f32, h_out [rows, hidden],
 //                x_out [rows, hidden], eps: float)
@@ -9,6 +9,11 @@
 //   gated_rms_norm(x [rows, heads, dim] f32 or z's dtype (any strides), z [rows, heads, dim] (any
 //                  strides), w [dim] z's dtype, out [rows, heads * dim] z's dtype contiguous, eps)
 //       out must not overlap x, z or w (not checked).
+//   silu_mul(gu [rows, 2 inter], out [rows, inter])
+//       one dtype (f32 | bf16 | f16), any row strides, inner dims contiguous; out must not overlap gu.
+//   narrow_linear(x [rows, k], w [n, k], y [rows, n])
+//       one dtype (f32 | bf16 | f16), any row strides (x and w rows 16-byte aligned: k and the row
+//       strides multiples of 16 bytes), inner dims contiguous; y must not overlap x or w.
 //
 // Launch on the stream tvm-ffi reports for the tensors' device (torch's current stream under
 // tvm_ffi.use_torch_stream(), so CUDA-graph capture works); no allocation, no attribute change.
@@ -135,9 +140,105 @@ inline void gated_rms_norm_launch(const char* name, TensorView x, TensorView z, 
   check_launch(name);
 }
 
+template <typename T>
+bool aligned16(const TensorView& t, int64_t row_stride) {
+  return reinterpret_cast<uintptr_t>(ptr(t)) % 16 == 0 && (row_stride * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+}
+
+template <typename T>
+void silu_mul_typed(ActParams p, TensorView gu, TensorView out, cudaStream_t stream) {
+  const bool vec = p.inter % (16 / static_cast<int>(sizeof(T))) == 0 && aligned16<T>(gu, p.gu_row) &&
+                   aligned16<T>(out, p.out_row) && (p.inter * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+  const int per = vec ? 16 / static_cast<int>(sizeof(T)) : 1;
+  const int64_t chunks = (p.inter + per - 1) / per;
+  const dim3 grid(static_cast<unsigned>((chunks + kActThreads - 1) / kActThreads), static_cast<unsigned>(p.rows));
+  if (vec) {
+    launch_maybe_pdl(silu_mul_kernel<T, true>, grid, dim3(kActThreads), 0, stream, p);
+  } else {
+    launch_maybe_pdl(silu_mul_kernel<T, false>, grid, dim3(kActThreads), 0, stream, p);
+  }
+}
+
+inline void silu_mul_launch(const char* name, TensorView gu, TensorView out) {
+  TVM_FFI_CHECK(gu.ndim() == 2 && out.ndim() == 2, ValueError) << name << ": gu must be [rows, 2 inter], out [rows, inter]";
+  const int64_t rows = gu.size(0), inter = out.size(1);
+  TVM_FFI_CHECK(rows >= 1 && inter >= 1 && rows <= 65535 && inter <= 1073741823LL, ValueError)
+      << name << ": rows must be 1..65535 and inter >= 1, got [" << rows << ", " << inter << "]";
+  TVM_FFI_CHECK(gu.size(1) == 2 * inter && out.size(0) == rows, ValueError)
+      << name << ": gu must be [" << rows << ", " << 2 * inter << "] for out [" << out.size(0) << ", " << inter << "]";
+  TVM_FFI_CHECK(gu.stride(1) == 1 && (inter == 1 || out.stride(1) == 1), ValueError)
+      << name << ": the inner dims must be contiguous";
+  TVM_FFI_CHECK(same_dtype(gu, out), TypeError) << name << ": out must have gu's dtype";
+  check_cuda(name, {&gu, &out});
+  ActParams p;
+  p.gu = ptr(gu);
+  p.gu_row = gu.stride(0);
+  p.out = ptr(out);
+  p.out_row = out.stride(0);
+  p.rows = static_cast<int>(rows);
+  p.inter = static_cast<int>(inter);
+  cudaStream_t stream = stream_of(gu);
+  if (dtype_is(gu, kDLFloat, 32)) {
+    silu_mul_typed<float>(p, gu, out, stream);
+  } else if (dtype_is(gu, kDLBfloat, 16)) {
+    silu_mul_typed<__nv_bfloat16>(p, gu, out, stream);
+  } else if (dtype_is(gu, kDLFloat, 16)) {
+    silu_mul_typed<__half>(p, gu, out, stream);
+  } else {
+    TVM_FFI_THROW(TypeError) << name << ": gu must be float32, bfloat16 or float16";
+  }
+  check_launch(name);
+}
+
+template <typename T>
+void narrow_linear_typed(const char* name, LinParams p, TensorView x, TensorView w, cudaStream_t stream) {
+  constexpr int E = 16 / static_cast<int>(sizeof(T));
+  TVM_FFI_CHECK(p.k % E == 0 && aligned16<T>(x, p.x_row) && aligned16<T>(w, p.w_row), ValueError)
+      << name << ": k and the row strides of x and w must be multiples of 16 bytes, with 16-byte aligned data";
+  const dim3 grid(static_cast<unsigned>(p.n), static_cast<unsigned>((p.rows + kLinRows - 1) / kLinRows));
+  launch_maybe_pdl(narrow_linear_kernel<T>, grid, dim3(kLinThreads), 0, stream, p);
+}
+
+inline void narrow_linear_launch(const char* name, TensorView x, TensorView w, TensorView y) {
+  TVM_FFI_CHECK(x.ndim() == 2 && w.ndim() == 2 && y.ndim() == 2, ValueError)
+      << name << ": x must be [rows, k], w [n, k], y [rows, n]";
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  TVM_FFI_CHECK(rows >= 1 && k >= 1 && n >= 1 && rows <= 65535 * 8LL && n <= 2147483647LL && k <= 2147483647LL,
+                ValueError)
+      << name << ": empty or oversized x / w";
+  TVM_FFI_CHECK(w.size(1) == k && y.size(0) == rows && y.size(1) == n, ValueError)
+      << name << ": w must be [n, " << k << "] and y [" << rows << ", " << n << "]";
+  TVM_FFI_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && (n == 1 || y.stride(1) == 1), ValueError)
+      << name << ": the inner dims must be contiguous";
+  TVM_FFI_CHECK(same_dtype(w, x) && same_dtype(y, x), TypeError) << name << ": w and y must have x's dtype";
+  check_cuda(name, {&x, &w, &y});
+  LinParams p;
+  p.x = ptr(x);
+  p.x_row = x.stride(0);
+  p.w = ptr(w);
+  p.w_row = w.stride(0);
+  p.y = ptr(y);
+  p.y_row = y.stride(0);
+  p.rows = static_cast<int>(rows);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  cudaStream_t stream = stream_of(x);
+  if (dtype_is(x, kDLFloat, 32)) {
+    narrow_linear_typed<float>(name, p, x, w, stream);
+  } else if (dtype_is(x, kDLBfloat, 16)) {
+    narrow_linear_typed<__nv_bfloat16>(name, p, x, w, stream);
+  } else if (dtype_is(x, kDLFloat, 16)) {
+    narrow_linear_typed<__half>(name, p, x, w, stream);
+  } else {
+    TVM_FFI_THROW(TypeError) << name << ": x must be float32, bfloat16 or float16";
+  }
+  check_launch(name);
+}
+
 }  // namespace ignis_norms
 
-// Export add_rms_norm(h, d, w1p, h_out, x_out, eps) and gated_rms_norm(x, z, w, out, eps).
+// Export add_rms_norm(h, d, w1p, h_out, x_out, eps), gated_rms_norm(x, z, w, out, eps), silu_mul(gu, out)
+// and narrow_linear(x, w, y).
 #define IGNIS_FUSED_NORMS_EXPORT()                                                                           \
   static void ignis_add_rms_norm(tvm::ffi::TensorView h, tvm::ffi::TensorView d, tvm::ffi::TensorView w1p,  \
                                  tvm::ffi::TensorView h_out, tvm::ffi::TensorView x_out, double eps) {      \
@@ -147,5 +248,13 @@ inline void gated_rms_norm_launch(const char* name, TensorView x, TensorView z, 
                                    tvm::ffi::TensorView out, double eps) {                                  \
     ::ignis_norms::gated_rms_norm_launch("gated_rms_norm", x, z, w, out, eps);                               \
   }                                                                                                          \
+  static void ignis_silu_mul(tvm::ffi::TensorView gu, tvm::ffi::TensorView out) {                           \
+    ::ignis_norms::silu_mul_launch("silu_mul", gu, out);                                                     \
+  }                                                                                                          \
+  static void ignis_narrow_linear(tvm::ffi::TensorView x, tvm::ffi::TensorView w, tvm::ffi::TensorView y) {  \
+    ::ignis_norms::narrow_linear_launch("narrow_linear", x, w, y);                                           \
+  }                                                                                                          \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_rms_norm, ignis_add_rms_norm)                                            \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(gated_rms_norm, ignis_gated_rms_norm)
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(gated_rms_norm, ignis_gated_rms_norm)                                        \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(silu_mul, ignis_silu_mul)                                                    \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(narrow_linear, ignis_narrow_linear)

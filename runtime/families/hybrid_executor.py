@@ -695,12 +695,22 @@ class HybridExecutor:
         return linear(x, a.q_proj, a.q_bias), linear(x, a.k_proj, a.k_bias), linear(x, a.v_proj, a.v_bias)
 
     def _gdn_projections(
-        self, g: _GdnWeights, x: torch.Tensor
+        self, g: _GdnWeights, x: torch.Tensor, *, narrow: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(qkv [R, conv_dim], z [R, v_heads, v_dim], b [R, v_heads], a [R, v_heads]) in the model dtype."""
+        """(qkv [R, conv_dim], z [R, v_heads, v_dim], b [R, v_heads], a [R, v_heads]) in the model dtype.
+
+        narrow: a `ignis.runtime.families.hybrid_graphs.FusedNormsKernel` whose ``narrow_linear``
+        runs the b|a projection when it takes the weight (`FusedNormsKernel.takes_narrow`: one launch
+        instead of cuBLAS's split-K pair); None: `linear` for every projection."""
         c = self.config
         rows = x.shape[0]
         linear = self.linear
+
+        def linear_ba(w: _Weight) -> torch.Tensor:
+            if narrow is not None and narrow.takes_narrow(x, w):
+                return narrow.narrow_linear(x, w)
+            return linear(x, w, None)
+
         nk, nv, dk, dv = (
             c.linear_num_key_heads,
             c.linear_num_value_heads,
@@ -710,10 +720,10 @@ class HybridExecutor:
         if g.in_proj_qkvz is None:
             # fused weights: views of one GEMM's output (their consumers take strides)
             if g.in_proj_b_a is not None:
-                b, a = linear(x, g.in_proj_b_a, None).split([nv, nv], -1)
+                b, a = linear_ba(g.in_proj_b_a).split([nv, nv], -1)
             else:
                 assert g.in_proj_b is not None and g.in_proj_a is not None
-                b, a = linear(x, g.in_proj_b, None), linear(x, g.in_proj_a, None)
+                b, a = linear_ba(g.in_proj_b), linear_ba(g.in_proj_a)
             if g.in_proj_qkv_z is not None:
                 qkv, z = linear(x, g.in_proj_qkv_z, None).split([2 * nk * dk + nv * dv, nv * dv], -1)
             else:
@@ -729,7 +739,7 @@ class HybridExecutor:
             .view(rows, nk, 2 * dk + 2 * r * dv)
             .split([dk, dk, r * dv, r * dv], -1)
         )
-        b, a = linear(x, g.in_proj_ba, None).view(rows, nk, 2 * r).split([r, r], -1)
+        b, a = linear_ba(g.in_proj_ba).view(rows, nk, 2 * r).split([r, r], -1)
         qkv = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], dim=-1)
         return qkv, z.reshape(rows, nv, dv), b.reshape(rows, nv), a.reshape(rows, nv)
 

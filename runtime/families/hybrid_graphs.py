@@ -130,7 +130,7 @@ from ignis.runtime.families.hybrid_executor import (
     _apply_rope,
     _Layer,
 )
-from ignis.runtime.families.moe import SparseMoeWeights, sparse_moe_block, swiglu_mlp
+from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig
 from ignis.runtime.linear import LinearFn, Q4Weight
 
@@ -347,18 +347,30 @@ class _ModuleFunctions:
 
 
 NORMS_FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm")
-"""The exports of a module built by ``ignis.compiler.kernels.fused_norms.build_fused_norms``."""
+"""The exports every module built by ``ignis.compiler.kernels.fused_norms.build_fused_norms`` has
+(``silu_mul`` and ``narrow_linear`` too since session 10: `FusedNormsKernel.has_silu_mul`,
+`FusedNormsKernel.has_narrow_linear`)."""
+
+#: Most output features `FusedNormsKernel.narrow_linear` is used for (one block an output feature;
+#: wider weights stay on cuBLAS).
+NARROW_LINEAR_MAX_N = 1024
+#: Most rows `FusedNormsKernel.narrow_linear` is used for: on the H200 it beats cuBLAS's split-K
+#: pair on the 27B's b|a projection up to 16 rows (2.4 / 3.3 / 5.5 us a call at 1 / 8 / 16 against
+#: 6.1-7.0) and loses from 32 (every block re-reads its rows of x; docs/PERF.md run 85).
+NARROW_LINEAR_MAX_ROWS = 16
 
 
 class FusedNormsKernel(_ModuleFunctions):
-    """The fused row norms of a compiled module (static rounds, CUDA only; the math and its source
-    are in ``ignis.compiler.kernels.fused_norms``). Both launch on torch's current stream
-    (capturable) and allocate their outputs with torch (the graph's pool when captured).
+    """The fused row norms of a compiled module, and its SwiGLU activation and narrow linear (static
+    rounds, CUDA only; the math and its source are in ``ignis.compiler.kernels.fused_norms``). All
+    launch on torch's current stream (capturable) and allocate their outputs with torch (the graph's
+    pool when captured).
 
     Args:
-        source: a loaded module holding ``add_rms_norm`` and ``gated_rms_norm`` (anything indexable
-            by those names: a ``tvm_ffi.Module`` or, for CPU tests, a dict of callables), or the path
-            of a ``.so`` built by ``build_fused_norms`` (loaded with the lean runtime).
+        source: a loaded module holding ``add_rms_norm`` and ``gated_rms_norm``, and ``silu_mul`` /
+            ``narrow_linear`` when it has them (anything indexable by those names: a
+            ``tvm_ffi.Module`` or, for CPU tests, a dict of callables), or the path of a ``.so``
+            built by ``build_fused_norms`` (loaded with the lean runtime).
 
     Raises:
         TvmRuntimeError: a path that is missing or cannot be loaded.
@@ -366,6 +378,58 @@ class FusedNormsKernel(_ModuleFunctions):
     """
 
     function_names = NORMS_FUNCTION_NAMES
+    optional_function_names = ("silu_mul", "narrow_linear")
+
+    @property
+    def has_silu_mul(self) -> bool:
+        """Whether the module exports ``silu_mul`` (modules built before session 10 do not)."""
+        return "silu_mul" in self.funcs
+
+    @property
+    def has_narrow_linear(self) -> bool:
+        """Whether the module exports ``narrow_linear`` (modules built before session 10 do not)."""
+        return "narrow_linear" in self.funcs
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """``F.silu(gate) * up`` for ``gate, up = gu.chunk(2, -1)``: [rows, I] in gu's dtype (a new
+        tensor; bit-identical to torch's). gu [rows, 2 I], the last dim contiguous. Raises
+        ValueError / TypeError (from the module) as `add_rms_norm`."""
+        out = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+        self._call("silu_mul", (gu, out), gu.is_cuda)
+        return out
+
+    def takes_narrow(self, x: torch.Tensor, weight: Any) -> bool:
+        """Whether `narrow_linear` takes ``x @ weight^T`` (and is faster than cuBLAS there): the module
+        has it, x has at most `NARROW_LINEAR_MAX_ROWS` rows, weight is a dense 2-D tensor of x's
+        dtype and device with at most `NARROW_LINEAR_MAX_N` rows, and K and both row strides are
+        multiples of 16 bytes with the inner dims contiguous."""
+        if not (self.has_narrow_linear and isinstance(weight, torch.Tensor) and x.dim() == 2):
+            return False
+        if x.shape[0] > NARROW_LINEAR_MAX_ROWS:
+            return False
+        size = x.element_size()
+        return (
+            weight.dim() == 2
+            and weight.dtype == x.dtype
+            and weight.device == x.device
+            and weight.shape[0] <= NARROW_LINEAR_MAX_N
+            and weight.shape[1] == x.shape[1]
+            and x.stride(1) == 1
+            and weight.stride(1) == 1
+            and (x.shape[1] * size) % 16 == 0
+            and (x.stride(0) * size) % 16 == 0
+            and (weight.stride(0) * size) % 16 == 0
+            and x.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0
+        )
+
+    def narrow_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight^T`` in one launch (fp32 sums in a fixed order): [rows, N] in x's dtype (a new
+        tensor). x [rows, K], weight [N, K] (see `takes_narrow`). Raises ValueError / TypeError (from
+        the module) on shapes, alignments, dtypes or devices it does not take."""
+        y = x.new_empty(x.shape[0], weight.shape[0])
+        self._call("narrow_linear", (x, weight, y), x.is_cuda)
+        return y
 
     def add_rms_norm(
         self, h: torch.Tensor, d: torch.Tensor, w1p: torch.Tensor, eps: float
@@ -1288,9 +1352,9 @@ class StaticHybridExecutor(HybridExecutor):
                     linear=self.linear,
                 )
             elif fused is not None and layer.index not in taps:
-                pending = swiglu_mlp(x, layer.mlp, linear=self.linear)
+                pending = self._mlp(x, layer.mlp, fused)
             else:
-                h = h + swiglu_mlp(x, layer.mlp, linear=self.linear)
+                h = h + self._mlp(x, layer.mlp, fused)
             if layer.index in taps:
                 tapped[layer.index] = h
         if pending is not None:  # fused: logit_rows is None (static rounds)
@@ -1305,6 +1369,13 @@ class StaticHybridExecutor(HybridExecutor):
         if taps:
             out["taps"] = torch.cat([tapped[t] for t in taps], dim=-1)
         return out
+
+    def _mlp(self, x: torch.Tensor, mlp: SwiGLUWeights, fused: FusedNormsKernel | None) -> torch.Tensor:
+        """`swiglu_mlp`; in a static round whose norms module has ``silu_mul`` (fused), the stacked
+        gate|up GEMM's activation ``F.silu(gate) * up`` in one launch (bit-identical)."""
+        if fused is not None and fused.has_silu_mul and mlp.gate_up is not None:
+            return self.linear(fused.silu_mul(self.linear(x, mlp.gate_up, None)), mlp.down, None)
+        return swiglu_mlp(x, mlp, linear=self.linear)
 
     def _static_attention(
         self,
@@ -1382,7 +1453,7 @@ class StaticHybridExecutor(HybridExecutor):
             c.linear_value_head_dim,
         )
         kd, gs, rep = c.linear_conv_kernel_dim - 1, layer.slot, nv // nk
-        qkv, z, b, a = self._gdn_projections(g, x)
+        qkv, z, b, a = self._gdn_projections(g, x, narrow=self._norms_kernel if eager is None else None)
         neg_a, dt_bias = self._gdn_consts[gs]
         ch = qkv.shape[-1]
         mixers = self._mixers_kernel if eager is None else None

@@ -64,6 +64,8 @@ _HYBRID = [
     ("gdn_replay", "gdn_replay", "gdn_recurrent.so"),
     ("add_rms_norm", "add_rms_norm", "fused_norms.so"),
     ("gated_rms_norm", "gated_rms_norm", "fused_norms.so"),
+    ("silu_mul", "silu_mul", "fused_norms.so"),
+    ("narrow_linear", "narrow_linear", "fused_norms.so"),
     ("gdn_conv_silu", "gdn_conv_silu", "fused_mixers.so"),
     ("qk_norm_rope_kv", "qk_norm_rope_kv", "fused_mixers.so"),
     ("gated_attention", "gated_attention", "fused_mixers.so"),

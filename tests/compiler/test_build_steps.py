@@ -406,10 +406,10 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
         dflash2=True,
     )
     # the top-k, the GDN recurrence (its round, the stash round and the replay), the fused norms
-    # (add_rms_norm + gated_rms_norm) and the fused mixers (gdn_conv_silu + qk_norm_rope_kv +
-    # gated_attention)
+    # (add_rms_norm + gated_rms_norm + silu_mul + narrow_linear) and the fused mixers (gdn_conv_silu +
+    # qk_norm_rope_kv + gated_attention)
     assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms", "fused_mixers")
-    assert hybrid.num_functions() == 9
+    assert hybrid.num_functions() == 11
     cpu = plan_modules(
         card="cpu",
         arch="llvm",
@@ -570,6 +570,8 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
         KernelEntry("gdn_replay", "gdn_replay", 1, "modules/h200/gdn_recurrent.so", target, ("float32",)),
         KernelEntry("add_rms_norm", "add_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("gated_rms_norm", "gated_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
+        KernelEntry("silu_mul", "silu_mul", 1, "modules/h200/fused_norms.so", target, dtypes),
+        KernelEntry("narrow_linear", "narrow_linear", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("gdn_conv_silu", "gdn_conv_silu", 1, "modules/h200/fused_mixers.so", target, dtypes),
         KernelEntry("qk_norm_rope_kv", "qk_norm_rope_kv", 1, "modules/h200/fused_mixers.so", target, dtypes),
         KernelEntry(
@@ -593,7 +595,12 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
             "build_gdn_recurrent",
             ("gdn_recurrent", "gdn_recurrent_stash", "gdn_replay"),
         ),
-        ("fused_norms", "fused_norms", "build_fused_norms", ("add_rms_norm", "gated_rms_norm")),
+        (
+            "fused_norms",
+            "fused_norms",
+            "build_fused_norms",
+            ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear"),
+        ),
         (
             "fused_mixers",
             "fused_mixers",

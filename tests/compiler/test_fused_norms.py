@@ -1,6 +1,7 @@
-"""The fused row norms (residual add + (1 + w) RMSNorm; the GDN gated RMSNorm): their CPU models
-against the torch paths of `StaticHybridExecutor`, and cross-compiled binaries (nvcc). The GPU
-comparison is tests/runtime/test_hybrid_graphs.py (marker `gpu`)."""
+"""The fused row norms (residual add + (1 + w) RMSNorm; the GDN gated RMSNorm), the SwiGLU activation
+and the narrow linear: their CPU models against the torch paths of `StaticHybridExecutor`, and
+cross-compiled binaries (nvcc). The GPU comparison is tests/runtime/test_hybrid_graphs.py (marker
+`gpu`)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ from ignis.compiler.kernels.fused_norms import (
     build_fused_norms,
     gated_rms_norm_emulated,
     gated_rms_norm_reference,
+    narrow_linear_emulated,
+    narrow_linear_reference,
+    silu_mul_emulated,
+    silu_mul_reference,
 )
 from ignis.runtime.families.hybrid_executor import gated_rms_norm, rms_norm_one_plus
+from ignis.runtime.families.moe import SwiGLUWeights, swiglu_mlp
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -103,6 +109,62 @@ def test_gated_rms_norm_model_uses_the_gate() -> None:
     assert not torch.allclose(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1), (1, 17408), (3, 37), (64, 96)])
+def test_silu_mul_model_matches_the_mlp(dtype: torch.dtype, rows: int, inter: int) -> None:
+    """The CPU model of silu_mul against `swiglu_mlp`'s activation (the torch path): bit for bit in
+    the half types (the same float32 formula, rounded at the same points), within a float32 step in
+    float32 (the CPU's vectorized silu is another formula); a model that swapped gate and up, or
+    skipped the rounding of silu, would differ."""
+    g = torch.Generator().manual_seed(rows * 7 + inter)
+    gu = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    ref, em = silu_mul_reference(gu), silu_mul_emulated(gu)
+    assert em.shape == (rows, inter) and em.dtype == dtype
+    # the reference is what `swiglu_mlp` hands its down projection after the stacked gate|up GEMM
+    down = torch.zeros(1, inter, dtype=dtype)
+    seen: list[torch.Tensor] = []
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: object) -> torch.Tensor:
+        if w is gu:  # the stacked gate|up "GEMM" returns gu itself
+            return gu
+        assert w is down
+        seen.append(x)
+        return x
+
+    mlp = SwiGLUWeights(gate=None, up=None, down=down, gate_up=gu)
+    swiglu_mlp(torch.zeros(rows, 1, dtype=dtype), mlp, linear=linear)
+    assert torch.equal(seen[0], ref)
+    if dtype == torch.float32:
+        torch.testing.assert_close(em, ref, atol=1e-6, rtol=2e-7)
+    else:
+        assert torch.equal(em, ref)
+    if inter > 1:
+        swapped = torch.cat([gu[:, inter:], gu[:, :inter]], dim=1)
+        assert not torch.equal(silu_mul_emulated(swapped), em)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 96, 5120), (8, 96, 5120), (9, 5, 1024 + 512), (3, 1, 64)])
+def test_narrow_linear_model_matches_torch(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    """The CPU model of narrow_linear against float64 and torch's F.linear: float32 sums in another
+    order, so within a few float32 steps of the exact sum before the final rounding (a dropped chunk,
+    a wrong element pairing or a row mix-up is off by far more)."""
+    g = torch.Generator().manual_seed(rows * 31 + n + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    exact = x.double() @ w.double().T
+    em = narrow_linear_emulated(x, w)
+    assert em.shape == (rows, n) and em.dtype == dtype
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30  # float32 sums of k terms
+    step = torch.finfo(dtype).eps * exact.abs()  # the final rounding (half a step) and slack
+    assert bool(((em.double() - exact).abs() <= bound + step).all())
+    ref = narrow_linear_reference(x, w)
+    assert bool(((em.double() - ref.double()).abs() <= 2 * (bound + step)).all())
+    if k >= 128:  # the model is not the plain dot product of another pairing
+        shifted = narrow_linear_emulated(x, torch.roll(w, 8, dims=1))
+        assert not torch.allclose(shifted.float(), em.float(), atol=1e-2)
+
+
 def test_build_rejects_non_cuda_targets() -> None:
     with pytest.raises(FusedNormsError):
         build_fused_norms("llvm")
@@ -114,7 +176,12 @@ def test_build_rejects_non_cuda_targets() -> None:
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_build_emits_sass_and_both_exports(arch: str, tmp_path: Path) -> None:
     path = build_fused_norms(arch, out_path=tmp_path / f"norms_{arch}.so")
-    check_sass_and_exports(path, arch, FUNCTION_NAMES, ("add_rms_norm_kernel", "gated_rms_norm_kernel"))
+    check_sass_and_exports(
+        path,
+        arch,
+        FUNCTION_NAMES,
+        ("add_rms_norm_kernel", "gated_rms_norm_kernel", "silu_mul_kernel", "narrow_linear_kernel"),
+    )
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
@@ -137,3 +204,17 @@ def test_module_loads_and_checks_arguments(tmp_path: Path) -> None:
         mod["gated_rms_norm"](x, x, torch.ones(4), torch.empty(2, 11), 1e-6)
     with pytest.raises(TypeError, match="z's dtype"):
         mod["gated_rms_norm"](x, x, torch.ones(4, dtype=torch.bfloat16), torch.empty(2, 12), 1e-6)
+    gu = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="CUDA device"):
+        mod["silu_mul"](gu, torch.empty(2, 4))
+    with pytest.raises(ValueError, match="gu must be"):
+        mod["silu_mul"](gu, torch.empty(2, 3))
+    with pytest.raises(TypeError, match="gu's dtype"):
+        mod["silu_mul"](gu, torch.empty(2, 4, dtype=torch.float16))
+    xl, wl = torch.zeros(3, 16), torch.zeros(5, 16)
+    with pytest.raises(ValueError, match="CUDA device"):
+        mod["narrow_linear"](xl, wl, torch.empty(3, 5))
+    with pytest.raises(ValueError, match="w must be"):
+        mod["narrow_linear"](xl, torch.zeros(5, 8), torch.empty(3, 5))
+    with pytest.raises(TypeError, match="x's dtype"):
+        mod["narrow_linear"](xl, wl.half(), torch.empty(3, 5))

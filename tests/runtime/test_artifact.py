@@ -519,6 +519,8 @@ def _fake_tvm(monkeypatch: pytest.MonkeyPatch, loaded: list[Path], *, fail: bool
             "gdn_replay",
             "add_rms_norm",
             "gated_rms_norm",
+            "silu_mul",
+            "narrow_linear",
             "gdn_conv_silu",
             "qk_norm_rope_kv",
             "gated_attention",
@@ -576,6 +578,31 @@ def test_gdn_and_norms_modules_load_the_listed_kernels_once(
         assert art.gdn_module() is None and art.norms_module() is None
     assert "compiled GDN recurrence modules/h200/gdn_recurrent.so not loaded" in caplog.text
     assert "compiled row norms modules/h200/fused_norms.so not loaded" in caplog.text
+
+
+def test_norms_module_takes_silu_mul_and_narrow_linear_when_listed(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An artifact built since session 10 lists ``silu_mul`` and ``narrow_linear`` in the norms'
+    library: the runtime's norms take them (one load); an older one does not list them and its
+    norms run without (the torch activation and b|a projection)."""
+    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+
+    kinds = ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear")
+    a = _with_hybrid_entries(artifact, tmp_path / "a", norms=kinds)
+    loaded: list[Path] = []
+    funcs = _fake_tvm(monkeypatch, loaded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with load_artifact(a) as art:
+        norms = art.norms_module()
+        assert isinstance(norms, FusedNormsKernel) and norms.has_silu_mul and norms.has_narrow_linear
+        assert norms.funcs == {k: funcs[k] for k in kinds}
+        assert loaded == [a / "modules/h200/fused_norms.so"]
+    old = _with_hybrid_entries(artifact, tmp_path / "old")
+    with load_artifact(old) as art:
+        norms = art.norms_module()
+        assert isinstance(norms, FusedNormsKernel)
+        assert not norms.has_silu_mul and not norms.has_narrow_linear
 
 
 @pytest.mark.parametrize(

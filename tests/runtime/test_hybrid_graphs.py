@@ -636,10 +636,16 @@ def test_cuda_graphs_with_the_fused_gdn_kernel(tiny: TinyHybrid, dtype: torch.dt
     assert plain.gdn_module is None
 
 
-def _emulated_norms_module(calls: list[str]) -> dict:
+def _emulated_norms_module(calls: list[str], *, extras: bool = True) -> dict:
     """A CPU stand-in for the compiled fused norms: the kernels' CPU models, writing the outputs
-    the module's functions write."""
-    from ignis.compiler.kernels.fused_norms import add_rms_norm_emulated, gated_rms_norm_emulated
+    the module's functions write (extras: with ``silu_mul`` and ``narrow_linear``, as modules built
+    since session 10)."""
+    from ignis.compiler.kernels.fused_norms import (
+        add_rms_norm_emulated,
+        gated_rms_norm_emulated,
+        narrow_linear_emulated,
+        silu_mul_emulated,
+    )
 
     def add(h, d, w1p, h_out, x_out, eps):
         assert w1p.dtype == torch.float32 and h_out.shape == x_out.shape == h.shape
@@ -652,23 +658,53 @@ def _emulated_norms_module(calls: list[str]) -> dict:
         out.copy_(gated_rms_norm_emulated(x, z, w, eps))
         calls.append("gated")
 
-    return {"add_rms_norm": add, "gated_rms_norm": gated}
+    def silu_mul(gu, out):
+        out.copy_(silu_mul_emulated(gu))
+        calls.append("silu_mul")
+
+    def narrow(x, w, y):
+        y.copy_(narrow_linear_emulated(x, w))
+        calls.append("narrow")
+
+    funcs = {"add_rms_norm": add, "gated_rms_norm": gated}
+    if extras:
+        funcs.update(silu_mul=silu_mul, narrow_linear=narrow)
+    return funcs
 
 
-@pytest.mark.parametrize("with_gdn", [False, True])
+@pytest.mark.parametrize(("with_gdn", "extras"), [(False, True), (True, True), (True, False)])
 def test_fused_norms_path_matches_hybrid_executor(
-    tiny: TinyHybrid, ref: HybridExecutor, with_gdn: bool
+    tiny: TinyHybrid, ref: HybridExecutor, with_gdn: bool, extras: bool
 ) -> None:
     """The executor's fused-norms path (the MLP's add deferred to the next norm, taps and hidden
-    states, the gated norm on either recurrence's output) with the kernels' CPU models: rounds,
-    commits and states equal HybridExecutor's; eager forwards do not use it."""
+    states, the gated norm on either recurrence's output; with a module that has them, the dense
+    MLPs' activation by ``silu_mul`` and the GDN b|a projections by ``narrow_linear``) with the
+    kernels' CPU models: rounds, commits and states equal HybridExecutor's; eager forwards do not
+    use it; a module without the extras runs the torch activation and projection."""
     from ignis.runtime.families.hybrid_graphs import FusedNormsKernel, GdnRecurrentKernel
 
     c = tiny.config
     vocab = c.vocab_size
     st = static(tiny, max_lanes=3)
     calls: list[str] = []
-    st._norms_kernel = FusedNormsKernel(_emulated_norms_module(calls))  # the setter wants CUDA
+    st._norms_kernel = FusedNormsKernel(_emulated_norms_module(calls, extras=extras))  # the setter wants CUDA
+    assert st._norms_kernel.has_silu_mul == st._norms_kernel.has_narrow_linear == extras
+    # the b|a weights narrow_linear takes (16-byte aligned: the fused qwen3_5 ones are new tensors; a
+    # weight left as a view into the checkpoint's mapping may not be, and keeps torch's linear)
+    probe = torch.zeros(1, c.hidden_size, dtype=st.dtype)
+    ba = [
+        w
+        for layer in st._layers
+        if layer.gdn is not None
+        for w in (layer.gdn.in_proj_b_a, layer.gdn.in_proj_b, layer.gdn.in_proj_a, layer.gdn.in_proj_ba)
+        if w is not None
+    ]
+    narrow = sum(FusedNormsKernel(_emulated_norms_module([])).takes_narrow(probe, w) for w in ba)
+    # more rows than NARROW_LINEAR_MAX_ROWS keep cuBLAS (narrow_linear re-reads x a feature)
+    wide = torch.zeros(17, c.hidden_size, dtype=st.dtype)
+    assert not any(st._norms_kernel.takes_narrow(wide, w) for w in ba)
+    if c.model_type == "qwen3_5":
+        assert narrow == sum(not c.is_full_attention(i) for i in range(c.num_hidden_layers))  # it runs
     if with_gdn:
         st._gdn_kernel = GdnRecurrentKernel(_emulated_gdn_module([]))
     n_gdn = sum(not c.is_full_attention(i) for i in range(c.num_hidden_layers))
@@ -687,6 +723,8 @@ def test_fused_norms_path_matches_hybrid_executor(
         # per layer the post-mixer add; the MLP's add with the next norm (not after MoE blocks)
         adds = layers + sum(dense)
         assert calls.count("add") == adds and calls.count("gated") == n_gdn
+        assert calls.count("silu_mul") == (sum(dense) if extras else 0)  # the dense MLPs' gate|up
+        assert calls.count("narrow") == (narrow if extras else 0)  # the GDN b|a projections
         calls.clear()
         run_both(
             ref,
@@ -775,6 +813,71 @@ def test_compiled_add_rms_norm_matches_its_cpu_model(dtype: torch.dtype) -> None
         assert torch.equal(got_h.cpu(), want_h), (rows, hidden)
         err = (got_x.cpu().double() - want_x.double()).abs()
         assert bool((err <= 4 * ulp * want_x.double().abs() + 1e-30).all()), (rows, hidden, float(err.max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+    """The compiled silu_mul equals torch's ``F.silu(gate) * up`` bit for bit: 16-byte rows (the
+    vectorized path, the 27B's 17,408-wide MLP at 1-64 rows) and rows that are not (odd widths, a
+    misaligned strided view: one element a thread)."""
+    from ignis.compiler.kernels.fused_norms import silu_mul_reference
+    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+
+    path = _norms_module_path()
+    if path is None:
+        pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
+    norms = FusedNormsKernel(path)
+    assert norms.has_silu_mul
+    gen = torch.Generator().manual_seed(9)
+    for rows, inter, pad in [(1, 17408, 0), (8, 17408, 0), (64, 1024, 0), (3, 37, 0), (5, 96, 3), (2, 1, 1)]:
+        wide = (torch.randn(rows, 2 * inter + pad + 5, generator=gen) * 4).to(dtype).cuda()
+        gu = wide[:, pad : pad + 2 * inter]
+        got = norms.silu_mul(gu)
+        assert got.shape == (rows, inter) and got.dtype == dtype
+        assert torch.equal(got, silu_mul_reference(gu)), (rows, inter, pad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_narrow_linear_matches_its_cpu_model(dtype: torch.dtype) -> None:
+    """The compiled narrow_linear against its CPU model (`narrow_linear_emulated`: the kernel's order
+    of float32 sums) within one unit in the last place of the dtype (the model's FMA is emulated in
+    float64, one rounding step apart at worst), almost all equal, and against float64: the 27B's
+    b|a shape at 1 / 8 / 64 rows, strided rows, one output feature, and a K past the weight chunks a
+    thread loads at once (the loop). Misaligned rows are refused."""
+    from ignis.compiler.kernels.fused_norms import narrow_linear_emulated
+    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+
+    path = _norms_module_path()
+    if path is None:
+        pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
+    norms = FusedNormsKernel(path)
+    assert norms.has_narrow_linear
+    gen = torch.Generator().manual_seed(10)
+    ulp = torch.finfo(dtype).eps
+    cases = [(1, 96, 5120, 0), (8, 96, 5120, 8), (64, 96, 5120, 0), (9, 5, 1536, 16), (3, 1, 64, 0)]
+    cases.append((2, 7, 16384, 0))
+    for rows, n, k, pad in cases:
+        x = torch.randn(rows, k + pad, generator=gen).to(dtype)[:, :k]
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+        xc = torch.zeros(rows, k + pad, dtype=dtype, device="cuda")
+        xc[:, :k] = x.cuda()
+        assert norms.takes_narrow(xc[:, :k], w.cuda()) == (rows <= 16)  # faster than cuBLAS there
+        got = norms.narrow_linear(xc[:, :k], w.cuda()).cpu()
+        want = narrow_linear_emulated(x, w)
+        err = (got.double() - want.double()).abs()
+        assert bool((err <= ulp * want.double().abs() + 1e-30).all()), (rows, n, k, float(err.max()))
+        assert (got == want).float().mean() > 0.98
+        exact = x.double() @ w.double().T
+        bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + ulp * exact.abs()
+        assert bool(((got.double() - exact).abs() <= bound + 1e-30).all())
+    odd = torch.zeros(2, 12, dtype=torch.bfloat16, device="cuda")  # 24-byte rows
+    assert not norms.takes_narrow(odd, torch.zeros(3, 12, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(ValueError, match="16 bytes"):
+        norms.narrow_linear(odd, torch.zeros(3, 12, dtype=torch.bfloat16, device="cuda"))
 
 
 def _emulated_mixers_module(calls: list[str]) -> dict:
