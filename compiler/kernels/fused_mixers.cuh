@@ -9,7 +9,8 @@
 //
 // kd = K - 1; the window (kd + n values per channel) is also written to windows[l, c, 0:kd+n], the
 // layout StaticHybridExecutor.commit reads. round = to the model dtype (round to nearest even), the
-// identity for float32. One thread per (lane, channel); the sum is a float32 FMA chain in k order.
+// identity for float32. One thread per (channel, column, lane); the sum is a float32 FMA chain in k
+// order.
 //
 // qk_norm_rope_kv (full attention: q/k RMSNorm(1 + w), partial rotate-half RoPE, the KV write):
 //
@@ -77,38 +78,43 @@ struct ConvParams {
   int lanes, n, channels, num_slots;
 };
 
+// A thread per (channel, column, lane): out[l, t, c] needs only window positions t .. t + K - 1
+// ([state | the round's columns]), so the columns run in parallel rather than one after another in
+// a thread (a thread walking its channel's columns took 2.4 / 4.8 / 13.5 us a layer at 1 / 8 / 32
+// columns, and neither loading 8 columns at once nor coalescing its window writes moved that much:
+// docs/PERF.md runs 88-89). Grid (channel blocks, n, L); each thread also writes its window position
+// K - 1 + t, the column-0 threads the state's K - 1. The same FMA order as the torch conv's model.
 template <typename T, int K>
 __global__ void __launch_bounds__(kConvThreads) gdn_conv_silu_kernel(ConvParams p) {
   const int c = blockIdx.x * kConvThreads + threadIdx.x;
-  const int l = blockIdx.y;
+  const int t = blockIdx.y;
+  const int l = blockIdx.z;
   if (c >= p.channels) return;
-  const T* qkv = static_cast<const T*>(p.qkv);
+  const T* qkv = static_cast<const T*>(p.qkv) + c * p.qkv_el;
   const T* weight = static_cast<const T*>(p.weight);
   T* windows = static_cast<T*>(p.windows) + l * p.win_lane + c * p.win_ch;
-  T* out = static_cast<T*>(p.out);
-  float w[K], win[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) w[k] = to_f(weight[c * p.w_ch + k * p.w_el]);
   const int64_t slot = p.slots[l];
   const bool ok = slot >= 0 && slot < p.num_slots;  // out of range: a zero state (torch would fault)
   const T* st = static_cast<const T*>(p.state) + (ok ? slot : 0) * p.st_slot + c * p.st_ch;
+  T v[K];  // window positions t .. t + K - 1
 #pragma unroll
-  for (int j = 0; j < K - 1; ++j) {
-    const T v = ok ? st[j * p.st_el] : from_f<T>(0.f);
-    windows[j * p.win_el] = v;
-    win[j] = to_f(v);
+  for (int k = 0; k < K; ++k) {
+    const int pos = t + k;
+    if (pos < K - 1) {
+      v[k] = ok ? st[pos * p.st_el] : from_f<T>(0.f);
+    } else {
+      v[k] = qkv[(static_cast<int64_t>(l) * p.n + pos - (K - 1)) * p.qkv_row];
+    }
   }
-  for (int t = 0; t < p.n; ++t) {
-    const T v = qkv[(static_cast<int64_t>(l) * p.n + t) * p.qkv_row + c * p.qkv_el];
-    windows[(K - 1 + t) * p.win_el] = v;
-    win[K - 1] = to_f(v);
-    float acc = 0.f;
+  float acc = 0.f;
 #pragma unroll
-    for (int k = 0; k < K; ++k) acc = fmaf(w[k], win[k], acc);
-    const float y = round_to<T>(acc);
-    out[(static_cast<int64_t>(l) * p.n + t) * p.channels + c] = from_f<T>(y / (1.f + expf(-y)));
+  for (int k = 0; k < K; ++k) acc = fmaf(to_f(weight[c * p.w_ch + k * p.w_el]), to_f(v[k]), acc);
+  const float y = round_to<T>(acc);
+  static_cast<T*>(p.out)[(static_cast<int64_t>(l) * p.n + t) * p.channels + c] = from_f<T>(y / (1.f + expf(-y)));
+  windows[(K - 1 + t) * p.win_el] = v[K - 1];
+  if (t == 0) {
 #pragma unroll
-    for (int k = 0; k < K - 1; ++k) win[k] = win[k + 1];
+    for (int k = 0; k < K - 1; ++k) windows[k * p.win_el] = v[k];
   }
 }
 

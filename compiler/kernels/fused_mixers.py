@@ -119,7 +119,7 @@ def _fma(x: Any, y: Any, z: Any) -> Any:
 
 def gdn_conv_silu_emulated(qkv: Any, state: Any, slots: Any, weight: Any, windows: Any, out: Any) -> None:
     """CPU model of ``gdn_conv_silu`` with the module's arguments (module docstring): writes
-    ``windows[:L, :, :K - 1 + n]`` and ``out`` [L, n, C] (model dtype) in place; per (lane, channel)
+    ``windows[:L, :, :K - 1 + n]`` and ``out`` [L, n, C] (model dtype) in place; per (lane, channel, column)
     a float32 FMA chain over k in order, rounded, then ``y / (1 + exp(-y))`` rounded."""
     import torch
 

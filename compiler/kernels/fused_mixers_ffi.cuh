@@ -100,7 +100,8 @@ inline void gdn_conv_silu_launch(const char* name, TensorView qkv, TensorView st
   p.channels = static_cast<int>(channels);
   p.num_slots = static_cast<int>(state.size(0));
   cudaStream_t stream = stream_of(qkv);
-  const dim3 grid(static_cast<unsigned>((channels + kConvThreads - 1) / kConvThreads), static_cast<unsigned>(lanes));
+  const dim3 grid(static_cast<unsigned>((channels + kConvThreads - 1) / kConvThreads), static_cast<unsigned>(n),
+                  static_cast<unsigned>(lanes));  // a thread per (channel, column, lane)
   const int k = static_cast<int>(K);
   if (dtype_is(qkv, kDLFloat, 32)) {
     conv_launch<float>(p, k, grid, stream);

@@ -880,6 +880,54 @@ def test_compiled_narrow_linear_matches_its_cpu_model(dtype: torch.dtype) -> Non
         norms.narrow_linear(odd, torch.zeros(3, 12, dtype=torch.bfloat16, device="cuda"))
 
 
+def _mixers_module_or_skip() -> str:
+    path = _mixers_module_path()
+    if path is None:
+        pytest.skip("no compiled mixers module ($IGNIS_MIXERS_MODULE) and no nvcc")
+    return path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_gdn_conv_silu_matches_its_cpu_model(dtype: torch.dtype) -> None:
+    """The compiled GDN conv1d + SiLU against its CPU model at 1-33 columns (the kernel loads its
+    columns 8 at a time: batch edges at 8, 9, 16, 17, 32, 33), 1-3 lanes in permuted slots, the
+    27B's 10,240 channels and an odd count: the windows bit for bit, the outputs within a unit in the
+    last place in bfloat16 (almost all equal) and four in float32 (CUDA's expf against the CPU's exp,
+    then a division)."""
+    from ignis.compiler.kernels.fused_mixers import gdn_conv_silu_emulated
+    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+
+    mixers = FusedMixersKernel(_mixers_module_or_skip())
+    gen = torch.Generator().manual_seed(12)
+    ulp = torch.finfo(dtype).eps * (4 if dtype == torch.float32 else 1)
+    for lanes, n, ch in [
+        (1, 1, 10240),
+        (1, 8, 10240),
+        (2, 9, 300),
+        (3, 17, 130),
+        (1, 32, 10240),
+        (2, 33, 77),
+    ]:
+        kk, slots_n = 4, 5
+        qkv = torch.randn(lanes * n, ch, generator=gen).to(dtype)
+        state = torch.randn(slots_n, ch, kk - 1, generator=gen).to(dtype)
+        weight = (torch.randn(ch, kk, generator=gen) * 0.5).to(dtype)
+        slots = torch.tensor([4, 0, 2][:lanes], dtype=torch.int64)
+        win_c = torch.zeros(lanes, ch, kk - 1 + n + 2, dtype=dtype, device="cuda")
+        got = mixers.gdn_conv_silu(
+            qkv.cuda(), state.cuda(), slots.cuda(), weight.cuda(), win_c, lanes, n
+        ).cpu()
+        win = torch.zeros(lanes, ch, kk - 1 + n + 2, dtype=dtype)
+        want = torch.empty(lanes, n, ch, dtype=dtype)
+        gdn_conv_silu_emulated(qkv, state, slots, weight, win, want)
+        assert torch.equal(win_c.cpu(), win), (lanes, n, ch)
+        err = (got.double() - want.double()).abs()
+        assert bool((err <= ulp * want.double().abs() + 1e-30).all()), (lanes, n, ch, float(err.max()))
+        assert dtype == torch.float32 or (got == want).float().mean() > 0.99
+
+
 def _emulated_mixers_module(calls: list[str]) -> dict:
     """A CPU stand-in for the compiled fused mixers: the kernels' CPU models, with the module's
     calling convention (outputs written in place)."""
