@@ -905,6 +905,12 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
                 mixer_calls.__setitem__(_n, mixer_calls.get(_n, 0) + 1),
                 _f(*a),
             )[1]
+        norm_calls: dict[str, int] = {}
+        for name, func in list(norms.funcs.items()) if norms is not None else []:
+            norms.funcs[name] = lambda *a, _f=func, _n=name: (
+                norm_calls.__setitem__(_n, norm_calls.get(_n, 0) + 1),
+                _f(*a),
+            )[1]
         vocab = art.config.vocab_size
         prompt = torch.tensor([5, 17, 33, 2, 90, 41, 7], device="cuda") % vocab
         n_new = 24
@@ -923,6 +929,7 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
             assert static.mixers_module is not None and static.mixers_module.funcs == mixers.funcs
             calls.clear()
             mixer_calls.clear()
+            norm_calls.clear()
             want, rows = _greedy_eager(eager, prompt, n_new)
             if dtype == torch.float32:
                 assert _greedy_verify_rounds(static, prompt, want, n_new) == want
@@ -943,3 +950,8 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
             assert sorted(mixer_calls) == expect, (
                 f"the static rounds did not call the fused mixers: {mixer_calls}"
             )
+            if norms is not None:  # an artifact built since session 10: the MLP activation, the b|a
+                expect = ["add_rms_norm", "gated_rms_norm"]
+                expect += ["narrow_linear"] if norms.has_narrow_linear else []
+                expect += ["silu_mul"] if norms.has_silu_mul else []
+                assert sorted(norm_calls) == sorted(expect), f"the norms module's calls: {norm_calls}"
