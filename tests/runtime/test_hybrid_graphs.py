@@ -7,7 +7,7 @@ On the CPU the static path runs without capture: the same code the graphs replay
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -749,6 +749,16 @@ def _norms_module_path() -> str | None:
     return module_path("IGNIS_NORMS_MODULE", "fused_norms", "build_fused_norms")
 
 
+def _norms_kernel_or_skip() -> Any:
+    """The compiled norms module (`_norms_module_path`) as a `FusedNormsKernel`, or skip the test."""
+    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+
+    path = _norms_module_path()
+    if path is None:
+        pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
+    return FusedNormsKernel(path)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -795,12 +805,8 @@ def test_compiled_add_rms_norm_matches_its_cpu_model(dtype: torch.dtype) -> None
     the last place of the dtype (CUDA's rsqrtf is not correctly rounded: up to 2.2 measured in float32,
     docs/PERF.md run 43; a wrong or missing element would be off by far more)."""
     from ignis.compiler.kernels.fused_norms import add_rms_norm_emulated
-    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
 
-    path = _norms_module_path()
-    if path is None:
-        pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
-    norms = FusedNormsKernel(path)
+    norms = _norms_kernel_or_skip()
     gen = torch.Generator().manual_seed(5)
     ulp = torch.finfo(dtype).eps
     for rows, hidden in [(1, 5120), (3, 100), (8, 8192), (2, 8193), (64, 4133), (5, 12288)]:
@@ -823,12 +829,8 @@ def test_compiled_silu_mul_matches_torch(dtype: torch.dtype) -> None:
     vectorized path, the 27B's 17,408-wide MLP at 1-64 rows) and rows that are not (odd widths, a
     misaligned strided view: one element a thread)."""
     from ignis.compiler.kernels.fused_norms import silu_mul_reference
-    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
 
-    path = _norms_module_path()
-    if path is None:
-        pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
-    norms = FusedNormsKernel(path)
+    norms = _norms_kernel_or_skip()
     assert norms.has_silu_mul
     gen = torch.Generator().manual_seed(9)
     for rows, inter, pad in [(1, 17408, 0), (8, 17408, 0), (64, 1024, 0), (3, 37, 0), (5, 96, 3), (2, 1, 1)]:
@@ -849,12 +851,8 @@ def test_compiled_narrow_linear_matches_its_cpu_model(dtype: torch.dtype) -> Non
     b|a shape at 1 / 8 / 64 rows, strided rows, one output feature, and a K past the weight chunks a
     thread loads at once (the loop). Misaligned rows are refused."""
     from ignis.compiler.kernels.fused_norms import narrow_linear_emulated
-    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
 
-    path = _norms_module_path()
-    if path is None:
-        pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
-    norms = FusedNormsKernel(path)
+    norms = _norms_kernel_or_skip()
     assert norms.has_narrow_linear
     gen = torch.Generator().manual_seed(10)
     ulp = torch.finfo(dtype).eps
