@@ -388,26 +388,36 @@ class Artifact:
                 GDN_REPLAY_FUNCTION_NAME,
                 GDN_STASH_FUNCTION_NAME,
                 GdnRecurrentKernel,
-                optional_export,
             )
             from ignis.runtime.tvm_runtime import load_module
 
             module = load_module(path, cuda=True)
             funcs = {"gdn_recurrent": module[entry.name]}
-            # optional (artifacts built since session 8): the stash round and the commit's replay
-            stash, replay = self.manifest.kernel("gdn_recurrent_stash"), self.manifest.kernel("gdn_replay")
-            if stash is not None and replay is not None and stash.file == replay.file == entry.file:
-                # listed but missing from the library: the record path (GdnRecurrentKernel takes
-                # the pair only when both are there), not the torch recurrence
-                for key, listed in ((GDN_STASH_FUNCTION_NAME, stash), (GDN_REPLAY_FUNCTION_NAME, replay)):
-                    func = optional_export(module, listed.name)
-                    if func is not None:
-                        funcs[key] = func
+            # optional (artifacts built since session 8): the stash round and the commit's replay;
+            # one listed or found without the other: the record path (GdnRecurrentKernel takes the
+            # pair only when both are there), not the torch recurrence
+            pair = {GDN_STASH_FUNCTION_NAME: "gdn_recurrent_stash", GDN_REPLAY_FUNCTION_NAME: "gdn_replay"}
+            funcs.update(self._listed_exports(module, entry.file, pair))
             return GdnRecurrentKernel(funcs)
 
         return self._kernel_library(
             "gdn_recurrent", ("gdn_recurrent",), "GDN recurrence", "rounds run the torch recurrence", load
         )
+
+    def _listed_exports(self, module: Any, file: str, kinds: Mapping[str, str]) -> dict[str, Any]:
+        """{key: module's export} for each (key, kind) of `kinds` whose manifest entry lists that
+        kind in `file` (the library `module` was loaded from) and that the module exports; a kind
+        not listed there, or listed but missing from the module, is left out."""
+        from ignis.runtime.families.hybrid_graphs import optional_export
+
+        out: dict[str, Any] = {}
+        for key, kind in kinds.items():
+            entry = self.manifest.kernel(kind)
+            if entry is not None and entry.file == file:
+                func = optional_export(module, entry.name)
+                if func is not None:
+                    out[key] = func
+        return out
 
     def norms_module(self) -> Any:
         """The artifact's fused row norms (the manifest's `kernels` entries of kinds "add_rms_norm"
@@ -424,17 +434,14 @@ class Artifact:
         """
 
         def load(path: Path, add: KernelEntry, gated: KernelEntry) -> Any:
-            from ignis.runtime.families.hybrid_graphs import FusedNormsKernel, optional_export
+            from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
             from ignis.runtime.tvm_runtime import load_module
 
             module = load_module(path, cuda=True)
             funcs = {"add_rms_norm": module[add.name], "gated_rms_norm": module[gated.name]}
-            for kind in ("silu_mul", "narrow_linear"):  # optional: artifacts built since session 10
-                entry = self.manifest.kernel(kind)
-                if entry is not None and entry.file == add.file:
-                    func = optional_export(module, entry.name)
-                    if func is not None:
-                        funcs[kind] = func
+            # optional (artifacts built since session 10; they take every dtype the norms take)
+            extras = {k: k for k in ("silu_mul", "narrow_linear")}
+            funcs.update(self._listed_exports(module, add.file, extras))
             return FusedNormsKernel(funcs)
 
         return self._kernel_library(
@@ -462,9 +469,8 @@ class Artifact:
 
             module = load_module(path, cuda=True)
             funcs = {"gdn_conv_silu": module[conv.name], "qk_norm_rope_kv": module[qk.name]}
-            attn = self.manifest.kernel("gated_attention")  # optional: artifacts built since session 7
-            if attn is not None and attn.file == conv.file:
-                funcs["gated_attention"] = module[attn.name]
+            # optional: artifacts built since session 7
+            funcs.update(self._listed_exports(module, conv.file, {"gated_attention": "gated_attention"}))
             return FusedMixersKernel(funcs)
 
         return self._kernel_library(

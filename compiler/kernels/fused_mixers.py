@@ -59,6 +59,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .fused_norms import _fma
+
 __all__ = [
     "FUNCTION_NAMES",
     "GATED_ATTENTION_HEAD_DIMS",
@@ -112,21 +114,19 @@ def gdn_conv_silu_reference(qkv: Any, state: Any, slots: Any, weight: Any, n: in
     return out, window
 
 
-def _fma(x: Any, y: Any, z: Any) -> Any:
-    """A float32 fused multiply-add (exact product and sum in float64, rounded once)."""
-    return (x.double() * y.double() + z.double()).float()
-
-
 def gdn_conv_silu_emulated(qkv: Any, state: Any, slots: Any, weight: Any, windows: Any, out: Any) -> None:
     """CPU model of ``gdn_conv_silu`` with the module's arguments (module docstring): writes
-    ``windows[:L, :, :K - 1 + n]`` and ``out`` [L, n, C] (model dtype) in place; per (lane, channel, column)
-    a float32 FMA chain over k in order, rounded, then ``y / (1 + exp(-y))`` rounded."""
+    ``windows[:L, :, :K - 1 + n]`` and ``out`` [L, n, C] (model dtype) in place; per (lane, channel,
+    column) a float32 FMA chain over k in order, rounded, then ``y / (1 + exp(-y))`` rounded. A slot
+    outside the state's range reads a zero state, as the kernel does."""
     import torch
 
     lanes, n, ch = out.shape
     kk = weight.shape[1]
     dtype = out.dtype
-    window = torch.cat([state.index_select(0, slots), qkv.reshape(lanes, n, ch).transpose(1, 2)], dim=2)
+    valid = (slots >= 0) & (slots < state.shape[0])
+    lane_state = torch.where(valid[:, None, None], state.index_select(0, torch.where(valid, slots, 0)), 0)
+    window = torch.cat([lane_state, qkv.reshape(lanes, n, ch).transpose(1, 2)], dim=2)
     windows[:lanes, :, : kk - 1 + n] = window
     wf, xf = weight.float(), window.float()
     for t in range(n):

@@ -1,5 +1,7 @@
-// Fused row norms of the hybrid (Qwen3.5 / Qwen3-Next) decoder layers, for graphed verify rounds:
-// each replaces a chain of small torch kernels (graph nodes) by one launch.
+// Fused row norms of the hybrid (Qwen3.5 / Qwen3-Next) decoder layers, the dense MLP's SwiGLU
+// activation and a narrow dense linear (the GDN b|a projection), for graphed verify rounds: each
+// replaces a chain of small torch kernels or cuBLAS's split-K pair (graph nodes) by one launch.
+// silu_mul and narrow_linear are described above their kernels below.
 //
 // add_rms_norm (the residual add + the (1 + w) RMSNorm, twice per layer):
 //
@@ -21,8 +23,9 @@
 //     out = round(float(round(float(w) * y)) * silu(float(z)))  silu(v) = v / (1 + exp(-v))
 //
 // One warp per (row, head): lane l handles elements l, l + 32, ...; the sum of squares is a strided
-// FMA chain and an xor-shuffle tree. CPU models of both (same order of operations):
-// ignis.compiler.kernels.fused_norms.add_rms_norm_emulated / gated_rms_norm_emulated.
+// FMA chain and an xor-shuffle tree. CPU models of all four (same order of operations):
+// ignis.compiler.kernels.fused_norms.add_rms_norm_emulated / gated_rms_norm_emulated /
+// silu_mul_emulated / narrow_linear_emulated.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -111,8 +111,8 @@ def gated_rms_norm_reference(x: Any, z: Any, w: Any, eps: float) -> Any:
 
 
 def _fma(x: Any, y: Any, z: Any) -> Any:
-    """A float32 fused multiply-add (exact product and sum in float64, rounded once)."""
-
+    """A float32 fused multiply-add, emulated: the product exact in float64, the sum rounded to float64
+    and then to float32 (twice: rarely one float32 step from a hardware FMA's single rounding)."""
     return (x.double() * y.double() + z.double()).float()
 
 

@@ -331,10 +331,9 @@ class _ModuleFunctions:
             source = load_module(source, cuda=True)
         self.funcs = {name: source[name] for name in self.function_names}
         for name in self.optional_function_names:
-            try:
-                self.funcs[name] = source[name]
-            except (KeyError, AttributeError):  # a dict / a tvm_ffi.Module without it
-                pass
+            func = optional_export(source, name)
+            if func is not None:
+                self.funcs[name] = func
 
     def _call(self, name: str, args: tuple[Any, ...], cuda: bool) -> None:
         if not cuda:  # a CPU stand-in (tests: the kernels' CPU models)
@@ -351,6 +350,10 @@ NORMS_FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm")
 (``silu_mul`` and ``narrow_linear`` too since session 10: `FusedNormsKernel.has_silu_mul`,
 `FusedNormsKernel.has_narrow_linear`)."""
 
+#: The activation dtypes the compiled norms' functions take.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Most rows `FusedNormsKernel.silu_mul` is used for (its grid's second dim).
+SILU_MUL_MAX_ROWS = 65535
 #: Most output features `FusedNormsKernel.narrow_linear` is used for (one block an output feature;
 #: wider weights stay on cuBLAS).
 NARROW_LINEAR_MAX_N = 1024
@@ -400,16 +403,18 @@ class FusedNormsKernel(_ModuleFunctions):
 
     def takes_narrow(self, x: torch.Tensor, weight: Any) -> bool:
         """Whether `narrow_linear` takes ``x @ weight^T`` (and is faster than cuBLAS there): the module
-        has it, x has at most `NARROW_LINEAR_MAX_ROWS` rows, weight is a dense 2-D tensor of x's
-        dtype and device with at most `NARROW_LINEAR_MAX_N` rows, and K and both row strides are
-        multiples of 16 bytes with the inner dims contiguous."""
+        has it, x has 1 .. `NARROW_LINEAR_MAX_ROWS` rows of float32 / bfloat16 / float16, weight is
+        a non-empty dense 2-D tensor of x's dtype and device with at most `NARROW_LINEAR_MAX_N`
+        rows, and K and both row strides are multiples of 16 bytes with the inner dims contiguous
+        and 16-byte aligned data."""
         if not (self.has_narrow_linear and isinstance(weight, torch.Tensor) and x.dim() == 2):
             return False
-        if x.shape[0] > NARROW_LINEAR_MAX_ROWS:
+        if not 1 <= x.shape[0] <= NARROW_LINEAR_MAX_ROWS or x.dtype not in _KERNEL_DTYPES:
             return False
         size = x.element_size()
         return (
             weight.dim() == 2
+            and weight.numel() > 0
             and weight.dtype == x.dtype
             and weight.device == x.device
             and weight.shape[0] <= NARROW_LINEAR_MAX_N
@@ -1373,7 +1378,12 @@ class StaticHybridExecutor(HybridExecutor):
     def _mlp(self, x: torch.Tensor, mlp: SwiGLUWeights, fused: FusedNormsKernel | None) -> torch.Tensor:
         """`swiglu_mlp`; in a static round whose norms module has ``silu_mul`` (fused), the stacked
         gate|up GEMM's activation ``F.silu(gate) * up`` in one launch (bit-identical)."""
-        if fused is not None and fused.has_silu_mul and mlp.gate_up is not None:
+        if (
+            fused is not None
+            and fused.has_silu_mul
+            and mlp.gate_up is not None
+            and x.shape[0] <= SILU_MUL_MAX_ROWS
+        ):
             return self.linear(fused.silu_mul(self.linear(x, mlp.gate_up, None)), mlp.down, None)
         return swiglu_mlp(x, mlp, linear=self.linear)
 

@@ -374,16 +374,19 @@ float smem_store_alias[kNormWarps * kMaxHeadDim];
 }
 
 template <typename F>
-void run_grid(unsigned gx, unsigned gy, unsigned threads, F f) {
-  for (unsigned by = 0; by < gy; ++by)
-    for (unsigned bx = 0; bx < gx; ++bx) {
-      g_bars.clear();
-      for (unsigned w = 0; w < threads / 32; ++w) g_bars.emplace_back(new std::barrier<>(32));
-      std::vector<std::thread> ts;
-      for (unsigned t = 0; t < threads; ++t)
-        ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; t_warp = t / 32; f(); });
-      for (auto& th : ts) th.join();
-    }
+void run_grid(unsigned gx, unsigned gy, unsigned threads, F f, unsigned gz = 1) {
+  for (unsigned bz = 0; bz < gz; ++bz)
+    for (unsigned by = 0; by < gy; ++by)
+      for (unsigned bx = 0; bx < gx; ++bx) {
+        g_bars.clear();
+        for (unsigned w = 0; w < threads / 32; ++w) g_bars.emplace_back(new std::barrier<>(32));
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < threads; ++t)
+          ts.emplace_back([=] {
+            threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; blockIdx.z = bz; t_warp = t / 32; f();
+          });
+        for (auto& th : ts) th.join();
+      }
 }
 
 using namespace ignis_mixers;
@@ -392,10 +395,12 @@ extern "C" {
 void conv(int dtype, int K, ConvParams* p) {
   unsigned gx = (p->channels + kConvThreads - 1) / kConvThreads;
   ConvParams q = *p;
+// the launch's grid (fused_mixers_ffi.cuh): (channel blocks, columns, lanes)
 #define CASE(T) \
-  switch (K) { case 2: run_grid(gx, q.lanes, kConvThreads, [=]{ gdn_conv_silu_kernel<T, 2>(q); }); break; \
-               case 4: run_grid(gx, q.lanes, kConvThreads, [=]{ gdn_conv_silu_kernel<T, 4>(q); }); break; \
-               default: run_grid(gx, q.lanes, kConvThreads, [=]{ gdn_conv_silu_kernel<T, 8>(q); }); }
+  switch (K) { \
+    case 2: run_grid(gx, q.n, kConvThreads, [=]{ gdn_conv_silu_kernel<T, 2>(q); }, q.lanes); break; \
+    case 4: run_grid(gx, q.n, kConvThreads, [=]{ gdn_conv_silu_kernel<T, 4>(q); }, q.lanes); break; \
+    default: run_grid(gx, q.n, kConvThreads, [=]{ gdn_conv_silu_kernel<T, 8>(q); }, q.lanes); }
   if (dtype == 0) { CASE(float) } else if (dtype == 1) { CASE(__nv_bfloat16) } else { CASE(__half) }
 }
 void qk(int dtype, NormRopeParams* p) {
@@ -480,8 +485,16 @@ def test_cuda_source_on_the_host_matches_the_models(host_kernels, dtype: torch.d
         )  # fmt: skip
         host_kernels.qk(_HOST_DTYPE[dtype], ctypes.byref(p))
 
-    for lanes, n, ch, kk in [(1, 1, 1, 4), (1, 8, 300, 4), (3, 5, 129, 2), (2, 3, 40, 8)]:
+    for lanes, n, ch, kk, bad in [
+        (1, 1, 1, 4, False),
+        (1, 8, 300, 4, False),
+        (3, 5, 129, 2, True),
+        (2, 3, 40, 8, True),
+    ]:
         qkv, state, slots, weight = _conv_case(dtype, lanes, n, ch, kk, 7)
+        if bad:  # the last lane's slot out of range: a zero state in the model and the kernel
+            slots = slots.clone()
+            slots[-1] = -1
         got = []
         for fn in (gdn_conv_silu_emulated, conv_kernel):
             windows = torch.full((lanes + 1, ch, kk - 1 + n + 2), 7.0, dtype=dtype)
@@ -490,6 +503,8 @@ def test_cuda_source_on_the_host_matches_the_models(host_kernels, dtype: torch.d
             got.append((out, windows))
         (o_model, w_model), (o_kernel, w_kernel) = got
         assert torch.equal(w_kernel, w_model)
+        if bad:
+            assert not w_model[lanes - 1, :, : kk - 1].any()
         if dtype == torch.float32:  # expf vs torch.exp: an ulp or so
             torch.testing.assert_close(o_kernel, o_model, atol=1e-6, rtol=1e-6)
         else:

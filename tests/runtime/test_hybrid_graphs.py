@@ -685,12 +685,13 @@ def test_fused_norms_path_matches_hybrid_executor(
 
     c = tiny.config
     vocab = c.vocab_size
-    st = static(tiny, max_lanes=3)
+    # the tensors copied out of the checkpoint's mapping: 16-byte aligned, as device weights are (a
+    # view into the mapping may not be, and keeps torch's linear: test_takes_narrow_rules)
+    aligned = {k: v.clone() for k, v in tiny.canonical_tensors().items()}
+    st = StaticHybridExecutor(c, aligned, max_lanes=3, max_context=200, kv_bucket=16)
     calls: list[str] = []
     st._norms_kernel = FusedNormsKernel(_emulated_norms_module(calls, extras=extras))  # the setter wants CUDA
     assert st._norms_kernel.has_silu_mul == st._norms_kernel.has_narrow_linear == extras
-    # the b|a weights narrow_linear takes (16-byte aligned: the fused qwen3_5 ones are new tensors; a
-    # weight left as a view into the checkpoint's mapping may not be, and keeps torch's linear)
     probe = torch.zeros(1, c.hidden_size, dtype=st.dtype)
     ba = [
         w
@@ -699,12 +700,8 @@ def test_fused_norms_path_matches_hybrid_executor(
         for w in (layer.gdn.in_proj_b_a, layer.gdn.in_proj_b, layer.gdn.in_proj_a, layer.gdn.in_proj_ba)
         if w is not None
     ]
-    narrow = sum(FusedNormsKernel(_emulated_norms_module([])).takes_narrow(probe, w) for w in ba)
-    # more rows than NARROW_LINEAR_MAX_ROWS keep cuBLAS (narrow_linear re-reads x a feature)
-    wide = torch.zeros(17, c.hidden_size, dtype=st.dtype)
-    assert not any(st._norms_kernel.takes_narrow(wide, w) for w in ba)
-    if c.model_type == "qwen3_5":
-        assert narrow == sum(not c.is_full_attention(i) for i in range(c.num_hidden_layers))  # it runs
+    narrow = len(ba)  # every family's b|a projections, qwen3_next's grouped in_proj_ba too
+    assert all(FusedNormsKernel(_emulated_norms_module([])).takes_narrow(probe, w) for w in ba)
     if with_gdn:
         st._gdn_kernel = GdnRecurrentKernel(_emulated_gdn_module([]))
     n_gdn = sum(not c.is_full_attention(i) for i in range(c.num_hidden_layers))
@@ -742,6 +739,36 @@ def test_fused_norms_path_matches_hybrid_executor(
         for s in (lane, other):
             st.release_lane(s)
     setter_wants_cuda(st, lambda **kw: static(tiny, **kw), "norms_module", lambda: _emulated_norms_module([]))
+
+
+def test_takes_narrow_rules() -> None:
+    """`FusedNormsKernel.takes_narrow` sends narrow_linear only calls the kernel takes, where it beats
+    cuBLAS: 1-16 rows, float32 / bfloat16 / float16, a dense non-empty weight of x's dtype with at
+    most 1,024 rows, K and the row strides multiples of 16 bytes, 16-byte aligned data, a module
+    that has the export."""
+    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+    from ignis.runtime.linear import Q4Weight
+
+    norms = FusedNormsKernel(_emulated_norms_module([]))
+    old = FusedNormsKernel(_emulated_norms_module([], extras=False))
+    x, w = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(96, 64, dtype=torch.bfloat16)
+    assert norms.takes_narrow(x, w) and not old.takes_narrow(x, w)
+    assert norms.takes_narrow(torch.zeros(16, 64, dtype=torch.bfloat16), w)
+    assert not norms.takes_narrow(torch.zeros(17, 64, dtype=torch.bfloat16), w)  # cuBLAS is faster
+    assert not norms.takes_narrow(torch.zeros(0, 64, dtype=torch.bfloat16), w)
+    assert not norms.takes_narrow(x.double(), w.double())
+    assert not norms.takes_narrow(x, w.float())  # another dtype
+    assert not norms.takes_narrow(x, torch.zeros(1025, 64, dtype=torch.bfloat16))
+    assert not norms.takes_narrow(x, torch.zeros(0, 64, dtype=torch.bfloat16))
+    assert not norms.takes_narrow(
+        torch.zeros(8, 12, dtype=torch.bfloat16), torch.zeros(4, 12, dtype=torch.bfloat16)
+    )
+    buf = torch.zeros(96 * 64 + 8, dtype=torch.bfloat16)
+    assert not norms.takes_narrow(x, buf[1 : 1 + 96 * 64].view(96, 64))  # 2 bytes off alignment
+    assert not norms.takes_narrow(x, torch.zeros(96, 68, dtype=torch.bfloat16)[:, :64])  # 136-byte rows
+    assert norms.takes_narrow(x, torch.zeros(96, 72, dtype=torch.bfloat16)[:, :64])  # 144-byte rows
+    q4 = Q4Weight(torch.zeros(96, 8, dtype=torch.int32), torch.ones(96, 2, dtype=torch.float16))
+    assert not norms.takes_narrow(x, q4)
 
 
 def _norms_module_path() -> str | None:
@@ -887,42 +914,38 @@ def _mixers_module_or_skip() -> str:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_gdn_conv_silu_matches_its_cpu_model(dtype: torch.dtype) -> None:
-    """The compiled GDN conv1d + SiLU against its CPU model at 1-33 columns (the kernel loads its
-    columns 8 at a time: batch edges at 8, 9, 16, 17, 32, 33), 1-3 lanes in permuted slots, the
-    27B's 10,240 channels and an odd count: the windows bit for bit, the outputs within a unit in the
-    last place in bfloat16 (almost all equal) and four in float32 (CUDA's expf against the CPU's exp,
-    then a division)."""
+    """The compiled GDN conv1d + SiLU (a thread per channel, column and lane) against its CPU model at
+    1-33 columns, 1-3 lanes in permuted slots and one slot out of range (a zero state), conv sizes 2
+    and 4 (K - 1 = 1 or 3 state positions in a column's window), the 27B's 10,240 channels and odd
+    counts: the windows bit for bit, the outputs within a unit in the last place in the half types
+    (almost all equal) and four in float32 (CUDA's expf against the CPU's exp, then a division)."""
     from ignis.compiler.kernels.fused_mixers import gdn_conv_silu_emulated
     from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
 
     mixers = FusedMixersKernel(_mixers_module_or_skip())
     gen = torch.Generator().manual_seed(12)
     ulp = torch.finfo(dtype).eps * (4 if dtype == torch.float32 else 1)
-    for lanes, n, ch in [
-        (1, 1, 10240),
-        (1, 8, 10240),
-        (2, 9, 300),
-        (3, 17, 130),
-        (1, 32, 10240),
-        (2, 33, 77),
-    ]:
-        kk, slots_n = 4, 5
+    cases = [(1, 1, 10240, 4), (1, 8, 10240, 4), (2, 9, 300, 2), (3, 17, 130, 4), (1, 32, 10240, 4)]
+    cases += [(3, 33, 77, 2), (2, 1, 64, 2)]
+    for lanes, n, ch, kk in cases:
+        slots_n = 5
         qkv = torch.randn(lanes * n, ch, generator=gen).to(dtype)
         state = torch.randn(slots_n, ch, kk - 1, generator=gen).to(dtype)
         weight = (torch.randn(ch, kk, generator=gen) * 0.5).to(dtype)
-        slots = torch.tensor([4, 0, 2][:lanes], dtype=torch.int64)
+        slots = torch.tensor([4, 0, 7][:lanes], dtype=torch.int64)  # 7: out of range, a zero state
         win_c = torch.zeros(lanes, ch, kk - 1 + n + 2, dtype=dtype, device="cuda")
-        got = mixers.gdn_conv_silu(
-            qkv.cuda(), state.cuda(), slots.cuda(), weight.cuda(), win_c, lanes, n
-        ).cpu()
+        args = (qkv.cuda(), state.cuda(), slots.cuda(), weight.cuda(), win_c, lanes, n)
+        got = mixers.gdn_conv_silu(*args).cpu()
         win = torch.zeros(lanes, ch, kk - 1 + n + 2, dtype=dtype)
         want = torch.empty(lanes, n, ch, dtype=dtype)
         gdn_conv_silu_emulated(qkv, state, slots, weight, win, want)
-        assert torch.equal(win_c.cpu(), win), (lanes, n, ch)
+        assert torch.equal(win_c.cpu(), win), (lanes, n, ch, kk)
+        if lanes == 3:
+            assert not win[2, :, : kk - 1].any()  # the out-of-range slot's state positions are zeros
         err = (got.double() - want.double()).abs()
-        assert bool((err <= ulp * want.double().abs() + 1e-30).all()), (lanes, n, ch, float(err.max()))
+        assert bool((err <= ulp * want.double().abs() + 1e-30).all()), (lanes, n, ch, kk, float(err.max()))
         assert dtype == torch.float32 or (got == want).float().mean() > 0.99
 
 
