@@ -205,8 +205,8 @@ __global__ void __launch_bounds__(kGatedWarps * 32) gated_rms_norm_kernel(GatedP
 //     silu(v) = v / (1 + exp(-v))                                   (ATen's silu_kernel, float32)
 //
 // torch's ``F.silu(gate) * up``: two elementwise kernels (graph nodes) and an intermediate tensor.
-// One thread per kActVec elements of a row (16-byte loads and stores when the host found the rows
-// aligned, VEC; else one element at a time), grid (chunks / kActThreads, rows).
+// A thread per 16 bytes of a row's elements (16-byte loads and stores when the host found the rows
+// aligned, VEC; else a thread per element), grid (ceil(threads / kActThreads), rows).
 constexpr int kActThreads = 256;
 
 struct ActParams {
