@@ -3,12 +3,15 @@
 // contiguity predicates and checks, the launch-error check and the stream lookup. Host code only.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
 #include <initializer_list>
+#include <type_traits>
 
 namespace ignis_ffi {
 
@@ -21,6 +24,22 @@ inline bool dtype_is(const TensorView& t, uint8_t code, uint8_t bits) {
 
 inline bool same_dtype(const TensorView& x, const TensorView& y) {
   return x.dtype().code == y.dtype().code && x.dtype().bits == y.dtype().bits && x.dtype().lanes == y.dtype().lanes;
+}
+
+// fn(tag) for t's element type T -- float, __nv_bfloat16 or __half -- with tag a null T* (the caller
+// reads T as std::remove_pointer_t<decltype(tag)>); TypeError "<name>: <what> must be float32,
+// bfloat16 or float16" for any other dtype.
+template <typename F>
+void dispatch_float(const char* name, const char* what, const TensorView& t, F&& fn) {
+  if (dtype_is(t, kDLFloat, 32)) {
+    fn(static_cast<float*>(nullptr));
+  } else if (dtype_is(t, kDLBfloat, 16)) {
+    fn(static_cast<__nv_bfloat16*>(nullptr));
+  } else if (dtype_is(t, kDLFloat, 16)) {
+    fn(static_cast<__half*>(nullptr));
+  } else {
+    TVM_FFI_THROW(TypeError) << name << ": " << what << " must be float32, bfloat16 or float16";
+  }
 }
 
 // The first element's address (DLPack: data + byte_offset).

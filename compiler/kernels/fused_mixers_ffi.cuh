@@ -103,15 +103,10 @@ inline void gdn_conv_silu_launch(const char* name, TensorView qkv, TensorView st
   const dim3 grid(static_cast<unsigned>((channels + kConvThreads - 1) / kConvThreads), static_cast<unsigned>(n),
                   static_cast<unsigned>(lanes));  // a thread per (channel, column, lane)
   const int k = static_cast<int>(K);
-  if (dtype_is(qkv, kDLFloat, 32)) {
-    conv_launch<float>(p, k, grid, stream);
-  } else if (dtype_is(qkv, kDLBfloat, 16)) {
-    conv_launch<__nv_bfloat16>(p, k, grid, stream);
-  } else if (dtype_is(qkv, kDLFloat, 16)) {
-    conv_launch<__half>(p, k, grid, stream);
-  } else {
-    TVM_FFI_THROW(TypeError) << name << ": qkv must be float32, bfloat16 or float16";
-  }
+  dispatch_float(name, "qkv", qkv, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    conv_launch<T>(p, k, grid, stream);
+  });
   check_launch(name);
 }
 
@@ -205,15 +200,10 @@ inline void qk_norm_rope_kv_launch(const char* name, TensorView q, TensorView k,
   TVM_FFI_CHECK(blocks <= 2147483647LL, ValueError) << name << ": too many blocks (" << blocks << ")";
   const dim3 grid(static_cast<unsigned>(blocks)), block(kNormWarps * 32);
   const size_t smem = static_cast<size_t>(kNormWarps) * static_cast<size_t>(hd) * sizeof(float);
-  if (dtype_is(q, kDLFloat, 32)) {
-    qk_norm_rope_kv_kernel<float><<<grid, block, smem, stream>>>(p);
-  } else if (dtype_is(q, kDLBfloat, 16)) {
-    qk_norm_rope_kv_kernel<__nv_bfloat16><<<grid, block, smem, stream>>>(p);
-  } else if (dtype_is(q, kDLFloat, 16)) {
-    qk_norm_rope_kv_kernel<__half><<<grid, block, smem, stream>>>(p);
-  } else {
-    TVM_FFI_THROW(TypeError) << name << ": q must be float32, bfloat16 or float16";
-  }
+  dispatch_float(name, "q", q, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    qk_norm_rope_kv_kernel<T><<<grid, block, smem, stream>>>(p);
+  });
   check_launch(name);
 }
 

@@ -69,15 +69,10 @@ inline void add_rms_norm_launch(const char* name, TensorView h, TensorView d, Te
   p.eps = static_cast<float>(eps);
   cudaStream_t stream = stream_of(h);
   const dim3 grid(static_cast<unsigned>(rows)), block(kAddThreads);
-  if (dtype_is(h, kDLFloat, 32)) {
-    launch_maybe_pdl(add_rms_norm_kernel<float>, grid, block, 0, stream, p);
-  } else if (dtype_is(h, kDLBfloat, 16)) {
-    launch_maybe_pdl(add_rms_norm_kernel<__nv_bfloat16>, grid, block, 0, stream, p);
-  } else if (dtype_is(h, kDLFloat, 16)) {
-    launch_maybe_pdl(add_rms_norm_kernel<__half>, grid, block, 0, stream, p);
-  } else {
-    TVM_FFI_THROW(TypeError) << name << ": h must be float32, bfloat16 or float16";
-  }
+  dispatch_float(name, "h", h, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launch_maybe_pdl(add_rms_norm_kernel<T>, grid, block, 0, stream, p);
+  });
   check_launch(name);
 }
 
@@ -128,15 +123,10 @@ inline void gated_rms_norm_launch(const char* name, TensorView x, TensorView z, 
   const int64_t blocks = (rows * heads + kGatedWarps - 1) / kGatedWarps;
   TVM_FFI_CHECK(blocks <= 2147483647LL, ValueError) << name << ": too many blocks (" << blocks << ")";
   const dim3 grid(static_cast<unsigned>(blocks)), block(kGatedWarps * 32);
-  if (dtype_is(z, kDLFloat, 32)) {
-    launch_maybe_pdl(gated_rms_norm_kernel<float, float>, grid, block, 0, stream, p);
-  } else if (dtype_is(z, kDLBfloat, 16)) {
-    gated_launch<__nv_bfloat16>(p, x_f32, grid, block, stream);
-  } else if (dtype_is(z, kDLFloat, 16)) {
-    gated_launch<__half>(p, x_f32, grid, block, stream);
-  } else {
-    TVM_FFI_THROW(TypeError) << name << ": z must be float32, bfloat16 or float16";
-  }
+  dispatch_float(name, "z", z, [&](auto tag) {  // (float32 z: x is float32 too, checked above)
+    using T = std::remove_pointer_t<decltype(tag)>;
+    gated_launch<T>(p, x_f32, grid, block, stream);
+  });
   check_launch(name);
 }
 
@@ -147,8 +137,8 @@ bool aligned16(const TensorView& t, int64_t row_stride) {
 
 template <typename T>
 void silu_mul_typed(ActParams p, TensorView gu, TensorView out, cudaStream_t stream) {
-  const bool vec = p.inter % (16 / static_cast<int>(sizeof(T))) == 0 && aligned16<T>(gu, p.gu_row) &&
-                   aligned16<T>(out, p.out_row) && (p.inter * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+  const bool vec =
+      p.inter % (16 / static_cast<int>(sizeof(T))) == 0 && aligned16<T>(gu, p.gu_row) && aligned16<T>(out, p.out_row);
   const int per = vec ? 16 / static_cast<int>(sizeof(T)) : 1;
   const int64_t chunks = (p.inter + per - 1) / per;
   const dim3 grid(static_cast<unsigned>((chunks + kActThreads - 1) / kActThreads), static_cast<unsigned>(p.rows));
@@ -178,15 +168,10 @@ inline void silu_mul_launch(const char* name, TensorView gu, TensorView out) {
   p.rows = static_cast<int>(rows);
   p.inter = static_cast<int>(inter);
   cudaStream_t stream = stream_of(gu);
-  if (dtype_is(gu, kDLFloat, 32)) {
-    silu_mul_typed<float>(p, gu, out, stream);
-  } else if (dtype_is(gu, kDLBfloat, 16)) {
-    silu_mul_typed<__nv_bfloat16>(p, gu, out, stream);
-  } else if (dtype_is(gu, kDLFloat, 16)) {
-    silu_mul_typed<__half>(p, gu, out, stream);
-  } else {
-    TVM_FFI_THROW(TypeError) << name << ": gu must be float32, bfloat16 or float16";
-  }
+  dispatch_float(name, "gu", gu, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    silu_mul_typed<T>(p, gu, out, stream);
+  });
   check_launch(name);
 }
 
@@ -223,15 +208,10 @@ inline void narrow_linear_launch(const char* name, TensorView x, TensorView w, T
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
   cudaStream_t stream = stream_of(x);
-  if (dtype_is(x, kDLFloat, 32)) {
-    narrow_linear_typed<float>(name, p, x, w, stream);
-  } else if (dtype_is(x, kDLBfloat, 16)) {
-    narrow_linear_typed<__nv_bfloat16>(name, p, x, w, stream);
-  } else if (dtype_is(x, kDLFloat, 16)) {
-    narrow_linear_typed<__half>(name, p, x, w, stream);
-  } else {
-    TVM_FFI_THROW(TypeError) << name << ": x must be float32, bfloat16 or float16";
-  }
+  dispatch_float(name, "x", x, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    narrow_linear_typed<T>(name, p, x, w, stream);
+  });
   check_launch(name);
 }
 

@@ -160,15 +160,10 @@ void gdn_recurrent_launch(const char* name, TensorView mixed, TensorView b, Tens
   p.scale = static_cast<float>(scale);
   cudaStream_t stream = stream_of(mixed);
   constexpr int kMode = STASH ? kModeStash : kModeRecord;
-  if (dtype_is(mixed, kDLFloat, 32)) {
-    launch<float, kMode>(name, p, stream);
-  } else if (dtype_is(mixed, kDLBfloat, 16)) {
-    launch<__nv_bfloat16, kMode>(name, p, stream);
-  } else if (dtype_is(mixed, kDLFloat, 16)) {
-    launch<__half, kMode>(name, p, stream);
-  } else {
-    TVM_FFI_THROW(TypeError) << name << ": mixed must be float32, bfloat16 or float16";
-  }
+  dispatch_float(name, "mixed", mixed, [&](auto tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launch<T, kMode>(name, p, stream);
+  });
 }
 
 // kModeReplay: stash [G, C, Ls, W] f32 (last dim contiguous), state [G, S, hv, dk, dv] f32 (inner four
