@@ -345,6 +345,49 @@ def test_compiled_stash_and_replay_bit_identical_to_the_record(shape: tuple[int,
     _assert_replayed(state_d, before, records, slots, keep, total)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_compiled_round_matches_its_cpu_model(shape: tuple[int, ...], dtype: torch.dtype, strided: bool) -> None:
+    """On CUDA, the compiled record round against `gdn_recurrent_emulated` (the kernel's blocking and
+    summation order on the CPU): out and every column's state within float32 rounding of the
+    model (the GPU's rsqrtf / expf / log1pf differ from torch's by an ulp or two, so not bit for
+    bit), and the torch path (the oracle) within the model's own tolerance. strided: mixed's
+    channels two elements apart (any strides are allowed). A row, column or lane mapping error is
+    off by O(1); nothing is written outside record[:n, :L]."""
+    import os
+
+    from ignis.runtime.tvm_runtime import load_module, torch_stream
+
+    path = os.environ.get("IGNIS_GDN_MODULE")
+    if not path:
+        pytest.skip("no compiled GDN module ($IGNIS_GDN_MODULE)")
+    rec_f = load_module(path, cuda=True)[FUNCTION_NAME]
+    lanes, n, hk, hv, dk, dv, total = shape
+    args = _inputs(lanes, n, hk, hv, dk, dv, total, dtype=dtype, seed=3 * sum(shape))
+    out_m, rec_m = gdn_recurrent_emulated(*args, hk)
+    out_ref, rec_ref = gdn_recurrent_reference(*args, hk)
+    dev = torch.device("cuda")
+    dargs = [t.to(dev) for t in args]
+    if strided:
+        mixed = dargs[0]
+        wide = torch.zeros(*mixed.shape[:-1], 2 * mixed.shape[-1], dtype=mixed.dtype, device=dev)
+        wide[..., ::2] = mixed
+        dargs[0] = wide[..., ::2]
+    rec = torch.full((n + 1, lanes + 1, hv, dk, dv), float("nan"), device=dev)  # larger than needed
+    out = torch.empty(lanes, n, hv, dv, device=dev)
+    with torch_stream():
+        rec_f(*dargs, rec, out, hk, dk**-0.5)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.cpu(), out_m, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rec[:n, :lanes].cpu(), rec_m, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu(), out_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(rec[:n, :lanes].cpu(), rec_ref, atol=2e-5, rtol=2e-5)
+    assert rec[n:].isnan().all() and rec[:, lanes:].isnan().all()
+
+
 def test_build_rejects_non_cuda_targets() -> None:
     with pytest.raises(GdnKernelError, match="CUDA only"):
         build_gdn_recurrent("llvm")
