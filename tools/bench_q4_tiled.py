@@ -53,13 +53,15 @@ def candidates() -> dict[str, Any]:
         replace(rules[0], no_wait=True),
         replace(rules[3], no_fixup=True),
         replace(rules[3], no_wait=True),
+        # the math without the weight stream (and no fixups), 1-4 n-tiles (session 11)
+        *[replace(r, math_only=True) for r in rules[:4]],
     ]
     return {c.tag: c for c in cfgs}
 
 
 def is_diagnostic(key: str) -> bool:
     """Whether a tag, export name or result key belongs to a diagnostic (wrong output by design)."""
-    return "streamonly" in key or "nofixup" in key or "nowait" in key
+    return "streamonly" in key or "nofixup" in key or "nowait" in key or "mathonly" in key
 
 
 def cmd_build(args: argparse.Namespace) -> None:

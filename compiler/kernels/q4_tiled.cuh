@@ -92,6 +92,12 @@ constexpr int kModeNoFixup = 2;
 // nothing and a group's first worker reads its slots once (empty: wrong output) without polling
 // or restoring them (the workspace stays empty), to measure what the wait at the end costs.
 constexpr int kModeNoWait = 3;
+// MODE kModeMathOnly (diagnostic): the math without the weight stream -- each warp loads its ring's
+// first D units and then, instead of loading the next units, flips the bits of the ones it holds
+// (one XOR a word: the values change every unit, so nothing is hoisted out of the loop) -- and no
+// fixups (as kModeNoFixup): what the dequantization, the mma and the activations' shared-memory
+// reads cost on their own (wrong output).
+constexpr int kModeMathOnly = 4;
 
 // (q - 8) for the word's features, unscaled and exact: out[i] = (f_{2i} - 8, f_{2i+1} - 8).
 template <typename T>
@@ -464,7 +470,19 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   unsigned char* ring = tsmem + kXsHead + warp * kRingBytes;
   const uint32_t ring_a = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 
-  auto issue = [&](int d) {  // the unit at the load cursor into slot d, then advance the cursor
+  auto issue = [&](int d, bool refill = false) {  // the unit at the load cursor into slot d, then advance
+    if constexpr (MODE == kModeMathOnly && RING == 0) {
+      if (refill) {  // no load: the slot's words flipped
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          wbuf[d][i][0] = make_uint4(~wbuf[d][i][0].x, ~wbuf[d][i][0].y, ~wbuf[d][i][0].z, ~wbuf[d][i][0].w);
+          wbuf[d][i][1] = make_uint4(~wbuf[d][i][1].x, ~wbuf[d][i][1].y, ~wbuf[d][i][1].z, ~wbuf[d][i][1].w);
+          sbuf[d][i].x ^= 0x00010001u;  // the scales' lowest bits
+        }
+        advance(lc);
+        return;
+      }
+    }
     if constexpr (RING == 0) {
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
@@ -730,7 +748,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
           a.v[i][j][c] = v;
         }
     constexpr bool kNoWait = MODE == kModeNoWait;
-    if constexpr (MODE == kModeNoFixup)
+    if constexpr (MODE == kModeNoFixup || MODE == kModeMathOnly)
       tiled_store_y<T, NT, MT>(a, out_of(grp), y, n_rows, n_out, y_ld);
     else if constexpr (decltype(last)::value)
       tiled_finish_group<T, NT, MT, false, kNoWait>(a, grp, out_of(grp), p, u0, u1, S, U, n_workers, ws, slots, y,
@@ -795,7 +813,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     unit_x(u, xv);
     if constexpr (RING == 0) {
       compute(wbuf[d], sbuf[d], xv);
-      if (!check || u + D < u1) issue(d);
+      if (!check || u + D < u1) issue(d, true);
     } else {  // RING 2
       cp_async_wait<D - 2>();  // this lane's pieces of unit u (slot d) have landed
       uint4 wd[MT][2], sd[MT];

@@ -48,6 +48,9 @@ class TiledConfig:
             output wherever a group is shared), to measure what the fixups cost.
         no_wait: diagnostic: the fixups without their wait (nothing parked, the first worker reads
             its still-empty slots once: wrong output), to measure what the wait at the end costs.
+        math_only: diagnostic: the ring's first units loaded, then their bits flipped a unit instead
+            of the next units' loads, and no fixups (wrong output): what the math costs without the
+            weight stream (ring 0 only).
         x_smem: the stream-K workers are blocks (a unit: ``warps * m_tiles`` tiles x one k-step,
             each warp its own tiles) whose activations are copied into shared memory once;
             ``blocks_per_sm`` (0: 1) blocks a SM. Takes ring 0 or 2.
@@ -79,6 +82,7 @@ class TiledConfig:
     x_bulk: bool = False
     x_ring: int = 0
     x_ring_k: int = 1
+    math_only: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_tiles <= MAX_ROWS // 8:
@@ -97,8 +101,10 @@ class TiledConfig:
             )
         if self.ring == 2 and self.depth < 3:
             raise Q4KernelError("ring 2 needs depth >= 3")
-        if self.stream_only + self.no_fixup + self.no_wait > 1:
-            raise Q4KernelError("stream_only, no_fixup and no_wait are exclusive diagnostics")
+        if self.stream_only + self.no_fixup + self.no_wait + self.math_only > 1:
+            raise Q4KernelError("stream_only, no_fixup, no_wait and math_only are exclusive diagnostics")
+        if self.math_only and self.ring:
+            raise Q4KernelError("math_only takes ring 0")
         if self.x_smem and self.x_double:
             raise Q4KernelError("x_smem takes no x_double")
         if self.n_tiles > 4 and not self.x_smem:
@@ -125,7 +131,7 @@ class TiledConfig:
     @property
     def diagnostic(self) -> bool:
         """A diagnostic variant (wrong output by design): timed, never used."""
-        return self.stream_only or self.no_fixup or self.no_wait
+        return self.stream_only or self.no_fixup or self.no_wait or self.math_only
 
     @property
     def max_rows(self) -> int:
@@ -151,12 +157,14 @@ class TiledConfig:
             tag += "_nofixup"
         if self.no_wait:
             tag += "_nowait"
+        if self.math_only:
+            tag += "_mathonly"
         return tag if self.pdl else tag + "_nopdl"
 
     def export_line(self, name: str) -> str:
         b = {True: "true", False: "false"}
-        # kModeStreamOnly / kModeNoFixup / kModeNoWait
-        mode = 1 if self.stream_only else 2 if self.no_fixup else 3 if self.no_wait else 0
+        # kModeStreamOnly / kModeNoFixup / kModeNoWait / kModeMathOnly
+        mode = 1 if self.stream_only else 2 if self.no_fixup else 3 if self.no_wait else 4 if self.math_only else 0
         xs = 3 if self.x_ring else 2 if self.x_bulk else int(self.x_smem)  # the kernel's XS
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "

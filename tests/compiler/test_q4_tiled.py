@@ -496,6 +496,33 @@ def test_configs_are_validated_and_tagged() -> None:
         build_q4_tiled_module("sm_75", {"f": TiledConfig()}, "/nonexistent/x.so")
 
 
+def test_diagnostic_modes_match_the_kernel() -> None:
+    """The diagnostics (wrong output by design, timed by tools/bench_q4_tiled.py) are exclusive, tagged
+    apart, and their export's MODE is the kernel's constant of that name (q4_tiled.cuh, q4_linear.cuh)."""
+    src = (Path(q4_tiled_module.__file__).parent / "q4_tiled.cuh").read_text()
+    src += (Path(q4_tiled_module.__file__).parent / "q4_linear.cuh").read_text()
+    base = {"warps": 16, "depth": 3, "min_blocks": 1, "blocks_per_sm": 1, "x_smem": True, "x_bulk": True}
+    modes = {}
+    for flag, const in (
+        ("stream_only", "kModeStreamOnly"),
+        ("no_fixup", "kModeNoFixup"),
+        ("no_wait", "kModeNoWait"),
+        ("math_only", "kModeMathOnly"),
+    ):
+        cfg = TiledConfig(**base, **{flag: True})
+        assert cfg.diagnostic and "_" + flag.replace("_", "") in cfg.tag
+        mode = int(cfg.export_line("f").split(", ")[11])
+        match = re.search(rf"\b{const} = (\d+)", src)
+        assert match and int(match.group(1)) == mode, flag
+        modes[flag] = mode
+    assert len(set(modes.values())) == 4 and 0 not in modes.values()
+    assert not TiledConfig(**base).diagnostic and TiledConfig(**base).export_line("f").split(", ")[11] == "0"
+    with pytest.raises(Q4KernelError, match="exclusive"):
+        TiledConfig(**base, no_fixup=True, math_only=True)
+    with pytest.raises(Q4KernelError, match="math_only takes ring 0"):
+        TiledConfig(warps=16, depth=3, min_blocks=1, ring=2, math_only=True)
+
+
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
 def test_rule_modules_cross_compile(tmp_path: Path, arch: str) -> None:
