@@ -94,9 +94,10 @@ constexpr int kModeNoFixup = 2;
 constexpr int kModeNoWait = 3;
 // MODE kModeMathOnly (diagnostic): the math without the weight stream -- each warp loads its ring's
 // first D units and then, instead of loading the next units, flips the bits of the ones it holds
-// (one XOR a word: the values change every unit, so nothing is hoisted out of the loop) -- and no
-// fixups (as kModeNoFixup): what the dequantization, the mma and the activations' shared-memory
-// reads cost on their own (wrong output).
+// (one NOT a word: a slot's values alternate with period 2, so the dequantization stays in the loop;
+// the SASS has as many half-precision instructions a loop as the no-fixup kernel's) -- and no fixups
+// (as kModeNoFixup): what the dequantization, the mma and the activations' shared-memory reads cost
+// without the weight loads and their address arithmetic (wrong output).
 constexpr int kModeMathOnly = 4;
 
 // (q - 8) for the word's features, unscaled and exact: out[i] = (f_{2i} - 8, f_{2i+1} - 8).
@@ -402,6 +403,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
   static_assert(D >= 2, "at least two units in the ring");
   static_assert(RING == 0 || RING == 2, "RING is 0 (registers) or 2 (per-lane cp.async)");
   static_assert(!XS || !XDB, "XS takes no XDB");
+  static_assert(MODE != kModeMathOnly || RING == 0, "the math-only diagnostic takes the register ring");
   static_assert((XS == 3) == (XR > 0) && (XR == 0 || (XR >= 2 && XR <= 8 && XK >= 1 && XK <= 8)),
                 "XS 3 takes XR 2..8 ring slots of XK 1..8 k-steps");
   using Tr = Q4Traits<T>;

@@ -163,8 +163,9 @@ class TiledConfig:
 
     def export_line(self, name: str) -> str:
         b = {True: "true", False: "false"}
-        # kModeStreamOnly / kModeNoFixup / kModeNoWait / kModeMathOnly
-        mode = 1 if self.stream_only else 2 if self.no_fixup else 3 if self.no_wait else 4 if self.math_only else 0
+        # the kernel's MODE: kModeCompute 0, or kModeStreamOnly / kModeNoFixup / kModeNoWait / kModeMathOnly
+        flags = (self.stream_only, self.no_fixup, self.no_wait, self.math_only)
+        mode = next((i + 1 for i, on in enumerate(flags) if on), 0)
         xs = 3 if self.x_ring else 2 if self.x_bulk else int(self.x_smem)  # the kernel's XS
         return (
             f"IGNIS_Q4T_EXPORT({name}, {self.n_tiles}, {self.m_tiles}, {self.warps}, {self.depth}, "

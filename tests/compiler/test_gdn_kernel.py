@@ -350,11 +350,13 @@ def test_compiled_stash_and_replay_bit_identical_to_the_record(shape: tuple[int,
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strided", [False, True])
-def test_compiled_round_matches_its_cpu_model(shape: tuple[int, ...], dtype: torch.dtype, strided: bool) -> None:
+def test_compiled_round_matches_its_cpu_model(
+    shape: tuple[int, ...], dtype: torch.dtype, strided: bool
+) -> None:
     """On CUDA, the compiled record round against `gdn_recurrent_emulated` (the kernel's blocking and
-    summation order on the CPU): out and every column's state within float32 rounding of the
-    model (the GPU's rsqrtf / expf / log1pf differ from torch's by an ulp or two, so not bit for
-    bit), and the torch path (the oracle) within the model's own tolerance. strided: mixed's
+    summation order on the CPU): out and every column's state within 1e-5 of the model (the GPU's
+    rsqrtf / expf / log1pf differ from torch's by an ulp or two, so not bit for bit), and within
+    2e-5 of the torch path (the oracle; the model's own CPU test holds it to 2e-6 / 1e-5). strided: mixed's
     channels two elements apart (any strides are allowed). A row, column or lane mapping error is
     off by O(1); nothing is written outside record[:n, :L]."""
     import os

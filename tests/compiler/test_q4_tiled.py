@@ -521,6 +521,9 @@ def test_diagnostic_modes_match_the_kernel() -> None:
         TiledConfig(**base, no_fixup=True, math_only=True)
     with pytest.raises(Q4KernelError, match="math_only takes ring 0"):
         TiledConfig(warps=16, depth=3, min_blocks=1, ring=2, math_only=True)
+    # no configuration the build can pick is a diagnostic (every arch's staging, every width)
+    for arch in ("sm_80", "sm_90", "sm_120"):
+        assert not any(tiled_config_for(rows, 17408, 5120, arch).diagnostic for rows in range(1, 65))
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
