@@ -332,10 +332,11 @@ void q4_tiled_launch(const char* name, TensorView x, TensorView qweight, TensorV
 // MT tiles a warp unit, WARPS warps a block, D units in the ring, POST: scales applied after the
 // mma, MINB: __launch_bounds__ min blocks, BPS: resident blocks per SM launched (0: as many as
 // fit), PDL: programmatic dependent launch, RING: 0 registers, 2 per-lane cp.async,
-// XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only, 2 no fixups, 3 no wait, 4 math only (the
-// diagnostics: wrong output), XS: 0 warp workers, 1 block workers whose activations are staged in
-// shared memory once by cp.async, 2 the same staged by bulk copies, 3 block workers reading a ring
-// of XR slots of XK k-steps of activations refilled by bulk copies (XR: 0 unless XS 3).
+// XDB: next unit's activations in registers, MODE: 0 compute, 1 stream only, 2 no fixups, 3 no
+// wait, 4 math only (the diagnostics: wrong output), XS: 0 warp workers, 1 block workers whose
+// activations are staged in shared memory once by cp.async, 2 the same staged by bulk copies, 3
+// block workers reading a ring of XR slots of XK k-steps of activations refilled by bulk copies
+// (XR: 0 unless XS 3).
 #define IGNIS_Q4T_EXPORT(NAME, NT, MT, WARPS, D, POST, MINB, BPS, PDL, RING, XDB, MODE, XS, XR, XK)  \
   static void ignis_q4t_##NAME(tvm::ffi::TensorView x, tvm::ffi::TensorView qweight,                 \
                                tvm::ffi::TensorView scales, tvm::ffi::TensorView y) {                \
