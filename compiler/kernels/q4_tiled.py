@@ -175,8 +175,11 @@ class TiledConfig:
 
 
 def tiled_source(exports: Mapping[str, TiledConfig]) -> str:
-    """The ``.cu`` translation unit exporting each (name, config)."""
-    return exports_source("q4_tiled_ffi.cuh", exports)
+    """The ``.cu`` translation unit exporting each (name, config), and ``q4_g32_tiled_dequant``
+    (`q4_dequant.cuh`: the tiled weights as row-major bf16 / f16, the prefill route of
+    ``ignis.runtime.linear.LinearBackend``)."""
+    dequant = '#include "q4_dequant.cuh"\nIGNIS_Q4_DEQUANT_EXPORT()\n'
+    return exports_source("q4_tiled_ffi.cuh", exports) + dequant
 
 
 def build_q4_tiled_module(

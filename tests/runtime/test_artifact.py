@@ -296,10 +296,10 @@ def test_dispatch_pads_falls_back_and_warns(caplog: pytest.LogCaptureFixture) ->
     qw = Q4Weight(torch.from_numpy(packed), torch.from_numpy(scales))
     torch.testing.assert_close(backend(x, qw), torch_linear(x, qw))
     assert q4.calls == [(4, 64)]
-    assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0}
+    assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0, "dequant": 0}
     x9 = torch.randn(9, 64, generator=g)  # dense above every width: torch's GEMM, silently
     torch.testing.assert_close(backend(x9, w), F.linear(x9, w))
-    assert backend.counts == {"compiled": 3, "torch": 1, "fallback": 0}
+    assert backend.counts == {"compiled": 3, "torch": 1, "fallback": 0, "dequant": 0}
     with caplog.at_level(logging.WARNING, logger="ignis.runtime.linear"):
         backend(torch.randn(2, 64), torch.randn(7, 64))  # no [7, 64] function: fallback, one warning
         backend(torch.randn(2, 64), torch.randn(7, 64))
@@ -349,7 +349,7 @@ def test_dense_linears_beside_q4_only_modules_run_on_torch_by_design(caplog):
     with caplog.at_level(logging.WARNING):
         y = backend(x, w)
     torch.testing.assert_close(y, x @ w.T)
-    assert backend.counts == {"compiled": 0, "torch": 1, "fallback": 0}
+    assert backend.counts == {"compiled": 0, "torch": 1, "fallback": 0, "dequant": 0}
     assert not caplog.records
 
 
@@ -376,7 +376,7 @@ def test_q4_rows_past_the_widest_width_run_compiled_in_chunks():
     x, b = torch.randn(2, 35, 64), torch.randn(8)
     torch.testing.assert_close(backend(x, qw, b), torch_linear(x, qw, b))
     assert calls == [32, 32, 8]  # 70 rows: 32 + 32 + 6 (padded to width 8)
-    assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0}
+    assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0, "dequant": 0}
 
 
 # ---------------------------------------------------------------------------------------------
