@@ -158,17 +158,19 @@ def gated_delta_rule_chunked(
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     w_v, w_k = sol[..., :v_dim], sol[..., v_dim:]  # [heads, chunks, c, v_dim] / [.., k_dim]
     k_end = kc * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # [heads, chunks, c, k_dim]
-    k_end_t = k_end.transpose(-1, -2).contiguous()  # [heads, chunks, k_dim, c]
-    chunk_decay = cum[..., -1].exp()  # [heads, chunks]
-    u = torch.empty_like(w_v)
-    starts = q.new_empty(heads, num, k_dim, v_dim)  # the state entering each chunk
-    s = state
+    # chunk-major copies, so each step reads and writes contiguous [heads, ...] slices in place
+    k_end_t = k_end.transpose(-1, -2).transpose(0, 1).contiguous()  # [chunks, heads, k_dim, c]
+    w_v_m, w_k_m = w_v.transpose(0, 1).contiguous(), w_k.transpose(0, 1).contiguous()
+    chunk_decay = cum[..., -1].exp().transpose(0, 1)[..., None, None].contiguous()  # [chunks, heads, 1, 1]
+    u = torch.empty_like(w_v_m)  # [chunks, heads, c, v_dim]
+    starts = q.new_empty(num + 1, heads, k_dim, v_dim)  # the state entering each chunk, then the last
+    starts[0] = state
     for m in range(num):
-        starts[:, m] = s
-        u_m = torch.baddbmm(w_v[:, m], w_k[:, m], s, alpha=-1.0)
-        u[:, m] = u_m
-        s = torch.baddbmm(s * chunk_decay[:, m, None, None], k_end_t[:, m], u_m)
+        torch.baddbmm(w_v_m[m], w_k_m[m], starts[m], alpha=-1.0, out=u[m])
+        torch.baddbmm(starts[m] * chunk_decay[m], k_end_t[m], u[m], out=starts[m + 1])
     attn = (qc @ kc.transpose(-1, -2)) * decay
-    out = (qc * cum.exp().unsqueeze(-1)) @ starts + attn @ u  # [heads, chunks, c, v_dim]
+    # [heads, chunks, c, v_dim]
+    out = (qc * cum.exp().unsqueeze(-1)) @ starts[:num].transpose(0, 1) + attn @ u.transpose(0, 1)
     out = out.permute(1, 2, 0, 3).reshape(num * c, heads, v_dim)[:n]
+    s = starts[num]
     return out, s
