@@ -1,11 +1,11 @@
 """Build, on a host without a GPU, every CUDA module the GPU benchmarks carry to the device.
 
-    python -m ignis.tools.build_gpu_modules --out .device/final [--arch sm_90]
+    python -m ignis.tools.bench.build_gpu_modules --out .device/final [--arch sm_90]
 
 Writes into OUT (about 6 MB for sm_90):
 
 * ``q4_e2e_<arch>.so`` + ``manifest.json``: one q4 bundle serving every (width, N, K) that
-  `tools/bench_e2e_gpu.py` runs for the 27B-shaped ``qwen3_5`` (the 8 linear shapes of that model x
+  `tools/bench/e2e_gpu.py` runs for the 27B-shaped ``qwen3_5`` (the 8 linear shapes of that model x
   widths 1..8, 16, 24, 32, and 40, 48, 56, 64 on the tiled route). ``--q4-route tiled`` (the default, the
   build's CUDA route): the tiled stream-K kernel, one export per n-tile count (`tiled_config_for`),
   weights placed in the tiled layout (manifest ``"kind": "q4_g32_tiled"``); ``--q4-route mma``: the
