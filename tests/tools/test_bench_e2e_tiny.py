@@ -1,5 +1,6 @@
 """`python -m ignis.tools.bench.e2e_gpu --tiny` on the CPU: the plumbing of the end-to-end benchmark (toy
-sizes), with the rounds timed after `--context` committed tokens, writes its JSON and refuses a bad context."""
+sizes), with the rounds timed after `--context` committed tokens, writes its JSON and refuses a bad
+context."""
 
 from __future__ import annotations
 
