@@ -46,7 +46,7 @@ E2E_SHAPES = (
 )
 E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
 #: The tiled route's widths: also 40-64 (33-64 rows in one call, every 8 rows as the h200 profile
-#: compiles: docs/PERF.md runs 69-72); the mma route's kernels stop at 32 rows.
+#: compiles: docs/perf/log runs 69-72); the mma route's kernels stop at 32 rows.
 E2E_WIDTHS_TILED = (*E2E_WIDTHS, 40, 48, 56, 64)
 
 

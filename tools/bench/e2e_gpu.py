@@ -31,7 +31,7 @@ Phases (in priority order; each is skipped, and said so, when the time budget is
    decode, on its executor: the prefill of the 16-token prompts on 1 and 8 lanes (`prefill`: graphed
    as chunks of 8-column static rounds, `chunked_prefill`, against eager), and graphed rounds per
    (lanes, columns) of `LANE_SHAPES` (`lane_rounds`: 1/2/4/8 x 1, 1 x 8, 8 x 8, committing one
-   column per lane; docs/perf-drafts/graphs-lanes.md).
+   column per lane; docs/perf/log/2026-11-29-before-session-3.md, "Graphed prefill").
 1. Q4 compiled route: `HybridExecutor(bf16, linear=LinearBackend(CompiledLinears(...)))` over the
    carried sm_90 bundle (`--mods`: `q4_e2e_sm90.so` + `manifest.json` mapping (width, N, K) to an
    export; every width 1..8, 16, 32). Per width R: the linears of one forward alone (eager through
@@ -512,8 +512,9 @@ LANE_SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 8), (8, 8))
 def bench_lane_rounds(ex: Any, prompts8: list[list[int]], dev: torch.device, reps: int) -> dict:
     """ms of one graphed round (forward(record=True) + commit of 1 column per lane, as a decode step
     keeps at least one: the commit's state gather is timed too) per (lanes, columns) of `LANE_SHAPES`,
-    the lanes prefilled with the 16-token prompts (docs/perf-drafts/graphs-lanes.md). The lanes grow
-    by one token a call (<= 7 per shape): the KV bucket stays the same."""
+    the lanes prefilled with the 16-token prompts (docs/perf/log/2026-11-29-before-session-3.md,
+    "Graphed prefill"). The lanes grow by one token a call (<= 7 per shape): the KV bucket stays the
+    same."""
     states = [ex.new_lane() for _ in range(8)]
     ex.forward(states, [torch.tensor(p, device=dev) for p in prompts8[:8]], logits="last", record=False)
     ex.commit(states, [PROMPT_LEN] * 8)
