@@ -538,7 +538,7 @@ def test_rule_modules_cross_compile(tmp_path: Path, arch: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # On a GPU host: the CUDA kernel against float64 (a `build_gpu_modules` bundle: IGNIS_Q4T_BUNDLE,
 # or built here when nvcc exists; the cp.async staging of cards before sm_90 from a
-# `bench_q4_tiled build` folder: IGNIS_Q4T_CANDIDATES)
+# `python -m ignis.tools.bench.q4_tiled build` folder: IGNIS_Q4T_CANDIDATES)
 
 
 def _bundle(tmp_path: Path, x_bulk: bool = True, fresh: bool = False) -> tuple[dict[int, object], str]:

@@ -10,7 +10,7 @@ Writes into OUT (about 6 MB for sm_90):
   build's CUDA route): the tiled stream-K kernel, one export per n-tile count (`tiled_config_for`),
   weights placed in the tiled layout (manifest ``"kind": "q4_g32_tiled"``); ``--q4-route mma``: the
   row-major kernels, the tiles `default_tile_config` chooses. ``manifest.json`` maps ``"W|N|K"`` to
-  the exported function (the format `bench_e2e_gpu.load_compiled` reads);
+  the exported function (the format `ignis.tools.bench.e2e_gpu.load_compiled` reads);
 * ``gdn_recurrent_<arch>.so`` (`build_gdn_recurrent`), ``fused_norms_<arch>.so``
   (`build_fused_norms`), ``topk_<arch>.so`` (`build_topk`) and, where the kernel exists,
   ``fused_mixers_<arch>.so``.
@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-#: (out_features, in_features) of every q4 linear of the 27B-shaped qwen3_5 in bench_e2e_gpu
+#: (out_features, in_features) of every q4 linear of the 27B-shaped qwen3_5 in ignis.tools.bench.e2e_gpu
 #: (GDN in_proj_qkv / z, attention q / k+v, o_proj from 6144, MLP up/gate and down, LM head), and
 #: the executor's fusions of them (attention q|k|v, GDN qkv|z, MLP gate|up: `HYBRID_FUSED_LINEARS`).
 E2E_SHAPES = (
