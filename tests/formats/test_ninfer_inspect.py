@@ -127,3 +127,44 @@ def test_verify_mismatch_names_an_escaped_tensor(tmp_path: Path) -> None:
     assert code == EXIT_CORRUPT_DATA
     assert "MISMATCH" in err
     assert _printed_controls(out) == set() and _printed_controls(err) == set()
+
+
+def test_artifact_manifest_fields_with_control_characters_are_escaped(tmp_path: Path) -> None:
+    """`ignis-inspect DIR`: file paths, module files and provenance strings from manifest.json (which
+    allows any character in a relative path) are printed escaped, one table line per file."""
+    from ignis.formats import MANIFEST_NAME, FileEntry, Manifest, ModuleEntry, ModuleFunction, hash_file
+
+    evil_module = "modules/cpu/w\x1b[2J\x1b]0;pwned\x07\nforged.so"
+    write_ninfer(tmp_path / "m.ninfer", {"t": np.zeros(4, np.float32)})
+    (tmp_path / "modules" / "cpu").mkdir(parents=True)
+    (tmp_path / evil_module).write_bytes(b"\x7fELF" + b"\0" * 60)
+    files = []
+    for rel, role in (("m.ninfer", "weights"), (evil_module, "module")):
+        size, sha, blocks = hash_file(tmp_path / rel)
+        files.append(FileEntry(rel, role, size, sha, blocks))
+    fn = ModuleFunction("dense_n8_k4", "dense", 8, 4, "float32")
+    m = Manifest(
+        name="m",
+        card="cpu",
+        arch="llvm",
+        family="llama",
+        linear_dtype="f32",
+        other_dtype="f32",
+        widths=(1,),
+        weights="m.ninfer",
+        files=tuple(sorted(files, key=lambda f: f.path)),
+        mtp=None,
+        tokenizer=None,
+        chat_template=None,
+        drafter=None,
+        shortlist=None,
+        modules=(ModuleEntry(1, evil_module, {"kind": "llvm"}, "llvm-te", False, (fn,)),),
+        profile={"name": "cpu", "spec": {}},
+        provenance={"ignis_version": "0.1.0\x1b[31m", "inputs": []},
+    )
+    (tmp_path / MANIFEST_NAME).write_bytes(m.to_bytes())
+    code, out, err = run(str(tmp_path))
+    assert code == 0, err
+    assert _printed_controls(out) == set() and _printed_controls(err) == set()
+    assert repr(evil_module) in out and "'0.1.0\\x1b[31m'" in out
+    assert not any(line.lstrip().startswith("forged.so") for line in out.splitlines())
