@@ -50,9 +50,9 @@ Which functions, per card:
     take keep SDPA at run time), when the kernels take the config's shapes (`mixers_kernel_fits`:
     conv taps 2..8, head_dim <= 1024, an even rotary dim).
 
-  Each exports its functions for float32, bfloat16 and float16 inputs (compiling one dtype would
-  save ~13 % of the top-k's nvcc time, 11.5 s against 13.2 s for sm_90 on the 2-core build host:
-  host code dominates).
+  Each exports its functions for float32, bfloat16 and float16 inputs, whatever the card's dtypes:
+  one artifact serves any activation dtype, and compiling fewer dtypes would save little build time
+  (the host code, not the per-dtype kernels, dominates nvcc's time).
 
 Function names: `dense_n{N}_k{K}`, `q4_n{N}_k{K}` and (tiled) `q4t_n{N}_k{K}`; the kernels' as their
 `KERNELS` exports.

@@ -497,7 +497,7 @@ def test_configs_are_validated_and_tagged() -> None:
 
 
 def test_diagnostic_modes_match_the_kernel() -> None:
-    """The diagnostics (wrong output by design, timed by tools/bench_q4_tiled.py) are exclusive, tagged
+    """The diagnostics (wrong output by design, timed by tools/bench/q4_tiled.py) are exclusive, tagged
     apart, and their export's MODE is the kernel's constant of that name (q4_tiled.cuh, q4_linear.cuh)."""
     src = (Path(q4_tiled_module.__file__).parent / "q4_tiled.cuh").read_text()
     src += (Path(q4_tiled_module.__file__).parent / "q4_linear.cuh").read_text()
@@ -538,7 +538,7 @@ def test_rule_modules_cross_compile(tmp_path: Path, arch: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # On a GPU host: the CUDA kernel against float64 (a `build_gpu_modules` bundle: IGNIS_Q4T_BUNDLE,
 # or built here when nvcc exists; the cp.async staging of cards before sm_90 from a
-# `bench_q4_tiled build` folder: IGNIS_Q4T_CANDIDATES)
+# `python -m ignis.tools.bench.q4_tiled build` folder: IGNIS_Q4T_CANDIDATES)
 
 
 def _bundle(tmp_path: Path, x_bulk: bool = True, fresh: bool = False) -> tuple[dict[int, object], str]:
@@ -580,7 +580,7 @@ def _bundle(tmp_path: Path, x_bulk: bool = True, fresh: bool = False) -> tuple[d
             by_nt.setdefault((w + 7) // 8, mod[name])
         return by_nt, arch
     if not HAS_NVCC:
-        pytest.skip("needs IGNIS_Q4T_BUNDLE (tools/build_gpu_modules.py), IGNIS_Q4T_CANDIDATES or nvcc")
+        pytest.skip("needs IGNIS_Q4T_BUNDLE (tools/bench/build_gpu_modules.py), IGNIS_Q4T_CANDIDATES or nvcc")
     exports = {f"q4t_nt{nt}": cfg for nt, cfg in rules.items()}
     mod = load_module(build_q4_tiled_module(arch, exports, tmp_path / "q4t.so"), cuda=True)
     return {nt: mod[f"q4t_nt{nt}"] for nt in rules}, arch

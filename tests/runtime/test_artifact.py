@@ -703,7 +703,7 @@ def test_inspect_lists_the_kernel_libraries(artifact: Path, tmp_path: Path) -> N
     """`ignis-inspect` lists the manifest's compiled kernels (kind, abi, file, symbol, dtypes)."""
     from click.testing import CliRunner
 
-    from ignis.tools.inspect import main as inspect_cli
+    from ignis.tools.inspect_artifact import main as inspect_cli
 
     a = _with_hybrid_entries(
         artifact,

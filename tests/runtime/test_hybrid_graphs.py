@@ -830,7 +830,7 @@ def test_compiled_add_rms_norm_matches_its_cpu_model(dtype: torch.dtype) -> None
     of operations) on rows kept in registers (hidden <= 8192), rows past that (the reloading loop),
     ragged widths and strided rows: the residual sum bit for bit, the normed row within 4 units in
     the last place of the dtype (CUDA's rsqrtf is not correctly rounded: up to 2.2 measured in float32,
-    docs/PERF.md run 43; a wrong or missing element would be off by far more)."""
+    docs/perf/log run 43; a wrong or missing element would be off by far more)."""
     from ignis.compiler.kernels.fused_norms import add_rms_norm_emulated
 
     norms = _norms_kernel_or_skip()

@@ -346,7 +346,7 @@ def test_place_warms_each_cuda_tiled_function_over_its_rows(monkeypatch: pytest.
     calls.clear()
     backend.place(_q4(2, 40, 128, seed=1))  # the same shape again (a stack member): nothing to grow
     assert calls == []
-    # one library exporting every width's function (tools/bench_e2e_gpu.py's bundle, no module
+    # one library exporting every width's function (tools/bench/e2e_gpu.py's bundle, no module
     # name): each function still runs within its own rows only
     fns = {(w, "q4_g32_tiled", 40, 128, "bfloat16"): (fn_of("", w), True, True) for w in (1, 8, 32)}
     backend = LinearBackend(CompiledLinears(fns, (1, 8, 32)))

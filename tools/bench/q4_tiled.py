@@ -3,8 +3,8 @@
 The chain of issue 7: 8 layers x (5120 -> 17408 -> 5120), fresh random Q4 weights, every width
 1..8, 12, 16, 20, 24, 28, 32. Two steps (the GPU host has no nvcc):
 
-  python -m ignis.tools.bench_q4_tiled build --out .device/q4t          # build host (nvcc)
-  python -m ignis.tools.bench_q4_tiled run --modules .device/q4t --old .device/final --out $OUT
+  python -m ignis.tools.bench.q4_tiled build --out .device/q4t          # build host (nvcc)
+  python -m ignis.tools.bench.q4_tiled run --modules .device/q4t --old .device/final --out $OUT
 
 ``run`` times, in one process and on the same weights, per width: every tiled candidate built for
 that width's n-tile count (f16), the best again in bf16, the shipped route (``--old``: a
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ignis.tools.bench_q4_linear import HIDDEN, INTER, NUM_LAYERS, SHAPES, Bench
+from ignis.tools.bench.q4_linear import HIDDEN, INTER, NUM_LAYERS, SHAPES, Bench
 
 WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64]
 

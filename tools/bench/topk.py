@@ -1,6 +1,6 @@
 """Benchmark and exactness check of the compiled top-k against torch.topk (GPU host).
 
-    python -m ignis.tools.bench_topk --modules .device/topk --out $OUT
+    python -m ignis.tools.bench.topk --modules .device/topk --out $OUT
 
 ``--modules``: a folder holding ``topk_<arch>.so`` (``build_topk`` output, e.g. ``topk_sm90.so``)
 or the ``.so`` itself; needs torch with CUDA, tvm_ffi and TVM's runtime libraries

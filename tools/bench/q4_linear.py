@@ -2,8 +2,8 @@
 
 Two steps, because the GPU host has no TVM compiler:
 
-  python -m ignis.tools.bench_q4_linear build --out .device/q4     # build host (tvm + nvcc)
-  python -m ignis.tools.bench_q4_linear run --modules .device/q4 --out $OUT   # GPU host
+  python -m ignis.tools.bench.q4_linear build --out .device/q4     # build host (tvm + nvcc)
+  python -m ignis.tools.bench.q4_linear run --modules .device/q4 --out $OUT   # GPU host
 
 ``run`` needs only torch, tvm_ffi and TVM's runtime libraries (``--tvm-lib`` or
 ``$IGNIS_TVM_LIB_DIR``). On fresh random data it prints, side by side per row width: ours (the
