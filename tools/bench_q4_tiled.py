@@ -115,8 +115,8 @@ class TiledBench(Bench):
     def _run_tiled(self) -> None:
         import torch
 
-        from ignis.runtime.q4_tiled import tile_q4
-        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+        from ignis.runtime.kernels.q4_tiled import tile_q4
+        from ignis.runtime.kernels.tvm_runtime import load_module, load_tvm_runtime
 
         args = self.args
         mods, old_dir = Path(args.modules), Path(args.old)
@@ -367,8 +367,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     import torch
     import tvm_ffi
 
-    from ignis.runtime.q4_tiled import tile_q4
-    from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+    from ignis.runtime.kernels.q4_tiled import tile_q4
+    from ignis.runtime.kernels.tvm_runtime import load_module, load_tvm_runtime
 
     mods = Path(args.modules)
     man = json.loads((mods / "manifest.json").read_text())

@@ -24,7 +24,7 @@ Measured in docs/PERF.md ("CPU route check" and after): 4-8x faster at 8-16 rows
 at 1-2 rows and on the generic target, which keep the per-element schedule.
 
 Everything here imports `tvm` (the compiler); the runtime loads the exported library with the lean
-runtime (`ignis.runtime.tvm_runtime.load_module`).
+runtime (`ignis.runtime.kernels.tvm_runtime.load_module`).
 """
 
 from __future__ import annotations

@@ -59,6 +59,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ignis.runtime.kernels import fused_mixers as _abi
+from ignis.runtime.kernels.fused_mixers import (
+    FUNCTION_NAMES,
+    GATED_ATTENTION_HEAD_DIMS,
+    MAX_CONV_KERNEL,
+    MAX_HEAD_DIM,
+    attention_split_keys,
+    gated_attention_smem_bytes,
+)
+
 from .fused_norms import _fma
 
 __all__ = [
@@ -77,19 +87,16 @@ __all__ = [
     "qk_norm_rope_kv_reference",
 ]
 
-FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention")
-MAX_CONV_KERNEL = 8  # kMaxConvKernel in fused_mixers.cuh
-MAX_HEAD_DIM = 1024  # kMaxHeadDim
-GATED_ATTENTION_HEAD_DIMS = (32, 64, 128, 256)  # the head dims gated_attention is compiled for
-_ATTN_CHUNK = 32  # kChunk in gated_attention.cuh: keys a shared-memory stage
 _SOURCES = (
     "fused_mixers.cuh",
     "fused_mixers_ffi.cuh",
     "gated_attention.cuh",
     "gated_attention_ffi.cuh",
     "ffi_checks.cuh",
+    "dtypes.cuh",
     "fused_mixers.py",
     "cuda_build.py",
+    _abi.__file__,
 )
 
 
@@ -228,30 +235,6 @@ def qk_norm_rope_kv_emulated(
     keys = _rope_emulated(_head_norm_emulated(k, wk, eps), cos, sin, dtype)
     kc[slot_rows[ok], pos[ok]] = keys[ok]
     vc[slot_rows[ok], pos[ok]] = v[ok]
-
-
-def gated_attention_smem_bytes(head_dim: int, element_bytes: int = 2) -> int:
-    """Dynamic shared memory (bytes) of one ``gated_attention`` block (``gated_attention_smem_bytes`` in
-    gated_attention.cuh): 64 query rows and two stages of 32 keys and 32 values, rows of head_dim + 8
-    elements -- 101,376 bytes at head_dim 256 in bf16 / f16, the 99 KiB a block that sm_86 / sm_89 /
-    sm_120 cards allow at most."""
-    return (64 + 4 * 32) * (head_dim + 8) * element_bytes
-
-
-def attention_split_keys(max_keys: int) -> int:
-    """Keys a split of ``gated_attention`` holds when it may read ``max_keys`` keys: at least 256 (one
-    split, no combine launch, up to 256 keys), else ``max_keys / 16`` rounded up to the kernel's 32-key
-    stages, so at most 16 splits (a bounded workspace: lanes x kv_heads x 16 x rows x head_dim fp32)
-    that spread a long context over the SMs (flash-decoding). A row's result depends on the keys,
-    its position and this split size only (not on the other lanes or columns of the round).
-
-    Raises:
-        ValueError: max_keys < 1.
-    """
-    if max_keys < 1:
-        raise ValueError(f"max_keys must be >= 1, got {max_keys}")
-    per = -(-max_keys // 16)
-    return max(256, -(-per // _ATTN_CHUNK) * _ATTN_CHUNK)
 
 
 def gated_attention_reference(q: Any, kc: Any, vc: Any, gate: Any, pos: Any, slots: Any) -> Any:

@@ -53,6 +53,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ignis.runtime.kernels import fused_norms as _abi
+from ignis.runtime.kernels.fused_norms import FUNCTION_NAMES
+
 __all__ = [
     "ADD_THREADS",
     "FUNCTION_NAMES",
@@ -68,7 +71,6 @@ __all__ = [
     "silu_mul_reference",
 ]
 
-FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear")
 ADD_THREADS = 512  # kAddThreads in fused_norms.cuh
 LIN_THREADS = 512  # kLinThreads in fused_norms.cuh
 _SOURCES = (
@@ -76,8 +78,10 @@ _SOURCES = (
     "fused_norms_ffi.cuh",
     "ffi_checks.cuh",
     "pdl.cuh",
+    "dtypes.cuh",
     "fused_norms.py",
     "cuda_build.py",
+    _abi.__file__,
 )
 
 

@@ -56,6 +56,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ignis.runtime.kernels.gdn_recurrent import (
+    FUNCTION_NAME,
+    FUNCTION_NAMES,
+    MAX_KEY_DIM,
+    REPLAY_FUNCTION_NAME,
+    STASH_FUNCTION_NAME,
+    gdn_stash_width,
+)
+
 __all__ = [
     "CHUNK",
     "COLS",
@@ -74,15 +83,10 @@ __all__ = [
     "rows_per_thread",
 ]
 
-FUNCTION_NAME = "gdn_recurrent"
-STASH_FUNCTION_NAME = "gdn_recurrent_stash"
-REPLAY_FUNCTION_NAME = "gdn_replay"
-FUNCTION_NAMES = (FUNCTION_NAME, STASH_FUNCTION_NAME, REPLAY_FUNCTION_NAME)
 """Every export of the module, in the order the build's manifest lists them."""
 WARPS = 8  # kWarps in gdn_recurrent.cuh
 COLS = 32  # kCols: value columns per block
 CHUNK = 16  # kChunk: round columns staged in shared memory at a time
-MAX_KEY_DIM = 256  # kMaxKeyDim
 L2_EPS = 1e-6
 _SOURCES = (
     "gdn_recurrent.cuh",
@@ -352,8 +356,6 @@ def gdn_replay_emulated(stash: Any, state: Any, slots: Any, keep: Any, pos: Any,
         GdnKernelError: a stash row width that does not match the state's heads.
     """
     import torch
-
-    from ignis.runtime.families.hybrid_graphs import gdn_stash_width
 
     g_layers, num_slots, hv, dk, dv = state.shape
     hk = num_key_heads

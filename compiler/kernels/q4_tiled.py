@@ -1,6 +1,6 @@
 """Build the tiled q4_g32 CUDA kernel (`q4_tiled.cuh`) into tvm-ffi modules.
 
-The kernel reads the tiled weight layout of `ignis.runtime.q4_tiled` (the runtime re-lays q4_g32
+The kernel reads the tiled weight layout of `ignis.runtime.kernels.q4_tiled` (the runtime re-lays q4_g32
 weights once when it places them on a CUDA device) and splits the work stream-K over the GPU; see
 the header's comment and docs/adr/0004-q4-tiled-stream-k.md. Each exported function is
 ``NAME(x [R, K], qweight [T, K/128, 256] u32, scales [T, K/128, 64] f16, y [R, N])`` for

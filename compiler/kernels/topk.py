@@ -26,7 +26,7 @@ of both, the same index arithmetic and sorting network, tested against the refer
 It launches on the stream tvm-ffi reports (torch's current stream under
 ``tvm_ffi.use_torch_stream()``), so it can be captured in a CUDA graph after one eager call (the
 first call reserves 64 KiB of shared memory per block). Wrong shapes, dtypes or devices raise
-``ValueError`` / ``TypeError`` from the module. ``ignis.runtime.topk.topk`` is the caller.
+``ValueError`` / ``TypeError`` from the module. ``ignis.runtime.kernels.topk.topk`` is the caller.
 
 Measured on an H200 (docs/perf-drafts/topk.md): 30-38 us of device time at V = 248,320 for 1-8
 rows and k = 8-64 (torch.topk: 70-76 us), flat in rows; the per-row select kernel's two bitonic
@@ -40,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ignis.runtime.kernels import topk as _abi
+from ignis.runtime.kernels.topk import CAP, FUNCTION_NAME, GROUP, MAX_K, MAX_VOCAB, TILE
 
 __all__ = [
     "FUNCTION_NAME",
@@ -55,13 +58,7 @@ __all__ = [
     "workspace_numel",
 ]
 
-FUNCTION_NAME = "topk"
-GROUP = 128  # elements per group (kGroup in topk.cuh)
-TILE = 32 * GROUP  # elements per warp tile
-MAX_K = 64  # kMaxK
-CAP = 8192  # kCap: keys in the select kernel's shared buffer
-MAX_VOCAB = (CAP // 32) * TILE  # 1,048,576
-_SOURCES = ("topk.cuh", "topk_ffi.cuh", "ffi_checks.cuh", "topk.py", "cuda_build.py")
+_SOURCES = ("topk.cuh", "topk_ffi.cuh", "ffi_checks.cuh", "topk.py", "cuda_build.py", _abi.__file__)
 
 
 class TopKKernelError(ValueError):
@@ -74,9 +71,10 @@ def workspace_numel(rows: int, vocab: int) -> int:
     Raises:
         TopKKernelError: rows < 1 or vocab outside 1..MAX_VOCAB.
     """
-    if rows < 1 or not 1 <= vocab <= MAX_VOCAB:
-        raise TopKKernelError(f"need rows >= 1 and 1 <= V <= {MAX_VOCAB}, got rows={rows}, V={vocab}")
-    return rows * 32 * (-(-vocab // TILE))
+    try:
+        return _abi.workspace_numel(rows, vocab)
+    except ValueError as exc:
+        raise TopKKernelError(str(exc)) from exc
 
 
 # --------------------------------------------------------------------------------------------
