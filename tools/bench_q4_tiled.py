@@ -68,8 +68,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     """Build every candidate for sm_90 (timed) and the rule set for sm_120 (built, not run)."""
     import subprocess
 
-    from ignis.compiler.kernels.cuda_build import nvcc_command
-    from ignis.compiler.kernels.q4_linear import _nvcc
+    from ignis.compiler.kernels.cuda_build import find_nvcc, nvcc_command
     from ignis.compiler.kernels.q4_tiled import _RULES, build_q4_tiled_module, tiled_source
 
     out = Path(args.out)
@@ -80,7 +79,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     # One verbose nvcc run so the manifest records registers and spills per kernel.
     src = out / "q4t_candidates.cu"
     src.write_text(tiled_source(exports))
-    cmd = nvcc_command(_nvcc(), "sm_90", src, out / "q4t_sm90.so", verbose=True)
+    cmd = nvcc_command(find_nvcc(), "sm_90", src, out / "q4t_sm90.so", verbose=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     src.unlink()
     if proc.returncode:

@@ -59,7 +59,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ignis.runtime.kernels import fused_mixers as _abi
 from ignis.runtime.kernels.fused_mixers import (
     FUNCTION_NAMES,
     GATED_ATTENTION_HEAD_DIMS,
@@ -87,17 +86,6 @@ __all__ = [
     "qk_norm_rope_kv_reference",
 ]
 
-_SOURCES = (
-    "fused_mixers.cuh",
-    "fused_mixers_ffi.cuh",
-    "gated_attention.cuh",
-    "gated_attention_ffi.cuh",
-    "ffi_checks.cuh",
-    "dtypes.cuh",
-    "fused_mixers.py",
-    "cuda_build.py",
-    _abi.__file__,
-)
 
 
 class FusedMixersError(ValueError):
@@ -294,27 +282,8 @@ def build_fused_mixers(
         FusedMixersError: not a CUDA target, an arch before sm_80 (the gated attention's mma and
             cp.async), nvcc missing, or nvcc failed (its stderr included).
     """
-    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target, sm_number
+    from .cuda_build import build_kernel_library
 
-    arch, nvcc = resolve_cuda_target(
-        target, not_cuda="the fused mixers are CUDA only", error=FusedMixersError
-    )
-    number = sm_number(arch)
-    if number is None or number < 80:  # gated_attention: mma.m16n8k16 and cp.async
-        raise FusedMixersError(f"the fused mixers need sm_80 or newer, got {arch!r}")
-    dest, reuse = cached_module_path("fused_mixers", arch, _SOURCES, out_path)
-    if reuse:
-        return dest
-    source = (
-        '#include "fused_mixers_ffi.cuh"\n#include "gated_attention_ffi.cuh"\n\n'
-        "IGNIS_FUSED_MIXERS_EXPORT()\nIGNIS_GATED_ATTENTION_EXPORT()\n"
-    )
-    return build_cuda_module(
-        source,
-        arch,
-        dest,
-        nvcc=nvcc,
-        src_name="fused_mixers_module.cu",
-        error=FusedMixersError,
-        verbose=verbose,
+    return build_kernel_library(
+        "fused_mixers", target, error=FusedMixersError, out_path=out_path, verbose=verbose
     )

@@ -88,13 +88,6 @@ WARPS = 8  # kWarps in gdn_recurrent.cuh
 COLS = 32  # kCols: value columns per block
 CHUNK = 16  # kChunk: round columns staged in shared memory at a time
 L2_EPS = 1e-6
-_SOURCES = (
-    "gdn_recurrent.cuh",
-    "gdn_recurrent_ffi.cuh",
-    "ffi_checks.cuh",
-    "gdn_recurrent.py",
-    "cuda_build.py",
-)
 
 
 class GdnKernelError(ValueError):
@@ -404,24 +397,8 @@ def build_gdn_recurrent(
     Raises:
         GdnKernelError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
     """
-    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target
+    from .cuda_build import build_kernel_library
 
-    arch, nvcc = resolve_cuda_target(
-        target, not_cuda="the GDN recurrence kernel is CUDA only", error=GdnKernelError
-    )
-    dest, reuse = cached_module_path("gdn_recurrent", arch, _SOURCES, out_path)
-    if reuse:
-        return dest
-    source = (
-        f'#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT({FUNCTION_NAME})\n'
-        f"IGNIS_GDN_STASH_EXPORT({STASH_FUNCTION_NAME})\nIGNIS_GDN_REPLAY_EXPORT({REPLAY_FUNCTION_NAME})\n"
-    )
-    return build_cuda_module(
-        source,
-        arch,
-        dest,
-        nvcc=nvcc,
-        src_name="gdn_recurrent_module.cu",
-        error=GdnKernelError,
-        verbose=verbose,
+    return build_kernel_library(
+        "gdn_recurrent", target, error=GdnKernelError, out_path=out_path, verbose=verbose
     )

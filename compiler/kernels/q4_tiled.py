@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .cuda_build import build_cuda_module, exports_source, sm_number
-from .q4_linear import Q4KernelError, _nvcc
+from .cuda_build import build_cuda_module, exports_source, find_nvcc, sm_number
+from .q4_linear import Q4KernelError
 
 #: Rows the tiled kernel takes (8 n-tiles: 8 lanes x 8 columns of a verify round in one call; the
 #: row-major mma kernel of `q4_linear` stops at its MAX_ROWS, 32).
@@ -205,7 +205,7 @@ def build_q4_tiled_module(
         tiled_source(exports),
         arch,
         out_path,
-        nvcc=_nvcc(),
+        nvcc=find_nvcc(error=Q4KernelError),
         src_name="q4_tiled_module.cu",
         error=Q4KernelError,
         verbose=verbose,

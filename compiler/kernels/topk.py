@@ -58,7 +58,6 @@ __all__ = [
     "workspace_numel",
 ]
 
-_SOURCES = ("topk.cuh", "topk_ffi.cuh", "ffi_checks.cuh", "topk.py", "cuda_build.py", _abi.__file__)
 
 
 class TopKKernelError(ValueError):
@@ -220,13 +219,8 @@ def build_topk(
     Raises:
         TopKKernelError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
     """
-    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target
+    from .cuda_build import build_kernel_library
 
-    arch, nvcc = resolve_cuda_target(target, not_cuda="the top-k kernel is CUDA only", error=TopKKernelError)
-    dest, reuse = cached_module_path("topk", arch, _SOURCES, out_path)
-    if reuse:
-        return dest
-    source = f'#include "topk_ffi.cuh"\n\nIGNIS_TOPK_EXPORT({FUNCTION_NAME})\n'
-    return build_cuda_module(
-        source, arch, dest, nvcc=nvcc, src_name="topk_module.cu", error=TopKKernelError, verbose=verbose
+    return build_kernel_library(
+        "topk", target, error=TopKKernelError, out_path=out_path, verbose=verbose
     )
