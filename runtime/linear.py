@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ignis.runtime.q4_tiled import (
+from ignis.runtime.kernels.q4_tiled import (
     STEP_K,
     TILE_ROWS,
     Q4TiledLayoutError,
@@ -87,7 +87,8 @@ __all__ = [
 
 log = logging.getLogger("ignis.runtime.linear")
 
-#: Q4Weight layouts: the stored row-major q4_g32 one and the CUDA tiled kernel's (`ignis.runtime.q4_tiled`).
+#: Q4Weight layouts: the stored row-major q4_g32 one and the CUDA tiled kernel's
+#: (`ignis.runtime.kernels.q4_tiled`).
 ROW_MAJOR = "row_major"
 TILED = "tiled"
 
@@ -142,10 +143,10 @@ class Q4Weight:
 
     * "row_major" (the stored layout, `formats/q4.py`; the default): packed uint32 (or int32)
       [*lead, N, K/8], scales float16 [*lead, N, K/32].
-    * "tiled" (what the CUDA tiled kernel streams, `ignis.runtime.q4_tiled`): packed [*lead, T, S, 256]
-      (uint32 or int32), scales float16 [*lead, T, S, 64], T = ceil(N / 16), S = K / 128; N is kept in
-      `rows` (the last tile's padding rows dequantize to 0). Made by `to_tiled()`, undone by
-      `to_row_major()`.
+    * "tiled" (what the CUDA tiled kernel streams, `ignis.runtime.kernels.q4_tiled`): packed
+      [*lead, T, S, 256] (uint32 or int32), scales float16 [*lead, T, S, 64], T = ceil(N / 16),
+      S = K / 128; N is kept in `rows` (the last tile's padding rows dequantize to 0). Made by
+      `to_tiled()`, undone by `to_row_major()`.
 
     Attributes:
         packed: the codes, as above.
@@ -290,7 +291,7 @@ class Q4Weight:
         return Q4Weight(self.packed.contiguous(), self.scales.contiguous(), self.layout, self.rows)
 
     def to_tiled(self, *, chunk_bytes: int = TILE_CHUNK_BYTES) -> Q4Weight:
-        """The tiled form (`ignis.runtime.q4_tiled.tile_q4`), computed on the weight's device; itself
+        """The tiled form (`ignis.runtime.kernels.q4_tiled.tile_q4`), computed on the weight's device; itself
         when already tiled.
 
         Tiles `chunk_bytes` of codes at a time (whole 16-row tiles, one stack member at a time), so the
@@ -323,7 +324,7 @@ class Q4Weight:
         return Q4Weight(out.reshape(*lead, t, s, 256), tsc.reshape(*lead, t, s, 64), TILED, n)
 
     def to_row_major(self) -> Q4Weight:
-        """The stored row-major form (`ignis.runtime.q4_tiled.untile_q4`, exact); itself when already
+        """The stored row-major form (`ignis.runtime.kernels.q4_tiled.untile_q4`, exact); itself when already
         row-major."""
         if not self.is_tiled:
             return self
@@ -578,7 +579,7 @@ class CompiledLinears:
         GPU: one warning for all of them) is skipped with a logged warning; its widths then fall back
         to torch.
         """
-        from ignis.runtime.tvm_runtime import TvmRuntimeError, load_module
+        from ignis.runtime.kernels.tvm_runtime import TvmRuntimeError, load_module
 
         root = Path(artifact_dir)
         loaded: dict[str, Any] = {}
@@ -693,7 +694,7 @@ class LinearBackend:
             if not fn.cuda or dtype is None or (fn.module, key) in self._reserved:
                 continue
             self._reserved.add((fn.module, key))
-            from ignis.runtime.tvm_runtime import torch_stream
+            from ignis.runtime.kernels.tvm_runtime import torch_stream
 
             width = key[0]
             fewest = 1 + max((w for w in widths if w < width), default=0)
@@ -833,7 +834,7 @@ class LinearBackend:
         else:
             args = (xp, weight.contiguous(), y)
         if fn.cuda:
-            from ignis.runtime.tvm_runtime import torch_stream
+            from ignis.runtime.kernels.tvm_runtime import torch_stream
 
             with torch_stream():
                 fn.call(*args)

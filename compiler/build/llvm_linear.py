@@ -26,7 +26,7 @@ generic target (whose dequantization is scalar), the per-element schedule is the
 kept (figures: docs/perf/README.md, "CPU"; the runs: docs/perf/log/2026-11-30-session-7.md).
 
 Everything here imports `tvm` (the compiler); the runtime loads the exported library with the lean
-runtime (`ignis.runtime.tvm_runtime.load_module`).
+runtime (`ignis.runtime.kernels.tvm_runtime.load_module`).
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ def test_gated_attention_needs_a_device_that_holds_its_shared_memory(monkeypatch
     keeps SDPA on a device whose blocks cannot hold it, and for float32 or another head_dim."""
     from types import SimpleNamespace
 
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel, _smem_per_block_optin
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel, _smem_per_block_optin
 
     assert gated_attention_smem_bytes(256) == 101_376 == 99 * 1024
     assert gated_attention_smem_bytes(64) == 27_648

@@ -19,8 +19,14 @@ import torch
 from ignis.compiler.kernels import q4_tiled as q4_tiled_module
 from ignis.compiler.kernels.q4_linear import Q4KernelError, cuda_binary_info, dequantize_q4, pack_q4
 from ignis.compiler.kernels.q4_tiled import TiledConfig, build_q4_tiled_module, tiled_config_for, tiled_source
+from ignis.runtime.kernels.q4_tiled import (
+    NIBBLE_OF_FEATURE,
+    Q4TiledLayoutError,
+    tile_q4,
+    tiled_shapes,
+    untile_q4,
+)
 from ignis.runtime.linear import dequantize_q4 as torch_dequantize_q4
-from ignis.runtime.q4_tiled import NIBBLE_OF_FEATURE, Q4TiledLayoutError, tile_q4, tiled_shapes, untile_q4
 
 HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
 
@@ -549,7 +555,7 @@ def _bundle(tmp_path: Path, x_bulk: bool = True, fresh: bool = False) -> tuple[d
     import shutil
     from dataclasses import replace
 
-    from ignis.runtime.tvm_runtime import load_module
+    from ignis.runtime.kernels.tvm_runtime import load_module
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
@@ -606,7 +612,7 @@ def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype, x_bulk
     block kernel: its activations at those rows fit in shared memory in no split); outputs fully
     written, deterministic, within the output dtype's rounding. With the
     activations staged by bulk copies (sm_90+) and by cp.async (the staging before sm_90)."""
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     fns, arch = _bundle(tmp_path, x_bulk)
     if x_bulk and int(arch[3:]) < 90:
@@ -658,7 +664,7 @@ def test_tiled_kernel_with_nan_inputs(tmp_path: Path) -> None:
     """A NaN activation and a NaN scale reach only the outputs they feed: the shared groups' partials
     that are NaN are still gathered (the workspace's empty value is a NaN pattern arithmetic does not
     produce), the call returns, and every other output matches float64."""
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     fns, _arch = _bundle(tmp_path)
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -694,7 +700,7 @@ def test_tiled_kernel_in_a_cuda_graph(tmp_path: Path) -> None:
     past what the large shape below needs)."""
     import tvm_ffi
 
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     fns, _arch = _bundle(tmp_path, fresh=True)
     fn = fns[1]
@@ -731,7 +737,7 @@ def test_tiled_kernel_in_a_cuda_graph(tmp_path: Path) -> None:
 def test_tiled_kernel_refuses_bad_arguments(tmp_path: Path) -> None:
     """Wrong shapes, an empty output and misaligned parts are refused with a named error (the process
     survives and the next good call is right)."""
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     fns, _arch = _bundle(tmp_path)
     fn = fns[1]

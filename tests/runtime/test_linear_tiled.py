@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ignis.formats import quantize_q4_g32
+from ignis.runtime.kernels.q4_tiled import tile_q4, untile_q4
 from ignis.runtime.linear import (
     CompiledLinears,
     LinearBackend,
@@ -31,7 +32,6 @@ from ignis.runtime.linear import (
     tile_decision,
     torch_linear,
 )
-from ignis.runtime.q4_tiled import tile_q4, untile_q4
 
 
 def _q4(*shape: int, seed: int = 0, dtype: torch.dtype = torch.int32) -> Q4Weight:
@@ -310,7 +310,7 @@ def test_place_warms_each_cuda_tiled_function_over_its_rows(monkeypatch: pytest.
     reads as CUDA.)"""
     import contextlib
 
-    import ignis.runtime.tvm_runtime as tvm_runtime
+    import ignis.runtime.kernels.tvm_runtime as tvm_runtime
 
     calls: list[tuple[str, int, int, torch.dtype]] = []
 

@@ -220,7 +220,7 @@ def dense_from_q4(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def load_compiled(mods: Path) -> CompiledLinears:
-    from ignis.runtime.tvm_runtime import load_module
+    from ignis.runtime.kernels.tvm_runtime import load_module
 
     man = json.loads((mods / "manifest.json").read_text())
     mod = load_module(mods / man["file"], cuda=True)
@@ -273,7 +273,7 @@ def bench_linears(
         row = {"eager_ms": med(timed(run, dev, reps=reps, warmup=2))} if eager else {}
         if graph and dev.type == "cuda":
             try:
-                from ignis.runtime.tvm_runtime import torch_stream
+                from ignis.runtime.kernels.tvm_runtime import torch_stream
 
                 g = torch.cuda.CUDAGraph()
                 s = torch.cuda.Stream()
@@ -419,7 +419,7 @@ def _gdn_layer_case(cfg: Any, dev: torch.device, kernel: Any, reps: int, lanes: 
     import torch.nn.functional as F
 
     from ignis.runtime.families.gated_deltanet import l2_normalize
-    from ignis.runtime.tvm_runtime import capture
+    from ignis.runtime.kernels.tvm_runtime import capture
 
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -822,7 +822,7 @@ def main() -> int:
         out_path.write_text(json.dumps(res, indent=1, default=str))
 
     if args.gdn_module is not None and dev.type == "cuda":
-        from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+        from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
         kernel = GdnRecurrentKernel(args.gdn_module)
         if args.gdn_record:  # the record round only: the function without the stash round and replay

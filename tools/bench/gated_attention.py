@@ -70,7 +70,7 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
 
     mixers = FusedMixersKernel(args.mixers_module)
     if not mixers.has_gated_attention:

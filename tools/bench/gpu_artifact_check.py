@@ -90,7 +90,7 @@ def random_q4(n: int, k: int, dev: torch.device, gen: torch.Generator) -> Q4Weig
 
 
 def check_modules(art: Any, dev: torch.device, res: dict[str, Any]) -> None:
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     t0 = time.perf_counter()
     compiled = art.compiled_linears()

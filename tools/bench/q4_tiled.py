@@ -68,8 +68,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     """Build every candidate for sm_90 (timed) and the rule set for sm_120 (built, not run)."""
     import subprocess
 
-    from ignis.compiler.kernels.cuda_build import nvcc_command
-    from ignis.compiler.kernels.q4_linear import _nvcc
+    from ignis.compiler.kernels.cuda_build import find_nvcc, nvcc_command
     from ignis.compiler.kernels.q4_tiled import _RULES, build_q4_tiled_module, tiled_source
 
     out = Path(args.out)
@@ -80,7 +79,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     # One verbose nvcc run so the manifest records registers and spills per kernel.
     src = out / "q4t_candidates.cu"
     src.write_text(tiled_source(exports))
-    cmd = nvcc_command(_nvcc(), "sm_90", src, out / "q4t_sm90.so", verbose=True)
+    cmd = nvcc_command(find_nvcc(), "sm_90", src, out / "q4t_sm90.so", verbose=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     src.unlink()
     if proc.returncode:
@@ -115,8 +114,8 @@ class TiledBench(Bench):
     def _run_tiled(self) -> None:
         import torch
 
-        from ignis.runtime.q4_tiled import tile_q4
-        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+        from ignis.runtime.kernels.q4_tiled import tile_q4
+        from ignis.runtime.kernels.tvm_runtime import load_module, load_tvm_runtime
 
         args = self.args
         mods, old_dir = Path(args.modules), Path(args.old)
@@ -367,8 +366,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     import torch
     import tvm_ffi
 
-    from ignis.runtime.q4_tiled import tile_q4
-    from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+    from ignis.runtime.kernels.q4_tiled import tile_q4
+    from ignis.runtime.kernels.tvm_runtime import load_module, load_tvm_runtime
 
     mods = Path(args.modules)
     man = json.loads((mods / "manifest.json").read_text())
