@@ -772,7 +772,7 @@ class LinearBackend:
         out = torch.empty((*lead, n, k), dtype=dtype, device=weight.packed.device)
         codes = weight.packed.contiguous().reshape(-1, t, s, 256)
         scales = weight.scales.contiguous().reshape(-1, t, s, 64)
-        from ignis.runtime.tvm_runtime import torch_stream
+        from ignis.runtime.kernels.tvm_runtime import torch_stream
 
         with torch_stream():
             compiled.dequant(codes, scales, out.view(-1, n, k))

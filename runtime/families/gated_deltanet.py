@@ -146,7 +146,7 @@ def gated_delta_rule_chunked(
         g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
     c = chunk_size
     # [heads, chunks, c, dim] / [heads, chunks, c] layouts for products batched over heads x chunks.
-    qc, kc, vc = (x.reshape(num, c, heads, -1).permute(2, 0, 1, 3) for x in (q, k, v))
+    qc, kc, vc = (x.reshape(num, c, heads, -1).permute(2, 0, 1, 3).contiguous() for x in (q, k, v))
     bc = beta.reshape(num, c, heads).permute(2, 0, 1)
     cum = g.reshape(num, c, heads).permute(2, 0, 1).cumsum(dim=-1)  # [heads, chunks, c]
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()

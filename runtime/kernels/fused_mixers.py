@@ -26,6 +26,7 @@ from ignis.runtime.kernels.module import ModuleFunctions
 
 __all__ = [
     "ATTN_CHUNK",
+    "ATTN_MAX_SPLITS",
     "FUNCTION_NAMES",
     "GATED_ATTENTION_HEAD_DIMS",
     "MAX_CONV_KERNEL",
@@ -62,19 +63,25 @@ def gated_attention_smem_bytes(head_dim: int, element_bytes: int = 2) -> int:
     return (64 + 4 * 32) * (head_dim + 8) * element_bytes
 
 
+ATTN_MAX_SPLITS = 64
+"""Most key splits of one ``gated_attention`` call: a one-lane round of the 27B shape (4 kv heads) then
+runs up to 256 blocks, about two a multiprocessor of an H200, when its context is long."""
+
+
 def attention_split_keys(max_keys: int) -> int:
     """Keys a split of ``gated_attention`` holds when it may read ``max_keys`` keys: at least 256 (one
-    split, no combine launch, up to 256 keys), else ``max_keys / 16`` rounded up to the kernel's 32-key
-    stages, so at most 16 splits (a bounded workspace: lanes x kv_heads x 16 x rows x head_dim fp32)
-    that spread a long context over the SMs (flash-decoding). A row's result depends on the keys,
-    its position and this split size only (not on the other lanes or columns of the round).
+    split, no combine launch, up to 256 keys), else ``max_keys / ATTN_MAX_SPLITS`` rounded up to the
+    kernel's 32-key stages, so at most `ATTN_MAX_SPLITS` splits (a bounded workspace: lanes x kv_heads
+    x splits x rows x head_dim fp32) that spread a long context over the SMs (flash-decoding). A row's
+    result depends on the keys, its position and this split size only (not on the other lanes or
+    columns of the round).
 
     Raises:
         ValueError: max_keys < 1.
     """
     if max_keys < 1:
         raise ValueError(f"max_keys must be >= 1, got {max_keys}")
-    per = -(-max_keys // 16)
+    per = -(-max_keys // ATTN_MAX_SPLITS)
     return max(256, -(-per // ATTN_CHUNK) * ATTN_CHUNK)
 
 

@@ -778,8 +778,8 @@ def test_tiled_source_exports_the_dequantization() -> None:
 
 def _dequant_fn(tmp_path: Path) -> object:
     """q4_g32_tiled_dequant from the bundle (IGNIS_Q4T_BUNDLE) or a module built here with nvcc."""
+    from ignis.runtime.kernels.tvm_runtime import load_module
     from ignis.runtime.linear import find_dequant
-    from ignis.runtime.tvm_runtime import load_module
 
     folder = os.environ.get("IGNIS_Q4T_BUNDLE")
     if folder:
@@ -804,7 +804,7 @@ def test_tiled_dequant_kernel_equals_the_reference_bit_for_bit(tmp_path: Path) -
     """The kernel's bf16 / f16 weights equal `dequantize_q4` of the row-major parts exactly (one
     rounding of an exact product), for N not a multiple of 16, one k-step, stacked weights and the
     vocabulary head; rows past N are not written (poisoned output checked)."""
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     fn = _dequant_fn(tmp_path)
     gen = torch.Generator(device="cuda").manual_seed(5)
