@@ -8,6 +8,8 @@ Endpoints:
 - `GET /health`: 200 while the lane loop runs, else 503.
 - `GET /metrics`: Prometheus text (`ignis.runtime.server.metrics`).
 - `GET /openapi.json`, `GET /docs`: the API's schema and its browser view.
+- `GET /status`: settings and live state as JSON; `GET /playground/`: the Playground, a browser UI
+  (`ignis.runtime.server.status`, `ignis.runtime.server.playground`).
 
 Errors are OpenAI-style bodies (`{"error": {"message", "type", "param", "code"}}`) whose message names
 the field as the client wrote it (`messages[0].content`), what is allowed and what was sent: 400 for
@@ -52,6 +54,7 @@ from ignis.runtime.server.errors import (
 from ignis.runtime.server.lanes import ErrorEvent, LaneLoop, RequestHandle, TokenEvent
 from ignis.runtime.server.metrics import ServerMetrics
 from ignis.runtime.server.model import ChatTokenizer, ServedModel
+from ignis.runtime.server.playground import install_playground
 from ignis.runtime.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -824,6 +827,7 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    install_playground(app, model, lanes)  # GET /status and /playground/ (last: its asset layer is outermost)
     return app
 
 

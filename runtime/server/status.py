@@ -1,0 +1,105 @@
+"""`GET /status`: the server's settings and live state as one JSON object (the Playground's Monitor
+reads it beside `/metrics`; any client may).
+
+The object (every figure is read at request time; nothing is cached):
+
+- `model`: the served name; `aliases`; `created` (Unix seconds of the load); `max_context` (tokens,
+  prompt + output, or null for the model's own).
+- `speculative`: `backend` (dflash2, mtp, ngram, draft-model, off), `draft_tokens` (drafts per lane
+  per round, 0 with off), `draft_rows` (the row budget, 0 means 8), `draft_head` (full, shortlist).
+- `lanes`: `max` (`--lanes`), `active` (decoding or being prefilled), `waiting` (queued for a lane),
+  `queue_size` (`--queue-size`), `engine_restarts` (engines rebuilt after a failure).
+- `started`: Unix seconds the app was built; `uptime_s`: seconds since (monotonic clock).
+- `version`: the installed ignis version (null when not installed as a distribution).
+- `gpu`: null unless this process has initialized CUDA; else `index`, `name`, `total_bytes`,
+  `used_bytes` (the whole device, other processes included: total minus `cudaMemGetInfo`'s free),
+  `allocated_bytes` and `reserved_bytes` (this process's tensors and its caching allocator's pool),
+  `peak_allocated_bytes` (since start or the last peak reset). Reading it never creates a CUDA context.
+
+It sits behind the same authentication as the rest of the API (an API key, when one is set, guards
+every path but `/health`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from importlib import metadata
+from typing import Any
+
+from fastapi import APIRouter
+
+from ignis.runtime.server.lanes import LaneLoop
+from ignis.runtime.server.model import ServedModel
+
+__all__ = ["STATUS_PATH", "gpu_memory", "status_router"]
+
+STATUS_PATH = "/status"
+
+
+def _version() -> str | None:
+    try:
+        return metadata.version("ignis")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_memory() -> dict[str, Any] | None:
+    """This process's CUDA device memory (module docstring), or None when CUDA was never initialized
+    here (a CPU server, or torch not imported): the check never initializes CUDA itself.
+
+    Raises:
+        RuntimeError: from torch when the device cannot be queried (a lost device).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    index = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    return {
+        "index": index,
+        "name": torch.cuda.get_device_name(index),
+        "total_bytes": int(total),
+        "used_bytes": int(total - free),
+        "allocated_bytes": int(torch.cuda.memory_allocated(index)),
+        "reserved_bytes": int(torch.cuda.memory_reserved(index)),
+        "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(index)),
+    }
+
+
+def status_router(model: ServedModel, lanes: LaneLoop) -> APIRouter:
+    """A router with `GET /status` over the served model and its lane loop (module docstring)."""
+    router = APIRouter()
+    started, started_mono = time.time(), time.monotonic()
+    version = _version()
+
+    @router.get(STATUS_PATH, tags=["server"])
+    def status() -> dict[str, Any]:
+        """The served model, its speculative settings, the lanes and GPU memory (JSON)."""
+        snap = lanes.snapshot
+        spec = model.spec
+        return {
+            "model": model.name,
+            "aliases": list(model.aliases),
+            "created": model.created,
+            "max_context": lanes.max_context,
+            "speculative": {
+                "backend": spec.backend,
+                "draft_tokens": spec.draft_tokens if spec.backend != "off" else 0,
+                "draft_rows": spec.draft_rows,
+                "draft_head": spec.draft_head,
+            },
+            "lanes": {
+                "max": lanes.max_lanes,
+                "active": snap.num_active,
+                "waiting": snap.num_waiting,
+                "queue_size": lanes.queue_size,
+                "engine_restarts": lanes.num_engine_restarts,
+            },
+            "started": started,
+            "uptime_s": time.monotonic() - started_mono,
+            "version": version,
+            "gpu": gpu_memory(),
+        }
+
+    return router
