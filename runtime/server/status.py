@@ -28,11 +28,12 @@ from importlib import metadata
 from typing import Any
 
 from fastapi import APIRouter
+from pydantic import BaseModel, Field
 
 from ignis.runtime.server.lanes import LaneLoop
 from ignis.runtime.server.model import ServedModel
 
-__all__ = ["STATUS_PATH", "gpu_memory", "status_router"]
+__all__ = ["STATUS_PATH", "ServerStatus", "gpu_memory", "status_router"]
 
 STATUS_PATH = "/status"
 
@@ -67,13 +68,59 @@ def gpu_memory() -> dict[str, Any] | None:
     }
 
 
+class SpeculativeStatus(BaseModel):
+    """The speculative settings the engine runs with."""
+
+    backend: str = Field(description="dflash2, mtp, ngram, draft-model or off")
+    draft_tokens: int = Field(description="drafts per lane per round (0 with off)")
+    draft_rows: int = Field(description="row budget of a round across lanes (0 means 8)")
+    draft_head: str = Field(description="proposal head: full or shortlist")
+
+
+class LanesStatus(BaseModel):
+    """The lane loop now."""
+
+    max: int = Field(description="lanes decoding at once (--lanes)")
+    active: int = Field(description="lanes decoding or being prefilled")
+    waiting: int = Field(description="requests queued for a lane")
+    queue_size: int = Field(description="requests that may wait beyond max (--queue-size)")
+    engine_restarts: int = Field(description="engines rebuilt after a failure")
+
+
+class GpuStatus(BaseModel):
+    """CUDA device memory, in bytes."""
+
+    index: int
+    name: str
+    total_bytes: int
+    used_bytes: int = Field(description="the whole device's use, other processes included")
+    allocated_bytes: int = Field(description="this process's tensors")
+    reserved_bytes: int = Field(description="this process's caching allocator pool")
+    peak_allocated_bytes: int
+
+
+class ServerStatus(BaseModel):
+    """`GET /status` (module docstring)."""
+
+    model: str
+    aliases: list[str]
+    created: int = Field(description="Unix seconds of the model's load")
+    max_context: int | None = Field(description="tokens, prompt + output; null: the model's own")
+    speculative: SpeculativeStatus
+    lanes: LanesStatus
+    started: float = Field(description="Unix seconds the app was built")
+    uptime_s: float
+    version: str | None
+    gpu: GpuStatus | None = Field(description="null unless this process has initialized CUDA")
+
+
 def status_router(model: ServedModel, lanes: LaneLoop) -> APIRouter:
     """A router with `GET /status` over the served model and its lane loop (module docstring)."""
     router = APIRouter()
     started, started_mono = time.time(), time.monotonic()
     version = _version()
 
-    @router.get(STATUS_PATH, tags=["server"])
+    @router.get(STATUS_PATH, response_model=ServerStatus, tags=["server"])
     def status() -> dict[str, Any]:
         """The served model, its speculative settings, the lanes and GPU memory (JSON)."""
         snap = lanes.snapshot

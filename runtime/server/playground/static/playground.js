@@ -139,23 +139,29 @@
 
   // ------------------------------------------------------------------ API key dialog
 
-  function askKey(reason) {
+  let keyDismissed = false; // the user closed the dialog: the polls do not reopen it
+
+  function askKey(reason, fromUser) {
     const dlg = $("key-dialog");
+    $("conn").className = "dot bad";
+    $("conn").title = "the server needs an API key";
+    if (keyDismissed && !fromUser) return;
     $("key-reason").textContent = reason || "This server needs an API key (ignis-run --api-key).";
     if (!dlg.open) dlg.showModal();
     $("key-input").focus();
   }
 
   function setupKeyDialog() {
-    $("key-button").addEventListener("click", () => askKey("The key is sent as 'Authorization: Bearer KEY'."));
+    $("key-button").addEventListener("click", () => askKey("The key is sent as 'Authorization: Bearer KEY'.", true));
     $("key-form").addEventListener("submit", (ev) => {
       ev.preventDefault();
       apiKey = $("key-input").value.trim();
       sessionStorage.setItem(KEY_STORE, apiKey);
       if ($("key-remember").checked) localStorage.setItem(KEY_STORE, apiKey);
       $("key-input").value = "";
+      keyDismissed = false;
       $("key-dialog").close();
-      refreshStatus();
+      refreshStatus().then(poll);
     });
     $("key-forget").addEventListener("click", () => {
       apiKey = "";
@@ -163,7 +169,8 @@
       localStorage.removeItem(KEY_STORE);
       $("key-input").value = "";
     });
-    $("key-cancel").addEventListener("click", () => $("key-dialog").close());
+    $("key-cancel").addEventListener("click", () => { keyDismissed = true; $("key-dialog").close(); });
+    $("key-dialog").addEventListener("cancel", () => { keyDismissed = true; }); // Escape
   }
 
   // ------------------------------------------------------------------ status
@@ -606,6 +613,7 @@
 
   let lastM = null, lastF = null, lastRates = {};
   async function poll() {
+    if (document.hidden && prev) return; // a background tab does not poll (its history pauses)
     try {
       if (!$("view-monitor").hidden) await refreshStatus(); // lanes and GPU memory every poll
       const m = await readMetrics();
