@@ -361,6 +361,7 @@ def test_chat_streams_a_reply_with_timings(driver: Any, tcp_server: Running, tmp
     assert re.fullmatch(r"[\d.]+ (ms|s)", timing("ttft"))
     assert float(timing("tps")) > 0
     assert timing("tokens") == str(r["usage"]["completion_tokens"])
+    assert timing("prompt").split()[0] == str(r["usage"]["prompt_tokens"])
     # The toy drafter is the target itself: every greedy draft is accepted, 4 tokens a full round.
     tpr = float(timing("tpr").lstrip("≈"))
     assert 1.0 < tpr <= 4.0
@@ -443,6 +444,10 @@ def test_monitor_figures_change_after_a_request(driver: Any, tcp_server: Running
     assert title.splitlines()[0].startswith("position 0: 100.0 % of ")
     assert len(title.splitlines()) == 3  # one bar per draft position
     assert _text(driver, "mon-gpu") == "no CUDA device in use"
+    assert re.fullmatch(r"[\d.]+ (ms|s)", _text(driver, "mon-ttft"))
+    assert re.match(
+        r"TTFT p50 \(p95 [\d.]+ (ms|s)\); inter-token p50 [\d.]+ (ms|s), p95", _text(driver, "mon-itl")
+    )
     with tcp_server.client() as c:
         exposition = c.get("/metrics").text
     caches = _text(driver, "mon-caches")

@@ -81,6 +81,28 @@
     return out;
   }
 
+  // The q-quantile of a Prometheus histogram from its cumulative buckets, interpolated linearly inside
+  // the bucket it falls in (PromQL's histogram_quantile); null without observations.
+  function quantile(m, name, q) {
+    const buckets = (m.get(name + "_bucket") || [])
+      .map((r) => ({ le: r.labels.le === "+Inf" ? Infinity : Number(r.labels.le), n: r.value }))
+      .sort((a, b) => a.le - b.le);
+    if (!buckets.length) return null;
+    const total = buckets[buckets.length - 1].n;
+    if (!total) return null;
+    const rank = q * total;
+    let lo = 0, below = 0;
+    for (const b of buckets) {
+      if (b.n >= rank) {
+        if (b.le === Infinity) return lo;
+        return lo + ((b.le - lo) * (rank - below)) / Math.max(b.n - below, 1e-12);
+      }
+      lo = b.le;
+      below = b.n;
+    }
+    return lo;
+  }
+
   // The figures the Playground reads from /metrics.
   function figures(m) {
     return {
@@ -301,7 +323,12 @@
     const decodeS = r.tLast !== null && r.tFirst !== null ? (r.tLast - r.tFirst) / 1000 : 0;
     const tps = n > 1 && decodeS > 0 ? (n - 1) / decodeS : null;
     timing(t, "tps", "tok/s", fmt(tps, 1), "output tokens after the first / time from the first token to the last");
-    timing(t, "tokens", "tokens", String(n), r.usage ? `prompt ${r.usage.prompt_tokens}, completion ${n}` : "");
+    timing(t, "tokens", "tokens", String(n), "completion tokens");
+    if (r.usage) {
+      const details = r.usage.prompt_tokens_details;
+      const cached = details && details.cached_tokens ? ` (${details.cached_tokens} cached)` : "";
+      timing(t, "prompt", "prompt", `${r.usage.prompt_tokens}${cached}`, "prompt tokens; cached: reused from a prompt checkpoint");
+    }
     const s = r.spec;
     if (s && s.rounds > 0) {
       const approx = s.shared ? "≈" : "";
@@ -598,8 +625,10 @@
     $("mon-tpr").textContent = f.rounds ? fmt(f.accepted / f.rounds, 2) : "–";
     $("mon-tpr-sub").textContent = f.rounds ? `${fmtCount(f.drafted)} drafted, ${fmtCount(f.accepted)} committed`
       : status && status.speculative.backend === "off" ? "speculation off" : "no speculative round yet";
-    $("mon-ttft").textContent = f.ttftCount ? fmtMs(f.ttftSum / f.ttftCount) : "–";
-    $("mon-itl").textContent = `mean TTFT; inter-token ${f.itlCount ? fmtMs(f.itlSum / f.itlCount) : "–"}`;
+    const ttft = "ignis_time_to_first_token_seconds", itl = "ignis_inter_token_latency_seconds";
+    $("mon-ttft").textContent = fmtMs(quantile(m, ttft, 0.5));
+    $("mon-itl").textContent = `TTFT p50 (p95 ${fmtMs(quantile(m, ttft, 0.95))}); inter-token p50 ` +
+      `${fmtMs(quantile(m, itl, 0.5))}, p95 ${fmtMs(quantile(m, itl, 0.95))}; since start`;
     renderRequests(m, f);
     renderCaches(m);
     if ($("view-monitor").hidden) return;
@@ -656,6 +685,7 @@
     setupChat();
     for (const b of document.querySelectorAll("nav button")) b.addEventListener("click", () => show(b.dataset.view));
     window.addEventListener("resize", () => { if (lastM) renderMonitor(lastM, lastF, lastRates); });
+    window.addEventListener("hashchange", () => show(location.hash === "#monitor" ? "monitor" : "chat"));
     show(location.hash === "#monitor" ? "monitor" : "chat");
     refreshStatus().then(poll);
     setInterval(poll, POLL_MS);
