@@ -161,7 +161,8 @@ class IgnisServer:
                 self._release_sockets()
                 raise
             host, port = self.tcp_socket.getsockname()[:2]
-            logger.info("listening on http://%s:%d", host, port)
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            logger.info("listening on %s (the Playground: %s/playground/)", url, url)
 
     def request_exit(self) -> None:
         """Start a graceful shutdown (thread-safe)."""

@@ -14,6 +14,7 @@ docs/img/ when IGNIS_UPDATE_SCREENSHOTS=1 (the images the docs show).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -195,6 +196,16 @@ def test_api_key_guards_status_but_not_the_page() -> None:
         # The static files hold no data: a browser must be able to load the page that asks for the key.
         assert c.get("/playground/").status_code == 200
         assert c.get("/playground/playground.js").status_code == 200
+
+
+def test_the_start_up_log_names_the_playground(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ignis.runtime.server")
+    with serve(port=0) as running, running.client() as c:
+        host, port = running.server.tcp_address or ("", 0)
+        url = f"http://{host}:{port}/playground/"
+        assert any(url in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert httpx.get(url, timeout=10).status_code == 200  # the address logged serves the page
+        assert c.get("/playground/").status_code == 200  # and over the Unix socket (a local proxy's way)
 
 
 @pytest.mark.gpu
