@@ -14,11 +14,13 @@ docs/img/ when IGNIS_UPDATE_SCREENSHOTS=1 (the images the docs show).
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import os
 import re
 import shutil
 import time
+import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -154,6 +156,15 @@ def test_assets_use_no_cdn_and_only_the_api() -> None:
     script = (STATIC / "playground.js").read_text()
     fetched = set(re.findall(r'"\.\./([^"]+)"', script))
     assert fetched == {"v1/chat/completions", "metrics", "status"}
+
+
+def test_every_asset_is_package_data() -> None:
+    """A wheel holds the files the page is made of (pyproject's package-data covers each)."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    globs = data["ignis.runtime.server.playground"]
+    for name in ASSETS:
+        assert any(fnmatch.fnmatch(f"static/{name}", g) for g in globs), name
+    assert sorted(p.name for p in STATIC.iterdir()) == sorted(ASSETS)  # no file left unserved
 
 
 def test_status(server: Running, client: httpx.Client) -> None:
@@ -497,3 +508,28 @@ def test_page_asks_for_the_api_key(driver: Any) -> None:
         # The key lives in this tab's session storage only (the "remember" box was not ticked).
         assert driver.execute_script("return localStorage.getItem('ignis.playground.apiKey')") is None
         driver.execute_script("sessionStorage.clear();")
+
+
+@browser
+def test_a_refused_request_shows_the_servers_message(driver: Any, tcp_server: Running) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver.get(_url(tcp_server) + "#chat")
+    driver.refresh()  # a fresh page: an empty conversation
+    _wait(driver, lambda d: _text(d, "model-name") == tcp_server.server.model.name)
+    context = tcp_server.server.lanes.max_context
+    assert context is not None
+    _set(driver, "max_tokens", str(context + 1))
+    box = driver.find_element(By.ID, "prompt")
+    box.send_keys("too long an answer")
+    driver.find_element(By.ID, "send").click()
+    error = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.error"))[0]
+    message = error.find_element(By.CSS_SELECTOR, ".text").text
+    assert message.startswith(f"this model's maximum context length is {context} tokens")
+    # The message is given back to edit, and is not left in the conversation.
+    assert driver.find_element(By.ID, "prompt").get_attribute("value") == "too long an answer"
+    assert driver.find_elements(By.CSS_SELECTOR, ".msg.user") == []
+    assert driver.find_element(By.ID, "send").is_enabled()
+    # The browser reports the 400 itself; nothing else went wrong on the page.
+    severe = _severe(driver)
+    assert all("status of 400" in e["message"] for e in severe), severe

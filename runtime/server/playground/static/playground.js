@@ -357,7 +357,7 @@
     if (!text || inflight) return;
     $("prompt").value = "";
     conversation.push({ role: "user", content: text });
-    addMessage("user", text);
+    const userBox = addMessage("user", text);
     const settings = readSettings();
     const system = $("set-system").value.trim();
     const messages = system ? [{ role: "system", content: system }, ...conversation] : conversation.slice();
@@ -423,15 +423,22 @@
       else if (e instanceof AuthError) failed = "the server needs an API key: give it and send again";
       else failed = String(e.message || e);
     }
-    if (failed !== null && r.chunks === 0) {
+    if (failed !== null && r.chunks === 0) { // refused (4xx/5xx) or unreachable: the message is given back
       box.remove();
+      userBox.remove();
       conversation.pop();
       addMessage("error", failed).querySelector(".role").textContent = "error";
       $("prompt").value = text;
       endReply(null);
       return;
     }
-    conversation.push({ role: "assistant", content: r.text });
+    if (r.text) {
+      conversation.push({ role: "assistant", content: r.text });
+    } else { // stopped before any text: the turn is left out of the conversation
+      conversation.pop();
+      userBox.classList.add("dropped");
+      userBox.title = "not part of the conversation (no reply)";
+    }
     let after = null;
     try { after = figures(await readMetrics()); } catch (e) { /* shown as "–" */ }
     r.spec = replySpec(r.usage, before, after);
