@@ -11,7 +11,8 @@ The object (every figure is read at request time; nothing is cached):
   `queue_size` (`--queue-size`), `engine_restarts` (engines rebuilt after a failure).
 - `started`: Unix seconds the app was built; `uptime_s`: seconds since (monotonic clock).
 - `version`: the installed ignis version (null when not installed as a distribution).
-- `gpu`: null unless this process has initialized CUDA; else `index`, `name`, `total_bytes`,
+- `gpu`: null unless this process holds CUDA memory; else, for the device it holds most on, `index`,
+  `name`, `total_bytes`,
   `used_bytes` (the whole device, other processes included: total minus `cudaMemGetInfo`'s free),
   `allocated_bytes` and `reserved_bytes` (this process's tensors and its caching allocator's pool),
   `peak_allocated_bytes` (since start or the last peak reset). Reading it never creates a CUDA context.
@@ -46,8 +47,8 @@ def _version() -> str | None:
 
 
 def gpu_memory() -> dict[str, Any] | None:
-    """This process's CUDA device memory (module docstring), or None when CUDA was never initialized
-    here (a CPU server, or torch not imported): the check never initializes CUDA itself.
+    """This process's CUDA device memory on the device it holds most on (module docstring), or None
+    when it holds none (a CPU server, or torch not imported): the check never initializes CUDA itself.
 
     Raises:
         RuntimeError: from torch when the device cannot be queried (a lost device).
@@ -55,7 +56,12 @@ def gpu_memory() -> dict[str, Any] | None:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return None
-    index = torch.cuda.current_device()
+    # The device this process holds most memory on (the allocator's figures are host-side; asking a
+    # device this process never used for its free memory would create a context on it). The calling
+    # thread's current device is no guide: a request handler's thread sits on device 0.
+    reserved, index = max((int(torch.cuda.memory_reserved(i)), i) for i in range(torch.cuda.device_count()))
+    if reserved == 0:
+        return None
     free, total = torch.cuda.mem_get_info(index)
     return {
         "index": index,
@@ -111,7 +117,7 @@ class ServerStatus(BaseModel):
     started: float = Field(description="Unix seconds the app was built")
     uptime_s: float
     version: str | None
-    gpu: GpuStatus | None = Field(description="null unless this process has initialized CUDA")
+    gpu: GpuStatus | None = Field(description="null unless this process holds CUDA memory")
 
 
 def status_router(model: ServedModel, lanes: LaneLoop) -> APIRouter:

@@ -189,6 +189,36 @@ def test_status(server: Running, client: httpx.Client) -> None:
     assert "/status" in client.get("/openapi.json").json()["paths"]
 
 
+def test_status_counts_busy_lanes_and_queued_requests() -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 100,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with serve(ToySource(step_delay=0.2), lanes=1, queue_size=2) as running, running.client() as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as first:
+            next(first.iter_lines())  # decoding
+            with running.client() as c2, c2.stream("POST", "/v1/chat/completions", json=body) as second:
+                assert second.status_code == 200
+                deadline = time.monotonic() + 10
+                lanes = c.get("/status").json()["lanes"]
+                while lanes["waiting"] != 1 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    lanes = c.get("/status").json()["lanes"]
+                assert (lanes["active"], lanes["waiting"]) == (1, 1)
+        deadline = time.monotonic() + 10
+        while c.get("/status").json()["lanes"]["active"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.get("/status").json()["lanes"] == {
+            "max": 1,
+            "active": 0,
+            "waiting": 0,
+            "queue_size": 2,
+            "engine_restarts": 0,
+        }
+
+
 def test_status_of_a_server_without_speculation() -> None:
     with serve(spec=SpecDefaults(backend="off"), lanes=2, queue_size=3) as running, running.client() as c:
         s = c.get("/status").json()
@@ -221,17 +251,22 @@ def test_the_start_up_log_names_the_playground(caplog: pytest.LogCaptureFixture)
 
 @pytest.mark.gpu
 def test_status_reports_gpu_memory() -> None:
+    """The figures are of the device the process holds memory on (the last one here), read from
+    another thread (a request handler's thread sits on device 0)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from ignis.runtime.server.status import gpu_memory
 
-    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    g = gpu_memory()
-    assert g is not None
+    device = torch.cuda.device_count() - 1
+    x = torch.empty(64 << 20, dtype=torch.uint8, device=f"cuda:{device}")
+    with ThreadPoolExecutor(1) as pool:
+        g = pool.submit(gpu_memory).result()
+    assert g is not None and g["index"] == device
     assert g["allocated_bytes"] >= x.numel() and g["reserved_bytes"] >= g["allocated_bytes"]
-    assert 0 < g["used_bytes"] <= g["total_bytes"] and g["name"]
+    assert g["peak_allocated_bytes"] >= g["allocated_bytes"]
+    assert g["allocated_bytes"] <= g["used_bytes"] <= g["total_bytes"] and g["name"]
     del x
 
 
