@@ -568,3 +568,30 @@ def test_a_refused_request_shows_the_servers_message(driver: Any, tcp_server: Ru
     # The browser reports the 400 itself; nothing else went wrong on the page.
     severe = _severe(driver)
     assert all("status of 400" in e["message"] for e in severe), severe
+
+
+class _ExpertCacheCollector:
+    """Expert-cache figures as a server with one would export them (the Monitor shows any
+    `ignis_expert_cache_*` family, with a hit rate from hits and lookups)."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield CounterMetricFamily("ignis_expert_cache_lookups", "Expert lookups.", value=400)
+        yield CounterMetricFamily(
+            "ignis_expert_cache_hits", "Expert lookups served from the cache.", value=300
+        )
+        yield GaugeMetricFamily("ignis_expert_cache_bytes", "Bytes the cache holds.", value=3 * 2**30)
+
+
+@browser
+def test_monitor_shows_cache_figures_where_present(driver: Any) -> None:
+    with serve(port=0) as running:
+        running.server.metrics.registry.register(_ExpertCacheCollector())
+        driver.get(_url(running) + "#monitor")
+        _wait(driver, lambda d: "Expert cache" in _text(d, "mon-caches"))
+        rows = driver.execute_script(
+            "return [...document.querySelectorAll('#mon-caches tr')].map(r => r.textContent)"
+        )
+        assert rows == ["hit rate75.0 %", "lookups400", "hits300", "bytes3.0 GiB"]
+        assert _severe(driver) == []
