@@ -283,7 +283,7 @@ browser = pytest.mark.skipif(_NO_BROWSER is not None, reason=_NO_BROWSER or "")
 
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def chrome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     if _NO_BROWSER is not None:
         pytest.skip(_NO_BROWSER)
     webdriver = pytest.importorskip("selenium.webdriver")
@@ -311,6 +311,16 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield drv
     finally:
         drv.quit()
+
+
+@pytest.fixture
+def driver(chrome: Any) -> Iterator[Any]:
+    """The browser for one test: its console log starts empty, and its page is left for a blank one
+    after (a page left open would keep polling a server that a later test has stopped)."""
+    chrome.get("about:blank")
+    chrome.get_log("browser")
+    yield chrome
+    chrome.get("about:blank")
 
 
 @pytest.fixture(scope="module")
@@ -521,8 +531,9 @@ def test_page_asks_for_the_api_key(driver: Any) -> None:
     from selenium.webdriver.common.by import By
 
     with serve_with_key(port=0) as running:
-        driver.execute_script("sessionStorage.clear(); localStorage.clear();")
         driver.get(_url(running))
+        driver.execute_script("sessionStorage.clear(); localStorage.clear();")  # no key of an earlier server
+        driver.refresh()
         dialog = driver.find_element(By.ID, "key-dialog")
         _wait(driver, lambda d: dialog.get_attribute("open") is not None)
         assert _text(driver, "model-name") == "…"  # nothing was read without the key
@@ -550,7 +561,6 @@ def test_a_refused_request_shows_the_servers_message(driver: Any, tcp_server: Ru
     from selenium.webdriver.common.by import By
 
     driver.get(_url(tcp_server) + "#chat")
-    driver.refresh()  # a fresh page: an empty conversation
     _wait(driver, lambda d: _text(d, "model-name") == tcp_server.server.model.name)
     context = tcp_server.server.lanes.max_context
     assert context is not None
