@@ -544,11 +544,19 @@ def test_page_asks_for_the_api_key(driver: Any) -> None:
         assert driver.execute_script("return document.getElementById('conn').className") == "dot bad"
         driver.find_element(By.ID, "key-button").click()
         _wait(driver, lambda d: dialog.get_attribute("open") is not None)
+        driver.find_element(By.ID, "key-cancel").click()
+        # Sending without the key opens the dialog again and gives the message back.
+        driver.find_element(By.ID, "prompt").send_keys("hi")
+        driver.find_element(By.ID, "send").click()
+        _wait(driver, lambda d: dialog.get_attribute("open") is not None)
+        assert driver.find_element(By.ID, "prompt").get_attribute("value") == "hi"
+        assert driver.find_elements(By.CSS_SELECTOR, ".msg") == []
         driver.find_element(By.ID, "key-input").send_keys(KEY)
         driver.find_element(By.ID, "key-save").click()
         _wait(driver, lambda d: _text(d, "model-name") == running.server.model.name)
         _set(driver, "max_tokens", "8")
-        reply = _send(driver, "hi")
+        driver.find_element(By.ID, "send").click()  # the message given back
+        reply = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))[0]
         _wait(driver, lambda d: reply.get_attribute("data-done") == "1")
         assert reply.find_element(By.CSS_SELECTOR, '.timings [data-k="tokens"] b').text == "8"
         # The key lives in this tab's session storage only (the "remember" box was not ticked).

@@ -377,7 +377,15 @@
     try {
       before = figures(await readMetrics());
     } catch (e) {
-      if (e instanceof AuthError) { endReply(box); conversation.pop(); return; }
+      if (e instanceof AuthError) { // the key dialog is open: the message is given back for after it
+        box.remove();
+        userBox.remove();
+        conversation.pop();
+        $("prompt").value = text;
+        endReply(null);
+        askKey("This server needs an API key to answer (ignis-run --api-key).", true);
+        return;
+      }
     }
     let failed = null;
     r.t0 = performance.now();
