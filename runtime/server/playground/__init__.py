@@ -18,7 +18,6 @@ layer; call it after the app's other middleware is added (the last added is the 
 from __future__ import annotations
 
 import hashlib
-from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI
@@ -46,6 +45,8 @@ _CSP = (
 
 
 def _read_assets() -> dict[str, bytes]:
+    from importlib import resources  # at app start, not at import
+
     folder = resources.files(__name__).joinpath("static")
     return {name: folder.joinpath(name).read_bytes() for name in ASSETS}
 
