@@ -100,6 +100,7 @@ from ignis.runtime.drafters.common import (
     rope_inv_freq,
 )
 from ignis.runtime.errors import ConfigError, StateError, TensorShapeError
+from ignis.runtime.families.attention import sdpa
 from ignis.runtime.families.base import FamilyConfig
 from ignis.runtime.families.moe import SwiGLUWeights, swiglu_mlp
 from ignis.runtime.kernels.topk import TopKModule, topk
@@ -800,7 +801,7 @@ class DFlash2Network:
                 ck, cv = contexts[b][li]
                 keys = torch.cat([ck.to(self.dtype), k[sl]], dim=0) if ck.shape[0] else k[sl]
                 values = torch.cat([cv.to(self.dtype), v[sl]], dim=0) if cv.shape[0] else v[sl]
-                o = F.scaled_dot_product_attention(
+                o = sdpa(
                     q[sl].transpose(0, 1).unsqueeze(0),
                     keys.transpose(0, 1).unsqueeze(0),
                     values.transpose(0, 1).unsqueeze(0),

@@ -65,6 +65,7 @@ from ignis.runtime.drafters.common import (
     rope_inv_freq,
 )
 from ignis.runtime.errors import ConfigError, StateError
+from ignis.runtime.families.attention import sdpa
 from ignis.runtime.families.base import get_family
 from ignis.runtime.families.hybrid_executor import rms_norm_one_plus
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
@@ -339,7 +340,7 @@ class MTPHead:
                     torch.arange(total, device=self.device)[None, :]
                     <= torch.arange(past, total, device=self.device)[:, None]
                 )
-            o = F.scaled_dot_product_attention(
+            o = sdpa(
                 q[start : start + n].transpose(0, 1).unsqueeze(0),
                 kv.keys[:total].transpose(0, 1).unsqueeze(0),
                 kv.values[:total].transpose(0, 1).unsqueeze(0),
