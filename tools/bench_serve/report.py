@@ -57,6 +57,7 @@ def format_report(report: dict[str, Any]) -> str:
         _row("Endpoint, concurrency, rate", f"{cfg['endpoint']}, {cfg['concurrency']}, {rate}"),
         _row("Output tokens asked, sampling", f"{cfg['max_tokens']}, {sampling}"),
         _row("Requests completed / failed", f"{s['completed']} / {s['failed']}"),
+        *([_row("Requests cancelled in flight (Ctrl-C)", str(s["cancelled"]))] if s["cancelled"] else []),
     ]
     for reason, n in sorted(s["errors"].items()):
         lines.append(_row(f"  failed: {reason}", str(n)))

@@ -168,16 +168,18 @@ def summarize(
         percentiles: which percentiles the distributions report.
 
     Returns:
-        A dict: counts ("requests", "completed", "failed", "errors" by reason), token totals, throughput
+        A dict: counts ("requests" sent, "completed", "failed", "errors" by reason, "cancelled" in flight
+        by Ctrl-C, not failures), token totals, throughput
         ("request_throughput" req/s, "output_throughput" and "total_token_throughput" tok/s over
         `duration`), and distributions (`distribution`) of "ttft", "tpot", "itl", "e2e" (seconds) and
         "decode_tok_s" (each completed request's own tokens per second after its first token).
         Token totals and distributions cover completed requests only.
     """
     done = [r for r in results if r.ok]
+    cancelled = sum(1 for r in results if not r.ok and _error_key(r) == "cancelled")
     errors: dict[str, int] = {}
     for r in results:
-        if not r.ok:
+        if not r.ok and _error_key(r) != "cancelled":
             key = _error_key(r)
             errors[key] = errors.get(key, 0) + 1
     out_tokens = sum(r.output_tokens for r in done)
@@ -187,7 +189,8 @@ def summarize(
     return {
         "requests": len(results),
         "completed": len(done),
-        "failed": len(results) - len(done),
+        "failed": len(results) - len(done) - cancelled,
+        "cancelled": cancelled,
         "errors": errors,
         "duration_s": duration,
         "prompt_tokens": in_tokens,
