@@ -19,6 +19,7 @@ from ignis.tools.bench_serve.stats import (
     linear_fit,
     parse_metrics,
     percentile,
+    server_side_summary,
     speculative_summary,
     summarize,
 )
@@ -161,6 +162,22 @@ def test_speculative_figures_come_from_counter_deltas() -> None:
     assert flat["ignis_speculative_rounds_total"] == 20
     assert 'ignis_speculative_position_accepted_total{position="2"}' not in flat  # no change
     assert not any(k.startswith("ignis_lanes_active") for k in flat)  # gauges are not deltas
+
+
+def test_server_side_means_come_from_histogram_deltas() -> None:
+    def hist(total: float, count: float) -> str:
+        return (
+            "# TYPE ignis_time_to_first_token_seconds histogram\n"
+            f'ignis_time_to_first_token_seconds_bucket{{le="+Inf"}} {count}\n'
+            f"ignis_time_to_first_token_seconds_sum {total}\n"
+            f"ignis_time_to_first_token_seconds_count {count}\n"
+            "# TYPE ignis_generation_tokens_total counter\n"
+            f"ignis_generation_tokens_total {count * 10}\n"
+        )
+
+    side = server_side_summary(parse_metrics(hist(7.0, 6.0)).delta(parse_metrics(hist(1.0, 2.0))))
+    assert side["ttft_mean_s"] == pytest.approx(6.0 / 4) and side["generation_tokens"] == 40
+    assert side["request_duration_mean_s"] is None  # no such histogram
 
 
 def test_no_speculation_gives_empty_figures() -> None:

@@ -134,9 +134,7 @@ def _prompts(
 @click.option(
     "--max-tokens",
     type=click.IntRange(min=1),
-    default=256,
-    show_default=True,
-    help="Output tokens per request.",
+    help="Output tokens per request (per reply with --multi-turn). [default: 256; 200 with --multi-turn]",
 )
 @click.option(
     "--ignore-eos/--no-ignore-eos",
@@ -239,7 +237,7 @@ def main(**kw: Any) -> None:
     cfg = BenchConfig(
         endpoint=endpoint,
         model=kw["model"],
-        max_tokens=kw["max_tokens"],
+        max_tokens=kw["max_tokens"] or (200 if kw["multi_turn"] else 256),
         ignore_eos=kw["ignore_eos"],
         temperature=kw["temperature"],
         top_p=kw["top_p"],
@@ -279,6 +277,7 @@ def main(**kw: Any) -> None:
     except KeyboardInterrupt:  # before the run started (or a second Ctrl-C): nothing to report
         click.echo("ignis-bench: interrupted", err=True)
         sys.exit(130)
+    report["argv"] = ["ignis-bench", *sys.argv[1:]]
     if kw["json_out"] is not None:
         kw["json_out"].parent.mkdir(parents=True, exist_ok=True)
         kw["json_out"].write_text(json.dumps(report, indent=1) + "\n")

@@ -54,7 +54,10 @@ def format_report(report: dict[str, Any]) -> str:
     sampling = "greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']:g}"
     lines += [
         _row("Server / model", f"{report['server']} / {report['model']}"),
-        _row("Endpoint, concurrency, rate", f"{cfg['endpoint']}, {cfg['concurrency']}, {rate}"),
+        _row(
+            "Endpoint, concurrency, rate, server lanes",
+            f"{cfg['endpoint']}, {cfg['concurrency']}, {rate}, {_num(report.get('server_lanes'), '.0f')}",
+        ),
         _row("Output tokens asked, sampling", f"{cfg['max_tokens']}, {sampling}"),
         _row("Requests completed / failed", f"{s['completed']} / {s['failed']}"),
         *([_row("Requests cancelled in flight (Ctrl-C)", str(s["cancelled"]))] if s["cancelled"] else []),
@@ -68,6 +71,16 @@ def format_report(report: dict[str, Any]) -> str:
         _row("Request throughput (req/s)", _num(s["request_throughput"], ".3f")),
         _row("Output throughput, all lanes (tok/s)", _num(s["output_throughput"])),
         _row("Total token throughput (tok/s)", _num(s["total_token_throughput"])),
+    ]
+    side = report.get("server_side")
+    if side is not None and side.get("ttft_mean_s") is not None:
+        lines.append(
+            _row(
+                "Server-side mean TTFT / duration (ms)",
+                f"{_ms(side['ttft_mean_s'])} / {_ms(side['request_duration_mean_s'])}",
+            )
+        )
+    lines += [
         _title("Latency"),
         *_latencies(s, pkeys),
     ]

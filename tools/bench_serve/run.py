@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import math
 import random
 import time
@@ -30,6 +31,7 @@ from ignis.tools.bench_serve.stats import (
     counters_json,
     distribution,
     linear_fit,
+    server_side_summary,
     speculative_summary,
     summarize,
 )
@@ -211,9 +213,12 @@ def _report(
     delta = after.delta(before) if before is not None and after is not None else None
     return {
         "mode": mode,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "server": where,
         "model": cfg.model or info.get("id"),
         "max_model_len": info.get("max_model_len"),
+        "server_lanes": None if after is None else after.value("ignis_lanes_max"),
+        "server_side": None if delta is None else server_side_summary(delta),
         "config": cfg.to_json(),
         "interrupted": run.interrupted,
         "summary": summarize(results, duration, cfg.percentiles),
@@ -311,7 +316,8 @@ async def _calibrate(client: BenchClient, model: str, path: str) -> float:
 def _turn_body(
     cfg: BenchConfig, mt: MultiTurnConfig, model: str, s: AgentSession, index: int
 ) -> tuple[dict[str, Any], int]:
-    """The next turn's request of session `s` and the tokens it adds (an estimate for chat)."""
+    """The next turn's request of session `s` and the tokens it adds (an estimate for chat); a sampled
+    turn sends the seed `cfg.seed + index` (index = session * turns + turn, whatever the interleaving)."""
     rng = s.rng
     low, high = mt.tool_tokens
     new = rng.randint(low, high) if s.turn > 0 else mt.system_tokens
@@ -365,8 +371,16 @@ async def run_multi_turn(client: BenchClient, cfg: BenchConfig, mt: MultiTurnCon
     max_len = info.get("max_model_len")
     path = ENDPOINTS[cfg.endpoint]
     words_per_token = 1.0
-    if cfg.endpoint == "chat":
+    if cfg.endpoint == "chat":  # the calibration requests warm the server up too
         words_per_token = await _calibrate(client, model, path)
+    for i in range(cfg.warmup if cfg.endpoint == "completions" else 0):
+        ids = [
+            mt.token_id_range[0] + (7 * j) % (mt.token_id_range[1] - mt.token_id_range[0]) for j in range(16)
+        ]
+        body = {"model": model, "prompt": ids, "max_tokens": 4, "temperature": 0}
+        w = await client.stream(path, body, RequestResult(-1, f"warm-up-{i}"), 0.0)
+        if not w.ok:
+            raise ServerError(f"the warm-up request failed: {w.error}")
     run = _Run()
     before = await client.metrics()
     sessions = [
@@ -386,7 +400,7 @@ async def run_multi_turn(client: BenchClient, cfg: BenchConfig, mt: MultiTurnCon
         nonlocal counter, end
         index = counter
         counter += 1
-        body, new = _turn_body(cfg, mt, model, s, index)
+        body, new = _turn_body(cfg, mt, model, s, s.index * mt.turns + s.turn)
         expected = prompt_len.get(s.index, 0) + new
         if max_len is not None and expected + cfg.max_tokens > int(max_len):
             s.done_reason = "context"

@@ -30,6 +30,7 @@ __all__ = [
     "linear_fit",
     "parse_metrics",
     "percentile",
+    "server_side_summary",
     "speculative_summary",
     "summarize",
 ]
@@ -221,6 +222,11 @@ class MetricsSnapshot:
 
     samples: dict[SampleKey, float]
 
+    def value(self, name: str) -> float | None:
+        """The sum of `name`'s samples over their labels (None when the server has no such metric)."""
+        found = [v for (n, _labels), v in self.samples.items() if n == name]
+        return sum(found) if found else None
+
     def delta(self, before: MetricsSnapshot) -> dict[SampleKey, float]:
         """Counter increases since `before`: every `*_total` and histogram `_sum`/`_count` sample of self,
         minus its value in `before` (0 where absent). Gauges and buckets are left out."""
@@ -290,6 +296,25 @@ def speculative_summary(delta: Mapping[SampleKey, float]) -> dict[str, Any]:
         "tokens_per_round": accepted / rounds if rounds else None,
         "draft_acceptance_rate": accepted_drafts / drafted if drafted else None,
         "per_position": per_position,
+    }
+
+
+def server_side_summary(delta: Mapping[SampleKey, float]) -> dict[str, Any]:
+    """The server's own view of the run from its histograms' `_sum`/`_count` increases: mean TTFT and
+    mean request duration (seconds, None when the server has no such histogram or counted nothing),
+    prompt and generation tokens it counted. Beside the client's figures it shows what the socket,
+    HTTP and the client add."""
+
+    def mean(name: str) -> float | None:
+        n = _value(delta, f"{name}_count")
+        return _value(delta, f"{name}_sum") / n if n else None
+
+    return {
+        "ttft_mean_s": mean("ignis_time_to_first_token_seconds"),
+        "request_duration_mean_s": mean("ignis_request_duration_seconds"),
+        "inter_token_latency_mean_s": mean("ignis_inter_token_latency_seconds"),
+        "prompt_tokens": int(_value(delta, "ignis_prompt_tokens_total")),
+        "generation_tokens": int(_value(delta, "ignis_generation_tokens_total")),
     }
 
 
