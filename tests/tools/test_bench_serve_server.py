@@ -142,6 +142,7 @@ def test_load_over_the_socket_reports_every_request_and_the_acceptance(
     assert all(p["drafted"] > 0 and p["rate"] == 1.0 for p in spec["per_position"])
     assert "Tokens per round" in proc.stdout and "TTFT" in proc.stdout and "p99" in proc.stdout
     assert rep["server_lanes"] == 4 and rep["argv"][:2] == ["ignis-bench", "--no-progress"]
+    assert "prompt_checkpoints" in rep  # None until the server exports ignis_prompt_checkpoint_*
     side = rep["server_side"]
     assert side["generation_tokens"] == 6 * 12 and side["prompt_tokens"] == 3 * 8 + 3 * 16
     assert 0 < side["ttft_mean_s"] <= s["ttft"]["mean"]  # the server's clock starts after the client's

@@ -14,6 +14,7 @@ import pytest
 from ignis.tools.bench_serve.report import format_report
 from ignis.tools.bench_serve.stats import (
     RequestResult,
+    checkpoint_summary,
     counters_json,
     distribution,
     linear_fit,
@@ -178,6 +179,32 @@ def test_server_side_means_come_from_histogram_deltas() -> None:
     side = server_side_summary(parse_metrics(hist(7.0, 6.0)).delta(parse_metrics(hist(1.0, 2.0))))
     assert side["ttft_mean_s"] == pytest.approx(6.0 / 4) and side["generation_tokens"] == 40
     assert side["request_duration_mean_s"] is None  # no such histogram
+
+
+def test_prompt_checkpoint_counters_are_summarized_when_the_server_has_them() -> None:
+    def text(lookups: int, card: int, host: int, reused: int, evicted: int, held: int) -> str:
+        return (
+            "# TYPE ignis_prompt_checkpoint_lookups_total counter\n"
+            f"ignis_prompt_checkpoint_lookups_total {lookups}\n"
+            "# TYPE ignis_prompt_checkpoint_hits_total counter\n"
+            f'ignis_prompt_checkpoint_hits_total{{tier="card"}} {card}\n'
+            f'ignis_prompt_checkpoint_hits_total{{tier="host"}} {host}\n'
+            "# TYPE ignis_prompt_checkpoint_reused_tokens_total counter\n"
+            f"ignis_prompt_checkpoint_reused_tokens_total {reused}\n"
+            "# TYPE ignis_prompt_checkpoint_evictions_total counter\n"
+            f'ignis_prompt_checkpoint_evictions_total{{tier="card"}} {evicted}\n'
+            "# TYPE ignis_prompt_checkpoint_bytes gauge\n"
+            f'ignis_prompt_checkpoint_bytes{{tier="card"}} {held}\n'
+        )
+
+    before, after = parse_metrics(text(4, 1, 0, 100, 0, 10)), parse_metrics(text(14, 7, 2, 5100, 3, 99))
+    ck = checkpoint_summary(after.delta(before), after)
+    assert ck is not None
+    assert (ck["lookups"], ck["hits"], ck["reused_tokens"]) == (10, 8, 5000)
+    assert ck["hit_rate"] == pytest.approx(0.8) and ck["hits_by_tier"] == {"card": 6, "host": 2}
+    assert ck["evictions_by_tier"] == {"card": 3} and ck["bytes_held_by_tier"] == {"card": 99}
+    plain = parse_metrics(METRICS_BEFORE)
+    assert checkpoint_summary(plain.delta(plain), plain) is None
 
 
 def test_no_speculation_gives_empty_figures() -> None:

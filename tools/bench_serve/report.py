@@ -100,6 +100,18 @@ def format_report(report: dict[str, Any]) -> str:
                 " ".join(_num(p["rate"], ".2f") for p in spec["per_position"]),
             ),
         ]
+    ck = report.get("prompt_checkpoints")
+    if ck is not None:
+        tiers = ", ".join(f"{k} {v}" for k, v in ck["hits_by_tier"].items()) or "-"
+        lines += [
+            _title("Prompt checkpoints (from /metrics)"),
+            _row("Lookups / hits (by tier)", f"{ck['lookups']} / {ck['hits']} ({tiers})"),
+            _row("Prompt tokens reused", str(ck["reused_tokens"])),
+            _row(
+                "Evictions (by tier)",
+                ", ".join(f"{k} {v}" for k, v in ck["evictions_by_tier"].items()) or "0",
+            ),
+        ]
     mt = report.get("multi_turn")
     if mt is not None:
         lines += [

@@ -28,6 +28,7 @@ from ignis.tools.bench_serve.stats import (
     DEFAULT_PERCENTILES,
     MetricsSnapshot,
     RequestResult,
+    checkpoint_summary,
     counters_json,
     distribution,
     linear_fit,
@@ -223,6 +224,7 @@ def _report(
         "interrupted": run.interrupted,
         "summary": summarize(results, duration, cfg.percentiles),
         "speculative": speculative_summary(delta) if delta is not None else None,
+        "prompt_checkpoints": checkpoint_summary(delta, after) if delta is not None else None,
         "metrics_delta": counters_json(delta) if delta is not None else None,
         "requests": [r.to_json() for r in results],
     }

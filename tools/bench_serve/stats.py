@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_PERCENTILES",
     "MetricsSnapshot",
     "RequestResult",
+    "checkpoint_summary",
     "counters_json",
     "distribution",
     "linear_fit",
@@ -315,6 +316,44 @@ def server_side_summary(delta: Mapping[SampleKey, float]) -> dict[str, Any]:
         "inter_token_latency_mean_s": mean("ignis_inter_token_latency_seconds"),
         "prompt_tokens": int(_value(delta, "ignis_prompt_tokens_total")),
         "generation_tokens": int(_value(delta, "ignis_generation_tokens_total")),
+    }
+
+
+def _by_label(delta: Mapping[SampleKey, float], name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (n, labels), v in delta.items():
+        if n == name:
+            key = dict(labels).get(label, "")
+            out[key] = out.get(key, 0.0) + v
+    return out
+
+
+def checkpoint_summary(
+    delta: Mapping[SampleKey, float], after: MetricsSnapshot | None
+) -> dict[str, Any] | None:
+    """Prompt-checkpoint reuse over a run from the `ignis_prompt_checkpoint_*` counters' increases
+    (lookups, hits by tier, prompt tokens reused, evictions by tier) and the bytes held per tier at the
+    end; None when the server exports no such counters."""
+    if not any(n == "ignis_prompt_checkpoint_lookups_total" for n, _labels in delta):
+        return None
+    hits = _by_label(delta, "ignis_prompt_checkpoint_hits_total", "tier")
+    lookups = _value(delta, "ignis_prompt_checkpoint_lookups_total")
+    held: dict[str, float] = {}
+    if after is not None:
+        for (n, labels), v in after.samples.items():
+            if n == "ignis_prompt_checkpoint_bytes":
+                held[dict(labels).get("tier", "")] = v
+    return {
+        "lookups": int(lookups),
+        "hits": int(sum(hits.values())),
+        "hit_rate": sum(hits.values()) / lookups if lookups else None,
+        "hits_by_tier": {k: int(v) for k, v in sorted(hits.items())},
+        "reused_tokens": int(_value(delta, "ignis_prompt_checkpoint_reused_tokens_total")),
+        "evictions_by_tier": {
+            k: int(v)
+            for k, v in sorted(_by_label(delta, "ignis_prompt_checkpoint_evictions_total", "tier").items())
+        },
+        "bytes_held_by_tier": {k: int(v) for k, v in sorted(held.items())},
     }
 
 
