@@ -253,7 +253,7 @@ def test_ctrl_c_reports_what_finished(server: Server, tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while server.counter("ignis_request_finished_total") < finished + 3:  # warm-up + 2 measured
+        while server.counter("ignis_request_finished_total") < finished + 4:  # warm-up + 3 measured
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
@@ -265,7 +265,7 @@ def test_ctrl_c_reports_what_finished(server: Server, tmp_path: Path) -> None:
     assert "(interrupted)" in stdout and "report written" in stderr and "requests:" in stderr  # the bar
     rep = json.loads(out.read_text())
     s = rep["summary"]
-    assert rep["interrupted"] and s["completed"] >= 2 and s["failed"] == 0
+    assert rep["interrupted"] and s["completed"] >= 1 and s["failed"] == 0
     assert s["completed"] + s["cancelled"] == s["requests"] < 400
     assert s["output_tokens"] == 32 * s["completed"]
 
