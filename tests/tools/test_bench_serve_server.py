@@ -169,6 +169,23 @@ def test_chat_prompts_sampled_over_tcp_at_a_request_rate(server: Server, tmp_pat
     assert starts == sorted(starts) and starts[-1] > starts[0]  # Poisson gaps, not all at once
 
 
+def test_a_concurrency_sweep_runs_each_and_compares_them(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = _bench(
+        "--socket", str(server.sock), "--input-len", "8", "--num-requests", "4", "--max-tokens", "6",
+        "--max-concurrency", "1,4", "--json-out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["config"]["concurrency"] for r in runs] == [1, 4]
+    assert all(r["summary"]["completed"] == 4 and r["summary"]["output_tokens"] == 24 for r in runs)
+    # one at a time: each request starts after the one before it ended
+    seq = runs[0]["requests"]
+    assert all(b["start"] >= a["start"] + a["e2e"] for a, b in itertools.pairwise(seq))
+    assert proc.stdout.count("Tokens per round") == 2  # each run's table, then the comparison last
+    assert proc.stdout.rindex("Tokens per round") < proc.stdout.index("ignis-bench: sweep")
+
+
 def test_failed_requests_are_counted_by_reason(server: Server, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     # ids past the vocabulary (384): every request is refused with a 400, the run goes on
@@ -283,7 +300,7 @@ def test_an_unreachable_server_is_named() -> None:
     [
         (["--input-len", "4", "--endpoint", "chat"], "only --endpoint completions"),
         (["--multi-turn", "--input-len", "4"], "leave out --dataset and --input-len"),
-        (["--input-len", "0"], "every length must be >= 1"),
+        (["--input-len", "0"], "every value must be >= 1"),
         (["--token-id-range", "9:3", "--input-len", "2"], "LOW < HIGH"),
         (["--percentiles", "50,120", "--input-len", "2"], "percentiles must be in [0, 100]"),
     ],

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ignis.tools.bench_serve.report import format_report
+from ignis.tools.bench_serve.run import arrival_gaps
 from ignis.tools.bench_serve.stats import (
     RequestResult,
     checkpoint_summary,
@@ -211,6 +212,17 @@ def test_no_speculation_gives_empty_figures() -> None:
     snap = parse_metrics("# TYPE ignis_prompt_tokens_total counter\nignis_prompt_tokens_total 5.0\n")
     spec = speculative_summary(snap.delta(snap))
     assert spec["rounds"] == 0 and spec["tokens_per_round"] is None and spec["per_position"] == []
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
+def test_arrivals_have_the_rate_and_the_burstiness(burstiness: float) -> None:
+    gaps = arrival_gaps(20001, rate=5.0, burstiness=burstiness, seed=0)
+    assert len(gaps) == 20000 and gaps == arrival_gaps(20001, 5.0, burstiness, seed=0)
+    mean = sum(gaps) / len(gaps)
+    cv = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+    assert mean == pytest.approx(0.2, rel=0.03)  # 1 / rate
+    assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.05)  # gamma: cv = 1 / sqrt(shape)
+    assert arrival_gaps(3, math.inf, burstiness, seed=0) == [0.0, 0.0]
 
 
 def test_linear_fit() -> None:

@@ -6,6 +6,9 @@ report what its clients see.
     ignis-bench --socket S --request-rate 4 --num-requests 200 --json-out run.json
     ignis-bench --socket S --multi-turn --sessions 16 --turns 20 --concurrency 8
 
+`--concurrency 1,8` runs the same benchmark at each concurrency in turn and ends with a table
+comparing them (the JSON then holds {"runs": [...]}).
+
 Exit status: 0 when every request completed; 1 when some failed (they are counted and reported), the
 server cannot be reached, or a prompt file is bad; 2 on bad usage; 130 after Ctrl-C (what finished is
 still reported and written).
@@ -14,6 +17,7 @@ still reported and written).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -23,7 +27,7 @@ from typing import Any
 import click
 
 from ignis.tools.bench_serve.client import BenchClient, ServerError, Target
-from ignis.tools.bench_serve.report import format_report
+from ignis.tools.bench_serve.report import format_report, format_sweep
 from ignis.tools.bench_serve.run import BenchConfig, MultiTurnConfig, run_load, run_multi_turn
 from ignis.tools.bench_serve.workload import (
     DatasetError,
@@ -46,7 +50,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
     if not out or any(v < 1 for v in out):
-        raise click.BadParameter(f"every length must be >= 1, got {value!r}")
+        raise click.BadParameter(f"every value must be >= 1, got {value!r}")
     return out
 
 
@@ -144,16 +148,26 @@ def _prompts(
 )
 @click.option(
     "--concurrency",
-    type=click.IntRange(min=1),
-    default=8,
+    "--max-concurrency",
+    "concurrency",
+    default="8",
     show_default=True,
-    help="Requests in flight at most.",
+    callback=_int_list,
+    metavar="N[,N...]",
+    help="Requests in flight at most; several values run one after the other (a sweep, compared last).",
 )
 @click.option(
     "--request-rate",
     type=click.FloatRange(min=0, min_open=True),
     default=math.inf,
     help="Requests per second, Poisson arrivals. [default: inf, all at once]",
+)
+@click.option(
+    "--burstiness",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --request-rate: gaps are gamma-distributed with this shape (1: Poisson; < 1 burstier).",
 )
 @click.option(
     "--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy."
@@ -243,8 +257,9 @@ def main(**kw: Any) -> None:
         top_p=kw["top_p"],
         top_k=kw["top_k"],
         seed=kw["seed"],
-        concurrency=kw["concurrency"],
+        concurrency=kw["concurrency"][0],
         request_rate=kw["request_rate"],
+        burstiness=kw["burstiness"],
         num_requests=num or len(prompts) or 16,
         warmup=kw["warmup"],
         percentiles=kw["percentiles"],
@@ -260,33 +275,48 @@ def main(**kw: Any) -> None:
         token_id_range=kw["token_id_range"],
     )
 
-    async def go() -> dict[str, Any]:
-        client = BenchClient(target, timeout=cfg.timeout, max_connections=cfg.concurrency)
+    reports: list[dict[str, Any]] = []
+    interrupted = False
+
+    async def go() -> None:
+        client = BenchClient(target, timeout=cfg.timeout, max_connections=max(kw["concurrency"]))
         try:
-            if kw["multi_turn"]:
-                return await run_multi_turn(client, cfg, mt)
-            return await run_load(client, cfg, prompts)
+            for concurrency in kw["concurrency"]:
+                run_cfg = dataclasses.replace(cfg, concurrency=concurrency)
+                if kw["multi_turn"]:
+                    report = await run_multi_turn(client, run_cfg, mt)
+                else:
+                    report = await run_load(client, run_cfg, prompts)
+                report["argv"] = ["ignis-bench", *sys.argv[1:]]
+                reports.append(report)
+                click.echo(format_report(report))
+                if report["interrupted"]:
+                    break
         finally:
             await client.aclose()
 
     try:
-        report = asyncio.run(go())
+        asyncio.run(go())
     except (ServerError, DatasetError) as exc:
         click.echo(f"ignis-bench: {exc}", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:  # before the run started (or a second Ctrl-C): nothing to report
+        if not reports:
+            sys.exit(1)
+    except KeyboardInterrupt:  # outside a measured run (warm-up, calibration) or a second Ctrl-C
         click.echo("ignis-bench: interrupted", err=True)
-        sys.exit(130)
-    report["argv"] = ["ignis-bench", *sys.argv[1:]]
+        if not reports:
+            sys.exit(130)
+        interrupted = True
+    if len(kw["concurrency"]) > 1:
+        click.echo(format_sweep(reports))
     if kw["json_out"] is not None:
+        out = reports[0] if len(kw["concurrency"]) == 1 else {"runs": reports}
         kw["json_out"].parent.mkdir(parents=True, exist_ok=True)
-        kw["json_out"].write_text(json.dumps(report, indent=1) + "\n")
-    click.echo(format_report(report))
-    if kw["json_out"] is not None:
+        kw["json_out"].write_text(json.dumps(out, indent=1) + "\n")
         click.echo(f"report written to {kw['json_out']}", err=True)
-    if report["interrupted"]:
+    if interrupted or any(r["interrupted"] for r in reports):
         sys.exit(130)
-    sys.exit(0 if report["summary"]["failed"] == 0 else 1)
+    complete = len(reports) == len(kw["concurrency"])
+    sys.exit(0 if complete and all(r["summary"]["failed"] == 0 for r in reports) else 1)
 
 
 if __name__ == "__main__":

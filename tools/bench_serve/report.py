@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["format_report"]
+__all__ = ["format_report", "format_sweep"]
 
 _W = 78
 
@@ -130,5 +130,25 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{_ms(t['ttft']['mean']):>9} {_ms(t['ttft'].get('p90')):>9} "
                 f"{_num(t['decode_tok_s']['mean'], '.1f'):>10}"
             )
+    lines.append("=" * _W)
+    return "\n".join(lines)
+
+
+def format_sweep(reports: list[dict[str, Any]]) -> str:
+    """One row per run of a `--concurrency` sweep: throughput, medians of the latencies, lane decode
+    rate and tokens per round."""
+    head = (
+        f"{'concurrency':>11} {'done':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} "
+        f"{'TPOT p50':>9} {'E2E p50':>9} {'lane tok/s':>10} {'tok/round':>9}"
+    )
+    lines = [_title("ignis-bench: sweep (latencies in ms)"), head]
+    for r in reports:
+        s, spec = r["summary"], r.get("speculative") or {}
+        lines.append(
+            f"{r['config']['concurrency']:>11} {s['completed']:>5} {s['failed']:>5} "
+            f"{_num(s['request_throughput'], '.3f'):>8} {_num(s['output_throughput']):>10} "
+            f"{_ms(s['ttft'].get('p50')):>9} {_ms(s['tpot'].get('p50')):>9} {_ms(s['e2e'].get('p50')):>9} "
+            f"{_num(s['decode_tok_s'].get('mean'), '.1f'):>10} {_num(spec.get('tokens_per_round'), '.3f'):>9}"
+        )
     lines.append("=" * _W)
     return "\n".join(lines)

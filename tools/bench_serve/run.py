@@ -2,8 +2,9 @@
 `concurrency` in flight, and the `--multi-turn` agent-session replay; both return the run's report
 (a JSON-able dict).
 
-Arrivals: with a finite rate r, the gaps between sends are drawn from an exponential distribution of
-mean 1/r (a Poisson process, as `vllm bench serve` with burstiness 1), seeded; with r = inf every
+Arrivals: with a finite rate r, the gaps between sends are drawn from a gamma distribution of shape b
+(`burstiness`) and mean 1/r, seeded: b = 1 is exponential, a Poisson process (as `vllm bench serve`),
+b < 1 burstier, b > 1 more regular; with r = inf every
 request is sent at once and only the concurrency limit holds them back. A request that arrives while
 `concurrency` requests are in flight waits for one to finish (its TTFT is measured from its send).
 
@@ -38,7 +39,7 @@ from ignis.tools.bench_serve.stats import (
 )
 from ignis.tools.bench_serve.workload import AgentSession, Prompt, tool_output_text
 
-__all__ = ["BenchConfig", "MultiTurnConfig", "run_load", "run_multi_turn"]
+__all__ = ["BenchConfig", "MultiTurnConfig", "arrival_gaps", "run_load", "run_multi_turn"]
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -57,6 +58,7 @@ class BenchConfig:
         seed: seeds the arrivals, random prompts and sessions; request i sends seed + i when sampling.
         concurrency: requests in flight at most.
         request_rate: requests per second (math.inf: all at once).
+        burstiness: the shape of the gamma-distributed gaps between sends (1: exponential, Poisson).
         num_requests: requests in the run (prompts cycled).
         warmup: requests run before the measurement.
         percentiles: percentiles the distributions report.
@@ -74,6 +76,7 @@ class BenchConfig:
     seed: int = 0
     concurrency: int = 8
     request_rate: float = math.inf
+    burstiness: float = 1.0
     num_requests: int = 16
     warmup: int = 1
     percentiles: Sequence[float] = DEFAULT_PERCENTILES
@@ -168,6 +171,15 @@ class _Progress:
             self.bar.close()
 
 
+def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds between consecutive sends of `num` requests (num - 1 gaps): gamma-distributed with shape
+    `burstiness` and mean 1 / `rate` (module docstring), seeded; all 0 when `rate` is infinite."""
+    if math.isinf(rate):
+        return [0.0] * max(0, num - 1)
+    rng = random.Random(seed)
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(max(0, num - 1))]
+
+
 async def _interruptible(main: Callable[[], Any], run: _Run) -> None:
     """Run `main()` as a task; SIGINT (Ctrl-C) cancels it and marks the run interrupted, so the caller
     can still report what finished. Where signal handlers cannot be set (not the main thread), Ctrl-C
@@ -250,7 +262,7 @@ async def run_load(client: BenchClient, cfg: BenchConfig, prompts: Sequence[Prom
             raise ServerError(f"the warm-up request failed: {w.error}")
     run = _Run()
     before = await client.metrics()
-    rng = random.Random(cfg.seed)
+    gaps = arrival_gaps(cfg.num_requests, cfg.request_rate, cfg.burstiness, cfg.seed)
     gate = asyncio.Semaphore(cfg.concurrency)
     bar = _Progress(cfg.num_requests, cfg.progress, "requests")
     t0 = time.perf_counter()
@@ -271,8 +283,8 @@ async def run_load(client: BenchClient, cfg: BenchConfig, prompts: Sequence[Prom
         try:
             for i in range(cfg.num_requests):
                 tasks.append(asyncio.create_task(one(i)))
-                if not math.isinf(cfg.request_rate) and i + 1 < cfg.num_requests:
-                    await asyncio.sleep(rng.expovariate(cfg.request_rate))
+                if i < len(gaps) and gaps[i] > 0:
+                    await asyncio.sleep(gaps[i])
             await asyncio.gather(*tasks)
         finally:
             for t in tasks:
