@@ -308,3 +308,47 @@ def test_an_unreachable_server_is_named() -> None:
 def test_bad_usage_exits_2(args: list[str], message: str) -> None:
     proc = _bench("--socket", "/tmp/x.sock", *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_partial_acceptance_by_position_adds_up(tmp_path: Path) -> None:
+    """The toy model served by `ignis-run --model-factory` with a drafter of other weights (mostly
+    rejected): the per-position rates fall with the position and the counters' identity holds,
+    tokens per round = 1 + accepted drafts per round (the bonus token is always emitted here)."""
+    tests = Path(__file__).resolve().parents[1]
+    folder = Path(tempfile.mkdtemp(prefix="ignb-", dir="/tmp"))
+    sock, log = folder / "t.sock", (folder / "server.log").open("wb")
+    env = {
+        **ENV,
+        "PYTHONPATH": os.pathsep.join([str(tests), str(tests / "runtime" / "server")]),
+        "IGNIS_TOY_DRAFTER_SEED": "1",
+        "IGNIS_TOY_CONTEXT": "512",
+    }
+    cmd = [sys.executable, "-m", "ignis.runtime.cli", "--model-factory", "toy_model:from_env"]
+    cmd += ["--socket", str(sock), "--spec-backend", "dflash2", "--spec-draft-tokens", "3", "--lanes", "4"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None, (folder / "server.log").read_text()
+            assert time.monotonic() < deadline, "ignis-run did not start"
+            time.sleep(0.1)
+        out = tmp_path / "r.json"
+        run = _bench(
+            "--socket", str(sock), "--input-len", "5,9", "--token-id-range", "3:50", "--num-requests", "8",
+            "--max-tokens", "40", "--concurrency", "4", "--json-out", str(out),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    spec = json.loads(out.read_text())["speculative"]
+    rates = [p["rate"] for p in spec["per_position"]]
+    assert len(rates) == 3 and rates[0] < 1.0 and rates[0] >= rates[1] >= rates[2]
+    accepted_drafts = sum(p["accepted"] for p in spec["per_position"])
+    assert spec["accepted_tokens"] == spec["rounds"] + accepted_drafts
+    assert spec["draft_acceptance_rate"] == pytest.approx(accepted_drafts / spec["drafted_tokens"])
+    assert 1.0 <= spec["tokens_per_round"] < 4.0
