@@ -352,3 +352,39 @@ def test_partial_acceptance_by_position_adds_up(tmp_path: Path) -> None:
     assert spec["accepted_tokens"] == spec["rounds"] + accepted_drafts
     assert spec["draft_acceptance_rate"] == pytest.approx(accepted_drafts / spec["drafted_tokens"])
     assert 1.0 <= spec["tokens_per_round"] < 4.0
+
+
+def test_an_unwritable_json_out_is_refused_before_the_run(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    proc = _bench(
+        "--socket", "/tmp/x.sock", "--input-len", "4", "--json-out", str(tmp_path / "file" / "r.json")
+    )
+    assert proc.returncode == 2 and "cannot write" in proc.stderr and "--json-out" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_server_that_is_not_openai_compatible_is_named(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html>hello</html>"
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        proc = _bench("--url", f"http://127.0.0.1:{httpd.server_address[1]}", "--input-len", "4")
+    finally:
+        httpd.shutdown()
+    assert proc.returncode == 1 and "is not an OpenAI-compatible server" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,16 @@ def main(**kw: Any) -> None:
     """
     if kw["multi_turn"] and (kw["dataset"] is not None or kw["input_len"] is not None):
         raise click.UsageError("--multi-turn makes its own sessions: leave out --dataset and --input-len")
+    if kw["json_out"] is not None:  # refuse an unwritable report path before the run, not after it
+        out: Path = kw["json_out"]
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise click.BadParameter(
+                f"cannot write {out}: {exc.strerror or exc}", param_hint="--json-out"
+            ) from None
+        if not os.access(out if out.exists() else out.parent, os.W_OK):
+            raise click.BadParameter(f"cannot write {out}: permission denied", param_hint="--json-out")
     endpoint = kw["endpoint"] or ("completions" if kw["input_len"] is not None else "chat")
     if kw["input_len"] is not None and endpoint == "chat":
         raise click.UsageError("--input-len sends token ids, which only --endpoint completions takes")
