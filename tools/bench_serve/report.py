@@ -117,6 +117,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [
             _title("Turns"),
             _row("Prompt tokens reused (cached_tokens)", f"{mt['prompt_tokens_reused_pct']:.1f} %"),
+            _row(
+                "TTFT first -> last turn (ms)",
+                f"{_ms(mt['ttft_first_turn_mean_s'])} -> {_ms(mt['ttft_last_turn_mean_s'])}",
+            ),
             _row("TTFT ms per 1k prompt tokens (fit)", _num(mt["ttft_ms_per_1k_prompt_tokens"])),
             _row("TTFT ms per 1k new (uncached) tokens (fit)", _num(mt["ttft_ms_per_1k_new_tokens"])),
             _row("Sessions ended", ", ".join(f"{k} {v}" for k, v in sorted(mt["sessions_ended"].items()))),
