@@ -301,6 +301,8 @@ def test_an_unreachable_server_is_named() -> None:
         (["--input-len", "4", "--endpoint", "chat"], "only --endpoint completions"),
         (["--multi-turn", "--input-len", "4"], "leave out --dataset and --input-len"),
         (["--input-len", "0"], "every value must be >= 1"),
+        (["--input-len", "4", "--turns", "3"], "--turns applies only with --multi-turn"),
+        (["--multi-turn", "--request-rate", "2"], "--multi-turn takes no --request-rate"),
         (["--token-id-range", "9:3", "--input-len", "2"], "LOW < HIGH"),
         (["--percentiles", "50,120", "--input-len", "2"], "percentiles must be in [0, 100]"),
     ],

@@ -92,6 +92,25 @@ def _prompts(
     return load_jsonl(dataset)
 
 
+def _given(ctx: click.Context) -> set[str]:
+    """The options the user set (command line or environment), not left at their defaults."""
+    from click.core import ParameterSource
+
+    return {
+        name
+        for name in ctx.params
+        if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    }
+
+
+def _verb(names: list[str]) -> str:
+    return "applies" if len(names) == 1 else "apply"
+
+
+def _flags(names: list[str]) -> str:
+    return ", ".join("--" + n.replace("_", "-") for n in names)
+
+
 @click.command(
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
     epilog="Exit status: 0 every request completed; 1 some failed (counted and reported), the server cannot "
@@ -236,6 +255,15 @@ def main(**kw: Any) -> None:
     turn the TTFT, the prompt tokens the server reused (usage.prompt_tokens_details.cached_tokens) and
     the decode rate.
     """
+    given = _given(click.get_current_context())
+    only_replay = sorted(given & {"sessions", "turns", "tool_tokens", "opener_tokens"})
+    if only_replay and not kw["multi_turn"]:
+        raise click.UsageError(f"{_flags(only_replay)} {_verb(only_replay)} only with --multi-turn")
+    only_load = sorted(given & {"request_rate", "burstiness", "num_requests"})
+    if only_load and kw["multi_turn"]:
+        raise click.UsageError(
+            f"--multi-turn takes no {_flags(only_load)} (its clients send each turn when the last one ended)"
+        )
     if kw["multi_turn"] and (kw["dataset"] is not None or kw["input_len"] is not None):
         raise click.UsageError("--multi-turn makes its own sessions: leave out --dataset and --input-len")
     if kw["json_out"] is not None:  # refuse an unwritable report path before the run, not after it
