@@ -172,13 +172,14 @@ def test_chat_prompts_sampled_over_tcp_at_a_request_rate(server: Server, tmp_pat
 def test_a_concurrency_sweep_runs_each_and_compares_them(server: Server, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     proc = _bench(
-        "--socket", str(server.sock), "--input-len", "8", "--num-requests", "4", "--max-tokens", "6",
-        "--max-concurrency", "1,4", "--json-out", str(out),
+        "--socket", str(server.sock), "--input-len", "8", "--prefix-len", "5", "--num-requests", "4",
+        "--max-tokens", "6", "--max-concurrency", "1,4", "--label", "self-drafted", "--json-out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     assert [r["config"]["concurrency"] for r in runs] == [1, 4]
     assert all(r["summary"]["completed"] == 4 and r["summary"]["output_tokens"] == 24 for r in runs)
+    assert all(r["summary"]["prompt_tokens"] == 4 * 13 and r["label"] == "self-drafted" for r in runs)
     # one at a time: each request starts after the one before it ended
     seq = runs[0]["requests"]
     assert all(b["start"] >= a["start"] + a["e2e"] for a, b in itertools.pairwise(seq))

@@ -297,6 +297,11 @@ def test_random_prompts_are_seeded() -> None:
     assert all(16 <= t < 256 for p in a for t in p.prompt or [])
     assert a == random_token_prompts(5, [3, 8], (16, 256), seed=1)
     assert a != random_token_prompts(5, [3, 8], (16, 256), seed=2)
+    shared = random_token_prompts(4, [2], (16, 256), seed=1, prefix_len=6)
+    assert all(
+        len(p.prompt or []) == 8 and (p.prompt or [])[:6] == (shared[0].prompt or [])[:6] for p in shared
+    )
+    assert len({tuple((p.prompt or [])[6:]) for p in shared}) == 4
     text = tool_output_text(random.Random(0), 50)
     assert 50 <= len(text.split()) <= 60  # the words plus one line number per 6-12 words
 

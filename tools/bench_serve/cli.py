@@ -76,10 +76,15 @@ def _percentiles(ctx: click.Context, param: click.Parameter, value: str) -> list
 
 
 def _prompts(
-    dataset: Path | None, input_len: list[int] | None, num: int, id_range: tuple[int, int], seed: int
+    dataset: Path | None,
+    input_len: list[int] | None,
+    num: int,
+    id_range: tuple[int, int],
+    seed: int,
+    prefix_len: int,
 ) -> list[Prompt]:
     if input_len is not None:
-        return random_token_prompts(num, input_len, id_range, seed)
+        return random_token_prompts(num, input_len, id_range, seed, prefix_len)
     if dataset is None:
         found, tried = default_dataset(CHECKOUT, Path.cwd())
         if found is None:
@@ -143,6 +148,18 @@ def _flags(names: list[str]) -> str:
     callback=_int_list,
     metavar="N[,N...]",
     help="Random token-id prompts of these lengths (cycled) instead of a dataset (completions endpoint).",
+)
+@click.option(
+    "--prefix-len",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --input-len: random ids every prompt starts with (a shared system prompt), before its own.",
+)
+@click.option(
+    "--label",
+    metavar="TEXT",
+    help="A note kept in the report and its title (e.g. the server's backend and lanes).",
 )
 @click.option(
     "--token-id-range",
@@ -256,6 +273,8 @@ def main(**kw: Any) -> None:
     the decode rate.
     """
     given = _given(click.get_current_context())
+    if "prefix_len" in given and kw["input_len"] is None:
+        raise click.UsageError("--prefix-len applies only with --input-len")
     only_replay = sorted(given & {"sessions", "turns", "tool_tokens", "opener_tokens"})
     if only_replay and not kw["multi_turn"]:
         raise click.UsageError(f"{_flags(only_replay)} {_verb(only_replay)} only with --multi-turn")
@@ -283,7 +302,9 @@ def main(**kw: Any) -> None:
     prompts: list[Prompt] = []
     if not kw["multi_turn"]:
         try:
-            prompts = _prompts(kw["dataset"], kw["input_len"], num or 16, kw["token_id_range"], kw["seed"])
+            prompts = _prompts(
+                kw["dataset"], kw["input_len"], num or 16, kw["token_id_range"], kw["seed"], kw["prefix_len"]
+            )
         except DatasetError as exc:
             click.echo(f"ignis-bench: {exc}", err=True)
             sys.exit(1)
@@ -327,6 +348,7 @@ def main(**kw: Any) -> None:
                 else:
                     report = await run_load(client, run_cfg, prompts)
                 report["argv"] = ["ignis-bench", *sys.argv[1:]]
+                report["label"] = kw["label"]
                 reports.append(report)
                 click.echo(format_report(report))
                 if report["interrupted"]:

@@ -48,6 +48,8 @@ def format_report(report: dict[str, Any]) -> str:
         "p" + (str(int(q)) if float(q).is_integer() else str(q)) for q in report["config"]["percentiles"]
     ]
     title = "ignis-bench: multi-turn agent replay" if report["mode"] == "multi-turn" else "ignis-bench"
+    if report.get("label"):
+        title += f" [{report['label']}]"
     lines = [_title(title + (" (interrupted)" if report["interrupted"] else ""))]
     cfg = report["config"]
     rate = "inf" if cfg["request_rate"] is None else f"{cfg['request_rate']:g}/s"

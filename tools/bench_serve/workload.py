@@ -157,22 +157,25 @@ def load_jsonl(path: Path) -> list[Prompt]:
 
 
 def random_token_prompts(
-    num: int, lengths: Sequence[int], id_range: tuple[int, int], seed: int
+    num: int, lengths: Sequence[int], id_range: tuple[int, int], seed: int, prefix_len: int = 0
 ) -> list[Prompt]:
-    """`num` prompts of uniform random token ids, seeded; prompt i has length lengths[i % len(lengths)].
+    """`num` prompts of uniform random token ids, seeded; prompt i has `prefix_len` ids shared by every
+    prompt, then lengths[i % len(lengths)] ids of its own.
 
     Args:
         num: how many prompts.
-        lengths: prompt lengths in tokens (each >= 1), cycled.
+        lengths: prompt lengths in tokens after the shared prefix (each >= 1), cycled.
         id_range: ids are drawn uniformly from [low, high).
         seed: the random seed (the same seed gives the same prompts).
+        prefix_len: tokens of the prefix every prompt starts with (a system prompt, for prefix reuse).
     """
     low, high = id_range
     rng = random.Random(seed)
+    prefix = [rng.randrange(low, high) for _ in range(prefix_len)]
     return [
         Prompt(
             id=f"random-{i}",
-            prompt=[rng.randrange(low, high) for _ in range(lengths[i % len(lengths)])],
+            prompt=prefix + [rng.randrange(low, high) for _ in range(lengths[i % len(lengths)])],
             kind="random",
         )
         for i in range(num)
