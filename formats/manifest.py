@@ -53,7 +53,7 @@ A module function: {name, kind ("dense", "q4_g32" or "q4_g32_tiled"), out_featur
 row-major): dense `name(x[W, K], w[N, K], y[W, N])`, q4_g32 `name(x[W, K], packed u32[N, K/8], scales
 f16[N, K/32], y[W, N])`, q4_g32_tiled `name(x[W, K], codes u32[T, K/128, 256], scales f16[T, K/128,
 64], y[W, N])` (the same q4_g32 weight re-laid by the runtime in the tiled layout of
-`ignis.runtime.q4_tiled`, T = ceil(N / 16), K % 128 == 0; the container still stores q4_g32), with W
+`ignis.runtime.kernels.q4_tiled`, T = ceil(N / 16), K % 128 == 0; the container still stores q4_g32), with W
 the module's width (or any rows up to W when `dynamic_rows`), N = out_features, K = in_features.
 Kind `q4_g32_tiled` (route "cuda-tiled") was added within version 2: a reader that predates it
 refuses it as an unknown kind (`ManifestError` naming `modules[i].functions[j]`).

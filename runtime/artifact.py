@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -64,13 +64,16 @@ from ignis.formats.manifest import (
     SHORTLIST_HEAD,
     SHORTLIST_IDS,
     TOKENIZER_TENSOR,
-    KernelEntry,
 )
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError, TensorSetError, TensorShapeError
 from ignis.runtime.families.base import Executor, Family, FamilyConfig, check_tensor_set, get_family
+from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
+from ignis.runtime.kernels.fused_norms import FusedNormsKernel
+from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
+from ignis.runtime.kernels.registry import LIBRARIES, load_library
+from ignis.runtime.kernels.topk import TopKModule
 from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight, place_weight, row_splits_of
 from ignis.runtime.profiles import CardProfile, SpecDefaults
-from ignis.runtime.topk import TopKModule, load_topk_module
 
 __all__ = ["Artifact", "MissingCompanionError", "load_artifact"]
 
@@ -315,171 +318,78 @@ class Artifact:
         """A fresh `LinearBackend` over the compiled modules (or torch only with `compiled=False`)."""
         return LinearBackend(self.compiled_linears() if compiled and self.manifest.modules else None)
 
-    def _kernel_library(
-        self, key: str, kinds: tuple[str, ...], what: str, fallback: str, load: Callable[..., Any]
-    ) -> Any:
-        """Load once the library serving the manifest kernels `kinds` (all listed, in one file) with
-        `load(path, *entries)`; None (logged) when not listed, off CUDA, or not loadable here."""
-        if key in self._kernels:
-            return self._kernels[key]
-        entries = [self.manifest.kernel(kind) for kind in kinds]
+    def kernel_library(self, name: str) -> Any:
+        """The artifact's compiled kernel library `name` (a key of
+        `ignis.runtime.kernels.registry.LIBRARIES`), loaded once with the lean TVM runtime and bound
+        (`KernelLibrary.bind`).
+
+        Returns:
+            The binding, or None: the manifest lists none of the library's required kinds (a CPU
+            card, a model or drafter that does not use it, an artifact built before it), lists only
+            some of them or in two files (logged as a warning), a CUDA kernel while torch sees no
+            CUDA device, or a library that does not load here (no TVM runtime libraries, a missing
+            function: logged as a warning). None means the torch path, with the same result (to
+            float32 summation order where the library's docs say so).
+
+        Raises:
+            KeyError: `name` is not a library of the registry.
+        """
+        if name in self._kernels:
+            return self._kernels[name]
+        lib = LIBRARIES[name]
+        entries = [self.manifest.kernel(kind) for kind in lib.required]
         listed = [e for e in entries if e is not None]
         module: Any = None
         if not listed:
             pass
-        elif len(listed) != len(kinds) or len({e.file for e in listed}) != 1:
+        elif len(listed) != len(lib.required) or len({e.file for e in listed}) != 1:
             log.warning(
                 "the manifest lists the %s kernels %s in %s, not all of %s in one library; %s",
-                what,
+                lib.what,
                 [e.kind for e in listed],
                 sorted({e.file for e in listed}),
-                list(kinds),
-                fallback,
+                list(lib.required),
+                lib.fallback,
             )
         elif any(e.target.get("kind") == "cuda" for e in listed) and not torch.cuda.is_available():
-            log.info("no CUDA device: the compiled %s %s is not loaded", what, listed[0].file)
+            log.info("no CUDA device: the compiled %s %s is not loaded", lib.what, listed[0].file)
         else:
-            from ignis.runtime.tvm_runtime import TvmRuntimeError
+            from ignis.runtime.kernels.tvm_runtime import TvmRuntimeError
 
             try:
-                module = load(self.path / listed[0].file, *listed)
+                module = load_library(lib, self.path, self.manifest)
             except (TvmRuntimeError, ImportError, OSError, KeyError, AttributeError) as exc:
-                log.warning("compiled %s %s not loaded (%s); %s", what, listed[0].file, exc, fallback)
-        self._kernels[key] = module
+                log.warning("compiled %s %s not loaded (%s); %s", lib.what, listed[0].file, exc, lib.fallback)
+        self._kernels[name] = module
         return module
 
     def topk_module(self) -> TopKModule | None:
-        """The artifact's compiled top-k (the manifest's `kernels` entry of kind "topk"), loaded once
-        with the lean TVM runtime; what DFlash2's selector walk takes as its `topk_module`.
-
-        Returns:
-            The loaded module (its `supports` limited to the entry's dtypes), or None: no such entry
-            (a CPU card, an artifact without a DFlash2 drafter, or one built before the kernel:
-            manifest version 1), a CUDA kernel while torch sees no CUDA device, or a library that
-            does not load here (no TVM runtime libraries, a missing function: logged as a warning).
-            None means `runtime.topk`'s exact torch path, with the same result.
-        """
-
-        def load(path: Path, entry: KernelEntry) -> TopKModule:
-            return load_topk_module(path, name=entry.name, dtypes=entry.dtypes)
-
-        module: TopKModule | None = self._kernel_library(
-            "topk", ("topk",), "top-k", "the drafter selects in torch", load
-        )
+        """The compiled top-k (`kernel_library("topk")`): what DFlash2's selector walk takes as its
+        `topk_module`, its `supports` limited to the manifest entry's dtypes; None means
+        `ignis.runtime.kernels.topk`'s exact torch path."""
+        module: TopKModule | None = self.kernel_library("topk")
         return module
 
-    def gdn_module(self) -> Any:
-        """The artifact's fused Gated DeltaNet recurrence (the manifest's `kernels` entry of kind
-        "gdn_recurrent", with the "gdn_recurrent_stash" and "gdn_replay" entries of its library when
-        listed), loaded once with the lean TVM runtime; what `StaticHybridExecutor` takes as its
-        `gdn_module`.
+    def gdn_module(self) -> GdnRecurrentKernel | None:
+        """The fused Gated DeltaNet recurrence (`kernel_library("gdn_recurrent")`, with the stash round
+        and the replay when its file lists them): what `StaticHybridExecutor` takes as its
+        `gdn_module`; None means the torch recurrence."""
+        module: GdnRecurrentKernel | None = self.kernel_library("gdn_recurrent")
+        return module
 
-        Returns:
-            A `ignis.runtime.families.hybrid_graphs.GdnRecurrentKernel` over the entry's function,
-            or None: no such entry (a CPU card, a family without Gated DeltaNet layers or with
-            shapes the kernel does not take, an artifact built before the kernel), a CUDA kernel
-            while torch sees no CUDA device, or a library that does not load here (no TVM runtime
-            libraries, a missing function: logged as a warning). None means the torch recurrence
-            (the same math to float32 rounding).
-        """
+    def norms_module(self) -> FusedNormsKernel | None:
+        """The fused row norms (`kernel_library("fused_norms")`, with silu_mul / narrow_linear when its
+        file lists them): what `StaticHybridExecutor` takes as its `norms_module`; None means the
+        torch norms."""
+        module: FusedNormsKernel | None = self.kernel_library("fused_norms")
+        return module
 
-        def load(path: Path, entry: KernelEntry) -> Any:
-            from ignis.runtime.families.hybrid_graphs import (
-                GDN_REPLAY_FUNCTION_NAME,
-                GDN_STASH_FUNCTION_NAME,
-                GdnRecurrentKernel,
-            )
-            from ignis.runtime.tvm_runtime import load_module
-
-            module = load_module(path, cuda=True)
-            funcs = {"gdn_recurrent": module[entry.name]}
-            # optional (artifacts built since session 8): the stash round and the commit's replay;
-            # one listed or found without the other: the record path (GdnRecurrentKernel takes the
-            # pair only when both are there), not the torch recurrence
-            pair = {GDN_STASH_FUNCTION_NAME: "gdn_recurrent_stash", GDN_REPLAY_FUNCTION_NAME: "gdn_replay"}
-            funcs.update(self._listed_exports(module, entry.file, pair))
-            return GdnRecurrentKernel(funcs)
-
-        return self._kernel_library(
-            "gdn_recurrent", ("gdn_recurrent",), "GDN recurrence", "rounds run the torch recurrence", load
-        )
-
-    def _listed_exports(self, module: Any, file: str, kinds: Mapping[str, str]) -> dict[str, Any]:
-        """{key: module's export} for each (key, kind) of `kinds` whose manifest entry lists that
-        kind in `file` (the library `module` was loaded from) and that the module exports; a kind
-        not listed there, or listed but missing from the module, is left out."""
-        from ignis.runtime.families.hybrid_graphs import optional_export
-
-        out: dict[str, Any] = {}
-        for key, kind in kinds.items():
-            entry = self.manifest.kernel(kind)
-            if entry is not None and entry.file == file:
-                func = optional_export(module, entry.name)
-                if func is not None:
-                    out[key] = func
-        return out
-
-    def norms_module(self) -> Any:
-        """The artifact's fused row norms (the manifest's `kernels` entries of kinds "add_rms_norm"
-        and "gated_rms_norm", one library, and "silu_mul" / "narrow_linear" from that library when
-        listed), loaded once with the lean TVM runtime; what `StaticHybridExecutor` takes as its
-        `norms_module`.
-
-        Returns:
-            A `ignis.runtime.families.hybrid_graphs.FusedNormsKernel` over those functions, or
-            None: neither entry (a CPU card, a non-hybrid family, an artifact built before them),
-            only one of them or two libraries (logged as a warning), a CUDA kernel while torch sees
-            no CUDA device, or a library that does not load here (logged as a warning). None means
-            the torch norms (the same rounding points, to float32 summation order).
-        """
-
-        def load(path: Path, add: KernelEntry, gated: KernelEntry) -> Any:
-            from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
-            from ignis.runtime.tvm_runtime import load_module
-
-            module = load_module(path, cuda=True)
-            funcs = {"add_rms_norm": module[add.name], "gated_rms_norm": module[gated.name]}
-            # optional (artifacts built since session 10; they take every dtype the norms take)
-            extras = {k: k for k in ("silu_mul", "narrow_linear")}
-            funcs.update(self._listed_exports(module, add.file, extras))
-            return FusedNormsKernel(funcs)
-
-        return self._kernel_library(
-            "fused_norms", ("add_rms_norm", "gated_rms_norm"), "row norms", "rounds run the torch norms", load
-        )
-
-    def mixers_module(self) -> Any:
-        """The artifact's fused mixer pieces (the manifest's `kernels` entries of kinds
-        "gdn_conv_silu" and "qk_norm_rope_kv", one library, and "gated_attention" from that library
-        when listed), loaded once with the lean TVM runtime; what `StaticHybridExecutor` takes as its
-        `mixers_module`.
-
-        Returns:
-            A `ignis.runtime.families.hybrid_graphs.FusedMixersKernel` over those functions, or
-            None: neither entry (a CPU card, a non-hybrid family, shapes the kernels do not take, an
-            artifact built before them), only one of them or two libraries (logged as a warning), a
-            CUDA kernel while torch sees no CUDA device, or a library that does not load here
-            (logged as a warning). None means the torch conv1d / norms / RoPE / KV writes (the same
-            rounding points, to float32 summation order).
-        """
-
-        def load(path: Path, conv: KernelEntry, qk: KernelEntry) -> Any:
-            from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
-            from ignis.runtime.tvm_runtime import load_module
-
-            module = load_module(path, cuda=True)
-            funcs = {"gdn_conv_silu": module[conv.name], "qk_norm_rope_kv": module[qk.name]}
-            # optional: artifacts built since session 7
-            funcs.update(self._listed_exports(module, conv.file, {"gated_attention": "gated_attention"}))
-            return FusedMixersKernel(funcs)
-
-        return self._kernel_library(
-            "fused_mixers",
-            ("gdn_conv_silu", "qk_norm_rope_kv"),
-            "mixer pieces",
-            "rounds run the torch mixer ops",
-            load,
-        )
+    def mixers_module(self) -> FusedMixersKernel | None:
+        """The fused mixer pieces (`kernel_library("fused_mixers")`, with gated_attention when its file
+        lists it): what `StaticHybridExecutor` takes as its `mixers_module`; None means the torch
+        conv1d / norms / RoPE / KV writes / attention."""
+        module: FusedMixersKernel | None = self.kernel_library("fused_mixers")
+        return module
 
     def default_dtype(self) -> torch.dtype:
         """The executor dtype the card profile implies (its other_dtype)."""
@@ -559,23 +469,20 @@ class Artifact:
     def _hybrid_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
         """`StaticHybridExecutor` keyword arguments for the fused kernels that take `dtype` (only the
         kernels found: an executor without the argument is built as before)."""
-        from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
-
         name = str(dtype).removeprefix("torch.")
         out: dict[str, Any] = {}
-        gdn = self.manifest.kernel("gdn_recurrent", name)
-        if gdn is not None and GdnRecurrentKernel.supports(self.config):  # type: ignore[arg-type]
-            module = self.gdn_module()
+        for arg, lib in (
+            ("gdn_module", "gdn_recurrent"),
+            ("norms_module", "fused_norms"),
+            ("mixers_module", "fused_mixers"),
+        ):
+            if any(self.manifest.kernel(kind, name) is None for kind in LIBRARIES[lib].required):
+                continue
+            if lib == "gdn_recurrent" and not GdnRecurrentKernel.supports(self.config):  # type: ignore[arg-type]
+                continue
+            module = self.kernel_library(lib)
             if module is not None:
-                out["gdn_module"] = module
-        if all(self.manifest.kernel(k, name) is not None for k in ("add_rms_norm", "gated_rms_norm")):
-            module = self.norms_module()
-            if module is not None:
-                out["norms_module"] = module
-        if all(self.manifest.kernel(k, name) is not None for k in ("gdn_conv_silu", "qk_norm_rope_kv")):
-            module = self.mixers_module()
-            if module is not None:
-                out["mixers_module"] = module
+                out[arg] = module
         return out
 
     def close(self) -> None:

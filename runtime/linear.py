@@ -10,7 +10,10 @@ Dispatch, per call, with R = the rows of x (all leading dims flattened):
 1. When the artifact has compiled modules: the width is the smallest compiled width W >= R; the
    module function for (weight kind, N, K, x dtype) at W runs on x padded with zero rows to W (no
    padding for dynamic-row modules), writing y [W, N]; the first R rows are returned (+ bias).
-2. R above every compiled width (a prompt's prefill): torch, silently.
+2. R above every compiled width (a prompt's prefill): a tiled q4 weight on CUDA with at least
+   `DEQUANT_MIN_ROWS` rows is dequantized to x's dtype by the module's ``q4_g32_tiled_dequant`` and
+   runs one `F.linear` (cuBLAS); another q4 weight runs the compiled functions on chunks of the
+   widest width; a dense weight runs torch.
 3. No function for that width and shape (a module missing, or a shape the build did not cover):
    torch, with one logged warning per (width, kind, N, K, dtype).
 4. Torch: `F.linear` for a dense weight; for a `Q4Weight` the reference dequantizes the weight to
@@ -54,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ignis.runtime.q4_tiled import (
+from ignis.runtime.kernels.q4_tiled import (
     STEP_K,
     TILE_ROWS,
     Q4TiledLayoutError,
@@ -84,7 +87,8 @@ __all__ = [
 
 log = logging.getLogger("ignis.runtime.linear")
 
-#: Q4Weight layouts: the stored row-major q4_g32 one and the CUDA tiled kernel's (`ignis.runtime.q4_tiled`).
+#: Q4Weight layouts: the stored row-major q4_g32 one and the CUDA tiled kernel's
+#: (`ignis.runtime.kernels.q4_tiled`).
 ROW_MAJOR = "row_major"
 TILED = "tiled"
 
@@ -139,10 +143,10 @@ class Q4Weight:
 
     * "row_major" (the stored layout, `formats/q4.py`; the default): packed uint32 (or int32)
       [*lead, N, K/8], scales float16 [*lead, N, K/32].
-    * "tiled" (what the CUDA tiled kernel streams, `ignis.runtime.q4_tiled`): packed [*lead, T, S, 256]
-      (uint32 or int32), scales float16 [*lead, T, S, 64], T = ceil(N / 16), S = K / 128; N is kept in
-      `rows` (the last tile's padding rows dequantize to 0). Made by `to_tiled()`, undone by
-      `to_row_major()`.
+    * "tiled" (what the CUDA tiled kernel streams, `ignis.runtime.kernels.q4_tiled`): packed
+      [*lead, T, S, 256] (uint32 or int32), scales float16 [*lead, T, S, 64], T = ceil(N / 16),
+      S = K / 128; N is kept in `rows` (the last tile's padding rows dequantize to 0). Made by
+      `to_tiled()`, undone by `to_row_major()`.
 
     Attributes:
         packed: the codes, as above.
@@ -287,7 +291,7 @@ class Q4Weight:
         return Q4Weight(self.packed.contiguous(), self.scales.contiguous(), self.layout, self.rows)
 
     def to_tiled(self, *, chunk_bytes: int = TILE_CHUNK_BYTES) -> Q4Weight:
-        """The tiled form (`ignis.runtime.q4_tiled.tile_q4`), computed on the weight's device; itself
+        """The tiled form (`ignis.runtime.kernels.q4_tiled.tile_q4`), computed on the weight's device; itself
         when already tiled.
 
         Tiles `chunk_bytes` of codes at a time (whole 16-row tiles, one stack member at a time), so the
@@ -320,7 +324,7 @@ class Q4Weight:
         return Q4Weight(out.reshape(*lead, t, s, 256), tsc.reshape(*lead, t, s, 64), TILED, n)
 
     def to_row_major(self) -> Q4Weight:
-        """The stored row-major form (`ignis.runtime.q4_tiled.untile_q4`, exact); itself when already
+        """The stored row-major form (`ignis.runtime.kernels.q4_tiled.untile_q4`, exact); itself when already
         row-major."""
         if not self.is_tiled:
             return self
@@ -493,6 +497,24 @@ def torch_linear(
     return _F_LINEAR(x, w, bias)
 
 
+DEQUANT_FUNCTION_NAME = "q4_g32_tiled_dequant"
+"""The export of a tiled q4 module that dequantizes tiled weights (`compiler/kernels/q4_dequant.cuh`)."""
+
+DEQUANT_MIN_ROWS = 256
+"""Fewest rows of a q4 linear (above every compiled width) that run as dequantize + one GEMM instead
+of chunks of the widest compiled width: the dequantized weight is written and read once (~4.5 bytes a
+weight) where each chunk streams the codes again, so the GEMM route wins from a few chunks on (the
+crossover is measured in docs/perf)."""
+
+
+def find_dequant(module: Any) -> Any:
+    """The module's `DEQUANT_FUNCTION_NAME` function, or None (a module built without it)."""
+    try:
+        return module[DEQUANT_FUNCTION_NAME]
+    except Exception:  # tvm_ffi raises AttributeError / its own errors for a missing export
+        return None
+
+
 @dataclass(frozen=True)
 class _Fn:
     call: Any  # the tvm_ffi function
@@ -508,15 +530,21 @@ class CompiledLinears:
         functions: (width, kind, out_features, in_features, dtype) -> (tvm_ffi function, dynamic_rows,
             is_cuda) or (..., module file); kind "dense", "q4_g32" or "q4_g32_tiled".
         widths: every width the artifact was built for (ascending), whether or not a module loaded.
+        dequant: the tiled modules' ``q4_g32_tiled_dequant(codes [B, T, S, 256], scales [B, T, S, 64],
+            out [B, N, K] bf16|f16)`` (`compiler/kernels/q4_dequant.cuh`), or None: the prefill route
+            of `LinearBackend` (`DEQUANT_MIN_ROWS`).
     """
 
     def __init__(
         self,
         functions: Mapping[tuple[int, str, int, int, str], tuple[Any, ...]],
         widths: Sequence[int],
+        *,
+        dequant: Any = None,
     ) -> None:
         self._fns = {k: _Fn(*v) for k, v in functions.items()}
         self.widths = tuple(sorted(set(widths)))
+        self.dequant = dequant
         # Weight kinds the build compiled at all: a CUDA build compiles q4_g32 functions only and keeps
         # small precise linears (router, gates) dense on purpose, so those run on torch by design.
         self.kinds = frozenset(key[1] for key in self._fns)
@@ -551,11 +579,12 @@ class CompiledLinears:
         GPU: one warning for all of them) is skipped with a logged warning; its widths then fall back
         to torch.
         """
-        from ignis.runtime.tvm_runtime import TvmRuntimeError, load_module
+        from ignis.runtime.kernels.tvm_runtime import TvmRuntimeError, load_module
 
         root = Path(artifact_dir)
         loaded: dict[str, Any] = {}
         functions: dict[tuple[int, str, int, int, str], tuple[Any, ...]] = {}
+        dequant = None
         cuda_files = sorted({e.file for e in manifest.modules if e.target.get("kind") == "cuda"})
         if cuda_files and not torch.cuda.is_available():
             log.warning(
@@ -584,7 +613,9 @@ class CompiledLinears:
                     continue
                 key = (entry.width, fn.kind, fn.out_features, fn.in_features, fn.dtype)
                 functions[key] = (call, entry.dynamic_rows, is_cuda, entry.file)
-        return cls(functions, manifest.widths)
+                if dequant is None and is_cuda and fn.kind == Q4_KINDS[TILED]:
+                    dequant = find_dequant(mod)
+        return cls(functions, manifest.widths, dequant=dequant)
 
 
 class LinearBackend:
@@ -598,12 +629,13 @@ class LinearBackend:
             the widest, one count per chunk), "torch" (a dense weight with R above every width, no
             rows, no modules at all, or a
             weight kind the build compiles no function for, e.g. dense gates beside q4 modules),
-            "fallback" (a module function was missing for the width and shape: logged once).
+            "fallback" (a module function was missing for the width and shape: logged once),
+            "dequant" (a tiled q4 weight at `DEQUANT_MIN_ROWS` rows or more: dequantized + one GEMM).
     """
 
     def __init__(self, compiled: CompiledLinears | None = None) -> None:
         self.compiled = compiled
-        self.counts = {"compiled": 0, "torch": 0, "fallback": 0}
+        self.counts = {"compiled": 0, "torch": 0, "fallback": 0, "dequant": 0}
         self._warned: set[tuple[int, str, int, int, str]] = set()
         self._reserved: set[tuple[str, tuple[int, str, int, int, str]]] = set()
         self._lock = threading.Lock()
@@ -662,7 +694,7 @@ class LinearBackend:
             if not fn.cuda or dtype is None or (fn.module, key) in self._reserved:
                 continue
             self._reserved.add((fn.module, key))
-            from ignis.runtime.tvm_runtime import torch_stream
+            from ignis.runtime.kernels.tvm_runtime import torch_stream
 
             width = key[0]
             fewest = 1 + max((w for w in widths if w < width), default=0)
@@ -693,10 +725,24 @@ class LinearBackend:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         rows = int(x2.shape[0])
+        if (
+            rows >= DEQUANT_MIN_ROWS
+            and rows > compiled.widths[-1]
+            and compiled.dequant is not None
+            and isinstance(weight, Q4Weight)
+            and weight.layout == TILED
+            and x2.is_cuda
+            and x2.dtype in (torch.bfloat16, torch.float16)
+        ):
+            # A prefill chunk: one GEMM on the weight dequantized once, instead of streaming the codes
+            # once per widest-width chunk of rows.
+            self.counts["dequant"] += 1
+            y = _F_LINEAR(x2, self.dequantize(weight, x2.dtype), bias)
+            return y.reshape(*lead, weight.out_features)
         if rows > compiled.widths[-1] and isinstance(weight, Q4Weight):
             # A q4 weight wider than every compiled width (e.g. 64 rows where a profile stops at 32): run the
             # compiled modules on chunks of the widest width rather than dequantizing on torch, each
-            # writing its rows of one output (no concatenation: docs/PERF.md run 59). A dense weight
+            # writing its rows of one output (no concatenation: no copy of the output). A dense weight
             # at that many rows goes to torch's GEMM (cuBLAS / MKL), which is built for it.
             step = compiled.widths[-1]
             y = x2.new_empty((rows, weight.out_features))
@@ -708,6 +754,29 @@ class LinearBackend:
             return y.reshape(*lead, weight.out_features)
         n = weight.out_features if isinstance(weight, Q4Weight) else int(weight.shape[0])
         return self._linear_2d(x2, weight, bias).reshape(*lead, n)
+
+    def dequantize(self, weight: Q4Weight, dtype: torch.dtype) -> torch.Tensor:
+        """A tiled `Q4Weight` [*lead, N, K] (on CUDA) as a row-major [*lead, N, K] tensor of `dtype`
+        (bfloat16 / float16) by the compiled ``q4_g32_tiled_dequant``: the values of `dequantize_q4`,
+        (code - 8) * scale rounded once to `dtype`.
+
+        Raises:
+            ValueError: the backend has no dequantization function or the weight is not tiled.
+        """
+        compiled = self.compiled
+        if compiled is None or compiled.dequant is None or weight.layout != TILED:
+            raise ValueError("dequantize needs a tiled q4 weight and a module with q4_g32_tiled_dequant")
+        lead = tuple(weight.packed.shape[:-3])
+        t, s = int(weight.packed.shape[-3]), int(weight.packed.shape[-2])
+        n, k = weight.out_features, weight.in_features
+        out = torch.empty((*lead, n, k), dtype=dtype, device=weight.packed.device)
+        codes = weight.packed.contiguous().reshape(-1, t, s, 256)
+        scales = weight.scales.contiguous().reshape(-1, t, s, 64)
+        from ignis.runtime.kernels.tvm_runtime import torch_stream
+
+        with torch_stream():
+            compiled.dequant(codes, scales, out.view(-1, n, k))
+        return out
 
     def _linear_2d(
         self,
@@ -765,7 +834,7 @@ class LinearBackend:
         else:
             args = (xp, weight.contiguous(), y)
         if fn.cuda:
-            from ignis.runtime.tvm_runtime import torch_stream
+            from ignis.runtime.kernels.tvm_runtime import torch_stream
 
             with torch_stream():
                 fn.call(*args)

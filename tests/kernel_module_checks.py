@@ -34,7 +34,7 @@ def check_sass_and_exports(
 
 def load_on_host_or_skip(path: Path):
     """The module loaded with cuda=False, or the test skipped when it cannot load here."""
-    from ignis.runtime.tvm_runtime import load_module
+    from ignis.runtime.kernels.tvm_runtime import load_module
 
     try:
         return load_module(path, cuda=False)

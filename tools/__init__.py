@@ -1,1 +1,2 @@
-"""ignis.tools: benchmarks, inspect, the client, test-drafter writers."""
+"""ignis.tools: the product's commands (quickstart, inspect, chat client, test-drafter writer,
+setup.sh); benchmarks and GPU-host scripts live in `ignis.tools.bench`."""

@@ -14,17 +14,19 @@ buffer, vectorized over contiguous input features of x and w; output columns are
 the inner loop, so every weight vector loaded is used by all W rows before it leaves the cache
 (the verify round's point: W rows for the weight bytes of one). The partial sums are added in a
 fixed order, so results are deterministic; they differ from torch's (another summation order) by
-float32 rounding only. `vec` x W stays <= 32 (16 lanes up to 2 rows, 8 beyond): past that the code
-LLVM generated on AVX-512 ran 10x slower.
+float32 rounding only. `vec` x W stays <= 32 (16 lanes up to 2 rows, 8 beyond): past that, the code
+LLVM generates for this schedule on AVX-512 degrades sharply (the cause was not established; the runs:
+docs/perf/log/2026-11-30-session-7.md, "CPU route check").
 
 For a target that names its CPU, float32 q4_g32 functions of 5+ rows use `_tile_schedule` instead:
 a [64 x 16] tile of the weights is dequantized once into a local buffer and every row's FMAs run
 vectorized over the tile's 16 outputs (the per-element schedule dequantizes again for every row).
-Measured in docs/PERF.md ("CPU route check" and after): 4-8x faster at 8-16 rows on AVX-512, slower
-at 1-2 rows and on the generic target, which keep the per-element schedule.
+It pays from a few rows on, where one dequantization serves many FMAs; at 1-2 rows, and on the
+generic target (whose dequantization is scalar), the per-element schedule is the faster one and is
+kept (figures: docs/perf/README.md, "CPU"; the runs: docs/perf/log/2026-11-30-session-7.md).
 
 Everything here imports `tvm` (the compiler); the runtime loads the exported library with the lean
-runtime (`ignis.runtime.tvm_runtime.load_module`).
+runtime (`ignis.runtime.kernels.tvm_runtime.load_module`).
 """
 
 from __future__ import annotations
@@ -124,9 +126,9 @@ _TILE_N, _TILE_K = 16, 64
 def uses_tile_schedule(spec: LinearSpec, target: dict[str, Any] | None = None) -> bool:
     """Whether `spec` gets the dequantized-tile schedule: a float32 q4_g32 function of 5 or more rows
     for a target that names its CPU (`llvm_mcpu`: vector shifts and FMA), with out_features a multiple
-    of 16 and in_features of 64. Measured on an AVX-512 host (docs/PERF.md, "CPU route check"): 4-8x
-    faster than the per-element schedule at 8-16 rows; slower at 1-2 rows and on the generic x86-64
-    target, whose scalar dequantization dominates."""
+    of 16 and in_features of 64: the targets and widths where dequantizing a tile once for every row
+    beats the per-element schedule (on the generic x86-64 target the scalar dequantization
+    dominates either way; see the module docstring)."""
     return (
         spec.kind == "q4_g32"
         and spec.dtype == "float32"
@@ -228,8 +230,9 @@ def _tree_definition(spec: LinearSpec) -> Any:
 def _tree_schedule(spec: LinearSpec) -> Any:
     """Tiles of 8 output features run in parallel; per output, the 16 lane partials accumulate in
     k0 order, vectorized over the lanes, each weight vector used by every row, then are summed as a
-    tree (4 dependent adds instead of 16). Deterministic. Measured on the AVX-512 host: 8-16 % faster
-    than the per-element schedule at 1-2 rows (docs/PERF.md, "CPU route: the lane sums as a tree")."""
+    tree (4 dependent adds instead of 16), which shortens the dependent chain at the end of each
+    output. Deterministic (a fixed pairwise order; float32 rounding differs from the per-element
+    schedule's sequential sum)."""
     import tvm.s_tir as s_tir
 
     sch = s_tir.Schedule(_tree_definition(spec))
@@ -264,8 +267,8 @@ def linear_prim_func(spec: LinearSpec, target: dict[str, Any] | None = None) -> 
     sch = s_tir.Schedule(_definition(spec))
     block = sch.get_sblock("acc")
     _r, _n, kk = sch.get_loops(block)
-    # vec x rows partial sums: past 32 the generated code fell 10x slower on AVX-512 (16 lanes at 4
-    # rows, 8 at 8: docs/PERF.md "CPU route check"), and 8 lanes were faster from 3 rows on generic too
+    # vec x rows partial sums stay <= 32 (16 lanes at 1-2 rows, 8 from 3): past 32 LLVM's AVX-512 code
+    # for this schedule degrades sharply (module docstring); 8 lanes from 3 rows suit the generic target too
     vec = _largest_divisor(spec.in_features, (16, 8, 4, 2, 1) if spec.rows <= 2 else (8, 4, 2, 1))
     if vec > 1:
         _ko, ki = sch.split(kk, [None, vec])

@@ -50,9 +50,9 @@ Which functions, per card:
     take keep SDPA at run time), when the kernels take the config's shapes (`mixers_kernel_fits`:
     conv taps 2..8, head_dim <= 1024, an even rotary dim).
 
-  Each exports its functions for float32, bfloat16 and float16 inputs (compiling one dtype would
-  save ~13 % of the top-k's nvcc time, 11.5 s against 13.2 s for sm_90 on the 2-core build host:
-  host code dominates).
+  Each exports its functions for float32, bfloat16 and float16 inputs, whatever the card's dtypes:
+  one artifact serves any activation dtype, and compiling fewer dtypes would save little build time
+  (the host code, not the per-dtype kernels, dominates nvcc's time).
 
 Function names: `dense_n{N}_k{K}`, `q4_n{N}_k{K}` and (tiled) `q4t_n{N}_k{K}`; the kernels' as their
 `KERNELS` exports.
@@ -75,12 +75,13 @@ from typing import Any
 from ignis.compiler.build.convert import is_linear_weight
 from ignis.compiler.build.errors import ModuleBuildError
 from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module, llvm_target
-from ignis.compiler.kernels.fused_mixers import MAX_CONV_KERNEL as _MIXERS_MAX_CONV_KERNEL
-from ignis.compiler.kernels.fused_mixers import MAX_HEAD_DIM as _MIXERS_MAX_HEAD_DIM
-from ignis.compiler.kernels.gdn_recurrent import MAX_KEY_DIM as _GDN_MAX_KEY_DIM
 from ignis.compiler.kernels.q4_linear import MAX_ROWS as _MMA_MAX_ROWS
 from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction
 from ignis.runtime.families import FAMILIES
+from ignis.runtime.kernels.fused_mixers import MAX_CONV_KERNEL as _MIXERS_MAX_CONV_KERNEL
+from ignis.runtime.kernels.fused_mixers import MAX_HEAD_DIM as _MIXERS_MAX_HEAD_DIM
+from ignis.runtime.kernels.gdn_recurrent import MAX_KEY_DIM as _GDN_MAX_KEY_DIM
+from ignis.runtime.kernels.registry import LIBRARIES
 
 #: Executor fusions per family: (module path under each layer, member projections concatenated in
 #: this order along the output rows). The executor runs one linear over the fused weight. The same
@@ -103,13 +104,10 @@ Q4_CUDA_ROUTE = "tiled"
 #: `plan_modules`' q4_cuda_route -> the ModuleEntry route name.
 Q4_CUDA_ROUTES = {"tiled": "cuda-tiled", "mma": "cuda-mma"}
 
-#: Every input dtype the non-linear kernels' exports dispatch on (their *_ffi.cuh).
-_ALL_DTYPES = ("bfloat16", "float16", "float32")
-
-
 @dataclass(frozen=True)
 class KernelLibrary:
-    """One compiled library of non-linear kernels (a row of `KERNELS`).
+    """One compiled library of non-linear kernels (a row of `KERNELS`): the runtime registry's row
+    (`ignis.runtime.kernels.registry.LIBRARIES`: file, exports, dtypes) plus the builder.
 
     Attributes:
         file: its file name under modules/<card>/.
@@ -124,48 +122,20 @@ class KernelLibrary:
     file: str
     builder: str
     exports: tuple[tuple[str, str], ...]
-    dtypes: tuple[str, ...] = _ALL_DTYPES
+    dtypes: tuple[str, ...]
     export_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 #: Non-linear kernel libraries a CUDA card may get (`select_kernels` picks them per model):
-#: library name -> `KernelLibrary`. A new kind is a row here, its kind in `formats.manifest`
-#: (`KERNEL_ABIS`), a rule in `select_kernels`, and a loader in `runtime/artifact.py`.
+#: library name -> `KernelLibrary`, one row per row of the runtime's registry, built by
+#: ``ignis.compiler.kernels.<name>.build_<name>``. A new kind is a row in the registry, its kind in
+#: `formats.manifest` (`KERNEL_ABIS`), its builder, and a rule in `select_kernels`.
 KERNELS: dict[str, KernelLibrary] = {
-    "topk": KernelLibrary("topk.so", "topk:build_topk", (("topk", "topk"),)),
-    "gdn_recurrent": KernelLibrary(
-        "gdn_recurrent.so",
-        "gdn_recurrent:build_gdn_recurrent",
-        (
-            ("gdn_recurrent", "gdn_recurrent"),
-            ("gdn_recurrent_stash", "gdn_recurrent_stash"),
-            ("gdn_replay", "gdn_replay"),
-        ),
-        export_dtypes=(("gdn_replay", ("float32",)),),
-    ),
-    "fused_norms": KernelLibrary(
-        "fused_norms.so",
-        "fused_norms:build_fused_norms",
-        (
-            ("add_rms_norm", "add_rms_norm"),
-            ("gated_rms_norm", "gated_rms_norm"),
-            ("silu_mul", "silu_mul"),
-            ("narrow_linear", "narrow_linear"),
-        ),
-    ),
-    "fused_mixers": KernelLibrary(
-        "fused_mixers.so",
-        "fused_mixers:build_fused_mixers",
-        (
-            ("gdn_conv_silu", "gdn_conv_silu"),
-            ("qk_norm_rope_kv", "qk_norm_rope_kv"),
-            ("gated_attention", "gated_attention"),
-        ),
-        export_dtypes=(("gated_attention", ("bfloat16", "float16")),),
-    ),
+    name: KernelLibrary(lib.file, f"{name}:build_{name}", lib.exports, lib.dtypes, lib.export_dtypes)
+    for name, lib in LIBRARIES.items()
 }
 
-#: The fused GDN kernel's limit on the key head dim (`ignis.compiler.kernels.gdn_recurrent.MAX_KEY_DIM`).
+#: The fused GDN kernel's limit on the key head dim (`ignis.runtime.kernels.gdn_recurrent.MAX_KEY_DIM`).
 GDN_MAX_KEY_DIM: int = _GDN_MAX_KEY_DIM
 
 
@@ -186,7 +156,7 @@ def gdn_kernel_fits(config: Any) -> bool:
     return "linear_attention" in layers and 1 <= dk <= GDN_MAX_KEY_DIM and hk >= 1 and hv % hk == 0
 
 
-#: The fused mixers' limits (`ignis.compiler.kernels.fused_mixers`): GDN conv taps (2..MAX_CONV_KERNEL)
+#: The fused mixers' limits (`ignis.runtime.kernels.fused_mixers`): GDN conv taps (2..MAX_CONV_KERNEL)
 #: and attention head dim (<= MAX_HEAD_DIM).
 MIXERS_MAX_CONV_KERNEL: int = _MIXERS_MAX_CONV_KERNEL
 MIXERS_MAX_HEAD_DIM: int = _MIXERS_MAX_HEAD_DIM

@@ -33,6 +33,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "dtypes.cuh"
+
 namespace ignis_mixers {
 
 constexpr int kConvThreads = 128;  // channels per block of gdn_conv_silu
@@ -40,29 +42,10 @@ constexpr int kMaxConvKernel = 8;  // largest conv kernel size K
 constexpr int kNormWarps = 8;      // (row, head) groups per block of qk_norm_rope_kv
 constexpr int kMaxHeadDim = 1024;  // largest head_dim (shared memory kNormWarps * hd floats)
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+using ignis_dtypes::from_f;
+using ignis_dtypes::round_to;
+using ignis_dtypes::to_f;
 
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return to_f(from_f<T>(v));
-}
 
 struct ConvParams {
   const void* qkv;  // [L * n, C]

@@ -59,6 +59,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ignis.runtime.kernels.fused_mixers import (
+    FUNCTION_NAMES,
+    GATED_ATTENTION_HEAD_DIMS,
+    MAX_CONV_KERNEL,
+    MAX_HEAD_DIM,
+    attention_split_keys,
+    gated_attention_smem_bytes,
+)
+
 from .fused_norms import _fma
 
 __all__ = [
@@ -77,20 +86,6 @@ __all__ = [
     "qk_norm_rope_kv_reference",
 ]
 
-FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention")
-MAX_CONV_KERNEL = 8  # kMaxConvKernel in fused_mixers.cuh
-MAX_HEAD_DIM = 1024  # kMaxHeadDim
-GATED_ATTENTION_HEAD_DIMS = (32, 64, 128, 256)  # the head dims gated_attention is compiled for
-_ATTN_CHUNK = 32  # kChunk in gated_attention.cuh: keys a shared-memory stage
-_SOURCES = (
-    "fused_mixers.cuh",
-    "fused_mixers_ffi.cuh",
-    "gated_attention.cuh",
-    "gated_attention_ffi.cuh",
-    "ffi_checks.cuh",
-    "fused_mixers.py",
-    "cuda_build.py",
-)
 
 
 class FusedMixersError(ValueError):
@@ -230,30 +225,6 @@ def qk_norm_rope_kv_emulated(
     vc[slot_rows[ok], pos[ok]] = v[ok]
 
 
-def gated_attention_smem_bytes(head_dim: int, element_bytes: int = 2) -> int:
-    """Dynamic shared memory (bytes) of one ``gated_attention`` block (``gated_attention_smem_bytes`` in
-    gated_attention.cuh): 64 query rows and two stages of 32 keys and 32 values, rows of head_dim + 8
-    elements -- 101,376 bytes at head_dim 256 in bf16 / f16, the 99 KiB a block that sm_86 / sm_89 /
-    sm_120 cards allow at most."""
-    return (64 + 4 * 32) * (head_dim + 8) * element_bytes
-
-
-def attention_split_keys(max_keys: int) -> int:
-    """Keys a split of ``gated_attention`` holds when it may read ``max_keys`` keys: at least 256 (one
-    split, no combine launch, up to 256 keys), else ``max_keys / 16`` rounded up to the kernel's 32-key
-    stages, so at most 16 splits (a bounded workspace: lanes x kv_heads x 16 x rows x head_dim fp32)
-    that spread a long context over the SMs (flash-decoding). A row's result depends on the keys,
-    its position and this split size only (not on the other lanes or columns of the round).
-
-    Raises:
-        ValueError: max_keys < 1.
-    """
-    if max_keys < 1:
-        raise ValueError(f"max_keys must be >= 1, got {max_keys}")
-    per = -(-max_keys // 16)
-    return max(256, -(-per // _ATTN_CHUNK) * _ATTN_CHUNK)
-
-
 def gated_attention_reference(q: Any, kc: Any, vc: Any, gate: Any, pos: Any, slots: Any) -> Any:
     """The torch path of ``StaticHybridExecutor._static_attention`` after the q / k norms (the oracle of
     ``gated_attention``): q [rows, heads, hd], gate [rows, heads, hd] (any strides), kc / vc
@@ -311,27 +282,8 @@ def build_fused_mixers(
         FusedMixersError: not a CUDA target, an arch before sm_80 (the gated attention's mma and
             cp.async), nvcc missing, or nvcc failed (its stderr included).
     """
-    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target, sm_number
+    from .cuda_build import build_kernel_library
 
-    arch, nvcc = resolve_cuda_target(
-        target, not_cuda="the fused mixers are CUDA only", error=FusedMixersError
-    )
-    number = sm_number(arch)
-    if number is None or number < 80:  # gated_attention: mma.m16n8k16 and cp.async
-        raise FusedMixersError(f"the fused mixers need sm_80 or newer, got {arch!r}")
-    dest, reuse = cached_module_path("fused_mixers", arch, _SOURCES, out_path)
-    if reuse:
-        return dest
-    source = (
-        '#include "fused_mixers_ffi.cuh"\n#include "gated_attention_ffi.cuh"\n\n'
-        "IGNIS_FUSED_MIXERS_EXPORT()\nIGNIS_GATED_ATTENTION_EXPORT()\n"
-    )
-    return build_cuda_module(
-        source,
-        arch,
-        dest,
-        nvcc=nvcc,
-        src_name="fused_mixers_module.cu",
-        error=FusedMixersError,
-        verbose=verbose,
+    return build_kernel_library(
+        "fused_mixers", target, error=FusedMixersError, out_path=out_path, verbose=verbose
     )

@@ -32,6 +32,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "dtypes.cuh"
 #include "pdl.cuh"
 
 namespace ignis_norms {
@@ -39,33 +40,13 @@ namespace ignis_norms {
 constexpr int kAddThreads = 512;  // threads per row of add_rms_norm
 constexpr int kGatedWarps = 8;    // (row, head) groups per block of gated_rms_norm
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using ignis_dtypes::from_f;
+using ignis_dtypes::round_to;
+using ignis_dtypes::to_f;
 
 using ignis_pdl::pdl_grid_trigger;
 using ignis_pdl::pdl_grid_wait;
 
-// Rounded to T and back (the model dtype's rounding point).
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return to_f(from_f<T>(v));
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -53,6 +53,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ignis.runtime.kernels.fused_norms import FUNCTION_NAMES
+
 __all__ = [
     "ADD_THREADS",
     "FUNCTION_NAMES",
@@ -68,17 +70,8 @@ __all__ = [
     "silu_mul_reference",
 ]
 
-FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear")
 ADD_THREADS = 512  # kAddThreads in fused_norms.cuh
 LIN_THREADS = 512  # kLinThreads in fused_norms.cuh
-_SOURCES = (
-    "fused_norms.cuh",
-    "fused_norms_ffi.cuh",
-    "ffi_checks.cuh",
-    "pdl.cuh",
-    "fused_norms.py",
-    "cuda_build.py",
-)
 
 
 class FusedNormsError(ValueError):
@@ -263,19 +256,8 @@ def build_fused_norms(
     Raises:
         FusedNormsError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
     """
-    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target
+    from .cuda_build import build_kernel_library
 
-    arch, nvcc = resolve_cuda_target(target, not_cuda="the fused norms are CUDA only", error=FusedNormsError)
-    dest, reuse = cached_module_path("fused_norms", arch, _SOURCES, out_path)
-    if reuse:
-        return dest
-    source = '#include "fused_norms_ffi.cuh"\n\nIGNIS_FUSED_NORMS_EXPORT()\n'
-    return build_cuda_module(
-        source,
-        arch,
-        dest,
-        nvcc=nvcc,
-        src_name="fused_norms_module.cu",
-        error=FusedNormsError,
-        verbose=verbose,
+    return build_kernel_library(
+        "fused_norms", target, error=FusedNormsError, out_path=out_path, verbose=verbose
     )

@@ -47,6 +47,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "dtypes.cuh"
+
 namespace ignis_gdn {
 
 constexpr int kWarps = 8;        // warps per block
@@ -58,24 +60,8 @@ constexpr int kModeRecord = 0;
 constexpr int kModeStash = 1;
 constexpr int kModeReplay = 2;
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using ignis_dtypes::from_f;
+using ignis_dtypes::to_f;
 
 struct Params {
   const void* mixed;  // [lanes, n, conv_dim] (strided): q | k | v channels after conv + SiLU

@@ -56,6 +56,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ignis.runtime.kernels.gdn_recurrent import (
+    FUNCTION_NAME,
+    FUNCTION_NAMES,
+    MAX_KEY_DIM,
+    REPLAY_FUNCTION_NAME,
+    STASH_FUNCTION_NAME,
+    gdn_stash_width,
+)
+
 __all__ = [
     "CHUNK",
     "COLS",
@@ -74,23 +83,11 @@ __all__ = [
     "rows_per_thread",
 ]
 
-FUNCTION_NAME = "gdn_recurrent"
-STASH_FUNCTION_NAME = "gdn_recurrent_stash"
-REPLAY_FUNCTION_NAME = "gdn_replay"
-FUNCTION_NAMES = (FUNCTION_NAME, STASH_FUNCTION_NAME, REPLAY_FUNCTION_NAME)
 """Every export of the module, in the order the build's manifest lists them."""
 WARPS = 8  # kWarps in gdn_recurrent.cuh
 COLS = 32  # kCols: value columns per block
 CHUNK = 16  # kChunk: round columns staged in shared memory at a time
-MAX_KEY_DIM = 256  # kMaxKeyDim
 L2_EPS = 1e-6
-_SOURCES = (
-    "gdn_recurrent.cuh",
-    "gdn_recurrent_ffi.cuh",
-    "ffi_checks.cuh",
-    "gdn_recurrent.py",
-    "cuda_build.py",
-)
 
 
 class GdnKernelError(ValueError):
@@ -353,8 +350,6 @@ def gdn_replay_emulated(stash: Any, state: Any, slots: Any, keep: Any, pos: Any,
     """
     import torch
 
-    from ignis.runtime.families.hybrid_graphs import gdn_stash_width
-
     g_layers, num_slots, hv, dk, dv = state.shape
     hk = num_key_heads
     if stash.shape[-1] != gdn_stash_width(hk, hv, dk, dv) or hv % hk:
@@ -402,24 +397,8 @@ def build_gdn_recurrent(
     Raises:
         GdnKernelError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
     """
-    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target
+    from .cuda_build import build_kernel_library
 
-    arch, nvcc = resolve_cuda_target(
-        target, not_cuda="the GDN recurrence kernel is CUDA only", error=GdnKernelError
-    )
-    dest, reuse = cached_module_path("gdn_recurrent", arch, _SOURCES, out_path)
-    if reuse:
-        return dest
-    source = (
-        f'#include "gdn_recurrent_ffi.cuh"\n\nIGNIS_GDN_RECURRENT_EXPORT({FUNCTION_NAME})\n'
-        f"IGNIS_GDN_STASH_EXPORT({STASH_FUNCTION_NAME})\nIGNIS_GDN_REPLAY_EXPORT({REPLAY_FUNCTION_NAME})\n"
-    )
-    return build_cuda_module(
-        source,
-        arch,
-        dest,
-        nvcc=nvcc,
-        src_name="gdn_recurrent_module.cu",
-        error=GdnKernelError,
-        verbose=verbose,
+    return build_kernel_library(
+        "gdn_recurrent", target, error=GdnKernelError, out_path=out_path, verbose=verbose
     )

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from .cuda_build import build_cuda_module, exports_source
+from .cuda_build import (
+    build_cuda_module,
+    cache_dir,
+    cuda_arch,
+    exports_source,
+    find_nvcc,
+    sources_hash,
+    target_dict,
+)
 
 __all__ = [
     "FUNCTION_NAME",
@@ -54,8 +61,9 @@ FUNCTION_NAME = "q4_linear"
 GROUP_SIZE = 32
 STEP_K = 128  # the CUDA kernel's k-step: in_features must be a multiple of it
 MAX_ROWS = 32
-_KERNEL_DIR = Path(__file__).resolve().parent
 _SUPPORTED_DTYPES = ("float16", "bfloat16")
+#: the files whose bytes key the cache of `build_q4_linear`
+_SOURCES = ("q4_linear.cuh", "q4_linear_ffi.cuh", "ffi_checks.cuh", "q4_linear.py", "cuda_build.py")
 
 
 class Q4KernelError(ValueError):
@@ -355,30 +363,6 @@ def default_tile_config(
 # Targets.
 
 
-def _target_dict(target: Any) -> dict[str, Any]:
-    if isinstance(target, str):
-        if target in ("llvm", "cpu"):
-            return {"kind": "llvm"}
-        if target.startswith("sm_"):
-            return {"kind": "cuda", "arch": target}
-        raise Q4KernelError(
-            f"unknown target {target!r}: use a dict such as {{'kind': 'cuda', 'arch': 'sm_90'}} or 'llvm'"
-        )
-    if isinstance(target, Mapping):
-        return dict(target)
-    export = getattr(target, "export", None)
-    if callable(export):  # a tvm.target.Target
-        return dict(export())
-    raise Q4KernelError(f"unknown target {target!r}")
-
-
-def _cuda_arch(target: dict[str, Any]) -> str:
-    arch = str(target.get("arch", ""))
-    if not arch.startswith("sm_") or not arch[3:].rstrip("a").isdigit():
-        raise Q4KernelError(f"a CUDA target needs an arch such as 'sm_90', got {arch!r}")
-    return arch
-
-
 def _check_shape(out_features: int, in_features: int, rows: int, route: str) -> None:
     if out_features <= 0 or in_features <= 0 or in_features % GROUP_SIZE:
         raise Q4KernelError(
@@ -396,13 +380,6 @@ def _check_shape(out_features: int, in_features: int, rows: int, route: str) -> 
 
 # --------------------------------------------------------------------------------------------
 # The CUDA route: nvcc + tvm-ffi.
-
-
-def _nvcc() -> str:
-    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if cand and Path(cand).exists():
-            return cand
-    raise Q4KernelError("nvcc not found: install the CUDA toolkit or set NVCC")
 
 
 def build_q4_cuda_bundle(
@@ -430,7 +407,7 @@ def build_q4_cuda_bundle(
         exports_source("q4_linear_ffi.cuh", exports),
         arch,
         out_path,
-        nvcc=_nvcc(),
+        nvcc=find_nvcc(error=Q4KernelError),
         src_name="q4_linear_module.cu",
         error=Q4KernelError,
         extra_flags=extra_flags,
@@ -490,7 +467,7 @@ def build_q4_tir_bundle(
     from .cuda_stub import import_tvm_for_build
 
     tvm = import_tvm_for_build()
-    tdict = _target_dict(target)
+    tdict = target_dict(target, error=Q4KernelError)
     tgt = tvm.target.Target(tdict)
     items = {}
     for name, (rows, n, k, dtype) in funcs.items():
@@ -524,13 +501,6 @@ def build_q4_tir_bundle(
 # The one entry point the module pipeline calls.
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("IGNIS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ignis"
-    )
-    return Path(root) / "q4_linear"
-
-
 def build_q4_linear(
     target: Any,
     out_features: int,
@@ -550,7 +520,7 @@ def build_q4_linear(
     (``dtype`` only matters to the TIR route) and any row count up to its compiled width.
     The module exports ``q4_linear(x, qweight, scales, y)``.
     """
-    tdict = _target_dict(target)
+    tdict = target_dict(target, error=Q4KernelError)
     kind = tdict.get("kind")
     if route is None:
         route = "cuda" if kind == "cuda" else "tir"
@@ -558,7 +528,7 @@ def build_q4_linear(
         raise Q4KernelError(f"route {route!r} does not apply to target {tdict}")
     _check_shape(out_features, in_features, rows, route)
     if route == "cuda":
-        arch = _cuda_arch(tdict)
+        arch = cuda_arch(tdict, error=Q4KernelError)
         cfg = tile or default_tile_config(rows, out_features, in_features, arch=arch)
         limit = _MAX_SMEM_PER_BLOCK.get(arch.rstrip("a"), 99 * 1024)
         if cfg.smem_bytes > limit:
@@ -569,11 +539,12 @@ def build_q4_linear(
             raise Q4KernelError(f"tile {cfg.tag} takes at most {cfg.max_rows} rows, asked {rows}")
         if in_features % cfg.step_k:
             raise Q4KernelError(f"tile {cfg.tag} needs in_features % {cfg.step_k} == 0, got {in_features}")
-        key = f"cuda|{arch}|{cfg.tag}|{_sources_hash()}"
+        key = f"cuda|{arch}|{cfg.tag}|{sources_hash(_SOURCES)}"
     else:
-        key = f"tir|{sorted(tdict.items())}|{rows}|{out_features}|{in_features}|{dtype}|{_sources_hash()}"
+        shape = f"{rows}|{out_features}|{in_features}|{dtype}"
+        key = f"tir|{sorted(tdict.items())}|{shape}|{sources_hash(_SOURCES)}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    dest = Path(out_path) if out_path is not None else _cache_dir() / f"q4_linear_{digest}.so"
+    dest = Path(out_path) if out_path is not None else cache_dir("q4_linear") / f"q4_linear_{digest}.so"
     if out_path is None and dest.exists():
         return dest
     if route == "cuda":
@@ -584,13 +555,6 @@ def build_q4_linear(
         dest,
         schedule="dlight" if kind == "cuda" else "none",
     )
-
-
-def _sources_hash() -> str:
-    h = hashlib.sha256()
-    for name in ("q4_linear.cuh", "q4_linear_ffi.cuh", "ffi_checks.cuh", "q4_linear.py", "cuda_build.py"):
-        h.update((_KERNEL_DIR / name).read_bytes())
-    return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-// ignis q4_g32 linear on the tiled weight layout (runtime/q4_tiled.py), stream-K over the GPU.
+// ignis q4_g32 linear on the tiled weight layout (runtime/kernels/q4_tiled.py), stream-K over the GPU.
 //
 //   y[R, N] = x[R, K] @ dequant(W)[N, K]^T      (fp32 accumulation, y in x's dtype), R = 1..32
 //   W tiled: u32 [T, S, 256] (T = ceil(N/16) tiles of 16 output rows, S = K/128 k-steps): one

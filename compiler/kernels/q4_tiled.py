@@ -1,6 +1,6 @@
 """Build the tiled q4_g32 CUDA kernel (`q4_tiled.cuh`) into tvm-ffi modules.
 
-The kernel reads the tiled weight layout of `ignis.runtime.q4_tiled` (the runtime re-lays q4_g32
+The kernel reads the tiled weight layout of `ignis.runtime.kernels.q4_tiled` (the runtime re-lays q4_g32
 weights once when it places them on a CUDA device) and splits the work stream-K over the GPU; see
 the header's comment and docs/adr/0004-q4-tiled-stream-k.md. Each exported function is
 ``NAME(x [R, K], qweight [T, K/128, 256] u32, scales [T, K/128, 64] f16, y [R, N])`` for
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .cuda_build import build_cuda_module, exports_source, sm_number
-from .q4_linear import Q4KernelError, _nvcc
+from .cuda_build import build_cuda_module, exports_source, find_nvcc, sm_number
+from .q4_linear import Q4KernelError
 
 #: Rows the tiled kernel takes (8 n-tiles: 8 lanes x 8 columns of a verify round in one call; the
 #: row-major mma kernel of `q4_linear` stops at its MAX_ROWS, 32).
@@ -175,8 +175,11 @@ class TiledConfig:
 
 
 def tiled_source(exports: Mapping[str, TiledConfig]) -> str:
-    """The ``.cu`` translation unit exporting each (name, config)."""
-    return exports_source("q4_tiled_ffi.cuh", exports)
+    """The ``.cu`` translation unit exporting each (name, config), and ``q4_g32_tiled_dequant``
+    (`q4_dequant.cuh`: the tiled weights as row-major bf16 / f16, the prefill route of
+    ``ignis.runtime.linear.LinearBackend``)."""
+    dequant = '#include "q4_dequant.cuh"\nIGNIS_Q4_DEQUANT_EXPORT()\n'
+    return exports_source("q4_tiled_ffi.cuh", exports) + dequant
 
 
 def build_q4_tiled_module(
@@ -205,7 +208,7 @@ def build_q4_tiled_module(
         tiled_source(exports),
         arch,
         out_path,
-        nvcc=_nvcc(),
+        nvcc=find_nvcc(error=Q4KernelError),
         src_name="q4_tiled_module.cu",
         error=Q4KernelError,
         verbose=verbose,

@@ -29,6 +29,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "dtypes.cuh"
+
 namespace ignis_topk {
 
 constexpr int kGroup = 128;           // elements per group (per lane of kernel 1)
@@ -38,9 +40,7 @@ constexpr int kCap = 8192;            // keys in kernel 2's shared buffer (64 Ki
 constexpr int kWarps1 = 4;            // warps per block of kernel 1
 constexpr int kThreads2 = 1024;       // threads of kernel 2
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+using ignis_dtypes::to_f;
 
 // Order-preserving map float -> u32: NaN above +inf, -0 == +0, 0 never returned.
 __device__ __forceinline__ uint32_t ord_bits(float f) {
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kWarps1 * 32)
         const T* v = reinterpret_cast<const T*>(&buf[b]);
 #pragma unroll
         for (int c = 0; c < EV; ++c) {
-          const uint32_t o = ord_bits(to_float(v[c]));
+          const uint32_t o = ord_bits(to_f(v[c]));
           if (o > best) {
             best = o;
             best_idx = static_cast<uint32_t>(i0 + c);
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kWarps1 * 32)
         for (int c = 0; c < EV; ++c) {
           const int64_t i = i0 + c;
           if (i < vocab) {
-            const uint32_t o = ord_bits(to_float(xr[i]));
+            const uint32_t o = ord_bits(to_f(xr[i]));
             if (o > best) {
               best = o;
               best_idx = static_cast<uint32_t>(i);
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads2)
     if (g < 0) continue;
     const int64_t i = element_of<EV>(g, p % kGroup);
     if (i >= vocab) continue;
-    const uint64_t key = make_key(ord_bits(to_float(xr[i])), static_cast<uint32_t>(i));
+    const uint64_t key = make_key(ord_bits(to_f(xr[i])), static_cast<uint32_t>(i));
     if (key >= thresh) s_keys[atomicAdd(&s_count, 1)] = key;
   }
   __syncthreads();

@@ -26,7 +26,7 @@ of both, the same index arithmetic and sorting network, tested against the refer
 It launches on the stream tvm-ffi reports (torch's current stream under
 ``tvm_ffi.use_torch_stream()``), so it can be captured in a CUDA graph after one eager call (the
 first call reserves 64 KiB of shared memory per block). Wrong shapes, dtypes or devices raise
-``ValueError`` / ``TypeError`` from the module. ``ignis.runtime.topk.topk`` is the caller.
+``ValueError`` / ``TypeError`` from the module. ``ignis.runtime.kernels.topk.topk`` is the caller.
 
 Measured on an H200 (docs/perf-drafts/topk.md): 30-38 us of device time at V = 248,320 for 1-8
 rows and k = 8-64 (torch.topk: 70-76 us), flat in rows; the per-row select kernel's two bitonic
@@ -40,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ignis.runtime.kernels import topk as _abi
+from ignis.runtime.kernels.topk import CAP, FUNCTION_NAME, GROUP, MAX_K, MAX_VOCAB, TILE
 
 __all__ = [
     "FUNCTION_NAME",
@@ -55,13 +58,6 @@ __all__ = [
     "workspace_numel",
 ]
 
-FUNCTION_NAME = "topk"
-GROUP = 128  # elements per group (kGroup in topk.cuh)
-TILE = 32 * GROUP  # elements per warp tile
-MAX_K = 64  # kMaxK
-CAP = 8192  # kCap: keys in the select kernel's shared buffer
-MAX_VOCAB = (CAP // 32) * TILE  # 1,048,576
-_SOURCES = ("topk.cuh", "topk_ffi.cuh", "ffi_checks.cuh", "topk.py", "cuda_build.py")
 
 
 class TopKKernelError(ValueError):
@@ -74,9 +70,10 @@ def workspace_numel(rows: int, vocab: int) -> int:
     Raises:
         TopKKernelError: rows < 1 or vocab outside 1..MAX_VOCAB.
     """
-    if rows < 1 or not 1 <= vocab <= MAX_VOCAB:
-        raise TopKKernelError(f"need rows >= 1 and 1 <= V <= {MAX_VOCAB}, got rows={rows}, V={vocab}")
-    return rows * 32 * (-(-vocab // TILE))
+    try:
+        return _abi.workspace_numel(rows, vocab)
+    except ValueError as exc:
+        raise TopKKernelError(str(exc)) from exc
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,13 +219,8 @@ def build_topk(
     Raises:
         TopKKernelError: not a CUDA target, nvcc missing, or nvcc failed (its stderr included).
     """
-    from .cuda_build import build_cuda_module, cached_module_path, resolve_cuda_target
+    from .cuda_build import build_kernel_library
 
-    arch, nvcc = resolve_cuda_target(target, not_cuda="the top-k kernel is CUDA only", error=TopKKernelError)
-    dest, reuse = cached_module_path("topk", arch, _SOURCES, out_path)
-    if reuse:
-        return dest
-    source = f'#include "topk_ffi.cuh"\n\nIGNIS_TOPK_EXPORT({FUNCTION_NAME})\n'
-    return build_cuda_module(
-        source, arch, dest, nvcc=nvcc, src_name="topk_module.cu", error=TopKKernelError, verbose=verbose
+    return build_kernel_library(
+        "topk", target, error=TopKKernelError, out_path=out_path, verbose=verbose
     )

@@ -102,9 +102,9 @@ from ignis.runtime.drafters.common import (
 from ignis.runtime.errors import ConfigError, StateError, TensorShapeError
 from ignis.runtime.families.base import FamilyConfig
 from ignis.runtime.families.moe import SwiGLUWeights, swiglu_mlp
+from ignis.runtime.kernels.topk import TopKModule, topk
 from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader, place_weight
 from ignis.runtime.sampling import logits_to_probs
-from ignis.runtime.topk import TopKModule, topk
 
 __all__ = [
     "DFlash2Config",
@@ -963,7 +963,7 @@ class DFlash2Drafter(BaseDrafter):
     name = "dflash2"
     is_row_budgeted = False
     needs_hidden_states = False
-    #: The compiled top-k (`ignis.runtime.topk.load_topk_module`) the selector walk uses on CUDA;
+    #: The compiled top-k (`ignis.runtime.kernels.topk.load_topk_module`) the selector walk uses on CUDA;
     #: None: torch, with the same tie rule (ties to the smaller id).
     topk_module: TopKModule | None = None
 

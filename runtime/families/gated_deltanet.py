@@ -121,7 +121,14 @@ def gated_delta_rule_chunked(
 
     and then ``o_t = exp(c_t) S_0^T q_t + sum_{s<=t} exp(c_t - c_s) (q_t . k_s) u_s`` and
     ``S_L = exp(c_L) S_0 + sum_s exp(c_L - c_s) k_s u_s^T``. Every exponent is <= 0, so nothing
-    overflows. The last chunk may be shorter than `chunk_size` (no padding).
+    overflows.
+
+    Everything that does not depend on S_0 (the triangular solves, the intra-chunk scores, the
+    decays) runs for all chunks at once (batched over heads x chunks); only the state hand-over
+    ``u = W_v - W_k S``, ``S' = exp(c_L) S + K_end^T u`` walks the chunks in order (two batched
+    matmuls a chunk), and the outputs of every chunk are one batched product at the end. A last
+    chunk shorter than `chunk_size` is padded with tokens of zero k, v, q, beta and log decay, which
+    write nothing, read nothing and leave the state as it is.
 
     Args:
         q, k, v, g, beta, state: as `gated_delta_rule_recurrent`.
@@ -130,31 +137,40 @@ def gated_delta_rule_chunked(
     Returns:
         (out [n, heads, v_dim] float32, final state [heads, k_dim, v_dim] float32).
     """
-    n = q.shape[0]
-    # [heads, n, dim] layouts for batched matmuls over heads.
-    qh, kh, vh = (x.transpose(0, 1) for x in (q, k, v))
-    gh, bh = g.transpose(0, 1), beta.transpose(0, 1)
-    out = q.new_empty(vh.shape)
-    s = state
+    n, heads, k_dim = q.shape
     v_dim = v.shape[-1]
-    for start in range(0, n, chunk_size):
-        end = min(n, start + chunk_size)
-        length = end - start
-        qc, kc, vc = qh[:, start:end], kh[:, start:end], vh[:, start:end]
-        bc = bh[:, start:end]
-        cum = gh[:, start:end].cumsum(dim=-1)  # [heads, L]
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        # decay[h, i, j] = exp(c_i - c_j) for j <= i, else 0.
-        decay = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(~causal, float("-inf")).exp()
-        system = (bc.unsqueeze(2) * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
-        rhs = torch.cat(
-            [bc.unsqueeze(2) * vc, (bc * cum.exp()).unsqueeze(2) * kc], dim=-1
-        )  # [heads, L, v_dim + k_dim]
-        eye = torch.eye(length, dtype=q.dtype, device=q.device)
-        sol = torch.linalg.solve_triangular(system + eye, rhs, upper=False, unitriangular=True)
-        u = sol[..., :v_dim] - sol[..., v_dim:] @ s  # [heads, L, v_dim]
-        attn = (qc @ kc.transpose(1, 2)) * decay
-        out[:, start:end] = (qc * cum.exp().unsqueeze(2)) @ s + attn @ u
-        to_end = (cum[:, -1:] - cum).exp()  # [heads, L]
-        s = cum[:, -1].exp()[:, None, None] * s + (kc * to_end.unsqueeze(2)).transpose(1, 2) @ u
-    return out.transpose(0, 1), s
+    num = -(-n // chunk_size)
+    pad = num * chunk_size - n
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    c = chunk_size
+    # [heads, chunks, c, dim] / [heads, chunks, c] layouts for products batched over heads x chunks.
+    qc, kc, vc = (x.reshape(num, c, heads, -1).permute(2, 0, 1, 3).contiguous() for x in (q, k, v))
+    bc = beta.reshape(num, c, heads).permute(2, 0, 1)
+    cum = g.reshape(num, c, heads).permute(2, 0, 1).cumsum(dim=-1)  # [heads, chunks, c]
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    # decay[h, m, i, j] = exp(c_i - c_j) for j <= i, else 0.
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    system = (bc.unsqueeze(-1) * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
+    system.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    rhs = torch.cat([bc.unsqueeze(-1) * vc, (bc * cum.exp()).unsqueeze(-1) * kc], dim=-1)
+    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    w_v, w_k = sol[..., :v_dim], sol[..., v_dim:]  # [heads, chunks, c, v_dim] / [.., k_dim]
+    k_end = kc * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # [heads, chunks, c, k_dim]
+    # chunk-major copies, so each step reads and writes contiguous [heads, ...] slices in place
+    k_end_t = k_end.transpose(-1, -2).transpose(0, 1).contiguous()  # [chunks, heads, k_dim, c]
+    w_v_m, w_k_m = w_v.transpose(0, 1).contiguous(), w_k.transpose(0, 1).contiguous()
+    chunk_decay = cum[..., -1].exp().transpose(0, 1)[..., None, None].contiguous()  # [chunks, heads, 1, 1]
+    u = torch.empty_like(w_v_m)  # [chunks, heads, c, v_dim]
+    starts = q.new_empty(num + 1, heads, k_dim, v_dim)  # the state entering each chunk, then the last
+    starts[0] = state
+    for m in range(num):
+        torch.baddbmm(w_v_m[m], w_k_m[m], starts[m], alpha=-1.0, out=u[m])
+        torch.baddbmm(starts[m] * chunk_decay[m], k_end_t[m], u[m], out=starts[m + 1])
+    attn = (qc @ kc.transpose(-1, -2)) * decay
+    # [heads, chunks, c, v_dim]
+    out = (qc * cum.exp().unsqueeze(-1)) @ starts[:num].transpose(0, 1) + attn @ u.transpose(0, 1)
+    out = out.permute(1, 2, 0, 3).reshape(num * c, heads, v_dim)[:n]
+    s = starts[num]
+    return out, s

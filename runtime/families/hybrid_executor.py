@@ -699,7 +699,7 @@ class HybridExecutor:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qkv [R, conv_dim], z [R, v_heads, v_dim], b [R, v_heads], a [R, v_heads]) in the model dtype.
 
-        narrow: a `ignis.runtime.families.hybrid_graphs.FusedNormsKernel` whose ``narrow_linear``
+        narrow: a `ignis.runtime.kernels.fused_norms.FusedNormsKernel` whose ``narrow_linear``
         runs the b|a projection when it takes the weight (`FusedNormsKernel.takes_narrow`: one launch
         instead of cuBLAS's split-K pair); None: `linear` for every projection."""
         c = self.config

@@ -1,4 +1,4 @@
-"""Static-shape verify rounds for the hybrid families, replayed from CUDA graphs (issue 7).
+"""Static-shape verify rounds for the hybrid families, replayed from CUDA graphs.
 
 `StaticHybridExecutor` is the `HybridExecutor` (same weights, same per-layer math, same linear hook)
 with every lane's state in fixed buffers allocated once, so that a verify round is a fixed sequence of
@@ -22,8 +22,8 @@ State (allocated at construction; grown only by `new_lane` when every slot is ta
   record: the round writes a stash ``[gdn_layers, max_columns, max_lanes, W]`` float32 of what each
   column fed the recurrence (W = k_heads k_dim + v_heads v_dim + 2 v_heads: 33 KB a column for the
   27B, 101 MB at 8 x 8) and `commit` replays the kept columns from it, every layer and lane in one
-  launch, to the same state bit for bit (docs/PERF.md run 59: at 8 columns and more the record's
-  writes bound the round's recurrence, ~1.1 us a column and layer).
+  launch, to the same state bit for bit. The stash path exists because the record's writes bound
+  the round's recurrence at 8 columns and more.
 
 A *static round* is a forward whose lanes have n_i <= max_columns columns. It runs as one shape keyed
 by (lanes L, padded columns n = max n_i, KV bucket T, hidden states wanted, tap layers): shorter lanes
@@ -43,7 +43,7 @@ static round must be committed before the next one starts (`StateError` otherwis
 CUDA graphs: captured lazily per key (warm-up on a side stream first, as the torch.cuda.graphs docs
 say, which also loads every compiled module once: they are capture-safe after a first run, ADR 0001),
 all graphs sharing one memory pool; compiled q4 modules launch on torch's stream
-(`ignis.runtime.tvm_runtime.capture`). A replay's outputs are copied out (one clone per output), so
+(`ignis.runtime.kernels.tvm_runtime.capture`). A replay's outputs are copied out (one clone per output), so
 returned logits survive the next round. Graphs are off (the static path runs eagerly, still batched
 over lanes) for configs with MoE layers: `sparse_moe_block` routes on the host (``torch.unique``
 + ``.tolist()``), which a capture cannot contain.
@@ -73,7 +73,10 @@ the lane's exact length, RMSNorms use torch's `F.rms_norm` (fused on CUDA) with 
 and the recurrence's state update is one fused ``baddbmm``. Float32 results agree to ~1e-5
 (tests: 1e-4), bf16 logits to bf16 rounding (argmax equal on the 27B-shaped benchmark).
 
-Fused GDN recurrence (``gdn_module``, `GdnRecurrentKernel`): a module built by
+The compiled kernels below are bound in `ignis.runtime.kernels` (their ABI, limits and loaders);
+this module only decides where a round uses them.
+
+Fused GDN recurrence (``gdn_module``, `GdnRecurrentKernel`): a library built by
 ``ignis.compiler.kernels.gdn_recurrent.build_gdn_recurrent`` replaces, in static rounds on CUDA, the
 preparation (q/k l2 norms, q scale, GQA repeat, sigmoid(b), the decay) and the per-column loop by one
 launch per GDN layer that keeps the state on chip across the round's columns and writes the record
@@ -95,25 +98,15 @@ conv state gather + causal conv1d + SiLU together with the window write commit r
 and attention's q/k (1 + w) RMSNorm + partial RoPE + KV scatter into the lanes' caches
 (``qk_norm_rope_kv``, one launch per attention layer instead of ~20; cos/sin stay computed once per
 round by torch); same rounding points. Long (eager) forwards keep the torch ops.
-
-Measured on an H200 (27B-shaped qwen3_5, q4 modules; docs/perf-drafts/e2e-graphs.md,
-gdn-kernel.md and fused-kernels.md): a 1-lane round of R columns 15.4-16.1 ms at R = 1 (eager
-104-128 ms), 25.4-26.1 at 8, 59.5 at 32 with the torch recurrence; with the fused kernel 12.2 ms
-at R = 1, 15.8 at 8, 21.4 at 32 (linears alone 6.5 / 8.5 / 16.4); with the fused norms too 10.9 ms
-at R = 1, 14.1 at 8, 20.0 at 32 (GDN kernel only, same run: 12.45 / 15.76 / 21.72). What remains
-is graph-node bound (RoPE, the conv, the attention gathers and gating as many small kernels per
-layer), not host launches.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -132,14 +125,15 @@ from ignis.runtime.families.hybrid_executor import (
 )
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig
+from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
+from ignis.runtime.kernels.fused_norms import SILU_MUL_MAX_ROWS, FusedNormsKernel
+from ignis.runtime.kernels.gdn_recurrent import MAX_KEY_DIM as GDN_MAX_KEY_DIM
+from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel, gdn_stash_width
 from ignis.runtime.linear import LinearFn, Q4Weight
 
 __all__ = [
     "CHUNKED_PREFILL_ROUNDS",
     "DEFAULT_MAX_CONTEXT",
-    "FusedMixersKernel",
-    "FusedNormsKernel",
-    "GdnRecurrentKernel",
     "StaticHybridExecutor",
     "StaticLaneState",
 ]
@@ -152,447 +146,6 @@ DEFAULT_MAX_CONTEXT = 8192
 CHUNKED_PREFILL_ROUNDS = 4
 """Default `StaticHybridExecutor.chunked_prefill` (with CUDA graphs): prompts of up to this many
 max_columns chunks run as static rounds."""
-
-
-GDN_FUNCTION_NAME = "gdn_recurrent"
-"""The export of a module built by ``ignis.compiler.kernels.gdn_recurrent.build_gdn_recurrent``."""
-GDN_STASH_FUNCTION_NAME = "gdn_recurrent_stash"
-"""The round that writes the stash instead of the record (modules built since session 8)."""
-GDN_REPLAY_FUNCTION_NAME = "gdn_replay"
-"""The commit's replay of the kept columns from the stash (modules built since session 8)."""
-
-_GDN_MAX_KEY_DIM = 256  # ignis.compiler.kernels.gdn_recurrent.MAX_KEY_DIM
-
-
-def gdn_stash_width(num_key_heads: int, v_heads: int, k_dim: int, v_dim: int) -> int:
-    """Floats in one stash row of the fused GDN recurrence (the normalized k of every key head, v,
-    beta and the decay of every value head: ``ignis.compiler.kernels.gdn_recurrent``)."""
-    return num_key_heads * k_dim + v_heads * v_dim + 2 * v_heads
-
-
-class GdnRecurrentKernel:
-    """The fused Gated DeltaNet recurrence of a compiled module (static rounds, CUDA only).
-
-    One launch per GDN layer and round replaces the per-column torch loop of `_recurrence` and the
-    preparation before it (q/k l2 norms, the q scale, the GQA repeat, sigmoid(b), the decay); the
-    math and its source are in ``ignis.compiler.kernels.gdn_recurrent``. It launches on torch's
-    current stream (capturable).
-
-    A module that also exports ``gdn_recurrent_stash`` and ``gdn_replay`` (built since session 8;
-    `has_replay`) runs rounds that keep no per-column states: the round writes a small stash of what
-    it consumed per column (`round_stash`) and the commit replays the kept columns from it, every
-    GDN layer in one launch (`replay`). The state equals the record path's bit for bit; the record
-    (4 x k_dim x v_dim bytes a head, column and lane: 9.7 GB for the 27B shape at 8 lanes x 8
-    columns) is not allocated.
-
-    Args:
-        source: the module's ``gdn_recurrent`` function (a tvm-ffi function: record rounds only), a
-            loaded module (or a dict, for CPU tests) holding it and optionally the two others, or the
-            path of a ``.so`` built by ``build_gdn_recurrent`` (loaded with the lean runtime,
-            ``ignis.runtime.tvm_runtime.load_module``).
-
-    Raises:
-        TvmRuntimeError: a path that is missing or cannot be loaded.
-    """
-
-    def __init__(self, source: Any) -> None:
-        self.stash_func: Any = None
-        self.replay_func: Any = None
-        if isinstance(source, GdnRecurrentKernel):
-            self.stash_func, self.replay_func = source.stash_func, source.replay_func
-            source = source.func
-        if isinstance(source, str | os.PathLike):
-            from ignis.runtime.tvm_runtime import load_module
-
-            source = load_module(source, cuda=True)
-        # a module (tvm_ffi.Module, which is callable too: its "main") or a dict of functions
-        if isinstance(source, Mapping) or hasattr(source, "get_function"):
-            module = source
-            source = module[GDN_FUNCTION_NAME]
-            stash = optional_export(module, GDN_STASH_FUNCTION_NAME)
-            replay = optional_export(module, GDN_REPLAY_FUNCTION_NAME)
-            if stash is not None and replay is not None:
-                self.stash_func, self.replay_func = stash, replay
-        self.func = source
-
-    @property
-    def has_replay(self) -> bool:
-        """Whether rounds run with the stash and commits replay (`round_stash`, `replay`)."""
-        return self.stash_func is not None and self.replay_func is not None
-
-    @staticmethod
-    def supports(config: HybridConfig) -> bool:
-        """Whether the kernel takes this config's GDN shapes (k_dim <= 256, v_heads a multiple of
-        k_heads)."""
-        return (
-            config.linear_key_head_dim <= _GDN_MAX_KEY_DIM
-            and config.linear_num_value_heads % config.linear_num_key_heads == 0
-        )
-
-    def _run(self, func: Any, args: tuple[Any, ...], on_cuda: bool) -> None:
-        if not on_cuda:  # a CPU stand-in (tests: the kernel's CPU model)
-            func(*args)
-            return
-        from ignis.runtime.tvm_runtime import torch_stream
-
-        with torch_stream():
-            func(*args)
-
-    def __call__(
-        self,
-        mixed: torch.Tensor,
-        b: torch.Tensor,
-        a: torch.Tensor,
-        neg_a: torch.Tensor,
-        dt_bias: torch.Tensor,
-        state: torch.Tensor,
-        slots: torch.Tensor,
-        record: torch.Tensor,
-        out: torch.Tensor,
-        num_key_heads: int,
-        scale: float,
-    ) -> None:
-        """Run a round: mixed [L, n, conv_dim] (conv + SiLU output, model dtype, any strides), b, a
-        [L, n, v_heads] (model dtype), neg_a = -exp(A_log) and dt_bias [v_heads] float32, state
-        [S, v_heads, k_dim, v_dim] float32 (read), slots [L] int64, record [>= n, >= L, v_heads,
-        k_dim, v_dim] float32 (record[t, l] = state after column t), out [L, n, v_heads, v_dim]
-        (float32 or the model dtype, written). Raises ValueError / TypeError (from the module) on
-        shapes, dtypes or devices it does not take."""
-        args = (mixed, b, a, neg_a, dt_bias, state, slots, record, out, num_key_heads, scale)
-        self._run(self.func, args, mixed.is_cuda)
-
-    def round_stash(
-        self,
-        mixed: torch.Tensor,
-        b: torch.Tensor,
-        a: torch.Tensor,
-        neg_a: torch.Tensor,
-        dt_bias: torch.Tensor,
-        state: torch.Tensor,
-        slots: torch.Tensor,
-        stash: torch.Tensor,
-        out: torch.Tensor,
-        num_key_heads: int,
-        scale: float,
-    ) -> None:
-        """Run a round as `__call__`, writing the stash [>= n, >= L, W] float32 (W =
-        `gdn_stash_width`; stash[t, l] = what column t of lane l fed the recurrence) instead of a
-        record. Raises ValueError / TypeError (from the module) on what it does not take."""
-        args = (mixed, b, a, neg_a, dt_bias, state, slots, stash, out, num_key_heads, scale)
-        self._run(self.stash_func, args, mixed.is_cuda)
-
-    def replay(
-        self,
-        stash: torch.Tensor,
-        state: torch.Tensor,
-        slots: torch.Tensor,
-        keep: torch.Tensor,
-        pos: torch.Tensor,
-        num_key_heads: int,
-    ) -> None:
-        """Commit: for every layer g and lane i < m, run the first keep[i] columns of stash[g, :,
-        pos[i]] from state[g, slots[i]] and write the state after the last back in place (keep 0
-        leaves the lane). stash [G, C, Ls, W] float32, state [G, S, v_heads, k_dim, v_dim]
-        float32, slots / keep / pos [m] int64. One launch. Raises ValueError / TypeError (from the
-        module) on what it does not take."""
-        self._run(self.replay_func, (stash, state, slots, keep, pos, num_key_heads), state.is_cuda)
-
-
-def optional_export(module: Any, name: str) -> Any:
-    """module[name], or None when the module does not export it (built before the export)."""
-    try:
-        return module[name]
-    except (KeyError, AttributeError):  # a dict / a tvm_ffi.Module without it
-        return None
-
-
-class _ModuleFunctions:
-    """The named functions of a compiled module, called on torch's current stream (capturable).
-
-    Subclasses name the exports in `function_names`. `source` is a loaded module (anything indexable
-    by those names: a ``tvm_ffi.Module`` or, for CPU tests, a dict of callables), the path of its
-    ``.so`` (loaded with the lean runtime), or another instance of the same class.
-
-    Raises:
-        TvmRuntimeError: a path that is missing or cannot be loaded.
-        KeyError: a module without those functions.
-    """
-
-    function_names: ClassVar[tuple[str, ...]] = ()
-    #: exports used when the module has them (added to the module after artifacts were built with it)
-    optional_function_names: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, source: Any) -> None:
-        if isinstance(source, type(self)):
-            source = source.funcs
-        if isinstance(source, str | os.PathLike):
-            from ignis.runtime.tvm_runtime import load_module
-
-            source = load_module(source, cuda=True)
-        self.funcs = {name: source[name] for name in self.function_names}
-        for name in self.optional_function_names:
-            try:  # (not `optional_export`: a CPU test's stand-in may be None)
-                self.funcs[name] = source[name]
-            except (KeyError, AttributeError):  # a dict / a tvm_ffi.Module without it
-                pass
-
-    def _call(self, name: str, args: tuple[Any, ...], cuda: bool) -> None:
-        if not cuda:  # a CPU stand-in (tests: the kernels' CPU models)
-            self.funcs[name](*args)
-            return
-        from ignis.runtime.tvm_runtime import torch_stream
-
-        with torch_stream():
-            self.funcs[name](*args)
-
-
-NORMS_FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm")
-"""The exports every module built by ``ignis.compiler.kernels.fused_norms.build_fused_norms`` has
-(``silu_mul`` and ``narrow_linear`` too since session 10: `FusedNormsKernel.has_silu_mul`,
-`FusedNormsKernel.has_narrow_linear`)."""
-
-#: The activation dtypes the compiled norms' functions take.
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: Most rows `FusedNormsKernel.silu_mul` is used for (its grid's second dim).
-SILU_MUL_MAX_ROWS = 65535
-#: Most output features `FusedNormsKernel.narrow_linear` is used for (one block an output feature;
-#: wider weights stay on cuBLAS).
-NARROW_LINEAR_MAX_N = 1024
-#: Most rows `FusedNormsKernel.narrow_linear` is used for: on the H200 it beats cuBLAS's split-K
-#: pair on the 27B's b|a projection up to 16 rows (2.4 / 3.3 / 5.5 us a call at 1 / 8 / 16 against
-#: 6.1-7.0) and loses from 32 (every block re-reads its rows of x; docs/PERF.md run 85).
-NARROW_LINEAR_MAX_ROWS = 16
-
-
-class FusedNormsKernel(_ModuleFunctions):
-    """The fused row norms of a compiled module, and its SwiGLU activation and narrow linear (static
-    rounds, CUDA only; the math and its source are in ``ignis.compiler.kernels.fused_norms``). All
-    launch on torch's current stream (capturable) and allocate their outputs with torch (the graph's
-    pool when captured).
-
-    Args:
-        source: a loaded module holding ``add_rms_norm`` and ``gated_rms_norm``, and ``silu_mul`` /
-            ``narrow_linear`` when it has them (anything indexable by those names: a
-            ``tvm_ffi.Module`` or, for CPU tests, a dict of callables), or the path of a ``.so``
-            built by ``build_fused_norms`` (loaded with the lean runtime).
-
-    Raises:
-        TvmRuntimeError: a path that is missing or cannot be loaded.
-        KeyError: a module without those functions.
-    """
-
-    function_names = NORMS_FUNCTION_NAMES
-    optional_function_names = ("silu_mul", "narrow_linear")
-
-    @property
-    def has_silu_mul(self) -> bool:
-        """Whether the module exports ``silu_mul`` (modules built before session 10 do not)."""
-        return "silu_mul" in self.funcs
-
-    @property
-    def has_narrow_linear(self) -> bool:
-        """Whether the module exports ``narrow_linear`` (modules built before session 10 do not)."""
-        return "narrow_linear" in self.funcs
-
-    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """``F.silu(gate) * up`` for ``gate, up = gu.chunk(2, -1)``: [rows, I] in gu's dtype (a new
-        tensor; bit-identical to torch's). gu [rows, 2 I], the last dim contiguous. Raises
-        ValueError / TypeError (from the module) as `add_rms_norm`."""
-        out = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
-        self._call("silu_mul", (gu, out), gu.is_cuda)
-        return out
-
-    def takes_narrow(self, x: torch.Tensor, weight: Any) -> bool:
-        """Whether `narrow_linear` takes ``x @ weight^T`` (and is faster than cuBLAS there): the module
-        has it, x has 1 .. `NARROW_LINEAR_MAX_ROWS` rows of float32 / bfloat16 / float16, weight is
-        a non-empty dense 2-D tensor of x's dtype and device with at most `NARROW_LINEAR_MAX_N`
-        rows, and K and both row strides are multiples of 16 bytes with the inner dims contiguous
-        and 16-byte aligned data."""
-        if not (self.has_narrow_linear and isinstance(weight, torch.Tensor) and x.dim() == 2):
-            return False
-        if not 1 <= x.shape[0] <= NARROW_LINEAR_MAX_ROWS or x.dtype not in _KERNEL_DTYPES:
-            return False
-        size = x.element_size()
-        return (
-            weight.dim() == 2
-            and weight.numel() > 0
-            and weight.dtype == x.dtype
-            and weight.device == x.device
-            and weight.shape[0] <= NARROW_LINEAR_MAX_N
-            and weight.shape[1] == x.shape[1]
-            and x.stride(1) == 1
-            and weight.stride(1) == 1
-            and (x.shape[1] * size) % 16 == 0
-            and (x.stride(0) * size) % 16 == 0
-            and (weight.stride(0) * size) % 16 == 0
-            and x.data_ptr() % 16 == 0
-            and weight.data_ptr() % 16 == 0
-        )
-
-    def narrow_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight^T`` in one launch (fp32 sums in a fixed order): [rows, N] in x's dtype (a new
-        tensor). x [rows, K], weight [N, K] (see `takes_narrow`). Raises ValueError / TypeError (from
-        the module) on shapes, alignments, dtypes or devices it does not take."""
-        y = x.new_empty(x.shape[0], weight.shape[0])
-        self._call("narrow_linear", (x, weight, y), x.is_cuda)
-        return y
-
-    def add_rms_norm(
-        self, h: torch.Tensor, d: torch.Tensor, w1p: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + d, RMSNorm(h + d) * w1p), both [rows, hidden] in h's dtype (new tensors). h, d
-        [rows, hidden] one dtype, the hidden dim contiguous; w1p = 1 + weight, [hidden] float32.
-        Raises ValueError / TypeError (from the module) on shapes, dtypes or devices it does not
-        take."""
-        h_out, x_out = torch.empty_like(h), torch.empty_like(h)
-        self._call("add_rms_norm", (h, d, w1p, h_out, x_out, eps), h.is_cuda)
-        return h_out, x_out
-
-    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """``w * RMSNorm(x) * silu(z)`` over the last dim, [rows, heads * dim] in z's dtype (a new
-        tensor). x [rows, heads, dim] float32 or z's dtype, z [rows, heads, dim], w [dim] in z's
-        dtype. Raises ValueError / TypeError (from the module) as `add_rms_norm`."""
-        rows, heads, dim = x.shape
-        out = z.new_empty(rows, heads * dim)
-        self._call("gated_rms_norm", (x, z, w, out, eps), x.is_cuda)
-        return out
-
-
-@functools.cache
-def _smem_per_block_optin(device: torch.device) -> int:
-    """Bytes of shared memory a block of `device` may opt in to (read once a device: every static
-    attention layer asks)."""
-    props = torch.cuda.get_device_properties(device)
-    limit = getattr(props, "shared_memory_per_block_optin", None)  # torch >= 2.5
-    return int(limit if limit is not None else getattr(props, "shared_memory_per_block", 48 * 1024))
-
-
-MIXERS_FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
-"""The exports of every module built by ``ignis.compiler.kernels.fused_mixers.build_fused_mixers``
-(``gated_attention`` too since session 7: `FusedMixersKernel.has_gated_attention`)."""
-
-
-class FusedMixersKernel(_ModuleFunctions):
-    """The fused mixer pieces of a compiled module (static rounds, CUDA only; the math and its source
-    are in ``ignis.compiler.kernels.fused_mixers``): the GDN conv1d + SiLU with the window write, and
-    attention's q/k (1 + w) RMSNorm + partial RoPE + KV write. Both launch on torch's current stream
-    (capturable) and allocate their outputs with torch (the graph's pool when captured).
-
-    Args:
-        source: a loaded module holding ``gdn_conv_silu`` and ``qk_norm_rope_kv`` (anything indexable
-            by those names: a ``tvm_ffi.Module`` or, for CPU tests, a dict of callables), or the path
-            of a ``.so`` built by ``build_fused_mixers`` (loaded with the lean runtime).
-
-    Raises:
-        TvmRuntimeError: a path that is missing or cannot be loaded.
-        KeyError: a module without those functions.
-    """
-
-    function_names = MIXERS_FUNCTION_NAMES
-    optional_function_names = ("gated_attention",)
-
-    @property
-    def has_gated_attention(self) -> bool:
-        """Whether the module exports ``gated_attention`` (modules built before it do not)."""
-        return "gated_attention" in self.funcs
-
-    def gated_attention_takes(
-        self, dtype: torch.dtype, head_dim: int, device: torch.device | None = None
-    ) -> bool:
-        """Whether `gated_attention` serves a layer of this dtype and head_dim (bf16 / f16; head_dim
-        32, 64, 128 or 256) in this module, on `device` (a CUDA device whose blocks may hold its
-        shared memory: `gated_attention_smem_bytes`; not checked for other devices)."""
-        from ignis.compiler.kernels.fused_mixers import GATED_ATTENTION_HEAD_DIMS, gated_attention_smem_bytes
-
-        if not (
-            self.has_gated_attention
-            and dtype in (torch.bfloat16, torch.float16)
-            and head_dim in GATED_ATTENTION_HEAD_DIMS
-        ):
-            return False
-        if device is not None and device.type == "cuda":
-            return gated_attention_smem_bytes(head_dim) <= _smem_per_block_optin(device)
-        return True
-
-    def gated_attention(
-        self,
-        q: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        gate: torch.Tensor,
-        pos: torch.Tensor,
-        slots: torch.Tensor,
-        max_keys: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """Gated GQA attention over the lanes' caches (``ignis.compiler.kernels.fused_mixers``,
-        "gated_attention"): ``round(round(attn(q, K, V)) * round(sigmoid(gate)))`` as
-        [rows, heads * hd] in q's dtype (a new tensor). q [rows, heads, hd] contiguous, gate
-        [rows, heads, hd] (hd contiguous), kc / vc [S, cap, kv_heads, hd], pos [rows] and slots [L]
-        int64 (rows = L * n); keys from max_keys on (the graph's KV bucket) are never read.
-        Allocates the split workspace (`attention_split_keys`) with torch. Raises ValueError /
-        TypeError (from the module) on shapes, dtypes or devices it does not take."""
-        from ignis.compiler.kernels.fused_mixers import attention_split_keys
-
-        rows, heads, hd = q.shape
-        lanes, kv_heads = slots.shape[0], kc.shape[2]
-        split_keys = attention_split_keys(max_keys)
-        splits = -(-max_keys // split_keys)
-        r_pad = -(-(heads // kv_heads) * (rows // lanes) // 64) * 64
-        out = q.new_empty(rows, heads * hd)
-        if splits > 1:
-            ws_o = torch.empty(lanes, kv_heads, splits, r_pad, hd, dtype=torch.float32, device=q.device)
-            ws_ml = torch.empty(lanes, kv_heads, splits, r_pad, 2, dtype=torch.float32, device=q.device)
-        else:
-            ws_o = ws_ml = torch.empty(0, dtype=torch.float32, device=q.device)
-        args = (q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)
-        self._call("gated_attention", args, q.is_cuda)
-        return out
-
-    def gdn_conv_silu(
-        self,
-        qkv: torch.Tensor,
-        state: torch.Tensor,
-        slots: torch.Tensor,
-        weight: torch.Tensor,
-        windows: torch.Tensor,
-        lanes: int,
-        n: int,
-    ) -> torch.Tensor:
-        """``silu(conv1d([state[slots] | qkv columns]))``, [L, n, C] in qkv's dtype (a new tensor);
-        also writes the windows ``windows[:L, :, :K - 1 + n]``. qkv [L * n, C] (any strides), state
-        [S, C, K - 1], slots [L] int64, weight [C, K], windows [>= L, C, >= K - 1 + n], one dtype.
-        Raises ValueError / TypeError (from the module) on shapes, dtypes or devices it does not
-        take."""
-        out = qkv.new_empty(lanes, n, qkv.shape[-1])
-        self._call("gdn_conv_silu", (qkv, state, slots, weight, windows, out), qkv.is_cuda)
-        return out
-
-    def qk_norm_rope_kv(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        wq: torch.Tensor,
-        wk: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        pos: torch.Tensor,
-        slots: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        eps: float,
-    ) -> torch.Tensor:
-        """The normed, rotated queries [rows, heads, hd] in q's dtype (a new tensor); the normed,
-        rotated keys and the values are written into kc / vc [S, cap, kv_heads, hd] at
-        ``[slots[r // n], pos[r]]``. q [rows, heads, hd], k, v [rows, kv_heads, hd] (any strides),
-        wq, wk = 1 + the norm weights [hd] float32, cos, sin [rows, rot] and the caches in q's dtype,
-        pos [rows] and slots [L] int64 (rows = L * n). Raises ValueError / TypeError (from the
-        module) as `gdn_conv_silu`."""
-        q_out = q.new_empty(q.shape)
-        args = (q, k, v, wq, wk, cos, sin, pos, slots, kc, vc, q_out, eps)
-        self._call("qk_norm_rope_kv", args, q.is_cuda)
-        return q_out
 
 
 @dataclass
@@ -828,7 +381,7 @@ class StaticHybridExecutor(HybridExecutor):
             if not GdnRecurrentKernel.supports(self.config):
                 c = self.config
                 raise ValueError(
-                    f"gdn_module: the kernel takes k_dim <= {_GDN_MAX_KEY_DIM} and v_heads a multiple of "
+                    f"gdn_module: the kernel takes k_dim <= {GDN_MAX_KEY_DIM} and v_heads a multiple of "
                     f"k_heads, got k_dim {c.linear_key_head_dim}, {c.linear_num_value_heads} v_heads, "
                     f"{c.linear_num_key_heads} k_heads"
                 )
@@ -1248,7 +801,7 @@ class StaticHybridExecutor(HybridExecutor):
         )
 
     def _capture(self, body: Callable[[], dict[str, torch.Tensor]]) -> _Graph:
-        from ignis.runtime.tvm_runtime import capture
+        from ignis.runtime.kernels.tvm_runtime import capture
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

@@ -31,7 +31,7 @@ from ignis.runtime.drafters.testing import always_right, right_with_probability
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.families import get_family
 from ignis.runtime.sampling import SamplingParams
-from ignis.tools.inspect import main as inspect_cli
+from ignis.tools.inspect_artifact import main as inspect_cli
 
 
 def _helper(name: str) -> Any:

@@ -194,12 +194,10 @@ def test_default_path_is_a_cache_reused_when_present(
 def test_missing_nvcc_raises_the_module_error(
     monkeypatch: pytest.MonkeyPatch, build: Any, error: type
 ) -> None:
-    from ignis.compiler.kernels import q4_linear
+    def no_nvcc(*, error: type[Exception] = ValueError) -> str:
+        raise error("nvcc not found: install the CUDA toolkit or set NVCC")
 
-    def no_nvcc() -> str:
-        raise Q4KernelError("nvcc not found: install the CUDA toolkit or set NVCC")
-
-    monkeypatch.setattr(q4_linear, "_nvcc", no_nvcc)
+    monkeypatch.setattr(cuda_build, "find_nvcc", no_nvcc)
     with pytest.raises(error, match="nvcc not found"):
         build("sm_90")
     with pytest.raises(error, match="CUDA only"):

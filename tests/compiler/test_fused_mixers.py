@@ -234,7 +234,7 @@ def test_gated_attention_needs_a_device_that_holds_its_shared_memory(monkeypatch
     keeps SDPA on a device whose blocks cannot hold it, and for float32 or another head_dim."""
     from types import SimpleNamespace
 
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel, _smem_per_block_optin
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel, _smem_per_block_optin
 
     assert gated_attention_smem_bytes(256) == 101_376 == 99 * 1024
     assert gated_attention_smem_bytes(64) == 27_648
@@ -257,13 +257,14 @@ def test_gated_attention_needs_a_device_that_holds_its_shared_memory(monkeypatch
 
 
 def test_attention_split_keys() -> None:
-    """One split up to 256 keys; beyond, at most 16 splits of whole 32-key stages."""
-    assert [attention_split_keys(k) for k in (1, 16, 256, 257, 4096)] == [256] * 5
-    assert attention_split_keys(4097) == 288
+    """One split up to 256 keys; beyond, at most 64 splits of whole 32-key stages."""
+    assert [attention_split_keys(k) for k in (1, 16, 256, 257, 4096, 16_384)] == [256] * 6
+    assert attention_split_keys(16_385) == 288
+    assert attention_split_keys(32_768) == 512
     for max_keys in (1, 255, 256, 257, 1000, 4096, 4097, 10_000, 131_072, 262_145):
         sk = attention_split_keys(max_keys)
         assert sk % 32 == 0 and sk >= 256
-        assert -(-max_keys // sk) <= 16
+        assert -(-max_keys // sk) <= 64
     with pytest.raises(ValueError, match="max_keys"):
         attention_split_keys(0)
 

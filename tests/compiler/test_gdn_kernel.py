@@ -178,13 +178,13 @@ def test_limits_and_shape_errors() -> None:
 
 def test_constants_match_the_header() -> None:
     import ignis.compiler.kernels.gdn_recurrent as kern
-    import ignis.runtime.families.hybrid_graphs as hg
+    import ignis.runtime.kernels.gdn_recurrent as rt
 
     src = (Path(kern.__file__).parent / "gdn_recurrent.cuh").read_text()
     for name, value in (("kWarps", WARPS), ("kCols", COLS), ("kChunk", CHUNK), ("kMaxKeyDim", MAX_KEY_DIM)):
         assert re.search(rf"constexpr int {name} = {value};", src), name
     assert re.search(r"constexpr float kL2Eps = 1e-6f;", src)
-    assert hg._GDN_MAX_KEY_DIM == MAX_KEY_DIM and hg.GDN_FUNCTION_NAME == FUNCTION_NAME
+    assert rt.MAX_KEY_DIM == MAX_KEY_DIM and rt.FUNCTION_NAME == FUNCTION_NAME
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,8 +257,8 @@ def test_stash_and_replay_exports_check_their_arguments(
 ) -> None:
     import tvm_ffi
 
-    import ignis.runtime.tvm_runtime as tvm_runtime
-    from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+    import ignis.runtime.kernels.tvm_runtime as tvm_runtime
+    from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
     path = build_gdn_recurrent({"kind": "cuda", "arch": "sm_90"}, out_path=tmp_path / "gdn.so")
     module = tvm_ffi.load_module(str(path))
@@ -311,7 +311,7 @@ def test_compiled_stash_and_replay_bit_identical_to_the_record(shape: tuple[int,
 
     import tvm_ffi
 
-    from ignis.runtime.tvm_runtime import load_module, torch_stream
+    from ignis.runtime.kernels.tvm_runtime import load_module, torch_stream
 
     path = os.environ.get("IGNIS_GDN_MODULE")
     if not path:
@@ -361,7 +361,7 @@ def test_compiled_round_matches_its_cpu_model(
     off by O(1); nothing is written outside record[:n, :L]."""
     import os
 
-    from ignis.runtime.tvm_runtime import load_module, torch_stream
+    from ignis.runtime.kernels.tvm_runtime import load_module, torch_stream
 
     path = os.environ.get("IGNIS_GDN_MODULE")
     if not path:

@@ -176,7 +176,7 @@ def test_kernel_fragment_model_matches_reference(dtype: str) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_tir_llvm_matches_float64(tmp_path: Path, rows: int) -> None:
     torch = pytest.importorskip("torch")
-    from ignis.runtime.tvm_runtime import load_module
+    from ignis.runtime.kernels.tvm_runtime import load_module
 
     n, k = 48, 256
     path = build_q4_linear({"kind": "llvm"}, n, k, rows, out_path=tmp_path / f"q4_r{rows}.so")
@@ -195,7 +195,7 @@ def test_lean_loader_does_not_import_tvm(tmp_path: Path) -> None:
     path = build_q4_linear({"kind": "llvm"}, 16, 64, 2, out_path=tmp_path / "q4.so")
     code = textwrap.dedent(f"""
         import sys
-        from ignis.runtime.tvm_runtime import load_module
+        from ignis.runtime.kernels.tvm_runtime import load_module
         mod = load_module({str(path)!r}, cuda=False)
         mod[{FUNCTION_NAME!r}]
         assert "tvm" not in sys.modules, "the lean loader imported tvm"
@@ -261,7 +261,7 @@ def test_default_tiles_fit_each_arch(rows: int, shape: tuple[int, int]) -> None:
 def test_cuda_kernel_matches_float64_every_width(tmp_path: Path, dtype_name: str) -> None:
     import torch
 
-    from ignis.runtime.tvm_runtime import load_module, torch_stream
+    from ignis.runtime.kernels.tvm_runtime import load_module, torch_stream
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
@@ -386,7 +386,7 @@ def test_n_layout_matches_float64_and_is_deterministic(tmp_path: Path, tile: Q4T
     get none), every width of the tile, both dtypes; the same inputs twice give the same bits."""
     import torch
 
-    from ignis.runtime.tvm_runtime import load_module, torch_stream
+    from ignis.runtime.kernels.tvm_runtime import load_module, torch_stream
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"

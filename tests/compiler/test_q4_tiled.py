@@ -19,8 +19,14 @@ import torch
 from ignis.compiler.kernels import q4_tiled as q4_tiled_module
 from ignis.compiler.kernels.q4_linear import Q4KernelError, cuda_binary_info, dequantize_q4, pack_q4
 from ignis.compiler.kernels.q4_tiled import TiledConfig, build_q4_tiled_module, tiled_config_for, tiled_source
+from ignis.runtime.kernels.q4_tiled import (
+    NIBBLE_OF_FEATURE,
+    Q4TiledLayoutError,
+    tile_q4,
+    tiled_shapes,
+    untile_q4,
+)
 from ignis.runtime.linear import dequantize_q4 as torch_dequantize_q4
-from ignis.runtime.q4_tiled import NIBBLE_OF_FEATURE, Q4TiledLayoutError, tile_q4, tiled_shapes, untile_q4
 
 HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
 
@@ -497,7 +503,7 @@ def test_configs_are_validated_and_tagged() -> None:
 
 
 def test_diagnostic_modes_match_the_kernel() -> None:
-    """The diagnostics (wrong output by design, timed by tools/bench_q4_tiled.py) are exclusive, tagged
+    """The diagnostics (wrong output by design, timed by tools/bench/q4_tiled.py) are exclusive, tagged
     apart, and their export's MODE is the kernel's constant of that name (q4_tiled.cuh, q4_linear.cuh)."""
     src = (Path(q4_tiled_module.__file__).parent / "q4_tiled.cuh").read_text()
     src += (Path(q4_tiled_module.__file__).parent / "q4_linear.cuh").read_text()
@@ -538,7 +544,7 @@ def test_rule_modules_cross_compile(tmp_path: Path, arch: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # On a GPU host: the CUDA kernel against float64 (a `build_gpu_modules` bundle: IGNIS_Q4T_BUNDLE,
 # or built here when nvcc exists; the cp.async staging of cards before sm_90 from a
-# `bench_q4_tiled build` folder: IGNIS_Q4T_CANDIDATES)
+# `python -m ignis.tools.bench.q4_tiled build` folder: IGNIS_Q4T_CANDIDATES)
 
 
 def _bundle(tmp_path: Path, x_bulk: bool = True, fresh: bool = False) -> tuple[dict[int, object], str]:
@@ -549,7 +555,7 @@ def _bundle(tmp_path: Path, x_bulk: bool = True, fresh: bool = False) -> tuple[d
     import shutil
     from dataclasses import replace
 
-    from ignis.runtime.tvm_runtime import load_module
+    from ignis.runtime.kernels.tvm_runtime import load_module
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
@@ -580,7 +586,7 @@ def _bundle(tmp_path: Path, x_bulk: bool = True, fresh: bool = False) -> tuple[d
             by_nt.setdefault((w + 7) // 8, mod[name])
         return by_nt, arch
     if not HAS_NVCC:
-        pytest.skip("needs IGNIS_Q4T_BUNDLE (tools/build_gpu_modules.py), IGNIS_Q4T_CANDIDATES or nvcc")
+        pytest.skip("needs IGNIS_Q4T_BUNDLE (tools/bench/build_gpu_modules.py), IGNIS_Q4T_CANDIDATES or nvcc")
     exports = {f"q4t_nt{nt}": cfg for nt, cfg in rules.items()}
     mod = load_module(build_q4_tiled_module(arch, exports, tmp_path / "q4t.so"), cuda=True)
     return {nt: mod[f"q4t_nt{nt}"] for nt in rules}, arch
@@ -606,7 +612,7 @@ def test_tiled_kernel_matches_float64(tmp_path: Path, dtype: torch.dtype, x_bulk
     block kernel: its activations at those rows fit in shared memory in no split); outputs fully
     written, deterministic, within the output dtype's rounding. With the
     activations staged by bulk copies (sm_90+) and by cp.async (the staging before sm_90)."""
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     fns, arch = _bundle(tmp_path, x_bulk)
     if x_bulk and int(arch[3:]) < 90:
@@ -658,7 +664,7 @@ def test_tiled_kernel_with_nan_inputs(tmp_path: Path) -> None:
     """A NaN activation and a NaN scale reach only the outputs they feed: the shared groups' partials
     that are NaN are still gathered (the workspace's empty value is a NaN pattern arithmetic does not
     produce), the call returns, and every other output matches float64."""
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     fns, _arch = _bundle(tmp_path)
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -694,7 +700,7 @@ def test_tiled_kernel_in_a_cuda_graph(tmp_path: Path) -> None:
     past what the large shape below needs)."""
     import tvm_ffi
 
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     fns, _arch = _bundle(tmp_path, fresh=True)
     fn = fns[1]
@@ -731,7 +737,7 @@ def test_tiled_kernel_in_a_cuda_graph(tmp_path: Path) -> None:
 def test_tiled_kernel_refuses_bad_arguments(tmp_path: Path) -> None:
     """Wrong shapes, an empty output and misaligned parts are refused with a named error (the process
     survives and the next good call is right)."""
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     fns, _arch = _bundle(tmp_path)
     fn = fns[1]
@@ -758,3 +764,89 @@ def test_tiled_kernel_refuses_bad_arguments(tmp_path: Path) -> None:
     torch.cuda.synchronize()
     ref = x.double() @ torch_dequantize_q4(qw, sc, torch.float64).T
     assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_tiled_source_exports_the_dequantization() -> None:
+    """Every tiled module carries q4_g32_tiled_dequant, the name the runtime's prefill route looks up."""
+    from ignis.runtime.linear import DEQUANT_FUNCTION_NAME
+
+    src = tiled_source({"f": tiled_config_for(8, 1024, 1024, "sm_90")})
+    assert '#include "q4_dequant.cuh"' in src and "IGNIS_Q4_DEQUANT_EXPORT()" in src
+    header = (Path(q4_tiled_module.__file__).parent / "q4_dequant.cuh").read_text()
+    assert f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({DEQUANT_FUNCTION_NAME}," in header
+
+
+def _dequant_fn(tmp_path: Path) -> object:
+    """q4_g32_tiled_dequant from the bundle (IGNIS_Q4T_BUNDLE) or a module built here with nvcc."""
+    from ignis.runtime.kernels.tvm_runtime import load_module
+    from ignis.runtime.linear import find_dequant
+
+    folder = os.environ.get("IGNIS_Q4T_BUNDLE")
+    if folder:
+        man = json.loads((Path(folder) / "manifest.json").read_text())
+        fn = find_dequant(load_module(Path(folder) / man["file"], cuda=True))
+        if fn is None:
+            pytest.skip(f"{folder}'s bundle predates q4_g32_tiled_dequant")
+        return fn
+    if not HAS_NVCC:
+        pytest.skip("needs IGNIS_Q4T_BUNDLE (tools/build_gpu_modules.py) or nvcc")
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    lib = build_q4_tiled_module(arch, {"f": tiled_config_for(8, 1024, 1024, arch)}, tmp_path / "q4t.so")
+    fn = find_dequant(load_module(lib, cuda=True))
+    assert fn is not None
+    return fn
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiled_dequant_kernel_equals_the_reference_bit_for_bit(tmp_path: Path) -> None:
+    """The kernel's bf16 / f16 weights equal `dequantize_q4` of the row-major parts exactly (one
+    rounding of an exact product), for N not a multiple of 16, one k-step, stacked weights and the
+    vocabulary head; rows past N are not written (poisoned output checked)."""
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
+
+    fn = _dequant_fn(tmp_path)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cases = [((), 37, 128), ((), 1000, 1280), ((), 17408, 5120), ((3,), 100, 384), ((), 248320, 5120)]
+    for lead, n, k in cases:
+        qw = torch.randint(-(2**31), 2**31 - 1, (*lead, n, k // 8), device="cuda", generator=gen)
+        qw = qw.to(torch.int32)
+        sc = ((torch.rand(*lead, n, k // 32, device="cuda", generator=gen) + 0.5) / (4.6 * k**0.5)).half()
+        tq, ts = tile_q4(qw, sc)
+        t, s = tq.shape[-3], tq.shape[-2]
+        for dtype in (torch.bfloat16, torch.float16):
+            out = torch.full((*lead, n, k), float("nan"), dtype=dtype, device="cuda")
+            with torch_stream():
+                fn(tq.reshape(-1, t, s, 256), ts.reshape(-1, t, s, 64), out.view(-1, n, k))
+            torch.cuda.synchronize()
+            ref = torch_dequantize_q4(qw, sc, dtype)
+            assert torch.equal(out, ref), (lead, n, k, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_linear_backend_prefill_route_dequantizes_once(tmp_path: Path) -> None:
+    """Above every compiled width, from DEQUANT_MIN_ROWS rows on, a tiled q4 linear runs as
+    dequantize + one GEMM ("dequant" count) and equals the float64 product within bf16 GEMM rounding;
+    below DEQUANT_MIN_ROWS it keeps the chunked compiled route."""
+    from ignis.runtime.linear import DEQUANT_MIN_ROWS, CompiledLinears, LinearBackend, Q4Weight
+
+    fn = _dequant_fn(tmp_path)
+    fns, _arch = _bundle(tmp_path)
+    n, k = 1024, 5120
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    qw, sc, tq, ts = _cuda_q4(n, k, gen)
+    table = {(8 * nt, "q4_g32_tiled", n, k, "bfloat16"): (f, True, True) for nt, f in fns.items()}
+    backend = LinearBackend(CompiledLinears(table, sorted(w for w, *_ in table), dequant=fn))
+    weight = Q4Weight(tq, ts, layout="tiled", rows=n)
+    ref_w = torch_dequantize_q4(qw, sc, torch.float64)
+    for rows in (DEQUANT_MIN_ROWS - 1, DEQUANT_MIN_ROWS, 2048):
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        before = dict(backend.counts)
+        y = backend(x, weight)
+        ref = x.double() @ ref_w.T
+        err = (y.double() - ref).norm() / ref.norm()
+        assert err < 1e-2, (rows, float(err))
+        routed = backend.counts["dequant"] - before["dequant"]
+        assert routed == (1 if rows >= DEQUANT_MIN_ROWS else 0), rows

@@ -104,9 +104,9 @@ def test_keys_are_unique_and_break_ties_by_smaller_index() -> None:
 
 
 def test_runtime_rank_orders_values_like_the_kernel_keys() -> None:
-    """runtime/topk.py's float64 rank space orders any two values as the kernel's ord bits do
+    """runtime/kernels/topk.py's float64 rank space orders any two values as the kernel's ord bits do
     (NaN above +inf, -0.0 equal to +0.0), for float32, bfloat16 and float16."""
-    from ignis.runtime.topk import _rank
+    from ignis.runtime.kernels.topk import _rank
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(400, generator=g) * 1e4
@@ -178,9 +178,9 @@ def test_emulated_kernel_limits_and_workspace() -> None:
 
 def test_runtime_limits_match_the_kernel() -> None:
     import ignis.compiler.kernels.topk as kern
-    import ignis.runtime.topk as rt
+    import ignis.runtime.kernels.topk as rt
 
-    assert (rt.MAX_K, rt.MAX_VOCAB, rt._TILE) == (kern.MAX_K, kern.MAX_VOCAB, kern.TILE)
+    assert (rt.MAX_K, rt.MAX_VOCAB, rt.TILE) == (kern.MAX_K, kern.MAX_VOCAB, kern.TILE)
     src = (Path(kern.__file__).parent / "topk.cuh").read_text()
     assert f"kGroup = {kern.GROUP};" in src and f"kMaxK = {kern.MAX_K};" in src
     assert f"kCap = {kern.CAP};" in src

@@ -296,10 +296,10 @@ def test_dispatch_pads_falls_back_and_warns(caplog: pytest.LogCaptureFixture) ->
     qw = Q4Weight(torch.from_numpy(packed), torch.from_numpy(scales))
     torch.testing.assert_close(backend(x, qw), torch_linear(x, qw))
     assert q4.calls == [(4, 64)]
-    assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0}
+    assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0, "dequant": 0}
     x9 = torch.randn(9, 64, generator=g)  # dense above every width: torch's GEMM, silently
     torch.testing.assert_close(backend(x9, w), F.linear(x9, w))
-    assert backend.counts == {"compiled": 3, "torch": 1, "fallback": 0}
+    assert backend.counts == {"compiled": 3, "torch": 1, "fallback": 0, "dequant": 0}
     with caplog.at_level(logging.WARNING, logger="ignis.runtime.linear"):
         backend(torch.randn(2, 64), torch.randn(7, 64))  # no [7, 64] function: fallback, one warning
         backend(torch.randn(2, 64), torch.randn(7, 64))
@@ -349,7 +349,7 @@ def test_dense_linears_beside_q4_only_modules_run_on_torch_by_design(caplog):
     with caplog.at_level(logging.WARNING):
         y = backend(x, w)
     torch.testing.assert_close(y, x @ w.T)
-    assert backend.counts == {"compiled": 0, "torch": 1, "fallback": 0}
+    assert backend.counts == {"compiled": 0, "torch": 1, "fallback": 0, "dequant": 0}
     assert not caplog.records
 
 
@@ -376,7 +376,7 @@ def test_q4_rows_past_the_widest_width_run_compiled_in_chunks():
     x, b = torch.randn(2, 35, 64), torch.randn(8)
     torch.testing.assert_close(backend(x, qw, b), torch_linear(x, qw, b))
     assert calls == [32, 32, 8]  # 70 rows: 32 + 32 + 6 (padded to width 8)
-    assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0}
+    assert backend.counts == {"compiled": 3, "torch": 0, "fallback": 0, "dequant": 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,18 +414,27 @@ def test_topk_module_is_none_without_a_kernel_entry(artifact: Path, tmp_path: Pa
 def test_topk_module_loads_the_listed_kernel_once(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import ignis.runtime.artifact as artifact_mod
-    from ignis.runtime.topk import TopKModule
-    from ignis.runtime.tvm_runtime import TvmRuntimeError
+    import ignis.runtime.kernels.tvm_runtime as tvm_runtime
+    from ignis.runtime.kernels.topk import TopKModule
+    from ignis.runtime.kernels.tvm_runtime import TvmRuntimeError
 
     a = _with_topk_entry(artifact, tmp_path / "a")
-    calls: list[tuple[Path, str, tuple[str, ...] | None]] = []
+    calls: list[tuple[Path, str]] = []
 
-    def fake_load(path: Path, *, name: str, dtypes: tuple[str, ...] | None) -> TopKModule:
-        calls.append((path, name, dtypes))
-        return TopKModule(lambda *args: None, dtypes=dtypes)
+    def func(*args: Any) -> None:
+        return None
 
-    monkeypatch.setattr(artifact_mod, "load_topk_module", fake_load)
+    def fake_load(path: Path, *, cuda: bool | None = None) -> Any:
+        assert cuda is True
+
+        class Module(dict):  # records which export the loader asks for
+            def __getitem__(self, name: str) -> Any:
+                calls.append((Path(path), name))
+                return super().__getitem__(name)
+
+        return Module(topk=func)
+
+    monkeypatch.setattr(tvm_runtime, "load_module", fake_load)
     # no CUDA device: a CUDA kernel is not even loaded
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with load_artifact(a) as art:
@@ -435,13 +444,13 @@ def test_topk_module_loads_the_listed_kernel_once(
     with load_artifact(a) as art:
         mod = art.topk_module()
         assert isinstance(mod, TopKModule) and art.topk_module() is mod  # loaded once
-        assert calls == [(a / "modules/h200/topk.so", "topk", ("bfloat16", "float32"))]
+        assert calls == [(a / "modules/h200/topk.so", "topk")] and mod.func is func
         assert mod.dtypes == (torch.bfloat16, torch.float32)
 
-    def failing_load(path: Path, **_kw: Any) -> TopKModule:
+    def failing_load(path: Path, **_kw: Any) -> Any:
         raise TvmRuntimeError(f"cannot load module {path}")
 
-    monkeypatch.setattr(artifact_mod, "load_topk_module", failing_load)
+    monkeypatch.setattr(tvm_runtime, "load_module", failing_load)
     with load_artifact(a) as art, caplog.at_level(logging.WARNING, logger="ignis.runtime.artifact"):
         assert art.topk_module() is None
     assert "compiled top-k modules/h200/topk.so not loaded" in caplog.text
@@ -509,7 +518,7 @@ def _with_hybrid_entries(
 
 
 def _fake_tvm(monkeypatch: pytest.MonkeyPatch, loaded: list[Path], *, fail: bool = False) -> dict[str, Any]:
-    import ignis.runtime.tvm_runtime as tvm_runtime
+    import ignis.runtime.kernels.tvm_runtime as tvm_runtime
 
     funcs: dict[str, Any] = {
         n: (lambda *args, n=n: None)
@@ -553,7 +562,8 @@ def test_hybrid_kernels_are_none_on_a_cpu_artifact(artifact: Path, monkeypatch: 
 def test_gdn_and_norms_modules_load_the_listed_kernels_once(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel, GdnRecurrentKernel
+    from ignis.runtime.kernels.fused_norms import FusedNormsKernel
+    from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
     a = _with_hybrid_entries(artifact, tmp_path / "a")
     loaded: list[Path] = []
@@ -586,7 +596,7 @@ def test_norms_module_takes_silu_mul_and_narrow_linear_when_listed(
     """An artifact built since session 10 lists ``silu_mul`` and ``narrow_linear`` in the norms'
     library: the runtime's norms take them (one load); an older one does not list them and its
     norms run without (the torch activation and b|a projection)."""
-    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+    from ignis.runtime.kernels.fused_norms import FusedNormsKernel
 
     kinds = ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear")
     a = _with_hybrid_entries(artifact, tmp_path / "a", norms=kinds)
@@ -673,7 +683,7 @@ _MIXERS = (
 def test_mixers_module_loads_the_listed_kernels_once(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
 
     a = _with_hybrid_entries(artifact, tmp_path / "a", mixers=_MIXERS)
     loaded: list[Path] = []
@@ -703,7 +713,7 @@ def test_inspect_lists_the_kernel_libraries(artifact: Path, tmp_path: Path) -> N
     """`ignis-inspect` lists the manifest's compiled kernels (kind, abi, file, symbol, dtypes)."""
     from click.testing import CliRunner
 
-    from ignis.tools.inspect import main as inspect_cli
+    from ignis.tools.inspect_artifact import main as inspect_cli
 
     a = _with_hybrid_entries(
         artifact,
@@ -781,7 +791,9 @@ def test_the_static_executor_gets_the_kernels_for_its_dtype(
     manifest lists it for the executor's dtype, the config fits it and it loads."""
     import dataclasses as dc
 
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel, FusedNormsKernel, GdnRecurrentKernel
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
+    from ignis.runtime.kernels.fused_norms import FusedNormsKernel
+    from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
     hybrid = _tiny_hybrid_config()
     # the mixers listed for bfloat16 and float32 only (the pair must cover the dtype)
@@ -876,12 +888,10 @@ def test_artifact_static_hybrid_executor_runs_the_fused_kernels() -> None:
     executor's tokens (float32), and its logits to bf16 rounding with the card's dtype and the
     compiled q4 linears."""
     from ignis.runtime.families.hybrid_executor import HybridExecutor
-    from ignis.runtime.families.hybrid_graphs import (
-        FusedMixersKernel,
-        FusedNormsKernel,
-        GdnRecurrentKernel,
-        StaticHybridExecutor,
-    )
+    from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
+    from ignis.runtime.kernels.fused_norms import FusedNormsKernel
+    from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
     with load_artifact(_gdn_gpu_artifact()) as art:
         gdn = art.gdn_module()

@@ -563,3 +563,25 @@ def test_fusions_follow_what_the_compiled_functions_serve(tiny: TinyHybrid, ex: 
         assert (gdn.in_proj_qkv_z is not None) == (c.model_type != "qwen3_next")
         got = e.forward([e.new_lane()], [ids]).logits[0]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 129, 200])
+def test_delta_rule_chunked_equals_recurrent_at_chunk_edges(n: int) -> None:
+    """The chunks-at-once form (padding the last chunk) against the token-by-token recurrence, at
+    lengths below, at and past chunk boundaries, with a decay strong enough to matter."""
+    gen = torch.Generator().manual_seed(n)
+    heads, dk, dv = 4, 16, 24
+    q = l2_normalize(torch.randn(n, heads, dk, generator=gen)) * dk**-0.5
+    k = l2_normalize(torch.randn(n, heads, dk, generator=gen))
+    v = torch.randn(n, heads, dv, generator=gen)
+    g = -3 * torch.rand(n, heads, generator=gen)
+    beta = torch.rand(n, heads, generator=gen)
+    s0 = torch.randn(heads, dk, dv, generator=gen)
+    o_rec, last = gated_delta_rule_recurrent(q, k, v, g, beta, s0, record=False)
+    o_chunk, final = gated_delta_rule_chunked(q, k, v, g, beta, s0)
+    assert o_chunk.shape == (n, heads, dv) and final.shape == (heads, dk, dv)
+    torch.testing.assert_close(o_chunk, o_rec, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, last, atol=1e-5, rtol=1e-5)
+    o_small, f_small = gated_delta_rule_chunked(q, k, v, g, beta, s0, chunk_size=16)
+    torch.testing.assert_close(o_small, o_rec, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(f_small, last, atol=1e-5, rtol=1e-5)

@@ -529,7 +529,7 @@ def test_fused_gdn_module_path_matches_hybrid_executor(
     kernel's CPU model in place of the module: rounds, every commit k, and the state after commit
     equal to feeding the committed tokens alone. replay: a module with the stash round and the
     commit's replay (no record allocated; one replay call a commit, every layer)."""
-    from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+    from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
     vocab = tiny.config.vocab_size
     st = static(tiny, max_lanes=3)
@@ -567,7 +567,7 @@ def test_gdn_round_buffer_swapped_mid_round(
     """A GDN recurrence swapped between a round's forward and its commit: the round commits from the
     buffer it ran with (its state equals feeding the kept tokens alone), and that buffer is freed
     once the round is settled (the record is 9.7 GB for the 27B at 8 x 8)."""
-    from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+    from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
     def swap(ex: StaticHybridExecutor, kind: str | None) -> None:  # the setter without its CUDA check
         ex._gdn_kernel = (
@@ -681,7 +681,8 @@ def test_fused_norms_path_matches_hybrid_executor(
     MLPs' activation by ``silu_mul`` and the GDN b|a projections by ``narrow_linear``) with the
     kernels' CPU models: rounds, commits and states equal HybridExecutor's; eager forwards do not
     use it; a module without the extras runs the torch activation and projection."""
-    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel, GdnRecurrentKernel
+    from ignis.runtime.kernels.fused_norms import FusedNormsKernel
+    from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
     c = tiny.config
     vocab = c.vocab_size
@@ -746,7 +747,7 @@ def test_takes_narrow_rules() -> None:
     cuBLAS: 1-16 rows, float32 / bfloat16 / float16, a dense non-empty weight of x's dtype with at
     most 1,024 rows, K and the row strides multiples of 16 bytes, 16-byte aligned data, a module
     that has the export."""
-    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+    from ignis.runtime.kernels.fused_norms import FusedNormsKernel
     from ignis.runtime.linear import Q4Weight
 
     norms = FusedNormsKernel(_emulated_norms_module([]))
@@ -778,7 +779,7 @@ def _norms_module_path() -> str | None:
 
 def _norms_kernel_or_skip() -> Any:
     """The compiled norms module (`_norms_module_path`) as a `FusedNormsKernel`, or skip the test."""
-    from ignis.runtime.families.hybrid_graphs import FusedNormsKernel
+    from ignis.runtime.kernels.fused_norms import FusedNormsKernel
 
     path = _norms_module_path()
     if path is None:
@@ -830,7 +831,7 @@ def test_compiled_add_rms_norm_matches_its_cpu_model(dtype: torch.dtype) -> None
     of operations) on rows kept in registers (hidden <= 8192), rows past that (the reloading loop),
     ragged widths and strided rows: the residual sum bit for bit, the normed row within 4 units in
     the last place of the dtype (CUDA's rsqrtf is not correctly rounded: up to 2.2 measured in float32,
-    docs/PERF.md run 43; a wrong or missing element would be off by far more)."""
+    docs/perf/log run 43; a wrong or missing element would be off by far more)."""
     from ignis.compiler.kernels.fused_norms import add_rms_norm_emulated
 
     norms = _norms_kernel_or_skip()
@@ -922,7 +923,7 @@ def test_compiled_gdn_conv_silu_matches_its_cpu_model(dtype: torch.dtype) -> Non
     counts: the windows bit for bit, the outputs within a unit in the last place in the half types
     (almost all equal) and four in float32 (CUDA's expf against the CPU's exp, then a division)."""
     from ignis.compiler.kernels.fused_mixers import gdn_conv_silu_emulated
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
 
     mixers = FusedMixersKernel(_mixers_module_or_skip())
     gen = torch.Generator().manual_seed(12)
@@ -974,7 +975,9 @@ def test_fused_mixers_path_matches_hybrid_executor(
     write) with the kernels' CPU models, alone or with the GDN and norms models: rounds, commits for
     every k and states equal HybridExecutor's and the executor's without them; eager forwards do not
     use it."""
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel, FusedNormsKernel, GdnRecurrentKernel
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
+    from ignis.runtime.kernels.fused_norms import FusedNormsKernel
+    from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
     c = tiny.config
     vocab = c.vocab_size
@@ -1050,7 +1053,7 @@ def test_gated_attention_path_matches_the_sdpa_path(tiny: TinyHybrid) -> None:
     """bf16 static rounds whose attention runs through the module's ``gated_attention`` (served by its
     oracle) against the same rounds through SDPA: logits and the KV caches of later layers agree to
     bf16 rounding carried through the layers; a module without the export keeps SDPA."""
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
 
     c = tiny.config
     vocab = c.vocab_size
@@ -1168,7 +1171,7 @@ def test_compiled_gated_attention_matches_its_reference(dtype: torch.dtype, case
     torch path's gate): one split, several and sixteen (the combine kernel), every head_dim, GQA
     groups of 1 to 6, 1 to 32 columns, lanes in permuted slots and one whose slot is out of range
     (zeros); a stale cache row past every position changes nothing; a captured graph replays it."""
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
 
     path = _mixers_module_path()
     if path is None:

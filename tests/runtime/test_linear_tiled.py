@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ignis.formats import quantize_q4_g32
+from ignis.runtime.kernels.q4_tiled import tile_q4, untile_q4
 from ignis.runtime.linear import (
     CompiledLinears,
     LinearBackend,
@@ -31,7 +32,6 @@ from ignis.runtime.linear import (
     tile_decision,
     torch_linear,
 )
-from ignis.runtime.q4_tiled import tile_q4, untile_q4
 
 
 def _q4(*shape: int, seed: int = 0, dtype: torch.dtype = torch.int32) -> Q4Weight:
@@ -310,7 +310,7 @@ def test_place_warms_each_cuda_tiled_function_over_its_rows(monkeypatch: pytest.
     reads as CUDA.)"""
     import contextlib
 
-    import ignis.runtime.tvm_runtime as tvm_runtime
+    import ignis.runtime.kernels.tvm_runtime as tvm_runtime
 
     calls: list[tuple[str, int, int, torch.dtype]] = []
 
@@ -346,7 +346,7 @@ def test_place_warms_each_cuda_tiled_function_over_its_rows(monkeypatch: pytest.
     calls.clear()
     backend.place(_q4(2, 40, 128, seed=1))  # the same shape again (a stack member): nothing to grow
     assert calls == []
-    # one library exporting every width's function (tools/bench_e2e_gpu.py's bundle, no module
+    # one library exporting every width's function (tools/bench/e2e_gpu.py's bundle, no module
     # name): each function still runs within its own rows only
     fns = {(w, "q4_g32_tiled", 40, 128, "bfloat16"): (fn_of("", w), True, True) for w in (1, 8, 32)}
     backend = LinearBackend(CompiledLinears(fns, (1, 8, 32)))

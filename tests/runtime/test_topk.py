@@ -1,4 +1,4 @@
-"""runtime/topk.py: the tie rule in torch (any device), the compiled kernel behind it (GPU), and the
+"""runtime/kernels/topk.py: the tie rule in torch (any device), the compiled kernel behind it (GPU), and the
 DFlash2 selector walk going through it."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from ignis.compiler.kernels.topk import topk_reference
 from ignis.runtime.drafters.dflash2 import DFlash2Drafter
+from ignis.runtime.kernels.topk import TopKModule, _topk_fixed, topk, topk_torch
 from ignis.runtime.sampling import SamplingParams
-from ignis.runtime.topk import TopKModule, _topk_fixed, topk, topk_torch
 
 NAN, INF = float("nan"), float("inf")
 HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
@@ -209,7 +209,7 @@ def _has_cuda() -> bool:
 
 @pytest.fixture(scope="module")
 def cuda_module(tmp_path_factory: pytest.TempPathFactory) -> TopKModule:
-    from ignis.runtime.topk import load_topk_module
+    from ignis.runtime.kernels.topk import load_topk_module
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"

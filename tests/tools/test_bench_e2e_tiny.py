@@ -1,5 +1,6 @@
-"""`tools/bench_e2e_gpu.py --tiny` on the CPU: the plumbing of the end-to-end benchmark (toy sizes), with
-the rounds timed after `--context` committed tokens, writes its JSON and refuses a bad context."""
+"""`python -m ignis.tools.bench.e2e_gpu --tiny` on the CPU: the plumbing of the end-to-end benchmark (toy
+sizes), with the rounds timed after `--context` committed tokens, writes its JSON and refuses a bad
+context."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, str(REPO / "tools" / "bench_e2e_gpu.py"), "--tiny", "--no-hf", "--widths", "1,4"]
+    cmd = [sys.executable, "-m", "ignis.tools.bench.e2e_gpu", "--tiny", "--no-hf", "--widths", "1,4"]
     cmd += ["--budget-s", "60", "--out", str(tmp_path), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
 

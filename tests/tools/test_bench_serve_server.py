@@ -101,7 +101,7 @@ def server(artifact: Path) -> Iterator[Server]:
 
 
 def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "ignis.tools.bench_serve.cli", "--no-progress", *args]
+    cmd = [sys.executable, "-m", "ignis.tools.bench.serve.cli", "--no-progress", *args]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -265,7 +265,7 @@ def test_multi_turn_chat_sessions_end_at_the_context(server: Server, tmp_path: P
 def test_ctrl_c_reports_what_finished(server: Server, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     finished = server.counter("ignis_request_finished_total")
-    cmd = [sys.executable, "-m", "ignis.tools.bench_serve.cli", "--socket", str(server.sock)]
+    cmd = [sys.executable, "-m", "ignis.tools.bench.serve.cli", "--socket", str(server.sock)]
     cmd += ["--input-len", "8", "--num-requests", "400", "--max-tokens", "32", "--concurrency", "2"]
     cmd += ["--json-out", str(out)]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ignis.tools.bench_serve.report import format_report
-from ignis.tools.bench_serve.run import arrival_gaps
-from ignis.tools.bench_serve.stats import (
+from ignis.tools.bench.serve.report import format_report
+from ignis.tools.bench.serve.run import arrival_gaps
+from ignis.tools.bench.serve.stats import (
     RequestResult,
     checkpoint_summary,
     counters_json,
@@ -25,7 +25,7 @@ from ignis.tools.bench_serve.stats import (
     speculative_summary,
     summarize,
 )
-from ignis.tools.bench_serve.workload import (
+from ignis.tools.bench.serve.workload import (
     DatasetError,
     default_dataset,
     load_jsonl,

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from ignis.compiler.cli import main as build_cli
 from ignis.tools.chat import main as chat_cli
-from ignis.tools.inspect import main as inspect_cli
+from ignis.tools.inspect_artifact import main as inspect_cli
 
 
 def _helper(name: str) -> Any:
@@ -421,7 +421,10 @@ def test_inspect_refuses_a_fifo_instead_of_blocking(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     # a subprocess with a timeout: opening a FIFO for reading blocks until a writer appears
     proc = subprocess.run(
-        [sys.executable, "-m", "ignis.tools.inspect", str(fifo)], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "ignis.tools.inspect_artifact", str(fifo)],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert proc.returncode == 2, proc.stderr
     assert f"{fifo}: not a regular file" in proc.stderr and "Traceback" not in proc.stderr

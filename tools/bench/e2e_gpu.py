@@ -1,8 +1,8 @@
 """End-to-end benchmark of a full-size 27B-shaped `qwen3_5` model on one GPU (issue 7).
 
-    python3 tools/bench_e2e_gpu.py --mods DIR [--out DIR] [--budget-s 280] [--tokens 64]
-    python3 tools/bench_e2e_gpu.py --tiny            # CPU plumbing check at toy sizes
-    python3 tools/bench_e2e_gpu.py --mods DIR --graphs-only --budget-s 150   # graphed rounds first
+    python -m ignis.tools.bench.e2e_gpu --mods DIR [--out DIR] [--budget-s 280] [--tokens 64]
+    python -m ignis.tools.bench.e2e_gpu --tiny            # CPU plumbing check at toy sizes
+    python -m ignis.tools.bench.e2e_gpu --mods DIR --graphs-only --budget-s 150   # graphed rounds first
 
 The model is the public Qwen3.5-27B text config (hidden 5120, 64 layers, 3 Gated DeltaNet : 1 gated
 attention, 24 query / 4 KV heads of 256, GDN 16 key / 48 value heads of 128, conv 4, intermediate
@@ -31,7 +31,7 @@ Phases (in priority order; each is skipped, and said so, when the time budget is
    decode, on its executor: the prefill of the 16-token prompts on 1 and 8 lanes (`prefill`: graphed
    as chunks of 8-column static rounds, `chunked_prefill`, against eager), and graphed rounds per
    (lanes, columns) of `LANE_SHAPES` (`lane_rounds`: 1/2/4/8 x 1, 1 x 8, 8 x 8, committing one
-   column per lane; docs/perf-drafts/graphs-lanes.md).
+   column per lane; docs/perf/log/2026-11-29-before-session-3.md, "Graphed prefill").
 1. Q4 compiled route: `HybridExecutor(bf16, linear=LinearBackend(CompiledLinears(...)))` over the
    carried sm_90 bundle (`--mods`: `q4_e2e_sm90.so` + `manifest.json` mapping (width, N, K) to an
    export; every width 1..8, 16, 32). Per width R: the linears of one forward alone (eager through
@@ -45,61 +45,36 @@ Phases (in priority order; each is skipped, and said so, when the time budget is
    transformers `Qwen3_5ForCausalLM` (config built here, the same bf16 tensors assigned, torch
    fallback for the GDN) generating greedily, 1 and 8 lanes.
 
-Prints a table last; writes `bench_e2e_gpu.json` into `--out` (default $OUT or .).
+Prints a table last; writes `bench_e2e_gpu.json` into `--out` (default $OUT or .). Imports the installed
+`ignis` package; on a GPU host without an install, tools/bench/gpu_suite.sh puts a folder of links to the
+checkout on PYTHONPATH.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import json
+import math
 import os
+import re
+import statistics
 import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
 
-sys.path[:] = [
-    p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(os.path.realpath(__file__))
-]
+import torch
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _ensure_ignis() -> None:
-    try:
-        import ignis.runtime.engine  # noqa: F401
-
-        return
-    except ImportError:
-        pass
-    shim = Path(tempfile.mkdtemp(prefix="ignis_ns_")) / "ignis"
-    shim.mkdir()
-    for d in ("formats", "runtime", "compiler", "tools"):
-        (shim / d).symlink_to(ROOT / d)
-    sys.path.insert(0, str(shim.parent))
-    for name in [m for m in sys.modules if m == "ignis" or m.startswith("ignis.")]:
-        del sys.modules[name]
-
-
-_ensure_ignis()
-
-import torch  # noqa: E402
-
-from ignis.runtime.drafters.testing import right_with_probability  # noqa: E402
-from ignis.runtime.engine import SpeculativeEngine  # noqa: E402
-from ignis.runtime.families import get_family  # noqa: E402
-from ignis.runtime.families.hybrid_executor import HybridExecutor  # noqa: E402
-from ignis.runtime.families.hybrid_graphs import CHUNKED_PREFILL_ROUNDS, StaticHybridExecutor  # noqa: E402
-from ignis.runtime.families.qwen3_5 import Qwen3_5TextConfig, tensor_shapes  # noqa: E402
-from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight, place_weight, row_splits_of  # noqa: E402
-from ignis.runtime.sampling import SamplingParams  # noqa: E402
+from ignis.runtime.drafters.testing import right_with_probability
+from ignis.runtime.engine import SpeculativeEngine
+from ignis.runtime.families import get_family
+from ignis.runtime.families.hybrid_executor import HybridExecutor
+from ignis.runtime.families.hybrid_graphs import CHUNKED_PREFILL_ROUNDS, StaticHybridExecutor
+from ignis.runtime.families.qwen3_5 import Qwen3_5TextConfig, tensor_shapes
+from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight, place_weight, row_splits_of
+from ignis.runtime.sampling import SamplingParams
 
 T0 = time.perf_counter()
 BW = 4.2e12  # H200 HBM3e copy bandwidth used for the floor (bytes/s)
@@ -245,7 +220,7 @@ def dense_from_q4(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def load_compiled(mods: Path) -> CompiledLinears:
-    from ignis.runtime.tvm_runtime import load_module
+    from ignis.runtime.kernels.tvm_runtime import load_module
 
     man = json.loads((mods / "manifest.json").read_text())
     mod = load_module(mods / man["file"], cuda=True)
@@ -298,7 +273,7 @@ def bench_linears(
         row = {"eager_ms": med(timed(run, dev, reps=reps, warmup=2))} if eager else {}
         if graph and dev.type == "cuda":
             try:
-                from ignis.runtime.tvm_runtime import torch_stream
+                from ignis.runtime.kernels.tvm_runtime import torch_stream
 
                 g = torch.cuda.CUDAGraph()
                 s = torch.cuda.Stream()
@@ -444,7 +419,7 @@ def _gdn_layer_case(cfg: Any, dev: torch.device, kernel: Any, reps: int, lanes: 
     import torch.nn.functional as F
 
     from ignis.runtime.families.gated_deltanet import l2_normalize
-    from ignis.runtime.tvm_runtime import capture
+    from ignis.runtime.kernels.tvm_runtime import capture
 
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -537,8 +512,9 @@ LANE_SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (1, 8), (8, 8))
 def bench_lane_rounds(ex: Any, prompts8: list[list[int]], dev: torch.device, reps: int) -> dict:
     """ms of one graphed round (forward(record=True) + commit of 1 column per lane, as a decode step
     keeps at least one: the commit's state gather is timed too) per (lanes, columns) of `LANE_SHAPES`,
-    the lanes prefilled with the 16-token prompts (docs/perf-drafts/graphs-lanes.md). The lanes grow
-    by one token a call (<= 7 per shape): the KV bucket stays the same."""
+    the lanes prefilled with the 16-token prompts (docs/perf/log/2026-11-29-before-session-3.md,
+    "Graphed prefill"). The lanes grow by one token a call (<= 7 per shape): the KV bucket stays the
+    same."""
     states = [ex.new_lane() for _ in range(8)]
     ex.forward(states, [torch.tensor(p, device=dev) for p in prompts8[:8]], logits="last", record=False)
     ex.commit(states, [PROMPT_LEN] * 8)
@@ -846,7 +822,7 @@ def main() -> int:
         out_path.write_text(json.dumps(res, indent=1, default=str))
 
     if args.gdn_module is not None and dev.type == "cuda":
-        from ignis.runtime.families.hybrid_graphs import GdnRecurrentKernel
+        from ignis.runtime.kernels.gdn_recurrent import GdnRecurrentKernel
 
         kernel = GdnRecurrentKernel(args.gdn_module)
         if args.gdn_record:  # the record round only: the function without the stash round and replay

@@ -1,7 +1,6 @@
 """`ignis-inspect`: print a `.ninfer` container's metadata and tensor table; `--verify` checks every crc32.
 
-Run it as `ignis-inspect FILE` or `python -m ignis.tools.inspect FILE` (not `python tools/inspect.py`:
-that would shadow the standard library's `inspect` module).
+Run it as `ignis-inspect FILE` or `python -m ignis.tools.inspect_artifact FILE`.
 
 `ignis-inspect DIR` prints an artifact directory's manifest (card, widths, files, modules, parts)
 and checks that every listed file is present with its size and every `.ninfer` header is valid;
@@ -12,6 +11,11 @@ every `.ninfer` container's tensor crc32s and padding (naming the tensor and off
 Exit status: 0 the file or artifact is valid (and, with --verify, every checksum and padding byte is
 right); 1 --verify found corrupt data; 2 the file is not a valid container, the directory has no valid
 manifest, or a listed file is missing or of the wrong size (or, with --verify, a file is unlisted).
+
+Everything read from a file (tensor names, metadata keys, manifest fields, and the error messages that
+quote them) is printed escaped: a string with a character that is not printable (control characters
+such as ESC or newline, format characters such as the bidi overrides, line separators) is shown as its
+Python literal, so a crafted file cannot drive the terminal or forge output lines.
 """
 
 from __future__ import annotations
@@ -43,6 +47,22 @@ class _Invalid(click.ClickException):
     exit_code = EXIT_INVALID
 
 
+def _escape(text: str) -> str:
+    """`text` with every non-printable character (`str.isprintable`: Unicode categories Cc, Cf, Cs, Co,
+    Cn, Zl, Zp and every space but U+0020) written as a `\\xNN` / `\\uNNNN` / `\\UNNNNNNNN` escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _safe(text: Any) -> str:
+    """A name, key or path from a file, for one line of output: unchanged when every character is
+    printable, else its Python literal (quoted, backslashes and non-printable characters escaped) so an
+    escaped name cannot be mistaken for a plain one."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
 def _short(value: Any) -> str:
     """One-line rendering of a metadata value, truncated for long strings, blobs and structures."""
     if isinstance(value, bytes):
@@ -69,16 +89,16 @@ def _size(n: int) -> str:
 
 def _print_file(r: NinferReader) -> None:
     data = sum(t.length for t in r.tensors.values())
-    click.echo(f"{r.path}: .ninfer v{r.version}, {r.file_size} bytes ({_size(r.file_size)})")
+    click.echo(f"{_safe(r.path)}: .ninfer v{r.version}, {r.file_size} bytes ({_size(r.file_size)})")
     click.echo(f"header: {r.header_length} bytes at offset {r.header_offset}")
     click.echo(f"metadata: {len(r.metadata)} key(s)")
     for key in sorted(r.metadata):
-        click.echo(f"  {key} = {_short(r.metadata[key])}")
+        click.echo(f"  {_safe(key)} = {_short(r.metadata[key])}")
     click.echo(f"tensors: {len(r)} ({data} bytes of data, {_size(data)})")
     rows = [("name", "dtype", "shape", "offset", "length", "crc32")]
     for t in r.tensors.values():
         shape = "[" + ", ".join(map(str, t.shape)) + "]"
-        rows.append((t.name, t.dtype, shape, str(t.offset), str(t.length), f"{t.crc32:08x}"))
+        rows.append((_safe(t.name), _safe(t.dtype), shape, str(t.offset), str(t.length), f"{t.crc32:08x}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = [
@@ -95,14 +115,14 @@ def _verify(r: NinferReader) -> bool:
             r.verify_tensor(name)
         except ChecksumMismatchError as exc:
             bad.append(name)
-            click.echo(f"MISMATCH {exc}", err=True)
+            click.echo(f"MISMATCH {_escape(str(exc))}", err=True)
     padding_ok = True
     if not bad:
         try:
             r.verify(names=[], check_padding=True)
         except NonZeroPaddingError as exc:
             padding_ok = False
-            click.echo(f"BAD PADDING {exc}", err=True)
+            click.echo(f"BAD PADDING {_escape(str(exc))}", err=True)
     seconds = time.perf_counter() - start
     total = sum(t.length for t in r.tensors.values())
     if bad:
@@ -118,13 +138,15 @@ def _verify(r: NinferReader) -> bool:
 
 
 def _print_manifest(path: str, m: Any) -> None:
-    click.echo(f"{path}: ignis artifact {m.name!r} (manifest v{m.version}, .ninfer v{m.ninfer_version})")
     click.echo(
-        f"card {m.card} (arch {m.arch}), family {m.family}, dtypes linear {m.linear_dtype} / other "
-        f"{m.other_dtype}, widths {list(m.widths)}"
+        f"{_safe(path)}: ignis artifact {m.name!r} (manifest v{m.version}, .ninfer v{m.ninfer_version})"
     )
     click.echo(
-        f"weights {m.weights}; mtp {m.mtp or 'none'}; drafter "
+        f"card {_safe(m.card)} (arch {_safe(m.arch)}), family {_safe(m.family)}, dtypes linear "
+        f"{_safe(m.linear_dtype)} / other {_safe(m.other_dtype)}, widths {list(m.widths)}"
+    )
+    click.echo(
+        f"weights {_safe(m.weights)}; mtp {_safe(m.mtp or 'none')}; drafter "
         f"{'none' if m.drafter is None else repr(m.drafter.get('prefix'))}; shortlist "
         f"{'none' if m.shortlist is None else m.shortlist.get('size')}; tokenizer "
         f"{'stored' if m.tokenizer else 'none'}; chat template "
@@ -132,7 +154,7 @@ def _print_manifest(path: str, m: Any) -> None:
     )
     total = sum(f.size for f in m.files)
     click.echo(f"files: {len(m.files)} ({total} bytes, {_size(total)})")
-    rows = [(f.path, f.role, str(f.size), f.sha256[:16]) for f in m.files]
+    rows = [(_safe(f.path), _safe(f.role), str(f.size), _safe(f.sha256[:16])) for f in m.files]
     widths = [max(len(r[i]) for r in rows) for i in range(4)] if rows else [0] * 4
     for r in rows:
         cells = [c.rjust(w) if i == 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
@@ -140,33 +162,34 @@ def _print_manifest(path: str, m: Any) -> None:
     click.echo(f"modules: {len(m.modules)}")
     for mod in m.modules:
         click.echo(
-            f"  width {mod.width:>2}: {mod.file} ({mod.route}, {len(mod.functions)} function(s)"
+            f"  width {mod.width:>2}: {_safe(mod.file)} ({_safe(mod.route)}, {len(mod.functions)} function(s)"
             f"{', dynamic rows' if mod.dynamic_rows else ''})"
         )
     if m.kernels:  # the compiled non-linear kernels the runtime loads (manifest v2 `kernels`)
         click.echo(f"kernels: {len(m.kernels)}")
         for k in m.kernels:
-            click.echo(f"  {k.kind} (abi {k.abi}): {k.file} :: {k.name} [{', '.join(k.dtypes)}]")
+            dtypes = ", ".join(_safe(d) for d in k.dtypes)
+            click.echo(f"  {_safe(k.kind)} (abi {k.abi}): {_safe(k.file)} :: {_safe(k.name)} [{dtypes}]")
     spec = m.profile.get("spec") or {}
     for kind, vals in sorted(spec.items()):
-        click.echo(f"profile spec {kind}: {vals}")
+        click.echo(f"profile spec {_safe(kind)}: {_escape(str(vals))}")
     prov = m.provenance
     inputs = prov.get("inputs") or []
-    click.echo(f"built by ignis {prov.get('ignis_version')} from {len(inputs)} input file(s)")
+    click.echo(f"built by ignis {_safe(prov.get('ignis_version'))} from {len(inputs)} input file(s)")
 
 
 def _inspect_dir(path: str, verify: bool) -> None:
     try:
         m = read_manifest(path)
     except FormatError as exc:
-        raise _Invalid(f"invalid artifact ({type(exc).__name__}): {exc}") from exc
+        raise _Invalid(f"invalid artifact ({type(exc).__name__}): {_escape(str(exc))}") from exc
     _print_manifest(path, m)
     if not verify:
         try:  # cheap: presence and sizes (a stat per file), so a truncated artifact never exits 0
             verify_artifact(path, m, check_hashes=False, allow_extra=True)
         except ArtifactFileError as exc:
             for p in exc.problems:
-                click.echo(f"BAD FILE {p}", err=True)
+                click.echo(f"BAD FILE {_escape(str(p))}", err=True)
             raise _Invalid(
                 f"{len(exc.problems)} problem(s) with the artifact's files (run with --verify for checksums)"
             ) from exc
@@ -175,7 +198,9 @@ def _inspect_dir(path: str, verify: bool) -> None:
                 with NinferReader(os.path.join(path, rel)):
                     pass
             except FormatError as exc:
-                raise _Invalid(f"invalid .ninfer file in the artifact ({type(exc).__name__}): {exc}") from exc
+                raise _Invalid(
+                    f"invalid .ninfer file in the artifact ({type(exc).__name__}): {_escape(str(exc))}"
+                ) from exc
         return
     start = time.perf_counter()
     problems: list[str] = []
@@ -183,22 +208,22 @@ def _inspect_dir(path: str, verify: bool) -> None:
         verify_artifact(path, m, check_hashes=True, allow_extra=False)
     except ArtifactFileError as exc:
         for p in exc.problems:
-            click.echo(f"BAD FILE {p}", err=True)
+            click.echo(f"BAD FILE {_escape(str(p))}", err=True)
         raise _Invalid(f"verify: FAILED: {len(exc.problems)} problem(s) with the artifact's files") from exc
     except ArtifactChecksumError as exc:
         sizes = {f.path: f.size for f in m.files}
         for rel, offset in exc.mismatches:
             if offset >= sizes.get(rel, 0):  # every block matches its hash: the whole-file entry is off
                 click.echo(
-                    f"MISMATCH {os.path.join(path, rel)}: sha256 differs from the manifest although every "
-                    f"block matches its block hash: the manifest's sha256 of this file is damaged",
+                    f"MISMATCH {_safe(os.path.join(path, rel))}: sha256 differs from the manifest although "
+                    f"every block matches its block hash: the manifest's sha256 of this file is damaged",
                     err=True,
                 )
                 problems.append(rel)
                 continue
             end = max(offset, min(offset + m.block_size, sizes.get(rel, 0)) - 1)
             click.echo(
-                f"MISMATCH {os.path.join(path, rel)}: sha256 differs from the manifest (first corrupt "
+                f"MISMATCH {_safe(os.path.join(path, rel))}: sha256 differs from the manifest (first corrupt "
                 f"block: bytes {offset} to {end}; blocks are {_size(m.block_size)})",
                 err=True,
             )
@@ -209,10 +234,10 @@ def _inspect_dir(path: str, verify: bool) -> None:
             with NinferReader(full) as r:
                 r.verify()
         except ChecksumMismatchError as exc:
-            click.echo(f"MISMATCH {exc} (corrupt tensor(s): {exc.mismatches})", err=True)
+            click.echo(f"MISMATCH {_escape(str(exc))} (corrupt tensor(s): {exc.mismatches})", err=True)
             problems.append(rel)
         except FormatError as exc:
-            click.echo(f"INVALID {type(exc).__name__}: {exc}", err=True)
+            click.echo(f"INVALID {type(exc).__name__}: {_escape(str(exc))}", err=True)
             problems.append(rel)
     seconds = time.perf_counter() - start
     if problems:
@@ -251,14 +276,14 @@ def main(path: str, verify: bool) -> None:
         _inspect_dir(path, verify)
         return
     if not os.path.isfile(path):  # a FIFO would block in open(); devices and sockets are no containers
-        raise _Invalid(f"{path}: not a regular file (a .ninfer container) nor an artifact directory")
+        raise _Invalid(f"{_safe(path)}: not a regular file (a .ninfer container) nor an artifact directory")
     try:
         with NinferReader(path) as r:
             _print_file(r)
             if verify and not _verify(r):
                 raise SystemExit(EXIT_CORRUPT_DATA)
     except FormatError as exc:
-        raise _Invalid(f"invalid .ninfer file ({type(exc).__name__}): {exc}") from exc
+        raise _Invalid(f"invalid .ninfer file ({type(exc).__name__}): {_escape(str(exc))}") from exc
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from ignis.tools.bench_serve.stats import MetricsSnapshot, RequestResult, parse_metrics
+from ignis.tools.bench.serve.stats import MetricsSnapshot, RequestResult, parse_metrics
 
 __all__ = ["BenchClient", "ServerError", "Target"]
 

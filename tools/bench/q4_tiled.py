@@ -3,8 +3,8 @@
 The chain of issue 7: 8 layers x (5120 -> 17408 -> 5120), fresh random Q4 weights, every width
 1..8, 12, 16, 20, 24, 28, 32. Two steps (the GPU host has no nvcc):
 
-  python -m ignis.tools.bench_q4_tiled build --out .device/q4t          # build host (nvcc)
-  python -m ignis.tools.bench_q4_tiled run --modules .device/q4t --old .device/final --out $OUT
+  python -m ignis.tools.bench.q4_tiled build --out .device/q4t          # build host (nvcc)
+  python -m ignis.tools.bench.q4_tiled run --modules .device/q4t --old .device/final --out $OUT
 
 ``run`` times, in one process and on the same weights, per width: every tiled candidate built for
 that width's n-tile count (f16), the best again in bf16, the shipped route (``--old``: a
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ignis.tools.bench_q4_linear import HIDDEN, INTER, NUM_LAYERS, SHAPES, Bench
+from ignis.tools.bench.q4_linear import HIDDEN, INTER, NUM_LAYERS, SHAPES, Bench
 
 WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64]
 
@@ -68,8 +68,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     """Build every candidate for sm_90 (timed) and the rule set for sm_120 (built, not run)."""
     import subprocess
 
-    from ignis.compiler.kernels.cuda_build import nvcc_command
-    from ignis.compiler.kernels.q4_linear import _nvcc
+    from ignis.compiler.kernels.cuda_build import find_nvcc, nvcc_command
     from ignis.compiler.kernels.q4_tiled import _RULES, build_q4_tiled_module, tiled_source
 
     out = Path(args.out)
@@ -80,7 +79,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     # One verbose nvcc run so the manifest records registers and spills per kernel.
     src = out / "q4t_candidates.cu"
     src.write_text(tiled_source(exports))
-    cmd = nvcc_command(_nvcc(), "sm_90", src, out / "q4t_sm90.so", verbose=True)
+    cmd = nvcc_command(find_nvcc(), "sm_90", src, out / "q4t_sm90.so", verbose=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     src.unlink()
     if proc.returncode:
@@ -115,8 +114,8 @@ class TiledBench(Bench):
     def _run_tiled(self) -> None:
         import torch
 
-        from ignis.runtime.q4_tiled import tile_q4
-        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+        from ignis.runtime.kernels.q4_tiled import tile_q4
+        from ignis.runtime.kernels.tvm_runtime import load_module, load_tvm_runtime
 
         args = self.args
         mods, old_dir = Path(args.modules), Path(args.old)
@@ -367,8 +366,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     import torch
     import tvm_ffi
 
-    from ignis.runtime.q4_tiled import tile_q4
-    from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+    from ignis.runtime.kernels.q4_tiled import tile_q4
+    from ignis.runtime.kernels.tvm_runtime import load_module, load_tvm_runtime
 
     mods = Path(args.modules)
     man = json.loads((mods / "manifest.json").read_text())

@@ -1,6 +1,6 @@
 """Benchmark and exactness check of the compiled top-k against torch.topk (GPU host).
 
-    python -m ignis.tools.bench_topk --modules .device/topk --out $OUT
+    python -m ignis.tools.bench.topk --modules .device/topk --out $OUT
 
 ``--modules``: a folder holding ``topk_<arch>.so`` (``build_topk`` output, e.g. ``topk_sm90.so``)
 or the ``.so`` itself; needs torch with CUDA, tvm_ffi and TVM's runtime libraries
@@ -9,7 +9,7 @@ rows x k in (1, 2, 4, 8) x (8, 32, 64), on float32 logits, microseconds per call
 ``torch.topk`` as device time (``--inner`` calls captured in one CUDA graph, median over ``--reps``
 timed replays), and eagerly (``--inner`` back-to-back calls between two CUDA events, median over
 ``--reps``): our raw module call, torch.topk, our wrapper (``TopKModule``: allocations, stream
-context) and the exact torch fallback (``ignis.runtime.topk.topk_torch``). Then it checks
+context) and the exact torch fallback (``ignis.runtime.kernels.topk.topk_torch``). Then it checks
 exactness against the stable-sort reference (indices equal, values bit-equal) on tie-heavy data:
 float32 randn, the same quantized to 9 levels, bf16-rounded logits (bf16 input), f16 input,
 special values (NaN, +-inf, +-0.0; float32 and bf16), +-0.0 at the top, all-equal bf16, at every
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ignis.compiler.kernels.topk import workspace_numel
-    from ignis.runtime.topk import load_topk_module, topk_torch
+    from ignis.runtime.kernels.topk import load_topk_module, topk_torch
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"

@@ -1,16 +1,16 @@
 """Build, on a host without a GPU, every CUDA module the GPU benchmarks carry to the device.
 
-    python -m ignis.tools.build_gpu_modules --out .device/final [--arch sm_90]
+    python -m ignis.tools.bench.build_gpu_modules --out .device/final [--arch sm_90]
 
 Writes into OUT (about 6 MB for sm_90):
 
 * ``q4_e2e_<arch>.so`` + ``manifest.json``: one q4 bundle serving every (width, N, K) that
-  `tools/bench_e2e_gpu.py` runs for the 27B-shaped ``qwen3_5`` (the 8 linear shapes of that model x
+  `tools/bench/e2e_gpu.py` runs for the 27B-shaped ``qwen3_5`` (the 8 linear shapes of that model x
   widths 1..8, 16, 24, 32, and 40, 48, 56, 64 on the tiled route). ``--q4-route tiled`` (the default, the
   build's CUDA route): the tiled stream-K kernel, one export per n-tile count (`tiled_config_for`),
   weights placed in the tiled layout (manifest ``"kind": "q4_g32_tiled"``); ``--q4-route mma``: the
   row-major kernels, the tiles `default_tile_config` chooses. ``manifest.json`` maps ``"W|N|K"`` to
-  the exported function (the format `bench_e2e_gpu.load_compiled` reads);
+  the exported function (the format `ignis.tools.bench.e2e_gpu.load_compiled` reads);
 * ``gdn_recurrent_<arch>.so`` (`build_gdn_recurrent`), ``fused_norms_<arch>.so``
   (`build_fused_norms`), ``topk_<arch>.so`` (`build_topk`) and, where the kernel exists,
   ``fused_mixers_<arch>.so``.
@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-#: (out_features, in_features) of every q4 linear of the 27B-shaped qwen3_5 in bench_e2e_gpu
+#: (out_features, in_features) of every q4 linear of the 27B-shaped qwen3_5 in ignis.tools.bench.e2e_gpu
 #: (GDN in_proj_qkv / z, attention q / k+v, o_proj from 6144, MLP up/gate and down, LM head), and
 #: the executor's fusions of them (attention q|k|v, GDN qkv|z, MLP gate|up: `HYBRID_FUSED_LINEARS`).
 E2E_SHAPES = (
@@ -46,7 +46,7 @@ E2E_SHAPES = (
 )
 E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
 #: The tiled route's widths: also 40-64 (33-64 rows in one call, every 8 rows as the h200 profile
-#: compiles: docs/PERF.md runs 69-72); the mma route's kernels stop at 32 rows.
+#: compiles: docs/perf/log runs 69-72); the mma route's kernels stop at 32 rows.
 E2E_WIDTHS_TILED = (*E2E_WIDTHS, 40, 48, 56, 64)
 
 

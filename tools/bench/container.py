@@ -1,7 +1,7 @@
 """Benchmark of the `.ninfer` container (not a test): open a 1 GiB container and get every view
 (memory-mapped, no copy), and stream a 2 GiB write with bounded memory.
 
-    python -m ignis.tools.bench_container --json bench-formats.json
+    python -m ignis.tools.bench.container --json bench-formats.json
 
 Each measured phase runs in its own fresh Python process, so its peak RSS (getrusage ru_maxrss) is its
 own; RSS figures are reported as the increase over that process's baseline after imports.
@@ -153,7 +153,7 @@ def phase_write(path: str, total: int) -> dict[str, Any]:
 
 
 def _child(phase: str, path: str, total: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "ignis.tools.bench_container", "--phase", phase, "--path", path]
+    cmd = [sys.executable, "-m", "ignis.tools.bench.container", "--phase", phase, "--path", path]
     cmd += ["--bytes", str(total)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

@@ -2,8 +2,8 @@
 
 Two steps, because the GPU host has no TVM compiler:
 
-  python -m ignis.tools.bench_q4_linear build --out .device/q4     # build host (tvm + nvcc)
-  python -m ignis.tools.bench_q4_linear run --modules .device/q4 --out $OUT   # GPU host
+  python -m ignis.tools.bench.q4_linear build --out .device/q4     # build host (tvm + nvcc)
+  python -m ignis.tools.bench.q4_linear run --modules .device/q4 --out $OUT   # GPU host
 
 ``run`` needs only torch, tvm_ffi and TVM's runtime libraries (``--tvm-lib`` or
 ``$IGNIS_TVM_LIB_DIR``). On fresh random data it prints, side by side per row width: ours (the
@@ -211,7 +211,7 @@ class Bench:
         """Shared start of the old-vs-new benches (`DecodeBench`, `WideBench`): load the TVM runtime
         and both manifests, record the environment, measure the copy bandwidth, make the weights,
         load the old modules. Returns (new_dir, new manifest, old functions by tag, start time s)."""
-        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+        from ignis.runtime.kernels.tvm_runtime import load_module, load_tvm_runtime
 
         torch, args = self.torch, self.args
         old_dir, new_dir = Path(args.old), Path(args.new)
@@ -336,7 +336,7 @@ class Bench:
         out.mkdir(parents=True, exist_ok=True)
         mods = Path(args.modules)
         manifest = json.loads((mods / "manifest.json").read_text())
-        from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+        from ignis.runtime.kernels.tvm_runtime import load_module, load_tvm_runtime
 
         load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib or (mods / "tvm_lib"))
         props = torch.cuda.get_device_properties(0)
@@ -410,7 +410,7 @@ class Bench:
             T[f"ours_f16_r{rows}_again"], _ = self.time_chain(self.q4_chain(funcs, rows, torch.float16))
 
     def run_sweep(self, mods: Path, t_start: float) -> None:
-        from ignis.runtime.tvm_runtime import load_module
+        from ignis.runtime.kernels.tvm_runtime import load_module
 
         torch = self.torch
         T = self.results["timings_ms"]
@@ -512,7 +512,7 @@ class Bench:
     def run_dlight(self, mods: Path, manifest: dict[str, Any], t_start: float, w_ref: dict[str, Any]) -> None:
         import tvm_ffi
 
-        from ignis.runtime.tvm_runtime import load_module
+        from ignis.runtime.kernels.tvm_runtime import load_module
 
         torch = self.torch
         T, E = self.results["timings_ms"], self.results["errors"]
@@ -609,7 +609,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
     import torch
     import tvm_ffi
 
-    from ignis.runtime.tvm_runtime import load_module, load_tvm_runtime
+    from ignis.runtime.kernels.tvm_runtime import load_module, load_tvm_runtime
 
     mods = Path(args.modules)
     load_tvm_runtime(cuda=True, lib_dir=args.tvm_lib or (mods / "tvm_lib"))
@@ -720,7 +720,7 @@ class DecodeBench(Bench):
     def _run(self) -> None:
         import tvm_ffi
 
-        from ignis.runtime.tvm_runtime import load_module
+        from ignis.runtime.kernels.tvm_runtime import load_module
 
         torch = self.torch
         args = self.args
@@ -1043,7 +1043,7 @@ class WideBench(Bench):
     def _run(self) -> None:
         import tvm_ffi
 
-        from ignis.runtime.tvm_runtime import load_module
+        from ignis.runtime.kernels.tvm_runtime import load_module
 
         torch = self.torch
         args = self.args

@@ -1,15 +1,15 @@
 """Acceptance on the real pair: speculation off vs draft-model vs ngram, greedy and sampled.
 
-    python -m ignis.tools.bench_acceptance [--source artifacts|gguf] [--num-code 4] [--num-prose 4]
+    python -m ignis.tools.bench.acceptance [--source artifacts|gguf] [--num-code 4] [--num-prose 4]
         [--max-new-tokens 64] [--dm-draft-tokens 3] [--ngram-draft-tokens 5] [--batch kind|single]
         [--modes greedy,sampled] [--drafters off,draft-model,ngram] [--json PATH]
 
 Target Qwen2.5-Coder-1.5B-Instruct, draft model Qwen2.5-Coder-0.5B-Instruct. `--source artifacts`
-(default) loads the `ignis-build --card cpu` artifacts that `python -m ignis.tools.real_pair build`
+(default) loads the `ignis-build --card cpu` artifacts that `python -m ignis.tools.bench.real_pair build`
 makes, the way `ignis-run --artifact TARGET --spec-backend draft-model --spec-draft-model DRAFT`
 loads them on a CPU: float32 executors, the target's linears through its compiled modules, the draft
 model through `build_draft_model_drafter(artifact=...)` (its tokenizer checked against the target's).
-`--source gguf` loads both GGUFs through the importer instead (`ignis.tools.real_pair.load_pair`,
+`--source gguf` loads both GGUFs through the importer instead (`ignis.tools.bench.real_pair.load_pair`,
 `--dtype`). Prompts: the first `--num-code` code and `--num-prose` prose chat prompts of
 `/work/shared/bench/prompts.jsonl`, rendered with the target's chat template (generation prompt added).
 
@@ -305,8 +305,8 @@ def load_from_artifacts(
 
 
 def load_from_gguf(cache_dir: Path | None, dtype: torch.dtype, echo: Callable[[str], None]) -> LoadedPair:
-    """Both GGUFs through the importer (`ignis.tools.real_pair.load_pair`), torch linears."""
-    from ignis.tools.real_pair import load_pair
+    """Both GGUFs through the importer (`ignis.tools.bench.real_pair.load_pair`), torch linears."""
+    from ignis.tools.bench.real_pair import load_pair
 
     target, draft = load_pair(cache_dir, dtype=dtype, echo=echo)
     info = {"dtype": str(dtype).removeprefix("torch."), "target_linears": "torch", "draft_linears": "torch"}
@@ -454,7 +454,7 @@ def summarize(records: Sequence[RunRecord]) -> dict[str, Any]:
     "--target-artifact",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Default: the real pair's cache (python -m ignis.tools.real_pair build).",
+    help="Default: the real pair's cache (python -m ignis.tools.bench.real_pair build).",
 )
 @click.option("--draft-artifact", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option(
@@ -500,7 +500,7 @@ def main(
 ) -> None:
     """Acceptance of draft-model and ngram speculation on Qwen2.5-Coder 1.5B (0.5B drafting)."""
     from ignis.runtime.tokenizer import Tokenizer
-    from ignis.tools.real_pair import DRAFT, TARGET, artifact_dir
+    from ignis.tools.bench.real_pair import DRAFT, TARGET, artifact_dir
 
     if threads:
         torch.set_num_threads(threads)
@@ -525,7 +525,7 @@ def main(
         for d in (tdir, ddir):
             if not (d / "manifest.json").is_file():
                 raise click.ClickException(
-                    f"{d}: no artifact; build both with `python -m ignis.tools.real_pair build`"
+                    f"{d}: no artifact; build both with `python -m ignis.tools.bench.real_pair build`"
                 )
         pair = load_from_artifacts(tdir, ddir, compiled=target_linears == "compiled")
     else:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import IgnisRuntimeError
+from ignis.runtime.errors import IgnisRuntimeError
 
 __all__ = [
     "TvmRuntimeError",

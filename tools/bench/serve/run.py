@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ignis.tools.bench_serve.client import BenchClient, ServerError
-from ignis.tools.bench_serve.stats import (
+from ignis.tools.bench.serve.client import BenchClient, ServerError
+from ignis.tools.bench.serve.stats import (
     DEFAULT_PERCENTILES,
     MetricsSnapshot,
     RequestResult,
@@ -37,7 +37,7 @@ from ignis.tools.bench_serve.stats import (
     speculative_summary,
     summarize,
 )
-from ignis.tools.bench_serve.workload import AgentSession, Prompt, tool_output_text
+from ignis.tools.bench.serve.workload import AgentSession, Prompt, tool_output_text
 
 __all__ = ["BenchConfig", "MultiTurnConfig", "arrival_gaps", "run_load", "run_multi_turn"]
 

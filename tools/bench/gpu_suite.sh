@@ -3,11 +3,11 @@
 # (torch + the cp312 apache-tvm-ffi wheel + libtvm_runtime*.so; no TVM compiler, no nvcc there).
 #
 # Build host first (no GPU needed):
-#   python -m ignis.tools.build_gpu_modules --out .device/final
+#   python -m ignis.tools.bench.build_gpu_modules --out .device/final
 # GPU host, repository root, carrying .whl/ (the tvm-ffi wheel), .device/q4/tvm_lib (the runtime
 # libraries), .device/final (the modules) and .device/gdn-art (a tiny qwen3_5 h200 artifact with a
 # DFlash2 drafter, for the artifact tests):
-#   bash tools/gpu_suite.sh [BENCH_BUDGET_S]
+#   bash tools/bench/gpu_suite.sh [BENCH_BUDGET_S]
 # Writes under $OUT (or ./gpu-suite-out): gpu_tests.log, bench_topk JSON, bench_e2e_gpu.json, and
 # prints a short table last.
 set -u
@@ -23,7 +23,7 @@ export IGNIS_TOPK_MODULE=$M/topk_sm90.so
 [ -f "$M/fused_mixers_sm90.so" ] && export IGNIS_MIXERS_MODULE=$M/fused_mixers_sm90.so
 ART=${IGNIS_GDN_ARTIFACT:-$PWD/.device/gdn-art/tiny-hybrid-h200}
 export IGNIS_GDN_ARTIFACT=$ART IGNIS_TOPK_ARTIFACT=$ART
-# the tiled q4 kernel: the bundle in $M (tools/build_gpu_modules.py) and a tiny tiled-route llama
+# the tiled q4 kernel: the bundle in $M (tools/bench/build_gpu_modules.py) and a tiny tiled-route llama
 # artifact (tests/runtime/test_linear_tiled.py `_build_tiny_tiled_llama`, in .device/tiled-art)
 export IGNIS_Q4T_BUNDLE=$M
 # the rules with cp.async staging (cards before sm_90), from the chain bench's build if present
@@ -45,7 +45,7 @@ echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
 
 # 2. Top-k against torch.topk (exactness on tie-heavy data, time).
 if [ -z "${SKIP_TOPK:-}" ]; then
-  timeout 45 python3 -m ignis.tools.bench_topk --modules "$M" --out "$OUT" >"$OUT/bench_topk.log" 2>&1
+  timeout 45 python3 -m ignis.tools.bench.topk --modules "$M" --out "$OUT" >"$OUT/bench_topk.log" 2>&1
   echo "bench_topk rc=$?"
 fi
 
@@ -53,7 +53,7 @@ fi
 #    (1 and 8 lanes; speculation off and 7 drafts at fixed acceptance), the bf16 (cuBLAS) route
 #    graphed, and HF transformers generating on the same weights.
 MIX=""; [ -n "${IGNIS_MIXERS_MODULE:-}" ] && MIX="--mixers-module $IGNIS_MIXERS_MODULE"
-timeout $((BUDGET + 45)) python3 tools/bench_e2e_gpu.py --mods "$M" --gdn-module "$IGNIS_GDN_MODULE" \
+timeout $((BUDGET + 45)) python3 -m ignis.tools.bench.e2e_gpu --mods "$M" --gdn-module "$IGNIS_GDN_MODULE" \
   --norms-module "$IGNIS_NORMS_MODULE" $MIX --fused-only --no-eager-rounds --no-eager --widths 1,2,4,8,16,32,48,64 \
   --budget-s "$BUDGET" --reps 5 ${E2E_EXTRA:-} --hf-tokens 16 --out "$OUT" >"$OUT/bench_e2e.log" 2>&1
 echo "bench_e2e rc=$?"

@@ -3,7 +3,7 @@ torch path it replaces in ``StaticHybridExecutor._static_attention`` (two cache 
 SDPA, the head permutes, sigmoid and the gate multiply), on the 27B-shaped qwen3_5 attention layer
 (24 query heads, 4 kv heads, head_dim 256, bf16), 1 lane and 8 lanes, per round width and context.
 
-    python -m ignis.tools.bench_gated_attention --mixers-module .device/final/fused_mixers_sm90.so \\
+    python -m ignis.tools.bench.gated_attention --mixers-module .device/final/fused_mixers_sm90.so \\
         [--out DIR] [--contexts 16,1024,4096,16384] [--widths 1,8,32]
 
 Prints a table (microseconds a call, median of CUDA-event timings of 50 calls after 10 warm-up
@@ -70,7 +70,7 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    from ignis.runtime.families.hybrid_graphs import FusedMixersKernel
+    from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
 
     mixers = FusedMixersKernel(args.mixers_module)
     if not mixers.has_gated_attention:
