@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -98,6 +99,7 @@ def server(artifact: Path) -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -348,6 +350,7 @@ def test_partial_acceptance_by_position_adds_up(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        shutil.rmtree(folder, ignore_errors=True)
     spec = json.loads(out.read_text())["speculative"]
     rates = [p["rate"] for p in spec["per_position"]]
     assert len(rates) == 3 and rates[0] < 1.0 and rates[0] >= rates[1] >= rates[2]
