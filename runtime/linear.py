@@ -697,8 +697,8 @@ class LinearBackend:
         if rows > compiled.widths[-1] and isinstance(weight, Q4Weight):
             # A q4 weight wider than every compiled width (e.g. 64 rows where a profile stops at 32): run the
             # compiled modules on chunks of the widest width rather than dequantizing on torch, each
-            # writing its rows of one output (no concatenation: docs/PERF.md run 59). A dense weight
-            # at that many rows goes to torch's GEMM (cuBLAS / MKL), which is built for it.
+            # writing its rows of one output (no concatenation: the perf log, docs/perf/log/, run 59).
+            # A dense weight at that many rows goes to torch's GEMM (cuBLAS / MKL), which is built for it.
             step = compiled.widths[-1]
             y = x2.new_empty((rows, weight.out_features))
             for i in range(0, rows, step):
