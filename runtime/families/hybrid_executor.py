@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 
 from ignis.runtime.errors import StateError, TensorSetError, TensorShapeError
-from ignis.runtime.families.attention import sdpa
 from ignis.runtime.families.base import ForwardOutput
 from ignis.runtime.families.gated_deltanet import (
     causal_conv1d_silu,
@@ -639,7 +638,7 @@ class HybridExecutor:
                     torch.arange(total, device=self.device)[None, :]
                     <= torch.arange(past, total, device=self.device)[:, None]
                 )
-            o = sdpa(
+            o = F.scaled_dot_product_attention(
                 q[start : start + n].transpose(0, 1).unsqueeze(0),
                 keys[:, :total].unsqueeze(0),
                 values[:, :total].unsqueeze(0),

@@ -112,7 +112,6 @@ import torch
 import torch.nn.functional as F
 
 from ignis.runtime.errors import StateError
-from ignis.runtime.families.attention import sdpa
 from ignis.runtime.families.base import ForwardOutput
 from ignis.runtime.families.gated_deltanet import (
     gated_delta_rule_chunked,
@@ -1002,7 +1001,7 @@ class StaticHybridExecutor(HybridExecutor):
         values = vc[:, :bucket].index_select(0, slots).transpose(1, 2)
         # query head h uses kv head h // rep: group the rep query heads of a kv head as extra rows
         qq = q.view(lanes, n, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(lanes, nkv, rep * n, hd)
-        o = sdpa(qq, keys, values, attn_mask=mask, scale=hd**-0.5)
+        o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=hd**-0.5)
         o = o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(rows, nh * hd)
         return linear(o * torch.sigmoid(gate), a.o_proj, a.o_bias)
 
