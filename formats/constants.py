@@ -45,9 +45,9 @@ MAX_RANK: Final[int] = 8
 #: Deepest nesting of lists and maps inside a metadata value (a scalar at top level is depth 0).
 MAX_METADATA_DEPTH: Final[int] = 32
 
-#: Most entries in the tensor table. With this bound a maximal table decodes in well under a second
-#: and a few hundred MB; the largest unfused MoE checkpoints hold about 70,000 tensors.
-MAX_TENSORS: Final[int] = 131_072
+#: Most entries in the tensor table, so that a maximal table decodes fast (SPEC.md §2.3 has the cost)
+#: and small; DeepSeek-V3 with every expert matrix unfused holds about 45,000 tensors.
+MAX_TENSORS: Final[int] = 65_536
 
 #: Most values in the metadata map, counting every scalar, array, map and map key (the top-level
 #: map included). Large data belongs in `u8` tensors (the tokenizer is one), not in metadata.

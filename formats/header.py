@@ -141,29 +141,32 @@ def check_dtype_and_shape(
         raise error(f"shape must be a list, got {type(shape).__name__}", path=path, tensor=name)
     if len(shape) > MAX_RANK:
         raise error(f"rank {len(shape)} exceeds the maximum {MAX_RANK}", path=path, tensor=name)
-    dims: list[int] = []
     for d in shape:
         if type(d) is not int or d < 0 or d > MAX_INT:
             raise error(f"shape {list(shape)!r} must hold non-negative integers", path=path, tensor=name)
-        dims.append(d)
+    dims = tuple(shape)
     if dtype in ENCODINGS:
         block = ENCODINGS[dtype].block_size
         if not dims or dims[-1] <= 0 or dims[-1] % block:
             raise TensorSizeError(
                 f"{dtype} needs rank >= 1 and a last dimension that is a positive multiple of {block}; "
-                f"shape is {dims}",
+                f"shape is {list(dims)}",
                 path=path,
                 tensor=name,
             )
-    span = stored_length(dtype, tuple(d or 1 for d in dims))
-    if span > MAX_TENSOR_BYTES:
-        raise TensorSizeError(
-            f"shape {dims}: its non-zero dimensions span {span} bytes of {dtype}, more than numpy and torch "
-            f"can address ({MAX_TENSOR_BYTES}), even when another dimension is 0",
-            path=path,
-            tensor=name,
-        )
-    return dtype, tuple(dims)
+    if 0 in dims:  # a non-empty shape's bytes are checked against its length and the file
+        span = stored_length(dtype, tuple(d or 1 for d in dims))
+        if span > MAX_TENSOR_BYTES:
+            raise TensorSizeError(
+                f"shape {list(dims)}: its non-zero dimensions span {span} bytes of {dtype}, more than numpy "
+                f"and torch can address ({MAX_TENSOR_BYTES}), even when another dimension is 0",
+                path=path,
+                tensor=name,
+            )
+    return dtype, dims
+
+
+_TENSOR_KEY_SET = frozenset(TENSOR_KEYS)
 
 
 def _uint(
@@ -185,18 +188,29 @@ def parse_tensor_entry(entry: object, index: int, *, path: str | os.PathLike[str
         raise MalformedHeaderError(
             f"tensor table entry {index} must be a map, got {type(entry).__name__}", path=path
         )
-    keys = set(entry)
-    if keys != set(TENSOR_KEYS):
-        missing = sorted(set(TENSOR_KEYS) - keys)
-        unexpected = sorted(map(repr, keys - set(TENSOR_KEYS)))
+    if entry.keys() != _TENSOR_KEY_SET:
+        keys = set(entry)
+        missing = sorted(_TENSOR_KEY_SET - keys)
+        unexpected = sorted(map(repr, keys - _TENSOR_KEY_SET))
         raise MalformedHeaderError(
             f"tensor table entry {index}: missing keys {missing}, unexpected keys {unexpected}", path=path
         )
-    name = check_name(entry["name"], path=path, where=f"tensor table entry {index}")
+    name = entry["name"]
+    if type(name) is not str or not 0 < len(name) <= MAX_NAME_BYTES // 4:  # else the exact check
+        name = check_name(name, path=path, where=f"tensor table entry {index}")
     dtype, shape = check_dtype_and_shape(name, entry["dtype"], entry["shape"], path=path)
-    offset = _uint(entry, "offset", name, path, MAX_INT)
-    length = _uint(entry, "length", name, path, MAX_INT)
-    crc = _uint(entry, "crc32", name, path, 0xFFFFFFFF)
+    offset, length, crc = entry["offset"], entry["length"], entry["crc32"]
+    if not (
+        type(offset) is int
+        and type(length) is int
+        and type(crc) is int
+        and 0 <= offset <= MAX_INT
+        and 0 <= length <= MAX_INT
+        and 0 <= crc <= 0xFFFFFFFF
+    ):
+        offset = _uint(entry, "offset", name, path, MAX_INT)
+        length = _uint(entry, "length", name, path, MAX_INT)
+        crc = _uint(entry, "crc32", name, path, 0xFFFFFFFF)
     expected = stored_length(dtype, shape)
     if length != expected:
         raise TensorSizeError(
@@ -283,6 +297,15 @@ _KIND: tuple[str, ...] = _kind_table()
 _ENTRY_BUDGET = 64
 
 
+def _map_length(raw: bytes, pos: int, first: int) -> int:
+    """The number of pairs the msgpack map at raw[pos] (first byte `first`) declares."""
+    if first == 0xDE:
+        return int.from_bytes(raw[pos + 1 : pos + 3], "big")
+    if first == 0xDF:
+        return int.from_bytes(raw[pos + 1 : pos + 5], "big")
+    return first & 0x0F
+
+
 class _HeaderLimit(Exception):
     """Raised by the decoder's hooks when a tensor-table entry holds too many values."""
 
@@ -301,10 +324,10 @@ class _Budget:
             raise _HeaderLimit("holds more values than a tensor-table entry can")
 
 
-def _pairs_hook(budget: _Budget) -> Any:
-    def hook(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-        budget.spend(2 * len(pairs) + 1)
-        return _pairs_to_dict(pairs)
+def _map_hook(budget: _Budget) -> Any:
+    def hook(d: dict[Any, Any]) -> dict[Any, Any]:
+        budget.spend(2 * len(d) + 1)
+        return d
 
     return hook
 
@@ -315,17 +338,6 @@ def _list_hook(budget: _Budget) -> Any:
         return items
 
     return hook
-
-
-def _pairs_to_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out: dict[Any, Any] = {}
-    for k, v in pairs:
-        if type(k) is not str:
-            raise ValueError(f"map key {k!r} is not a string")
-        if k in out:
-            raise ValueError(f"map key {k!r} repeats")
-        out[k] = v
-    return out
 
 
 def _reject_ext(code: int, data: bytes) -> object:
@@ -352,8 +364,8 @@ class _HeaderDecoder:
         self.u = msgpack.Unpacker(
             raw=False,
             use_list=True,
-            strict_map_key=False,
-            object_pairs_hook=_pairs_hook(self.budget),
+            strict_map_key=True,  # only str/bytes keys; the metadata's keys are checked by peeking
+            object_hook=_map_hook(self.budget),
             list_hook=_list_hook(self.budget),
             ext_hook=_reject_ext,
             timestamp=0,
@@ -477,6 +489,7 @@ class _HeaderDecoder:
         for i in range(n):
             pos = self.u.tell()
             self.budget.left = _ENTRY_BUDGET
+            first = self.raw[pos] if pos < len(self.raw) else 0
             try:
                 entry = self.u.unpack()
             except _HeaderLimit as exc:
@@ -484,6 +497,8 @@ class _HeaderDecoder:
             except Exception as exc:  # msgpack's own errors (limits, bad bytes), several types
                 detail = f"{type(exc).__name__}: {str(exc)[:200]}"
                 raise self.fail(f"tensor table entry {i} is not a valid entry ({detail})", pos) from None
+            if type(entry) is dict and len(entry) != _map_length(self.raw, pos, first):
+                raise self.fail(f"tensor table entry {i} repeats a map key", pos)
             try:
                 infos.append(parse_tensor_entry(entry, i, path=self.path))
             except FormatError as exc:  # name the entry's offset
