@@ -1,8 +1,8 @@
 """`python -m ignis.tools.chat`: a terminal chat client for an ignis server (Unix socket or TCP).
 
-    python -m ignis.tools.chat --socket /run/ignis/ignis.sock "What is a verify round?"   # one question
-    python -m ignis.tools.chat --socket /run/ignis/ignis.sock                             # conversation
-    echo "summarize: ..." | python -m ignis.tools.chat --socket /run/ignis/ignis.sock
+    python -m ignis.tools.chat --socket "$IGNIS_SOCKET" "What is a verify round?"   # one question
+    python -m ignis.tools.chat                                   # a conversation (socket: $IGNIS_SOCKET)
+    echo "summarize: ..." | python -m ignis.tools.chat --socket /tmp/ignis.sock
 
 The reply streams as it is generated (POST /v1/chat/completions with "stream": true). With
 `--stats`, each reply is followed by its timings (time to first token, tokens per second seen by
