@@ -4,6 +4,7 @@ rename (the supported way) keeps the loaded copy intact and is only reported."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -137,6 +138,21 @@ def _serve(root: Path) -> subprocess.Popen[str]:
     return proc
 
 
+def _leases_work(folder: Path) -> bool:
+    probe = folder / "probe"
+    probe.write_bytes(b"x")
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
 def test_cp_over_a_served_file_stops_the_process_before_the_file_changes(tmp_path: Path) -> None:
     _artifact(tmp_path / "a").weights.close()
     _artifact(tmp_path / "b").weights.close()
@@ -145,6 +161,9 @@ def test_cp_over_a_served_file_stops_the_process_before_the_file_changes(tmp_pat
     subprocess.run(["cp", str(tmp_path / "b" / "m.ninfer"), str(tmp_path / "a" / "m.ninfer")], timeout=60)
     (tmp_path / "a" / "stop").touch()  # a lane would now read the mapping
     _, err = proc.communicate(timeout=60)
+    if not _leases_work(tmp_path):  # polling alone: a read may win the race, but never silently
+        assert proc.returncode == EXIT_ARTIFACT_CHANGED or "Fatal Python error: Bus error" in err, err
+        return
     assert proc.returncode == EXIT_ARTIFACT_CHANGED, err
     assert "CRITICAL" in err and "m.ninfer: is being opened for writing" in err and "symlink" in err
     assert "Bus error" not in err
