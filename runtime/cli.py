@@ -18,6 +18,7 @@ import click
 import prometheus_client
 
 from ignis.runtime.errors import IgnisRuntimeError
+from ignis.runtime.profiles import profile_max_prefill_tokens
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 
 __all__ = ["main", "run_command"]
@@ -116,6 +117,9 @@ def run_command(opts: dict[str, Any]) -> None:
 
         source = ArtifactSource(artifact, draft_model=opts.get("spec_draft_model"))
 
+    if opts.get("max_prefill_tokens") is None and file_server.get("max_prefill_tokens") is None:
+        # unset: the card profile's budget (cpu: 256), not the GPU-sized default
+        opts = {**opts, "max_prefill_tokens": profile_max_prefill_tokens(pick("profile") or source.profile)}
     served_name = pick("served_model_name") or source.name
     names = [served_name, source.name, *source.aliases]
     layers = []
@@ -248,7 +252,8 @@ def run_command(opts: dict[str, Any]) -> None:
     metavar="TOKENS",
     help="Prompt tokens prefilled per step across all lanes: a longer prompt is prefilled in chunks "
     "over several steps while the other lanes keep decoding (one verify round per step); 0 prefills "
-    f"every prompt whole at once. [default: {_DEFAULTS['max_prefill_tokens']}]",
+    "every prompt whole at once. [default: the card profile's: "
+    f"{_DEFAULTS['max_prefill_tokens']}, 256 for cpu]",
 )
 @click.option(
     "--queue-size",

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 
+from ignis.runtime.artifact_guard import watch_artifact
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.errors import TokenizerError
 from ignis.runtime.linear import Q4Weight
@@ -252,6 +253,7 @@ class ArtifactSource:
             device,
             str(dtype).removeprefix("torch."),
         )
+        watch_artifact(art)  # a file modified in place stops the server with a clear log (artifact_guard)
         return ServedModel(
             name=self.name,
             tokenizer=tokenizer,
