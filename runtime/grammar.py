@@ -269,16 +269,17 @@ class GrammarMatcher:
             _eos_only(out, self.tokenizer)
             return
         self.ll.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
-        if self.ll.is_error():
+        if self.ll.is_error() or not bool(out.any()):  # no token of the vocabulary fits: end the lane
             _eos_only(out, self.tokenizer)
 
     def consume(self, token_ids: Sequence[int]) -> bool:
         """Advance by committed tokens. Returns False if one was outside the grammar (the matcher is
-        then in its error state and allows EOS only)."""
+        then in its error state and allows EOS only) or followed the grammar's end without being EOS."""
         ok = True
         for t in token_ids:
-            if self.ll.is_stopped():  # past a complete grammar (EOS consumed): nothing more to track
-                break
+            if self.ll.is_stopped():  # complete (or EOS consumed): only EOS may follow
+                ok = ok and int(t) in self.tokenizer.eos_token_ids
+                continue
             ok = bool(self.ll.consume_token(int(t))) and ok
         return ok
 
@@ -351,6 +352,8 @@ def compute_round_masks(
             if matchers[i].ll.is_error():  # a resource limit while computing: end the lane cleanly
                 out[i].fill_(-1)
                 _eos_only(out[i][0], matchers[i].tokenizer)
+            for r in (out[i] == 0).all(dim=1).nonzero().flatten().tolist():  # no token fits: end the lane
+                _eos_only(out[i][r], matchers[i].tokenizer)
     return out
 
 
