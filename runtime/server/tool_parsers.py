@@ -150,6 +150,10 @@ class ToolParser(ABC):
         """llguidance Lark grammar of one call (or, with `parallel`, one or more calls separated by
         newlines) to one of the functions `names`, arguments valid against their parameter schemas."""
 
+    def is_complete(self, body: str) -> bool:
+        """Whether a call's text without its end marker (the output ended) is a whole call."""
+        return True
+
     def _check_name(self, name: Any) -> str:
         if not isinstance(name, str) or not name:
             raise ToolCallSyntaxError("the call names no function")
@@ -231,7 +235,11 @@ class ToolCallStream:
             return []
         if self._in_call:
             self._in_call = False
-            return [self._call(rest, rest[len(self.parser.start) :])]
+            body = rest[len(self.parser.start) :]
+            if not self.parser.is_complete(body):
+                self.errors.append(f"malformed tool call ({self.parser.name} syntax): the call is cut off")
+                return [rest]
+            return [self._call(rest, body)]
         return [rest]
 
     def _call(self, raw: str, body: str) -> str | ToolCall:
@@ -366,6 +374,15 @@ def _typed_value(raw: str, schema: Mapping[str, Any]) -> Any:
         return raw  # no schema or an unparseable value: the text itself
 
 
+def _length_bounds(schema: Mapping[str, Any]) -> str:
+    """A regex repetition for a string schema's minLength / maxLength ("*" when unbounded)."""
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    lo = lo if isinstance(lo, int) and lo > 0 else 0
+    if isinstance(hi, int) and hi >= lo:
+        return f"{{{lo},{hi}}}"
+    return f"{{{lo},}}" if lo else "*"
+
+
 class Qwen3XmlToolParser(ToolParser):
     """`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`
     (Qwen3-Coder, Qwen3.5)."""
@@ -375,6 +392,9 @@ class Qwen3XmlToolParser(ToolParser):
     @classmethod
     def detect(cls, chat_template: str) -> bool:
         return "<function=" in chat_template and "<parameter=" in chat_template
+
+    def is_complete(self, body: str) -> bool:
+        return "</function>" in body
 
     def parse_call(self, body: str) -> ToolCall:
         m = _FUNCTION.match(body)
@@ -406,10 +426,14 @@ class Qwen3XmlToolParser(ToolParser):
             for j, (key, schema) in enumerate(props.items()):
                 sch = schema if isinstance(schema, Mapping) else {}
                 head = _lark_string(f"<parameter={key}>\n")
-                if sch.get("type") == "string" or sch.get("type") == ["string"]:
-                    # raw text up to the first closing tag (a lazy rule ending in its suffix)
+                if isinstance(sch.get("enum"), list) and all(isinstance(v, str) for v in sch["enum"]):
+                    options = " | ".join(_lark_string(v) for v in sch["enum"]) or '""'
+                    rules.append(f"p{i}_{j}: {head} ({options}) {close}")
+                elif sch.get("type") == "string" or sch.get("type") == ["string"]:
+                    # raw text up to the first closing tag (a lazy rule ending in its suffix), within
+                    # the schema's length bounds
                     rules.append(f"p{i}_{j}: {head} v{i}_{j}")
-                    rules.append(f"v{i}_{j}[suffix={close}]: /(.|\\n)*/")
+                    rules.append(f"v{i}_{j}[suffix={close}]: /(.|\\n){_length_bounds(sch)}/")
                 elif sch.get("type") == "boolean":  # the template's `value | string` writes True/False
                     rules.append(f'p{i}_{j}: {head} ("true" | "false" | "True" | "False") {close}')
                 else:
