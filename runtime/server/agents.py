@@ -141,6 +141,17 @@ def plan_chat(req: Any, tokenizer: Any, vocab_size: int | None) -> AgentPlan:
             `tools`, required/named without tools, or a JSON response_format with a forced call.
     """
     tools = req.tools or []
+    plan = _plan(req, tokenizer, vocab_size, tools)
+    if plan.grammar is not None and req.ignore_eos:
+        raise InvalidRequestError(
+            "ignore_eos cannot be combined with a response_format or a forced tool call: the grammar "
+            "ends the reply with the end-of-sequence token",
+            param="ignore_eos",
+        )
+    return plan
+
+
+def _plan(req: Any, tokenizer: Any, vocab_size: int | None, tools: list[Any]) -> AgentPlan:
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:

@@ -424,6 +424,7 @@ class _Service:
                 param="chat_template_kwargs",
             )
         _check_nesting(req.tools, "tools")
+        _check_nesting(req.response_format, "response_format")
         _check_nesting(kwargs, "chat_template_kwargs")
         messages = []
         for i, m in enumerate(req.messages):

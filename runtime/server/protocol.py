@@ -4,7 +4,8 @@ Requests are validated strictly (`strict=True`): a string where a number belongs
 boolean belongs, NaN or infinity, or a value outside its range is a 400 with an OpenAI-style error
 body, never a coercion. Unknown fields are ignored, as vLLM does, so clients that send extra OpenAI
 parameters keep working; parameters ignis cannot honour (logprobs, n > 1, penalties, logit_bias,
-non-text response formats, echo, suffix) are refused by name rather than silently dropped.
+echo, suffix) are refused by name rather than silently dropped. `tools`, `tool_choice`,
+`parallel_tool_calls` and `response_format` are served (`ignis.runtime.server.agents`).
 
 Extensions beyond OpenAI, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
 (generated ids in `choices[i].token_ids`, prompt ids in `choices[i].prompt_token_ids`),

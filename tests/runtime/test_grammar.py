@@ -376,3 +376,45 @@ def test_sampled_output_under_a_grammar_has_the_masked_distribution(name: str) -
     assert pv4 > ALPHA, f"{name}: t4 deviates from the masked model (p-value {pv4:.2e})"
     if drafter is not None:
         assert engine.metrics.drafted_tokens_total > 0
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_apply_token_bitmask_on_cuda_equals_cpu() -> None:
+    g = torch.Generator().manual_seed(1)
+    words = torch.randint(-(2**31), 2**31 - 1, (8, 7762), generator=g, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(8, 248_320, generator=g)
+    ref = apply_token_bitmask(logits, words)
+    got = apply_token_bitmask(logits.cuda(), words)  # the mask moves to the logits' device
+    assert torch.equal(got.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_spec_on_equals_spec_off_under_a_json_schema_on_cuda(targets, k: int) -> None:
+    """The grammar path with the executor, the MTP drafter and the masks' application on the GPU (the
+    masks computed on the host's grammar thread while the forward runs)."""
+    from ignis.runtime.drafters.mtp import build_mtp_drafter
+    from ignis.runtime.families import get_family
+    from ignis.runtime.families.qwen3_5 import canonicalize_moe_tensors
+
+    target = targets("qwen3_5")
+    weights = canonicalize_moe_tensors(target.config, target.tensors)
+    ex = get_family(target.config.model_type).make_executor(target.config, weights, "cuda", torch.float32)
+    prompts = target.prompts[:3]
+    refs = [
+        SpeculativeEngine(ex, eos_token_ids=(EOS,)).generate([p], _greedy())[0].output_token_ids
+        for p in prompts
+    ]
+    for ref in refs:
+        _check_json(ref)
+    drafter = build_mtp_drafter(target_config=target.config, target_weights=target.tensors, device="cuda")
+    steered = SteeredDrafter(drafter, dict(zip(prompts, refs, strict=True)), seed=k)
+    engine = SpeculativeEngine(ex, steered, draft_tokens=k, eos_token_ids=(EOS,))
+    got = [r.output_token_ids for r in engine.generate(list(prompts), _greedy())]
+    assert got == refs
+    assert engine.metrics.accepted_tokens_total > engine.metrics.rounds_total

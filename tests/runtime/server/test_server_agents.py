@@ -74,6 +74,11 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
         ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+            "response_format.json_schema.schema",
+        ),
         (
             {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
             "response_format",
