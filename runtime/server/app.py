@@ -944,7 +944,6 @@ def _tool_choices(
         choice = _choice_end({"index": 0, "delta": d}, token if is_end else None, None, with_ids)
         if is_end and last is not None:
             choice["stop_reason"] = last.stop_reason
-        if is_end and last is not None:
             choice["finish_reason"] = tools.finish_reason(last.finish_reason)
         out.append(choice)
     return out

@@ -192,7 +192,7 @@ class ToolCallStream:
         self.parser = parser
         self._buf = ""
         self._in_call = False
-        self._after_call = False
+        self._after_call = True  # at the start of the reply, as after a call
         self.errors: list[str] = []
         self.num_calls = 0
 
@@ -202,11 +202,13 @@ class ToolCallStream:
         p = self.parser
         while True:
             if not self._in_call:
-                if self._after_call:  # whitespace between (or after) calls is not content
+                if self._after_call:  # whitespace before, between or after calls is not content
                     stripped = self._buf.lstrip()
-                    if not stripped:
-                        return out
-                    self._buf, self._after_call = stripped, False
+                    if not stripped or (p.start.startswith(stripped) and stripped != p.start):
+                        return out  # undecided: only whitespace, or what may still become a marker
+                    if stripped.startswith(p.start):
+                        self._buf = stripped
+                    self._after_call = False
                 at = self._buf.find(p.start)
                 if at < 0:
                     keep = _hold_back(self._buf, p.start)

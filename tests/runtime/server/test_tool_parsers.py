@@ -132,7 +132,7 @@ def test_streamed_in_any_split_equals_whole(family: str) -> None:
         events = [e for c in chunks for e in stream.push(c)] + stream.finish()
         content = "".join(e for e in events if isinstance(e, str))
         calls = [e for e in events if isinstance(e, ToolCall)]
-        assert content.strip() == (whole.content or "").strip()
+        assert content == (whole.content or "")
         _check(calls, CALLS)
         assert not stream.errors
 
@@ -152,7 +152,7 @@ def test_stream_deltas_have_openais_shape(family: str) -> None:
     for head, args, (name, expected) in zip(tool_deltas[::2], tool_deltas[1::2], CALLS[:2], strict=True):
         assert head["function"]["name"] == name
         assert json.loads(args["function"]["arguments"]) == expected
-    assert "".join(d.get("content", "") for d in deltas).strip() == ""
+    assert "".join(d.get("content", "") for d in deltas) == ""  # not even the newline before a call
     assert stream.finish_reason("stop") == "tool_calls" and stream.finish_reason("length") == "length"
 
 
@@ -192,6 +192,20 @@ def test_text_that_only_looks_like_a_marker_is_content() -> None:
         stream = ToolCallStream(parser)
         events = [e for ch in text for e in stream.push(ch)] + stream.finish()
         assert "".join(events) == text and not stream.errors  # type: ignore[arg-type]
+
+
+def test_whitespace_around_calls_is_not_content_but_text_keeps_its_own() -> None:
+    parser = HermesToolParser(TOOLS)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "x"}}\n</tool_call>'
+    for text, content, num_calls in (
+        (f"\n\n{call}\n", None, 1),
+        (f"{call}\n{call}", None, 2),
+        ("  indented answer", "  indented answer", 0),
+        (f"Answer:\n{call}", "Answer:\n", 1),
+        ("\n<tool", "\n<tool", 0),  # a marker's prefix at the end is text after all
+    ):
+        res = parser.parse(text)
+        assert (res.content, len(res.tool_calls)) == (content, num_calls), text
 
 
 def test_registry_chooses_by_template_and_falls_back_to_hermes() -> None:
