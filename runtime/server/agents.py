@@ -204,15 +204,53 @@ def _plan(req: Any, tokenizer: Any, vocab_size: int | None, tools: list[Any]) ->
             param="response_format",
         )
     gt = grammar_tokenizer(tokenizer, vocab_size)
+    prefix, separator = call_layout(tokenizer, tools, parser)
     try:
-        grammar = Grammar.lark(
-            gt, parser.call_grammar(names, parallel=parallel), description=f"{parser.name} tool call"
-        )
+        source = parser.call_grammar(names, parallel=parallel, prefix=prefix, separator=separator)
+        grammar = Grammar.lark(gt, source, description=f"{parser.name} tool call")
     except GrammarError as exc:
         raise InvalidRequestError(
             f"the tools' parameter schemas cannot be compiled into a grammar: {exc}", param="tools"
         ) from exc
     return AgentPlan(parser=parser, grammar=grammar, parallel=parallel, kind="forced")
+
+
+_PROBE_ARGS = {"a": 1}
+
+
+def call_layout(tokenizer: Any, tools: Sequence[Mapping[str, Any]], parser: ToolParser) -> tuple[str, str]:
+    """(prefix, separator): what the chat template writes before the first tool call of an assistant
+    turn without content, and between two calls, read off the template by rendering a probe turn of
+    two calls; ("", "\\n") when the template cannot render one (the forced-call grammar then makes
+    the calls the parser reads, if not exactly the template's layout)."""
+    name = tool_names(tools)[0]
+    call = {"type": "function", "function": {"name": name, "arguments": json.dumps(_PROBE_ARGS)}}
+    user = {"role": "user", "content": "u"}
+    turn = {"role": "assistant", "content": "", "tool_calls": [{"id": "c0", **call}, {"id": "c1", **call}]}
+    try:
+        head = str(tokenizer.apply_chat_template([user], add_generation_prompt=True, tools=list(tools)))
+        full = str(
+            tokenizer.apply_chat_template(
+                template_messages([user, turn]), add_generation_prompt=False, tools=list(tools)
+            )
+        )
+    except Exception:  # a template that refuses the probe: keep the default layout
+        return "", "\n"
+    if not full.startswith(head):
+        return "", "\n"
+    text = full[len(head) :]
+    first = text.find(parser.start)
+    end = text.find(parser.end, first)
+    second = text.find(parser.start, end)
+    if (
+        first < 0
+        or end < 0
+        or second < 0
+        or text[:first].strip()
+        or text[end + len(parser.end) : second].strip()
+    ):
+        return "", "\n"
+    return text[:first], text[end + len(parser.end) : second]
 
 
 def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

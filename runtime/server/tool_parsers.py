@@ -146,9 +146,13 @@ class ToolParser(ABC):
         """
 
     @abstractmethod
-    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
-        """llguidance Lark grammar of one call (or, with `parallel`, one or more calls separated by
-        newlines) to one of the functions `names`, arguments valid against their parameter schemas."""
+    def call_grammar(
+        self, names: Sequence[str], *, parallel: bool, prefix: str = "", separator: str = "\n"
+    ) -> str:
+        """llguidance Lark grammar of one call (or, with `parallel`, one or more calls) to one of the
+        functions `names`, arguments valid against their parameter schemas; `prefix` is the text the
+        template writes before the first call of a turn without content, `separator` between calls
+        (`ignis.runtime.server.agents` reads both off the template)."""
 
     def is_complete(self, body: str) -> bool:
         """Whether a call's text without its end marker (the output ended) is a whole call."""
@@ -305,9 +309,11 @@ def _lark_string(text: str) -> str:
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _start_rule(parallel: bool) -> str:
-    """One call, or one or more; each may follow a newline (templates write "\\n<tool_call>")."""
-    return 'start: "\\n"? call' + (' ("\\n"? call)*' if parallel else "")
+def _start_rule(parallel: bool, prefix: str, separator: str) -> str:
+    """One call after `prefix`, or with `parallel` one or more separated by `separator`."""
+    head = f"{_lark_string(prefix)} call" if prefix else "call"
+    sep = f"{_lark_string(separator)} " if separator else ""
+    return f"start: {head}" + (f" ({sep}call)*" if parallel else "")
 
 
 def _json_rule(schema: Mapping[str, Any]) -> str:
@@ -341,11 +347,13 @@ class HermesToolParser(ToolParser):
             raise ToolCallSyntaxError("the call's arguments are not a JSON object")
         return ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
 
-    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+    def call_grammar(
+        self, names: Sequence[str], *, parallel: bool, prefix: str = "", separator: str = "\n"
+    ) -> str:
         call = f"{_lark_string(self.start + chr(10))} {_json_rule(_call_schema(self.tools, names))} " + (
             _lark_string(chr(10) + self.end)
         )
-        return f"{_start_rule(parallel)}\ncall: {call}\n"
+        return f"{_start_rule(parallel, prefix, separator)}\ncall: {call}\n"
 
 
 register_tool_parser(HermesToolParser, priority=0)
@@ -417,7 +425,9 @@ class Qwen3XmlToolParser(ToolParser):
             args[key] = _typed_value(_strip_one_newline(raw), schema if isinstance(schema, Mapping) else {})
         return ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
 
-    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+    def call_grammar(
+        self, names: Sequence[str], *, parallel: bool, prefix: str = "", separator: str = "\n"
+    ) -> str:
         close = _lark_string("\n</parameter>\n")
         rules, alts = [], []
         for i, name in enumerate(names):
@@ -447,7 +457,7 @@ class Qwen3XmlToolParser(ToolParser):
             )
             alts.append(f"f{i}")
         call = f"{_lark_string(self.start + chr(10))} ({' | '.join(alts)}) {_lark_string(self.end)}"
-        return "\n".join([_start_rule(parallel), f"call: {call}", *rules]) + "\n"
+        return "\n".join([_start_rule(parallel, prefix, separator), f"call: {call}", *rules]) + "\n"
 
 
 register_tool_parser(Qwen3XmlToolParser, priority=10)

@@ -184,7 +184,7 @@ def test_tiny_hybrid_tool_calls_and_json_over_the_socket(tmp_path: Path, family:
             "max_tokens": 240,
         }
         named = {**base, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-        whole = oai.chat.completions.create(**named)
+        whole = oai.chat.completions.create(**named, extra_body={"return_token_ids": True})
         choice = whole.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls
@@ -223,6 +223,12 @@ def test_tiny_hybrid_tool_calls_and_json_over_the_socket(tmp_path: Path, family:
         }
         assert "get_weather" in rendered and any(c in rendered for c in spelled), rendered
         assert "<tool_response>\nsunny" in rendered
+        # The conversation grows append-only: the next turn's prompt text starts with the last turn's
+        # prompt and reply (the call re-rendered as the model wrote it), so its prefix can be reused.
+        tok = _tokenizer(template)
+        before = tok.decode([*choice.prompt_token_ids, *choice.token_ids])  # type: ignore[attr-defined]
+        assert rendered.startswith(before), (before, rendered)
+        assert follow.choices[0].prompt_token_ids[: len(choice.prompt_token_ids)] == choice.prompt_token_ids  # type: ignore[attr-defined]
         # json_schema: valid JSON; greedy ids served with MTP equal the in-process spec-off run.
         fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
         js = oai.chat.completions.create(

@@ -12,7 +12,7 @@ import random
 import pytest
 from tool_templates import QWEN3_HERMES_TEMPLATE, QWEN3_XML_TEMPLATE
 
-from ignis.runtime.server.agents import AgentPlan, ChatToolStream, template_messages
+from ignis.runtime.server.agents import AgentPlan, ChatToolStream, call_layout, template_messages
 from ignis.runtime.server.tool_parsers import (
     HermesToolParser,
     Qwen3XmlToolParser,
@@ -225,7 +225,7 @@ def test_registry_chooses_by_template_and_falls_back_to_hermes() -> None:
         def parse_call(self, body: str) -> ToolCall:
             raise NotImplementedError
 
-        def call_grammar(self, names, *, parallel: bool) -> str:
+        def call_grammar(self, names, *, parallel: bool, prefix: str = "", separator: str = "") -> str:
             raise NotImplementedError
 
     from ignis.runtime.server import tool_parsers as mod
@@ -258,8 +258,11 @@ def test_forced_call_grammar_accepts_the_templates_calls_only(family: str) -> No
         m = grammar.matcher()
         return m.consume(fast.encode(text)) and m.is_accepting
 
-    one = Grammar.lark(gt, parser.call_grammar(["get_weather"], parallel=False))
-    many = Grammar.lark(gt, parser.call_grammar(["get_weather", "run_code"], parallel=True))
+    prefix, separator = call_layout(_tokenizer(TEMPLATES[family]), TOOLS, parser)
+    assert (prefix, separator) == {"qwen3_xml": ("\n", "\n"), "hermes": ("", "\n")}[family]
+    layout = {"prefix": prefix, "separator": separator}
+    one = Grammar.lark(gt, parser.call_grammar(["get_weather"], parallel=False, **layout))
+    many = Grammar.lark(gt, parser.call_grammar(["get_weather", "run_code"], parallel=True, **layout))
     first = _assistant_text(TEMPLATES[family], "", CALLS[:1])
     both = _assistant_text(TEMPLATES[family], "", CALLS[:2])
     assert accepts(one, first) and accepts(many, first) and accepts(many, both)

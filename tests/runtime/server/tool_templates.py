@@ -14,14 +14,14 @@ from __future__ import annotations
 
 _HEAD = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>{{- '<|im_end|>\\n' }}{%- endif %}"
 )
 
 _TOOL_RESPONSES = (
     "{%- elif message.role == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{%- endif %}"
     "\n<tool_response>\n{{ message.content }}\n</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{%- endif %}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
 )
 
 QWEN3_XML_TEMPLATE = (
@@ -37,10 +37,10 @@ QWEN3_XML_TEMPLATE = (
     "{{- '\n</parameter>\n' }}"
     "{%- endfor %}"
     "{{- '</function>\n</tool_call>' }}"
-    "{%- endfor %}<|im_end|>\n" + _TOOL_RESPONSES + "{%- else %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}" + _TOOL_RESPONSES + "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 QWEN3_HERMES_TEMPLATE = (
@@ -53,8 +53,8 @@ QWEN3_HERMES_TEMPLATE = (
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
     "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}\n</tool_call>' }}"
-    "{%- endfor %}<|im_end|>\n" + _TOOL_RESPONSES + "{%- else %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}" + _TOOL_RESPONSES + "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
