@@ -269,3 +269,27 @@ def test_forced_call_grammar_accepts_the_templates_calls_only(family: str) -> No
     assert not accepts(one, both)  # one call only
     assert not accepts(one, first.replace("get_weather", "get_weathe"))
     assert not accepts(one, "Sure! " + first)  # no text before a forced call
+
+
+def test_chat_message_splits_content_calls_and_errors() -> None:
+    from ignis.runtime.server.agents import chat_message
+
+    parser = HermesToolParser(TOOLS)
+    text = _assistant_text(QWEN3_HERMES_TEMPLATE, "", CALLS[:2]) + "\n<tool_call>\n{bad}\n</tool_call>"
+    msg, finish = chat_message(AgentPlan(parser=parser), text, "stop")
+    assert finish == "tool_calls" and [c["function"]["name"] for c in msg["tool_calls"]] == [
+        "get_weather",
+        "run_code",
+    ]
+    assert msg["content"] == "<tool_call>\n{bad}\n</tool_call>" and "not JSON" in msg["tool_call_errors"][0]
+    one, _ = chat_message(AgentPlan(parser=parser, parallel=False), text, "stop")
+    assert [c["function"]["name"] for c in one["tool_calls"]] == ["get_weather"]  # parallel_tool_calls false
+    cut, finish = chat_message(AgentPlan(parser=parser), text, "length")
+    assert finish == "length" and len(cut["tool_calls"]) == 2
+    plain, finish = chat_message(AgentPlan(parser=parser), "no calls here", "stop")
+    assert plain == {"role": "assistant", "content": "no calls here"} and finish == "stop"
+
+
+def test_call_layout_falls_back_when_the_template_writes_no_calls() -> None:
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    assert call_layout(_tokenizer(plain), TOOLS, HermesToolParser(TOOLS)) == ("", "\n")
