@@ -13,7 +13,7 @@
   parameter schema), or `{"type": "function", "function": {"name": N}}` (a grammar forces one call
   to N). The call syntax is the served template's (`ignis.runtime.server.tool_parsers`).
 - **parallel_tool_calls** false: at most one call (the grammar allows one; with `auto` only the first
-  parsed call is returned, the others stay in content as text).
+  parsed call is returned, later ones are dropped).
 
 Conversation messages (`template_messages`): an assistant message's `tool_calls[].function.arguments`
 (a JSON string in OpenAI's API) is handed to the chat template as an object, since templates iterate
