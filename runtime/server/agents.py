@@ -66,6 +66,44 @@ class AgentPlan:
     grammar: Grammar | None = None
     parallel: bool = True
     kind: str = field(default="text")
+    text_tokenizer: Any = None  # decodes the reply keeping the call markers when they are special tokens
+
+
+class KeepMarkers:
+    """A tokenizer whose decode drops special tokens except `keep` (a parser's call markers that the
+    vocabulary marks special, e.g. Hermes-2-Pro's `<tool_call>`): the reply's text keeps the markers
+    the parser needs and loses the other special tokens (EOS, turn markers) as usual.
+
+    Args:
+        tokenizer: the served tokenizer (`encode`, `decode`, `special_token_ids`).
+        keep: the special ids to keep in the text.
+    """
+
+    def __init__(self, tokenizer: Any, keep: frozenset[int]) -> None:
+        self._tok = tokenizer
+        self._drop = frozenset(getattr(tokenizer, "special_token_ids", ())) - keep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        if skip_special_tokens:
+            ids = [t for t in ids if t not in self._drop]
+        return str(self._tok.decode(ids, skip_special_tokens=False))
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> Any:
+        from ignis.runtime.tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)  # type: ignore[arg-type]
+
+
+def _marker_ids(tokenizer: Any, parser: ToolParser) -> frozenset[int]:
+    special = frozenset(getattr(tokenizer, "special_token_ids", ()))
+    to_id = getattr(tokenizer, "token_to_id", None)
+    if not special or to_id is None:
+        return frozenset()
+    ids = {to_id(m) for m in (parser.start, parser.end)}
+    return frozenset(i for i in ids if i is not None and i in special)
 
 
 _TOKENIZERS: dict[int, tuple[Any, GrammarTokenizer]] = {}
@@ -142,6 +180,8 @@ def plan_chat(req: Any, tokenizer: Any, vocab_size: int | None) -> AgentPlan:
     """
     tools = req.tools or []
     plan = _plan(req, tokenizer, vocab_size, tools)
+    if plan.parser is not None and (keep := _marker_ids(tokenizer, plan.parser)):
+        plan.text_tokenizer = KeepMarkers(tokenizer, keep)
     if plan.grammar is not None and req.ignore_eos:
         raise InvalidRequestError(
             "ignore_eos cannot be combined with a response_format or a forced tool call: the grammar "

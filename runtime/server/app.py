@@ -749,7 +749,8 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         if got is None:
             return Response(status_code=499)
         out_ids, last = got
-        content = _whole_text(model.tokenizer, ids, params, out_ids, last)
+        text_tok = agent.text_tokenizer if agent is not None and agent.text_tokenizer else model.tokenizer
+        content = _whole_text(text_tok, ids, params, out_ids, last)
         choice: dict[str, Any] = {"index": 0}
         finish_reason = last.finish_reason
         if is_chat and agent is not None:  # tool calls parsed out of the reply (agents.py)
@@ -841,6 +842,7 @@ async def _stream_tokens(
     head: Mapping[str, Any],
     make_choice: Callable[[str, int | None, TokenEvent | None, bool], dict[str, Any] | list[dict[str, Any]]],
     include_usage: bool,
+    tokenizer: ChatTokenizer | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE bytes: one chunk per token; the last carries finish_reason and usage; then [DONE].
 
@@ -849,8 +851,9 @@ async def _stream_tokens(
         make_choice: (text delta, token id or None, the last event or None, is_first) -> the chunk's choice,
             or a list of choices sent as one chunk each (tool call deltas).
         include_usage: send a last chunk with empty `choices` and the usage (stream_options).
+        tokenizer: decodes the text (default: the model's; agents.py's keeps special call markers).
     """
-    text = _TextStream(svc.model.tokenizer, handle.prompt_token_ids, handle.params)
+    text = _TextStream(tokenizer or svc.model.tokenizer, handle.prompt_token_ids, handle.params)
     num_prompt = len(handle.prompt_token_ids)
     num_out = 0
     try:
@@ -914,7 +917,8 @@ def _chat_stream(
         return _choice_end({"index": 0, "delta": d}, token, last, with_ids)
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": svc.model.name}
-    return _stream_tokens(svc, handle, head, choice, include_usage)
+    text_tok = agent.text_tokenizer if agent is not None else None
+    return _stream_tokens(svc, handle, head, choice, include_usage, text_tok)
 
 
 def _completion_stream(

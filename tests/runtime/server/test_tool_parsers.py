@@ -293,3 +293,45 @@ def test_chat_message_splits_content_calls_and_errors() -> None:
 def test_call_layout_falls_back_when_the_template_writes_no_calls() -> None:
     plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     assert call_layout(_tokenizer(plain), TOOLS, HermesToolParser(TOOLS)) == ("", "\n")
+
+
+def test_call_markers_that_are_special_tokens_stay_in_the_reply_text() -> None:
+    """A vocabulary that marks `<tool_call>` / `</tool_call>` special (Hermes-2-Pro's): decoding with
+    skip_special_tokens would drop them and the call would be lost; the plan's text tokenizer keeps
+    them and still drops the other special tokens (the EOS)."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from ignis.runtime.server.agents import plan_chat
+
+    chars = sorted(set('abcdefghijklmnopqrstuvwxyz_ {}":,0123456789\n'))
+    hf = HFTokenizer(
+        models.WordLevel({c: i for i, c in enumerate(chars)} | {"<unk>": len(chars)}, unk_token="<unk>")
+    )
+    hf.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    hf.decoder = decoders.Fuse()
+    hf.add_special_tokens(["<eos>", "<tool_call>", "</tool_call>"])
+    spec = TokenizerSpec(
+        tokenizer_json=hf.to_str(),
+        chat_template=QWEN3_HERMES_TEMPLATE,
+        eos_token_ids=(hf.token_to_id("<eos>"),),
+    )
+    tok = Tokenizer(spec)
+    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "koln"}}\n</tool_call><eos>'
+    ids = tok.encode(reply, add_special_tokens=False)
+    assert "<tool_call>" not in tok.decode(ids, skip_special_tokens=True)  # what the plain path would see
+    req = SimpleNamespace(
+        tools=TOOLS, tool_choice="auto", parallel_tool_calls=None, response_format=None, ignore_eos=False
+    )
+    plan = plan_chat(req, tok, None)
+    assert plan.parser is not None and plan.text_tokenizer is not None
+    text = plan.text_tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == reply[: -len("<eos>")]
+    streamed = plan.text_tokenizer.detokenizer([], skip_special_tokens=True)
+    assert "".join(streamed.add(t) for t in ids) + streamed.flush() == text
+    res = plan.parser.parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in res.tool_calls] == [("get_weather", {"city": "koln"})]
+    plain = plan_chat(SimpleNamespace(**{**vars(req), "tools": None, "tool_choice": None}), tok, None)
+    assert plain.text_tokenizer is None
