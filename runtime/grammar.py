@@ -171,15 +171,20 @@ class Grammar:
     tokenizer: GrammarTokenizer
     source: str
     description: str
-    _checked: bool = field(default=False, repr=False)
+    _prototype: Any = field(default=None, repr=False)  # a compiled LLMatcher at the start; lanes copy it
 
     @staticmethod
     def _compile(tokenizer: GrammarTokenizer, source: str, description: str) -> Grammar:
+        # Compiling is the expensive part (milliseconds for a JSON schema, more for large grammars):
+        # done here, on the caller's thread, once; each lane's matcher is a cheap copy.
         llg = _llguidance()
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(source, tokenizer.ll)
         if is_error:
             raise GrammarError(f"{description} cannot be compiled: {messages[0] if messages else '?'}")
-        return Grammar(tokenizer, source, description, True)
+        prototype = llg.LLMatcher(tokenizer.ll, source, log_level=0)
+        if prototype.is_error():
+            raise GrammarError(f"{description} cannot be compiled: {prototype.get_error()}")
+        return Grammar(tokenizer, source, description, prototype)
 
     @classmethod
     def json_schema(
@@ -207,7 +212,7 @@ class Grammar:
     def json_object(cls, tokenizer: GrammarTokenizer) -> Grammar:
         """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
         g = cls.json_schema(tokenizer, {"type": "object"})
-        return Grammar(g.tokenizer, g.source, "json_object", True)
+        return Grammar(g.tokenizer, g.source, "json_object", g._prototype)
 
     @classmethod
     def lark(cls, tokenizer: GrammarTokenizer, grammar: str, *, description: str = "lark grammar") -> Grammar:
@@ -246,7 +251,10 @@ class GrammarMatcher:
     def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
         self.tokenizer = grammar.tokenizer
-        self.ll = _llguidance().LLMatcher(grammar.tokenizer.ll, grammar.source, log_level=0)
+        if grammar._prototype is not None:
+            self.ll = grammar._prototype.deep_copy()
+        else:
+            self.ll = _llguidance().LLMatcher(grammar.tokenizer.ll, grammar.source, log_level=0)
         if self.ll.is_error():
             raise GrammarError(f"{grammar.description}: {self.ll.get_error()}")
 
