@@ -31,7 +31,7 @@ import json
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ignis.runtime.grammar import Grammar, GrammarError, GrammarTokenizer
@@ -65,7 +65,6 @@ class AgentPlan:
     parser: ToolParser | None = None
     grammar: Grammar | None = None
     parallel: bool = True
-    kind: str = field(default="text")
     text_tokenizer: Any = None  # decodes the reply keeping the call markers when they are special tokens
 
 
@@ -233,10 +232,10 @@ def _plan(req: Any, tokenizer: Any, vocab_size: int | None, tools: list[Any]) ->
             param="tool_choice",
         )
     if choice == "none" or not tools:
-        return AgentPlan(grammar=grammar, kind="json" if grammar else "text")
+        return AgentPlan(grammar=grammar)
     parser = parser_for_template(_chat_template(tokenizer, tools))(tools)
     if names is None:
-        return AgentPlan(parser=parser, grammar=grammar, parallel=parallel, kind="auto")
+        return AgentPlan(parser=parser, grammar=grammar, parallel=parallel)
     if grammar is not None:
         raise InvalidRequestError(
             "response_format json_object/json_schema cannot be combined with a forced tool call "
@@ -252,7 +251,7 @@ def _plan(req: Any, tokenizer: Any, vocab_size: int | None, tools: list[Any]) ->
         raise InvalidRequestError(
             f"the tools' parameter schemas cannot be compiled into a grammar: {exc}", param="tools"
         ) from exc
-    return AgentPlan(parser=parser, grammar=grammar, parallel=parallel, kind="forced")
+    return AgentPlan(parser=parser, grammar=grammar, parallel=parallel)
 
 
 _PROBE_ARGS = {"a": 1}
