@@ -21,7 +21,9 @@ optional `Drafter` (None = backend `off`, plain decode rounds). Each `step()`:
    b. the drafter proposes for lanes with >= 1 draft;
    c. ONE `executor.forward` over every lane's columns [anchor, d_1..d_k] (lanes of different lengths
       and draft counts together; `record=True` whenever some lane drafts);
-   d. acceptance per lane: greedy (temperature 0) or rejection sampling (`ignis.runtime.acceptance`);
+   d. acceptance per lane: greedy (temperature 0) or rejection sampling (`ignis.runtime.acceptance`),
+      on logits masked by the lane's grammar when it has one (`ignis.runtime.grammar`: row j's mask is
+      the grammar state after drafts d_1..d_j, computed on the host while the forward runs);
    e. the committed run is stop-checked token by token (`ignis.runtime.stops`) and cut at a stop;
    f. `executor.commit` keeps exactly the columns whose next token was emitted;
    g. the drafter is told the committed columns (its context advances by them only);
@@ -62,6 +64,7 @@ from ignis.runtime.acceptance import AcceptanceResult, greedy_accept_ids, reject
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
 from ignis.runtime.families.base import Executor, LaneState
+from ignis.runtime.grammar import GrammarMatcher, mask_first_logits, mask_round_logits, start_round_masks
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.sampling import LaneRandom, SamplingParams, logits_to_probs, sample_token
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, MAX_DRAFT_TOKENS, LaneScheduler
@@ -134,6 +137,7 @@ class _Lane:
     num_rounds: int = 0
     num_prefilled: int = 0  # prompt tokens committed so far (< len(prompt) while being prefilled)
     drafter_started: bool = False  # drafter.start_lane was called (at the lane's first chunk)
+    grammar: GrammarMatcher | None = None  # params.grammar's matcher (`ignis.runtime.grammar`)
 
     @property
     def output(self) -> list[int]:
@@ -264,6 +268,8 @@ class SpeculativeEngine:
         lane = _Lane(
             lane_id=next(self._ids), prompt=prompt, params=params, stops=stops, random=LaneRandom(params.seed)
         )
+        if params.grammar is not None:
+            lane.grammar = params.grammar.matcher()
         self._waiting.append(lane)
         return lane.lane_id
 
@@ -385,9 +391,14 @@ class SpeculativeEngine:
         return {"output_hidden_states": bool(d.needs_hidden_states), "tap_layers": tuple(d.tap_layers)}
 
     def _choose_first(self, lane: _Lane, logits: torch.Tensor) -> int:  # logits: float [vocab]
+        logits = mask_first_logits(lane.grammar, logits)
         if lane.params.is_greedy:
-            return int(logits.argmax().item())
-        return sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
+            token = int(logits.argmax().item())
+        else:
+            token = sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
+        if lane.grammar is not None:
+            lane.grammar.consume([token])
+        return token
 
     def _plan_prefill(self) -> list[tuple[_Lane, int]]:
         """This step's prompt chunks, (lane, columns), in arrival order within the prefill budget
@@ -517,18 +528,21 @@ class SpeculativeEngine:
         columns = [torch.cat([anchors[i : i + 1], d]) for i, d in enumerate(drafts)]
         states = [lane.state for lane in lanes]
         record = any(c.numel() > 1 for c in columns)
+        # Grammar masks of constrained lanes, computed on the host while the forward runs.
+        masks = start_round_masks([lane.grammar for lane in lanes], drafts)
         out = self.executor.forward(states, columns, logits="all", record=record, **self._forward_kwargs())
+        logits = mask_round_logits(out.logits, masks)  # out.logits, with grammar masks applied
         # Greedy lanes: every lane's argmax and drafts reach the host in ONE transfer (no per-lane sync),
         # then each run is found on the host (`greedy_accept_ids`, the rule of `greedy_accept`).
         greedy = [i for i, lane in enumerate(lanes) if lane.params.is_greedy]
         host_runs: dict[int, tuple[list[int], int]] = {}
         if greedy:
-            parts = [out.logits[i].argmax(dim=-1) for i in greedy] + [drafts[i] for i in greedy]
+            parts = [logits[i].argmax(dim=-1) for i in greedy] + [drafts[i] for i in greedy]
             flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).tolist()
             pos = 0
             targets: list[list[int]] = []
             for i in greedy:
-                n_rows = int(out.logits[i].shape[0])
+                n_rows = int(logits[i].shape[0])
                 targets.append(flat[pos : pos + n_rows])
                 pos += n_rows
             for i, target in zip(greedy, targets, strict=True):
@@ -542,9 +556,11 @@ class SpeculativeEngine:
             if i in host_runs:
                 run, num_accepted = host_runs[i]
             else:
-                res = self._accept(lane, prop, out.logits[i])
+                res = self._accept(lane, prop, logits[i])
                 run, num_accepted = res.output_token_ids.tolist(), res.num_accepted
             num_emitted = lane.stops.extend(run)
+            if lane.grammar is not None:
+                lane.grammar.consume(run[:num_emitted])
             k = prop.draft_token_ids.numel()
             if k:
                 self.metrics.record_round(

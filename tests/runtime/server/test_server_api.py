@@ -536,7 +536,7 @@ CHAT_ERROR_WORDING = [
     ),
     (
         {"messages": [{"role": "user", "content": "x"}], "tool_choice": 5},
-        'tool_choice must be "none", "auto", or an object, got an integer',
+        'tool_choice must be "none", "auto", "required", or an object, got an integer',
         "tool_choice",
     ),
     (
@@ -630,7 +630,7 @@ BAD_CHATS = [
     {"messages": [{"role": "user", "content": 5}]},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
     {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
     {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
