@@ -410,3 +410,33 @@ def test_static_executor_restores_into_pooled_slots(models) -> None:
     r = engine.generate([prompt], _greedy())[0]
     assert r.num_cached_tokens == len(prompt)
     assert r.output_token_ids == cold[2][1]
+
+
+@pytest.mark.parametrize(
+    ("family", "backend"), [("qwen3_5", "dflash2"), ("qwen3_next", "mtp"), ("llama", "ngram")]
+)
+def test_warm_restart_from_snapshot_directory(models, tmp_path: Path, family: str, backend: str) -> None:
+    """A pool saved as snapshot files (format 5) and loaded by a new engine ("restarted server")
+    serves the next turns exactly; a file bound to another artifact is refused and skipped."""
+    from ignis.formats.snapshot import SnapshotBinding
+    from ignis.runtime.snapshots import SnapshotDirectory
+
+    model = models(family)
+    cold = _session(model, _engine(model, backend, None, {}), _greedy())
+    first = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    _session(model, _engine(model, backend, first, {}), _greedy())
+    binding = SnapshotBinding(artifact_sha256="0" * 64, drafter=backend)
+    written = SnapshotDirectory(tmp_path, binding).save(first)
+    assert written == first.num_entries("card") > 0
+    assert SnapshotDirectory(tmp_path, binding).save(first) == 0  # already on disk
+    other = SnapshotBinding(artifact_sha256="1" * 64, drafter=backend)
+    assert SnapshotDirectory(tmp_path, other).load(PrefixCache(card_bytes=BIG, host_bytes=BIG)) == 0
+    restarted = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    assert SnapshotDirectory(tmp_path, binding).load(restarted) == written
+    engine = _engine(model, backend, restarted, {})
+    for prompt, want, _ in cold[1:]:
+        r = engine.generate([prompt], _greedy())[0]
+        assert r.num_cached_tokens > 0
+        if r.output_token_ids != want:
+            i = next(j for j, (a, b) in enumerate(zip(r.output_token_ids, want, strict=False)) if a != b)
+            assert model.margin(prompt + want[:i]) < NEAR_TIE_MARGIN
