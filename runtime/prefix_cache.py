@@ -153,20 +153,26 @@ class PrefixCache:
         return [e.checkpoint for e in self._tiers[tier].values()]
 
     def samples(self) -> list[tuple[str, dict[str, str], int]]:
-        """Every counter and gauge as (metric name, labels, value), for an exporter."""
+        """Every counter and gauge as (metric name, labels, value), for an exporter (safe to call from
+        another thread while the engine's thread updates the pool)."""
         m = self.metrics
         out: list[tuple[str, dict[str, str], int]] = [
             ("ignis_prompt_checkpoint_lookups_total", {}, m.lookups_total),
             ("ignis_prompt_checkpoint_reused_tokens_total", {}, m.reused_tokens_total),
         ]
+        # .get: a scrape (another thread) never inserts into the counters' dicts
         for tier in (CARD, HOST):
-            out.append(("ignis_prompt_checkpoint_hits_total", {"tier": tier}, m.hits_total[tier]))
-            out.append(("ignis_prompt_checkpoint_evictions_total", {"tier": tier}, m.evictions_total[tier]))
+            out.append(("ignis_prompt_checkpoint_hits_total", {"tier": tier}, m.hits_total.get(tier, 0)))
+            out.append(
+                ("ignis_prompt_checkpoint_evictions_total", {"tier": tier}, m.evictions_total.get(tier, 0))
+            )
             out.append(("ignis_prompt_checkpoint_bytes", {"tier": tier}, self._used[tier]))
             out.append(("ignis_prompt_checkpoint_entries", {"tier": tier}, len(self._tiers[tier])))
             out.append(("ignis_prompt_checkpoint_budget_bytes", {"tier": tier}, self.budget[tier]))
         for kind in ("prompt", "opener", "reply"):
-            out.append(("ignis_prompt_checkpoint_recorded_total", {"kind": kind}, m.recorded_total[kind]))
+            out.append(
+                ("ignis_prompt_checkpoint_recorded_total", {"kind": kind}, m.recorded_total.get(kind, 0))
+            )
         return out
 
     # ---- lookup ----

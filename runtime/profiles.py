@@ -52,6 +52,8 @@ class CardProfile:
     decode_widths: tuple[int, ...]  # verify row widths on the decode route (<= 8)
     wide_widths: tuple[int, ...]  # verify row widths on the tensor-core route (> 8)
     spec: dict[str, SpecDefaults] = field(default_factory=dict)  # drafter kind -> defaults
+    checkpoint_card_bytes: int = 0  # prompt checkpoint pool on the card (bytes; 0: none)
+    checkpoint_host_bytes: int = 0  # prompt checkpoint pool in host RAM (bytes; 0: none)
 
     def __post_init__(self) -> None:
         for dt in (self.linear_dtype, self.other_dtype):
@@ -61,6 +63,8 @@ class CardProfile:
             raise ConfigError(f"profile {self.name}: decode widths must lie in 1..8")
         if any(not 9 <= w <= 64 for w in self.wide_widths):
             raise ConfigError(f"profile {self.name}: wide widths must lie in 9..64")
+        if self.checkpoint_card_bytes < 0 or self.checkpoint_host_bytes < 0:
+            raise ConfigError(f"profile {self.name}: checkpoint budgets must be >= 0 bytes")
 
     @property
     def widths(self) -> tuple[int, ...]:
