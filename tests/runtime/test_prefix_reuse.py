@@ -440,3 +440,82 @@ def test_warm_restart_from_snapshot_directory(models, tmp_path: Path, family: st
         if r.output_token_ids != want:
             i = next(j for j, (a, b) in enumerate(zip(r.output_token_ids, want, strict=False)) if a != b)
             assert model.margin(prompt + want[:i]) < NEAR_TIE_MARGIN
+
+
+@pytest.mark.parametrize(("family", "backend"), [("llama", "ngram"), ("qwen3_5", "dflash2")])
+def test_interleaved_agent_sessions_on_eight_lanes(models, family: str, backend: str) -> None:
+    """A small agent replay: 4 sessions of 6 turns interleaved on one engine of 8 lanes (a session's
+    next turn is submitted when its previous reply is done, so turns of different sessions join while
+    others decode). The first turns of sessions 2-4 start from session 1's opener (system prompt and
+    tools); every later turn reuses its whole conversation but the new tool output (prompt + reply -
+    1 tokens of the previous turn), and its output equals a cold run of the same prompt alone."""
+    model = models(family)
+    g = torch.Generator().manual_seed(9)
+    vocab = model.config.vocab_size
+    rand = lambda n: tuple(torch.randint(3, vocab, (n,), generator=g).tolist())  # noqa: E731
+    opener = rand(OPENER)
+    cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    engine = SpeculativeEngine(
+        model.ex, model.factories[backend](), draft_tokens=K, prefix_cache=cache, max_lanes=8
+    )
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    sessions = [{"prompt": opener + rand(8 + 3 * s), "turn": 0, "lane": None} for s in range(4)]
+    log: list[tuple[tuple[int, ...], tuple[int, ...], int, int]] = []  # prompt, output, cached, expected
+    expected = {id(s): 0 for s in sessions}
+    sessions[0]["lane"] = engine.add_lane(sessions[0]["prompt"], params, checkpoint_at=(OPENER,))
+    engine.step()  # its prefill records the opener; the other sessions start while it decodes
+    for s in sessions[1:]:
+        s["lane"] = engine.add_lane(s["prompt"], params, checkpoint_at=(OPENER,))
+    while any(s["lane"] is not None for s in sessions):
+        engine.step()
+        for s in sessions:
+            r = None if s["lane"] is None else engine.result(s["lane"])
+            if r is None:
+                continue
+            engine.pop_result(s["lane"])
+            log.append((s["prompt"], r.output_token_ids, r.num_cached_tokens, expected[id(s)]))
+            s["turn"] += 1
+            if s["turn"] == 6:
+                s["lane"] = None
+                continue
+            expected[id(s)] = len(s["prompt"]) + len(r.output_token_ids) - 1
+            s["prompt"] = (
+                s["prompt"] + r.output_token_ids + rand(int(torch.randint(10, 40, (1,), generator=g)))
+            )
+            s["lane"] = engine.add_lane(s["prompt"], params)
+    assert len(log) == 24
+    firsts = [c for _, _, c, e in log if e == 0]
+    assert sorted(firsts)[1:] == [OPENER] * 3  # the first session's opener serves the others' first turns
+    assert [c for _, _, c, e in log if e] == [e for _, _, _, e in log if e]
+    total = sum(len(p) for p, _, _, _ in log)
+    reused = sum(c for _, _, c, _ in log)
+    assert cache.metrics.reused_tokens_total == reused and reused / total > 0.75
+    for prompt, got, _, _ in log:
+        want = SpeculativeEngine(model.ex).generate([prompt], params)[0].output_token_ids
+        if got != want:
+            i = next(j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+            assert model.margin(prompt + want[:i]) < NEAR_TIE_MARGIN
+
+
+@pytest.mark.parametrize(("family", "backend"), [("qwen3_5", "dflash2"), ("qwen3_5", "mtp")])
+def test_lane_finishing_at_its_first_token_is_checkpointed(models, family: str, backend: str) -> None:
+    """A request whose first token ends it (max_tokens=1) still records its prompt (the drafter's
+    context included); the same prompt again is served whole from it, and a longer one continues
+    from it with the drafter's proposals of a cold run."""
+    model = models(family)
+    p = model.parts
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    engine = _engine(model, backend, cache, {})
+    prompt = p["opener"] + p["user"]
+    first = engine.generate([prompt], one)[0]
+    assert first.num_cached_tokens == 0 and cache.num_entries("card") == 1
+    again = engine.generate([prompt], one)[0]
+    assert again.num_cached_tokens == len(prompt) and again.output_token_ids == first.output_token_ids
+    longer = prompt + p["tool1"]
+    got = engine.generate([longer], _greedy())[0]
+    cold_engine = _engine(model, backend, None, {})
+    want = cold_engine.generate([longer], _greedy())[0]
+    assert got.num_cached_tokens == len(prompt)
+    assert got.output_token_ids == want.output_token_ids
+    assert engine.drafter.proposals[longer] == cold_engine.drafter.proposals[longer]
