@@ -3,6 +3,10 @@
 `SpeculativeEngine` drives one `Executor` (a family's forward pass over several lanes) and an
 optional `Drafter` (None = backend `off`, plain decode rounds). Each `step()`:
 
+0. **Prompt checkpoints** (with a `prefix_cache`): joining lanes restore the longest checkpoint of
+   their prompt and prefill only the rest; states are recorded at prompt ends, `checkpoint_at`
+   positions and reply ends (`ignis.runtime.engine_checkpoints`).
+
 1. **Admit and prefill, within the prefill budget.** Waiting lanes join (up to `max_lanes`, lanes being
    prefilled counted) in arrival order. At most `max_prefill_tokens` prompt tokens are prefilled per step
    across all lanes (0: no limit): the lane whose prompt was cut last step continues first, then the

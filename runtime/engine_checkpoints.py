@@ -195,8 +195,8 @@ class EngineCheckpoints:
     ) -> None:
         cache = self.cache
         assert cache is not None and lane.state is not None
-        if len(tokens) < cache.min_tokens:
-            return
+        if len(tokens) < cache.min_tokens or cache.holds(tokens, drafter_name=self._drafter_name):
+            return  # too short to keep, or held already (the same prompt prefilled twice): no copy
         eng = self.engine
         try:
             ckpt = capture_lane(

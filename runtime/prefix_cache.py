@@ -148,6 +148,11 @@ class PrefixCache:
         """Checkpoints held on `tier`."""
         return len(self._tiers[tier])
 
+    def holds(self, token_ids: Sequence[int], *, drafter_name: str = "off") -> bool:
+        """Whether a checkpoint of exactly these tokens (and drafter) is held, on either tier."""
+        key = (drafter_name, tuple(int(t) for t in token_ids))
+        return any(key in self._tiers[tier] for tier in (CARD, HOST))
+
     def entries(self, tier: str) -> list[LaneCheckpoint]:
         """The checkpoints on `tier`, least recently used first."""
         return [e.checkpoint for e in self._tiers[tier].values()]

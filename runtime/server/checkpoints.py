@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
 from ignis.runtime.prefix_cache import PrefixCache
-from ignis.runtime.profiles import CardProfile, get_profile
+from ignis.runtime.profiles import CardProfile, get_profile, load_profiles
 
 __all__ = [
     "PromptCheckpointCollector",
@@ -78,12 +78,17 @@ def parse_size(value: int | str, *, what: str) -> int:
 def resolve_checkpoint_budgets(
     profile: str | CardProfile | None, card: int | str | None, host: int | str | None
 ) -> tuple[int, int]:
-    """(card bytes, host bytes) of the checkpoint pool: the given sizes, else the profile's, else 0.
+    """(card bytes, host bytes) of the checkpoint pool: the given sizes, else the profile's (the
+    built-in profile of that name when there is one), else 0.
 
     Raises:
         ConfigError: a size that does not parse, or an unknown profile name.
     """
     prof = get_profile(profile) if isinstance(profile, str) else profile
+    if prof is not None and prof.name in load_profiles():
+        # an artifact records its card's build-time profile; the budgets are the runtime's policy
+        # for that card, so the built-in profile of the same name gives them
+        prof = load_profiles()[prof.name]
     card_b = parse_size(card, what="checkpoint_card_memory") if card is not None else None
     host_b = parse_size(host, what="checkpoint_host_memory") if host is not None else None
     if card_b is None:

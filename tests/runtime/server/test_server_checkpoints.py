@@ -192,3 +192,45 @@ def test_config_file_sizes(tmp_path: Path) -> None:
     p.write_text('checkpoint_card_memory = "lots"\n')
     with pytest.raises(ConfigFileError, match="checkpoint_card_memory"):
         load_config_file(p)
+
+
+def test_cli_budgets_reach_the_pool(artifact: Path, captured, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """--checkpoint-card-memory / --checkpoint-host-memory, else the config file, else the card
+    profile's (the artifact's card: cpu); 0 and 0 serve without a pool."""
+    from click.testing import CliRunner
+
+    from ignis.runtime import cli
+
+    sock = short_tmpdir() / "s.sock"
+    cpu = get_profile("cpu")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"socket: {sock}\ncheckpoint_card_memory: 3MiB\ncheckpoint_host_memory: 5MB\n")
+    for args, want in (
+        ([], {"card": cpu.checkpoint_card_bytes, "host": cpu.checkpoint_host_bytes}),
+        (
+            ["--checkpoint-card-memory", "1MiB", "--checkpoint-host-memory", "2GB"],
+            {"card": 2**20, "host": 2 * 10**9},
+        ),
+        (["--config", str(cfg)], {"card": 3 * 2**20, "host": 5 * 10**6}),
+        (["--checkpoint-card-memory", "0", "--checkpoint-host-memory", "0"], None),
+    ):
+        base = [] if "--config" in args else ["--socket", str(sock)]
+        result = CliRunner().invoke(
+            cli.main,
+            ["--artifact", str(artifact), *base, "--spec-backend", "off", *args],
+            catch_exceptions=False,
+        )
+        assert result.exit_code == 0, result.output
+        server = captured[-1]
+        pool = server.model.prefix_cache
+        assert (None if pool is None else pool.budget) == want, args
+        if pool is not None:
+            assert (
+                server.lanes._engine.checkpoints.cache is pool and server.lanes._engine.checkpoints.is_enabled
+            )
+        if server.model.close is not None:
+            server.model.close()
+    bad = CliRunner().invoke(
+        cli.main, ["--artifact", str(artifact), "--socket", str(sock), "--checkpoint-card-memory", "lots"]
+    )
+    assert bad.exit_code == 1 and "checkpoint_card_memory" in bad.output
