@@ -426,8 +426,11 @@ class SpeculativeEngine:
         """This step's prompt chunks, (lane, columns), in arrival order within the prefill budget
         (`LaneScheduler.plan_prefill`): the lanes being prefilled first, then the waiting lanes that may
         join (`max_lanes`). A waiting lane the budget does not reach keeps waiting."""
-        num_admit = self.scheduler.num_to_admit(len(self._active) + len(self._prefilling), len(self._waiting))
-        queue = [*self._prefilling, *self._waiting[:num_admit]]
+        waiting = self._waiting
+        if self.checkpoints.is_enabled:  # lanes waiting for an opener another lane is prefilling
+            waiting = self.checkpoints.admissible(waiting)
+        num_admit = self.scheduler.num_to_admit(len(self._active) + len(self._prefilling), len(waiting))
+        queue = [*self._prefilling, *waiting[:num_admit]]
         sizes = self.scheduler.plan_prefill([len(lane.prompt) - lane.num_prefilled for lane in queue])
         return list(zip(queue, sizes, strict=False))
 

@@ -24,6 +24,13 @@ contents `ignis.runtime.checkpoints`. Per step, before the prefill is planned:
      never fed), when it holds more than the prompt. The drafter first commits the lane's last run
      (the engine otherwise skips it for a finishing lane), then its context is snapshot.
 
+3. **Share an opener in flight.** A waiting lane whose `checkpoint_at` position p another lane of
+   the same prompt prefix (the same opener) is still prefilling towards is not admitted yet: it waits
+   until that lane has recorded the opener at p, then restores it instead of prefilling the same
+   tokens again (a burst of conversations with one system prompt prefills it once). It waits only
+   while such a lane is being prefilled (or admitted this step) below p and the pool does not hold
+   the opener; otherwise it is admitted as usual.
+
 The model state is cloned on the executor's device (a card-to-card copy); the pool moves it to the
 host when the card tier is full. Recording costs one copy of the lane's state per checkpoint.
 """
@@ -147,6 +154,33 @@ class EngineCheckpoints:
             else:
                 eng._active.append(lane)
         return finished
+
+    def admissible(self, waiting: Sequence[_Lane]) -> list[_Lane]:
+        """The waiting lanes that may be admitted now, in order: all but those whose opener another
+        lane is prefilling (module docstring, 3)."""
+        cache = self.cache
+        assert cache is not None
+        sources = [lane for lane in self.engine._prefilling if lane.checkpoint_at]
+        out = []
+        for lane in waiting:
+            if lane.checkpoint_at and self._shares_opener(lane, sources, cache):
+                continue
+            out.append(lane)
+            if lane.checkpoint_at:
+                sources.append(lane)
+        return out
+
+    def _shares_opener(self, lane: _Lane, sources: Sequence[_Lane], cache: PrefixCache) -> bool:
+        for p in lane.checkpoint_at:
+            for src in sources:
+                if (
+                    p in src.checkpoint_at
+                    and src.num_prefilled < p
+                    and src.prompt[:p] == lane.prompt[:p]
+                    and not cache.holds(lane.prompt[:p], drafter_name=self._drafter_name)
+                ):
+                    return True
+        return False
 
     # ---- record ----
 

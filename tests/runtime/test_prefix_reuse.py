@@ -462,9 +462,7 @@ def test_interleaved_agent_sessions_on_eight_lanes(models, family: str, backend:
     sessions = [{"prompt": opener + rand(8 + 3 * s), "turn": 0, "lane": None} for s in range(4)]
     log: list[tuple[tuple[int, ...], tuple[int, ...], int, int]] = []  # prompt, output, cached, expected
     expected = {id(s): 0 for s in sessions}
-    sessions[0]["lane"] = engine.add_lane(sessions[0]["prompt"], params, checkpoint_at=(OPENER,))
-    engine.step()  # its prefill records the opener; the other sessions start while it decodes
-    for s in sessions[1:]:
+    for s in sessions:  # all at once: the first prefills the opener, the others wait for it
         s["lane"] = engine.add_lane(s["prompt"], params, checkpoint_at=(OPENER,))
     while any(s["lane"] is not None for s in sessions):
         engine.step()
@@ -519,3 +517,35 @@ def test_lane_finishing_at_its_first_token_is_checkpointed(models, family: str, 
     assert got.num_cached_tokens == len(prompt)
     assert got.output_token_ids == want.output_token_ids
     assert engine.drafter.proposals[longer] == cold_engine.drafter.proposals[longer]
+
+
+@pytest.mark.parametrize(("family", "backend", "budget"), [("qwen3_5", "dflash2", 16), ("llama", "off", 0)])
+def test_burst_with_one_opener_prefills_it_once(models, family: str, backend: str, budget: int) -> None:
+    """Four conversations with the same system prompt arrive together: the first prefills the
+    opener (over several steps with a small prefill budget), the others wait for its checkpoint and
+    restore it; outputs equal cold runs."""
+    model = models(family)
+    p = model.parts
+    g = torch.Generator().manual_seed(3)
+    prompts = [p["opener"] + tuple(torch.randint(3, 300, (9 + i,), generator=g).tolist()) for i in range(4)]
+    cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    inner = model.factories[backend]()
+    engine = SpeculativeEngine(
+        model.ex,
+        None if inner is None else Steered(inner, {}),
+        draft_tokens=None if inner is None else K,
+        prefix_cache=cache,
+        max_prefill_tokens=budget,
+    )
+    ids = [engine.add_lane(q, _greedy(), checkpoint_at=(OPENER,)) for q in prompts]
+    while engine.has_unfinished:
+        engine.step()
+    results = [engine.pop_result(i) for i in ids]
+    assert [r.num_cached_tokens for r in results] == [0, OPENER, OPENER, OPENER]
+    assert cache.metrics.recorded_total["opener"] == 1
+    for r in results:
+        want = SpeculativeEngine(model.ex).generate([r.prompt_token_ids], _greedy())[0].output_token_ids
+        got = r.output_token_ids
+        if got != want:
+            i = next(j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+            assert model.margin(r.prompt_token_ids + want[:i]) < NEAR_TIE_MARGIN
