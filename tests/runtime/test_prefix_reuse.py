@@ -549,3 +549,33 @@ def test_burst_with_one_opener_prefills_it_once(models, family: str, backend: st
         if got != want:
             i = next(j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
             assert model.margin(r.prompt_token_ids + want[:i]) < NEAR_TIE_MARGIN
+
+
+def test_a_checkpoint_that_does_not_fit_is_dropped_and_the_lane_prefills(models, caplog) -> None:
+    """A pool entry that does not fit the executor (another model's shapes) costs nothing but a
+    warning: the lane prefills from zero with the cold output, the entry is gone, counts undone."""
+    import dataclasses
+
+    from ignis.runtime.checkpoints import CheckpointError, restore_model_state
+
+    model = models("qwen3_5")
+    cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    engine = _engine(model, "off", cache, {})
+    prompt = model.parts["opener"] + model.parts["user"]
+    engine.generate([prompt], _greedy())
+    good = next(c for c in cache.entries("card") if c.kind == "prompt")
+    bad = dataclasses.replace(
+        good, model={**good.model, "gdn.recurrent": good.model["gdn.recurrent"][:, :1].clone()}
+    )
+    with pytest.raises(CheckpointError, match=r"gdn\.recurrent"):
+        restore_model_state(model.ex, model.ex.new_lane(), bad.model, bad.num_tokens)
+    cache.clear()
+    cache.insert(bad)
+    longer = prompt + model.parts["tool1"]
+    with caplog.at_level("WARNING"):
+        r = engine.generate([longer], _greedy())[0]
+    assert r.num_cached_tokens == 0
+    assert "prefilling from zero" in caplog.text
+    assert r.output_token_ids == SpeculativeEngine(model.ex).generate([longer], _greedy())[0].output_token_ids
+    assert not cache.holds(prompt) and cache.metrics.reused_tokens_total == 0
+    assert cache.metrics.hits_total["card"] == 0
