@@ -22,7 +22,9 @@ contents `ignis.runtime.checkpoints`. Per step, before the prefill is planned:
    * "prompt": the state after a prompt's last chunk (with the logits of its last position);
    * "reply": the state of a finished lane (prompt + output without its last token, which was
      never fed), when it holds more than the prompt. The drafter first commits the lane's last run
-     (the engine otherwise skips it for a finishing lane), then its context is snapshot.
+     (the engine otherwise skips it for a finishing lane), then its context is snapshot. The lane's
+     prompt checkpoint is then marked superseded in the pool (evicted first, never moved to the
+     host: only a retry of the same prompt still needs it).
 
 3. **Share an opener in flight.** A waiting lane whose `checkpoint_at` position p another lane of
    the same prompt prefix (the same opener) is still prefilling towards is not admitted yet: it waits
@@ -220,17 +222,20 @@ class EngineCheckpoints:
         for lane in finished:
             n = lane.num_committed
             if lane.state is not None and n > len(lane.prompt) and lane.state.num_tokens == n:
-                self._record(lane, (*lane.prompt, *lane.output)[:n], None, "reply")
+                if self._record(lane, (*lane.prompt, *lane.output)[:n], None, "reply"):
+                    assert self.cache is not None  # the prompt's checkpoint now serves only a retry
+                    self.cache.supersede(lane.prompt, drafter_name=self._drafter_name)
             if d is not None:
                 d.end_lane(lane.lane_id)
 
     def _record(
         self, lane: _Lane, tokens: Sequence[int], last_logits: torch.Tensor | None, kind: str
-    ) -> None:
+    ) -> bool:
+        """Capture and insert one checkpoint; whether the pool kept it."""
         cache = self.cache
         assert cache is not None and lane.state is not None
         if len(tokens) < cache.min_tokens or cache.holds(tokens, drafter_name=self._drafter_name):
-            return  # too short to keep, or held already (the same prompt prefilled twice): no copy
+            return False  # too short to keep, or held already (the same prompt prefilled twice)
         eng = self.engine
         try:
             ckpt = capture_lane(
@@ -244,5 +249,5 @@ class EngineCheckpoints:
             )
         except CheckpointError as exc:
             log.warning("lane %d: no %s checkpoint: %s", lane.lane_id, kind, exc)
-            return
-        cache.insert(ckpt)
+            return False
+        return cache.insert(ckpt)

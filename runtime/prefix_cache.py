@@ -18,7 +18,9 @@ budget. A checkpoint larger than a tier's budget skips that tier. Neither tier e
 budget. A hit moves the entry to the most recently used end; a host hit is promoted back to the card
 when it fits. Lanes hold copies of what they restored (restore copies into the lane's own buffers),
 so an eviction never touches a lane in use; an entry being restored is pinned (`pin`/`unpin`) and
-skipped by eviction meanwhile.
+skipped by eviction meanwhile. A superseded entry (`supersede`: the prompt checkpoint of a lane whose
+reply checkpoint now extends it, useful only to a retry of the same prompt) is evicted before any
+other and dropped rather than copied to the host; a hit clears the mark.
 
 On a CPU-only engine both tiers are host memory; the budgets, the LRU order and every counter work
 the same (the tests use that).
@@ -70,6 +72,7 @@ class _Entry:
     tier: str
     nbytes: int
     pins: int = 0
+    is_superseded: bool = False  # a longer checkpoint of the same lane extends it (`supersede`)
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ class PrefixCache:
             return None
         n, tier, key = best
         entry = self._tiers[tier][key]
+        entry.is_superseded = False  # asked for again (a retry of its prompt): an ordinary entry
         self._tiers[tier].move_to_end(key)
         self.metrics.hits_total[tier] += 1
         self.metrics.reused_tokens_total += n
@@ -209,6 +213,14 @@ class PrefixCache:
             entry = self._promote(key, entry)
         entry.pins += 1
         return CacheHit(checkpoint=entry.checkpoint, num_tokens=n, tier=tier, key=key)
+
+    def supersede(self, token_ids: Sequence[int], *, drafter_name: str = "off") -> None:
+        """Mark the checkpoint of exactly these tokens (if held) superseded (module docstring)."""
+        key = (drafter_name, tuple(int(t) for t in token_ids))
+        for tier in (CARD, HOST):
+            entry = self._tiers[tier].get(key)
+            if entry is not None:
+                entry.is_superseded = True
 
     def unpin(self, hit: CacheHit) -> None:
         """Release a hit's entry (restore done); it may be evicted again. Idempotent per entry."""
@@ -291,14 +303,18 @@ class PrefixCache:
         free = budget - self._used[tier] + sum(e.nbytes for e in self._tiers[tier].values() if not e.pins)
         if free < nbytes:
             return False
-        for key in list(self._tiers[tier]):
+        entries = self._tiers[tier]
+        order = [k for k, e in entries.items() if e.is_superseded] + [
+            k for k, e in entries.items() if not e.is_superseded
+        ]  # superseded first, then least recently used first
+        for key in order:
             if budget - self._used[tier] >= nbytes:
                 break
-            if self._tiers[tier][key].pins:
+            if entries[key].pins:
                 continue
             entry = self._remove(tier, key)
             self.metrics.evictions_total[tier] += 1
-            if tier == CARD:
+            if tier == CARD and not entry.is_superseded:
                 self._demote(key, entry)
         return True
 

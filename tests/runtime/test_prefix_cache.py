@@ -158,3 +158,22 @@ def test_samples_names() -> None:
         "ignis_prompt_checkpoint_recorded_total",
     }
     assert ("ignis_prompt_checkpoint_bytes", {"tier": "card"}, 400) in c.samples()
+
+
+def test_superseded_entries_go_first_and_are_dropped() -> None:
+    c = PrefixCache(card_bytes=1200, host_bytes=10_000)
+    c.insert(_ckpt([1] * 4, nbytes=400))  # oldest
+    c.insert(_ckpt([2] * 4, nbytes=400))  # a prompt checkpoint ...
+    c.insert(_ckpt([2] * 8, nbytes=400, kind="reply"))  # ... extended by its reply
+    c.supersede([2] * 4)
+    c.insert(_ckpt([3] * 4, nbytes=400))
+    # the superseded entry left first (though not the least recently used) and was dropped
+    assert [e.token_ids for e in c.entries("card")] == [(1,) * 4, (2,) * 8, (3,) * 4]
+    assert c.num_entries("host") == 0 and c.metrics.evictions_total["card"] == 1
+    # a hit on a superseded entry (a retry) makes it ordinary again: demoted, not dropped
+    c.supersede([1] * 4)
+    hit = c.lookup([1] * 4 + [5])
+    assert hit is not None
+    c.unpin(hit)
+    c.insert(_ckpt([4] * 4, nbytes=400))
+    assert [e.token_ids for e in c.entries("host")] == [(2,) * 8]
