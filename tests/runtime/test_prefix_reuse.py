@@ -585,3 +585,54 @@ def test_a_checkpoint_that_does_not_fit_is_dropped_and_the_lane_prefills(models,
     assert r.output_token_ids == SpeculativeEngine(model.ex).generate([longer], _greedy())[0].output_token_ids
     assert not cache.holds(prompt) and cache.metrics.reused_tokens_total == 0
     assert cache.metrics.hits_total["card"] == 0
+
+
+@pytest.mark.parametrize(
+    ("family", "backend"), [("qwen3_5", "dflash2"), ("qwen3_next", "mtp"), ("qwen3_5", "draft-model")]
+)
+def test_reply_checkpoint_holds_committed_state_only(models, family: str, backend: str) -> None:
+    """The reply checkpoint, taken after verify rounds that rejected drafts, equals the state of a
+    lane fed the committed tokens alone (one cold prefill): Gated DeltaNet recurrent and conv state,
+    KV, and the drafter's snapshot. A rejected draft leaking into it would differ by O(1)."""
+    model = models(family)
+    vocab = model.config.vocab_size
+
+    class Spoiled(Steered):  # the inner drafter's drafts past the first are made wrong: rejections
+        def propose(self, requests):  # type: ignore[no-untyped-def]
+            out = []
+            for prop in super().propose(requests):
+                ids = prop.draft_token_ids.clone()
+                ids[1:] = (ids[1:] + 1) % vocab
+                out.append(DraftProposal(ids, None))
+            return out
+
+    def engine_with(cache):  # type: ignore[no-untyped-def]
+        drafter = Spoiled(model.factories[backend](), {})
+        return SpeculativeEngine(model.ex, drafter, draft_tokens=K, prefix_cache=cache, max_prefill_tokens=0)
+
+    cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    engine = engine_with(cache)
+    prompt = model.parts["opener"] + model.parts["user"]
+    r = engine.generate([prompt], _greedy())[0]
+    m = engine.metrics
+    assert m.drafted_tokens_total > m.accepted_tokens_total - m.rounds_total  # some drafts rejected
+    tokens = (prompt + r.output_token_ids)[:-1]
+    reply = next(c for c in cache.entries("card") if c.kind == "reply")
+    assert reply.token_ids == tokens
+    # cold: the committed tokens as one prompt (the engine's prefill path), captured the same way
+    cold_cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    cold = engine_with(cold_cache)
+    cold.generate([tokens], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    ref = next(c for c in cold_cache.entries("card") if c.kind == "prompt")
+    assert ref.token_ids == tokens
+    assert reply.model.keys() == ref.model.keys()
+    for name in ref.model:
+        torch.testing.assert_close(reply.model[name], ref.model[name], atol=2e-4, rtol=2e-4, msg=name)
+    a, b = reply.drafter, ref.drafter
+    assert a is not None and b is not None and a.num_tokens == b.num_tokens
+    if backend == "draft-model":  # fed lazily: the cold lane's draft model never ran
+        assert b.meta["num_fed"] == 0 and a.meta["num_fed"] <= len(tokens)
+        return
+    assert a.tensors.keys() == b.tensors.keys()
+    for name in b.tensors:
+        torch.testing.assert_close(a.tensors[name], b.tensors[name], atol=2e-4, rtol=2e-4, msg=name)
