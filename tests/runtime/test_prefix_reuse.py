@@ -437,6 +437,9 @@ def test_warm_restart_from_snapshot_directory(models, tmp_path: Path, family: st
     assert SnapshotDirectory(tmp_path, binding).save(first) == 0  # already on disk
     other = SnapshotBinding(artifact_sha256="1" * 64, drafter=backend)
     assert SnapshotDirectory(tmp_path, other).load(PrefixCache(card_bytes=BIG, host_bytes=BIG)) == 0
+    # a server of another artifact saving into the same folder leaves this artifact's files alone
+    assert SnapshotDirectory(tmp_path, other).save(PrefixCache(card_bytes=BIG, host_bytes=BIG)) == 0
+    assert len(SnapshotDirectory(tmp_path, binding).files()) == written
     restarted = PrefixCache(card_bytes=BIG, host_bytes=BIG)
     assert SnapshotDirectory(tmp_path, binding).load(restarted) == written
     engine = _engine(model, backend, restarted, {})
