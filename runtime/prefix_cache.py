@@ -33,6 +33,10 @@ Counters (`PrefixCacheMetrics`, exported by the server as Prometheus metrics):
 - `ignis_prompt_checkpoint_recorded_total{kind}`: checkpoints inserted ("prompt", "opener", "reply").
 - `ignis_prompt_checkpoint_evictions_total{tier}`: entries evicted from a tier ("card": moved to the
   host or dropped; "host": dropped).
+- `ignis_prompt_checkpoint_copied_bytes_total{direction}`,
+  `ignis_prompt_checkpoint_copy_seconds_total{direction}`: checkpoints moved between the tiers
+  ("to_host": a demotion or an insert straight to the host; "to_card": a promotion), and the wall
+  time those copies held the engine's thread (they are synchronous).
 - `ignis_prompt_checkpoint_bytes{tier}`, `ignis_prompt_checkpoint_entries{tier}` (gauges), and the
   budgets `ignis_prompt_checkpoint_budget_bytes{tier}`.
 """
@@ -40,6 +44,7 @@ Counters (`PrefixCacheMetrics`, exported by the server as Prometheus metrics):
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +69,8 @@ class PrefixCacheMetrics:
         self.reused_tokens_total = 0
         self.recorded_total: defaultdict[str, int] = defaultdict(int)
         self.evictions_total: defaultdict[str, int] = defaultdict(int)
+        self.copied_bytes_total: defaultdict[str, int] = defaultdict(int)
+        self.copy_seconds_total: defaultdict[str, float] = defaultdict(float)
 
 
 @dataclass
@@ -160,11 +167,11 @@ class PrefixCache:
         """The checkpoints on `tier`, least recently used first."""
         return [e.checkpoint for e in self._tiers[tier].values()]
 
-    def samples(self) -> list[tuple[str, dict[str, str], int]]:
+    def samples(self) -> list[tuple[str, dict[str, str], float]]:
         """Every counter and gauge as (metric name, labels, value), for an exporter (safe to call from
         another thread while the engine's thread updates the pool)."""
         m = self.metrics
-        out: list[tuple[str, dict[str, str], int]] = [
+        out: list[tuple[str, dict[str, str], float]] = [
             ("ignis_prompt_checkpoint_lookups_total", {}, m.lookups_total),
             ("ignis_prompt_checkpoint_reused_tokens_total", {}, m.reused_tokens_total),
         ]
@@ -177,6 +184,21 @@ class PrefixCache:
             out.append(("ignis_prompt_checkpoint_bytes", {"tier": tier}, self._used[tier]))
             out.append(("ignis_prompt_checkpoint_entries", {"tier": tier}, len(self._tiers[tier])))
             out.append(("ignis_prompt_checkpoint_budget_bytes", {"tier": tier}, self.budget[tier]))
+        for d in ("to_host", "to_card"):
+            out.append(
+                (
+                    "ignis_prompt_checkpoint_copied_bytes_total",
+                    {"direction": d},
+                    m.copied_bytes_total.get(d, 0),
+                )
+            )
+            out.append(
+                (
+                    "ignis_prompt_checkpoint_copy_seconds_total",
+                    {"direction": d},
+                    m.copy_seconds_total.get(d, 0.0),
+                )
+            )
         for kind in ("prompt", "opener", "reply"):
             out.append(
                 ("ignis_prompt_checkpoint_recorded_total", {"kind": kind}, m.recorded_total.get(kind, 0))
@@ -264,7 +286,7 @@ class PrefixCache:
             ckpt = checkpoint if self.card_device is None else checkpoint.to(self.card_device)
             self._add(CARD, key, _Entry(ckpt, CARD, nbytes))
         elif self._make_room(HOST, nbytes):
-            self._add(HOST, key, _Entry(checkpoint.to("cpu", pin=self.pin_host_memory), HOST, nbytes))
+            self._add(HOST, key, _Entry(self._copy(checkpoint, torch.device("cpu")), HOST, nbytes))
         else:
             return False
         self.metrics.recorded_total[checkpoint.kind] += 1
@@ -322,9 +344,21 @@ class PrefixCache:
         """A card entry evicted: to the host tier when it fits there (dropped otherwise)."""
         if self._make_room(HOST, entry.nbytes):
             host = dataclasses.replace(
-                entry, checkpoint=entry.checkpoint.to("cpu", pin=self.pin_host_memory), pins=0
+                entry, checkpoint=self._copy(entry.checkpoint, torch.device("cpu")), pins=0
             )
             self._add(HOST, key, host)
+
+    def _copy(self, ckpt: LaneCheckpoint, device: torch.device) -> LaneCheckpoint:
+        """`ckpt` on `device` (host copies pinned per `pin_host_memory`), timed and counted when it
+        moves between devices."""
+        if ckpt.device.type == device.type:
+            return ckpt.to(device, pin=self.pin_host_memory)
+        direction = "to_host" if device.type == "cpu" else "to_card"
+        t0 = time.perf_counter()
+        out = ckpt.to(device, pin=self.pin_host_memory)
+        self.metrics.copy_seconds_total[direction] += time.perf_counter() - t0
+        self.metrics.copied_bytes_total[direction] += ckpt.nbytes
+        return out
 
     def _promote(self, key: tuple[str, tuple[int, ...]], entry: _Entry) -> _Entry:
         """A host hit: back to the card tier when it fits there without evicting pinned entries."""
@@ -336,6 +370,6 @@ class PrefixCache:
         if not self._make_room(CARD, entry.nbytes):
             self._add(HOST, key, entry)
             return entry
-        card = _Entry(entry.checkpoint.to(self.card_device), CARD, entry.nbytes)
+        card = _Entry(self._copy(entry.checkpoint, self.card_device), CARD, entry.nbytes)
         self._add(CARD, key, card)
         return card

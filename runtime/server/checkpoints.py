@@ -151,6 +151,10 @@ _HELP = {
     "ignis_prompt_checkpoint_bytes": "Bytes of the prompt checkpoints held, by tier.",
     "ignis_prompt_checkpoint_entries": "Prompt checkpoints held, by tier.",
     "ignis_prompt_checkpoint_budget_bytes": "Byte budget of the prompt checkpoint tier.",
+    "ignis_prompt_checkpoint_copied_bytes": "Bytes of prompt checkpoints copied between the tiers.",
+    "ignis_prompt_checkpoint_copy_seconds": (
+        "Wall time of the (synchronous) copies of prompt checkpoints between the tiers, seconds."
+    ),
 }
 
 

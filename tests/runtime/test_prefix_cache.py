@@ -156,6 +156,8 @@ def test_samples_names() -> None:
         "ignis_prompt_checkpoint_entries",
         "ignis_prompt_checkpoint_budget_bytes",
         "ignis_prompt_checkpoint_recorded_total",
+        "ignis_prompt_checkpoint_copied_bytes_total",
+        "ignis_prompt_checkpoint_copy_seconds_total",
     }
     assert ("ignis_prompt_checkpoint_bytes", {"tier": "card"}, 400) in c.samples()
 

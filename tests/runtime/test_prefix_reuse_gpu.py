@@ -168,3 +168,9 @@ def test_session_reuse_through_the_host_tier(target: Target) -> None:
     host = cache.entries("host")
     assert host and all(t.device.type == "cpu" and t.is_pinned() for c in host for t in c.model.values())
     assert cache.bytes_used("card") <= cache.budget["card"]
+    m = cache.metrics
+    assert m.copied_bytes_total["to_host"] > 0 and m.copy_seconds_total["to_host"] > 0
+    print(  # a figure for PERF notes (pytest -s): the synchronous tier copies' cost
+        f"to_host {m.copied_bytes_total['to_host']} B in {m.copy_seconds_total['to_host']:.4f} s, "
+        f"to_card {m.copied_bytes_total['to_card']} B in {m.copy_seconds_total['to_card']:.4f} s"
+    )
