@@ -55,6 +55,8 @@ class CardProfile:
     spec: dict[str, SpecDefaults] = field(default_factory=dict)  # drafter kind -> defaults
     # ignis-run's default prompt-token budget per step (--max-prefill-tokens); 0 = whole prompts
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    checkpoint_card_bytes: int = 0  # prompt checkpoint pool on the card (bytes; 0: none)
+    checkpoint_host_bytes: int = 0  # prompt checkpoint pool in host RAM (bytes; 0: none)
 
     def __post_init__(self) -> None:
         check_max_prefill_tokens(self.max_prefill_tokens)
@@ -65,6 +67,8 @@ class CardProfile:
             raise ConfigError(f"profile {self.name}: decode widths must lie in 1..8")
         if any(not 9 <= w <= 64 for w in self.wide_widths):
             raise ConfigError(f"profile {self.name}: wide widths must lie in 9..64")
+        if self.checkpoint_card_bytes < 0 or self.checkpoint_host_bytes < 0:
+            raise ConfigError(f"profile {self.name}: checkpoint budgets must be >= 0 bytes")
 
     @property
     def widths(self) -> tuple[int, ...]:

@@ -44,6 +44,7 @@ from starlette.types import Receive, Scope, Send
 from ignis.runtime.errors import IgnisRuntimeError
 from ignis.runtime.sampling import SamplingParams, SamplingParamsError
 from ignis.runtime.server.agents import AgentPlan, ChatToolStream, chat_message, plan_chat, template_messages
+from ignis.runtime.server.checkpoints import chat_opener
 from ignis.runtime.server.errors import (
     APIError,
     InvalidRequestError,
@@ -523,7 +524,11 @@ class _Service:
             )
 
     def submit(
-        self, ids: list[int], params: SamplingParams, requested: tuple[str, int] | None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        requested: tuple[str, int] | None,
+        checkpoint_at: Sequence[int] = (),
     ) -> RequestHandle:
         """Check the prompt and the output limit against the model, then queue the request.
 
@@ -533,7 +538,7 @@ class _Service:
         """
         self.check_prompt(ids)
         self.check_room(len(ids), requested)
-        return self.lanes.submit(ids, params)
+        return self.lanes.submit(ids, params, checkpoint_at=checkpoint_at)
 
     async def events(self, handle: RequestHandle) -> AsyncGenerator[TokenEvent, None]:
         """The request's events until its last; aborts the lane if the consumer stops early."""
@@ -580,11 +585,12 @@ class _Service:
         return ids, work.result()
 
 
-def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+def _usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
     }
 
 
@@ -734,9 +740,10 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         *,
         is_chat: bool,
         agent: AgentPlan | None = None,
+        checkpoint_at: Sequence[int] = (),
     ) -> Response:
         """Submit the request; stream its tokens, or wait for them and answer the whole completion."""
-        handle = svc.submit(ids, params, requested)
+        handle = svc.submit(ids, params, requested, checkpoint_at)
         rid, created = f"{'chatcmpl' if is_chat else 'cmpl'}-{handle.request_id}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -769,7 +776,7 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
             "created": created,
             "model": model.name,
             "choices": [choice],
-            "usage": _usage(len(ids), len(out_ids)),
+            "usage": _usage(len(ids), len(out_ids), last.num_cached_tokens),
         }
         return JSONResponse(body)
 
@@ -792,7 +799,10 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         agent = await run_in_threadpool(plan_chat, req, model.tokenizer, svc.lanes.vocab_size)
         if agent.grammar is not None:
             params = dataclasses.replace(params, grammar=agent.grammar)
-        return await generate(req, request, ids, params, requested, is_chat=True, agent=agent)
+        opener = await run_in_threadpool(chat_opener, model.tokenizer, req, ids)  # prompt checkpoint
+        return await generate(
+            req, request, ids, params, requested, is_chat=True, agent=agent, checkpoint_at=opener
+        )
 
     @app.post(
         "/v1/completions",
@@ -855,10 +865,11 @@ async def _stream_tokens(
     """
     text = _TextStream(tokenizer or svc.model.tokenizer, handle.prompt_token_ids, handle.params)
     num_prompt = len(handle.prompt_token_ids)
-    num_out = 0
+    num_out, cached = 0, 0
     try:
         async for event in svc.events(handle):
             n = len(event.token_ids)
+            cached = event.num_cached_tokens or cached
             for i, token in enumerate(event.token_ids):
                 last = event if (i == n - 1 and event.finish_reason is not None) else None
                 made = make_choice(text.push(token, last), token, last, num_out == 0)
@@ -867,7 +878,7 @@ async def _stream_tokens(
                 for j, choice in enumerate(choices):
                     chunk = {**head, "choices": [choice]}
                     if last is not None and j == len(choices) - 1:
-                        chunk["usage"] = _usage(num_prompt, num_out)
+                        chunk["usage"] = _usage(num_prompt, num_out, cached)
                     yield _sse(chunk)
             if event.finish_reason is not None and n == 0:
                 made = make_choice(text.finish_empty(), None, event, num_out == 0)
@@ -875,10 +886,10 @@ async def _stream_tokens(
                 for j, choice in enumerate(choices):
                     chunk = {**head, "choices": [choice]}
                     if j == len(choices) - 1:
-                        chunk["usage"] = _usage(num_prompt, num_out)
+                        chunk["usage"] = _usage(num_prompt, num_out, cached)
                     yield _sse(chunk)
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(num_prompt, num_out)})
+            yield _sse({**head, "choices": [], "usage": _usage(num_prompt, num_out, cached)})
     except APIError as exc:
         yield _sse(exc.body())
     yield _SSE_DONE

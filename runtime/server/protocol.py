@@ -204,6 +204,16 @@ class CompletionRequest(_SamplingFields):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    """Where the prompt's tokens came from (OpenAI's `usage.prompt_tokens_details`)."""
+
+    model_config = _RESPONSE
+
+    cached_tokens: int = Field(
+        0, description="Prompt tokens restored from a prompt checkpoint instead of prefilled."
+    )
+
+
 class Usage(BaseModel):
     """Token counts of one request (the stop token is a completion token)."""
 
@@ -212,6 +222,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ChatCompletionMessage(BaseModel):

@@ -112,7 +112,12 @@ def test_completion_token_ids_prompt_matches_the_engine(client: httpx.Client) ->
     assert choice["prompt_token_ids"] == prompt
     assert choice["finish_reason"] == reason == "length"
     assert choice["text"] == TOK.decode(want, skip_special_tokens=True)
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 30, "total_tokens": 35}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 30,
+        "total_tokens": 35,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert body["object"] == "text_completion" and body["model"] == "toy" and body["id"].startswith("cmpl-")
 
 
@@ -160,7 +165,12 @@ def test_streamed_completion_one_token_per_chunk_with_usage(client: httpx.Client
     assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in want]
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 25, "total_tokens": 28}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 25,
+        "total_tokens": 28,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert "".join(c["choices"][0]["text"] for c in chunks) == TOK.decode(want, skip_special_tokens=True)
     assert len({c["id"] for c in chunks}) == 1
 
