@@ -17,7 +17,16 @@ Writing (the compiler)::
         w.add_q4_g32(name, *quantize_q4_g32(weight))
 """
 
-from .constants import ALIGNMENT, DTYPES, ENCODINGS, FORMAT_VERSION, MAGIC, MAX_HEADER_SIZE
+from .constants import (
+    ALIGNMENT,
+    DTYPES,
+    ENCODINGS,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_HEADER_SIZE,
+    MAX_METADATA_VALUES,
+    MAX_TENSORS,
+)
 from .errors import (
     BadMagicError,
     ChecksumMismatchError,
@@ -70,6 +79,8 @@ __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
     "MAX_HEADER_SIZE",
+    "MAX_METADATA_VALUES",
+    "MAX_TENSORS",
     "ArtifactChecksumError",
     "ArtifactFileError",
     "ArtifactMismatchError",

@@ -45,6 +45,18 @@ MAX_RANK: Final[int] = 8
 #: Deepest nesting of lists and maps inside a metadata value (a scalar at top level is depth 0).
 MAX_METADATA_DEPTH: Final[int] = 32
 
+#: Most entries in the tensor table, so that a maximal table decodes fast (SPEC.md §2.3 has the cost)
+#: and small; DeepSeek-V3 with every expert matrix unfused holds about 45,000 tensors.
+MAX_TENSORS: Final[int] = 65_536
+
+#: Most values in the metadata map, counting every scalar, array, map and map key (the top-level
+#: map included). Large data belongs in `u8` tensors (the tokenizer is one), not in metadata.
+MAX_METADATA_VALUES: Final[int] = 262_144
+
+#: Largest byte size of a tensor's numpy view, with zero dimensions counted as one: an empty tensor
+#: whose other dimensions multiply past this cannot be represented by numpy or torch (2**63 - 1).
+MAX_TENSOR_BYTES: Final[int] = 2**63 - 1
+
 #: Integers that msgpack can carry (metadata values and header fields).
 MIN_INT: Final[int] = -(2**63)
 MAX_INT: Final[int] = 2**64 - 1

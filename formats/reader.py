@@ -18,6 +18,7 @@ import importlib
 import mmap
 import os
 import stat
+import weakref
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -95,18 +96,24 @@ class NinferReader:
 
     The mapping is private copy-on-write: views never write to the file. Views keep the mapping
     alive after `close()`. Truncating the file while it is mapped makes later accesses fault
-    (SIGBUS); artifacts are written once and replaced by rename, never modified in place.
+    (SIGBUS), and pages not yet read show later writes to the file; artifacts are written once and
+    replaced by rename, never modified in place. The reader keeps the file open until `close()`, so
+    `changed_on_disk()` can tell whether the file it mapped (not whatever the path names now) was
+    written to since.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._mm: mmap.mmap | None = None
+        self._fd = -1
         try:
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise ContainerIOError(f"cannot open: {exc.strerror}", path=self.path) from exc
+        ok = False
         try:
             st = os.fstat(fd)
+            self._stat = st
             if not stat.S_ISREG(st.st_mode):
                 kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
                 raise ContainerIOError(f"is {kind}; a .ninfer container is a regular file", path=self.path)
@@ -117,10 +124,14 @@ class NinferReader:
                 self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as exc:
                 raise ContainerIOError(f"cannot memory-map: {exc}", path=self.path) from exc
+            ok = True
         except OSError as exc:
             raise ContainerIOError(f"cannot read: {exc}", path=self.path) from exc
         finally:
-            os.close(fd)
+            if not ok:
+                os.close(fd)
+        self._fd = fd
+        self._fd_closer = weakref.finalize(self, os.close, fd)  # a reader never closed still frees it
         try:
             if len(self._mm) != self.file_size:
                 raise ContainerIOError(
@@ -131,6 +142,8 @@ class NinferReader:
         except BaseException:
             self._mm.close()
             self._mm = None
+            self._fd = -1
+            self._fd_closer()
             raise
 
     # --- validation ----------------------------------------------------------------------------------
@@ -518,8 +531,61 @@ class NinferReader:
 
     # --- lifetime ------------------------------------------------------------------------------------
 
+    def fileno(self) -> int:
+        """The descriptor of the open file (for fstat, or a lease: `fcntl(F_SETLEASE)`); the reader owns it.
+
+        Raises:
+            UsageError: the reader is closed.
+        """
+        if self._fd < 0:
+            raise UsageError("the reader is closed", path=self.path)
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        """True after `close()`."""
+        return self._mm is None
+
+    @property
+    def file_identity(self) -> tuple[int, int]:
+        """(st_dev, st_ino) of the file opened: a path that now names another file was replaced."""
+        return self._stat.st_dev, self._stat.st_ino
+
+    def changed_on_disk(self) -> str | None:
+        """What happened to the mapped file since it was opened: None while its size and modification
+        time are those seen at open, else a sentence saying what changed. One fstat of the file the
+        reader holds, so a file renamed over `path` (the safe way to replace one) is not a change:
+        this reader still maps the intact old file.
+
+        Raises:
+            UsageError: the reader is closed.
+        """
+        if self._fd < 0:
+            raise UsageError("the reader is closed", path=self.path)
+        try:
+            now = os.fstat(self._fd)
+        except OSError as exc:  # pragma: no cover - fstat of an open fd does not fail in practice
+            return f"cannot stat the mapped file: {exc.strerror}"
+        was = self._stat
+        if now.st_size < was.st_size:
+            return (
+                f"was truncated from {was.st_size} to {now.st_size} bytes while mapped (reading the cut "
+                f"pages would crash the process with SIGBUS)"
+            )
+        if now.st_size != was.st_size or now.st_mtime_ns != was.st_mtime_ns:
+            return (
+                f"was modified in place while mapped (size {was.st_size} -> {now.st_size} bytes, "
+                f"mtime changed: {now.st_mtime_ns != was.st_mtime_ns}); its pages no longer hold what "
+                f"was validated"
+            )
+        return None
+
     def close(self) -> None:
-        """Release the reader's mapping. Views already handed out stay valid (they keep it alive)."""
+        """Release the reader's mapping and file. Views already handed out stay valid (they keep the
+        mapping alive)."""
+        if self._fd >= 0:
+            self._fd = -1
+            self._fd_closer()
         mm, self._mm = self._mm, None
         if mm is not None:
             try:

@@ -39,6 +39,8 @@ from .constants import (
     FORMAT_VERSION,
     MAGIC,
     MAX_HEADER_SIZE,
+    MAX_METADATA_VALUES,
+    MAX_TENSORS,
     PREAMBLE_STRUCT,
     Q4_G32,
     align_up,
@@ -107,8 +109,12 @@ class NinferWriter:
         self._tensors: list[TensorInfo] = []
         self._names: set[str] = set()
         self._state = _State.ABORTED
+        self._meta_counts: dict[str, int] = {}  # values per metadata key (key and value), for the limit
         if metadata is not None:
             check_metadata(dict(metadata), path=self.path, error=UsageError)
+            for k, v in metadata.items():
+                self._meta_counts[k] = check_metadata({k: v}, path=self.path, error=UsageError) - 1
+            self._check_metadata_count()
             self._metadata = dict(metadata)
         directory, base = os.path.split(os.path.abspath(self.path))
         self._dir = directory
@@ -181,12 +187,33 @@ class NinferWriter:
             UsageError: invalid key or value, or the writer is not open.
         """
         self._require_open()
-        check_metadata({key: value}, path=self.path, error=UsageError)
+        n = check_metadata({key: value}, path=self.path, error=UsageError) - 1
+        previous = self._meta_counts.get(key)
+        self._meta_counts[key] = n
+        try:
+            self._check_metadata_count()
+        except UsageError:
+            if previous is None:
+                del self._meta_counts[key]
+            else:
+                self._meta_counts[key] = previous
+            raise
         self._metadata[key] = value
+
+    def _check_metadata_count(self) -> None:
+        total = 1 + sum(self._meta_counts.values())
+        if total > MAX_METADATA_VALUES:
+            raise UsageError(
+                f"the metadata would hold {total} values (scalars, lists, maps and map keys); the maximum "
+                f"is {MAX_METADATA_VALUES}: store large data as a u8 tensor",
+                path=self.path,
+            )
 
     def _begin(self, name: str, dtype: str, shape: Iterable[int]) -> tuple[str, tuple[int, ...], int]:
         self._require_open()
         check_name(name, path=self.path, where="add", error=UsageError)
+        if len(self._tensors) >= MAX_TENSORS:
+            raise UsageError(f"a container holds at most {MAX_TENSORS} tensors", path=self.path, tensor=name)
         if name in self._names:
             raise DuplicateTensorError(
                 "a tensor of this name was already added; names must be unique",

@@ -18,6 +18,7 @@ import click
 import prometheus_client
 
 from ignis.runtime.errors import IgnisRuntimeError
+from ignis.runtime.profiles import profile_max_prefill_tokens
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 
 __all__ = ["main", "run_command"]
@@ -86,6 +87,7 @@ def run_command(opts: dict[str, Any]) -> None:
         IgnisRuntimeError, ValueError: a refused setting or a failed load (the CLI prints the message).
     """
     from ignis.runtime.config_file import load_config_file
+    from ignis.runtime.server.checkpoints import resolve_checkpoint_budgets
     from ignis.runtime.server.model import ModelSettings, ModelSource
     from ignis.runtime.server.runner import IgnisServer, ServerOptions
     from ignis.runtime.server.settings import BACKENDS, SpecLayer, resolve_spec
@@ -116,6 +118,9 @@ def run_command(opts: dict[str, Any]) -> None:
 
         source = ArtifactSource(artifact, draft_model=opts.get("spec_draft_model"))
 
+    if opts.get("max_prefill_tokens") is None and file_server.get("max_prefill_tokens") is None:
+        # unset: the card profile's budget (cpu: 256), not the GPU-sized default
+        opts = {**opts, "max_prefill_tokens": profile_max_prefill_tokens(pick("profile") or source.profile)}
     served_name = pick("served_model_name") or source.name
     names = [served_name, source.name, *source.aliases]
     layers = []
@@ -170,6 +175,10 @@ def run_command(opts: dict[str, Any]) -> None:
         logger.warning("--spec-draft-model applies to backend draft-model; ignored with backend %s", backend)
     head = resolved.spec.draft_head if backend in ("dflash2", "mtp") else "none"
     logging.getLogger("ignis.runtime.draft_head").info("proposal head: %s; %s", head, resolved.describe())
+    card_bytes, host_bytes = resolve_checkpoint_budgets(
+        pick("profile") or source.profile, pick("checkpoint_card_memory"), pick("checkpoint_host_memory")
+    )
+    logger.info("prompt checkpoints: card %d bytes, host %d bytes", card_bytes, host_bytes)
     logger.info("loading %s (context %s)", served_name, max_context or "the model's own")
     model = source.load(
         ModelSettings(
@@ -178,6 +187,9 @@ def run_command(opts: dict[str, Any]) -> None:
             device=_checked_device(pick("device")),
             cuda_graphs=bool(pick("cuda_graphs")),
             max_prefill_tokens=int(pick("max_prefill_tokens")),
+            checkpoint_card_bytes=card_bytes,
+            checkpoint_host_bytes=host_bytes,
+            checkpoint_dir=pick("checkpoint_dir"),
         )
     )
     if served_name != model.name:
@@ -248,7 +260,26 @@ def run_command(opts: dict[str, Any]) -> None:
     metavar="TOKENS",
     help="Prompt tokens prefilled per step across all lanes: a longer prompt is prefilled in chunks "
     "over several steps while the other lanes keep decoding (one verify round per step); 0 prefills "
-    f"every prompt whole at once. [default: {_DEFAULTS['max_prefill_tokens']}]",
+    "every prompt whole at once. [default: the card profile's: "
+    f"{_DEFAULTS['max_prefill_tokens']}, 256 for cpu]",
+)
+@click.option(
+    "--checkpoint-card-memory",
+    metavar="SIZE",
+    help="Prompt checkpoints kept on the card (e.g. 16GiB, 0 for none): a request whose prompt "
+    "starts with a checkpointed prefix (a previous turn, the system prompt and tools) restores it "
+    "and prefills only the rest. Least recently used ones move to host RAM. [default: the profile's]",
+)
+@click.option(
+    "--checkpoint-host-memory",
+    metavar="SIZE",
+    help="Prompt checkpoints kept in host RAM (e.g. 32GiB, 0 for none). [default: the profile's]",
+)
+@click.option(
+    "--checkpoint-dir",
+    type=click.Path(file_okay=False),
+    help="Snapshot directory: prompt checkpoints are loaded from it at start and written to it at "
+    "shutdown (snapshot format 5, bound to the artifact and the drafter), so a restart starts warm.",
 )
 @click.option(
     "--queue-size",

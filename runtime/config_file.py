@@ -7,6 +7,9 @@ The format (YAML shown; TOML has the same keys, `[spec]`, `[spec.NAME]`, ...)::
     socket: /run/ignis/ignis.sock
     lanes: 8
     max_prefill_tokens: 2048            # prompt tokens prefilled per step (0: whole prompts at once)
+    checkpoint_card_memory: 16GiB       # prompt checkpoints on the card / in host RAM (sizes or bytes)
+    checkpoint_host_memory: 32GiB
+    checkpoint_dir: /var/lib/ignis/checkpoints   # snapshot directory for a warm restart
     spec:                               # speculative settings for every model ...
       backend: dflash2
       draft_tokens: 7
@@ -62,6 +65,9 @@ SERVER_KEYS: dict[str, type] = {
     "model_max_context": int,
     "cuda_graphs": bool,
     "max_prefill_tokens": int,
+    "checkpoint_card_memory": str,
+    "checkpoint_host_memory": str,
+    "checkpoint_dir": str,
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.
@@ -117,6 +123,13 @@ class ConfigFile:
 def _check_value(path: Path, where: str, key: str, value: Any, kind: type) -> Any:
     if kind is str and where.startswith("spec") and key == "backend" and value is False:
         return "off"  # YAML 1.1 reads a bare `off` as false
+    if key in ("checkpoint_card_memory", "checkpoint_host_memory"):  # a size: "16GiB" or bytes
+        from ignis.runtime.server.checkpoints import parse_size
+
+        try:
+            return parse_size(value, what=key)
+        except ConfigError as exc:
+            raise ConfigFileError(f"{path}: {where}{exc}") from None
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind is float:

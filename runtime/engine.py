@@ -3,6 +3,10 @@
 `SpeculativeEngine` drives one `Executor` (a family's forward pass over several lanes) and an
 optional `Drafter` (None = backend `off`, plain decode rounds). Each `step()`:
 
+0. **Prompt checkpoints** (with a `prefix_cache`): joining lanes restore the longest checkpoint of
+   their prompt and prefill only the rest; states are recorded at prompt ends, `checkpoint_at`
+   positions and reply ends (`ignis.runtime.engine_checkpoints`).
+
 1. **Admit and prefill, within the prefill budget.** Waiting lanes join (up to `max_lanes`, lanes being
    prefilled counted) in arrival order. At most `max_prefill_tokens` prompt tokens are prefilled per step
    across all lanes (0: no limit): the lane whose prompt was cut last step continues first, then the
@@ -21,7 +25,9 @@ optional `Drafter` (None = backend `off`, plain decode rounds). Each `step()`:
    b. the drafter proposes for lanes with >= 1 draft;
    c. ONE `executor.forward` over every lane's columns [anchor, d_1..d_k] (lanes of different lengths
       and draft counts together; `record=True` whenever some lane drafts);
-   d. acceptance per lane: greedy (temperature 0) or rejection sampling (`ignis.runtime.acceptance`);
+   d. acceptance per lane: greedy (temperature 0) or rejection sampling (`ignis.runtime.acceptance`),
+      on logits masked by the lane's grammar when it has one (`ignis.runtime.grammar`: row j's mask is
+      the grammar state after drafts d_1..d_j, computed on the host while the forward runs);
    e. the committed run is stop-checked token by token (`ignis.runtime.stops`) and cut at a stop;
    f. `executor.commit` keeps exactly the columns whose next token was emitted;
    g. the drafter is told the committed columns (its context advances by them only);
@@ -60,9 +66,12 @@ import torch
 
 from ignis.runtime.acceptance import AcceptanceResult, greedy_accept_ids, rejection_sample
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
+from ignis.runtime.engine_checkpoints import EngineCheckpoints
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
 from ignis.runtime.families.base import Executor, LaneState
+from ignis.runtime.grammar import GrammarMatcher, mask_first_logits, mask_round_logits, start_round_masks
 from ignis.runtime.metrics import SpeculativeMetrics
+from ignis.runtime.prefix_cache import PrefixCache
 from ignis.runtime.sampling import LaneRandom, SamplingParams, logits_to_probs, sample_token
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, MAX_DRAFT_TOKENS, LaneScheduler
 from ignis.runtime.stops import Detokenize, StopChecker
@@ -111,6 +120,8 @@ class LaneResult:
         text: the detokenized output cut before a stop string ("" unless the request had stop strings).
         seed: the seed of the lane's random stream (replays an unseeded sampling run).
         num_rounds: verify rounds the lane took part in (prefill not counted).
+        num_cached_tokens: prompt tokens restored from a prompt checkpoint (OpenAI's
+            `usage.prompt_tokens_details.cached_tokens`).
     """
 
     lane_id: int
@@ -121,6 +132,7 @@ class LaneResult:
     text: str
     seed: int
     num_rounds: int
+    num_cached_tokens: int = 0
 
 
 @dataclass(eq=False)  # identity: lanes are removed from lists by identity, not field by field
@@ -134,6 +146,9 @@ class _Lane:
     num_rounds: int = 0
     num_prefilled: int = 0  # prompt tokens committed so far (< len(prompt) while being prefilled)
     drafter_started: bool = False  # drafter.start_lane was called (at the lane's first chunk)
+    grammar: GrammarMatcher | None = None  # params.grammar's matcher (`ignis.runtime.grammar`)
+    checkpoint_at: tuple[int, ...] = ()  # prompt positions to checkpoint at (chat turn boundaries)
+    num_cached: int = 0  # prompt tokens restored from a prompt checkpoint instead of prefilled
 
     @property
     def output(self) -> list[int]:
@@ -167,6 +182,10 @@ class SpeculativeEngine:
         device: where column tensors and lane generators live; defaults to `executor.device` if the
             executor has one, else CPU.
         metrics: the counters to update (a fresh `SpeculativeMetrics` by default).
+        prefix_cache: prompt checkpoints (`ignis.runtime.prefix_cache.PrefixCache`): a joining lane
+            restores the longest usable one and prefills only the rest; the state at the end of
+            each prompt, at the lane's `checkpoint_at` positions and at the end of each reply is
+            recorded (`ignis.runtime.engine_checkpoints`). None: every prompt is prefilled whole.
 
     Raises:
         ConfigError: draft_tokens missing or outside 1..7 with a drafter, draft_rows outside 0..32,
@@ -188,6 +207,7 @@ class SpeculativeEngine:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         device: torch.device | str | None = None,
         metrics: SpeculativeMetrics | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if drafter is not None and draft_tokens is None:
             raise ConfigError(f"drafter {drafter.name!r} needs draft_tokens (1..{MAX_DRAFT_TOKENS})")
@@ -230,11 +250,22 @@ class SpeculativeEngine:
         self._prefilling: list[_Lane] = []  # part of the prompt committed (arrival order)
         self._active: list[_Lane] = []  # decoding
         self._results: dict[int, LaneResult] = {}
+        self.checkpoints = EngineCheckpoints.create(self, prefix_cache)
 
     # ------------------------------------------------------------------ lanes
 
-    def add_lane(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+    def add_lane(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        checkpoint_at: Sequence[int] = (),
+    ) -> int:
         """Queue a request; it is prefilled at the next `step()`. Returns its lane id.
+
+        `checkpoint_at`: prompt positions (0 < p < len(prompt), e.g. the end of a chat template's
+        opener: system prompt and tools) where the lane's state is recorded as a prompt checkpoint
+        while it is prefilled (with a `prefix_cache`; ignored otherwise or when out of range).
 
         Raises:
             LaneRequestError: empty prompt, token ids outside [0, vocab), or a prompt of max_context
@@ -262,8 +293,15 @@ class SpeculativeEngine:
             detokenize=self.detokenize,
         )
         lane = _Lane(
-            lane_id=next(self._ids), prompt=prompt, params=params, stops=stops, random=LaneRandom(params.seed)
+            lane_id=next(self._ids),
+            prompt=prompt,
+            params=params,
+            stops=stops,
+            random=LaneRandom(params.seed),
+            checkpoint_at=tuple(sorted({int(p) for p in checkpoint_at if 0 < int(p) < len(prompt)})),
         )
+        if params.grammar is not None:
+            lane.grammar = params.grammar.matcher()
         self._waiting.append(lane)
         return lane.lane_id
 
@@ -358,8 +396,9 @@ class SpeculativeEngine:
             StateError: from the executor (e.g. a lane past its context); the engine is then unusable.
         """
         emitted: dict[int, list[int]] = {}
+        finished = self.checkpoints.restore_waiting(emitted) if self.checkpoints.is_enabled else []
         chunks = self._plan_prefill()
-        finished = self._prefill(chunks, emitted) if chunks else []
+        finished += self._prefill(chunks, emitted) if chunks else []
         if self._active:
             finished += self._round(emitted)
         updates = []
@@ -385,21 +424,31 @@ class SpeculativeEngine:
         return {"output_hidden_states": bool(d.needs_hidden_states), "tap_layers": tuple(d.tap_layers)}
 
     def _choose_first(self, lane: _Lane, logits: torch.Tensor) -> int:  # logits: float [vocab]
+        logits = mask_first_logits(lane.grammar, logits)
         if lane.params.is_greedy:
-            return int(logits.argmax().item())
-        return sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
+            token = int(logits.argmax().item())
+        else:
+            token = sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
+        if lane.grammar is not None:
+            lane.grammar.consume([token])
+        return token
 
     def _plan_prefill(self) -> list[tuple[_Lane, int]]:
         """This step's prompt chunks, (lane, columns), in arrival order within the prefill budget
         (`LaneScheduler.plan_prefill`): the lanes being prefilled first, then the waiting lanes that may
         join (`max_lanes`). A waiting lane the budget does not reach keeps waiting."""
-        num_admit = self.scheduler.num_to_admit(len(self._active) + len(self._prefilling), len(self._waiting))
-        queue = [*self._prefilling, *self._waiting[:num_admit]]
+        waiting = self._waiting
+        if self.checkpoints.is_enabled:  # lanes waiting for an opener another lane is prefilling
+            waiting = self.checkpoints.admissible(waiting)
+        num_admit = self.scheduler.num_to_admit(len(self._active) + len(self._prefilling), len(waiting))
+        queue = [*self._prefilling, *waiting[:num_admit]]
         sizes = self.scheduler.plan_prefill([len(lane.prompt) - lane.num_prefilled for lane in queue])
         return list(zip(queue, sizes, strict=False))
 
     def _prefill(self, chunks: list[tuple[_Lane, int]], emitted: dict[int, list[int]]) -> list[_Lane]:
         ex = self.executor
+        if self.checkpoints.is_enabled:
+            chunks = self.checkpoints.clip_chunks(chunks)
         lanes = [lane for lane, _ in chunks]
         for lane in lanes:
             if lane.state is None:  # its first chunk: the lane joins
@@ -424,13 +473,15 @@ class SpeculativeEngine:
                 token = self._choose_first(lane, out.logits[i][-1])
                 lane.stops.extend([token])
                 emitted[lane.lane_id] = [token]
+                following = (*lane.prompt[a + 1 :], token)
                 if lane.stops.is_finished:
                     finished.append(lane)
-                    if lane.drafter_started and self.drafter is not None:
-                        self.drafter.end_lane(lane.lane_id)
-                    continue
-                self._active.append(lane)
-                following = (*lane.prompt[a + 1 :], token)
+                    if not self.checkpoints.is_enabled:  # else the drafter ends after the checkpoint
+                        if lane.drafter_started and self.drafter is not None:
+                            self.drafter.end_lane(lane.lane_id)
+                        continue
+                else:
+                    self._active.append(lane)
             if self.drafter is not None:
                 if not lane.drafter_started:
                     self.drafter.start_lane(lane.lane_id, lane.prompt)
@@ -447,6 +498,11 @@ class SpeculativeEngine:
                 )
         if spans and self.drafter is not None:
             self.drafter.commit(spans)
+        if self.checkpoints.is_enabled:
+            self.checkpoints.record_prefill(lanes, bounds, out.logits)
+            for lane in finished:
+                if lane.drafter_started and self.drafter is not None:
+                    self.drafter.end_lane(lane.lane_id)
         return finished
 
     def _propose(self, lanes: list[_Lane], num_drafts: list[int]) -> list[DraftProposal]:
@@ -517,18 +573,21 @@ class SpeculativeEngine:
         columns = [torch.cat([anchors[i : i + 1], d]) for i, d in enumerate(drafts)]
         states = [lane.state for lane in lanes]
         record = any(c.numel() > 1 for c in columns)
+        # Grammar masks of constrained lanes, computed on the host while the forward runs.
+        masks = start_round_masks([lane.grammar for lane in lanes], drafts)
         out = self.executor.forward(states, columns, logits="all", record=record, **self._forward_kwargs())
+        logits = mask_round_logits(out.logits, masks)  # out.logits, with grammar masks applied
         # Greedy lanes: every lane's argmax and drafts reach the host in ONE transfer (no per-lane sync),
         # then each run is found on the host (`greedy_accept_ids`, the rule of `greedy_accept`).
         greedy = [i for i, lane in enumerate(lanes) if lane.params.is_greedy]
         host_runs: dict[int, tuple[list[int], int]] = {}
         if greedy:
-            parts = [out.logits[i].argmax(dim=-1) for i in greedy] + [drafts[i] for i in greedy]
+            parts = [logits[i].argmax(dim=-1) for i in greedy] + [drafts[i] for i in greedy]
             flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).tolist()
             pos = 0
             targets: list[list[int]] = []
             for i in greedy:
-                n_rows = int(out.logits[i].shape[0])
+                n_rows = int(logits[i].shape[0])
                 targets.append(flat[pos : pos + n_rows])
                 pos += n_rows
             for i, target in zip(greedy, targets, strict=True):
@@ -542,9 +601,11 @@ class SpeculativeEngine:
             if i in host_runs:
                 run, num_accepted = host_runs[i]
             else:
-                res = self._accept(lane, prop, out.logits[i])
+                res = self._accept(lane, prop, logits[i])
                 run, num_accepted = res.output_token_ids.tolist(), res.num_accepted
             num_emitted = lane.stops.extend(run)
+            if lane.grammar is not None:
+                lane.grammar.consume(run[:num_emitted])
             k = prop.draft_token_ids.numel()
             if k:
                 self.metrics.record_round(
@@ -559,13 +620,15 @@ class SpeculativeEngine:
             emitted.setdefault(lane.lane_id, []).extend(run[:num_emitted])
         self.executor.commit(states, keeps)
         finished, spans = [], []
+        records_replies = self.checkpoints.records_replies
         for i, (lane, inp, run, keep) in enumerate(zip(lanes, inputs, runs, keeps, strict=True)):
             if lane.stops.is_finished:
                 finished.append(lane)
                 self._active.remove(lane)
-                if self.drafter is not None:
-                    self.drafter.end_lane(lane.lane_id)
-                continue
+                if not records_replies or keep == 0:
+                    if self.drafter is not None:
+                        self.drafter.end_lane(lane.lane_id)
+                    continue
             if self.drafter is not None:
                 spans.append(
                     CommittedSpan(
@@ -579,6 +642,8 @@ class SpeculativeEngine:
                 )
         if spans and self.drafter is not None:
             self.drafter.commit(spans)
+        if records_replies:
+            self.checkpoints.record_replies(finished)
         return finished
 
     def _accept(self, lane: _Lane, prop: DraftProposal, logits: torch.Tensor) -> AcceptanceResult:
@@ -605,4 +670,5 @@ class SpeculativeEngine:
             text=s.text,
             seed=lane.random.seed,
             num_rounds=lane.num_rounds,
+            num_cached_tokens=lane.num_cached,
         )

@@ -13,6 +13,7 @@ from importlib import resources
 from typing import Any
 
 from ignis.runtime.errors import ConfigError
+from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_max_prefill_tokens
 
 _SPEC_BACKENDS = ("dflash2", "mtp", "ngram", "draft-model", "off")
 _DTYPES = ("q4_g32", "bf16", "f16", "f32")
@@ -52,8 +53,13 @@ class CardProfile:
     decode_widths: tuple[int, ...]  # verify row widths on the decode route (<= 8)
     wide_widths: tuple[int, ...]  # verify row widths on the tensor-core route (> 8)
     spec: dict[str, SpecDefaults] = field(default_factory=dict)  # drafter kind -> defaults
+    # ignis-run's default prompt-token budget per step (--max-prefill-tokens); 0 = whole prompts
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    checkpoint_card_bytes: int = 0  # prompt checkpoint pool on the card (bytes; 0: none)
+    checkpoint_host_bytes: int = 0  # prompt checkpoint pool in host RAM (bytes; 0: none)
 
     def __post_init__(self) -> None:
+        check_max_prefill_tokens(self.max_prefill_tokens)
         for dt in (self.linear_dtype, self.other_dtype):
             if dt not in _DTYPES:
                 raise ConfigError(f"profile {self.name}: dtype {dt!r} not in {_DTYPES}")
@@ -61,6 +67,8 @@ class CardProfile:
             raise ConfigError(f"profile {self.name}: decode widths must lie in 1..8")
         if any(not 9 <= w <= 64 for w in self.wide_widths):
             raise ConfigError(f"profile {self.name}: wide widths must lie in 9..64")
+        if self.checkpoint_card_bytes < 0 or self.checkpoint_host_bytes < 0:
+            raise ConfigError(f"profile {self.name}: checkpoint budgets must be >= 0 bytes")
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -104,3 +112,16 @@ def get_profile(name: str) -> CardProfile:
     if name not in profiles:
         raise ConfigError(f"unknown card {name!r}; known cards: {sorted(profiles)}")
     return profiles[name]
+
+
+def profile_max_prefill_tokens(profile: str | CardProfile | None) -> int:
+    """ignis-run's default `--max-prefill-tokens` for a card: the built-in profile's of that name (an
+    artifact's manifest records its card's name, not this runtime default), else the given profile's,
+    else `DEFAULT_MAX_PREFILL_TOKENS`."""
+    if profile is None:
+        return DEFAULT_MAX_PREFILL_TOKENS
+    name = profile if isinstance(profile, str) else profile.name
+    builtin = load_profiles().get(name)
+    if builtin is not None:
+        return builtin.max_prefill_tokens
+    return DEFAULT_MAX_PREFILL_TOKENS if isinstance(profile, str) else profile.max_prefill_tokens

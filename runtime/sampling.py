@@ -32,10 +32,14 @@ import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ignis.runtime.errors import IgnisRuntimeError
+
+if TYPE_CHECKING:
+    from ignis.runtime.grammar import Grammar
 
 __all__ = [
     "LaneRandom",
@@ -74,6 +78,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (non-empty); output text ends before the first occurrence
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the output (the stop token is the last token)
     ignore_eos: bool = False  # don't stop on the model's EOS token ids (stop_token_ids still stop)
+    grammar: Grammar | None = None  # constrain the output to a grammar (`ignis.runtime.grammar`)
 
     def __post_init__(self) -> None:
         t = self.temperature

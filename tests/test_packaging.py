@@ -24,3 +24,13 @@ def test_every_subpackage_is_listed() -> None:
             rel = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((name, *rel)))
     assert found == set(cfg["packages"])
+
+
+def test_license_is_an_spdx_expression() -> None:
+    """PEP 639: a table (`{ text = ... }`) makes setuptools >= 77 print a deprecation box per build."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert data["project"]["license"] == "Apache-2.0"
+    assert "license-files" not in data["project"] or isinstance(data["project"]["license-files"], list)
+    # the string form needs setuptools 77; an older build backend would reject it
+    (req,) = [r for r in data["build-system"]["requires"] if r.startswith("setuptools")]
+    assert req == "setuptools>=77"

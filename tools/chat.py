@@ -1,15 +1,17 @@
 """`python -m ignis.tools.chat`: a terminal chat client for an ignis server (Unix socket or TCP).
 
-    python -m ignis.tools.chat --socket /run/ignis/ignis.sock "What is a verify round?"   # one question
-    python -m ignis.tools.chat --socket /run/ignis/ignis.sock                             # conversation
-    echo "summarize: ..." | python -m ignis.tools.chat --socket /run/ignis/ignis.sock
+    python -m ignis.tools.chat --socket "$IGNIS_SOCKET" "What is a verify round?"   # one question
+    python -m ignis.tools.chat                                   # a conversation (socket: $IGNIS_SOCKET)
+    echo "summarize: ..." | python -m ignis.tools.chat --socket /tmp/ignis.sock
 
 The reply streams as it is generated (POST /v1/chat/completions with "stream": true). With
 `--stats`, each reply is followed by its timings (time to first token, tokens per second seen by
 the client, token counts) and the server's speculative acceptance over that reply (committed tokens
-per verify round, from the `ignis_speculative_*` counters of /metrics). In a conversation, `/reset`
-starts over and `/quit` (or end of input) leaves; a refused turn is reported and dropped, and the
-conversation goes on.
+per verify round and the fraction of draft tokens accepted, from the `ignis_speculative_*` counters of
+/metrics). Without `--socket`, the socket comes from the environment variable IGNIS_SOCKET; with
+neither, `--url` (a TCP server) is used, and an unreachable one says how to point the client. In a
+conversation, `/reset` starts over and `/quit` (or end of input) leaves; a refused turn is reported
+and dropped, and the conversation goes on.
 
 Exit status: 0 on success (a conversation ended by /quit or end of input), 1 when the server refuses
 the one question or cannot be reached, 2 on bad usage.
@@ -27,7 +29,13 @@ from typing import Any, TextIO
 import click
 import httpx
 
-__all__ = ["ChatClient", "ChatError", "Reply", "main"]
+__all__ = ["ChatClient", "ChatError", "Reply", "SpecCounters", "main"]
+
+#: Appended to "cannot reach" errors when no socket was given: ignis-run serves on a Unix socket.
+NO_SOCKET_HINT = (
+    "; ignis-run serves on a Unix socket: pass --socket PATH (the path given to `ignis-run --socket`) "
+    "or set IGNIS_SOCKET=PATH; --url is for a server started with --host/--port"
+)
 
 
 class ChatError(Exception):
@@ -61,15 +69,71 @@ class Reply:
         return (self.completion_tokens - 1) / span if self.completion_tokens > 1 and span > 0 else 0.0
 
 
-def _speculative(metrics_text: str) -> tuple[float, float]:
-    """(rounds, accepted tokens) from the Prometheus text (0, 0 when speculation never ran)."""
-    rounds = accepted = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith("ignis_speculative_rounds_total "):
-            rounds = float(line.split()[1])
-        elif line.startswith("ignis_speculative_accepted_tokens_total "):
-            accepted = float(line.split()[1])
-    return rounds, accepted
+@dataclass(frozen=True)
+class SpecCounters:
+    """The server's speculative counters (ADR 0002), or the difference of two readings.
+
+    Attributes:
+        rounds: verify rounds in which a lane carried at least one draft token.
+        drafted: draft tokens verified.
+        committed: tokens those rounds committed: accepted draft tokens plus the one token the model
+            itself yields per round (the bonus / correction token), cut at a stop
+            (`ignis_speculative_accepted_tokens_total`).
+        drafts_accepted: draft tokens accepted (the per-position accepted counters summed).
+    """
+
+    rounds: float = 0.0
+    drafted: float = 0.0
+    committed: float = 0.0
+    drafts_accepted: float = 0.0
+
+    @classmethod
+    def parse(cls, metrics_text: str) -> SpecCounters:
+        """Read the counters from Prometheus text (all 0 when speculation never ran)."""
+        values = {"rounds": 0.0, "drafted": 0.0, "committed": 0.0, "drafts_accepted": 0.0}
+        names = {
+            "ignis_speculative_rounds_total": "rounds",
+            "ignis_speculative_drafted_tokens_total": "drafted",
+            "ignis_speculative_accepted_tokens_total": "committed",
+        }
+        for line in metrics_text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name, _, rest = line.partition(" ")
+            if name in names:
+                values[names[name]] = float(rest.split()[0])
+            elif name.startswith("ignis_speculative_position_accepted_total{"):
+                values["drafts_accepted"] += float(rest.split()[0])
+        return cls(**values)
+
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
+        return SpecCounters(
+            self.rounds - other.rounds,
+            self.drafted - other.drafted,
+            self.committed - other.committed,
+            self.drafts_accepted - other.drafts_accepted,
+        )
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Committed tokens per verify round (1 .. draft tokens + 1); 0 without rounds."""
+        return self.committed / self.rounds if self.rounds > 0 else 0.0
+
+    @property
+    def draft_acceptance(self) -> float:
+        """Fraction of draft tokens accepted (0..1); 0 without drafts."""
+        return self.drafts_accepted / self.drafted if self.drafted > 0 else 0.0
+
+    def describe(self) -> str:
+        """One line naming both rates unambiguously, or a note that no round ran."""
+        if self.rounds <= 0:
+            return "no speculative round ran"
+        return (
+            f"{self.tokens_per_round:.2f} tokens per verify round ({self.committed:.0f} tokens committed "
+            f"in {self.rounds:.0f} rounds, each round's model token included); draft acceptance "
+            f"{100 * self.draft_acceptance:.1f} % ({self.drafts_accepted:.0f} of {self.drafted:.0f} draft "
+            f"tokens accepted)"
+        )
 
 
 class ChatClient:
@@ -85,6 +149,7 @@ class ChatClient:
         self, *, socket: str | None = None, url: str = "http://localhost:8000", timeout: float = 600.0
     ):
         self.where = f"unix socket {socket}" if socket else url
+        self._hint = "" if socket else NO_SOCKET_HINT
         transport = httpx.HTTPTransport(uds=socket) if socket else None
         self.http = httpx.Client(
             transport=transport, base_url="http://ignis" if socket else url, timeout=timeout
@@ -113,7 +178,7 @@ class ChatClient:
         try:
             r = self.http.get("/v1/models")
         except httpx.HTTPError as exc:
-            raise ChatError(f"cannot reach the server at {self.where}: {exc}") from exc
+            raise ChatError(f"cannot reach the server at {self.where}: {exc}{self._hint}") from exc
         self._check(r)
         try:
             data = r.json().get("data") or []
@@ -126,12 +191,12 @@ class ChatClient:
                 f"{r.headers.get('content-type', 'no content type')} {r.text[:80]!r}"
             ) from exc
 
-    def speculative_counters(self) -> tuple[float, float]:
-        """(ignis_speculative_rounds_total, ignis_speculative_accepted_tokens_total) now."""
+    def speculative_counters(self) -> SpecCounters:
+        """The server's speculative counters now (all 0 when /metrics cannot be read)."""
         try:
-            return _speculative(self.http.get("/metrics").text)
+            return SpecCounters.parse(self.http.get("/metrics").text)
         except httpx.HTTPError:
-            return 0.0, 0.0
+            return SpecCounters()
 
     def stream_chat(self, messages: list[dict[str, Any]], **params: Any) -> Iterator[str | Reply]:
         """Stream a chat completion: yields text deltas, then the `Reply` last.
@@ -175,7 +240,7 @@ class ChatClient:
                             yield delta
                         finish = choice.get("finish_reason") or finish
         except httpx.HTTPError as exc:
-            raise ChatError(f"cannot reach the server at {self.where}: {exc}") from exc
+            raise ChatError(f"cannot reach the server at {self.where}: {exc}{self._hint}") from exc
         total = time.perf_counter() - start
         yield Reply(
             text="".join(parts),
@@ -191,9 +256,14 @@ def _stdin_is_tty() -> bool:
     return sys.stdin.isatty()
 
 
-def _stats_line(reply: Reply, before: tuple[float, float], after: tuple[float, float]) -> str:
-    rounds, accepted = after[0] - before[0], after[1] - before[1]
-    spec = f", {accepted / rounds:.2f} tokens/round over {rounds:.0f} rounds" if rounds > 0 else ""
+def _stats_line(reply: Reply, before: SpecCounters, after: SpecCounters) -> str:
+    d = after - before
+    spec = (
+        f", {d.tokens_per_round:.2f} tokens/round over {d.rounds:.0f} rounds, draft acceptance "
+        f"{100 * d.draft_acceptance:.0f} %"
+        if d.rounds > 0
+        else ""
+    )
     return (
         f"[{reply.completion_tokens} tokens ({reply.finish_reason}), prompt {reply.prompt_tokens}; "
         f"first token {reply.seconds_to_first_token * 1000:.0f} ms, "
@@ -204,7 +274,7 @@ def _stats_line(reply: Reply, before: tuple[float, float], after: tuple[float, f
 def _answer(
     client: ChatClient, messages: list[dict[str, Any]], params: dict[str, Any], out: TextIO, stats: bool
 ) -> Reply:
-    before = client.speculative_counters() if stats else (0.0, 0.0)
+    before = client.speculative_counters() if stats else SpecCounters()
     reply: Reply | None = None
     for item in client.stream_chat(messages, **params):
         if isinstance(item, Reply):

@@ -195,7 +195,7 @@ def main(
         spec = [
             ln for ln in metrics.splitlines() if ln.startswith("ignis_speculative_") and "position" not in ln
         ]
-        rounds, accepted = client.speculative_counters()
+        counters = client.speculative_counters()
         if reply is not None:
             click.echo(
                 f"      {reply.completion_tokens} tokens ({reply.finish_reason}), first token "
@@ -203,11 +203,10 @@ def main(
                 f"{reply.tokens_per_second:.1f} tokens/s",
                 err=True,
             )
-        click.echo("      speculative metrics:", err=True)
+        click.echo("      speculative counters (/metrics):", err=True)
         for line in spec or ["(none: no speculative round ran)"]:
             click.echo(f"        {line}", err=True)
-        if rounds:
-            click.echo(f"        tokens per round = accepted / rounds = {accepted / rounds:.2f}", err=True)
+        click.echo(f"      speculation: {counters.describe()}", err=True)
     except ChatError as exc:
         raise click.ClickException(f"chat failed: {exc}") from exc
     finally:

@@ -13,7 +13,9 @@ libraries the model uses (the drafter's top-k, the fused GDN recurrence and row 
 Atomicity: everything is written into a temporary sibling directory `.NAME.<random>.partial` next
 to `out`, which is renamed to `out` only when the manifest is written. Any failure, and
 KeyboardInterrupt, removes the temporary directory and the missing parent folders of `out` that the
-build created: a failed or interrupted build leaves nothing.
+build created: a failed or interrupted build leaves nothing. A build killed outright (SIGKILL) cannot
+clean up; the directory stays locked (flock) only while its builder lives, and the next build into
+the same folder removes it (`partials.py`).
 
 Safety (checked by `make_plan`, before anything is read, also in a dry run): `out` must not be or
 contain an input (checkpoint, drafter, recipe, corpus); `overwrite` replaces only an ignis artifact
@@ -47,6 +49,7 @@ from ignis.compiler.build.manifest import (
     write_manifest,
 )
 from ignis.compiler.build.modules import build_modules, prepare_cuda_build
+from ignis.compiler.build.partials import LEFTOVER_RE, Cleanup, claim_partial, remove_stale
 from ignis.compiler.build.plan import BuildPlan, human, make_plan
 from ignis.compiler.build.recipe import Recipe
 from ignis.compiler.build.shortlist import PREFIX as SHORTLIST_PREFIX
@@ -356,8 +359,9 @@ def build_artifact(
     created: list[Path] = []  # missing parents of out, made here and removed again on failure
     try:
         created = _make_parents(out_path.parent)
-        tmp = out_path.parent / f".{out_path.name}.{secrets.token_hex(4)}.partial"
-        tmp.mkdir()
+        _report_cleanup(remove_stale(out_path.parent), say)
+        part = claim_partial(out_path.parent, out_path.name)
+        tmp = part.path
     except BaseException as exc:
         _remove_dirs(created)
         if isinstance(exc, OSError):
@@ -416,6 +420,8 @@ def build_artifact(
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_dirs(created)
         raise
+    finally:
+        part.release()
     total = sum(f.size for f in manifest.files)
     seconds = time.perf_counter() - start
     say(f"built {out_path} ({human(total)}) in {seconds:.1f} s")
@@ -449,6 +455,15 @@ def _remove_dirs(created: list[Path]) -> None:
             d.rmdir()
         except OSError:
             return
+
+
+def _report_cleanup(cleanup: Cleanup, say: Callable[[str], None]) -> None:
+    for p in cleanup.removed:
+        say(f"removed {p.name}: left behind by a build that was killed")
+    for p in cleanup.kept_old:
+        m = LEFTOVER_RE.match(p.name)
+        out = p.parent / (m["out"] if m else "?")
+        say(f"warning: {out} is missing; {p} holds the artifact a killed build was replacing: rename it back")
 
 
 def _install(tmp: Path, out: Path) -> None:

@@ -63,9 +63,8 @@ struct ConvParams {
 
 // A thread per (channel, column, lane): out[l, t, c] needs only window positions t .. t + K - 1
 // ([state | the round's columns]), so the columns run in parallel rather than one after another in
-// a thread (a thread walking its channel's columns took 2.4 / 4.8 / 13.5 us a layer at 1 / 8 / 32
-// columns, and neither loading 8 columns at once nor coalescing its window writes moved that much:
-// docs/PERF.md runs 88-89). Grid (channel blocks, n, L); each thread also writes its window position
+// a thread (a thread walking its channel's columns grew with the column count, and neither loading 8
+// columns at once nor coalescing its window writes helped: the perf log, docs/perf/log/, runs 88-89). Grid (channel blocks, n, L); each thread also writes its window position
 // K - 1 + t, the column-0 threads the state's K - 1. The same FMA order as the torch conv's model.
 template <typename T, int K>
 __global__ void __launch_bounds__(kConvThreads) gdn_conv_silu_kernel(ConvParams p) {

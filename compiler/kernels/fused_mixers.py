@@ -2,9 +2,8 @@
 partial RoPE and KV write; the gated attention itself), CUDA kernels exported through tvm-ffi, for
 CUDA-graphed verify rounds.
 
-A graphed 27B-shaped round is graph-node bound outside its linears (docs/perf-drafts/fused-kernels.md):
-every small torch kernel is a node of ~2 us. These three functions replace per-layer chains of them in
-``StaticHybridExecutor``'s static rounds:
+Outside its linears a graphed round is bound by its graph nodes, one per small torch kernel. These
+three functions replace per-layer chains of them in ``StaticHybridExecutor``'s static rounds:
 
 * ``gdn_conv_silu(qkv, state, slots, weight, windows, out)`` -- once per GDN layer: the gather of the
   lanes' conv states, the concatenation with the round's columns, the depthwise causal conv1d and the
@@ -49,8 +48,8 @@ module's calling convention (outputs written in place), tested against them.
 One module holds all three (:data:`FUNCTION_NAMES`); :func:`build_fused_mixers` returns the exported
 ``.so`` (nvcc, SASS for one arch, no PTX). The kernels allocate nothing and launch on the stream
 tvm-ffi reports (torch's current one under ``tvm_ffi.use_torch_stream()``), so they can be captured
-in CUDA graphs. The caller is ``ignis.runtime.families.hybrid_graphs``
-(``StaticHybridExecutor(mixers_module=...)``).
+in CUDA graphs. The caller is ``ignis.runtime.kernels.fused_mixers.FusedMixersKernel``, which
+``StaticHybridExecutor(mixers_module=...)`` (``ignis.runtime.families.hybrid_graphs``) runs.
 """
 
 from __future__ import annotations

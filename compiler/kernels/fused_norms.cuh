@@ -231,8 +231,7 @@ __global__ void __launch_bounds__(kActThreads) silu_mul_kernel(ActParams p) {
 }
 
 // narrow_linear (a dense linear with few output features: the GDN's b|a projection, [2 v_heads,
-// hidden], which cuBLAS runs as a split-K GEMM plus a reduction kernel, two graph nodes a layer:
-// docs/PERF.md run 81):
+// hidden], which cuBLAS runs as a split-K GEMM plus a reduction kernel, two graph nodes a layer):
 //
 //     y[r, n] = round(sum_k float(x[r, k]) * float(w[n, k]))          fp32 accumulation
 //
@@ -240,8 +239,8 @@ __global__ void __launch_bounds__(kActThreads) silu_mul_kernel(ActParams p) {
 // chunks (thread t: chunks t, t + kLinThreads, ..; per row an FMA chain over the chunk's elements, k
 // ascending). A thread's first kLinKeep chunks are loaded all at once -- the weight's before the
 // grid wait (constant), x's after it (the previous kernel writes it) -- so a row tile costs about one
-// memory round trip (a loop of dependent chunk loads was latency-bound: 3.5 us a call at one row,
-// 9.8 at eight, docs/PERF.md run 84); K past kLinThreads x kLinKeep chunks is looped. The
+// memory round trip (a loop of dependent chunk loads was latency-bound: the perf log,
+// docs/perf/log/, run 84); K past kLinThreads x kLinKeep chunks is looped. The
 // per-thread sums of a row meet in an xor-shuffle tree per warp and the warp sums are added in warp
 // order (deterministic).
 constexpr int kLinThreads = 512;

@@ -2,8 +2,8 @@
 RMSNorm), the SwiGLU activation and a narrow dense linear, CUDA kernels exported through tvm-ffi,
 for CUDA-graphed verify rounds.
 
-A graphed 27B-shaped round is graph-node bound outside its linears (docs/perf-drafts/e2e-graphs.md):
-every small torch kernel is a node of ~2 us. These four functions replace the most frequent chains:
+Outside its linears a graphed round is bound by its graph nodes, one per small torch kernel. These four
+functions replace the most frequent chains:
 
 * ``add_rms_norm(h, d, w1p, h_out, x_out, eps)`` -- twice per decoder layer (after the mixer and
   after the MLP, the latter fused with the next layer's input norm, or the final norm)::
@@ -28,7 +28,7 @@ every small torch kernel is a node of ~2 us. These four functions replace the mo
   ATen's ``silu_kernel`` and the same roundings).
 * ``narrow_linear(x, w, y)`` -- once per GDN layer, the b|a projection ``y = x @ w^T`` for a dense
   weight of few output features ([2 v_heads, hidden] = [96, 5120] on the 27B: cuBLAS runs it as a
-  split-K GEMM plus its reduction, 2 kernels, ~6 us a layer at one row, docs/PERF.md run 81), one
+  split-K GEMM plus its reduction, 2 kernels), one
   launch with fp32 accumulation in a fixed order (not cuBLAS's: the sums agree to float32 rounding).
 
 All compute in float32 and round at the points the torch path does; only the order of the float32
@@ -38,13 +38,13 @@ torch paths (the oracles), the ``*_emulated`` ones CPU models of the kernels (sa
 tested against them.
 
 One module holds the four functions (:data:`FUNCTION_NAMES`): one build, one file to carry and load,
-one argument-checking header; all are small per-row pieces of the same rounds. Modules built before
-``silu_mul`` and ``narrow_linear`` (session 10) export only the norms; the runtime takes them as
-optional. :func:`build_fused_norms` returns
+one argument-checking header; all are small per-row pieces of the same rounds. Older modules without
+``silu_mul`` and ``narrow_linear`` export only the norms; the runtime takes those two as optional
+(``ignis.runtime.kernels.fused_norms.OPTIONAL_FUNCTION_NAMES``). :func:`build_fused_norms` returns
 the exported ``.so`` (nvcc, SASS for one arch, no PTX). The kernels allocate nothing and launch on
 the stream tvm-ffi reports (torch's current one under ``tvm_ffi.use_torch_stream()``), so they can be
-captured in CUDA graphs. The caller is ``ignis.runtime.families.hybrid_graphs``
-(``StaticHybridExecutor(norms_module=...)``).
+captured in CUDA graphs. The caller is ``ignis.runtime.kernels.fused_norms.FusedNormsKernel``, which
+``StaticHybridExecutor(norms_module=...)`` (``ignis.runtime.families.hybrid_graphs``) runs.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@
 // Modes (template MODE):
 // * kModeRecord: the state after every column is written to the round's record buffer
 //   (record[t, lane], 4 * k_dim * v_dim bytes a head and column: at 8 columns and more the kernel
-//   is bound by these writes, ~1.1 us a column for the 27B shape: docs/PERF.md run 59).
+//   is bound by these writes, which is why kModeStash exists).
 // * kModeStash: the round writes no state at all; it writes what the recurrence consumed of each
 //   column -- the normalized k of every key head, v, beta and the decay exp(g) of every value head,
 //   float32 -- into a stash row (stash layout below, ~33 KB a column for the 27B shape instead of

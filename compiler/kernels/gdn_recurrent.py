@@ -41,13 +41,8 @@ order), tested against it.
 Limits: k_dim <= :data:`MAX_KEY_DIM`; v_heads a multiple of num_key_heads. It launches on the stream
 tvm-ffi reports (torch's current stream under ``tvm_ffi.use_torch_stream()``), allocates nothing, so
 it can be captured in a CUDA graph. Wrong shapes, dtypes or devices raise ``ValueError`` /
-``TypeError`` from the module. The caller is ``ignis.runtime.families.hybrid_graphs``
-(``StaticHybridExecutor(gdn_module=...)``).
-
-Measured on an H200 (docs/perf-drafts/gdn-kernel.md), one GDN layer of the 27B shape (48 value
-heads of 128 x 128), CUDA-graph replay: 17 us at 1 lane x 1 column, 24 us at 1 x 8, 91 us at 8 x 8
-(the torch path 67 / 227 / 628 us); the 1-lane graphed round 16.1 -> 12.2 ms at 1 column, 26.1 ->
-15.8 at 8, 59.5 -> 21.4 at 32.
+``TypeError`` from the module. The caller is ``ignis.runtime.kernels.gdn_recurrent.GdnRecurrentKernel``
+for ``ignis.runtime.families.hybrid_graphs`` (``StaticHybridExecutor(gdn_module=...)``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 // stream is finishing: it calls `pdl_grid_wait` before it touches memory an earlier kernel may write
 // (constant weights may be read before it: `narrow_linear`), and `pdl_grid_trigger` to
 // let the next kernel launch early (that kernel waits in turn). Both are no-ops before sm_90. (The
-// same for the GDN recurrence and the fused mixers was no faster at 1 column and 2-5 % slower at 8:
-// docs/PERF.md run 46.)
+// same for the GDN recurrence and the fused mixers was not faster: the perf log, docs/perf/log/,
+// run 46.)
 #pragma once
 
 namespace ignis_pdl {

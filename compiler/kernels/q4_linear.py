@@ -257,30 +257,30 @@ class Q4TileConfig:
         )
 
 
-# Tile choices measured on the H200 (docs/PERF.md, runs 4-9; docs/perf-drafts/q4-kernels.md, runs
-# 10-15): per family of shapes -- "wide" outputs (>= 8448 features: enough 16-row tiles for 2 per
-# block and every SM busy, e.g. 17408x5120) and "narrow" ones (e.g. 5120x17408, 320 tiles) -- the
-# first rule whose max_rows covers the width. Shapes never measured get their family's rule.
+# Tile choices, the fastest measured on the H200 per row bucket (the perf log, docs/perf/log/, q4
+# runs 4-15): per family of shapes -- "wide" outputs (>= 8448 features: enough 16-row tiles for 2
+# per block and every SM busy, e.g. 17408x5120) and "narrow" ones (e.g. 5120x17408, 320 tiles) --
+# the first rule whose max_rows covers the width. Shapes never measured get their family's rule.
 # 1..8 rows: the split-K kernel (layout "k"); 9..32 rows: layout "n" (block-shared activations,
-# clusters splitting K), the (up, down) pair per bucket chosen on the whole chain (runs 13, 15).
+# clusters splitting K), the (up, down) pair per bucket chosen on the whole MLP chain (runs 13, 15).
 _C = Q4TileConfig
 _N = {"layout": "n"}
 _SC = {"layout": "n", "k_span": True, "x_ca": True}
 _WIDE_RULES: tuple[tuple[int, Q4TileConfig], ...] = (
-    # run 8: the 8-warp tile wins from 4 rows on (0.169 vs 0.181 ms at 4 rows), the 4-warp one up to 3
-    (3, _C(1, 2, 4, 3, False, x_ring=True, min_blocks=4)),  # 0.1435 ms / 8 layers at 1 row
-    (8, _C(1, 2, 8, 3, False, x_ring=True)),  # 0.194 ms at 8 rows
-    (16, _C(2, 2, 4, 2, False, cluster_k=4, x_ca=True, **_N)),  # 0.188 ms at 16 rows (split-K: 0.242)
-    (24, _C(3, 2, 4, 2, False, cluster_k=4, **_SC)),  # 0.243 ms at 24 rows (0.347)
-    (32, _C(4, 2, 4, 2, False, cluster_k=8, **_SC)),  # 0.266 ms at 32 rows (0.424)
+    # the 4-warp tile up to 3 rows, the 8-warp one from 4 rows on (run 8)
+    (3, _C(1, 2, 4, 3, False, x_ring=True, min_blocks=4)),
+    (8, _C(1, 2, 8, 3, False, x_ring=True)),
+    (16, _C(2, 2, 4, 2, False, cluster_k=4, x_ca=True, **_N)),  # layout "n" beats split-K from 9 rows
+    (24, _C(3, 2, 4, 2, False, cluster_k=4, **_SC)),
+    (32, _C(4, 2, 4, 2, False, cluster_k=8, **_SC)),
 )
 _NARROW_RULES: tuple[tuple[int, Q4TileConfig], ...] = (
-    (8, _C(1, 1, 8, 4, True)),  # 0.158 ms at 1 row, 0.217 at 8
-    (16, _C(2, 2, 4, 2, False, cluster_k=8, vec=2, **_SC)),  # 0.185 ms at 16 rows (split-K: 0.304)
-    (24, _C(3, 2, 4, 2, False, cluster_k=8, **_SC)),  # 0.273 ms at 24 rows (0.398)
-    # run 15: one m-tile per warp, 8 warps (0.308 ms alone vs 0.291 for MT 2 with two k-steps per
-    # stage, but the chain with the up tile is 4-5 % faster: 0.579 vs 0.609 ms at 32 rows)
-    (32, _C(4, 1, 8, 2, False, cluster_k=8, **_SC)),  # 0.308 ms at 32 rows (split-K: 0.465)
+    (8, _C(1, 1, 8, 4, True)),
+    (16, _C(2, 2, 4, 2, False, cluster_k=8, vec=2, **_SC)),
+    (24, _C(3, 2, 4, 2, False, cluster_k=8, **_SC)),
+    # one m-tile per warp, 8 warps: slower alone than two m-tiles with two k-steps a stage, but the
+    # MLP chain with the up tile is faster (run 15)
+    (32, _C(4, 1, 8, 2, False, cluster_k=8, **_SC)),
 )
 WIDE_OUT_FEATURES = 16 * 2 * 264  # 2 tiles per block, 2 blocks per SM on 132 SMs
 # Exact (out, in) -> rules overrides, for shapes measured to prefer something else.

@@ -21,7 +21,7 @@
 //   group; more exact than rounding the scaled weight); else the scale is multiplied in before the
 //   mma (cheaper from 2 n-tiles on). (Weights left biased -- no half arithmetic in the
 //   dequantization -- with the bias removed by two more mmas a group were measured 5-23 % slower:
-//   docs/PERF.md run 30.)
+//   docs/perf/log/ run 30.)
 // * Stream-K: the U = G * S units (G tile groups of MT tiles, k fastest) are split evenly over the
 //   P = grid * WARPS warps (warp p: units [p U / P, (p + 1) U / P)), so every SM streams the same
 //   number of bytes whatever the shape. A warp's units are one contiguous stream per tile. A tile
@@ -32,7 +32,7 @@
 //   for the slots to hold values (the workspace's empty value is a NaN bit pattern arithmetic never
 //   produces, so each float announces itself), sums them after its own in worker order (a fixed
 //   order: deterministic), restores the empty value and writes y. (An atomic-ticket protocol --
-//   park, fence, ticket, the last sums -- was measured 5-15 % slower and removed: docs/PERF.md.)
+//   park, fence, ticket, the last sums -- was measured 5-15 % slower and removed: docs/perf/log/.)
 // * Programmatic dependent launch: the first D units' weights are loaded before
 //   griddepcontrol.wait; activations, outputs and workspace are touched only after it.
 #pragma once
@@ -223,7 +223,7 @@ __device__ __noinline__ float4 tiled_poll(const float4* p) {
 // fixed order, so results are deterministic) and restore kSlotEmpty in them. It runs inline after
 // the range's loop, at the end of the launch, when the block has nothing else to do, so the loads
 // of up to kBatch slots are issued together at 1-8 rows (8 float4s a lane; -0.001 to -0.002 ms a
-// chain; 4 slots a pass at 9-16 rows were 3 % slower: docs/PERF.md runs 75-76). The pass is a loop,
+// chain; 4 slots a pass at 9-16 rows were 3 % slower: docs/perf/log/ runs 75-76). The pass is a loop,
 // not unrolled, and a float still kSlotEmpty is polled out of line (tiled_poll): this code runs from
 // a cold instruction cache (a gather unrolled over every slot with a poll loop each was 4-9 %
 // slower: runs 35-36; the poll out of line made 48-64 rows 2 % faster: run 75).
@@ -350,7 +350,7 @@ __device__ __noinline__ void tiled_finish_group_mid(TiledAcc<MT, NT> a, int grp,
 // XS: the first kXsFirst k-steps' activations form one copy group and the rest a second: the
 // units start once the first has landed, and the block waits for the rest before unit kXsFirst.
 // XS 2 copies every row's first group before any row's second (row by row, the first group waited
-// behind most of the second's bytes: docs/PERF.md run 32; groups of 2, 4, 8, .. k-steps were no
+// behind most of the second's bytes: docs/perf/log/ run 32; groups of 2, 4, 8, .. k-steps were no
 // faster than two: run 34).
 constexpr int kXsFirst = 4;
 
@@ -379,7 +379,7 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // shared memory for the weights, each lane's weights travel global -> registers, D units deep.
 // RING = 2: each lane streams its own pieces through a private cp.async ring in shared memory
 // (tiled_lane_ring_bytes<MT, D>() a warp), D - 1 units in flight without registers. (A bulk-copy
-// ring, filled by the Hopper copy engine, was measured slower and removed: docs/PERF.md.)
+// ring, filled by the Hopper copy engine, was measured slower and removed: docs/perf/log/.)
 // ws: fp32 workspace of n_groups * slots * MT * NT * 128 floats, kSlotEmpty between launches.
 // n_workers <= U: warps p >= n_workers exit at once.
 // XDB: the next unit's activations are loaded into registers before this unit's math (instead of
@@ -393,7 +393,7 @@ __host__ __device__ constexpr int tiled_lane_ring_bytes() {
 // 256 bytes a row and k-step plus 64 a row; XS 3: a ring of XR x XK k-steps refilled by bulk copies
 // as the units advance, see tiled_xr_lag); the units then read them from there. Each warp
 // finishes its share of a group on its own: workspace slots per warp share (n_groups * WARPS). (L2 prefetching ahead of the ring, in
-// the prologue or all along, was measured slower and removed: docs/PERF.md, runs 17 and 19.)
+// the prologue or all along, was measured slower and removed: docs/perf/log/, runs 17 and 19.)
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int RING, bool XDB = false,
           int MODE = kModeCompute, int XS = 0, int XR = 0, int XK = 1>
 __global__ void __launch_bounds__(WARPS * 32, MINB)

@@ -215,23 +215,21 @@ def build_q4_tiled_module(
     )
 
 
-# Configuration per n-tile count (rows 1-8, 9-16, .., 57-64), measured on the H200 with
-# tools/bench_q4_tiled.py (docs/PERF.md, 2026-11-29, tiled runs 1-16): blocks of 16 warps, one a SM
-# (128 registers a thread), activations staged in shared memory once per block -- by bulk copies
-# on sm_90 and newer (session 5, run 30: 2-5 % faster than cp.async staging at 1-16 and 28-32
-# rows), by cp.async before (no bulk copies there) --, a 3-unit register ring of weights, shared
-# groups finished by their first worker (self-announcing partials, session 4: runs 18-19); scales
-# applied after the mma up to 16 rows, folded into the weights above. The same configuration serves
-# every shape (no shared memory is reserved at build time; the launch sizes the activation buffer,
-# splits the call over tile ranges or 16-row slices when it does not fit, and falls back to the warp
-# kernel last). 33-64 rows (5-8 n-tiles, session 8) read the activations word by word in the mma
-# loop. At 41-64 rows (6-8 n-tiles) the activations of a block's whole span of k-steps do not fit
-# in shared memory, and splitting the launch over tile ranges cost ~37 us a launch (0.91-1.17 ms on
-# the 27B's MLP chain against 0.85 as two 32-row calls: docs/PERF.md runs 62-68); they stream
-# through a ring of 2 slots of 4 k-steps instead (session 9, runs 69-71: 0.62 / 0.70 / 0.82 ms at
-# 48 / 56 / 64 rows). The ring is slower wherever the whole span fits (+10-14 % at 1 row, +7 % at
-# 40 rows, run 71), so 1-40 rows keep whole-span staging. Without bulk copies (before sm_90) both
-# fall back to cp.async whole-span staging.
+# Configuration per n-tile count (rows 1-8, 9-16, .., 57-64), the fastest measured on the H200 with
+# the tiled q4 benchmark (the perf log, docs/perf/log/: tiled runs 1-16, and the runs named below):
+# blocks of 16 warps, one a SM (128 registers a thread), activations staged in shared memory once per
+# block -- by bulk copies on sm_90 and newer (faster than cp.async staging: run 30), by cp.async
+# before (no bulk copies there) --, a 3-unit register ring of weights, shared groups finished by
+# their first worker (self-announcing partials: runs 18-19); scales applied after the mma up to 16
+# rows, folded into the weights above. The same configuration serves every shape (no shared memory
+# is reserved at build time; the launch sizes the activation buffer, splits the call over tile ranges
+# or 16-row slices when it does not fit, and falls back to the warp kernel last). 33-64 rows (5-8
+# n-tiles) read the activations word by word in the mma loop. At 41-64 rows (6-8 n-tiles) the
+# activations of a block's whole span of k-steps do not fit in shared memory, and splitting the
+# launch over tile ranges costs a launch each (runs 62-68); they stream through a ring of 2 slots of
+# 4 k-steps instead (runs 69-71). The ring is slower wherever the whole span fits (run 71), so 1-40
+# rows keep whole-span staging. Without bulk copies (before sm_90) both fall back to cp.async
+# whole-span staging.
 _RULES: dict[int, TiledConfig] = {
     nt: TiledConfig(
         n_tiles=nt,

@@ -139,7 +139,7 @@ struct TiledArgs {
 // Rows a call is split into when its block activations do not fit in shared memory at its row count
 // but do at this many (the 2-n-tile kernel, a launch per such row slice): a wide weight at 17-32 rows
 // (the 248,320 x 5,120 lm head) streams its weights twice through the block kernel rather than once
-// through the warp kernel, which reads every unit's activations from L1 (docs/PERF.md run 61).
+// through the warp kernel, which reads every unit's activations from L1 (docs/perf/log/ run 61).
 constexpr int kRowSlice = 16;
 
 template <typename T, int NT, int MT, int WARPS, int D, bool POST, int MINB, int BPS, int RING, bool XDB, int MODE,

@@ -27,10 +27,7 @@ It launches on the stream tvm-ffi reports (torch's current stream under
 ``tvm_ffi.use_torch_stream()``), so it can be captured in a CUDA graph after one eager call (the
 first call reserves 64 KiB of shared memory per block). Wrong shapes, dtypes or devices raise
 ``ValueError`` / ``TypeError`` from the module. ``ignis.runtime.kernels.topk.topk`` is the caller.
-
-Measured on an H200 (docs/perf-drafts/topk.md): 30-38 us of device time at V = 248,320 for 1-8
-rows and k = 8-64 (torch.topk: 70-76 us), flat in rows; the per-row select kernel's two bitonic
-sorts dominate (a radix select is the next step there).
+The per-row select kernel's two bitonic sorts dominate its time.
 """
 
 from __future__ import annotations

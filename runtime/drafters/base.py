@@ -18,7 +18,15 @@ Lifecycle per lane, driven by `ignis.runtime.engine.SpeculativeEngine`:
    `end_lane`.
 2. Each round the lane drafts in: `propose([request, ...])` (only lanes with num_drafts >= 1), then,
    after acceptance, `commit([span, ...])` with every continuing lane's committed columns.
-3. `end_lane(lane_id)` when the lane finishes (stop, length, abort); no commit for its last run.
+3. `end_lane(lane_id)` when the lane finishes (stop, length, abort); no commit for its last run,
+   unless the engine records the lane's state at the end of its reply (a prompt checkpoint): then the
+   last run is committed first and `snapshot_lane` follows.
+
+Prompt checkpoints (`ignis.runtime.checkpoints`): a drafter with `supports_checkpoints` implements
+`snapshot_lane(lane_id, num_tokens)` (its context once the lane's first num_tokens tokens are
+committed, taken between steps) and `restore_lane(lane_id, prompt_token_ids, snapshot)`, which
+replaces `start_lane` for a lane that starts from a checkpoint: the prompt's remaining spans follow
+from position `snapshot.num_tokens` on (none when the checkpoint covers the whole prompt).
 
 Positions: the anchor of a lane sits at position `DraftRequest.position` = the number of tokens the
 model has committed for the lane (prompt + output - 1); draft j (0-based) is proposed for position
@@ -29,12 +37,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from ignis.runtime.errors import IgnisRuntimeError
 from ignis.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ignis.runtime.checkpoints import DrafterSnapshot
 
 __all__ = ["BaseDrafter", "CommittedSpan", "DraftProposal", "DraftRequest", "Drafter", "DrafterError"]
 
@@ -157,6 +168,23 @@ class BaseDrafter:
     is_row_budgeted: bool = False
     needs_hidden_states: bool = False
     tap_layers: tuple[int, ...] = ()
+    #: whether `snapshot_lane` / `restore_lane` are implemented (prompt checkpoints are off otherwise)
+    supports_checkpoints: bool = False
+
+    def snapshot_lane(self, lane_id: int, num_tokens: int) -> DrafterSnapshot | None:
+        """The lane's context at num_tokens committed tokens (module docstring); None by default
+        (a drafter that cannot be checkpointed: `supports_checkpoints` is False)."""
+        return None
+
+    def restore_lane(self, lane_id: int, prompt_token_ids: Sequence[int], snapshot: DrafterSnapshot) -> None:
+        """Start a lane from a snapshot (module docstring).
+
+        Raises:
+            CheckpointError: this drafter cannot restore (`supports_checkpoints` is False).
+        """
+        from ignis.runtime.checkpoints import CheckpointError
+
+        raise CheckpointError(f"drafter {self.name!r} cannot restore a lane from a checkpoint")
 
     def start_lane(self, lane_id: int, prompt_token_ids: Sequence[int]) -> None:
         """Nothing to set up by default."""

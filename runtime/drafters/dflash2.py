@@ -84,6 +84,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
+from ignis.runtime.checkpoints import DrafterSnapshot
 from ignis.runtime.drafters import DRAFTERS, register_drafter
 from ignis.runtime.drafters.base import BaseDrafter, CommittedSpan, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.drafters.common import (
@@ -100,6 +101,7 @@ from ignis.runtime.drafters.common import (
     rope_inv_freq,
 )
 from ignis.runtime.errors import ConfigError, StateError, TensorShapeError
+from ignis.runtime.families.attention import sdpa
 from ignis.runtime.families.base import FamilyConfig
 from ignis.runtime.families.moe import SwiGLUWeights, swiglu_mlp
 from ignis.runtime.kernels.topk import TopKModule, topk
@@ -800,7 +802,7 @@ class DFlash2Network:
                 ck, cv = contexts[b][li]
                 keys = torch.cat([ck.to(self.dtype), k[sl]], dim=0) if ck.shape[0] else k[sl]
                 values = torch.cat([cv.to(self.dtype), v[sl]], dim=0) if cv.shape[0] else v[sl]
-                o = F.scaled_dot_product_attention(
+                o = sdpa(
                     q[sl].transpose(0, 1).unsqueeze(0),
                     keys.transpose(0, 1).unsqueeze(0),
                     values.transpose(0, 1).unsqueeze(0),
@@ -1080,6 +1082,62 @@ class DFlash2Drafter(BaseDrafter):
     def end_lane(self, lane_id: int) -> None:
         """Drop the lane's context."""
         self._lanes.pop(lane_id, None)
+
+    supports_checkpoints = True
+
+    def snapshot_lane(self, lane_id: int, num_tokens: int) -> DrafterSnapshot:
+        """The lane's context windows: ``layer.{i}.keys`` / ``layer.{i}.values`` [n_i, nkv, hd] (the
+        last n_i <= sliding_window - 1 committed positions' keys and values, copies).
+
+        Raises:
+            StateError: unknown lane, or its context does not end at num_tokens.
+        """
+        lane = self._lane(lane_id)
+        if lane.num_positions != num_tokens:
+            raise StateError(
+                f"dflash2: lane {lane_id} context ends at {lane.num_positions}, not at the checkpoint's "
+                f"{num_tokens}"
+            )
+        tensors = {}
+        for i, window in enumerate(lane.windows):
+            k, v = window.view()
+            tensors[f"layer.{i}.keys"], tensors[f"layer.{i}.values"] = k.clone(), v.clone()
+        return DrafterSnapshot(num_tokens=int(num_tokens), tensors=tensors)
+
+    def restore_lane(self, lane_id: int, prompt_token_ids: Sequence[int], snapshot: DrafterSnapshot) -> None:
+        """Open the lane's context as `snapshot` holds it (the windows as they stood at its position).
+
+        Raises:
+            CheckpointError: the snapshot's layers or shapes do not fit this drafter.
+        """
+        from ignis.runtime.checkpoints import CheckpointError
+
+        c = self.config
+        self.start_lane(lane_id, prompt_token_ids)
+        lane = self._lanes[lane_id]
+        try:
+            for i, window in enumerate(lane.windows):
+                k, v = snapshot.tensors[f"layer.{i}.keys"], snapshot.tensors[f"layer.{i}.values"]
+                if k.shape != v.shape or tuple(k.shape[1:]) != (c.num_key_value_heads, c.head_dim):
+                    raise CheckpointError(
+                        f"dflash2: snapshot layer {i} keys {tuple(k.shape)} / values {tuple(v.shape)} do not "
+                        f"fit [n, {c.num_key_value_heads}, {c.head_dim}]"
+                    )
+                if k.shape[0]:
+                    window.append(k.to(window.keys), v.to(window.values))
+            extra = sorted(
+                set(snapshot.tensors)
+                - {f"layer.{i}.{w}" for i in range(c.num_hidden_layers) for w in ("keys", "values")}
+            )
+            if extra:
+                raise CheckpointError(f"dflash2: snapshot holds unknown tensors {extra}")
+        except KeyError as exc:
+            self._lanes.pop(lane_id, None)
+            raise CheckpointError(f"dflash2: snapshot lacks tensor {exc.args[0]!r}") from None
+        except CheckpointError:
+            self._lanes.pop(lane_id, None)
+            raise
+        lane.num_positions = int(snapshot.num_tokens)
 
     def context(self, lane_id: int) -> LaneContext:
         """The lane's context (for tests and tools). Raises StateError for an unknown lane."""

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from ignis.runtime.checkpoints import DrafterSnapshot
 from ignis.runtime.drafters import DRAFTERS, register_drafter
 from ignis.runtime.drafters.base import BaseDrafter, CommittedSpan, DraftProposal, DraftRequest
 from ignis.runtime.drafters.common import DrafterFitError
@@ -309,6 +310,65 @@ class DraftModelDrafter(BaseDrafter):
         release = getattr(self.executor, "release_lane", None)
         if lane is not None and callable(release):
             release(lane.state)
+
+    @property
+    def supports_checkpoints(self) -> bool:  # type: ignore[override]
+        """Whether the draft executor's lane state can be captured (`ignis.runtime.checkpoints`)."""
+        from ignis.runtime.checkpoints import model_state_io
+
+        return model_state_io(self.executor) is not None
+
+    def snapshot_lane(self, lane_id: int, num_tokens: int) -> DrafterSnapshot:
+        """The draft model's own state for the lane: the confirmed tokens it holds (``num_fed`` <=
+        num_tokens, meta) as the draft executor's canonical tensors (`ignis.runtime.checkpoints`).
+        Taken between rounds (no pending forward, no speculative drafts). Truncatable where the draft
+        executor's state is (attention only) or when it holds nothing yet (its prompt is fed lazily).
+
+        Raises:
+            StateError: unknown lane, or a lane with an unresolved round.
+        """
+        from ignis.runtime.checkpoints import capture_model_state, model_state_io
+
+        lane = self._lanes.get(lane_id)
+        if lane is None:
+            raise StateError(f"draft-model: snapshot of lane {lane_id}, which did not start")
+        if lane.pending is not None or lane.speculative:
+            raise StateError(f"draft-model: lane {lane_id} has an unresolved round; commit first")
+        fed = int(lane.state.num_tokens)
+        if fed > num_tokens:
+            raise StateError(
+                f"draft-model: lane {lane_id} holds {fed} tokens, past the checkpoint's {num_tokens}"
+            )
+        io = model_state_io(self.executor)
+        assert io is not None
+        truncatable = fed == 0 or io.is_truncatable(self.executor)
+        tensors = capture_model_state(self.executor, lane.state) if fed else {}
+        meta = {"num_fed": fed, "is_truncatable": int(truncatable), "is_disabled": int(lane.is_disabled)}
+        return DrafterSnapshot(num_tokens=int(num_tokens), tensors=tensors, meta=meta)
+
+    def restore_lane(self, lane_id: int, prompt_token_ids: Sequence[int], snapshot: DrafterSnapshot) -> None:
+        """Start the lane with its draft state restored (the tokens of the prompt it does not hold yet
+        are fed by its first proposal, as for a fresh lane). `snapshot.num_tokens` is the position the
+        target restores at: a truncatable snapshot may come with one below the position it was taken
+        at, and then at most that many of its tokens are restored.
+
+        Raises:
+            CheckpointError: the tensors do not fit the draft executor.
+        """
+        from ignis.runtime.checkpoints import restore_model_state
+
+        self.start_lane(lane_id, prompt_token_ids)
+        lane = self._lanes[lane_id]
+        fed = min(int(snapshot.meta.get("num_fed", 0)), int(snapshot.num_tokens), len(prompt_token_ids))
+        if fed:
+            try:
+                restore_model_state(self.executor, lane.state, snapshot.tensors, fed)
+            except Exception:
+                self.end_lane(lane_id)
+                raise
+        lane.is_disabled = bool(snapshot.meta.get("is_disabled", 0)) and fed == int(
+            snapshot.meta.get("num_fed", 0)
+        )
 
     def num_fed(self, lane_id: int) -> int:
         """Tokens the lane's draft state holds; between rounds (after `commit`) these are confirmed

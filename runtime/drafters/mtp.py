@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ignis.runtime.checkpoints import DrafterSnapshot
 from ignis.runtime.drafters import DRAFTERS, register_drafter
 from ignis.runtime.drafters.base import BaseDrafter, CommittedSpan, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.drafters.common import (
@@ -65,6 +66,7 @@ from ignis.runtime.drafters.common import (
     rope_inv_freq,
 )
 from ignis.runtime.errors import ConfigError, StateError
+from ignis.runtime.families.attention import sdpa
 from ignis.runtime.families.base import get_family
 from ignis.runtime.families.hybrid_executor import rms_norm_one_plus
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
@@ -339,7 +341,7 @@ class MTPHead:
                     torch.arange(total, device=self.device)[None, :]
                     <= torch.arange(past, total, device=self.device)[:, None]
                 )
-            o = F.scaled_dot_product_attention(
+            o = sdpa(
                 q[start : start + n].transpose(0, 1).unsqueeze(0),
                 kv.keys[:total].transpose(0, 1).unsqueeze(0),
                 kv.values[:total].transpose(0, 1).unsqueeze(0),
@@ -372,15 +374,24 @@ class MTPLaneState:
         kv: the head's KV cache; `kv.length` committed rows (positions 0..num_tokens-1).
         last_hidden: [H] the head's output (after mtp.norm) at the last committed row, or None.
         last_token: the token embedded at that row: the lane's anchor.
+        last_trunk_hidden: [H] the trunk's pre-norm hidden state at the last committed position.
+        pending_hidden: [H] for a lane restored from a checkpoint, the trunk's hidden state at the
+            checkpoint's last position, whose row waits for the token after it; else None.
     """
 
     kv: _KV
     last_hidden: torch.Tensor | None = None
     last_token: int | None = None
+    # the trunk's (pre-norm) hidden state of the last committed position, [H]: what a checkpoint
+    # keeps to compute that position's row once the token after it is known
+    last_trunk_hidden: torch.Tensor | None = None
+    # a lane restored from a checkpoint at N: its KV holds rows 0..N-2 and this is the trunk's hidden
+    # at N - 1, whose row is run once the token at N is known (the next commit or propose)
+    pending_hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Committed positions the head's KV holds."""
+        """Committed positions the head's KV holds (a restored lane's pending row not counted)."""
         return self.kv.length
 
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -458,6 +469,86 @@ class MTPDrafter(BaseDrafter):
         """Open an empty head state for the lane (its prompt span's `commit` fills it)."""
         self._lanes[lane_id] = MTPLaneState(self.head.new_kv())
 
+    supports_checkpoints = True
+
+    def snapshot_lane(self, lane_id: int, num_tokens: int) -> DrafterSnapshot:
+        """The lane's head state at N = num_tokens committed positions, independent of the token at N:
+        ``keys`` / ``values`` [N - 1, kv_heads, head_dim] (rows 0..N-2, each pairing a position with
+        the committed token after it) and ``hidden`` [H], the trunk's pre-norm hidden state at N - 1
+        (its row is run by the restored lane once the token at N is known).
+
+        Raises:
+            StateError: unknown lane, or its head state does not end at num_tokens.
+        """
+        lane = self.state(lane_id)
+        pending = lane.pending_hidden is not None
+        rows = lane.kv.length if pending else lane.kv.length - 1
+        hidden = lane.pending_hidden if pending else lane.last_trunk_hidden
+        if rows + 1 != num_tokens or hidden is None:
+            raise StateError(
+                f"mtp: lane {lane_id} head state ends at {lane.kv.length}, "
+                f"not at the checkpoint's {num_tokens}"
+            )
+        return DrafterSnapshot(
+            num_tokens=int(num_tokens),
+            tensors={
+                "keys": lane.kv.keys[:rows].clone(),
+                "values": lane.kv.values[:rows].clone(),
+                "hidden": hidden.clone(),
+            },
+        )
+
+    def restore_lane(self, lane_id: int, prompt_token_ids: Sequence[int], snapshot: DrafterSnapshot) -> None:
+        """Start the lane from `snapshot` (`snapshot_lane`): rows 0..N-2 in its KV, the row of N - 1
+        pending until the token at N is known.
+
+        Raises:
+            CheckpointError: the snapshot's tensors do not fit this head.
+        """
+        from ignis.runtime.checkpoints import CheckpointError
+
+        c, n = self.config, int(snapshot.num_tokens)
+        t = snapshot.tensors
+        if set(t) != {"keys", "values", "hidden"}:
+            raise CheckpointError(f"mtp: snapshot tensors {sorted(t)}, expected ['hidden', 'keys', 'values']")
+        shape = (n - 1, c.num_key_value_heads, c.head_dim)
+        if tuple(t["keys"].shape) != shape or tuple(t["values"].shape) != shape:
+            raise CheckpointError(
+                f"mtp: snapshot keys {tuple(t['keys'].shape)} / values {tuple(t['values'].shape)}, "
+                f"expected {shape}"
+            )
+        if tuple(t["hidden"].shape) != (c.hidden_size,):
+            raise CheckpointError(
+                f"mtp: snapshot hidden {tuple(t['hidden'].shape)}, expected [{c.hidden_size}]"
+            )
+        kv = self.head.new_kv()
+        kv.reserve(n - 1)
+        kv.keys[: n - 1] = t["keys"].to(kv.keys)
+        kv.values[: n - 1] = t["values"].to(kv.values)
+        kv.length = n - 1
+        self._lanes[lane_id] = MTPLaneState(
+            kv, pending_hidden=t["hidden"].to(device=self.device, dtype=self.dtype)
+        )
+
+    def _run_pending(self, lanes: Sequence[MTPLaneState], tokens: Sequence[int]) -> None:
+        """Run each restored lane's pending row (position kv.length) with the token committed after it."""
+        with torch.inference_mode():
+            g = rms_norm_one_plus(
+                torch.stack([lane.pending_hidden for lane in lanes]),  # type: ignore[misc]
+                self.final_norm,
+                self.config.rms_norm_eps,
+            )
+            e = F.embedding(
+                torch.tensor(list(tokens), dtype=torch.long, device=self.device), self.embed_tokens
+            )
+            out = self.head.layer(self.head.input_rows(e, g), [lane.kv for lane in lanes], [1] * len(lanes))
+        for i, (lane, tok) in enumerate(zip(lanes, tokens, strict=True)):
+            lane.kv.length += 1
+            lane.last_hidden = out[i].clone()
+            lane.last_token = int(tok)
+            lane.last_trunk_hidden = lane.pending_hidden
+            lane.pending_hidden = None
+
     def end_lane(self, lane_id: int) -> None:
         """Drop the lane's head state."""
         self._lanes.pop(lane_id, None)
@@ -483,6 +574,13 @@ class MTPDrafter(BaseDrafter):
             return
         h = self.config.hidden_size
         lanes, hidden, tokens, counts = [], [], [], []
+        restored = [
+            (lane, int(s.input_token_ids[0]))
+            for s in spans
+            if (lane := self.state(s.lane_id)).pending_hidden is not None and s.start == lane.num_tokens + 1
+        ]
+        if restored:  # a lane restored from a checkpoint: its last position's row first
+            self._run_pending([lane for lane, _ in restored], [tok for _, tok in restored])
         for s in spans:
             lane = self.state(s.lane_id)
             if s.start != lane.num_tokens:
@@ -515,6 +613,7 @@ class MTPDrafter(BaseDrafter):
             lane.kv.length += m
             lane.last_hidden = out[end - 1].clone()
             lane.last_token = int(s.next_token_ids[-1])
+            lane.last_trunk_hidden = s.hidden_states[-1].to(device=self.device, dtype=self.dtype).clone()  # type: ignore[index]
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
         """Chain the head num_drafts times per lane (all lanes stepped together).
@@ -528,6 +627,14 @@ class MTPDrafter(BaseDrafter):
         """
         if not requests:
             return []
+        restored = [
+            (lane, r.anchor_token_id)
+            for r in requests
+            if (lane := self.state(r.lane_id)).pending_hidden is not None
+            and r.position == lane.num_tokens + 1
+        ]
+        if restored:  # restored with the whole prompt: the anchor is the token after the pending row
+            self._run_pending([lane for lane, _ in restored], [tok for _, tok in restored])
         lanes = []
         for r in requests:
             lane = self.state(r.lane_id)

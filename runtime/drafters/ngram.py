@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ignis.runtime.checkpoints import DrafterSnapshot
 from ignis.runtime.drafters import DRAFTERS, register_drafter
 from ignis.runtime.drafters.base import BaseDrafter, DraftProposal, DraftRequest
 from ignis.runtime.errors import ConfigError
@@ -133,6 +134,17 @@ class NgramDrafter(BaseDrafter):
     def end_lane(self, lane_id: int) -> None:
         """Drop the lane's index."""
         self._lanes.pop(lane_id, None)
+
+    supports_checkpoints = True
+
+    def snapshot_lane(self, lane_id: int, num_tokens: int) -> DrafterSnapshot:
+        """Nothing to keep: the index is a function of the tokens, rebuilt by `restore_lane`. Valid
+        for any prefix of the checkpoint's tokens (`is_truncatable`)."""
+        return DrafterSnapshot(num_tokens=int(num_tokens), meta={"is_truncatable": 1})
+
+    def restore_lane(self, lane_id: int, prompt_token_ids: Sequence[int], snapshot: DrafterSnapshot) -> None:
+        """Index the prompt, as `start_lane` (O(prompt) dictionary inserts, no model work)."""
+        self.start_lane(lane_id, prompt_token_ids)
 
     def _extend(self, lane: _LaneIndex, token_ids: Sequence[int]) -> None:
         """Bring the index up to `token_ids` (which must extend the indexed context)."""

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ignis.runtime.errors import StateError
+from ignis.runtime.families.attention import sdpa
 from ignis.runtime.families.base import (
     Family,
     FamilyConfig,
@@ -591,7 +592,7 @@ class LlamaExecutor:
                 cache = s.kv[li]  # [2, nkv, cap, hd]
                 cache[0, :, p : p + n].copy_(k[a:b].transpose(0, 1))
                 cache[1, :, p : p + n].copy_(v[a:b].transpose(0, 1))
-                out = F.scaled_dot_product_attention(
+                out = sdpa(
                     q[a:b].transpose(0, 1).unsqueeze(0),  # [1, nh, n, hd]
                     cache[0, :, : p + n].unsqueeze(0),  # [1, nkv, p + n, hd]
                     cache[1, :, : p + n].unsqueeze(0),

@@ -27,6 +27,7 @@ A client that disconnects, streaming or not, has its lane aborted before the nex
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -44,6 +45,8 @@ from starlette.types import Receive, Scope, Send
 
 from ignis.runtime.errors import IgnisRuntimeError
 from ignis.runtime.sampling import SamplingParams, SamplingParamsError
+from ignis.runtime.server.agents import AgentPlan, ChatToolStream, chat_message, plan_chat, template_messages
+from ignis.runtime.server.checkpoints import chat_opener
 from ignis.runtime.server.errors import (
     APIError,
     InvalidRequestError,
@@ -417,12 +420,6 @@ class _Service:
             raise InvalidRequestError(
                 "top_logprobs are not supported: only 0 or null is served", param="top_logprobs"
             )
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise InvalidRequestError(
-                'only response_format {"type": "text"} is supported', param="response_format"
-            )
-        if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-            raise InvalidRequestError('tool_choice must be "none" or "auto"', param="tool_choice")
         kwargs = dict(req.chat_template_kwargs or {})
         reserved = sorted(_TEMPLATE_RESERVED.intersection(kwargs))
         if reserved:
@@ -431,6 +428,7 @@ class _Service:
                 param="chat_template_kwargs",
             )
         _check_nesting(req.tools, "tools")
+        _check_nesting(req.response_format, "response_format")
         _check_nesting(kwargs, "chat_template_kwargs")
         messages = []
         for i, m in enumerate(req.messages):
@@ -450,6 +448,7 @@ class _Service:
             elif m.content is None:  # allowed (e.g. an assistant turn of tool calls): the template reads ""
                 msg["content"] = ""
             messages.append(msg)
+        messages = template_messages(messages)  # tool calls' arguments as objects (agents.py)
         if req.continue_final_message and req.add_generation_prompt:
             raise InvalidRequestError(
                 "continue_final_message needs add_generation_prompt false", param="continue_final_message"
@@ -528,7 +527,11 @@ class _Service:
             )
 
     def submit(
-        self, ids: list[int], params: SamplingParams, requested: tuple[str, int] | None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        requested: tuple[str, int] | None,
+        checkpoint_at: Sequence[int] = (),
     ) -> RequestHandle:
         """Check the prompt and the output limit against the model, then queue the request.
 
@@ -538,7 +541,7 @@ class _Service:
         """
         self.check_prompt(ids)
         self.check_room(len(ids), requested)
-        return self.lanes.submit(ids, params)
+        return self.lanes.submit(ids, params, checkpoint_at=checkpoint_at)
 
     async def events(self, handle: RequestHandle) -> AsyncGenerator[TokenEvent, None]:
         """The request's events until its last; aborts the lane if the consumer stops early."""
@@ -585,11 +588,12 @@ class _Service:
         return ids, work.result()
 
 
-def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
+def _usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
     }
 
 
@@ -738,25 +742,34 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         requested: tuple[str, int] | None,
         *,
         is_chat: bool,
+        agent: AgentPlan | None = None,
+        checkpoint_at: Sequence[int] = (),
     ) -> Response:
         """Submit the request; stream its tokens, or wait for them and answer the whole completion."""
-        handle = svc.submit(ids, params, requested)
+        handle = svc.submit(ids, params, requested, checkpoint_at)
         rid, created = f"{'chatcmpl' if is_chat else 'cmpl'}-{handle.request_id}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = _chat_stream if is_chat else _completion_stream
-            return EventStreamResponse(stream(svc, handle, rid, created, req.return_token_ids, include_usage))
+            if is_chat:
+                events = _chat_stream(svc, handle, rid, created, req.return_token_ids, include_usage, agent)
+            else:
+                events = _completion_stream(svc, handle, rid, created, req.return_token_ids, include_usage)
+            return EventStreamResponse(events)
         got = await svc.collect(handle, request)
         if got is None:
             return Response(status_code=499)
         out_ids, last = got
-        content = _whole_text(model.tokenizer, ids, params, out_ids, last)
+        text_tok = agent.text_tokenizer if agent is not None and agent.text_tokenizer else model.tokenizer
+        content = _whole_text(text_tok, ids, params, out_ids, last)
         choice: dict[str, Any] = {"index": 0}
-        if is_chat:
+        finish_reason = last.finish_reason
+        if is_chat and agent is not None:  # tool calls parsed out of the reply (agents.py)
+            choice["message"], finish_reason = chat_message(agent, content, str(last.finish_reason))
+        elif is_chat:
             choice["message"] = {"role": "assistant", "content": content}
         else:
             choice["text"] = content
-        choice.update(finish_reason=last.finish_reason, stop_reason=last.stop_reason, logprobs=None)
+        choice.update(finish_reason=finish_reason, stop_reason=last.stop_reason, logprobs=None)
         if req.return_token_ids:
             choice["token_ids"] = out_ids
             choice["prompt_token_ids"] = ids
@@ -766,7 +779,7 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
             "created": created,
             "model": model.name,
             "choices": [choice],
-            "usage": _usage(len(ids), len(out_ids)),
+            "usage": _usage(len(ids), len(out_ids), last.num_cached_tokens),
         }
         return JSONResponse(body)
 
@@ -786,7 +799,13 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
             requested = ("max_tokens", req.max_tokens)
         params = svc.sampling_params(req, requested[1] if requested else None)
         ids = await run_in_threadpool(svc.chat_prompt, req)
-        return await generate(req, request, ids, params, requested, is_chat=True)
+        agent = await run_in_threadpool(plan_chat, req, model.tokenizer, svc.lanes.vocab_size)
+        if agent.grammar is not None:
+            params = dataclasses.replace(params, grammar=agent.grammar)
+        opener = await run_in_threadpool(chat_opener, model.tokenizer, req, ids)  # prompt checkpoint
+        return await generate(
+            req, request, ids, params, requested, is_chat=True, agent=agent, checkpoint_at=opener
+        )
 
     @app.post(
         "/v1/completions",
@@ -835,34 +854,46 @@ async def _stream_tokens(
     svc: _Service,
     handle: RequestHandle,
     head: Mapping[str, Any],
-    make_choice: Callable[[str, int | None, TokenEvent | None, bool], dict[str, Any]],
+    make_choice: Callable[[str, int | None, TokenEvent | None, bool], dict[str, Any] | list[dict[str, Any]]],
     include_usage: bool,
+    tokenizer: ChatTokenizer | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE bytes: one chunk per token; the last carries finish_reason and usage; then [DONE].
 
     Args:
         head: the fields every chunk starts with (id, object, created, model).
-        make_choice: (text delta, token id or None, the last event or None, is_first) -> the chunk's choice.
+        make_choice: (text delta, token id or None, the last event or None, is_first) -> the chunk's choice,
+            or a list of choices sent as one chunk each (tool call deltas).
         include_usage: send a last chunk with empty `choices` and the usage (stream_options).
+        tokenizer: decodes the text (default: the model's; agents.py's keeps special call markers).
     """
-    text = _TextStream(svc.model.tokenizer, handle.prompt_token_ids, handle.params)
+    text = _TextStream(tokenizer or svc.model.tokenizer, handle.prompt_token_ids, handle.params)
     num_prompt = len(handle.prompt_token_ids)
-    num_out = 0
+    num_out, cached = 0, 0
     try:
         async for event in svc.events(handle):
             n = len(event.token_ids)
+            cached = event.num_cached_tokens or cached
             for i, token in enumerate(event.token_ids):
                 last = event if (i == n - 1 and event.finish_reason is not None) else None
-                chunk = {**head, "choices": [make_choice(text.push(token, last), token, last, num_out == 0)]}
+                made = make_choice(text.push(token, last), token, last, num_out == 0)
                 num_out += 1
-                if last is not None:
-                    chunk["usage"] = _usage(num_prompt, num_out)
-                yield _sse(chunk)
+                choices = made if isinstance(made, list) else [made]
+                for j, choice in enumerate(choices):
+                    chunk = {**head, "choices": [choice]}
+                    if last is not None and j == len(choices) - 1:
+                        chunk["usage"] = _usage(num_prompt, num_out, cached)
+                    yield _sse(chunk)
             if event.finish_reason is not None and n == 0:
-                choice = make_choice(text.finish_empty(), None, event, num_out == 0)
-                yield _sse({**head, "choices": [choice], "usage": _usage(num_prompt, num_out)})
+                made = make_choice(text.finish_empty(), None, event, num_out == 0)
+                choices = made if isinstance(made, list) else [made]
+                for j, choice in enumerate(choices):
+                    chunk = {**head, "choices": [choice]}
+                    if j == len(choices) - 1:
+                        chunk["usage"] = _usage(num_prompt, num_out, cached)
+                    yield _sse(chunk)
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(num_prompt, num_out)})
+            yield _sse({**head, "choices": [], "usage": _usage(num_prompt, num_out, cached)})
     except APIError as exc:
         yield _sse(exc.body())
     yield _SSE_DONE
@@ -882,14 +913,27 @@ def _choice_end(
 
 
 def _chat_stream(
-    svc: _Service, handle: RequestHandle, rid: str, created: int, with_ids: bool, include_usage: bool
+    svc: _Service,
+    handle: RequestHandle,
+    rid: str,
+    created: int,
+    with_ids: bool,
+    include_usage: bool,
+    agent: AgentPlan | None = None,
 ) -> AsyncIterator[bytes]:
-    def choice(delta: str, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
+    tools = ChatToolStream(agent) if agent is not None and agent.parser is not None else None
+
+    def choice(
+        delta: str, token: int | None, last: TokenEvent | None, first: bool
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        if tools is not None:  # tool calls parsed out of the text (agents.py)
+            return _tool_choices(tools, delta, token, last, first, with_ids)
         d: dict[str, Any] = {"role": "assistant", "content": delta} if first else {"content": delta}
         return _choice_end({"index": 0, "delta": d}, token, last, with_ids)
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": svc.model.name}
-    return _stream_tokens(svc, handle, head, choice, include_usage)
+    text_tok = agent.text_tokenizer if agent is not None else None
+    return _stream_tokens(svc, handle, head, choice, include_usage, text_tok)
 
 
 def _completion_stream(
@@ -903,3 +947,22 @@ def _completion_stream(
 
     head = {"id": rid, "object": "text_completion", "created": created, "model": svc.model.name}
     return _stream_tokens(svc, handle, head, choice, include_usage)
+
+
+def _tool_choices(
+    tools: ChatToolStream, text: str, token: int | None, last: TokenEvent | None, first: bool, with_ids: bool
+) -> list[dict[str, Any]]:
+    """One token's chunks with tool calls parsed out: the content and tool call deltas it releases
+    (at least one chunk; the last carries the finish reason, "tool_calls" after calls)."""
+    deltas = tools.push(text, last is not None) or [{"content": ""}]
+    if first:
+        deltas[0] = {"role": "assistant", **deltas[0]}
+    out = []
+    for j, d in enumerate(deltas):
+        is_end = j == len(deltas) - 1
+        choice = _choice_end({"index": 0, "delta": d}, token if is_end else None, None, with_ids)
+        if is_end and last is not None:
+            choice["stop_reason"] = last.stop_reason
+            choice["finish_reason"] = tools.finish_reason(last.finish_reason)
+        out.append(choice)
+    return out

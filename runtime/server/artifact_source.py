@@ -32,11 +32,13 @@ from typing import Any, Literal
 
 import torch
 
+from ignis.runtime.artifact_guard import watch_artifact
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.errors import TokenizerError
 from ignis.runtime.linear import Q4Weight
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile
+from ignis.runtime.server.checkpoints import build_checkpoint_pool
 from ignis.runtime.server.model import ModelSettings, ServedModel
 
 __all__ = ["ArtifactSource", "attach_topk"]
@@ -216,6 +218,13 @@ class ArtifactSource:
             )
 
         eos = tuple(tokenizer.eos_token_ids)
+        cache, save_checkpoints = build_checkpoint_pool(
+            card_bytes=settings.checkpoint_card_bytes,
+            host_bytes=settings.checkpoint_host_bytes,
+            device=device,
+            snapshot_dir=settings.checkpoint_dir,
+            binding=self._snapshot_binding(spec.backend) if settings.checkpoint_dir else None,
+        )
 
         def detokenize(ids: Any) -> str:
             return str(tokenizer.decode(ids, skip_special_tokens=True))
@@ -242,6 +251,7 @@ class ArtifactSource:
                 max_prefill_tokens=settings.max_prefill_tokens,
                 device=device,
                 metrics=metrics,
+                prefix_cache=cache,
             )
 
         log.info(
@@ -252,6 +262,7 @@ class ArtifactSource:
             device,
             str(dtype).removeprefix("torch."),
         )
+        watch_artifact(art)  # a file modified in place stops the server with a clear log (artifact_guard)
         return ServedModel(
             name=self.name,
             tokenizer=tokenizer,
@@ -259,4 +270,23 @@ class ArtifactSource:
             spec=spec,
             aliases=self.aliases,
             close=art.close,
+            prefix_cache=cache,
+            save_checkpoints=save_checkpoints,
         )
+
+    def _snapshot_binding(self, backend: str) -> Any:
+        """What prompt snapshots of this model are bound to (`ignis.formats.snapshot`): the target
+        `.ninfer`'s sha256 and the drafter's (the grafted DFlash2 is in the target file; MTP has its
+        companion; a draft model its own artifact's weights; ngram has no weights)."""
+        from ignis.formats.manifest import read_manifest
+        from ignis.formats.snapshot import SnapshotBinding
+
+        def weights_sha(files: Any, role: str) -> str:
+            return next((f.sha256 for f in files if f.role == role), "")
+
+        files = self.artifact.manifest.files
+        target = weights_sha(files, "weights")
+        drafter = {"dflash2": target, "mtp": weights_sha(files, "mtp")}.get(backend, "")
+        if backend == "draft-model" and self.draft_model is not None:
+            drafter = weights_sha(read_manifest(self.draft_model).files, "weights")
+        return SnapshotBinding(artifact_sha256=target, drafter=backend, drafter_sha256=drafter)

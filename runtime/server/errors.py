@@ -107,7 +107,7 @@ _UNION_FORMS = {
     "prompt": "a text, a list of token ids (integers >= 0), or a list holding exactly one of these",
     "stop": "a string or a list of strings (1 to 256 characters each)",
     "messages[].content": 'a string, a list of text parts ({"type": "text", "text": "..."}), or null',
-    "tool_choice": '"none", "auto", or an object',
+    "tool_choice": '"none", "auto", "required", or an object',
 }
 # Pydantic's names for the members of a union ("str", "list[constrained-int]", ...): never shown.
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|dict\[.*|list\[.*|constrained-.*|function-.*|[A-Z]\w*)$")

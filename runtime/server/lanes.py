@@ -66,12 +66,15 @@ class TokenEvent:
         stop_reason: the stop token id or stop string that finished it, else None.
         stop_text: on the last event of a request with stop strings, the engine's text of the whole
             output cut before the stop string; else None.
+        num_cached_tokens: on the last event, the prompt tokens restored from a prompt checkpoint
+            (`usage.prompt_tokens_details.cached_tokens`); else 0.
     """
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stop_text: str | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,10 +116,12 @@ class RequestHandle:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         loop: asyncio.AbstractEventLoop,
+        checkpoint_at: Sequence[int] = (),
     ) -> None:
         self.request_id = uuid.uuid4().hex
         self.prompt_token_ids = tuple(int(t) for t in prompt_token_ids)
         self.params = params
+        self.checkpoint_at = tuple(int(p) for p in checkpoint_at)  # prompt checkpoint positions
         self.arrival = time.monotonic()
         self._loop = loop
         self._queue: asyncio.Queue[TokenEvent | ErrorEvent] = asyncio.Queue()
@@ -213,6 +218,7 @@ class LaneLoop:
         params: SamplingParams,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
+        checkpoint_at: Sequence[int] = (),
     ) -> RequestHandle:
         """Queue a request for a lane; it joins at the next round (or waits for a free lane).
 
@@ -220,12 +226,14 @@ class LaneLoop:
             prompt_token_ids: the prompt (validated by the caller; an invalid one ends as an ErrorEvent).
             params: its sampling parameters.
             loop: the event loop whose queue receives the events (the running loop by default).
+            checkpoint_at: prompt positions to record a prompt checkpoint at (the chat template's
+                opener; `SpeculativeEngine.add_lane`).
 
         Raises:
             ServerBusyError: max_lanes + queue_size requests are already in flight.
             ServerUnavailableError: the loop is stopping or not running.
         """
-        handle = RequestHandle(prompt_token_ids, params, loop or asyncio.get_running_loop())
+        handle = RequestHandle(prompt_token_ids, params, loop or asyncio.get_running_loop(), checkpoint_at)
         with self._cond:
             if self._stopping or self._thread is None or not self._thread.is_alive():
                 raise ServerUnavailableError("the server is shutting down; no new requests are taken")
@@ -332,18 +340,19 @@ class LaneLoop:
             handle = self._handles.get(update.lane_id)
             if handle is None:
                 continue
-            stop_text = None
+            stop_text, cached = None, 0
             if update.is_finished:
                 result = self._engine.pop_result(update.lane_id)
                 del self._handles[update.lane_id]
                 stop_text = result.text if handle.params.stop else None
+                cached = result.num_cached_tokens
             if self.metrics is not None and update.new_token_ids:
                 self.metrics.tokens_emitted(handle, len(update.new_token_ids), now)
             handle.num_emitted += len(update.new_token_ids)
             if update.is_finished:  # released before the client can see its last token
                 self._release(handle, update.finish_reason)
             handle._push(
-                TokenEvent(update.new_token_ids, update.finish_reason, update.stop_reason, stop_text)
+                TokenEvent(update.new_token_ids, update.finish_reason, update.stop_reason, stop_text, cached)
             )
         self._publish()
         return True
@@ -373,7 +382,9 @@ class LaneLoop:
             handle._push(TokenEvent((), "abort"))
             return
         try:
-            lane_id = self._engine.add_lane(handle.prompt_token_ids, handle.params)
+            lane_id = self._engine.add_lane(
+                handle.prompt_token_ids, handle.params, checkpoint_at=handle.checkpoint_at
+            )
         except (LaneRequestError, SamplingParamsError) as exc:
             self._release(handle, None)
             handle._push(ErrorEvent(InvalidRequestError(str(exc), param="prompt")))

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.metrics import SpeculativeMetrics
+from ignis.runtime.prefix_cache import PrefixCache
 from ignis.runtime.profiles import CardProfile, SpecDefaults
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_max_prefill_tokens
 
@@ -85,6 +86,10 @@ class ModelSettings:
         max_prefill_tokens: the engine's prefill budget, prompt tokens prefilled per step across all
             lanes (`SpeculativeEngine`; a longer prompt is prefilled in chunks over several steps while
             the other lanes decode); 0 = no limit.
+        checkpoint_card_bytes, checkpoint_host_bytes: byte budgets of the prompt checkpoint pool
+            (`ignis.runtime.prefix_cache.PrefixCache`) on the card and in host RAM; both 0: off.
+        checkpoint_dir: a snapshot directory (`ignis.runtime.snapshots.SnapshotDirectory`): loaded
+            into the pool at start and written at shutdown, so a restarted server starts warm; None.
 
     Raises:
         ConfigError: max_prefill_tokens is not an integer >= 0.
@@ -95,6 +100,9 @@ class ModelSettings:
     device: str | None = None
     cuda_graphs: bool = True
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    checkpoint_card_bytes: int = 0
+    checkpoint_host_bytes: int = 0
+    checkpoint_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_max_prefill_tokens(self.max_prefill_tokens)  # refused before a long load
@@ -113,6 +121,9 @@ class ServedModel:
         aliases: further names accepted as "model" (e.g. the artifact directory's name).
         created: Unix time of the load (seconds).
         close: releases what the model holds (GPU memory, mmaps), or None.
+        prefix_cache: the prompt checkpoint pool every engine `make_engine` builds shares (it
+            outlives an engine restart), or None; the server exports its metrics.
+        save_checkpoints: writes the pool to the snapshot directory (at shutdown), or None.
     """
 
     name: str
@@ -122,6 +133,8 @@ class ServedModel:
     aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
     close: Callable[[], None] | None = None
+    prefix_cache: PrefixCache | None = None
+    save_checkpoints: Callable[[], None] | None = None
 
     def accepts(self, name: str) -> bool:
         """True when a request's "model" names this model."""

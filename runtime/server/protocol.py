@@ -4,7 +4,8 @@ Requests are validated strictly (`strict=True`): a string where a number belongs
 boolean belongs, NaN or infinity, or a value outside its range is a 400 with an OpenAI-style error
 body, never a coercion. Unknown fields are ignored, as vLLM does, so clients that send extra OpenAI
 parameters keep working; parameters ignis cannot honour (logprobs, n > 1, penalties, logit_bias,
-non-text response formats, echo, suffix) are refused by name rather than silently dropped.
+echo, suffix) are refused by name rather than silently dropped. `tools`, `tool_choice`,
+`parallel_tool_calls` and `response_format` are served (`ignis.runtime.server.agents`).
 
 Extensions beyond OpenAI, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
 (generated ids in `choices[i].token_ids`, prompt ids in `choices[i].prompt_token_ids`),
@@ -156,12 +157,24 @@ class ChatCompletionRequest(_SamplingFields):
     )
     logprobs: bool | None = Field(None, description="Not served: only false or null.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Not served: only 0 or null.")
-    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"} is served.')
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description='{"type": "text"} (default), {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name": ..., "schema": {...}}}: JSON output enforced by grammar-constrained '
+        "decoding.",
+    )
     tools: list[dict[str, Any]] | None = Field(
-        None, description="Tool definitions, passed to the chat template (tool calls are not parsed)."
+        None,
+        description="Function tools (OpenAI's shape), shown to the chat template; the model's calls are "
+        "returned as message.tool_calls.",
     )
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description='"none" or "auto" (tool calls are returned as text).'
+        None,
+        description='"none", "auto" (default with tools), "required" or {"type": "function", "function": '
+        '{"name": ...}}; required and named calls are enforced by a grammar.',
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one tool call per reply (default: several allowed)."
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (e.g. enable_thinking)."
@@ -191,6 +204,16 @@ class CompletionRequest(_SamplingFields):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    """Where the prompt's tokens came from (OpenAI's `usage.prompt_tokens_details`)."""
+
+    model_config = _RESPONSE
+
+    cached_tokens: int = Field(
+        0, description="Prompt tokens restored from a prompt checkpoint instead of prefilled."
+    )
+
+
 class Usage(BaseModel):
     """Token counts of one request (the stop token is a completion token)."""
 
@@ -199,6 +222,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ChatCompletionMessage(BaseModel):
@@ -207,7 +231,13 @@ class ChatCompletionMessage(BaseModel):
     model_config = _RESPONSE
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="The model's tool calls: {id, type: function, function: {name, arguments}}."
+    )
+    tool_call_errors: list[str] | None = Field(
+        None, description="Why each malformed tool call (left in content as text) did not parse."
+    )
 
 
 class _ChoiceEnd(BaseModel):
@@ -258,6 +288,11 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None,
+        description='Tool call deltas: {index, id, type, function: {name, arguments: ""}} first, then '
+        "{index, function: {arguments}} fragments.",
+    )
 
 
 class ChatChunkChoice(_ChoiceEnd):

@@ -8,8 +8,9 @@ Shutdown (SIGTERM, SIGINT, `request_exit`): the listening sockets close at once 
 refused), requests in flight finish for up to `shutdown_timeout` seconds, then the ones left are
 aborted (a stream ends with finish_reason "abort" and [DONE], a plain request returns what it has),
 uvicorn cancels anything still running 2 s later, the lane loop stops, the Unix socket file is
-removed (only if it is still the one this server created) and the model is closed. A SIGTERM ends
-`run()` normally.
+removed (only if it is still the one this server created), the prompt checkpoints are written to
+their snapshot directory (`--checkpoint-dir`) and the model is closed. A SIGTERM ends `run()`
+normally.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import uvicorn
 
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.server.app import create_app
+from ignis.runtime.server.checkpoints import PromptCheckpointCollector
 from ignis.runtime.server.lanes import LaneLoop
 from ignis.runtime.server.metrics import ServerMetrics
 from ignis.runtime.server.model import ServedModel
@@ -127,6 +129,8 @@ class IgnisServer:
             spec_metrics=SpeculativeMetrics(),
         )
         self.metrics = ServerMetrics(lambda: self.lanes.snapshot, options.lanes)
+        if model.prefix_cache is not None:  # the prompt checkpoint pool's counters and gauges
+            self.metrics.registry.register(PromptCheckpointCollector(model.prefix_cache))
         self.lanes.metrics = self.metrics
         self.app = create_app(model, self.lanes, self.metrics)
         self.unix_socket: BoundUnixSocket | None = None
@@ -202,6 +206,11 @@ class IgnisServer:
         finally:
             self.lanes.stop()
             self._release_sockets()
+            if self.model.save_checkpoints is not None:  # the snapshot directory, for a warm restart
+                try:
+                    self.model.save_checkpoints()
+                except Exception:
+                    logger.exception("shutdown: the prompt checkpoints could not be saved")
             if self.model.close is not None:
                 self.model.close()
             self.started.clear()

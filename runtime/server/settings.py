@@ -33,7 +33,7 @@ BACKENDS = ("dflash2", "mtp", "ngram", "draft-model", "off")
 DRAFT_HEADS = ("full", "shortlist")
 MTP_DEFAULT_DRAFT_TOKENS = 3  # rtxpro6000's MTP default; dflash2 has none (draft_tokens is required)
 NGRAM_DEFAULT_DRAFT_TOKENS = 4  # prompt lookup (vLLM's num_speculative_tokens examples use 3-5)
-DRAFT_MODEL_DEFAULT_DRAFT_TOKENS = 3  # a small model of the same tokenizer (docs/PERF.md: 3.4 tokens/round)
+DRAFT_MODEL_DEFAULT_DRAFT_TOKENS = 3  # a small model of the same tokenizer (docs/perf/log: 3.4 tokens/round)
 
 
 @dataclass(frozen=True)

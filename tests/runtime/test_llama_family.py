@@ -345,10 +345,12 @@ def test_cuda_matches_hf(pair, dtype):
     lane = ex.new_lane()
     tol = REL_TOL if dtype == torch.float32 else 3e-2
     assert rel_err(_run(ex, lane, ids), out.logits[0]) < tol
-    cache, nxt = out.cache, int(out.logits[0, -1].argmax())
+    # the cache's name: `cache` in the pinned transformers, `past_key_values` in earlier 5.x (GPU hosts)
+    key = "cache" if hasattr(out, "cache") else "past_key_values"
+    cache, nxt = getattr(out, key), int(out.logits[0, -1].argmax())
     for _ in range(DECODE_STEPS):
         with torch.no_grad():
-            out = ref_model(torch.tensor([[nxt]], device="cuda"), cache=cache, use_cache=True)
-        cache = out.cache
+            out = ref_model(torch.tensor([[nxt]], device="cuda"), **{key: cache}, use_cache=True)
+        cache = getattr(out, key)
         assert rel_err(_run(ex, lane, torch.tensor([nxt])), out.logits[0]) < tol
         nxt = int(out.logits[0, -1].argmax())

@@ -112,7 +112,12 @@ def test_completion_token_ids_prompt_matches_the_engine(client: httpx.Client) ->
     assert choice["prompt_token_ids"] == prompt
     assert choice["finish_reason"] == reason == "length"
     assert choice["text"] == TOK.decode(want, skip_special_tokens=True)
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 30, "total_tokens": 35}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 30,
+        "total_tokens": 35,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert body["object"] == "text_completion" and body["model"] == "toy" and body["id"].startswith("cmpl-")
 
 
@@ -160,7 +165,12 @@ def test_streamed_completion_one_token_per_chunk_with_usage(client: httpx.Client
     assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in want]
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 25, "total_tokens": 28}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 25,
+        "total_tokens": 28,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert "".join(c["choices"][0]["text"] for c in chunks) == TOK.decode(want, skip_special_tokens=True)
     assert len({c["id"] for c in chunks}) == 1
 
@@ -536,7 +546,7 @@ CHAT_ERROR_WORDING = [
     ),
     (
         {"messages": [{"role": "user", "content": "x"}], "tool_choice": 5},
-        'tool_choice must be "none", "auto", or an object, got an integer',
+        'tool_choice must be "none", "auto", "required", or an object, got an integer',
         "tool_choice",
     ),
     (
@@ -630,7 +640,7 @@ BAD_CHATS = [
     {"messages": [{"role": "user", "content": 5}]},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
     {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
     {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
