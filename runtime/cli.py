@@ -88,7 +88,7 @@ def run_command(opts: dict[str, Any]) -> None:
     from ignis.runtime.config_file import load_config_file
     from ignis.runtime.server.model import ModelSettings, ModelSource
     from ignis.runtime.server.runner import IgnisServer, ServerOptions
-    from ignis.runtime.server.settings import BACKENDS, SpecLayer, resolve_spec
+    from ignis.runtime.server.settings import BACKENDS, HEAD_BACKENDS, SpecLayer, resolve_spec
     from ignis.runtime.server.sockets import check_unix_socket_path
 
     cfg = load_config_file(opts["config"]) if opts.get("config") else None
@@ -164,11 +164,11 @@ def run_command(opts: dict[str, Any]) -> None:
         check_unix_socket_path(server_options.socket)  # refuse a live server's path before a long load
 
     backend = resolved.spec.backend
-    if opts.get("spec_draft_head") is not None and backend not in ("dflash2", "mtp"):
+    if opts.get("spec_draft_head") is not None and backend not in HEAD_BACKENDS:
         logger.warning("--spec-draft-head applies to dflash2 and mtp; ignored with backend %s", backend)
     if opts.get("spec_draft_model") is not None and backend != "draft-model":
         logger.warning("--spec-draft-model applies to backend draft-model; ignored with backend %s", backend)
-    head = resolved.spec.draft_head if backend in ("dflash2", "mtp") else "none"
+    head = resolved.spec.draft_head if backend in HEAD_BACKENDS else "none"
     logging.getLogger("ignis.runtime.draft_head").info("proposal head: %s; %s", head, resolved.describe())
     logger.info("loading %s (context %s)", served_name, max_context or "the model's own")
     model = source.load(
