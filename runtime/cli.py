@@ -89,7 +89,7 @@ def run_command(opts: dict[str, Any]) -> None:
     from ignis.runtime.server.model import ModelSettings, ModelSource
     from ignis.runtime.server.runner import IgnisServer, ServerOptions
     from ignis.runtime.server.settings import BACKENDS, HEAD_BACKENDS, SpecLayer, resolve_spec
-    from ignis.runtime.server.sockets import check_unix_socket_path
+    from ignis.runtime.server.sockets import check_socket_group, check_tcp_address, check_unix_socket_path
 
     cfg = load_config_file(opts["config"]) if opts.get("config") else None
     file_server = cfg.server if cfg is not None else {}
@@ -156,12 +156,25 @@ def run_command(opts: dict[str, Any]) -> None:
             retry_after=int(pick("retry_after")),
             shutdown_timeout=float(pick("shutdown_timeout")),
             log_level=str(pick("log_level")),
+            api_key=pick("api_key"),
         )
     except ValueError as exc:  # a usage error: from the command line or the config file's [server]
         where = f" (the command line or {cfg.path})" if cfg is not None else ""
         raise click.UsageError(f"{exc}{where}") from exc
+    # Every listener setting is checked before the (long) model load.
     if server_options.socket is not None:
         check_unix_socket_path(server_options.socket)  # refuse a live server's path before a long load
+        if server_options.socket_group is not None:
+            check_socket_group(server_options.socket_group)
+    if server_options.port is not None:
+        host = server_options.host or "127.0.0.1"
+        if not check_tcp_address(host, server_options.port) and server_options.api_key is None:
+            logger.warning(
+                "serving TCP on %s without an API key: anyone who can reach this port can use the model; "
+                "set --api-key (or IGNIS_API_KEY, or api_key in the config file), or keep it on loopback",
+                host,
+            )
+    device = _checked_device(pick("device"))
 
     backend = resolved.spec.backend
     if opts.get("spec_draft_head") is not None and backend not in HEAD_BACKENDS:
@@ -175,7 +188,7 @@ def run_command(opts: dict[str, Any]) -> None:
         ModelSettings(
             spec=resolved.spec,
             max_context=max_context,
-            device=_checked_device(pick("device")),
+            device=device,
             cuda_graphs=bool(pick("cuda_graphs")),
             max_prefill_tokens=int(pick("max_prefill_tokens")),
         )
@@ -231,6 +244,15 @@ def run_command(opts: dict[str, Any]) -> None:
 )
 @click.option(
     "--port", type=click.IntRange(0, 65535), help="Also serve TCP on this port (0 picks a free one)."
+)
+@click.option(
+    "--api-key",
+    metavar="KEY",
+    envvar="IGNIS_API_KEY",
+    show_envvar=True,
+    help="Require 'Authorization: Bearer KEY' (the openai client's api_key) on every endpoint but "
+    "/health, over TCP and the socket alike; 401 otherwise. Prefer the environment variable or the "
+    "config file's api_key: a command line is visible to other users.",
 )
 @click.option(
     "--served-model-name",

@@ -62,6 +62,7 @@ SERVER_KEYS: dict[str, type] = {
     "model_max_context": int,
     "cuda_graphs": bool,
     "max_prefill_tokens": int,
+    "api_key": str,
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.

@@ -42,6 +42,7 @@ from starlette.types import Receive, Scope, Send
 
 from ignis.runtime.errors import IgnisRuntimeError
 from ignis.runtime.sampling import SamplingParams, SamplingParamsError
+from ignis.runtime.server.auth import ApiKeyCheck
 from ignis.runtime.server.errors import (
     APIError,
     InvalidRequestError,
@@ -590,13 +591,17 @@ def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
     }
 
 
-def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> FastAPI:
+def create_app(
+    model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics, *, api_key: str | None = None
+) -> FastAPI:
     """Build the app. Its lifespan starts the lane loop and stops it (aborting what is left) at shutdown.
 
     Args:
         model: the served model.
         lanes: the lane loop over the model's engine (not started yet, or started).
         metrics: the server's metrics (`ServerMetrics` over `lanes.snapshot`).
+        api_key: the key every endpoint but /health requires as `Authorization: Bearer KEY`
+            (`ignis.runtime.server.auth`), or None for none.
     """
     svc = _Service(model, lanes, metrics)
 
@@ -619,6 +624,7 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         400: {"model": ErrorResponse, "description": "Malformed or invalid request"},
         404: {"model": ErrorResponse, "description": "Unknown model"},
         413: {"model": ErrorResponse, "description": "Request body over 32 MiB"},
+        401: {"model": ErrorResponse, "description": "Missing or wrong API key (with --api-key)"},
         415: {"model": ErrorResponse, "description": "Content-Type is not application/json"},
         500: {"model": ErrorResponse, "description": "Engine failure"},
         503: {"model": ErrorResponse, "description": "Busy (Retry-After) or shutting down"},
@@ -670,6 +676,8 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
 
     # The last added is the outermost: the counter sees every response, the 413/415 refusals included.
     app.add_middleware(_BodyChecks)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
     app.add_middleware(_RequestCounter, metrics=metrics)
 
     # ---------------------------------------------------------------- plain endpoints

@@ -21,13 +21,14 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import uvicorn
 
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.server.app import create_app
+from ignis.runtime.server.auth import check_api_key
 from ignis.runtime.server.lanes import LaneLoop
 from ignis.runtime.server.metrics import ServerMetrics
 from ignis.runtime.server.model import ServedModel
@@ -60,6 +61,7 @@ class ServerOptions:
             cancelled (>= 0).
         log_level: uvicorn's log level name.
         access_log: log one line per HTTP request.
+        api_key: the key every endpoint but /health requires (`Authorization: Bearer KEY`), or None.
     """
 
     socket: str | None = None
@@ -72,8 +74,10 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     access_log: bool = True
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        check_api_key(self.api_key)
         if self.socket is None and self.port is None:
             raise ValueError("give a Unix socket path or a TCP port to listen on")
         if self.lanes < 1:
@@ -128,7 +132,7 @@ class IgnisServer:
         )
         self.metrics = ServerMetrics(lambda: self.lanes.snapshot, options.lanes)
         self.lanes.metrics = self.metrics
-        self.app = create_app(model, self.lanes, self.metrics)
+        self.app = create_app(model, self.lanes, self.metrics, api_key=options.api_key)
         self.unix_socket: BoundUnixSocket | None = None
         self.tcp_socket: socket.socket | None = None
         self.started = threading.Event()

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 
+import httpx
 import pytest
 from click.testing import CliRunner
-from server_helpers import short_tmpdir
+from server_helpers import serve, short_tmpdir
 
 from ignis.runtime import cli
 
@@ -50,3 +51,94 @@ def test_the_start_up_log_names_the_row_budget_for_mtp_only(captured, caplog) ->
         (head,) = [r.getMessage() for r in caplog.records if r.name == "ignis.runtime.draft_head"]
         assert ("row budget" in head) == has_rows, head
         assert "proposal head full" in head
+
+
+# ---------------------------------------------------------------- options checked before loading; API keys
+
+
+def test_an_unknown_socket_group_is_refused_before_the_model_loads(
+    captured, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import toy_model
+
+    loads: list[object] = []
+    real_load = toy_model.ToySource.load
+    monkeypatch.setattr(toy_model.ToySource, "load", lambda self, s: loads.append(s) or real_load(self, s))
+    sock = short_tmpdir() / "s.sock"
+    result = invoke("--socket", str(sock), "--socket-group", "no-such-group-ignis")
+    assert result.exit_code == 1 and "unknown group 'no-such-group-ignis'" in result.output
+    assert not loads and not captured and not sock.exists()
+
+
+def test_a_taken_tcp_port_is_refused_before_the_model_loads(captured, monkeypatch) -> None:
+    import socket
+
+    import toy_model
+
+    loads: list[object] = []
+    monkeypatch.setattr(toy_model.ToySource, "load", lambda self, s: loads.append(s))
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    try:
+        result = invoke("--port", str(holder.getsockname()[1]))
+    finally:
+        holder.close()
+    assert result.exit_code == 1 and "cannot listen on 127.0.0.1" in result.output
+    assert not loads
+
+
+def test_tcp_on_every_interface_without_a_key_warns(captured, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="ignis.runtime.cli"):
+        assert invoke("--host", "0.0.0.0", "--port", "0").exit_code == 0
+    assert "without an API key" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ignis.runtime.cli"):
+        assert invoke("--host", "0.0.0.0", "--port", "0", env={"IGNIS_API_KEY": "k1"}).exit_code == 0
+        assert invoke("--host", "127.0.0.1", "--port", "0").exit_code == 0
+    assert "without an API key" not in caplog.text
+
+
+def test_the_api_key_comes_from_the_option_the_environment_or_the_config_file(captured, tmp_path) -> None:
+    sock = short_tmpdir() / "s.sock"
+    cfg = tmp_path / "ignis.toml"
+    cfg.write_text(f'socket = "{sock}"\napi_key = "from-file"\n')
+    assert invoke("--config", str(cfg)).exit_code == 0
+    assert captured[-1].options.api_key == "from-file"
+    assert invoke("--config", str(cfg), env={"IGNIS_API_KEY": "from-env"}).exit_code == 0
+    assert captured[-1].options.api_key == "from-env"
+    assert invoke("--config", str(cfg), "--api-key", "from-cli").exit_code == 0
+    assert captured[-1].options.api_key == "from-cli"
+    assert "from-cli" not in repr(captured[-1].options)  # never printed with the options
+    result = invoke("--socket", str(sock), "--api-key", "two words")
+    assert result.exit_code == 2 and "printable ASCII" in result.output
+
+
+def test_an_api_key_guards_every_endpoint_but_health() -> None:
+    with serve(api_key="s3cret-key") as running, running.client() as c:
+        assert c.get("/health").status_code == 200
+        body = {"prompt": "ab", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret-key"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics")):
+                r = c.request(method, path, headers=headers, json=body if method == "POST" else None)
+                assert r.status_code == 401, (headers, path)
+                assert r.headers["www-authenticate"] == "Bearer"
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        ok = {"Authorization": "Bearer s3cret-key"}
+        assert c.get("/v1/models", headers=ok).status_code == 200
+        r = c.post("/v1/completions", headers=ok, json={**body, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        metrics = c.get("/metrics", headers=ok).text
+        assert 'ignis_requests_total{endpoint="/v1/completions",status="401"} 3.0' in metrics
+
+
+def test_the_openai_client_sends_its_api_key() -> None:
+    import openai
+
+    with serve(api_key="k-123") as running:
+        http = httpx.Client(transport=httpx.HTTPTransport(uds=str(running.socket)))
+        good = openai.OpenAI(base_url="http://ignis/v1", api_key="k-123", http_client=http)
+        assert good.models.list().data[0].id == "toy"
+        bad = openai.OpenAI(base_url="http://ignis/v1", api_key="nope", http_client=http, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
