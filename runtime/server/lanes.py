@@ -83,8 +83,9 @@ class ErrorEvent:
 
 @dataclass(frozen=True)
 class LaneSnapshot:
-    """The loop's state (read by /health and /metrics from other threads): published before and
-    after every step and when a request is taken.
+    """The loop's state (read by /health and /metrics from other threads): published before every
+    step, after it (before its tokens are pushed to the clients, so a client that has its reply reads
+    counters that include it) and when a request is taken.
 
     Attributes:
         num_active: lanes decoding or being prefilled, and requests admitted to a lane (up to
@@ -328,6 +329,7 @@ class LaneLoop:
             self._fail_all(exc)
             return True
         now = time.monotonic()
+        events: list[tuple[RequestHandle, TokenEvent]] = []
         for update in updates:
             handle = self._handles.get(update.lane_id)
             if handle is None:
@@ -342,10 +344,15 @@ class LaneLoop:
             handle.num_emitted += len(update.new_token_ids)
             if update.is_finished:  # released before the client can see its last token
                 self._release(handle, update.finish_reason)
-            handle._push(
-                TokenEvent(update.new_token_ids, update.finish_reason, update.stop_reason, stop_text)
+            events.append(
+                (
+                    handle,
+                    TokenEvent(update.new_token_ids, update.finish_reason, update.stop_reason, stop_text),
+                )
             )
-        self._publish()
+        self._publish()  # before the tokens go out: a client that read its reply sees this step's counters
+        for handle, event in events:
+            handle._push(event)
         return True
 
     @property

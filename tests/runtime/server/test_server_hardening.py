@@ -5,6 +5,7 @@ the last token, repeated signals."""
 from __future__ import annotations
 
 import logging
+import time
 
 import httpx
 import pytest
@@ -142,3 +143,42 @@ def test_the_openai_client_sends_its_api_key() -> None:
         bad = openai.OpenAI(base_url="http://ignis/v1", api_key="nope", http_client=http, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
+
+
+# ---------------------------------------------------------------- metrics published with the last token
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_metrics_read_right_after_a_reply_hold_its_counters(monkeypatch, stream: bool) -> None:
+    """The lane thread publishes the snapshot before it pushes a step's tokens: even when publishing is
+    slow, /metrics read just after the reply shows the request's rounds and no active lane."""
+    with serve() as running, running.client() as c:
+        lanes = running.server.lanes
+        publish = lanes._publish
+
+        def slow_publish() -> None:
+            time.sleep(0.15)
+            publish()
+
+        monkeypatch.setattr(lanes, "_publish", slow_publish)
+        body = {"prompt": "ab", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200
+        if stream:
+            assert r.text.rstrip().endswith("data: [DONE]")
+        text = c.get("/metrics").text
+        truth = dict(((n, tuple(sorted(l.items()))), v) for n, l, v in lanes.spec_metrics.samples())
+        accepted = truth[("ignis_speculative_accepted_tokens_total", ())]
+        assert accepted > 0
+        assert _metric(text, "ignis_speculative_accepted_tokens_total") == accepted
+        assert (
+            _metric(text, "ignis_speculative_rounds_total") == truth[("ignis_speculative_rounds_total", ())]
+        )
+        assert _metric(text, "ignis_lanes_active") == 0
