@@ -76,6 +76,10 @@ MAX_BODY_BYTES = 32 * 1024 * 1024  # larger request bodies get 413 (a 262,144-to
 # Levels of lists/objects a value handed to the chat template may nest (tools, tool calls, ...).
 MAX_NESTING = 64
 _GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_REQUEST_MODELS: dict[str, type[ChatCompletionRequest | CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
 _TEMPLATE_RESERVED = frozenset(
     {
         "self",
@@ -649,7 +653,8 @@ def create_app(
             return _error_response(InvalidRequestError(message))
         if first.get("type") == "missing" and len(first.get("loc", ())) <= 1:
             return _error_response(InvalidRequestError("the request needs a JSON object body"))
-        message, param = describe_validation_errors(errs)
+        fields = _REQUEST_MODELS.get(request.url.path)
+        message, param = describe_validation_errors(errs, fields.model_fields if fields else ())
         return _error_response(InvalidRequestError(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

@@ -2,9 +2,12 @@
 
 Requests are validated strictly (`strict=True`): a string where a number belongs, a number where a
 boolean belongs, NaN or infinity, or a value outside its range is a 400 with an OpenAI-style error
-body, never a coercion. Unknown fields are ignored, as vLLM does, so clients that send extra OpenAI
-parameters keep working; parameters ignis cannot honour (logprobs, n > 1, penalties, logit_bias,
-non-text response formats, echo, suffix) are refused by name rather than silently dropped.
+body, never a coercion. An unknown top-level field is a 400 naming it (OpenAI's behaviour: a
+misspelled `max_token` must not silently run to the context end); OpenAI fields that change nothing
+here (`user`, `store`, `metadata`, `parallel_tool_calls`, `service_tier`) are taken and ignored, and
+parameters ignis cannot honour (n > 1, logit_bias, non-text response formats, echo, suffix) are
+refused by name rather than silently dropped. Message objects keep their extra fields (they go to the
+chat template), and `stream_options` ignores unknown keys.
 
 Extensions beyond OpenAI, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
 (generated ids in `choices[i].token_ids`, prompt ids in `choices[i].prompt_token_ids`),
@@ -44,7 +47,7 @@ MAX_SEED = 2**64 - 1  # seeds are 0 <= seed < 2**64 (a lane's torch.Generator)
 MAX_STOP_STRINGS = 16  # stop strings per request (each is searched after every token)
 MAX_STOP_STRING_CHARS = 256  # characters per stop string
 
-_REQUEST = ConfigDict(strict=True, extra="ignore")
+_REQUEST = ConfigDict(strict=True, extra="forbid")
 _RESPONSE = ConfigDict(extra="allow")
 
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -56,9 +59,9 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
-    """OpenAI `stream_options`."""
+    """OpenAI `stream_options` (unknown keys, e.g. newer OpenAI options, are ignored)."""
 
-    model_config = _REQUEST
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool | None = Field(
         None, description="Send a last chunk with empty `choices` and the request's `usage`."
@@ -140,6 +143,9 @@ class _SamplingFields(BaseModel):
     )
     logit_bias: dict[str, float] | None = Field(None, description="Only an empty bias is served.")
     user: str | None = Field(None, description="Ignored.")
+    store: bool | None = Field(None, description="Ignored (ignis stores no completions).")
+    metadata: dict[str, str] | None = Field(None, description="Ignored.")
+    service_tier: str | None = Field(None, description="Ignored (one tier).")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -163,6 +169,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = Field(
         None, description='"none" or "auto" (tool calls are returned as text).'
     )
+    parallel_tool_calls: bool | None = Field(None, description="Ignored (tool calls are returned as text).")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (e.g. enable_thinking)."
     )

@@ -182,3 +182,61 @@ def test_metrics_read_right_after_a_reply_hold_its_counters(monkeypatch, stream:
             _metric(text, "ignis_speculative_rounds_total") == truth[("ignis_speculative_rounds_total", ())]
         )
         assert _metric(text, "ignis_lanes_active") == 0
+
+
+# ---------------------------------------------------------------- unknown request fields
+
+
+@pytest.fixture(scope="module")
+def shared() -> object:
+    with serve() as running:
+        yield running
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "hint"),
+    [
+        ("/v1/completions", {"prompt": "ab", "max_token": 4}, "max_token", "did you mean max_tokens?"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "temprature": 0},
+            "temprature",
+            "did you mean temperature?",
+        ),
+        ("/v1/completions", {"prompt": "ab", "zzzz_qqqq": 1}, "zzzz_qqqq", "listed at /docs"),
+    ],
+)
+def test_an_unknown_top_level_field_is_a_400_naming_it(shared, path, body, field, hint) -> None:
+    with shared.client() as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(f"{field} is not a known field") and hint in err["message"]
+
+
+def test_documented_extensions_and_ignored_openai_fields_are_taken(shared) -> None:
+    chat = {
+        "messages": [{"role": "user", "content": "hi", "reasoning_content": "x"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "top_k": 5,
+        "seed": 1,
+        "stop_token_ids": [7],
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "user": "u",
+        "store": False,
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+        "parallel_tool_calls": False,
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }
+    completion = {"prompt": "ab", "max_tokens": 2, "add_special_tokens": False, "top_k": -1, "seed": 3}
+    with shared.client() as c:
+        assert c.post("/v1/chat/completions", json=chat).status_code == 200
+        assert c.post("/v1/completions", json=completion).status_code == 200
