@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -103,6 +104,8 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise TokenizerError(f"cannot parse the tokenizer JSON: {exc}") from exc
         self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self._lock = threading.Lock()
+        self._truncating_by_length: dict[int, _HFTokenizer] = {}
 
     @property
     def backend(self) -> _HFTokenizer:
@@ -145,9 +148,40 @@ class Tokenizer:
         normalizers that shorten text (NFC composition) before the model splits it."""
         return len(text.encode("utf-8", "surrogatepass")) // (4 * self.max_token_bytes)
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. bos), as in HF."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+    def encode(
+        self, text: str, *, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. bos), as in HF.
+
+        Tokenizes through `tokenizers`' batch call, which releases the GIL (its single-text `encode`
+        holds it): a long text tokenized in a worker thread leaves the other Python threads (a
+        server's event loop) running.
+
+        Args:
+            max_length: keep only the first max_length ids (special tokens the post-processor adds
+                included), or None for all. The ids then reach Python as a list of at most max_length
+                (building a list of millions holds the GIL): a caller that refuses prompts of
+                max_length tokens or more learns all it needs (len == max_length means "at least").
+
+        Raises:
+            ValueError: max_length < 1.
+        """
+        tok = self._tok if max_length is None else self._truncating(max_length)
+        batch = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: no offsets
+        return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def _truncating(self, max_length: int) -> _HFTokenizer:
+        """A copy of the backend that truncates to max_length ids (cached; the backend's truncation
+        setting is shared state, so the copy keeps `encode` thread-safe)."""
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        with self._lock:
+            tok = self._truncating_by_length.get(max_length)
+            if tok is None:
+                tok = _HFTokenizer.from_str(self._tok.to_str())
+                tok.enable_truncation(max_length)
+                self._truncating_by_length[max_length] = tok
+        return tok
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD, as in HF)."""

@@ -380,15 +380,10 @@ class _Service:
             raise InvalidRequestError(f"the sampling parameters are not valid: {exc}") from exc
 
     def check_prompt(self, ids: Sequence[int]) -> None:
+        """Refuse an empty prompt, one that fills the context (checked first: it costs nothing), or ids
+        outside the vocabulary (a min/max scan; the offenders are listed only then)."""
         if not ids:
             raise InvalidRequestError("the prompt is empty: it must hold at least one token", param="prompt")
-        vocab = self.lanes.vocab_size
-        if vocab is not None:
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids {bad[:8]} are outside the vocabulary [0, {vocab})", param="prompt"
-                )
         ctx = self.lanes.max_context
         if ctx is not None and len(ids) >= ctx:
             raise InvalidRequestError(
@@ -396,6 +391,12 @@ class _Service:
                 "no room is left for an output token",
                 param="prompt",
                 code="context_length_exceeded",
+            )
+        vocab = self.lanes.vocab_size
+        if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            raise InvalidRequestError(
+                f"prompt token ids {bad[:8]} are outside the vocabulary [0, {vocab})", param="prompt"
             )
 
     def refuse_oversized_text(self, text: str, *, param: str) -> None:
@@ -475,11 +476,27 @@ class _Service:
             ) from exc
         self.refuse_oversized_text(text, param="messages")
         try:
-            return list(self.model.tokenizer.encode(text, add_special_tokens=False))
+            ids = list(
+                self.model.tokenizer.encode(text, add_special_tokens=False, max_length=self.lanes.max_context)
+            )
         except IgnisRuntimeError as exc:
             raise InvalidRequestError(
                 "the rendered messages could not be tokenized", param="messages"
             ) from exc
+        self.refuse_truncated(ids, text, param="messages")
+        return ids
+
+    def refuse_truncated(self, ids: Sequence[int], text: str, *, param: str) -> None:
+        """Refuse a prompt tokenized up to the context length (`encode(max_length=...)`) that reached it:
+        it has at least that many tokens, so no room is left for an output token."""
+        ctx = self.lanes.max_context
+        if ctx is not None and len(ids) >= ctx:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {ctx} tokens; the prompt has at least {ctx} "
+                f"tokens ({len(text)} characters) and no room is left for an output token",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         if req.echo:
@@ -498,9 +515,15 @@ class _Service:
         if isinstance(prompt, str):
             self.refuse_oversized_text(prompt, param="prompt")
             try:
-                return list(self.model.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
+                ids = list(
+                    self.model.tokenizer.encode(
+                        prompt, add_special_tokens=req.add_special_tokens, max_length=self.lanes.max_context
+                    )
+                )
             except IgnisRuntimeError as exc:
                 raise InvalidRequestError("the prompt could not be tokenized", param="prompt") from exc
+            self.refuse_truncated(ids, prompt, param="prompt")
+            return ids
         return [int(t) for t in prompt]
 
     # ---------------------------------------------------------------- running

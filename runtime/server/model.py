@@ -45,8 +45,10 @@ class IncrementalDecoder(Protocol):
 class ChatTokenizer(Protocol):
     """The tokenizer interface the server needs (`ignis.runtime.tokenizer.Tokenizer` implements it)."""
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text."""
+    def encode(
+        self, text: str, *, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> list[int]:
+        """Token ids of text (at most max_length of them), without holding the GIL while tokenizing."""
         ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:

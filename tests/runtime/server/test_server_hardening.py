@@ -5,12 +5,14 @@ the last token, repeated signals."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import httpx
 import pytest
 from click.testing import CliRunner
 from server_helpers import serve, short_tmpdir
+from toy_model import ToySource
 
 from ignis.runtime import cli
 
@@ -240,3 +242,40 @@ def test_documented_extensions_and_ignored_openai_fields_are_taken(shared) -> No
     with shared.client() as c:
         assert c.post("/v1/chat/completions", json=chat).status_code == 200
         assert c.post("/v1/completions", json=completion).status_code == 200
+
+
+# ---------------------------------------------------------------- a long prompt stalls nobody
+
+
+def test_a_long_prompt_is_tokenized_without_stalling_the_other_clients() -> None:
+    """A prompt that takes seconds to tokenize (the toy tokenizer splits every character) and is then
+    refused as longer than the context: /health answers throughout (tokenizing releases the GIL in a
+    worker thread), and the refusal names the context."""
+    with serve(ToySource(context=1 << 19)) as running, running.client() as c, running.client() as h:
+        prompt = "ab " * (1 << 18)  # 786,432 characters, one token each
+        result: dict[str, object] = {}
+        done = threading.Event()
+
+        def send() -> None:
+            t0 = time.monotonic()
+            result["response"] = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            result["seconds"] = time.monotonic() - t0
+            done.set()
+
+        assert h.get("/health").status_code == 200
+        sender = threading.Thread(target=send)
+        sender.start()
+        worst = 0.0
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert h.get("/health").status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.01)
+        sender.join()
+    r = result["response"]
+    assert isinstance(r, httpx.Response) and r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and f"at least {1 << 19} tokens" in err["message"]
+    seconds = float(result["seconds"])  # type: ignore[arg-type]
+    assert seconds > 1.0, "the prompt tokenized too fast to show a stall"
+    assert worst < 0.5 * seconds, (worst, seconds)
