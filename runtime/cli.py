@@ -206,7 +206,9 @@ def run_command(opts: dict[str, Any]) -> None:
             budget,
         )
     server.bind()
-    server.run()
+    status = server.run()
+    if status:  # requests were cut at shutdown
+        sys.exit(status)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -6,7 +6,8 @@ the asyncio event loop, talk to that thread through two thread-safe doors:
 - `LaneLoop.submit(prompt, params)` queues an "add" operation and returns a `RequestHandle` at once;
   past `max_lanes + queue_size` requests in flight it raises `ServerBusyError` (503, Retry-After).
 - `LaneLoop.abort(handle)` queues an "abort" (a client that went away); `abort_all()` cancels every
-  request in flight (a shutdown past its grace period).
+  request in flight (a shutdown past its grace period, or a second signal); `num_cut` counts the
+  requests cut that way or by `stop()`.
 
 The thread applies queued operations between steps, so a new request joins at the next round and an
 abort frees its lane before the next round runs. After each step it pushes one `TokenEvent` per lane
@@ -188,6 +189,7 @@ class LaneLoop:
         self._handles: dict[int, RequestHandle] = {}  # lane id -> handle; lane thread only
         self._thread: threading.Thread | None = None
         self.num_engine_restarts = 0
+        self.num_cut = 0  # requests in flight aborted by abort_all() or stop() (not by their client)
         self.snapshot = LaneSnapshot(spec_samples=tuple(self.spec_metrics.samples()))
 
     # ------------------------------------------------------------------ any thread
@@ -310,10 +312,10 @@ class LaneLoop:
                 self._abort(handle)
             else:
                 for each in list(self._handles.values()):
-                    self._abort(each)
+                    self.num_cut += self._abort(each)
         if stopping:
             for handle in list(self._handles.values()):
-                self._abort(handle)
+                self.num_cut += self._abort(handle)
             self._publish()
             return False
         if not self._engine.has_unfinished:
@@ -390,15 +392,18 @@ class LaneLoop:
         if self.metrics is not None:
             self.metrics.request_admitted(handle)
 
-    def _abort(self, handle: RequestHandle) -> None:
+    def _abort(self, handle: RequestHandle) -> bool:
+        """Abort a request holding a lane; False when it holds none (not added yet: its add sees the
+        flag; or already finished)."""
         lane_id = handle.lane_id
         if lane_id is None or self._handles.get(lane_id) is not handle:
-            return  # not added yet (its add sees the flag), or already finished
+            return False
         self._engine.abort(lane_id)
         self._engine.pop_result(lane_id)
         del self._handles[lane_id]
         self._release(handle, "abort")
         handle._push(TokenEvent((), "abort"))
+        return True
 
     def _fail_all(self, exc: Exception) -> None:
         for handle in list(self._handles.values()):

@@ -8,8 +8,10 @@ Shutdown (SIGTERM, SIGINT, `request_exit`): the listening sockets close at once 
 refused), requests in flight finish for up to `shutdown_timeout` seconds, then the ones left are
 aborted (a stream ends with finish_reason "abort" and [DONE], a plain request returns what it has),
 uvicorn cancels anything still running 2 s later, the lane loop stops, the Unix socket file is
-removed (only if it is still the one this server created) and the model is closed. A SIGTERM ends
-`run()` normally.
+removed (only if it is still the one this server created) and the model is closed. A second SIGINT
+or SIGTERM cancels the requests in flight at once (their streams still end with finish_reason
+"abort" and [DONE]); a third stops waiting for connections. `run()` returns the exit status: 0 when
+every request in flight finished, 1 when some were cut.
 """
 
 from __future__ import annotations
@@ -94,15 +96,37 @@ _CANCEL_GRACE = 2.0  # seconds uvicorn waits after the lanes were aborted before
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, telling us when its shutdown begins (to abort lanes after the grace period)."""
+    """uvicorn's server, telling us when its shutdown begins (to abort lanes after the grace period),
+    with our own handling of repeated signals (`handle_exit`)."""
 
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_shutdown: Callable[[], None], on_cut: Callable[[], None]
+    ) -> None:
         super().__init__(config)
         self._on_shutdown = on_shutdown
+        self._on_cut = on_cut
+        self.num_signals = 0
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._on_shutdown()
         await super().shutdown(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """SIGINT / SIGTERM. The first starts the graceful shutdown; the second cancels the requests in
+        flight now (each stream still ends with finish_reason "abort" and [DONE]); a third stops
+        waiting for connections. The signal is not re-raised after serving (uvicorn's default would
+        raise it into our cleanup, logging tracebacks)."""
+        self.num_signals += 1
+        if self.num_signals == 1:
+            logger.info("signal %d: shutting down (send it again to cancel the requests in flight)", sig)
+            self.should_exit = True
+        elif self.num_signals == 2:
+            logger.warning("signal %d again: cancelling the requests in flight", sig)
+            self.should_exit = True
+            self._on_cut()
+        else:
+            logger.warning("signal %d a third time: closing every connection now", sig)
+            self.force_exit = True
 
 
 class _Terminated(BaseException):
@@ -190,7 +214,12 @@ class IgnisServer:
                 timeout_graceful_shutdown=math.ceil(self.options.shutdown_timeout + _CANCEL_GRACE),
                 server_header=False,
             )
-            server = _Uvicorn(config, on_shutdown=self._cancel_after_grace)
+            loop = asyncio.get_running_loop()
+            server = _Uvicorn(
+                config,
+                on_shutdown=self._cancel_after_grace,
+                on_cut=lambda: loop.call_soon_threadsafe(self.lanes.abort_all),
+            )
             self._uvicorn = server
             if self._exit_requested:
                 server.should_exit = True
@@ -231,8 +260,10 @@ class IgnisServer:
             self.tcp_socket.close()
             self.tcp_socket = None
 
-    def run(self) -> None:
-        """Serve in the main thread until SIGTERM or SIGINT (then shut down gracefully and return)."""
+    def run(self) -> int:
+        """Serve in the main thread until SIGTERM or SIGINT, shut down (module docstring) and return the
+        process exit status: 0 when every request in flight finished, 1 when some were cut (past
+        the shutdown timeout, or by a second signal)."""
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             raise _Terminated(signum)
@@ -245,3 +276,7 @@ class IgnisServer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if self.lanes.num_cut:
+            logger.warning("exiting with status 1: %d request(s) were cut at shutdown", self.lanes.num_cut)
+            return 1
+        return 0

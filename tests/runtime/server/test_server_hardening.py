@@ -4,7 +4,10 @@ the last token, repeated signals."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -279,3 +282,36 @@ def test_a_long_prompt_is_tokenized_without_stalling_the_other_clients() -> None
     seconds = float(result["seconds"])  # type: ignore[arg-type]
     assert seconds > 1.0, "the prompt tokenized too fast to show a stall"
     assert worst < 0.5 * seconds, (worst, seconds)
+
+
+# ---------------------------------------------------------------- repeated signals
+
+
+def test_a_second_sigint_cuts_streams_cleanly_and_exits_non_zero() -> None:
+    """The first SIGINT starts the graceful shutdown, the second cancels the stream in flight: it ends
+    with finish_reason "abort", usage and [DONE]; no traceback is logged; the exit status is 1."""
+    from test_server_cli import _start, _stream_in_thread
+
+    sock = short_tmpdir() / "ignis.sock"
+    proc = _start(sock, "--shutdown-timeout", "60", delay=0.08)
+    try:
+        lines: list[str] = []
+        first = threading.Event()
+        t = _stream_in_thread(sock, {"prompt": [1, 2], "max_tokens": 250, "ignore_eos": True}, lines, first)
+        assert first.wait(20)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None  # still finishing the request
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        t.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "1 request(s) were cut" in err
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(x[len("data: ") :]) for x in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert chunks[-1]["usage"]["completion_tokens"] == len(chunks) - 1 < 250
+    assert not os.path.lexists(sock)
