@@ -458,8 +458,9 @@ class _Service:
                 "continue_final_message needs add_generation_prompt false", param="continue_final_message"
             )
         try:
-            text = self.model.tokenizer.apply_chat_template(
+            prompt = self.model.tokenizer.render_chat(
                 messages,
+                parse_special_tokens=req.parse_special_tokens,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tools=req.tools,
@@ -474,16 +475,14 @@ class _Service:
             raise InvalidRequestError(
                 f"the model's chat template refused the messages: {exc}", param="messages"
             ) from exc
-        self.refuse_oversized_text(text, param="messages")
+        self.refuse_oversized_text(prompt.text, param="messages")
         try:
-            ids = list(
-                self.model.tokenizer.encode(text, add_special_tokens=False, max_length=self.lanes.max_context)
-            )
+            ids = list(self.model.tokenizer.encode_chat_prompt(prompt, max_length=self.lanes.max_context))
         except IgnisRuntimeError as exc:
             raise InvalidRequestError(
                 "the rendered messages could not be tokenized", param="messages"
             ) from exc
-        self.refuse_truncated(ids, text, param="messages")
+        self.refuse_truncated(ids, prompt.text, param="messages")
         return ids
 
     def refuse_truncated(self, ids: Sequence[int], text: str, *, param: str) -> None:

@@ -11,8 +11,10 @@ chat template), and `stream_options` ignores unknown keys.
 
 Extensions beyond OpenAI, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
 (generated ids in `choices[i].token_ids`, prompt ids in `choices[i].prompt_token_ids`),
-`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `add_special_tokens`; and
-`/v1/completions` takes the prompt as a list of token ids.
+`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `add_special_tokens`,
+`parse_special_tokens` (chat: encode special-token text in the messages as control tokens; off by
+default, so content cannot forge a turn); and `/v1/completions` takes the prompt as a list of token
+ids.
 
 Streaming responses are server-sent events, one token per chunk (`ChatCompletionChunk`,
 `CompletionChunk`), then `data: [DONE]`. The chunk that carries `finish_reason` also carries `usage`;
@@ -176,6 +178,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = Field(True, description="Append the assistant header to the prompt.")
     continue_final_message: bool = Field(
         False, description="Leave the last (assistant) message open and continue it."
+    )
+    parse_special_tokens: bool = Field(
+        False,
+        description="Encode special-token text in the messages, tools and chat_template_kwargs (e.g. "
+        '"<|im_start|>") as control tokens, as HF apply_chat_template does. By default it is encoded as '
+        "plain text, so only the chat template writes control tokens and content cannot forge a turn.",
     )
 
 
