@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ from ignis.runtime.acceptance import AcceptanceResult, greedy_accept_ids, reject
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
 from ignis.runtime.families.base import Executor, LaneState
+from ignis.runtime.logits_processors import TokenLogprob, process_rows, token_logprobs
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.sampling import LaneRandom, SamplingParams, logits_to_probs, sample_token
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, MAX_DRAFT_TOKENS, LaneScheduler
@@ -91,6 +92,7 @@ class LaneUpdate:
     new_token_ids: tuple[int, ...]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token when the request asks
 
     @property
     def is_finished(self) -> bool:
@@ -121,6 +123,7 @@ class LaneResult:
     text: str
     seed: int
     num_rounds: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per output token when the request asked
 
 
 @dataclass(eq=False)  # identity: lanes are removed from lists by identity, not field by field
@@ -134,6 +137,7 @@ class _Lane:
     num_rounds: int = 0
     num_prefilled: int = 0  # prompt tokens committed so far (< len(prompt) while being prefilled)
     drafter_started: bool = False  # drafter.start_lane was called (at the lane's first chunk)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked
 
     @property
     def output(self) -> list[int]:
@@ -230,6 +234,7 @@ class SpeculativeEngine:
         self._prefilling: list[_Lane] = []  # part of the prompt committed (arrival order)
         self._active: list[_Lane] = []  # decoding
         self._results: dict[int, LaneResult] = {}
+        self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # lane -> this step's logprobs
 
     # ------------------------------------------------------------------ lanes
 
@@ -358,6 +363,7 @@ class SpeculativeEngine:
             StateError: from the executor (e.g. a lane past its context); the engine is then unusable.
         """
         emitted: dict[int, list[int]] = {}
+        self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # lane -> this step's (when asked)
         chunks = self._plan_prefill()
         finished = self._prefill(chunks, emitted) if chunks else []
         if self._active:
@@ -368,12 +374,18 @@ class SpeculativeEngine:
         done = {lane.lane_id: lane for lane in finished}
         for lane_id, tokens in emitted.items():
             lane_done = done.get(lane_id)
+            lps = self._step_logprobs.get(lane_id)
+            lps_out = tuple(lps) if lps is not None else None
             if lane_done is None:
-                updates.append(LaneUpdate(lane_id, tuple(tokens)))
+                updates.append(LaneUpdate(lane_id, tuple(tokens), logprobs=lps_out))
             else:
                 updates.append(
                     LaneUpdate(
-                        lane_id, tuple(tokens), lane_done.stops.finish_reason, lane_done.stops.stop_reason
+                        lane_id,
+                        tuple(tokens),
+                        lane_done.stops.finish_reason,
+                        lane_done.stops.stop_reason,
+                        logprobs=lps_out,
                     )
                 )
         return updates
@@ -385,9 +397,34 @@ class SpeculativeEngine:
         return {"output_hidden_states": bool(d.needs_hidden_states), "tap_layers": tuple(d.tap_layers)}
 
     def _choose_first(self, lane: _Lane, logits: torch.Tensor) -> int:  # logits: float [vocab]
+        raw = logits
+        if lane.params.processes_logits:  # penalties / min_tokens (`ignis.runtime.logits_processors`)
+            logits = self._process(lane, logits[None], [])[0]
         if lane.params.is_greedy:
-            return int(logits.argmax().item())
-        return sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
+            token = int(logits.argmax().item())
+        else:
+            token = sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
+        self._record_logprobs(lane, raw[None], [token])
+        return token
+
+    def _process(self, lane: _Lane, logits: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
+        """A lane's rows penalised and masked as decoding without speculation would see them."""
+        return process_rows(
+            logits,
+            lane.params,
+            prompt=lane.prompt,
+            output=lane.output,
+            drafts=drafts,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def _record_logprobs(self, lane: _Lane, raw: torch.Tensor, tokens: Sequence[int]) -> None:
+        """Keep the emitted tokens' logprobs (rows of the raw logits) when the request asks for them."""
+        if lane.params.logprobs is None or not tokens:
+            return
+        lps = token_logprobs(raw, tokens, lane.params.logprobs)
+        lane.logprobs.extend(lps)
+        self._step_logprobs.setdefault(lane.lane_id, []).extend(lps)
 
     def _plan_prefill(self) -> list[tuple[_Lane, int]]:
         """This step's prompt chunks, (lane, columns), in arrival order within the prefill budget
@@ -518,12 +555,18 @@ class SpeculativeEngine:
         states = [lane.state for lane in lanes]
         record = any(c.numel() > 1 for c in columns)
         out = self.executor.forward(states, columns, logits="all", record=record, **self._forward_kwargs())
+        # Penalties / min_tokens: row j judged as if d_1..d_j were committed (`logits_processors`).
+        rows = {
+            i: self._process(lane, out.logits[i], drafts[i].tolist())
+            for i, lane in enumerate(lanes)
+            if lane.params.processes_logits
+        }
         # Greedy lanes: every lane's argmax and drafts reach the host in ONE transfer (no per-lane sync),
         # then each run is found on the host (`greedy_accept_ids`, the rule of `greedy_accept`).
         greedy = [i for i, lane in enumerate(lanes) if lane.params.is_greedy]
         host_runs: dict[int, tuple[list[int], int]] = {}
         if greedy:
-            parts = [out.logits[i].argmax(dim=-1) for i in greedy] + [drafts[i] for i in greedy]
+            parts = [rows.get(i, out.logits[i]).argmax(dim=-1) for i in greedy] + [drafts[i] for i in greedy]
             flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).tolist()
             pos = 0
             targets: list[list[int]] = []
@@ -542,9 +585,10 @@ class SpeculativeEngine:
             if i in host_runs:
                 run, num_accepted = host_runs[i]
             else:
-                res = self._accept(lane, prop, out.logits[i])
+                res = self._accept(lane, prop, rows.get(i, out.logits[i]))
                 run, num_accepted = res.output_token_ids.tolist(), res.num_accepted
             num_emitted = lane.stops.extend(run)
+            self._record_logprobs(lane, out.logits[i], run[:num_emitted])
             k = prop.draft_token_ids.numel()
             if k:
                 self.metrics.record_round(
@@ -605,4 +649,5 @@ class SpeculativeEngine:
             text=s.text,
             seed=lane.random.seed,
             num_rounds=lane.num_rounds,
+            logprobs=tuple(lane.logprobs),
         )
