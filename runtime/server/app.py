@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ignis.runtime.errors import IgnisRuntimeError
+from ignis.runtime.logits_processors import TokenLogprob
 from ignis.runtime.sampling import SamplingParams, SamplingParamsError
 from ignis.runtime.server.auth import ApiKeyCheck
 from ignis.runtime.server.errors import (
@@ -51,6 +52,7 @@ from ignis.runtime.server.errors import (
     error_body,
 )
 from ignis.runtime.server.lanes import ErrorEvent, LaneLoop, RequestHandle, TokenEvent
+from ignis.runtime.server.logprobs import chat_logprobs, completion_logprobs
 from ignis.runtime.server.metrics import ServerMetrics
 from ignis.runtime.server.model import ChatTokenizer, ServedModel
 from ignis.runtime.server.protocol import (
@@ -337,16 +339,6 @@ class _Service:
     def sampling_params(
         self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None
     ) -> SamplingParams:
-        for field, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            value = getattr(req, field)
-            if value is not None and value != neutral:
-                raise InvalidRequestError(
-                    f"{field} = {value} is not supported: only {neutral} (no penalty) is served", param=field
-                )
         if req.stream_options is not None and not req.stream:
             raise InvalidRequestError(
                 'stream_options is only allowed with "stream": true', param="stream_options"
@@ -375,9 +367,15 @@ class _Service:
                 stop=(stop,) if isinstance(stop, str) else tuple(stop),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
+                presence_penalty=float(req.presence_penalty or 0.0),
+                frequency_penalty=float(req.frequency_penalty or 0.0),
+                repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+                min_tokens=req.min_tokens or 0,
+                logprobs=_num_logprobs(req),
             )
-        except SamplingParamsError as exc:  # the protocol's bounds make this unreachable; worded anyway
-            raise InvalidRequestError(f"the sampling parameters are not valid: {exc}") from exc
+        except SamplingParamsError as exc:  # min_tokens > max_tokens; the protocol bounds the rest
+            param = "min_tokens" if "min_tokens" in str(exc) else None
+            raise InvalidRequestError(f"the sampling parameters are not valid: {exc}", param=param) from exc
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         """Refuse an empty prompt, one that fills the context (checked first: it costs nothing), or ids
@@ -412,14 +410,6 @@ class _Service:
             )
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        if req.logprobs:
-            raise InvalidRequestError(
-                "logprobs are not supported: only false or null is served", param="logprobs"
-            )
-        if req.top_logprobs:
-            raise InvalidRequestError(
-                "top_logprobs are not supported: only 0 or null is served", param="top_logprobs"
-            )
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise InvalidRequestError(
                 'only response_format {"type": "text"} is supported', param="response_format"
@@ -502,8 +492,6 @@ class _Service:
             raise InvalidRequestError("echo is not supported: only false is served", param="echo")
         if req.suffix is not None:
             raise InvalidRequestError("suffix is not supported: only null is served", param="suffix")
-        if req.logprobs is not None:
-            raise InvalidRequestError("logprobs are not supported: only null is served", param="logprobs")
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
@@ -578,14 +566,19 @@ class _Service:
             if not handle.is_done:
                 self.lanes.abort(handle)
 
-    async def collect(self, handle: RequestHandle, request: Request) -> tuple[list[int], TokenEvent] | None:
-        """Wait for a non-streamed request's tokens; None when the client disconnected first."""
+    async def collect(
+        self, handle: RequestHandle, request: Request
+    ) -> tuple[list[int], TokenEvent, list[TokenLogprob]] | None:
+        """Wait for a non-streamed request's tokens (and their logprobs, when asked); None when the
+        client disconnected first."""
         ids: list[int] = []
+        lps: list[TokenLogprob] = []
         events = self.events(handle)
 
         async def run() -> TokenEvent:
             async for event in events:
                 ids.extend(event.token_ids)
+                lps.extend(event.logprobs or ())
                 if event.finish_reason is not None:
                     return event
             raise AssertionError("events ended without a last event")
@@ -606,7 +599,35 @@ class _Service:
                 await events.aclose()
         if work.cancelled():
             return None
-        return ids, work.result()
+        return ids, work.result(), lps
+
+
+def _num_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """Top logprobs per token the request asks for (0: only the chosen token's), or None for none.
+
+    Raises:
+        InvalidRequestError: chat top_logprobs without logprobs true (OpenAI refuses it too).
+    """
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError('top_logprobs needs "logprobs": true', param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _choice_logprobs(
+    svc: _Service,
+    req: ChatCompletionRequest | CompletionRequest,
+    lps: Sequence[TokenLogprob],
+    offset: int = 0,
+) -> dict[str, Any] | None:
+    """The choice's `logprobs` object (`ignis.runtime.server.logprobs`), or None when not asked."""
+    num = _num_logprobs(req)
+    if num is None:
+        return None
+    if isinstance(req, CompletionRequest):
+        return completion_logprobs(svc.model.tokenizer, lps, num_top=num, text_offset=offset)
+    return chat_logprobs(svc.model.tokenizer, lps)
 
 
 def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
@@ -777,18 +798,24 @@ def create_app(
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = _chat_stream if is_chat else _completion_stream
-            return EventStreamResponse(stream(svc, handle, rid, created, req.return_token_ids, include_usage))
+            return EventStreamResponse(
+                stream(svc, handle, rid, created, req.return_token_ids, include_usage, req)
+            )
         got = await svc.collect(handle, request)
         if got is None:
             return Response(status_code=499)
-        out_ids, last = got
+        out_ids, last, lps = got
         content = _whole_text(model.tokenizer, ids, params, out_ids, last)
         choice: dict[str, Any] = {"index": 0}
         if is_chat:
             choice["message"] = {"role": "assistant", "content": content}
         else:
             choice["text"] = content
-        choice.update(finish_reason=last.finish_reason, stop_reason=last.stop_reason, logprobs=None)
+        choice.update(
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            logprobs=_choice_logprobs(svc, req, lps),
+        )
         if req.return_token_ids:
             choice["token_ids"] = out_ids
             choice["prompt_token_ids"] = ids
@@ -868,6 +895,7 @@ async def _stream_tokens(
     head: Mapping[str, Any],
     make_choice: Callable[[str, int | None, TokenEvent | None, bool], dict[str, Any]],
     include_usage: bool,
+    req: ChatCompletionRequest | CompletionRequest,
 ) -> AsyncIterator[bytes]:
     """SSE bytes: one chunk per token; the last carries finish_reason and usage; then [DONE].
 
@@ -875,16 +903,22 @@ async def _stream_tokens(
         head: the fields every chunk starts with (id, object, created, model).
         make_choice: (text delta, token id or None, the last event or None, is_first) -> the chunk's choice.
         include_usage: send a last chunk with empty `choices` and the usage (stream_options).
+        req: the request (its logprobs options: each chunk carries its token's logprobs).
     """
     text = _TextStream(svc.model.tokenizer, handle.prompt_token_ids, handle.params)
     num_prompt = len(handle.prompt_token_ids)
     num_out = 0
+    offset = 0  # completions' text_offset of the next token
     try:
         async for event in svc.events(handle):
             n = len(event.token_ids)
             for i, token in enumerate(event.token_ids):
                 last = event if (i == n - 1 and event.finish_reason is not None) else None
-                chunk = {**head, "choices": [make_choice(text.push(token, last), token, last, num_out == 0)]}
+                choice = make_choice(text.push(token, last), token, last, num_out == 0)
+                if event.logprobs is not None:
+                    choice["logprobs"] = _choice_logprobs(svc, req, event.logprobs[i : i + 1], offset)
+                    offset += len(svc.model.tokenizer.decode([token], skip_special_tokens=False))
+                chunk = {**head, "choices": [choice]}
                 num_out += 1
                 if last is not None:
                     chunk["usage"] = _usage(num_prompt, num_out)
@@ -913,18 +947,30 @@ def _choice_end(
 
 
 def _chat_stream(
-    svc: _Service, handle: RequestHandle, rid: str, created: int, with_ids: bool, include_usage: bool
+    svc: _Service,
+    handle: RequestHandle,
+    rid: str,
+    created: int,
+    with_ids: bool,
+    include_usage: bool,
+    req: ChatCompletionRequest | CompletionRequest,
 ) -> AsyncIterator[bytes]:
     def choice(delta: str, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
         d: dict[str, Any] = {"role": "assistant", "content": delta} if first else {"content": delta}
         return _choice_end({"index": 0, "delta": d}, token, last, with_ids)
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": svc.model.name}
-    return _stream_tokens(svc, handle, head, choice, include_usage)
+    return _stream_tokens(svc, handle, head, choice, include_usage, req)
 
 
 def _completion_stream(
-    svc: _Service, handle: RequestHandle, rid: str, created: int, with_ids: bool, include_usage: bool
+    svc: _Service,
+    handle: RequestHandle,
+    rid: str,
+    created: int,
+    with_ids: bool,
+    include_usage: bool,
+    req: ChatCompletionRequest | CompletionRequest,
 ) -> AsyncIterator[bytes]:
     def choice(delta: str, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
         out = _choice_end({"index": 0, "text": delta}, token, last, with_ids)
@@ -933,4 +979,4 @@ def _completion_stream(
         return out
 
     head = {"id": rid, "object": "text_completion", "created": created, "model": svc.model.name}
-    return _stream_tokens(svc, handle, head, choice, include_usage)
+    return _stream_tokens(svc, handle, head, choice, include_usage, req)

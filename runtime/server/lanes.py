@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ignis.runtime.engine import LaneRequestError, SpeculativeEngine
+from ignis.runtime.logits_processors import TokenLogprob
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.sampling import SamplingParams, SamplingParamsError
 from ignis.runtime.server.errors import (
@@ -67,12 +68,14 @@ class TokenEvent:
         stop_reason: the stop token id or stop string that finished it, else None.
         stop_text: on the last event of a request with stop strings, the engine's text of the whole
             output cut before the stop string; else None.
+        logprobs: each token's logprob and top logprobs when the request asked, else None.
     """
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stop_text: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -349,7 +352,13 @@ class LaneLoop:
             events.append(
                 (
                     handle,
-                    TokenEvent(update.new_token_ids, update.finish_reason, update.stop_reason, stop_text),
+                    TokenEvent(
+                        update.new_token_ids,
+                        update.finish_reason,
+                        update.stop_reason,
+                        stop_text,
+                        update.logprobs,
+                    ),
                 )
             )
         self._publish()  # before the tokens go out: a client that read its reply sees this step's counters

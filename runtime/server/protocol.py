@@ -9,7 +9,8 @@ parameters ignis cannot honour (n > 1, logit_bias, non-text response formats, ec
 refused by name rather than silently dropped. Message objects keep their extra fields (they go to the
 chat template), and `stream_options` ignores unknown keys.
 
-Extensions beyond OpenAI, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
+Extensions beyond OpenAI, as in vLLM: `top_k`, `min_tokens`, `repetition_penalty`, `stop_token_ids`,
+`ignore_eos`, `return_token_ids`
 (generated ids in `choices[i].token_ids`, prompt ids in `choices[i].prompt_token_ids`),
 `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `add_special_tokens`,
 `parse_special_tokens` (chat: encode special-token text in the messages as control tokens; off by
@@ -135,13 +136,31 @@ class _SamplingFields(BaseModel):
         "choices[0].prompt_token_ids (streamed: each chunk's token id).",
     )
     presence_penalty: float | None = Field(
-        None, allow_inf_nan=False, description="Only 0 is served (no penalties)."
+        None,
+        ge=-2,
+        le=2,
+        allow_inf_nan=False,
+        description="In [-2, 2]: subtracted from the logit of every token already in the output (0 = off).",
     )
     frequency_penalty: float | None = Field(
-        None, allow_inf_nan=False, description="Only 0 is served (no penalties)."
+        None,
+        ge=-2,
+        le=2,
+        allow_inf_nan=False,
+        description="In [-2, 2]: times a token's count in the output, subtracted from its logit (0 = off).",
     )
     repetition_penalty: float | None = Field(
-        None, allow_inf_nan=False, description="Only 1 is served (no penalties)."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="> 0 (vLLM): a token of the prompt or output has its logit divided by it when positive, "
+        "multiplied otherwise (1 = off).",
+    )
+    min_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="(vLLM) EOS and stop_token_ids cannot end the output, nor stop strings, before this many "
+        "output tokens (0 = off).",
     )
     logit_bias: dict[str, float] | None = Field(None, description="Only an empty bias is served.")
     user: str | None = Field(None, description="Ignored.")
@@ -162,8 +181,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(
         None, ge=1, description="OpenAI's newer name for max_tokens (wins when both are given)."
     )
-    logprobs: bool | None = Field(None, description="Not served: only false or null.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not served: only 0 or null.")
+    logprobs: bool | None = Field(
+        None, description="Return each output token's logprob (the model's own, speculation on or off)."
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="With logprobs: also the N most likely tokens at each position."
+    )
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"} is served.')
     tools: list[dict[str, Any]] | None = Field(
         None, description="Tool definitions, passed to the chat template (tool calls are not parsed)."
@@ -194,7 +217,9 @@ class CompletionRequest(_SamplingFields):
         description="A text, or a list of token ids; a list holding exactly one of these is accepted too."
     )
     max_tokens: int | None = Field(16, ge=1, description="Most output tokens (>= 1; default 16, as OpenAI).")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Not served: only null.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Return each output token's logprob and the N most likely tokens."
+    )
     echo: bool = Field(False, description="Not served: only false.")
     suffix: str | None = Field(None, description="Not served: only null.")
     best_of: int | None = Field(None, ge=1, description="Only 1 is served (others are refused by name).")
@@ -235,7 +260,7 @@ class _ChoiceEnd(BaseModel):
         None, description='"stop", "length" or "abort" on the last token; null before it.'
     )
     stop_reason: int | str | None = Field(None, description="The stop token id or stop string, else null.")
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(None, description="With logprobs: the output tokens' logprobs.")
     token_ids: list[int] | None = Field(
         None, description="Generated ids (with return_token_ids; streamed: the chunk's token)."
     )

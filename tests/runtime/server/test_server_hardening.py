@@ -336,3 +336,89 @@ def test_special_tokens_in_chat_content_are_plain_text_unless_asked(shared) -> N
     assert plain.count(2) == 2  # the user turn and the generation prompt
     assert parsed["choices"][0]["prompt_token_ids"].count(2) == 3
     assert len(plain) > len(parsed["choices"][0]["prompt_token_ids"])  # "<|im|>" spelled out
+
+
+# ---------------------------------------------------------------- logprobs, penalties, min_tokens: the API
+
+
+def _sse_chunks(text: str) -> list[dict]:
+    lines = [x[len("data: ") :] for x in text.splitlines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_logprobs_and_penalties_are_the_same_with_speculation_on_and_off() -> None:
+    from ignis.runtime.profiles import SpecDefaults
+
+    chat = {
+        "messages": [{"role": "user", "content": "say something, then say it again"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "presence_penalty": 0.7,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.2,
+        "min_tokens": 30,
+        "return_token_ids": True,
+    }
+    completion = {
+        "prompt": "abcabcabc",
+        "max_tokens": 30,
+        "temperature": 0,
+        "logprobs": 2,
+        "frequency_penalty": 1.1,
+        "min_tokens": 10,
+    }
+    replies = {}
+    for label, spec in (("off", SpecDefaults(backend="off")), ("on", None), ("mtp", SpecDefaults("mtp", 2))):
+        with serve(spec=spec) as running, running.client() as c:
+            replies[label] = (
+                c.post("/v1/chat/completions", json=chat).json(),
+                c.post("/v1/completions", json=completion).json(),
+                _sse_chunks(c.post("/v1/chat/completions", json={**chat, "stream": True}).text),
+                c.get("/metrics").text,
+            )
+    off_chat, off_completion, off_stream, _ = replies["off"]
+    choice = off_chat["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(choice["token_ids"]) >= 30  # min_tokens held the EOS back
+    assert all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 for e in content)
+    assert all(e["top_logprobs"][0]["logprob"] >= e["logprob"] for e in content)
+    lp = off_completion["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+    assert "".join(lp["tokens"]) == off_completion["choices"][0]["text"]
+    streamed = [
+        e for chunk in off_stream for e in (chunk["choices"][0].get("logprobs") or {}).get("content", [])
+    ]
+    assert streamed == content
+    for label in ("on", "mtp"):
+        on_chat, on_completion, on_stream, metrics = replies[label]
+        assert on_chat["choices"][0]["token_ids"] == choice["token_ids"], label
+        assert on_chat["choices"][0]["logprobs"] == choice["logprobs"], label  # the toy's math is exact
+        assert [ch["choices"] for ch in on_stream] == [ch["choices"] for ch in off_stream], label
+        assert on_completion["choices"][0]["text"] == off_completion["choices"][0]["text"], label
+        assert on_completion["choices"][0]["logprobs"]["tokens"] == lp["tokens"], label
+        assert _metric(metrics, "ignis_speculative_accepted_tokens_total") > _metric(
+            metrics, "ignis_speculative_rounds_total"
+        )  # runs of more than one token were committed
+
+
+def test_the_openai_client_reads_logprobs(shared) -> None:
+    import openai
+
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(shared.socket)))
+    client = openai.OpenAI(base_url="http://ignis/v1", api_key="x", http_client=http)
+    reply = client.chat.completions.create(
+        model="toy",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        presence_penalty=0.5,
+        extra_body={"min_tokens": 5, "repetition_penalty": 1.1},
+    )
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens == 5
+    assert all(len(e.top_logprobs) == 2 for e in entries)
