@@ -173,3 +173,49 @@ def test_min_tokens_delays_stop_strings() -> None:
 def test_out_of_range_values_are_refused(kwargs) -> None:
     with pytest.raises(SamplingParamsError):
         SamplingParams(**kwargs)
+
+
+# ----------------------------------------------------------------------------- sampling keeps p
+
+SAMPLED = SamplingParams(temperature=0.8, top_k=3, max_tokens=3, presence_penalty=-1.0, frequency_penalty=0.3)
+SAMPLE_PROMPT = (4, 17)
+NUM_SAMPLES = 2000
+ALPHA = 1e-6
+
+
+def _penalised_probs(prefix: tuple[int, ...]) -> torch.Tensor:
+    """p of the next token after SAMPLE_PROMPT + prefix under SAMPLED, from the definitions."""
+    from ignis.runtime.sampling import logits_to_probs
+
+    x = toy.ToyExecutor().next_logits([*SAMPLE_PROMPT, *prefix]).double()
+    for t in set(prefix):
+        x[t] -= SAMPLED.frequency_penalty * prefix.count(t) + SAMPLED.presence_penalty
+    return logits_to_probs(x, SAMPLED).double()
+
+
+@pytest.mark.parametrize("mode", ["sample", "greedy"])
+def test_sampled_output_with_penalties_keeps_the_models_distribution(mode: str) -> None:
+    """Rejection sampling against the penalised p of every row (drafts before it counted) keeps the
+    output distribution the one decoding without speculation samples from."""
+    from sampling_checks import pooled_chi2
+
+    joint: dict[tuple[int, int, int], float] = {}
+    p1 = _penalised_probs(())
+    for a in torch.nonzero(p1).flatten().tolist():
+        p2 = _penalised_probs((a,))
+        for b in torch.nonzero(p2).flatten().tolist():
+            p3 = _penalised_probs((a, b))
+            for c in torch.nonzero(p3).flatten().tolist():
+                joint[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    engine = SpeculativeEngine(toy.ToyExecutor(), ModelDrafter(toy.ToyExecutor(), mode=mode), draft_tokens=2)
+    params = [
+        SamplingParams(**{**SAMPLED.__dict__, "seed": 20_000 + i, "stop": ()}) for i in range(NUM_SAMPLES)
+    ]
+    counts = dict.fromkeys(joint, 0)
+    for r in engine.generate([SAMPLE_PROMPT] * NUM_SAMPLES, params):
+        head = tuple(r.output_token_ids)
+        assert head in counts, f"{head} has probability 0 under the penalised model"
+        counts[head] += 1
+    assert engine.metrics.accepted_tokens_total > engine.metrics.rounds_total  # drafts were accepted
+    pv = pooled_chi2([counts[c] for c in joint], [joint[c] * NUM_SAMPLES for c in joint])
+    assert pv > ALPHA, f"{mode}: the output deviates from the penalised model (p-value {pv:.2e})"
