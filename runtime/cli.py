@@ -157,6 +157,7 @@ def run_command(opts: dict[str, Any]) -> None:
             shutdown_timeout=float(pick("shutdown_timeout")),
             log_level=str(pick("log_level")),
             api_key=pick("api_key"),
+            max_request_bytes=pick("max_request_bytes"),
         )
     except ValueError as exc:  # a usage error: from the command line or the config file's [server]
         where = f" (the command line or {cfg.path})" if cfg is not None else ""
@@ -246,6 +247,13 @@ def run_command(opts: dict[str, Any]) -> None:
 )
 @click.option(
     "--port", type=click.IntRange(0, 65535), help="Also serve TCP on this port (0 picks a free one)."
+)
+@click.option(
+    "--max-request-bytes",
+    type=click.IntRange(min=1024),
+    metavar="BYTES",
+    help="Request bodies over this get 413 before they are read. [default: room for a prompt that fills "
+    "the context, 16 bytes a token plus 1 MiB, at most 32 MiB]",
 )
 @click.option(
     "--api-key",

@@ -63,6 +63,7 @@ SERVER_KEYS: dict[str, type] = {
     "cuda_graphs": bool,
     "max_prefill_tokens": int,
     "api_key": str,
+    "max_request_bytes": int,
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.

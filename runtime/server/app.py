@@ -13,7 +13,8 @@ Errors are OpenAI-style bodies (`{"error": {"message", "type", "param", "code"}}
 the field as the client wrote it (`messages[0].content`), what is allowed and what was sent: 400 for
 malformed JSON, wrong types, out-of-range values, unsupported parameters, a prompt that does not fit
 the context or a max_tokens that runs past it (code "context_length_exceeded", never a silent clamp);
-404 for an unknown model or path; 405 for a wrong method; 413 for a body over MAX_BODY_BYTES; 415 for
+404 for an unknown model or path; 405 for a wrong method; 413 for a body over the server's limit
+(`default_max_body_bytes`, `--max-request-bytes`; checked from Content-Length before reading); 415 for
 a generation request whose Content-Type is not JSON; 503 with Retry-After when every lane is busy and
 the waiting queue is full; 500 only for a server fault (an engine failure, reported to the requests it
 hit, after which the lanes restart; or a bug, logged, with the connection kept usable). Every answer of
@@ -69,12 +70,26 @@ from ignis.runtime.server.protocol import (
 )
 from ignis.runtime.stops import FINISH_STOP, stop_string_holdback
 
-__all__ = ["MAX_BODY_BYTES", "MAX_NESTING", "MIN_TEMPERATURE", "create_app"]
+__all__ = ["MAX_BODY_BYTES", "MAX_NESTING", "MIN_TEMPERATURE", "create_app", "default_max_body_bytes"]
 
 logger = logging.getLogger("ignis.runtime.server")
 
 MIN_TEMPERATURE = 0.01  # temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM's rule)
-MAX_BODY_BYTES = 32 * 1024 * 1024  # larger request bodies get 413 (a 262,144-token prompt is ~2 MB of JSON)
+MAX_BODY_BYTES = 32 * 1024 * 1024  # the default limit's cap (a 262,144-token prompt is ~1-2 MB of JSON)
+_BODY_BYTES_PER_TOKEN = 16  # JSON bytes one prompt token can take (an escaped emoji "\ud83d\ude00" is 12)
+_BODY_BYTES_SLACK = 1024 * 1024  # for tools, message fields the template drops, JSON structure
+
+
+def default_max_body_bytes(max_context: int | None) -> int:
+    """The default request body limit: room for a prompt filling the context at 16 JSON bytes a token
+    plus 1 MiB, at most MAX_BODY_BYTES (all of it without a context limit). A body that large cannot
+    be a prompt that fits, and refusing it before reading keeps JSON parsing (which holds the event
+    loop) bounded."""
+    if max_context is None:
+        return MAX_BODY_BYTES
+    return min(MAX_BODY_BYTES, _BODY_BYTES_SLACK + _BODY_BYTES_PER_TOKEN * max_context)
+
+
 # Levels of lists/objects a value handed to the chat template may nest (tools, tool calls, ...).
 MAX_NESTING = 64
 _GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -172,14 +187,15 @@ class _RequestCounter:
 
 
 class _BodyChecks:
-    """413 (OpenAI-style body) for a request body over MAX_BODY_BYTES: at once when its Content-Length
+    """413 (OpenAI-style body) for a request body over `limit` bytes: at once when its Content-Length
     says so, else as soon as the bytes read pass the limit (the endpoint's body parser re-raises the
     HTTPException, and the app's handler renders it). 415 for a POST to a generation endpoint whose
     Content-Type is not JSON (the body would not be parsed; a browser form cannot send JSON, so the
     JSON type is kept required)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
         self.app = app
+        self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -187,8 +203,10 @@ class _BodyChecks:
             return
         headers = dict(scope.get("headers", ()))
         value = headers.get(b"content-length", b"")
-        if value.isdigit() and int(value) > MAX_BODY_BYTES:
-            body = error_body(_too_large(int(value)), "invalid_request_error", code="request_too_large")
+        if value.isdigit() and int(value) > self.limit:
+            body = error_body(
+                _too_large(int(value), self.limit), "invalid_request_error", code="request_too_large"
+            )
             await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
             return
         if scope.get("method") == "POST" and scope.get("path") in _GENERATION_PATHS:
@@ -212,8 +230,8 @@ class _BodyChecks:
             message = await receive()
             if message["type"] == "http.request":
                 num_read += len(message.get("body", b""))
-                if num_read > MAX_BODY_BYTES:
-                    raise StarletteHTTPException(413, detail=_too_large(num_read))
+                if num_read > self.limit:
+                    raise StarletteHTTPException(413, detail=_too_large(num_read, self.limit))
             return message
 
         await self.app(scope, limited_receive, send)
@@ -240,8 +258,11 @@ def _check_nesting(value: Any, param: str) -> None:
                 stack.append((child, depth + 1))
 
 
-def _too_large(num_bytes: int) -> str:
-    return f"the request body has {num_bytes} bytes or more; at most {MAX_BODY_BYTES} are taken"
+def _too_large(num_bytes: int, limit: int) -> str:
+    return (
+        f"the request body has {num_bytes} bytes or more; at most {limit} are taken (the server's "
+        "--max-request-bytes)"
+    )
 
 
 def _whole_text(
@@ -639,7 +660,12 @@ def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
 
 
 def create_app(
-    model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics, *, api_key: str | None = None
+    model: ServedModel,
+    lanes: LaneLoop,
+    metrics: ServerMetrics,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     """Build the app. Its lifespan starts the lane loop and stops it (aborting what is left) at shutdown.
 
@@ -649,6 +675,8 @@ def create_app(
         metrics: the server's metrics (`ServerMetrics` over `lanes.snapshot`).
         api_key: the key every endpoint but /health requires as `Authorization: Bearer KEY`
             (`ignis.runtime.server.auth`), or None for none.
+        max_body_bytes: request bodies over this get 413; None: `default_max_body_bytes` of the
+            lanes' context.
     """
     svc = _Service(model, lanes, metrics)
 
@@ -670,7 +698,7 @@ def create_app(
     errors: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorResponse, "description": "Malformed or invalid request"},
         404: {"model": ErrorResponse, "description": "Unknown model"},
-        413: {"model": ErrorResponse, "description": "Request body over 32 MiB"},
+        413: {"model": ErrorResponse, "description": "Request body over the server's limit"},
         401: {"model": ErrorResponse, "description": "Missing or wrong API key (with --api-key)"},
         415: {"model": ErrorResponse, "description": "Content-Type is not application/json"},
         500: {"model": ErrorResponse, "description": "Engine failure"},
@@ -723,7 +751,8 @@ def create_app(
         )
 
     # The last added is the outermost: the counter sees every response, the 413/415 refusals included.
-    app.add_middleware(_BodyChecks)
+    body_limit = max_body_bytes if max_body_bytes is not None else default_max_body_bytes(lanes.max_context)
+    app.add_middleware(_BodyChecks, limit=body_limit)
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
     app.add_middleware(_RequestCounter, metrics=metrics)

@@ -64,6 +64,8 @@ class ServerOptions:
         log_level: uvicorn's log level name.
         access_log: log one line per HTTP request.
         api_key: the key every endpoint but /health requires (`Authorization: Bearer KEY`), or None.
+        max_request_bytes: request bodies over this many bytes get 413 (>= 1024); None: room for a
+            prompt that fills the context (`ignis.runtime.server.app.default_max_body_bytes`).
     """
 
     socket: str | None = None
@@ -77,9 +79,12 @@ class ServerOptions:
     log_level: str = "info"
     access_log: bool = True
     api_key: str | None = field(default=None, repr=False)
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)
+        if self.max_request_bytes is not None and self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.socket is None and self.port is None:
             raise ValueError("give a Unix socket path or a TCP port to listen on")
         if self.lanes < 1:
@@ -156,7 +161,13 @@ class IgnisServer:
         )
         self.metrics = ServerMetrics(lambda: self.lanes.snapshot, options.lanes)
         self.lanes.metrics = self.metrics
-        self.app = create_app(model, self.lanes, self.metrics, api_key=options.api_key)
+        self.app = create_app(
+            model,
+            self.lanes,
+            self.metrics,
+            api_key=options.api_key,
+            max_body_bytes=options.max_request_bytes,
+        )
         self.unix_socket: BoundUnixSocket | None = None
         self.tcp_socket: socket.socket | None = None
         self.started = threading.Event()

@@ -422,3 +422,29 @@ def test_the_openai_client_reads_logprobs(shared) -> None:
     entries = reply.choices[0].logprobs.content
     assert len(entries) == reply.usage.completion_tokens == 5
     assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
+# ---------------------------------------------------------------- the body limit follows the context
+
+
+def test_the_body_limit_follows_the_context_and_the_option(captured) -> None:
+    from ignis.runtime.server.app import MAX_BODY_BYTES, default_max_body_bytes
+
+    assert default_max_body_bytes(256) == (1 << 20) + 16 * 256
+    assert default_max_body_bytes(1 << 22) == default_max_body_bytes(None) == MAX_BODY_BYTES
+    json_type = {"content-type": "application/json"}
+    with serve() as running, running.client() as c:  # the toy's context: 256 tokens
+        limit = default_max_body_bytes(256)
+        over = b'{"prompt": "' + b"a" * limit + b'"}'
+        r = c.post("/v1/completions", content=over, headers=json_type)
+        assert r.status_code == 413 and f"at most {limit} are taken" in r.json()["error"]["message"]
+        under = b'{"prompt": "' + b"a" * (limit - 100) + b'"}'
+        r = c.post("/v1/completions", content=under, headers=json_type)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    with serve(max_request_bytes=4096) as running, running.client() as c:
+        r = c.post("/v1/completions", content=b'{"prompt": "' + b"a" * 5000 + b'"}', headers=json_type)
+        assert r.status_code == 413 and "at most 4096" in r.json()["error"]["message"]
+    sock = short_tmpdir() / "s.sock"
+    assert invoke("--socket", str(sock), "--max-request-bytes", "65536").exit_code == 0
+    assert captured[-1].options.max_request_bytes == 65536
+    assert invoke("--socket", str(sock), "--max-request-bytes", "10").exit_code == 2
