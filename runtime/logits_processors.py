@@ -10,7 +10,8 @@ top-k and top-p (`ignis.runtime.sampling.logits_to_probs`):
 2. **Frequency and presence penalties** (OpenAI): logit -= frequency_penalty x count + presence_penalty
    x (count > 0), count = the token's occurrences in the output so far (the prompt not counted).
 3. **min_tokens**: while fewer than `min_tokens` tokens have been output, the EOS ids (unless
-   `ignore_eos`) and `stop_token_ids` get logit -inf.
+   `ignore_eos`) and `stop_token_ids` get logit -inf (unless they are every token of the vocabulary:
+   then the row is left as it is).
 
 **Exactness under speculation.** A lane's verify round has rows 0..k over columns [anchor, d_1..d_k]:
 row j predicts the output token at index len(output) + j, after the drafts d_1..d_j. Were row j
@@ -105,7 +106,13 @@ def process_rows(
         stop_ids = [t for t in stop_ids if 0 <= t < vocab]
         num_masked = min(n, max(0, p.min_tokens - len(output)))
         if stop_ids and num_masked:
+            before = x[:num_masked].clone()
             x[:num_masked, stop_ids] = -torch.inf
+            # a row left with no finite logit (stop ids covering the vocabulary) keeps its logits:
+            # min_tokens cannot be honoured there, and sampling needs some token
+            empty = ~torch.isfinite(x[:num_masked]).any(dim=-1)
+            if bool(empty.any()):
+                x[:num_masked][empty] = before[empty]
     return x
 
 

@@ -78,7 +78,7 @@ class SamplingParams:
     # Penalties and min_tokens (vLLM's meanings; `ignis.runtime.logits_processors` applies them):
     presence_penalty: float = 0.0  # in [-2, 2]: minus this from the logit of every token already output
     frequency_penalty: float = 0.0  # in [-2, 2]: minus this x the token's count in the output
-    repetition_penalty: float = 1.0  # > 0: a token of the prompt or output has its logit /= (if > 0) or *=
+    repetition_penalty: float = 1.0  # [0.01, 100]: a prompt or output token's logit /= (if > 0) or *=
     min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings unchecked, before this many
     logprobs: int | None = None  # report each output token's logprob and this many top ones; None = off
 
@@ -130,6 +130,7 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
+MIN_REPETITION_PENALTY = 0.01  # logits divided by less could overflow float32 (and mean nothing)
 
 
 def _check_penalties_and_logprobs(params: SamplingParams) -> None:
@@ -138,8 +139,10 @@ def _check_penalties_and_logprobs(params: SamplingParams) -> None:
         if not isinstance(v, int | float) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
             raise SamplingParamsError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
     rp = params.repetition_penalty
-    if not isinstance(rp, int | float) or isinstance(rp, bool) or not (math.isfinite(rp) and rp > 0.0):
-        raise SamplingParamsError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
+    if not isinstance(rp, int | float) or isinstance(rp, bool) or not MIN_REPETITION_PENALTY <= rp <= 100.0:
+        raise SamplingParamsError(
+            f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 100] (1 = off), got {rp!r}"
+        )
     if not _is_int(params.min_tokens) or params.min_tokens < 0:
         raise SamplingParamsError(f"min_tokens must be an integer >= 0, got {params.min_tokens!r}")
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:

@@ -151,10 +151,11 @@ class _SamplingFields(BaseModel):
     )
     repetition_penalty: float | None = Field(
         None,
-        gt=0,
+        ge=0.01,
+        le=100,
         allow_inf_nan=False,
-        description="> 0 (vLLM): a token of the prompt or output has its logit divided by it when positive, "
-        "multiplied otherwise (1 = off).",
+        description="In [0.01, 100] (vLLM): a token of the prompt or output has its logit divided by it when "
+        "positive, multiplied otherwise (1 = off).",
     )
     min_tokens: int | None = Field(
         None,

@@ -219,3 +219,30 @@ def test_sampled_output_with_penalties_keeps_the_models_distribution(mode: str) 
     assert engine.metrics.accepted_tokens_total > engine.metrics.rounds_total  # drafts were accepted
     pv = pooled_chi2([counts[c] for c in joint], [joint[c] * NUM_SAMPLES for c in joint])
     assert pv > ALPHA, f"{mode}: the output deviates from the penalised model (p-value {pv:.2e})"
+
+
+# ----------------------------------------------------------------------------- fuzz-found edges
+
+
+def test_min_tokens_over_stop_ids_covering_the_vocabulary_still_samples() -> None:
+    """Every token a stop id (found by the API fuzzer: NaN probabilities failed the engine): the rows
+    keep their logits and the lane decodes on, greedy and sampled."""
+    from ignis.runtime.logits_processors import process_rows
+
+    every = tuple(range(VOCAB))
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            temperature=temperature, max_tokens=6, min_tokens=4, stop_token_ids=every, seed=1
+        )
+        rows = process_rows(torch.randn(3, VOCAB), params, prompt=(1,), output=(2,), drafts=(3, 4))
+        assert torch.isfinite(rows).all()
+        (result,) = SpeculativeEngine(toy.ToyExecutor(), eos_token_ids=(EOS,)).generate([(1, 2)], params)
+        assert len(result.output_token_ids) == 4 and result.finish_reason == "stop"
+
+
+def test_extreme_repetition_penalties_are_refused() -> None:
+    for value in (1e-300, 0.001, 101.0):
+        with pytest.raises(SamplingParamsError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=value)
+    SamplingParams(repetition_penalty=0.01)
+    SamplingParams(repetition_penalty=100)
