@@ -18,6 +18,7 @@ the one question or cannot be reached, 2 on bad usage.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -86,8 +87,12 @@ class ChatClient:
     ):
         self.where = f"unix socket {socket}" if socket else url
         transport = httpx.HTTPTransport(uds=socket) if socket else None
+        key = os.environ.get("IGNIS_API_KEY")  # a server run with --api-key wants it as a Bearer token
         self.http = httpx.Client(
-            transport=transport, base_url="http://ignis" if socket else url, timeout=timeout
+            transport=transport,
+            base_url="http://ignis" if socket else url,
+            timeout=timeout,
+            headers={"Authorization": f"Bearer {key}"} if key else None,
         )
 
     def close(self) -> None:

@@ -448,3 +448,15 @@ def test_the_body_limit_follows_the_context_and_the_option(captured) -> None:
     assert invoke("--socket", str(sock), "--max-request-bytes", "65536").exit_code == 0
     assert captured[-1].options.max_request_bytes == 65536
     assert invoke("--socket", str(sock), "--max-request-bytes", "10").exit_code == 2
+
+
+def test_the_chat_tool_sends_ignis_api_key(monkeypatch) -> None:
+    from ignis.tools import chat
+
+    with serve(api_key="tool-key") as running:
+        args = ["--socket", str(running.socket), "--max-tokens", "3", "--model", "toy", "hi"]
+        result = CliRunner().invoke(chat.main, args)
+        assert result.exit_code != 0 and "API key" in result.output
+        monkeypatch.setenv("IGNIS_API_KEY", "tool-key")
+        result = CliRunner().invoke(chat.main, args)
+        assert result.exit_code == 0, result.output
