@@ -62,7 +62,7 @@ from ignis.runtime.acceptance import AcceptanceResult, greedy_accept_ids, reject
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
 from ignis.runtime.families.base import Executor, LaneState
-from ignis.runtime.logits_processors import TokenLogprob, process_rows, token_logprobs
+from ignis.runtime.logits_processors import LanePenalties, TokenLogprob, token_logprobs
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.sampling import LaneRandom, SamplingParams, logits_to_probs, sample_token
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, MAX_DRAFT_TOKENS, LaneScheduler
@@ -138,6 +138,7 @@ class _Lane:
     num_prefilled: int = 0  # prompt tokens committed so far (< len(prompt) while being prefilled)
     drafter_started: bool = False  # drafter.start_lane was called (at the lane's first chunk)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked
+    penalties: LanePenalties | None = None  # penalties / min_tokens state, when the request has them
 
     @property
     def output(self) -> list[int]:
@@ -408,15 +409,12 @@ class SpeculativeEngine:
         return token
 
     def _process(self, lane: _Lane, logits: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
-        """A lane's rows penalised and masked as decoding without speculation would see them."""
-        return process_rows(
-            logits,
-            lane.params,
-            prompt=lane.prompt,
-            output=lane.output,
-            drafts=drafts,
-            eos_token_ids=self.eos_token_ids,
-        )
+        """A lane's rows penalised and masked as decoding without speculation would see them (its
+        `LanePenalties`, made at first use, told the tokens emitted since the last call)."""
+        if lane.penalties is None:
+            lane.penalties = LanePenalties(lane.params, lane.prompt, self.eos_token_ids)
+        lane.penalties.extend(lane.output[lane.penalties.num_output :])
+        return lane.penalties.process(logits, drafts)
 
     def _record_logprobs(self, lane: _Lane, raw: torch.Tensor, tokens: Sequence[int]) -> None:
         """Keep the emitted tokens' logprobs (rows of the raw logits) when the request asks for them."""

@@ -34,7 +34,7 @@ import torch
 
 from ignis.runtime.sampling import SamplingParams
 
-__all__ = ["TokenLogprob", "process_rows", "token_logprobs"]
+__all__ = ["LanePenalties", "TokenLogprob", "process_rows", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,8 @@ def process_rows(
 ) -> torch.Tensor:  # float32 [n, vocab] (float64 stays float64): the penalised, masked logits
     """The logits each row's sampling sees (module docstring): row j after output + drafts[:j].
 
+    The stateless form of `LanePenalties` (which an engine keeps per lane).
+
     Args:
         logits: row j predicts the output token at index len(output) + j.
         prompt: the lane's prompt ids (repetition penalty).
@@ -74,46 +76,94 @@ def process_rows(
     Raises:
         ValueError: logits is not 2-D, or fewer than n - 1 drafts.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
-    n, vocab = logits.shape
-    if len(drafts) < n - 1:
-        raise ValueError(f"{n} rows need {n - 1} drafts, got {len(drafts)}")
-    x = logits.double() if logits.dtype == torch.float64 else logits.float()
-    x = x.clone()
-    dev = x.device
-    p = params
-    if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-        out_ids = torch.tensor(list(output), dtype=torch.int64, device=dev)
-        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(x.dtype)  # [vocab]
-        counts = counts.expand(n, vocab).clone()  # [n, vocab]: row j adds d_1..d_j
-        for j in range(1, n):
-            counts[j:, int(drafts[j - 1])] += 1
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            if prompt:
-                in_prompt = torch.zeros(vocab, dtype=torch.bool, device=dev)
-                in_prompt[torch.tensor(list(prompt), dtype=torch.int64, device=dev)] = True
-                seen |= in_prompt
-            penalised = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-            x = torch.where(seen, penalised, x)
-        if p.frequency_penalty != 0.0:
-            x = x - p.frequency_penalty * counts
-        if p.presence_penalty != 0.0:
-            x = x - p.presence_penalty * (counts > 0).to(x.dtype)
-    if p.min_tokens > 0:
-        stop_ids = sorted({*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)})
-        stop_ids = [t for t in stop_ids if 0 <= t < vocab]
-        num_masked = min(n, max(0, p.min_tokens - len(output)))
-        if stop_ids and num_masked:
-            before = x[:num_masked].clone()
-            x[:num_masked, stop_ids] = -torch.inf
-            # a row left with no finite logit (stop ids covering the vocabulary) keeps its logits:
-            # min_tokens cannot be honoured there, and sampling needs some token
-            empty = ~torch.isfinite(x[:num_masked]).any(dim=-1)
-            if bool(empty.any()):
-                x[:num_masked][empty] = before[empty]
-    return x
+    state = LanePenalties(params, prompt, eos_token_ids)
+    state.extend(output)
+    return state.process(logits, drafts)
+
+
+class LanePenalties:
+    """One lane's running state for the penalties and min_tokens (module docstring): the output's
+    token counts and the prompt's token set as [vocab] tensors on the logits' device, built at the
+    first `process` and then extended by the tokens emitted since, instead of rebuilt from the whole
+    output (and prompt) every round.
+
+    Args:
+        params: the lane's sampling parameters.
+        prompt: its prompt ids.
+        eos_token_ids: the model's EOS ids (masked by min_tokens unless `params.ignore_eos`).
+    """
+
+    def __init__(
+        self, params: SamplingParams, prompt: Sequence[int], eos_token_ids: Collection[int] = ()
+    ) -> None:
+        self.params = params
+        self.num_output = 0  # output tokens so far (the anchor included)
+        self._prompt = tuple(prompt)
+        self._eos = tuple(eos_token_ids)
+        self._pending: list[int] = []  # emitted, not yet counted
+        self._counts: torch.Tensor | None = None  # float32 [vocab]
+        self._in_prompt: torch.Tensor | None = None  # bool [vocab], with a repetition penalty
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """The lane emitted these tokens (counted at the next `process`)."""
+        self._pending.extend(int(t) for t in token_ids)
+        self.num_output += len(token_ids)
+
+    def process(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
+        """`process_rows` for the lane's output so far: row j after the output and drafts[:j].
+
+        Raises:
+            ValueError: logits is not 2-D, or fewer than n - 1 drafts.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
+        n, vocab = logits.shape
+        if len(drafts) < n - 1:
+            raise ValueError(f"{n} rows need {n - 1} drafts, got {len(drafts)}")
+        x = logits.double() if logits.dtype == torch.float64 else logits.float()
+        x = x.clone()
+        p = self.params
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            counts = self._output_counts(vocab, x.device).to(x.dtype)
+            counts = counts.expand(n, vocab).clone()  # [n, vocab]: row j adds d_1..d_j
+            for j in range(1, n):
+                counts[j:, int(drafts[j - 1])] += 1
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                if self._in_prompt is None:
+                    self._in_prompt = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+                    ids = [t for t in self._prompt if 0 <= t < vocab]
+                    if ids:
+                        self._in_prompt[torch.tensor(ids, dtype=torch.int64, device=x.device)] = True
+                seen |= self._in_prompt
+                penalised = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+                x = torch.where(seen, penalised, x)
+            if p.frequency_penalty != 0.0:
+                x = x - p.frequency_penalty * counts
+            if p.presence_penalty != 0.0:
+                x = x - p.presence_penalty * (counts > 0).to(x.dtype)
+        if p.min_tokens > 0:
+            stop_ids = sorted({*p.stop_token_ids, *(() if p.ignore_eos else self._eos)})
+            stop_ids = [t for t in stop_ids if 0 <= t < vocab]
+            num_masked = min(n, max(0, p.min_tokens - self.num_output))
+            if stop_ids and num_masked:
+                before = x[:num_masked].clone()
+                x[:num_masked, stop_ids] = -torch.inf
+                # a row left with no finite logit (stop ids covering the vocabulary) keeps its logits:
+                # min_tokens cannot be honoured there, and sampling needs some token
+                empty = ~torch.isfinite(x[:num_masked]).any(dim=-1)
+                if bool(empty.any()):
+                    x[:num_masked][empty] = before[empty]
+        return x
+
+    def _output_counts(self, vocab: int, device: torch.device) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        if self._pending:
+            ids = torch.tensor([t for t in self._pending if 0 <= t < vocab], dtype=torch.int64, device=device)
+            self._counts.index_add_(0, ids, torch.ones(ids.numel(), dtype=torch.float32, device=device))
+            self._pending.clear()
+        return self._counts
 
 
 def token_logprobs(
