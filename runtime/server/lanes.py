@@ -193,6 +193,8 @@ class LaneLoop:
         self._thread: threading.Thread | None = None
         self.num_engine_restarts = 0
         self.num_cut = 0  # requests in flight aborted by abort_all() or stop() (not by their client)
+        # events the lane thread sends at its next `_publish`, after the snapshot (lane thread only)
+        self._outbox: list[tuple[RequestHandle, TokenEvent | ErrorEvent]] = []
         self.snapshot = LaneSnapshot(spec_samples=tuple(self.spec_metrics.samples()))
 
     # ------------------------------------------------------------------ any thread
@@ -290,6 +292,9 @@ class LaneLoop:
                 pass
         except BaseException:  # a bug or a failed engine restart: fail what is left and stop taking requests
             logger.exception("the lane loop failed; failing %d request(s) and stopping", len(self._handles))
+            for handle, event in self._outbox:
+                handle._push(event)
+            self._outbox.clear()
             with self._cond:
                 self._stopping = True
                 pending = [h for kind, h in self._ops if kind == "add"]
@@ -334,7 +339,6 @@ class LaneLoop:
             self._fail_all(exc)
             return True
         now = time.monotonic()
-        events: list[tuple[RequestHandle, TokenEvent]] = []
         for update in updates:
             handle = self._handles.get(update.lane_id)
             if handle is None:
@@ -349,21 +353,11 @@ class LaneLoop:
             handle.num_emitted += len(update.new_token_ids)
             if update.is_finished:  # released before the client can see its last token
                 self._release(handle, update.finish_reason)
-            events.append(
-                (
-                    handle,
-                    TokenEvent(
-                        update.new_token_ids,
-                        update.finish_reason,
-                        update.stop_reason,
-                        stop_text,
-                        update.logprobs,
-                    ),
-                )
+            event = TokenEvent(
+                update.new_token_ids, update.finish_reason, update.stop_reason, stop_text, update.logprobs
             )
-        self._publish()  # before the tokens go out: a client that read its reply sees this step's counters
-        for handle, event in events:
-            handle._push(event)
+            self._send(handle, event)
+        self._publish()  # then the tokens go out: a client that read its reply sees this step's counters
         return True
 
     @property
@@ -371,7 +365,13 @@ class LaneLoop:
         """The prefill budget of the engine the loop runs (None for an engine without one)."""
         return getattr(self._engine, "max_prefill_tokens", None)
 
+    def _send(self, handle: RequestHandle, event: TokenEvent | ErrorEvent) -> None:
+        """Queue an event for the request; the next `_publish` sends it after the new snapshot."""
+        self._outbox.append((handle, event))
+
     def _publish(self) -> None:
+        """Publish the snapshot, then send the queued events (so a client that has its last event
+        reads counters and gauges that include it)."""
         # a lane being prefilled counts as active: the requests the engine holds, up to max_lanes
         # (its steps admit that many, as the prefill budget reaches them), so /health and /metrics see
         # a long prefill, chunked over several steps, while it runs
@@ -384,17 +384,20 @@ class LaneLoop:
             num_waiting=self._num_inflight - active,
             spec_samples=tuple(self.spec_metrics.samples()),
         )
+        outbox, self._outbox = self._outbox, []
+        for handle, event in outbox:
+            handle._push(event)
 
     def _add(self, handle: RequestHandle) -> None:
         if handle.is_abort_requested:
             self._release(handle, "abort")
-            handle._push(TokenEvent((), "abort"))
+            self._send(handle, TokenEvent((), "abort"))
             return
         try:
             lane_id = self._engine.add_lane(handle.prompt_token_ids, handle.params)
         except (LaneRequestError, SamplingParamsError) as exc:
             self._release(handle, None)
-            handle._push(ErrorEvent(InvalidRequestError(str(exc), param="prompt")))
+            self._send(handle, ErrorEvent(InvalidRequestError(str(exc), param="prompt")))
             return
         handle.lane_id = lane_id
         self._handles[lane_id] = handle
@@ -411,14 +414,14 @@ class LaneLoop:
         self._engine.pop_result(lane_id)
         del self._handles[lane_id]
         self._release(handle, "abort")
-        handle._push(TokenEvent((), "abort"))
+        self._send(handle, TokenEvent((), "abort"))
         return True
 
     def _fail_all(self, exc: Exception) -> None:
         for handle in list(self._handles.values()):
             self._release(handle, "error")
-            handle._push(
-                ErrorEvent(EngineFailedError(f"the engine failed while serving this request: {exc}"))
+            self._send(
+                handle, ErrorEvent(EngineFailedError(f"the engine failed while serving this request: {exc}"))
             )
         self._handles.clear()
         del self._engine  # free its memory before the new one is built

@@ -460,3 +460,25 @@ def test_the_chat_tool_sends_ignis_api_key(monkeypatch) -> None:
         monkeypatch.setenv("IGNIS_API_KEY", "tool-key")
         result = CliRunner().invoke(chat.main, args)
         assert result.exit_code == 0, result.output
+
+
+def test_metrics_read_right_after_an_aborted_stream_show_the_lane_freed(monkeypatch) -> None:
+    """Aborts (shutdown, a second signal) go out after the snapshot too."""
+    with serve(ToySource(step_delay=0.02)) as running, running.client() as c:
+        lanes = running.server.lanes
+        publish = lanes._publish
+
+        def slow_publish() -> None:
+            time.sleep(0.15)
+            publish()
+
+        body = {"prompt": "ab", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            monkeypatch.setattr(lanes, "_publish", slow_publish)
+            lanes.abort_all()
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "abort"
+        assert _metric(c.get("/metrics").text, "ignis_lanes_active") == 0
