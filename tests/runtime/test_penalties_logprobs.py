@@ -246,3 +246,32 @@ def test_extreme_repetition_penalties_are_refused() -> None:
             SamplingParams(repetition_penalty=value)
     SamplingParams(repetition_penalty=0.01)
     SamplingParams(repetition_penalty=100)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rows_and_logprobs_match_the_cpu(dtype) -> None:
+    """The per-lane state lives on the logits' device: CUDA rows and logprobs equal the CPU's."""
+    from ignis.runtime.logits_processors import LanePenalties, token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 151_936  # a real vocabulary's size
+    logits = (torch.randn(8, vocab, generator=g) * 4).to(dtype)
+    params = PARAMS["all"]
+    prompt = torch.randint(0, vocab, (4096,), generator=g).tolist()
+    output = torch.randint(0, vocab, (300,), generator=g).tolist()
+    drafts = [output[5], output[5], 12, output[7], 3, 3, 9]
+    rows = {}
+    for device in ("cpu", "cuda"):
+        state = LanePenalties(params, prompt, eos_token_ids=(EOS,))
+        state.extend(output[:100])
+        state.process(logits[:1].to(device), [])  # counts built, then extended
+        state.extend(output[100:])
+        rows[device] = state.process(logits.to(device), drafts).cpu()
+    assert torch.equal(rows["cpu"], rows["cuda"])
+    tokens = rows["cpu"].argmax(-1).tolist()
+    cpu = token_logprobs(logits.float(), tokens, 5)
+    gpu = token_logprobs(logits.float().cuda(), tokens, 5)
+    assert [x.top[0][0] for x in cpu] == [x.top[0][0] for x in gpu]
+    assert [x.logprob for x in cpu] == pytest.approx([x.logprob for x in gpu], abs=1e-5)
