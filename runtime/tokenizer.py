@@ -366,11 +366,12 @@ class Tokenizer:
         if sentinel is None:
             raise TokenizerError("the messages hold every sentinel character U+FDD0..U+FDEF")
 
-        def escape(text: str) -> str:
-            for special in specials:
-                if special in text:
-                    text = text.replace(special, special[0] + sentinel + special[1:])
-            return text
+        pattern, first_chars = self._special_pattern, self._special_first_chars
+
+        def escape(text: str) -> str:  # one regex pass, only over strings that could hold a special token
+            if not any(c in text for c in first_chars):
+                return text
+            return pattern.sub(lambda m: m.group()[0] + sentinel + m.group()[1:], text)
 
         text = self.apply_chat_template(
             _map_strings(messages, escape),
@@ -443,6 +444,10 @@ class Tokenizer:
         """The text of every special added token, longest first."""
         found = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content}
         return tuple(sorted(found, key=lambda t: (-len(t), t)))
+
+    @functools.cached_property
+    def _special_first_chars(self) -> frozenset[str]:
+        return frozenset(t[0] for t in self._special_texts)
 
     @functools.cached_property
     def _special_pattern(self) -> re.Pattern[str]:
