@@ -134,6 +134,21 @@ class _Uvicorn(uvicorn.Server):
             self.force_exit = True
 
 
+class _ShutdownHint(logging.Filter):
+    """Rewrites uvicorn's "(CTRL+C to force quit)" shutdown lines: here a second signal cancels the
+    requests in flight cleanly (`_Uvicorn.handle_exit`) rather than forcing an exit."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.endswith("(CTRL+C to force quit)"):
+            record.msg = record.msg.replace(
+                "(CTRL+C to force quit)", "(Ctrl+C or SIGTERM again cancels the requests in flight)"
+            )
+        return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_ShutdownHint())
+
+
 class _Terminated(BaseException):
     """Raised by our SIGTERM/SIGINT handler outside uvicorn's own handling (load, cleanup)."""
 

@@ -310,6 +310,7 @@ def test_a_second_sigint_cuts_streams_cleanly_and_exits_non_zero() -> None:
             proc.kill()
     assert proc.returncode == 1, err
     assert "Traceback" not in err and "1 request(s) were cut" in err
+    assert "CTRL+C to force quit" not in err and "again cancels the requests in flight" in err
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(x[len("data: ") :]) for x in lines[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
