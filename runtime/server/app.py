@@ -11,9 +11,11 @@ Endpoints:
 
 Errors are OpenAI-style bodies (`{"error": {"message", "type", "param", "code"}}`) whose message names
 the field as the client wrote it (`messages[0].content`), what is allowed and what was sent: 400 for
-malformed JSON, wrong types, out-of-range values, unsupported parameters, a prompt that does not fit
-the context or a max_tokens that runs past it (code "context_length_exceeded", never a silent clamp);
-404 for an unknown model or path; 405 for a wrong method; 413 for a body over the server's limit
+malformed JSON, wrong types, out-of-range values, unknown top-level fields (named, with the closest
+known one), unsupported parameters, a prompt that does not fit the context or a max_tokens that runs
+past it (code "context_length_exceeded", never a silent clamp); 401 for a missing or wrong API key
+when the server has one (`ignis.runtime.server.auth`; /health stays open); 404 for an unknown model or
+path; 405 for a wrong method; 413 for a body over the server's limit
 (`default_max_body_bytes`, `--max-request-bytes`; checked from Content-Length before reading); 415 for
 a generation request whose Content-Type is not JSON; 503 with Retry-After when every lane is busy and
 the waiting queue is full; 500 only for a server fault (an engine failure, reported to the requests it
@@ -21,6 +23,12 @@ hit, after which the lanes restart; or a bug, logged, with the connection kept u
 a generation endpoint is counted in `ignis_requests_total{endpoint, status}`.
 
 A client that disconnects, streaming or not, has its lane aborted before the next round.
+
+No request stalls the others: a body over the limit is refused before it is read, and prompts are
+rendered and tokenized in a worker thread whose tokenizer releases the GIL, keeping at most the
+context's worth of ids (`Tokenizer.encode(max_length=...)`). Chat content is encoded as plain text
+(`Tokenizer.render_chat`): only the chat template writes control tokens unless the request sets
+`parse_special_tokens`.
 """
 
 from __future__ import annotations
