@@ -61,7 +61,7 @@ from ignis.runtime.server.errors import (
     error_body,
 )
 from ignis.runtime.server.lanes import ErrorEvent, LaneLoop, RequestHandle, TokenEvent
-from ignis.runtime.server.logprobs import chat_logprobs, completion_logprobs
+from ignis.runtime.server.logprobs import choice_logprobs, requested_logprobs
 from ignis.runtime.server.metrics import ServerMetrics
 from ignis.runtime.server.model import ChatTokenizer, ServedModel
 from ignis.runtime.server.protocol import (
@@ -400,7 +400,7 @@ class _Service:
                 frequency_penalty=float(req.frequency_penalty or 0.0),
                 repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
                 min_tokens=req.min_tokens or 0,
-                logprobs=_num_logprobs(req),
+                logprobs=requested_logprobs(req),
             )
         except SamplingParamsError as exc:  # min_tokens > max_tokens; the protocol bounds the rest
             param = "min_tokens" if "min_tokens" in str(exc) else None
@@ -631,34 +631,6 @@ class _Service:
         return ids, work.result(), lps
 
 
-def _num_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
-    """Top logprobs per token the request asks for (0: only the chosen token's), or None for none.
-
-    Raises:
-        InvalidRequestError: chat top_logprobs without logprobs true (OpenAI refuses it too).
-    """
-    if isinstance(req, CompletionRequest):
-        return req.logprobs
-    if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidRequestError('top_logprobs needs "logprobs": true', param="top_logprobs")
-    return (req.top_logprobs or 0) if req.logprobs else None
-
-
-def _choice_logprobs(
-    svc: _Service,
-    req: ChatCompletionRequest | CompletionRequest,
-    lps: Sequence[TokenLogprob],
-    offset: int = 0,
-) -> dict[str, Any] | None:
-    """The choice's `logprobs` object (`ignis.runtime.server.logprobs`), or None when not asked."""
-    num = _num_logprobs(req)
-    if num is None:
-        return None
-    if isinstance(req, CompletionRequest):
-        return completion_logprobs(svc.model.tokenizer, lps, num_top=num, text_offset=offset)
-    return chat_logprobs(svc.model.tokenizer, lps)
-
-
 def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
     return {
         "prompt_tokens": num_prompt,
@@ -851,7 +823,7 @@ def create_app(
         choice.update(
             finish_reason=last.finish_reason,
             stop_reason=last.stop_reason,
-            logprobs=_choice_logprobs(svc, req, lps),
+            logprobs=choice_logprobs(model.tokenizer, req, lps),
         )
         if req.return_token_ids:
             choice["token_ids"] = out_ids
@@ -953,7 +925,9 @@ async def _stream_tokens(
                 last = event if (i == n - 1 and event.finish_reason is not None) else None
                 choice = make_choice(text.push(token, last), token, last, num_out == 0)
                 if event.logprobs is not None:
-                    choice["logprobs"] = _choice_logprobs(svc, req, event.logprobs[i : i + 1], offset)
+                    choice["logprobs"] = choice_logprobs(
+                        svc.model.tokenizer, req, event.logprobs[i : i + 1], offset
+                    )
                     offset += len(svc.model.tokenizer.decode([token], skip_special_tokens=False))
                 chunk = {**head, "choices": [choice]}
                 num_out += 1

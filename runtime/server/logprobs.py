@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ignis.runtime.logits_processors import TokenLogprob
+from ignis.runtime.server.errors import InvalidRequestError
 from ignis.runtime.server.model import ChatTokenizer
+from ignis.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["chat_logprobs", "completion_logprobs"]
+__all__ = ["chat_logprobs", "choice_logprobs", "completion_logprobs", "requested_logprobs"]
 
 
 def _token_text(tokenizer: ChatTokenizer, token_id: int) -> str:
@@ -61,3 +63,31 @@ def completion_logprobs(
         ),
         "text_offset": offsets,
     }
+
+
+def requested_logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """Top logprobs per token the request asks for (0: only the chosen token's), or None for none.
+
+    Raises:
+        InvalidRequestError: chat top_logprobs without logprobs true (OpenAI refuses it too).
+    """
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError('top_logprobs needs "logprobs": true', param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def choice_logprobs(
+    tokenizer: ChatTokenizer,
+    req: ChatCompletionRequest | CompletionRequest,
+    logprobs: Sequence[TokenLogprob],
+    text_offset: int = 0,
+) -> dict[str, Any] | None:
+    """A choice's `logprobs` object in the endpoint's shape, or None when the request did not ask."""
+    num = requested_logprobs(req)
+    if num is None:
+        return None
+    if isinstance(req, CompletionRequest):
+        return completion_logprobs(tokenizer, logprobs, num_top=num, text_offset=text_offset)
+    return chat_logprobs(tokenizer, logprobs)
