@@ -90,8 +90,8 @@ def run_command(opts: dict[str, Any]) -> None:
     from ignis.runtime.server.checkpoints import resolve_checkpoint_budgets
     from ignis.runtime.server.model import ModelSettings, ModelSource
     from ignis.runtime.server.runner import IgnisServer, ServerOptions
-    from ignis.runtime.server.settings import BACKENDS, SpecLayer, resolve_spec
-    from ignis.runtime.server.sockets import check_unix_socket_path
+    from ignis.runtime.server.settings import BACKENDS, HEAD_BACKENDS, SpecLayer, resolve_spec
+    from ignis.runtime.server.sockets import check_socket_group, check_tcp_address, check_unix_socket_path
 
     cfg = load_config_file(opts["config"]) if opts.get("config") else None
     file_server = cfg.server if cfg is not None else {}
@@ -161,19 +161,33 @@ def run_command(opts: dict[str, Any]) -> None:
             retry_after=int(pick("retry_after")),
             shutdown_timeout=float(pick("shutdown_timeout")),
             log_level=str(pick("log_level")),
+            api_key=pick("api_key"),
+            max_request_bytes=pick("max_request_bytes"),
         )
     except ValueError as exc:  # a usage error: from the command line or the config file's [server]
         where = f" (the command line or {cfg.path})" if cfg is not None else ""
         raise click.UsageError(f"{exc}{where}") from exc
+    # Every listener setting is checked before the (long) model load.
     if server_options.socket is not None:
         check_unix_socket_path(server_options.socket)  # refuse a live server's path before a long load
+        if server_options.socket_group is not None:
+            check_socket_group(server_options.socket_group)
+    if server_options.port is not None:
+        host = server_options.host or "127.0.0.1"
+        if not check_tcp_address(host, server_options.port) and server_options.api_key is None:
+            logger.warning(
+                "serving TCP on %s without an API key: anyone who can reach this port can use the model; "
+                "set --api-key (or IGNIS_API_KEY, or api_key in the config file), or keep it on loopback",
+                host,
+            )
+    device = _checked_device(pick("device"))
 
     backend = resolved.spec.backend
-    if opts.get("spec_draft_head") is not None and backend not in ("dflash2", "mtp"):
+    if opts.get("spec_draft_head") is not None and backend not in HEAD_BACKENDS:
         logger.warning("--spec-draft-head applies to dflash2 and mtp; ignored with backend %s", backend)
     if opts.get("spec_draft_model") is not None and backend != "draft-model":
         logger.warning("--spec-draft-model applies to backend draft-model; ignored with backend %s", backend)
-    head = resolved.spec.draft_head if backend in ("dflash2", "mtp") else "none"
+    head = resolved.spec.draft_head if backend in HEAD_BACKENDS else "none"
     logging.getLogger("ignis.runtime.draft_head").info("proposal head: %s; %s", head, resolved.describe())
     card_bytes, host_bytes = resolve_checkpoint_budgets(
         pick("profile") or source.profile, pick("checkpoint_card_memory"), pick("checkpoint_host_memory")
@@ -184,7 +198,7 @@ def run_command(opts: dict[str, Any]) -> None:
         ModelSettings(
             spec=resolved.spec,
             max_context=max_context,
-            device=_checked_device(pick("device")),
+            device=device,
             cuda_graphs=bool(pick("cuda_graphs")),
             max_prefill_tokens=int(pick("max_prefill_tokens")),
             checkpoint_card_bytes=card_bytes,
@@ -205,7 +219,9 @@ def run_command(opts: dict[str, Any]) -> None:
             budget,
         )
     server.bind()
-    server.run()
+    status = server.run()
+    if status:  # requests were cut at shutdown
+        sys.exit(status)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -243,6 +259,22 @@ def run_command(opts: dict[str, Any]) -> None:
 )
 @click.option(
     "--port", type=click.IntRange(0, 65535), help="Also serve TCP on this port (0 picks a free one)."
+)
+@click.option(
+    "--max-request-bytes",
+    type=click.IntRange(min=1024),
+    metavar="BYTES",
+    help="Request bodies over this get 413 before they are read. [default: room for a prompt that fills "
+    "the context, 16 bytes a token plus 1 MiB, at most 32 MiB]",
+)
+@click.option(
+    "--api-key",
+    metavar="KEY",
+    envvar="IGNIS_API_KEY",
+    show_envvar=True,
+    help="Require 'Authorization: Bearer KEY' (the openai client's api_key) on every endpoint but "
+    "/health, over TCP and the socket alike; 401 otherwise. Prefer the environment variable or the "
+    "config file's api_key: a command line is visible to other users.",
 )
 @click.option(
     "--served-model-name",

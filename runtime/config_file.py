@@ -68,6 +68,8 @@ SERVER_KEYS: dict[str, type] = {
     "checkpoint_card_memory": str,
     "checkpoint_host_memory": str,
     "checkpoint_dir": str,
+    "api_key": str,
+    "max_request_bytes": int,
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,6 +70,7 @@ from ignis.runtime.engine_checkpoints import EngineCheckpoints
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
 from ignis.runtime.families.base import Executor, LaneState
 from ignis.runtime.grammar import GrammarMatcher, mask_first_logits, mask_round_logits, start_round_masks
+from ignis.runtime.logits_processors import LanePenalties, TokenLogprob, token_logprobs
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.prefix_cache import PrefixCache
 from ignis.runtime.sampling import LaneRandom, SamplingParams, logits_to_probs, sample_token
@@ -100,6 +101,7 @@ class LaneUpdate:
     new_token_ids: tuple[int, ...]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token when the request asks
 
     @property
     def is_finished(self) -> bool:
@@ -133,6 +135,7 @@ class LaneResult:
     seed: int
     num_rounds: int
     num_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per output token when the request asked
 
 
 @dataclass(eq=False)  # identity: lanes are removed from lists by identity, not field by field
@@ -149,6 +152,8 @@ class _Lane:
     grammar: GrammarMatcher | None = None  # params.grammar's matcher (`ignis.runtime.grammar`)
     checkpoint_at: tuple[int, ...] = ()  # prompt positions to checkpoint at (chat turn boundaries)
     num_cached: int = 0  # prompt tokens restored from a prompt checkpoint instead of prefilled
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked
+    penalties: LanePenalties | None = None  # penalties / min_tokens state, when the request has them
 
     @property
     def output(self) -> list[int]:
@@ -251,6 +256,7 @@ class SpeculativeEngine:
         self._active: list[_Lane] = []  # decoding
         self._results: dict[int, LaneResult] = {}
         self.checkpoints = EngineCheckpoints.create(self, prefix_cache)
+        self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # lane -> this step's logprobs
 
     # ------------------------------------------------------------------ lanes
 
@@ -396,6 +402,7 @@ class SpeculativeEngine:
             StateError: from the executor (e.g. a lane past its context); the engine is then unusable.
         """
         emitted: dict[int, list[int]] = {}
+        self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # lane -> this step's (when asked)
         finished = self.checkpoints.restore_waiting(emitted) if self.checkpoints.is_enabled else []
         chunks = self._plan_prefill()
         finished += self._prefill(chunks, emitted) if chunks else []
@@ -407,12 +414,18 @@ class SpeculativeEngine:
         done = {lane.lane_id: lane for lane in finished}
         for lane_id, tokens in emitted.items():
             lane_done = done.get(lane_id)
+            lps = self._step_logprobs.get(lane_id)
+            lps_out = tuple(lps) if lps is not None else None
             if lane_done is None:
-                updates.append(LaneUpdate(lane_id, tuple(tokens)))
+                updates.append(LaneUpdate(lane_id, tuple(tokens), logprobs=lps_out))
             else:
                 updates.append(
                     LaneUpdate(
-                        lane_id, tuple(tokens), lane_done.stops.finish_reason, lane_done.stops.stop_reason
+                        lane_id,
+                        tuple(tokens),
+                        lane_done.stops.finish_reason,
+                        lane_done.stops.stop_reason,
+                        logprobs=lps_out,
                     )
                 )
         return updates
@@ -424,6 +437,9 @@ class SpeculativeEngine:
         return {"output_hidden_states": bool(d.needs_hidden_states), "tap_layers": tuple(d.tap_layers)}
 
     def _choose_first(self, lane: _Lane, logits: torch.Tensor) -> int:  # logits: float [vocab]
+        raw = logits
+        if lane.params.processes_logits:  # penalties / min_tokens (`ignis.runtime.logits_processors`)
+            logits = self._process(lane, logits[None], [])[0]
         logits = mask_first_logits(lane.grammar, logits)
         if lane.params.is_greedy:
             token = int(logits.argmax().item())
@@ -431,7 +447,24 @@ class SpeculativeEngine:
             token = sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
         if lane.grammar is not None:
             lane.grammar.consume([token])
+        self._record_logprobs(lane, raw[None], [token])
         return token
+
+    def _process(self, lane: _Lane, logits: torch.Tensor, drafts: Sequence[int]) -> torch.Tensor:
+        """A lane's rows penalised and masked as decoding without speculation would see them (its
+        `LanePenalties`, made at first use, told the tokens emitted since the last call)."""
+        if lane.penalties is None:
+            lane.penalties = LanePenalties(lane.params, lane.prompt, self.eos_token_ids)
+        lane.penalties.extend(lane.output[lane.penalties.num_output :])
+        return lane.penalties.process(logits, drafts)
+
+    def _record_logprobs(self, lane: _Lane, raw: torch.Tensor, tokens: Sequence[int]) -> None:
+        """Keep the emitted tokens' logprobs (rows of the raw logits) when the request asks for them."""
+        if lane.params.logprobs is None or not tokens:
+            return
+        lps = token_logprobs(raw, tokens, lane.params.logprobs)
+        lane.logprobs.extend(lps)
+        self._step_logprobs.setdefault(lane.lane_id, []).extend(lps)
 
     def _plan_prefill(self) -> list[tuple[_Lane, int]]:
         """This step's prompt chunks, (lane, columns), in arrival order within the prefill budget
@@ -576,7 +609,14 @@ class SpeculativeEngine:
         # Grammar masks of constrained lanes, computed on the host while the forward runs.
         masks = start_round_masks([lane.grammar for lane in lanes], drafts)
         out = self.executor.forward(states, columns, logits="all", record=record, **self._forward_kwargs())
-        logits = mask_round_logits(out.logits, masks)  # out.logits, with grammar masks applied
+        # Penalties / min_tokens: row j judged as if d_1..d_j were committed (`logits_processors`).
+        rows = {
+            i: self._process(lane, out.logits[i], drafts[i].tolist())
+            for i, lane in enumerate(lanes)
+            if lane.params.processes_logits
+        }
+        processed = [rows.get(i, row) for i, row in enumerate(out.logits)]
+        logits = mask_round_logits(processed, masks)  # penalised rows, with grammar masks applied
         # Greedy lanes: every lane's argmax and drafts reach the host in ONE transfer (no per-lane sync),
         # then each run is found on the host (`greedy_accept_ids`, the rule of `greedy_accept`).
         greedy = [i for i, lane in enumerate(lanes) if lane.params.is_greedy]
@@ -606,6 +646,7 @@ class SpeculativeEngine:
             num_emitted = lane.stops.extend(run)
             if lane.grammar is not None:
                 lane.grammar.consume(run[:num_emitted])
+            self._record_logprobs(lane, out.logits[i], run[:num_emitted])
             k = prop.draft_token_ids.numel()
             if k:
                 self.metrics.record_round(
@@ -671,4 +712,5 @@ class SpeculativeEngine:
             seed=lane.random.seed,
             num_rounds=lane.num_rounds,
             num_cached_tokens=lane.num_cached,
+            logprobs=tuple(lane.logprobs),
         )

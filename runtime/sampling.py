@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ignis.runtime.grammar import Grammar
 
 __all__ = [
+    "MAX_LOGPROBS",
     "LaneRandom",
     "SamplingParams",
     "SamplingParamsError",
@@ -79,6 +80,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the output (the stop token is the last token)
     ignore_eos: bool = False  # don't stop on the model's EOS token ids (stop_token_ids still stop)
     grammar: Grammar | None = None  # constrain the output to a grammar (`ignis.runtime.grammar`)
+    # Penalties and min_tokens (vLLM's meanings; `ignis.runtime.logits_processors` applies them):
+    presence_penalty: float = 0.0  # in [-2, 2]: minus this from the logit of every token already output
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus this x the token's count in the output
+    repetition_penalty: float = 1.0  # [0.01, 100]: a prompt or output token's logit /= (if > 0) or *=
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings unchecked, before this many
+    logprobs: int | None = None  # report each output token's logprob and this many top ones; None = off
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -107,13 +114,49 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamsError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_penalties_and_logprobs(self)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when a penalty or min_tokens changes the logits before p (`logits_processors`)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
 
     @property
     def is_greedy(self) -> bool:
         """True when temperature is 0: argmax decoding and greedy acceptance."""
         return self.temperature == 0
+
+
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit)
+MIN_REPETITION_PENALTY = 0.01  # logits divided by less could overflow float32 (and mean nothing)
+
+
+def _check_penalties_and_logprobs(params: SamplingParams) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(params, name)
+        if not isinstance(v, int | float) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+            raise SamplingParamsError(f"{name} must be a number in [-2, 2] (0 = off), got {v!r}")
+    rp = params.repetition_penalty
+    if not isinstance(rp, int | float) or isinstance(rp, bool) or not MIN_REPETITION_PENALTY <= rp <= 100.0:
+        raise SamplingParamsError(
+            f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 100] (1 = off), got {rp!r}"
+        )
+    if not _is_int(params.min_tokens) or params.min_tokens < 0:
+        raise SamplingParamsError(f"min_tokens must be an integer >= 0, got {params.min_tokens!r}")
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise SamplingParamsError(
+            f"min_tokens ({params.min_tokens}) must be <= max_tokens ({params.max_tokens})"
+        )
+    lp = params.logprobs
+    if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+        raise SamplingParamsError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
 
 
 def logits_to_probs(

@@ -18,6 +18,10 @@ Conditions, in the order they are checked for each token (vLLM's order):
    that reaches it is emitted; it would never be fed to the model).
 4. **max_tokens** -> finish_reason "length": the output holds `max_tokens` tokens.
 
+While the output holds fewer than `min_tokens` tokens only 3 and 4 are checked (vLLM): a stop string
+then ends the output only if it ends past the text of the first min_tokens - 1 tokens. (EOS and
+`stop_token_ids` cannot be chosen there: `ignis.runtime.logits_processors` masks them.)
+
 Streaming text: while a lane runs, a suffix of `text` that is a proper prefix of some stop string may
 still turn into a stop, so only `text[:stream_text_end]` is safe to send (`stop_string_holdback`).
 """
@@ -109,6 +113,7 @@ class StopChecker:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self._stop_search_from = 0  # stop strings must end past this text length (min_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -142,6 +147,12 @@ class StopChecker:
             raise StateError(f"token {token_id} appended after the lane finished ({self.finish_reason})")
         token_id = int(token_id)
         self.output_token_ids.append(token_id)
+        if len(self.output_token_ids) < self.params.min_tokens:  # vLLM: no stop checks before min_tokens
+            if self.params.stop:
+                assert self._detokenize is not None
+                self.text = self._detokenize(self.output_token_ids)
+                self._stop_search_from = len(self.text)
+            return self._check_length()
         if token_id in self._stop_ids:
             return self._finish(FINISH_STOP, token_id)
         if token_id in self._eos:
@@ -151,13 +162,17 @@ class StopChecker:
             text = self._detokenize(self.output_token_ids)
             hit: tuple[int, str] | None = None
             for s in self.params.stop:
-                at = text.find(s)
+                # a stop string must end past the text of the first min_tokens - 1 tokens
+                at = text.find(s, max(0, self._stop_search_from - len(s) + 1))
                 if at >= 0 and (hit is None or at < hit[0]):
                     hit = (at, s)
             if hit is not None:
                 self.text = text[: hit[0]]
                 return self._finish(FINISH_STOP, hit[1])
             self.text = text
+        return self._check_length()
+
+    def _check_length(self) -> bool:
         if (
             self.max_context is not None
             and self.num_prompt_tokens + len(self.output_token_ids) >= self.max_context

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -86,6 +88,20 @@ class TokenizerSpec:
         return cls(**kw)
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered conversation (`Tokenizer.render_chat`).
+
+    Attributes:
+        text: the prompt text, as `apply_chat_template` renders it.
+        plain_spans: [start, end) character ranges of `text` holding special-token text that came from
+            the inputs (message content, tools, ...): encoded as plain text, not as control tokens.
+    """
+
+    text: str
+    plain_spans: tuple[tuple[int, int], ...] = ()
+
+
 class Tokenizer:
     """Encode, decode and render chat prompts for one model.
 
@@ -103,6 +119,9 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise TokenizerError(f"cannot parse the tokenizer JSON: {exc}") from exc
         self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self._lock = threading.Lock()
+        self._truncating_by_length: dict[int, _HFTokenizer] = {}
+        self._plain: _HFTokenizer | None = None  # special-token matching off (`_plain_encode`)
 
     @property
     def backend(self) -> _HFTokenizer:
@@ -145,9 +164,40 @@ class Tokenizer:
         normalizers that shorten text (NFC composition) before the model splits it."""
         return len(text.encode("utf-8", "surrogatepass")) // (4 * self.max_token_bytes)
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. bos), as in HF."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+    def encode(
+        self, text: str, *, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. bos), as in HF.
+
+        Tokenizes through `tokenizers`' batch call, which releases the GIL (its single-text `encode`
+        holds it): a long text tokenized in a worker thread leaves the other Python threads (a
+        server's event loop) running.
+
+        Args:
+            max_length: keep only the first max_length ids (special tokens the post-processor adds
+                included), or None for all. The ids then reach Python as a list of at most max_length
+                (building a list of millions holds the GIL): a caller that refuses prompts of
+                max_length tokens or more learns all it needs (len == max_length means "at least").
+
+        Raises:
+            ValueError: max_length < 1.
+        """
+        tok = self._tok if max_length is None else self._truncating(max_length)
+        batch = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: no offsets
+        return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def _truncating(self, max_length: int) -> _HFTokenizer:
+        """A copy of the backend that truncates to max_length ids (cached; the backend's truncation
+        setting is shared state, so the copy keeps `encode` thread-safe)."""
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        with self._lock:
+            tok = self._truncating_by_length.get(max_length)
+            if tok is None:
+                tok = _HFTokenizer.from_str(self._tok.to_str())
+                tok.enable_truncation(max_length)
+                self._truncating_by_length[max_length] = tok
+        return tok
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD, as in HF)."""
@@ -265,10 +315,143 @@ class Tokenizer:
                 rendered = rendered[:loc].rstrip()
         return rendered
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
-        """`encode(apply_chat_template(messages, **kwargs), add_special_tokens=False)`, as HF tokenizes
-        a rendered chat (the template writes any bos itself)."""
-        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        parse_special_tokens: bool = False,
+        max_length: int | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """The prompt ids of a conversation: `encode_chat_prompt(render_chat(...))`.
+
+        With `parse_special_tokens` this is HF's `encode(apply_chat_template(...),
+        add_special_tokens=False)` (the template writes any bos itself); without it (the default) the
+        same except that special-token text the inputs carry is encoded as plain text.
+        """
+        prompt = self.render_chat(messages, parse_special_tokens=parse_special_tokens, **kwargs)
+        return self.encode_chat_prompt(prompt, max_length=max_length)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        parse_special_tokens: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> ChatPrompt:
+        """Render a conversation (`apply_chat_template`), remembering which special-token text came
+        from the inputs rather than from the template.
+
+        Without `parse_special_tokens`, every string of the inputs (messages, tools, documents, the
+        template variables; keys and values) has each special token's text (e.g. "<|im_start|>")
+        broken by a sentinel noncharacter (U+FDD0..U+FDEF, one the inputs do not hold) before
+        rendering, so the template's own logic sees it as ordinary text; after rendering the
+        sentinels are removed and the places they marked are returned as `ChatPrompt.plain_spans`,
+        which `encode_chat_prompt` encodes as plain text. A client's content thus cannot forge a
+        turn (a system message, a tool result): only the template writes control tokens.
+
+        Raises:
+            TokenizerError: as `apply_chat_template`; or every sentinel candidate occurs in the inputs.
+        """
+        specials = self._special_texts
+        if parse_special_tokens or not specials:
+            text = self.apply_chat_template(messages, tools=tools, documents=documents, **kwargs)
+            return ChatPrompt(text)
+        chat_template = kwargs.pop("chat_template", None)  # the template's own text is not an input
+        used: set[str] = set(self.get_chat_template(chat_template, tools))
+        _collect_chars((messages, tools, documents, kwargs), used)
+        sentinel = next((chr(c) for c in range(0xFDD0, 0xFDF0) if chr(c) not in used), None)
+        if sentinel is None:
+            raise TokenizerError("the messages hold every sentinel character U+FDD0..U+FDEF")
+
+        pattern, first_chars = self._special_pattern, self._special_first_chars
+
+        def escape(text: str) -> str:  # one regex pass, only over strings that could hold a special token
+            if not any(c in text for c in first_chars):
+                return text
+            return pattern.sub(lambda m: m.group()[0] + sentinel + m.group()[1:], text)
+
+        text = self.apply_chat_template(
+            _map_strings(messages, escape),
+            tools=_map_strings(tools, escape),
+            documents=_map_strings(documents, escape),
+            chat_template=chat_template,
+            **_map_strings(kwargs, escape),
+        )
+        if sentinel not in text:
+            return ChatPrompt(text)
+        pieces = text.split(sentinel)
+        clean = "".join(pieces)
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        for piece in pieces[:-1]:
+            pos += len(piece)  # the sentinel stood here, right after a special token's first character
+            start = pos - 1
+            length = next((len(t) for t in specials if clean.startswith(t, start)), 1)
+            spans.append((start, start + length))
+        return ChatPrompt(clean, tuple(spans))
+
+    def encode_chat_prompt(self, prompt: ChatPrompt, *, max_length: int | None = None) -> list[int]:
+        """Token ids of a rendered conversation (`render_chat`), `add_special_tokens=False`.
+
+        The text is split at the special tokens the template wrote (as `tokenizers` splits at added
+        tokens before normalizing), each of those becomes its id, and the text between them is
+        encoded with special-token matching off, so the spans that came from the inputs stay plain
+        text. With no such spans this is `encode(prompt.text, add_special_tokens=False)`.
+
+        Args:
+            max_length: keep only the first max_length ids (see `encode`).
+        """
+        if not prompt.plain_spans:
+            return self.encode(prompt.text, add_special_tokens=False, max_length=max_length)
+        text, spans = prompt.text, prompt.plain_spans
+        ids: list[int] = []
+        start = 0
+        j = 0  # spans (increasing) that end at or before this match are behind us
+        for match in self._special_pattern.finditer(text):
+            a, b = match.span()
+            while j < len(spans) and spans[j][1] <= a:
+                j += 1
+            if j < len(spans) and spans[j][0] < b:
+                continue  # special-token text from the inputs: plain text
+            if a > start:
+                ids += self._plain_encode(text[start:a])
+            token_id = self._tok.token_to_id(match.group())
+            assert token_id is not None
+            ids.append(token_id)
+            start = b
+            if max_length is not None and len(ids) >= max_length:
+                return ids[:max_length]
+        if start < len(text):
+            ids += self._plain_encode(text[start:])
+        return ids if max_length is None else ids[:max_length]
+
+    def _plain_encode(self, text: str) -> list[int]:
+        """Ids of text with special-token matching off (`encode_special_tokens`), on a copy of the
+        backend (the flag is shared state); no post-processor."""
+        with self._lock:
+            if self._plain is None:
+                self._plain = _HFTokenizer.from_str(self._tok.to_str())
+                self._plain.encode_special_tokens = True
+            tok = self._plain
+        batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        return list(batch([text], add_special_tokens=False)[0].ids)
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        """The text of every special added token, longest first."""
+        found = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content}
+        return tuple(sorted(found, key=lambda t: (-len(t), t)))
+
+    @functools.cached_property
+    def _special_first_chars(self) -> frozenset[str]:
+        return frozenset(t[0] for t in self._special_texts)
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str]:
+        return re.compile("|".join(re.escape(t) for t in self._special_texts))
 
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
@@ -416,6 +599,33 @@ def _compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
+def _collect_chars(value: Any, out: set[str]) -> None:
+    """Add every character of every string in value (nested dicts, lists, tuples; keys too) to out."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.update(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+
+
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """value with fn applied to every string in it (nested dicts, lists, tuples; keys too)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_map_strings(v, fn) for v in value)
+    return value
+
+
 def _alias_reasoning_fields(chat: list[Any]) -> list[Any]:
     out = []
     for message in chat:
@@ -455,4 +665,4 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-__all__ = ["SPECIAL_TOKEN_NAMES", "IncrementalDetokenizer", "Tokenizer", "TokenizerSpec"]
+__all__ = ["SPECIAL_TOKEN_NAMES", "ChatPrompt", "IncrementalDetokenizer", "Tokenizer", "TokenizerSpec"]

@@ -20,6 +20,7 @@ the one question or cannot be reached, 2 on bad usage.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -151,8 +152,12 @@ class ChatClient:
         self.where = f"unix socket {socket}" if socket else url
         self._hint = "" if socket else NO_SOCKET_HINT
         transport = httpx.HTTPTransport(uds=socket) if socket else None
+        key = os.environ.get("IGNIS_API_KEY")  # a server run with --api-key wants it as a Bearer token
         self.http = httpx.Client(
-            transport=transport, base_url="http://ignis" if socket else url, timeout=timeout
+            transport=transport,
+            base_url="http://ignis" if socket else url,
+            timeout=timeout,
+            headers={"Authorization": f"Bearer {key}"} if key else None,
         )
 
     def close(self) -> None:

@@ -13,15 +13,24 @@ Endpoints:
 
 Errors are OpenAI-style bodies (`{"error": {"message", "type", "param", "code"}}`) whose message names
 the field as the client wrote it (`messages[0].content`), what is allowed and what was sent: 400 for
-malformed JSON, wrong types, out-of-range values, unsupported parameters, a prompt that does not fit
-the context or a max_tokens that runs past it (code "context_length_exceeded", never a silent clamp);
-404 for an unknown model or path; 405 for a wrong method; 413 for a body over MAX_BODY_BYTES; 415 for
+malformed JSON, wrong types, out-of-range values, unknown top-level fields (named, with the closest
+known one), unsupported parameters, a prompt that does not fit the context or a max_tokens that runs
+past it (code "context_length_exceeded", never a silent clamp); 401 for a missing or wrong API key
+when the server has one (`ignis.runtime.server.auth`; /health stays open); 404 for an unknown model or
+path; 405 for a wrong method; 413 for a body over the server's limit
+(`default_max_body_bytes`, `--max-request-bytes`; checked from Content-Length before reading); 415 for
 a generation request whose Content-Type is not JSON; 503 with Retry-After when every lane is busy and
 the waiting queue is full; 500 only for a server fault (an engine failure, reported to the requests it
 hit, after which the lanes restart; or a bug, logged, with the connection kept usable). Every answer of
 a generation endpoint is counted in `ignis_requests_total{endpoint, status}`.
 
 A client that disconnects, streaming or not, has its lane aborted before the next round.
+
+No request stalls the others: a body over the limit is refused before it is read, and prompts are
+rendered and tokenized in a worker thread whose tokenizer releases the GIL, keeping at most the
+context's worth of ids (`Tokenizer.encode(max_length=...)`). Chat content is encoded as plain text
+(`Tokenizer.render_chat`): only the chat template writes control tokens unless the request sets
+`parse_special_tokens`.
 """
 
 from __future__ import annotations
@@ -44,8 +53,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ignis.runtime.errors import IgnisRuntimeError
+from ignis.runtime.logits_processors import TokenLogprob
 from ignis.runtime.sampling import SamplingParams, SamplingParamsError
 from ignis.runtime.server.agents import AgentPlan, ChatToolStream, chat_message, plan_chat, template_messages
+from ignis.runtime.server.auth import ApiKeyCheck
 from ignis.runtime.server.checkpoints import chat_opener
 from ignis.runtime.server.errors import (
     APIError,
@@ -55,6 +66,7 @@ from ignis.runtime.server.errors import (
     error_body,
 )
 from ignis.runtime.server.lanes import ErrorEvent, LaneLoop, RequestHandle, TokenEvent
+from ignis.runtime.server.logprobs import choice_logprobs, requested_logprobs
 from ignis.runtime.server.metrics import ServerMetrics
 from ignis.runtime.server.model import ChatTokenizer, ServedModel
 from ignis.runtime.server.playground import install_playground
@@ -72,15 +84,33 @@ from ignis.runtime.server.protocol import (
 )
 from ignis.runtime.stops import FINISH_STOP, stop_string_holdback
 
-__all__ = ["MAX_BODY_BYTES", "MAX_NESTING", "MIN_TEMPERATURE", "create_app"]
+__all__ = ["MAX_BODY_BYTES", "MAX_NESTING", "MIN_TEMPERATURE", "create_app", "default_max_body_bytes"]
 
 logger = logging.getLogger("ignis.runtime.server")
 
 MIN_TEMPERATURE = 0.01  # temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM's rule)
-MAX_BODY_BYTES = 32 * 1024 * 1024  # larger request bodies get 413 (a 262,144-token prompt is ~2 MB of JSON)
+MAX_BODY_BYTES = 32 * 1024 * 1024  # the default limit's cap (a 262,144-token prompt is ~1-2 MB of JSON)
+_BODY_BYTES_PER_TOKEN = 16  # JSON bytes one prompt token can take (an escaped emoji "\ud83d\ude00" is 12)
+_BODY_BYTES_SLACK = 1024 * 1024  # for tools, message fields the template drops, JSON structure
+
+
+def default_max_body_bytes(max_context: int | None) -> int:
+    """The default request body limit: room for a prompt filling the context at 16 JSON bytes a token
+    plus 1 MiB, at most MAX_BODY_BYTES (all of it without a context limit). A body that large cannot
+    be a prompt that fits, and refusing it before reading keeps JSON parsing (which holds the event
+    loop) bounded."""
+    if max_context is None:
+        return MAX_BODY_BYTES
+    return min(MAX_BODY_BYTES, _BODY_BYTES_SLACK + _BODY_BYTES_PER_TOKEN * max_context)
+
+
 # Levels of lists/objects a value handed to the chat template may nest (tools, tool calls, ...).
 MAX_NESTING = 64
 _GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_REQUEST_MODELS: dict[str, type[ChatCompletionRequest | CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
 _TEMPLATE_RESERVED = frozenset(
     {
         "self",
@@ -171,14 +201,15 @@ class _RequestCounter:
 
 
 class _BodyChecks:
-    """413 (OpenAI-style body) for a request body over MAX_BODY_BYTES: at once when its Content-Length
+    """413 (OpenAI-style body) for a request body over `limit` bytes: at once when its Content-Length
     says so, else as soon as the bytes read pass the limit (the endpoint's body parser re-raises the
     HTTPException, and the app's handler renders it). 415 for a POST to a generation endpoint whose
     Content-Type is not JSON (the body would not be parsed; a browser form cannot send JSON, so the
     JSON type is kept required)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
         self.app = app
+        self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -186,8 +217,10 @@ class _BodyChecks:
             return
         headers = dict(scope.get("headers", ()))
         value = headers.get(b"content-length", b"")
-        if value.isdigit() and int(value) > MAX_BODY_BYTES:
-            body = error_body(_too_large(int(value)), "invalid_request_error", code="request_too_large")
+        if value.isdigit() and int(value) > self.limit:
+            body = error_body(
+                _too_large(int(value), self.limit), "invalid_request_error", code="request_too_large"
+            )
             await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
             return
         if scope.get("method") == "POST" and scope.get("path") in _GENERATION_PATHS:
@@ -211,8 +244,8 @@ class _BodyChecks:
             message = await receive()
             if message["type"] == "http.request":
                 num_read += len(message.get("body", b""))
-                if num_read > MAX_BODY_BYTES:
-                    raise StarletteHTTPException(413, detail=_too_large(num_read))
+                if num_read > self.limit:
+                    raise StarletteHTTPException(413, detail=_too_large(num_read, self.limit))
             return message
 
         await self.app(scope, limited_receive, send)
@@ -239,8 +272,11 @@ def _check_nesting(value: Any, param: str) -> None:
                 stack.append((child, depth + 1))
 
 
-def _too_large(num_bytes: int) -> str:
-    return f"the request body has {num_bytes} bytes or more; at most {MAX_BODY_BYTES} are taken"
+def _too_large(num_bytes: int, limit: int) -> str:
+    return (
+        f"the request body has {num_bytes} bytes or more; at most {limit} are taken (the server's "
+        "--max-request-bytes)"
+    )
 
 
 def _whole_text(
@@ -338,16 +374,6 @@ class _Service:
     def sampling_params(
         self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None
     ) -> SamplingParams:
-        for field, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            value = getattr(req, field)
-            if value is not None and value != neutral:
-                raise InvalidRequestError(
-                    f"{field} = {value} is not supported: only {neutral} (no penalty) is served", param=field
-                )
         if req.stream_options is not None and not req.stream:
             raise InvalidRequestError(
                 'stream_options is only allowed with "stream": true', param="stream_options"
@@ -376,20 +402,21 @@ class _Service:
                 stop=(stop,) if isinstance(stop, str) else tuple(stop),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
+                presence_penalty=float(req.presence_penalty or 0.0),
+                frequency_penalty=float(req.frequency_penalty or 0.0),
+                repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+                min_tokens=req.min_tokens or 0,
+                logprobs=requested_logprobs(req),
             )
-        except SamplingParamsError as exc:  # the protocol's bounds make this unreachable; worded anyway
-            raise InvalidRequestError(f"the sampling parameters are not valid: {exc}") from exc
+        except SamplingParamsError as exc:  # min_tokens > max_tokens; the protocol bounds the rest
+            param = "min_tokens" if "min_tokens" in str(exc) else None
+            raise InvalidRequestError(f"the sampling parameters are not valid: {exc}", param=param) from exc
 
     def check_prompt(self, ids: Sequence[int]) -> None:
+        """Refuse an empty prompt, one that fills the context (checked first: it costs nothing), or ids
+        outside the vocabulary (a min/max scan; the offenders are listed only then)."""
         if not ids:
             raise InvalidRequestError("the prompt is empty: it must hold at least one token", param="prompt")
-        vocab = self.lanes.vocab_size
-        if vocab is not None:
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids {bad[:8]} are outside the vocabulary [0, {vocab})", param="prompt"
-                )
         ctx = self.lanes.max_context
         if ctx is not None and len(ids) >= ctx:
             raise InvalidRequestError(
@@ -397,6 +424,12 @@ class _Service:
                 "no room is left for an output token",
                 param="prompt",
                 code="context_length_exceeded",
+            )
+        vocab = self.lanes.vocab_size
+        if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            raise InvalidRequestError(
+                f"prompt token ids {bad[:8]} are outside the vocabulary [0, {vocab})", param="prompt"
             )
 
     def refuse_oversized_text(self, text: str, *, param: str) -> None:
@@ -412,14 +445,6 @@ class _Service:
             )
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        if req.logprobs:
-            raise InvalidRequestError(
-                "logprobs are not supported: only false or null is served", param="logprobs"
-            )
-        if req.top_logprobs:
-            raise InvalidRequestError(
-                "top_logprobs are not supported: only 0 or null is served", param="top_logprobs"
-            )
         kwargs = dict(req.chat_template_kwargs or {})
         reserved = sorted(_TEMPLATE_RESERVED.intersection(kwargs))
         if reserved:
@@ -454,8 +479,9 @@ class _Service:
                 "continue_final_message needs add_generation_prompt false", param="continue_final_message"
             )
         try:
-            text = self.model.tokenizer.apply_chat_template(
+            prompt = self.model.tokenizer.render_chat(
                 messages,
+                parse_special_tokens=req.parse_special_tokens,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tools=req.tools,
@@ -470,21 +496,33 @@ class _Service:
             raise InvalidRequestError(
                 f"the model's chat template refused the messages: {exc}", param="messages"
             ) from exc
-        self.refuse_oversized_text(text, param="messages")
+        self.refuse_oversized_text(prompt.text, param="messages")
         try:
-            return list(self.model.tokenizer.encode(text, add_special_tokens=False))
+            ids = list(self.model.tokenizer.encode_chat_prompt(prompt, max_length=self.lanes.max_context))
         except IgnisRuntimeError as exc:
             raise InvalidRequestError(
                 "the rendered messages could not be tokenized", param="messages"
             ) from exc
+        self.refuse_truncated(ids, prompt.text, param="messages")
+        return ids
+
+    def refuse_truncated(self, ids: Sequence[int], text: str, *, param: str) -> None:
+        """Refuse a prompt tokenized up to the context length (`encode(max_length=...)`) that reached it:
+        it has at least that many tokens, so no room is left for an output token."""
+        ctx = self.lanes.max_context
+        if ctx is not None and len(ids) >= ctx:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {ctx} tokens; the prompt has at least {ctx} "
+                f"tokens ({len(text)} characters) and no room is left for an output token",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         if req.echo:
             raise InvalidRequestError("echo is not supported: only false is served", param="echo")
         if req.suffix is not None:
             raise InvalidRequestError("suffix is not supported: only null is served", param="suffix")
-        if req.logprobs is not None:
-            raise InvalidRequestError("logprobs are not supported: only null is served", param="logprobs")
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
@@ -495,9 +533,15 @@ class _Service:
         if isinstance(prompt, str):
             self.refuse_oversized_text(prompt, param="prompt")
             try:
-                return list(self.model.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens))
+                ids = list(
+                    self.model.tokenizer.encode(
+                        prompt, add_special_tokens=req.add_special_tokens, max_length=self.lanes.max_context
+                    )
+                )
             except IgnisRuntimeError as exc:
                 raise InvalidRequestError("the prompt could not be tokenized", param="prompt") from exc
+            self.refuse_truncated(ids, prompt, param="prompt")
+            return ids
         return [int(t) for t in prompt]
 
     # ---------------------------------------------------------------- running
@@ -557,14 +601,19 @@ class _Service:
             if not handle.is_done:
                 self.lanes.abort(handle)
 
-    async def collect(self, handle: RequestHandle, request: Request) -> tuple[list[int], TokenEvent] | None:
-        """Wait for a non-streamed request's tokens; None when the client disconnected first."""
+    async def collect(
+        self, handle: RequestHandle, request: Request
+    ) -> tuple[list[int], TokenEvent, list[TokenLogprob]] | None:
+        """Wait for a non-streamed request's tokens (and their logprobs, when asked); None when the
+        client disconnected first."""
         ids: list[int] = []
+        lps: list[TokenLogprob] = []
         events = self.events(handle)
 
         async def run() -> TokenEvent:
             async for event in events:
                 ids.extend(event.token_ids)
+                lps.extend(event.logprobs or ())
                 if event.finish_reason is not None:
                     return event
             raise AssertionError("events ended without a last event")
@@ -585,7 +634,7 @@ class _Service:
                 await events.aclose()
         if work.cancelled():
             return None
-        return ids, work.result()
+        return ids, work.result(), lps
 
 
 def _usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str, Any]:
@@ -597,13 +646,24 @@ def _usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[st
     }
 
 
-def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> FastAPI:
+def create_app(
+    model: ServedModel,
+    lanes: LaneLoop,
+    metrics: ServerMetrics,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int | None = None,
+) -> FastAPI:
     """Build the app. Its lifespan starts the lane loop and stops it (aborting what is left) at shutdown.
 
     Args:
         model: the served model.
         lanes: the lane loop over the model's engine (not started yet, or started).
         metrics: the server's metrics (`ServerMetrics` over `lanes.snapshot`).
+        api_key: the key every endpoint but /health requires as `Authorization: Bearer KEY`
+            (`ignis.runtime.server.auth`), or None for none.
+        max_body_bytes: request bodies over this get 413; None: `default_max_body_bytes` of the
+            lanes' context.
     """
     svc = _Service(model, lanes, metrics)
 
@@ -625,7 +685,8 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
     errors: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorResponse, "description": "Malformed or invalid request"},
         404: {"model": ErrorResponse, "description": "Unknown model"},
-        413: {"model": ErrorResponse, "description": "Request body over 32 MiB"},
+        413: {"model": ErrorResponse, "description": "Request body over the server's limit"},
+        401: {"model": ErrorResponse, "description": "Missing or wrong API key (with --api-key)"},
         415: {"model": ErrorResponse, "description": "Content-Type is not application/json"},
         500: {"model": ErrorResponse, "description": "Engine failure"},
         503: {"model": ErrorResponse, "description": "Busy (Retry-After) or shutting down"},
@@ -650,7 +711,8 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
             return _error_response(InvalidRequestError(message))
         if first.get("type") == "missing" and len(first.get("loc", ())) <= 1:
             return _error_response(InvalidRequestError("the request needs a JSON object body"))
-        message, param = describe_validation_errors(errs)
+        fields = _REQUEST_MODELS.get(request.url.path)
+        message, param = describe_validation_errors(errs, fields.model_fields if fields else ())
         return _error_response(InvalidRequestError(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -676,7 +738,10 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         )
 
     # The last added is the outermost: the counter sees every response, the 413/415 refusals included.
-    app.add_middleware(_BodyChecks)
+    body_limit = max_body_bytes if max_body_bytes is not None else default_max_body_bytes(lanes.max_context)
+    app.add_middleware(_BodyChecks, limit=body_limit)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
     app.add_middleware(_RequestCounter, metrics=metrics)
 
     # ---------------------------------------------------------------- plain endpoints
@@ -751,14 +816,18 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             if is_chat:
-                events = _chat_stream(svc, handle, rid, created, req.return_token_ids, include_usage, agent)
+                events = _chat_stream(
+                    svc, handle, rid, created, req.return_token_ids, include_usage, req, agent
+                )
             else:
-                events = _completion_stream(svc, handle, rid, created, req.return_token_ids, include_usage)
+                events = _completion_stream(
+                    svc, handle, rid, created, req.return_token_ids, include_usage, req
+                )
             return EventStreamResponse(events)
         got = await svc.collect(handle, request)
         if got is None:
             return Response(status_code=499)
-        out_ids, last = got
+        out_ids, last, lps = got
         text_tok = agent.text_tokenizer if agent is not None and agent.text_tokenizer else model.tokenizer
         content = _whole_text(text_tok, ids, params, out_ids, last)
         choice: dict[str, Any] = {"index": 0}
@@ -769,7 +838,11 @@ def create_app(model: ServedModel, lanes: LaneLoop, metrics: ServerMetrics) -> F
             choice["message"] = {"role": "assistant", "content": content}
         else:
             choice["text"] = content
-        choice.update(finish_reason=finish_reason, stop_reason=last.stop_reason, logprobs=None)
+        choice.update(
+            finish_reason=finish_reason,
+            stop_reason=last.stop_reason,
+            logprobs=choice_logprobs(model.tokenizer, req, lps),
+        )
         if req.return_token_ids:
             choice["token_ids"] = out_ids
             choice["prompt_token_ids"] = ids
@@ -856,6 +929,7 @@ async def _stream_tokens(
     head: Mapping[str, Any],
     make_choice: Callable[[str, int | None, TokenEvent | None, bool], dict[str, Any] | list[dict[str, Any]]],
     include_usage: bool,
+    req: ChatCompletionRequest | CompletionRequest,
     tokenizer: ChatTokenizer | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE bytes: one chunk per token; the last carries finish_reason and usage; then [DONE].
@@ -866,10 +940,12 @@ async def _stream_tokens(
             or a list of choices sent as one chunk each (tool call deltas).
         include_usage: send a last chunk with empty `choices` and the usage (stream_options).
         tokenizer: decodes the text (default: the model's; agents.py's keeps special call markers).
+        req: the request (its logprobs options: each chunk carries its token's logprobs).
     """
     text = _TextStream(tokenizer or svc.model.tokenizer, handle.prompt_token_ids, handle.params)
     num_prompt = len(handle.prompt_token_ids)
     num_out, cached = 0, 0
+    offset = 0  # completions' text_offset of the next token
     try:
         async for event in svc.events(handle):
             n = len(event.token_ids)
@@ -877,6 +953,11 @@ async def _stream_tokens(
             for i, token in enumerate(event.token_ids):
                 last = event if (i == n - 1 and event.finish_reason is not None) else None
                 made = make_choice(text.push(token, last), token, last, num_out == 0)
+                if event.logprobs is not None:
+                    (made[-1] if isinstance(made, list) else made)["logprobs"] = choice_logprobs(
+                        svc.model.tokenizer, req, event.logprobs[i : i + 1], offset
+                    )
+                    offset += len(svc.model.tokenizer.decode([token], skip_special_tokens=False))
                 num_out += 1
                 choices = made if isinstance(made, list) else [made]
                 for j, choice in enumerate(choices):
@@ -919,6 +1000,7 @@ def _chat_stream(
     created: int,
     with_ids: bool,
     include_usage: bool,
+    req: ChatCompletionRequest | CompletionRequest,
     agent: AgentPlan | None = None,
 ) -> AsyncIterator[bytes]:
     tools = ChatToolStream(agent) if agent is not None and agent.parser is not None else None
@@ -933,11 +1015,17 @@ def _chat_stream(
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": svc.model.name}
     text_tok = agent.text_tokenizer if agent is not None else None
-    return _stream_tokens(svc, handle, head, choice, include_usage, text_tok)
+    return _stream_tokens(svc, handle, head, choice, include_usage, req, text_tok)
 
 
 def _completion_stream(
-    svc: _Service, handle: RequestHandle, rid: str, created: int, with_ids: bool, include_usage: bool
+    svc: _Service,
+    handle: RequestHandle,
+    rid: str,
+    created: int,
+    with_ids: bool,
+    include_usage: bool,
+    req: ChatCompletionRequest | CompletionRequest,
 ) -> AsyncIterator[bytes]:
     def choice(delta: str, token: int | None, last: TokenEvent | None, first: bool) -> dict[str, Any]:
         out = _choice_end({"index": 0, "text": delta}, token, last, with_ids)
@@ -946,7 +1034,7 @@ def _completion_stream(
         return out
 
     head = {"id": rid, "object": "text_completion", "created": created, "model": svc.model.name}
-    return _stream_tokens(svc, handle, head, choice, include_usage)
+    return _stream_tokens(svc, handle, head, choice, include_usage, req)
 
 
 def _tool_choices(

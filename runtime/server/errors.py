@@ -9,9 +9,10 @@ Every error a client can cause is an `APIError` carrying its HTTP status and the
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from ignis.runtime.errors import IgnisRuntimeError
@@ -203,11 +204,15 @@ def _what_is_wrong(err: Mapping[str, Any]) -> str:
     return "is not valid"
 
 
-def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+def describe_validation_errors(
+    errors: Sequence[Mapping[str, Any]], known_fields: Collection[str] = ()
+) -> tuple[str, str | None]:
     """A client-facing 400 message for pydantic validation errors of a request body.
 
     Args:
         errors: `ValidationError.errors()` (FastAPI's, whose locations start with "body").
+        known_fields: the request's top-level field names: an unknown field's sentence suggests the
+            closest of them (`difflib`), e.g. "max_token is not a known field; did you mean max_tokens?".
 
     Returns:
         (message, param): one sentence per wrong field (at most 5, ";"-joined), each naming the field
@@ -251,7 +256,12 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
                 else "the request body is not valid"
             )
             continue
-        sentences.append(f"{name} {_what_is_wrong(err)}")
+        if err.get("type") == "extra_forbidden":
+            close = difflib.get_close_matches(str(field[-1]), list(known_fields), n=1) if field else []
+            hint = f"; did you mean {close[0]}?" if close else " (the request fields are listed at /docs)"
+            sentences.append(f"{name} is not a known field{hint}")
+        else:
+            sentences.append(f"{name} {_what_is_wrong(err)}")
         params.append(name)
     message = "; ".join(sentences[:5]) or "the request body is not valid"
     return message, (params[0] if params else None)

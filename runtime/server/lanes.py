@@ -6,7 +6,8 @@ the asyncio event loop, talk to that thread through two thread-safe doors:
 - `LaneLoop.submit(prompt, params)` queues an "add" operation and returns a `RequestHandle` at once;
   past `max_lanes + queue_size` requests in flight it raises `ServerBusyError` (503, Retry-After).
 - `LaneLoop.abort(handle)` queues an "abort" (a client that went away); `abort_all()` cancels every
-  request in flight (a shutdown past its grace period).
+  request in flight (a shutdown past its grace period, or a second signal); `num_cut` counts the
+  requests cut that way or by `stop()`.
 
 The thread applies queued operations between steps, so a new request joins at the next round and an
 abort frees its lane before the next round runs. After each step it pushes one `TokenEvent` per lane
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ignis.runtime.engine import LaneRequestError, SpeculativeEngine
+from ignis.runtime.logits_processors import TokenLogprob
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.sampling import SamplingParams, SamplingParamsError
 from ignis.runtime.server.errors import (
@@ -68,6 +70,7 @@ class TokenEvent:
             output cut before the stop string; else None.
         num_cached_tokens: on the last event, the prompt tokens restored from a prompt checkpoint
             (`usage.prompt_tokens_details.cached_tokens`); else 0.
+        logprobs: each token's logprob and top logprobs when the request asked, else None.
     """
 
     token_ids: tuple[int, ...]
@@ -75,6 +78,7 @@ class TokenEvent:
     stop_reason: int | str | None = None
     stop_text: str | None = None
     num_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -86,8 +90,9 @@ class ErrorEvent:
 
 @dataclass(frozen=True)
 class LaneSnapshot:
-    """The loop's state (read by /health and /metrics from other threads): published before and
-    after every step and when a request is taken.
+    """The loop's state (read by /health and /metrics from other threads): published before every
+    step, after it (before its tokens are pushed to the clients, so a client that has its reply reads
+    counters that include it) and when a request is taken.
 
     Attributes:
         num_active: lanes decoding or being prefilled, and requests admitted to a lane (up to
@@ -192,6 +197,9 @@ class LaneLoop:
         self._handles: dict[int, RequestHandle] = {}  # lane id -> handle; lane thread only
         self._thread: threading.Thread | None = None
         self.num_engine_restarts = 0
+        self.num_cut = 0  # requests in flight aborted by abort_all() or stop() (not by their client)
+        # events the lane thread sends at its next `_publish`, after the snapshot (lane thread only)
+        self._outbox: list[tuple[RequestHandle, TokenEvent | ErrorEvent]] = []
         self.snapshot = LaneSnapshot(spec_samples=tuple(self.spec_metrics.samples()))
 
     # ------------------------------------------------------------------ any thread
@@ -292,6 +300,9 @@ class LaneLoop:
                 pass
         except BaseException:  # a bug or a failed engine restart: fail what is left and stop taking requests
             logger.exception("the lane loop failed; failing %d request(s) and stopping", len(self._handles))
+            for handle, event in self._outbox:
+                handle._push(event)
+            self._outbox.clear()
             with self._cond:
                 self._stopping = True
                 pending = [h for kind, h in self._ops if kind == "add"]
@@ -317,10 +328,10 @@ class LaneLoop:
                 self._abort(handle)
             else:
                 for each in list(self._handles.values()):
-                    self._abort(each)
+                    self.num_cut += self._abort(each)
         if stopping:
             for handle in list(self._handles.values()):
-                self._abort(handle)
+                self.num_cut += self._abort(handle)
             self._publish()
             return False
         if not self._engine.has_unfinished:
@@ -351,10 +362,16 @@ class LaneLoop:
             handle.num_emitted += len(update.new_token_ids)
             if update.is_finished:  # released before the client can see its last token
                 self._release(handle, update.finish_reason)
-            handle._push(
-                TokenEvent(update.new_token_ids, update.finish_reason, update.stop_reason, stop_text, cached)
+            event = TokenEvent(
+                update.new_token_ids,
+                update.finish_reason,
+                update.stop_reason,
+                stop_text,
+                num_cached_tokens=cached,
+                logprobs=update.logprobs,
             )
-        self._publish()
+            self._send(handle, event)
+        self._publish()  # then the tokens go out: a client that read its reply sees this step's counters
         return True
 
     @property
@@ -362,7 +379,13 @@ class LaneLoop:
         """The prefill budget of the engine the loop runs (None for an engine without one)."""
         return getattr(self._engine, "max_prefill_tokens", None)
 
+    def _send(self, handle: RequestHandle, event: TokenEvent | ErrorEvent) -> None:
+        """Queue an event for the request; the next `_publish` sends it after the new snapshot."""
+        self._outbox.append((handle, event))
+
     def _publish(self) -> None:
+        """Publish the snapshot, then send the queued events (so a client that has its last event
+        reads counters and gauges that include it)."""
         # a lane being prefilled counts as active: the requests the engine holds, up to max_lanes
         # (its steps admit that many, as the prefill budget reaches them), so /health and /metrics see
         # a long prefill, chunked over several steps, while it runs
@@ -375,11 +398,14 @@ class LaneLoop:
             num_waiting=self._num_inflight - active,
             spec_samples=tuple(self.spec_metrics.samples()),
         )
+        outbox, self._outbox = self._outbox, []
+        for handle, event in outbox:
+            handle._push(event)
 
     def _add(self, handle: RequestHandle) -> None:
         if handle.is_abort_requested:
             self._release(handle, "abort")
-            handle._push(TokenEvent((), "abort"))
+            self._send(handle, TokenEvent((), "abort"))
             return
         try:
             lane_id = self._engine.add_lane(
@@ -387,28 +413,31 @@ class LaneLoop:
             )
         except (LaneRequestError, SamplingParamsError) as exc:
             self._release(handle, None)
-            handle._push(ErrorEvent(InvalidRequestError(str(exc), param="prompt")))
+            self._send(handle, ErrorEvent(InvalidRequestError(str(exc), param="prompt")))
             return
         handle.lane_id = lane_id
         self._handles[lane_id] = handle
         if self.metrics is not None:
             self.metrics.request_admitted(handle)
 
-    def _abort(self, handle: RequestHandle) -> None:
+    def _abort(self, handle: RequestHandle) -> bool:
+        """Abort a request holding a lane; False when it holds none (not added yet: its add sees the
+        flag; or already finished)."""
         lane_id = handle.lane_id
         if lane_id is None or self._handles.get(lane_id) is not handle:
-            return  # not added yet (its add sees the flag), or already finished
+            return False
         self._engine.abort(lane_id)
         self._engine.pop_result(lane_id)
         del self._handles[lane_id]
         self._release(handle, "abort")
-        handle._push(TokenEvent((), "abort"))
+        self._send(handle, TokenEvent((), "abort"))
+        return True
 
     def _fail_all(self, exc: Exception) -> None:
         for handle in list(self._handles.values()):
             self._release(handle, "error")
-            handle._push(
-                ErrorEvent(EngineFailedError(f"the engine failed while serving this request: {exc}"))
+            self._send(
+                handle, ErrorEvent(EngineFailedError(f"the engine failed while serving this request: {exc}"))
             )
         self._handles.clear()
         del self._engine  # free its memory before the new one is built

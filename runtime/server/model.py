@@ -19,6 +19,7 @@ from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.prefix_cache import PrefixCache
 from ignis.runtime.profiles import CardProfile, SpecDefaults
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_max_prefill_tokens
+from ignis.runtime.tokenizer import ChatPrompt
 
 __all__ = [
     "ChatTokenizer",
@@ -46,8 +47,10 @@ class IncrementalDecoder(Protocol):
 class ChatTokenizer(Protocol):
     """The tokenizer interface the server needs (`ignis.runtime.tokenizer.Tokenizer` implements it)."""
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text."""
+    def encode(
+        self, text: str, *, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> list[int]:
+        """Token ids of text (at most max_length of them), without holding the GIL while tokenizing."""
         ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -60,6 +63,17 @@ class ChatTokenizer(Protocol):
         Raises:
             TokenizerError: no template, an invalid template, or the template's raise_exception.
         """
+        ...
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, parse_special_tokens: bool = False, **kwargs: Any
+    ) -> ChatPrompt:
+        """`apply_chat_template`, remembering the special-token text that came from the inputs
+        (`ignis.runtime.tokenizer.Tokenizer.render_chat`)."""
+        ...
+
+    def encode_chat_prompt(self, prompt: ChatPrompt, *, max_length: int | None = None) -> list[int]:
+        """Ids of a rendered conversation; the inputs' special-token text stays plain text."""
         ...
 
     def detokenizer(

@@ -2,15 +2,21 @@
 
 Requests are validated strictly (`strict=True`): a string where a number belongs, a number where a
 boolean belongs, NaN or infinity, or a value outside its range is a 400 with an OpenAI-style error
-body, never a coercion. Unknown fields are ignored, as vLLM does, so clients that send extra OpenAI
-parameters keep working; parameters ignis cannot honour (logprobs, n > 1, penalties, logit_bias,
-echo, suffix) are refused by name rather than silently dropped. `tools`, `tool_choice`,
+body, never a coercion. An unknown top-level field is a 400 naming it (OpenAI's behaviour: a
+misspelled `max_token` must not silently run to the context end); OpenAI fields that change nothing
+here (`user`, `store`, `metadata`, `parallel_tool_calls`, `service_tier`) are taken and ignored, and
+parameters ignis cannot honour (n > 1, logit_bias, non-text response formats, echo, suffix) are
+refused by name rather than silently dropped. Message objects keep their extra fields (they go to the
+chat template), and `stream_options` ignores unknown keys. `tools`, `tool_choice`,
 `parallel_tool_calls` and `response_format` are served (`ignis.runtime.server.agents`).
 
-Extensions beyond OpenAI, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`
+Extensions beyond OpenAI, as in vLLM: `top_k`, `min_tokens`, `repetition_penalty`, `stop_token_ids`,
+`ignore_eos`, `return_token_ids`
 (generated ids in `choices[i].token_ids`, prompt ids in `choices[i].prompt_token_ids`),
-`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `add_special_tokens`; and
-`/v1/completions` takes the prompt as a list of token ids.
+`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`, `add_special_tokens`,
+`parse_special_tokens` (chat: encode special-token text in the messages as control tokens; off by
+default, so content cannot forge a turn); and `/v1/completions` takes the prompt as a list of token
+ids.
 
 Streaming responses are server-sent events, one token per chunk (`ChatCompletionChunk`,
 `CompletionChunk`), then `data: [DONE]`. The chunk that carries `finish_reason` also carries `usage`;
@@ -45,7 +51,7 @@ MAX_SEED = 2**64 - 1  # seeds are 0 <= seed < 2**64 (a lane's torch.Generator)
 MAX_STOP_STRINGS = 16  # stop strings per request (each is searched after every token)
 MAX_STOP_STRING_CHARS = 256  # characters per stop string
 
-_REQUEST = ConfigDict(strict=True, extra="ignore")
+_REQUEST = ConfigDict(strict=True, extra="forbid")
 _RESPONSE = ConfigDict(extra="allow")
 
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -57,9 +63,9 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
-    """OpenAI `stream_options`."""
+    """OpenAI `stream_options` (unknown keys, e.g. newer OpenAI options, are ignored)."""
 
-    model_config = _REQUEST
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool | None = Field(
         None, description="Send a last chunk with empty `choices` and the request's `usage`."
@@ -131,16 +137,38 @@ class _SamplingFields(BaseModel):
         "choices[0].prompt_token_ids (streamed: each chunk's token id).",
     )
     presence_penalty: float | None = Field(
-        None, allow_inf_nan=False, description="Only 0 is served (no penalties)."
+        None,
+        ge=-2,
+        le=2,
+        allow_inf_nan=False,
+        description="In [-2, 2]: subtracted from the logit of every token already in the output (0 = off).",
     )
     frequency_penalty: float | None = Field(
-        None, allow_inf_nan=False, description="Only 0 is served (no penalties)."
+        None,
+        ge=-2,
+        le=2,
+        allow_inf_nan=False,
+        description="In [-2, 2]: times a token's count in the output, subtracted from its logit (0 = off).",
     )
     repetition_penalty: float | None = Field(
-        None, allow_inf_nan=False, description="Only 1 is served (no penalties)."
+        None,
+        ge=0.01,
+        le=100,
+        allow_inf_nan=False,
+        description="In [0.01, 100] (vLLM): a token of the prompt or output has its logit divided by it when "
+        "positive, multiplied otherwise (1 = off).",
+    )
+    min_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="(vLLM) EOS and stop_token_ids cannot end the output, nor stop strings, before this many "
+        "output tokens (0 = off).",
     )
     logit_bias: dict[str, float] | None = Field(None, description="Only an empty bias is served.")
     user: str | None = Field(None, description="Ignored.")
+    store: bool | None = Field(None, description="Ignored (ignis stores no completions).")
+    metadata: dict[str, str] | None = Field(None, description="Ignored.")
+    service_tier: str | None = Field(None, description="Ignored (one tier).")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -155,8 +183,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(
         None, ge=1, description="OpenAI's newer name for max_tokens (wins when both are given)."
     )
-    logprobs: bool | None = Field(None, description="Not served: only false or null.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not served: only 0 or null.")
+    logprobs: bool | None = Field(
+        None, description="Return each output token's logprob (the model's own, speculation on or off)."
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="With logprobs: also the N most likely tokens at each position."
+    )
     response_format: dict[str, Any] | None = Field(
         None,
         description='{"type": "text"} (default), {"type": "json_object"} or {"type": "json_schema", '
@@ -176,12 +208,19 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = Field(
         None, description="false: at most one tool call per reply (default: several allowed)."
     )
+    parallel_tool_calls: bool | None = Field(None, description="Ignored (tool calls are returned as text).")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (e.g. enable_thinking)."
     )
     add_generation_prompt: bool = Field(True, description="Append the assistant header to the prompt.")
     continue_final_message: bool = Field(
         False, description="Leave the last (assistant) message open and continue it."
+    )
+    parse_special_tokens: bool = Field(
+        False,
+        description="Encode special-token text in the messages, tools and chat_template_kwargs (e.g. "
+        '"<|im_start|>") as control tokens, as HF apply_chat_template does. By default it is encoded as '
+        "plain text, so only the chat template writes control tokens and content cannot forge a turn.",
     )
 
 
@@ -192,7 +231,9 @@ class CompletionRequest(_SamplingFields):
         description="A text, or a list of token ids; a list holding exactly one of these is accepted too."
     )
     max_tokens: int | None = Field(16, ge=1, description="Most output tokens (>= 1; default 16, as OpenAI).")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Not served: only null.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Return each output token's logprob and the N most likely tokens."
+    )
     echo: bool = Field(False, description="Not served: only false.")
     suffix: str | None = Field(None, description="Not served: only null.")
     best_of: int | None = Field(None, ge=1, description="Only 1 is served (others are refused by name).")
@@ -250,7 +291,7 @@ class _ChoiceEnd(BaseModel):
         None, description='"stop", "length" or "abort" on the last token; null before it.'
     )
     stop_reason: int | str | None = Field(None, description="The stop token id or stop string, else null.")
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(None, description="With logprobs: the output tokens' logprobs.")
     token_ids: list[int] | None = Field(
         None, description="Generated ids (with return_token_ids; streamed: the chunk's token)."
     )

@@ -9,8 +9,10 @@ refused), requests in flight finish for up to `shutdown_timeout` seconds, then t
 aborted (a stream ends with finish_reason "abort" and [DONE], a plain request returns what it has),
 uvicorn cancels anything still running 2 s later, the lane loop stops, the Unix socket file is
 removed (only if it is still the one this server created), the prompt checkpoints are written to
-their snapshot directory (`--checkpoint-dir`) and the model is closed. A SIGTERM ends `run()`
-normally.
+their snapshot directory (`--checkpoint-dir`) and the model is closed. A second SIGINT
+or SIGTERM cancels the requests in flight at once (their streams still end with finish_reason
+"abort" and [DONE]); a third stops waiting for connections. `run()` returns the exit status: 0 when
+every request in flight finished, 1 when some were cut.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import uvicorn
 
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.server.app import create_app
+from ignis.runtime.server.auth import check_api_key
 from ignis.runtime.server.checkpoints import PromptCheckpointCollector
 from ignis.runtime.server.lanes import LaneLoop
 from ignis.runtime.server.metrics import ServerMetrics
@@ -62,6 +65,9 @@ class ServerOptions:
             cancelled (>= 0).
         log_level: uvicorn's log level name.
         access_log: log one line per HTTP request.
+        api_key: the key every endpoint but /health requires (`Authorization: Bearer KEY`), or None.
+        max_request_bytes: request bodies over this many bytes get 413 (>= 1024); None: room for a
+            prompt that fills the context (`ignis.runtime.server.app.default_max_body_bytes`).
     """
 
     socket: str | None = None
@@ -74,8 +80,13 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     access_log: bool = True
+    api_key: str | None = field(default=None, repr=False)
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        check_api_key(self.api_key)
+        if self.max_request_bytes is not None and self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.socket is None and self.port is None:
             raise ValueError("give a Unix socket path or a TCP port to listen on")
         if self.lanes < 1:
@@ -92,15 +103,52 @@ _CANCEL_GRACE = 2.0  # seconds uvicorn waits after the lanes were aborted before
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, telling us when its shutdown begins (to abort lanes after the grace period)."""
+    """uvicorn's server, telling us when its shutdown begins (to abort lanes after the grace period),
+    with our own handling of repeated signals (`handle_exit`)."""
 
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_shutdown: Callable[[], None], on_cut: Callable[[], None]
+    ) -> None:
         super().__init__(config)
         self._on_shutdown = on_shutdown
+        self._on_cut = on_cut
+        self.num_signals = 0
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._on_shutdown()
         await super().shutdown(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """SIGINT / SIGTERM. The first starts the graceful shutdown; the second cancels the requests in
+        flight now (each stream still ends with finish_reason "abort" and [DONE]); a third stops
+        waiting for connections. The signal is not re-raised after serving (uvicorn's default would
+        raise it into our cleanup, logging tracebacks)."""
+        self.num_signals += 1
+        if self.num_signals == 1:
+            logger.info("signal %d: shutting down (send it again to cancel the requests in flight)", sig)
+            self.should_exit = True
+        elif self.num_signals == 2:
+            logger.warning("signal %d again: cancelling the requests in flight", sig)
+            self.should_exit = True
+            self._on_cut()
+        else:
+            logger.warning("signal %d a third time: closing every connection now", sig)
+            self.force_exit = True
+
+
+class _ShutdownHint(logging.Filter):
+    """Rewrites uvicorn's "(CTRL+C to force quit)" shutdown lines: here a second signal cancels the
+    requests in flight cleanly (`_Uvicorn.handle_exit`) rather than forcing an exit."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.endswith("(CTRL+C to force quit)"):
+            record.msg = record.msg.replace(
+                "(CTRL+C to force quit)", "(Ctrl+C or SIGTERM again cancels the requests in flight)"
+            )
+        return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_ShutdownHint())
 
 
 class _Terminated(BaseException):
@@ -132,7 +180,13 @@ class IgnisServer:
         if model.prefix_cache is not None:  # the prompt checkpoint pool's counters and gauges
             self.metrics.registry.register(PromptCheckpointCollector(model.prefix_cache))
         self.lanes.metrics = self.metrics
-        self.app = create_app(model, self.lanes, self.metrics)
+        self.app = create_app(
+            model,
+            self.lanes,
+            self.metrics,
+            api_key=options.api_key,
+            max_body_bytes=options.max_request_bytes,
+        )
         self.unix_socket: BoundUnixSocket | None = None
         self.tcp_socket: socket.socket | None = None
         self.started = threading.Event()
@@ -191,7 +245,12 @@ class IgnisServer:
                 timeout_graceful_shutdown=math.ceil(self.options.shutdown_timeout + _CANCEL_GRACE),
                 server_header=False,
             )
-            server = _Uvicorn(config, on_shutdown=self._cancel_after_grace)
+            loop = asyncio.get_running_loop()
+            server = _Uvicorn(
+                config,
+                on_shutdown=self._cancel_after_grace,
+                on_cut=lambda: loop.call_soon_threadsafe(self.lanes.abort_all),
+            )
             self._uvicorn = server
             if self._exit_requested:
                 server.should_exit = True
@@ -237,8 +296,10 @@ class IgnisServer:
             self.tcp_socket.close()
             self.tcp_socket = None
 
-    def run(self) -> None:
-        """Serve in the main thread until SIGTERM or SIGINT (then shut down gracefully and return)."""
+    def run(self) -> int:
+        """Serve in the main thread until SIGTERM or SIGINT, shut down (module docstring) and return the
+        process exit status: 0 when every request in flight finished, 1 when some were cut (past
+        the shutdown timeout, or by a second signal)."""
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             raise _Terminated(signum)
@@ -251,3 +312,7 @@ class IgnisServer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if self.lanes.num_cut:
+            logger.warning("exiting with status 1: %d request(s) were cut at shutdown", self.lanes.num_cut)
+            return 1
+        return 0

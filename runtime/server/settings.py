@@ -27,10 +27,21 @@ from typing import Any
 from ignis.runtime.errors import ConfigError
 from ignis.runtime.profiles import CardProfile, SpecDefaults, get_profile
 
-__all__ = ["BACKENDS", "DRAFT_HEADS", "MTP_DEFAULT_DRAFT_TOKENS", "ResolvedSpec", "SpecLayer", "resolve_spec"]
+__all__ = [
+    "BACKENDS",
+    "DRAFT_HEADS",
+    "HEAD_BACKENDS",
+    "MTP_DEFAULT_DRAFT_TOKENS",
+    "ROW_BUDGETED_BACKENDS",
+    "ResolvedSpec",
+    "SpecLayer",
+    "resolve_spec",
+]
 
 BACKENDS = ("dflash2", "mtp", "ngram", "draft-model", "off")
 DRAFT_HEADS = ("full", "shortlist")
+HEAD_BACKENDS = ("dflash2", "mtp")  # the backends whose drafter reads draft_head
+ROW_BUDGETED_BACKENDS = ("mtp",)  # the backends whose drafts per lane follow draft_rows
 MTP_DEFAULT_DRAFT_TOKENS = 3  # rtxpro6000's MTP default; dflash2 has none (draft_tokens is required)
 NGRAM_DEFAULT_DRAFT_TOKENS = 4  # prompt lookup (vLLM's num_speculative_tokens examples use 3-5)
 DRAFT_MODEL_DEFAULT_DRAFT_TOKENS = 3  # a small model of the same tokenizer (docs/perf/log: 3.4 tokens/round)
@@ -62,16 +73,19 @@ class ResolvedSpec:
     origins: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
-        """One line: the backend, draft tokens, row budget and head with their origins."""
+        """One line: the backend and draft tokens with their origins, plus the settings the backend
+        reads: the row budget for mtp (the row-budgeted backend), the proposal head for dflash2 and mtp.
+        Settings the backend ignores are not named (they do not apply)."""
         s = self.spec
         if s.backend == "off":
             return f"backend off ({self.origins.get('backend', 'default')})"
         o = self.origins
-        return (
-            f"backend {s.backend} ({o['backend']}), {s.draft_tokens} draft tokens ({o['draft_tokens']}), "
-            f"row budget {s.draft_rows or 8} ({o['draft_rows']}), "
-            f"proposal head {s.draft_head} ({o['draft_head']})"
-        )
+        out = f"backend {s.backend} ({o['backend']}), {s.draft_tokens} draft tokens ({o['draft_tokens']})"
+        if s.backend in ROW_BUDGETED_BACKENDS:
+            out += f", row budget {s.draft_rows or 8} ({o['draft_rows']})"
+        if s.backend in HEAD_BACKENDS:
+            out += f", proposal head {s.draft_head} ({o['draft_head']})"
+        return out
 
 
 def _check(origin: str, key: str, value: Any) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import grp
+import ipaddress
 import os
 import socket
 import stat
@@ -33,6 +34,8 @@ __all__ = [
     "SocketError",
     "bind_tcp_socket",
     "bind_unix_socket",
+    "check_socket_group",
+    "check_tcp_address",
     "check_unix_socket_path",
     "remove_unix_socket",
 ]
@@ -89,6 +92,42 @@ def _gid(group: str) -> int:
         if group.isdigit():
             return int(group)
         raise SocketError(f"unknown group {group!r} for --socket-group") from None
+
+
+def check_socket_group(group: str) -> int:
+    """The gid of `--socket-group` (a group name, or a numeric gid), checked before a model loads.
+
+    Raises:
+        SocketError: the group is unknown.
+    """
+    return _gid(group)
+
+
+def check_tcp_address(host: str, port: int) -> bool:
+    """Check, before a model loads, that host:port resolves and can be bound now (the probe socket is
+    closed again; port 0 is only resolved). Returns True when the address is a loopback address.
+
+    Raises:
+        SocketError: the host does not resolve, or the address cannot be bound (taken, not this host's).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SocketError(f"cannot resolve --host {host!r}: {exc}") from exc
+    family, kind, proto, _, addr = infos[0]
+    if port:
+        probe = socket.socket(family, kind, proto)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(addr)
+        except OSError as exc:
+            raise SocketError(f"cannot listen on {host}:{port}: {exc}") from exc
+        finally:
+            probe.close()
+    try:
+        return ipaddress.ip_address(str(addr[0]).split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def check_unix_socket_path(path: str | os.PathLike[str]) -> bool:

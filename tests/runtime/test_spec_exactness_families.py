@@ -278,3 +278,37 @@ def test_greedy_spec_on_equals_spec_off_with_test_drafters(
         assert metrics.accepted_tokens_total == metrics.rounds_total, label
     if kind == "always-right" and metrics.rounds_total:
         assert metrics.accepted_tokens_total > metrics.rounds_total, label
+
+
+PENALISED = SamplingParams(
+    temperature=0,
+    max_tokens=MAX_TOKENS,
+    presence_penalty=-1.5,  # negative: output tokens come back, so repeats inside a committed run matter
+    frequency_penalty=-0.5,
+    repetition_penalty=1.3,
+    min_tokens=MAX_TOKENS,
+    logprobs=3,
+)
+
+
+@pytest.mark.parametrize("family, backend", CASES[:2], ids=[f"{f}-{b}" for f, b in CASES[:2]])
+def test_penalties_and_logprobs_spec_on_equals_spec_off(targets, family: str, backend: str) -> None:
+    """Penalties, min_tokens and logprobs with the real drafters, steered so that whole runs commit:
+    a verify row is penalised as if the drafts before it were committed, so the output is the
+    speculation-off output token for token, and each token's logprob is the model's own there."""
+    target = targets(family)
+    prompts = target.prompts[:3]
+    off = {p: SpeculativeEngine(target.ex).generate([p], PENALISED)[0] for p in prompts}
+    refs = {p: r.output_token_ids for p, r in off.items()}
+    drafter = SteeredDrafter(target.drafter(backend), refs, seed=5)
+    engine = SpeculativeEngine(target.ex, drafter, draft_tokens=3)
+    on = dict(zip(prompts, engine.generate(prompts, PENALISED), strict=True))
+    for p in prompts:
+        assert on[p].output_token_ids == refs[p], f"{family}+{backend}, prompt of {len(p)} tokens"
+        a = torch.tensor([lp.logprob for lp in on[p].logprobs])
+        b = torch.tensor([lp.logprob for lp in off[p].logprobs])
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+        assert [lp.top[0][0] for lp in on[p].logprobs] == [lp.top[0][0] for lp in off[p].logprobs]
+    assert engine.metrics.accepted_tokens_total > engine.metrics.rounds_total  # runs of 2+ tokens
+    plain = SpeculativeEngine(target.ex).generate(prompts, GREEDY)
+    assert any(r.output_token_ids != refs[p] for r, p in zip(plain, prompts, strict=True))  # not vacuous

@@ -374,9 +374,11 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "x", "stop": [""]}', 400, None),
     (b'{"prompt": "x", "n": 2}', 400, "n"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', 400, "stream_options"),
-    (b'{"prompt": "x", "logprobs": 3}', 400, "logprobs"),
+    (b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
     (b'{"prompt": "x", "echo": true}', 400, "echo"),
-    (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty"),
+    (b'{"prompt": "x", "presence_penalty": 2.5}', 400, "presence_penalty"),
+    (b'{"prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty"),
+    (b'{"prompt": "x", "min_tokens": 20, "max_tokens": 4}', 400, "min_tokens"),
     (b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
     (b'{"prompt": []}', 400, "prompt"),
     (b'{"prompt": [1, 2, 50]}', 400, "prompt"),
@@ -556,7 +558,7 @@ CHAT_ERROR_WORDING = [
     ),
     (
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
-        "top_logprobs are not supported: only 0 or null is served",
+        'top_logprobs needs "logprobs": true',
         "top_logprobs",
     ),
 ]
@@ -639,7 +641,7 @@ BAD_CHATS = [
     {"messages": [{"content": "x"}]},
     {"messages": [{"role": "user", "content": 5}]},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-    {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+    {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
     {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
@@ -782,7 +784,7 @@ def test_a_huge_text_prompt_is_refused_without_tokenizing(client: httpx.Client, 
         raise AssertionError("the oversized prompt was tokenized")
 
     monkeypatch.setattr(Tokenizer, "encode", no_encode)
-    big = "x" * 4_000_000
+    big = "x" * 200_000  # past the context by the character bound, inside the body limit
     for path, body in (
         ("/v1/completions", {"prompt": big}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}),

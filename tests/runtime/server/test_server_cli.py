@@ -305,7 +305,7 @@ def test_sigterm_past_the_shutdown_timeout_cancels_lanes() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err
+    assert proc.returncode == 1, err  # a request was cut
     # The request alone needs ~20 s more (250 rounds x 0.08 s); the bound leaves room for a loaded CI box.
     assert elapsed < 10.0
     assert lines[-1] == "data: [DONE]"  # the stream ended properly ...
