@@ -1,0 +1,679 @@
+"""Expert residency for the sparse MoE families: routed experts in host memory, a per-layer cache of
+expert slots on the device.
+
+A model larger than its card (Flash-Next, ~65 GB of q4 experts, on a 32 GB card) keeps every
+non-expert weight (attention, Gated DeltaNet, shared expert, router, norms, embedding, head) on the
+device and its routed experts in host memory: zero-copy views of the memory-mapped artifact
+(`Artifact.target_weights(experts_on_host=True)`). Each MoE layer owns `ExpertSlots`: a fixed number
+of device slots, each able to hold one expert's weights (every part: gate, up and down, dense or
+q4 codes + scales), allocated once at load.
+
+A verify round (`ignis.runtime.families.moe.sparse_moe_block`) routes every column of every lane,
+takes the union of the experts they chose (ascending expert index) and asks the layer's slots for
+them (`ExpertSlots.resident_groups`): experts already in a slot are hits; the missing ones are copied
+into slots (misses), evicting the least recently used experts that the round does not need. When the
+round needs more experts than the layer has slots, they are served in consecutive groups of at most
+`num_slots` experts, still in ascending index order, each group's experts resident while they run;
+the block accumulates the experts' contributions in the same order as with every expert resident, so
+the output is bit for bit the fully resident model's (the experts' weights are the same bytes and
+run through the same `linear` calls with the same shapes).
+
+Copies: on a CPU device a plain `copy_` (the CPU tests prove the slot mapping, eviction and refill
+paths with it). On CUDA each part goes host view -> a pinned staging buffer (a ring of them, each
+reused only after the event of its last upload has completed) -> the slot, as an asynchronous copy
+on a side stream; the side stream first waits for the event recorded after the slot's previous
+occupant last ran (so an evicted expert is never overwritten while a kernel reads it), and the
+compute stream waits for an event recorded after a group's copies before its experts run. Within a
+layer, the copies of a later group overlap the compute of the groups before it. Copies cannot start
+before the layer's router has run (the routing decides them); prefetching by router-score lookahead
+from the layers before is not done.
+
+Eviction is LRU over the layer's experts (the order of last use; ties within a round by expert index).
+Frequency-based and router-lookahead policies are for later, to be chosen by measurement on the GPU
+(tools/bench/expert_cache.py reports the hit rate and bytes copied per token that such a comparison
+needs).
+
+Slots hold q4 experts in the stored row-major layout: their linears run the linear hook's row-major
+q4 functions when the artifact compiled them for the expert shapes, else the torch route
+(dequantize + GEMM). Re-laying a slot in the CUDA tiled layout after its copy is not done.
+
+Budget (`plan_expert_cache`): the slots of every MoE layer together take `cache_bytes`, either given
+(`--expert-cache-bytes`, config key `expert_cache_bytes`) or, by default, what the card's memory
+leaves after the resident weights, the lanes' KV and recurrent state, the verify rounds' workspace, a
+headroom and the MTP reserve. With `--spec-backend mtp` the MTP head's weights and KV (`mtp_reserve`)
+are always taken from the cache's share, whatever the number of drafts. The split is logged at load
+(`CacheBudget.describe`).
+
+Counters (`ExpertCacheStats.samples`, exported on /metrics): hits, misses, bytes copied, forwards
+(verify rounds and prefill chunks) and rows (tokens) run through the MoE layers, bytes copied per
+row and per forward, slots in use and slots in all.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ignis.runtime.errors import ConfigError
+from ignis.runtime.families.moe import SwiGLUWeights
+from ignis.runtime.linear import Q4Weight
+
+__all__ = [
+    "CacheBudget",
+    "ExpertCache",
+    "ExpertCacheStats",
+    "ExpertSlots",
+    "expert_nbytes",
+    "is_routed_expert",
+    "lane_state_bytes",
+    "parse_bytes",
+    "plan_expert_cache",
+    "round_workspace_bytes",
+]
+
+log = logging.getLogger("ignis.runtime.expert_cache")
+
+_FIELDS = ("gate", "up", "down", "gate_up")
+_GIB = 1024**3
+
+#: Bytes a card keeps free beyond the planned buffers (the CUDA context, allocator fragmentation,
+#: cuBLAS workspaces, compiled modules' scratch): subtracted by the profile default.
+DEFAULT_HEADROOM_BYTES = 2 * _GIB
+
+#: Pinned staging buffers of the CUDA copy path (each one expert's bytes).
+STAGING_BUFFERS = 16
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether a canonical tensor name is a routed expert's weight of a trunk layer (fused
+    ``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj`` or per expert
+    ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``); the shared expert is not."""
+    return name.startswith("model.layers.") and ".mlp.experts." in name
+
+
+def parse_bytes(value: str | int) -> int:
+    """A byte count from an int or a string with an optional binary/decimal unit: "24GiB", "24G"
+    (GiB), "1.5GB" (10**9), "512MiB", "4096". Whitespace and case are ignored.
+
+    Raises:
+        ConfigError: not a non-negative size.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"expert cache size must be a byte count, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"expert cache size must be >= 0 bytes, got {value}")
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    units = {
+        "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+        "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "b": 1,
+    }  # fmt: skip
+    scale = 1
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix):
+            text, scale = text[: -len(suffix)], units[suffix]
+            break
+    try:
+        number = float(text)
+    except ValueError:
+        raise ConfigError(
+            f"expert cache size {value!r} is not a byte count (e.g. 24GiB, 512MiB, 1.5GB, 4096)"
+        ) from None
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"expert cache size must be >= 0 bytes, got {value!r}")
+    return int(number * scale)
+
+
+def _leaves(w: SwiGLUWeights) -> list[tuple[str, str, torch.Tensor]]:
+    """(field, part, tensor) of every stored tensor of one expert: a dense weight is part "w", a
+    `Q4Weight` parts "packed" and "scales"."""
+    out: list[tuple[str, str, torch.Tensor]] = []
+    for name in _FIELDS:
+        value = getattr(w, name)
+        if value is None:
+            continue
+        if isinstance(value, Q4Weight):
+            if value.is_tiled:
+                raise ValueError(f"expert {name} is in the tiled q4 layout; the cache takes row-major")
+            out += [(name, "packed", value.packed), (name, "scales", value.scales)]
+        else:
+            out.append((name, "w", value))
+    return out
+
+
+def expert_nbytes(w: SwiGLUWeights) -> int:
+    """Bytes one routed expert's weights take in a slot (every part, q4 codes and scales included)."""
+    return sum(t.numel() * t.element_size() for _, _, t in _leaves(w))
+
+
+class ExpertCacheStats:
+    """Counters of every layer's expert slots (one object per served model; engines rebuilt after a
+    failure keep counting into it). Not thread-safe: the engine thread updates it; a scrape reads
+    ints.
+
+    Attributes:
+        hits: experts a forward needed that were already in a slot.
+        misses: experts copied into a slot.
+        bytes_copied: host-to-device bytes of those copies.
+        forwards: forwards that ran the MoE layers (verify rounds, prefill chunks).
+        rows: rows (tokens) those forwards ran.
+    """
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+        self.bytes_copied = 0
+        self.forwards = 0
+        self.rows = 0
+        self._cache: ExpertCache | None = None
+
+    def attach(self, cache: ExpertCache) -> None:
+        """Report the slots of `cache` (the current engine's) from now on."""
+        self._cache = cache
+
+    @property
+    def slots_total(self) -> int:
+        """Slots of every layer together (0 before a cache is attached)."""
+        return self._cache.slots_total if self._cache is not None else 0
+
+    @property
+    def slots_in_use(self) -> int:
+        """Slots holding an expert, every layer together."""
+        return self._cache.slots_in_use if self._cache is not None else 0
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / (hits + misses); 0.0 before any lookup."""
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    @property
+    def bytes_per_row(self) -> float:
+        """bytes_copied / rows (0.0 before any forward)."""
+        return self.bytes_copied / self.rows if self.rows else 0.0
+
+    @property
+    def bytes_per_forward(self) -> float:
+        """bytes_copied / forwards (0.0 before any forward)."""
+        return self.bytes_copied / self.forwards if self.forwards else 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        """Every counter and ratio as a dict (benchmarks, tests)."""
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "bytes_copied": self.bytes_copied,
+            "forwards": self.forwards,
+            "rows": self.rows,
+            "bytes_per_row": self.bytes_per_row,
+            "bytes_per_forward": self.bytes_per_forward,
+            "slots_in_use": self.slots_in_use,
+            "slots_total": self.slots_total,
+        }
+
+    def samples(self) -> list[tuple[str, str, str, float]]:
+        """(metric name, kind "counter" | "gauge", help, value) of every exported series."""
+        return [
+            ("ignis_expert_cache_hits_total", "counter", "Routed experts a forward found in a slot.",
+             self.hits),
+            ("ignis_expert_cache_misses_total", "counter", "Routed experts copied into a slot.",
+             self.misses),
+            ("ignis_expert_cache_copied_bytes_total", "counter",
+             "Bytes of routed experts copied host to device.", self.bytes_copied),
+            ("ignis_expert_cache_forwards_total", "counter",
+             "Forwards (verify rounds, prefill chunks) through the MoE layers.", self.forwards),
+            ("ignis_expert_cache_rows_total", "counter",
+             "Rows (tokens) run through the MoE layers.", self.rows),
+            ("ignis_expert_cache_copied_bytes_per_token", "gauge",
+             "Expert bytes copied per row (token) run, since start.", self.bytes_per_row),
+            ("ignis_expert_cache_copied_bytes_per_round", "gauge",
+             "Expert bytes copied per forward (verify round or prefill chunk), since start.",
+             self.bytes_per_forward),
+            ("ignis_expert_cache_slots_in_use", "gauge", "Expert slots holding an expert.",
+             self.slots_in_use),
+            ("ignis_expert_cache_slots", "gauge", "Expert slots of every MoE layer.", self.slots_total),
+        ]  # fmt: skip
+
+
+class _Copier:
+    """Host-to-device copies of expert parts (module docstring, "Copies"); one per cache."""
+
+    def __init__(self, device: torch.device, staging_bytes: int, *, staging_buffers: int = STAGING_BUFFERS):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._staging: list[torch.Tensor] = []
+        self._staging_done: list[Any] = []
+        self._next = 0
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device=device)
+            self._staging = [
+                torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(staging_buffers)
+            ]
+            self._staging_done = [None] * staging_buffers
+
+    def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], after: Any = None) -> None:
+        """Copy src[i] (host) into dst[i] (a slot's part); on CUDA asynchronously on the side stream,
+        after event `after` (the slot's last use)."""
+        if not self.cuda:
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+            return
+        staging = self._staging[self._next]
+        done = self._staging_done[self._next]
+        if done is not None:
+            done.synchronize()  # its previous upload has been read out
+        offset = 0
+        views = []
+        for s in src:
+            n = s.numel() * s.element_size()
+            part = staging[offset : offset + n]
+            part.copy_(s.contiguous().reshape(-1).view(torch.uint8))
+            views.append(part)
+            offset += n
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            for d, part in zip(dst, views, strict=True):
+                d.reshape(-1).view(torch.uint8).copy_(part, non_blocking=True)
+            self._staging_done[self._next] = self.stream.record_event()
+        self._next = (self._next + 1) % len(self._staging)
+
+    def fence(self) -> None:
+        """Make the compute stream wait for every copy issued so far (no-op on the CPU)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.stream.record_event())
+
+    def used(self) -> Any:
+        """An event on the compute stream after the work issued so far (None on the CPU)."""
+        return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+
+
+class ExpertSlots:
+    """One MoE layer's routed experts: host weights and `num_slots` device slots (module docstring).
+
+    Stands in for the block's expert list (`SparseMoeWeights.experts`): `len()` is the number of
+    experts, indexing gives an expert's host weights, and `resident_groups` (what
+    `sparse_moe_block` calls) makes the experts a forward needs resident and yields their slot
+    weights.
+
+    Args:
+        host: every routed expert's weights on the host, in expert-index order; all experts must
+            have the same parts (shapes and dtypes).
+        num_slots: device slots (1..len(host)).
+        device: where the slots live.
+        copier: the cache's host-to-device copier.
+        stats: counters to update.
+        first: this is the first MoE layer a forward visits (it counts forwards and rows).
+
+    Raises:
+        ValueError: no experts, num_slots outside 1..len(host), or experts whose parts differ.
+    """
+
+    def __init__(
+        self,
+        host: Sequence[SwiGLUWeights],
+        num_slots: int,
+        *,
+        device: torch.device,
+        copier: _Copier,
+        stats: ExpertCacheStats,
+        first: bool = False,
+    ) -> None:
+        if not host:
+            raise ValueError("an expert cache layer needs at least one expert")
+        if not 1 <= num_slots <= len(host):
+            raise ValueError(f"num_slots must be 1..{len(host)} (the layer's experts), got {num_slots}")
+        self._host = list(host)
+        self._host_leaves = [[t for _, _, t in _leaves(w)] for w in self._host]
+        sig = [(f, p, tuple(t.shape), t.dtype) for f, p, t in _leaves(self._host[0])]
+        for e, w in enumerate(self._host):
+            if [(f, p, tuple(t.shape), t.dtype) for f, p, t in _leaves(w)] != sig:
+                raise ValueError(f"expert {e}'s parts differ from expert 0's ({sig})")
+        self._sig = sig
+        self.num_slots = num_slots
+        self.device = device
+        self.expert_bytes = expert_nbytes(self._host[0])
+        self._copier, self._stats, self._first = copier, stats, first
+        self._buffers = [torch.empty((num_slots, *shape), dtype=dt, device=device) for _, _, shape, dt in sig]
+        self._slot_weights = [self._build(s) for s in range(num_slots)]
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
+        self._free = list(range(num_slots))
+        self._last_use: list[Any] = [None] * num_slots
+
+    def _build(self, slot: int) -> SwiGLUWeights:
+        parts: dict[str, Any] = {}
+        for (f, p, _, _), buf in zip(self._sig, self._buffers, strict=True):
+            parts.setdefault(f, {})[p] = buf[slot]
+        values = {
+            f: (Q4Weight(v["packed"], v["scales"]) if "packed" in v else v["w"]) for f, v in parts.items()
+        }
+        return SwiGLUWeights(values.get("gate"), values.get("up"), values["down"], values.get("gate_up"))
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def __getitem__(self, expert: int) -> SwiGLUWeights:
+        """Expert `expert`'s host weights (not resident: run experts through `resident_groups`)."""
+        return self._host[expert]
+
+    @property
+    def resident(self) -> dict[int, int]:
+        """{expert: slot} of the experts in a slot now, least recently used first."""
+        return dict(self._slot_of)
+
+    @property
+    def slots_in_use(self) -> int:
+        """Slots holding an expert."""
+        return len(self._slot_of)
+
+    def resident_groups(
+        self, experts: Sequence[int], *, rows: int
+    ) -> Iterator[list[tuple[int, SwiGLUWeights]]]:
+        """Make `experts` (ascending, distinct) resident, in groups of at most `num_slots`, and yield
+        each group's [(expert, slot weights)] in order; a group's slots are not reused before the
+        caller asks for the next group (on CUDA: until the work issued by then has run).
+
+        Args:
+            experts: the union of the experts the forward's rows were routed to.
+            rows: the forward's rows (counted once per forward, at the first MoE layer).
+        """
+        if self._first:
+            self._stats.forwards += 1
+            self._stats.rows += rows
+        experts = list(experts)
+        for start in range(0, len(experts), self.num_slots):
+            group = experts[start : start + self.num_slots]
+            pinned = set(group)
+            copied = False
+            out: list[tuple[int, SwiGLUWeights]] = []
+            for expert in group:
+                slot = self._slot_of.get(expert)
+                if slot is not None:
+                    self._stats.hits += 1
+                    self._slot_of.move_to_end(expert)
+                else:
+                    slot = self._take_slot(pinned)
+                    self._copier.copy(
+                        [b[slot] for b in self._buffers], self._host_leaves[expert], self._last_use[slot]
+                    )
+                    self._slot_of[expert] = slot
+                    self._stats.misses += 1
+                    self._stats.bytes_copied += self.expert_bytes
+                    copied = True
+                out.append((expert, self._slot_weights[slot]))
+            if copied:
+                self._copier.fence()
+            yield out
+            used = self._copier.used()
+            for _, slot in ((e, self._slot_of[e]) for e in group):
+                self._last_use[slot] = used
+
+    def _take_slot(self, pinned: set[int]) -> int:
+        if self._free:
+            return self._free.pop(0)
+        for expert, slot in self._slot_of.items():  # least recently used first
+            if expert not in pinned:
+                del self._slot_of[expert]
+                return slot
+        raise AssertionError("a group larger than the slots")  # groups have <= num_slots experts
+
+
+class ExpertCache:
+    """Every MoE layer's `ExpertSlots` of one executor, sharing one copier and one stats object.
+
+    Args:
+        slots_per_layer: device slots of each MoE layer (clamped to the layer's experts).
+        device: where the slots live.
+        stats: counters (a fresh `ExpertCacheStats` when None).
+        budget: the plan the slots came from (reported; may be None in tests).
+    """
+
+    def __init__(
+        self,
+        slots_per_layer: int,
+        *,
+        device: torch.device | str,
+        stats: ExpertCacheStats | None = None,
+        budget: CacheBudget | None = None,
+    ) -> None:
+        if slots_per_layer < 1:
+            raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
+        self.slots_per_layer = slots_per_layer
+        self.device = torch.device(device)
+        self.stats = stats if stats is not None else ExpertCacheStats()
+        self.budget = budget
+        self.layers: list[ExpertSlots] = []
+        self._copier: _Copier | None = None
+        self.stats.attach(self)
+
+    def make_layer(self, host: Sequence[SwiGLUWeights]) -> ExpertSlots:
+        """The slots of the next MoE layer (layers in forward order) over its host experts."""
+        if self._copier is None:
+            self._copier = _Copier(self.device, expert_nbytes(host[0]))
+        layer = ExpertSlots(
+            host,
+            min(self.slots_per_layer, len(host)),
+            device=self.device,
+            copier=self._copier,
+            stats=self.stats,
+            first=not self.layers,
+        )
+        self.layers.append(layer)
+        return layer
+
+    @property
+    def slots_total(self) -> int:
+        """Slots of every layer together."""
+        return sum(layer.num_slots for layer in self.layers)
+
+    @property
+    def slots_in_use(self) -> int:
+        """Slots holding an expert, every layer together."""
+        return sum(layer.slots_in_use for layer in self.layers)
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes of every layer's slots."""
+        return sum(layer.num_slots * layer.expert_bytes for layer in self.layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# budget
+# ---------------------------------------------------------------------------------------------
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def lane_state_bytes(config: Any, *, lanes: int, context: int, dtype: torch.dtype) -> int:
+    """Device bytes of `lanes` lanes' state at `context` tokens for a hybrid config: the attention
+    layers' keys and values (model dtype) and the GDN layers' recurrent (float32) and conv (model
+    dtype) states."""
+    b = _dtype_bytes(dtype)
+    attn = sum(1 for i in range(config.num_hidden_layers) if config.is_full_attention(i))
+    gdn = config.num_hidden_layers - attn
+    kv = attn * 2 * context * config.num_key_value_heads * config.head_dim * b
+    rec = gdn * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    conv = gdn * config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * b
+    return lanes * (kv + rec + conv)
+
+
+def round_workspace_bytes(config: Any, *, rows: int, dtype: torch.dtype) -> int:
+    """Device bytes a verify round of `rows` rows needs beyond the weights and lane state (an upper
+    estimate): float32 logits and their softmax ([rows, vocab] x 2), the GDN per-column recurrent
+    states kept until commit ([gdn layers, rows, v_heads, k_dim, v_dim] float32) and ~16 hidden-wide
+    and ~4 (expert-intermediate x top_k)-wide activations per row."""
+    b = _dtype_bytes(dtype)
+    gdn = sum(1 for i in range(config.num_hidden_layers) if not config.is_full_attention(i))
+    record = (
+        gdn * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    )
+    inter = getattr(config, "moe_intermediate_size", 0) * getattr(config, "num_experts_per_tok", 0)
+    act = 16 * config.hidden_size * b + 4 * inter * b + 2 * config.vocab_size * 4
+    return rows * (record + act)
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """How the device memory is split when routed experts are cached (all sizes in bytes).
+
+    Attributes:
+        source: "flag" (an explicit budget) or "profile:NAME" (the card profile's default).
+        card_bytes: the card's memory (0 with an explicit budget and no card).
+        resident_bytes: non-expert weights on the device.
+        lane_bytes: the lanes' KV and recurrent state.
+        workspace_bytes: the verify rounds' workspace at the row budget.
+        headroom_bytes: kept free (CUDA context, allocator).
+        mtp_reserve_bytes: the MTP head's weights and KV, taken from the cache's share.
+        cache_bytes: the expert slots' share after the MTP reserve.
+        expert_bytes: one routed expert.
+        moe_layers: layers with routed experts.
+        num_experts: routed experts per layer.
+        slots_per_layer: cache_bytes // (moe_layers * expert_bytes), at most num_experts.
+    """
+
+    source: str
+    card_bytes: int
+    resident_bytes: int
+    lane_bytes: int
+    workspace_bytes: int
+    headroom_bytes: int
+    mtp_reserve_bytes: int
+    cache_bytes: int
+    expert_bytes: int
+    moe_layers: int
+    num_experts: int
+    slots_per_layer: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def experts_bytes(self) -> int:
+        """Every routed expert of every layer (what the host holds)."""
+        return self.expert_bytes * self.num_experts * self.moe_layers
+
+    @property
+    def fraction_cached(self) -> float:
+        """Share of each layer's experts the slots hold at once."""
+        return self.slots_per_layer / self.num_experts
+
+    def describe(self) -> str:
+        """One log line with the split, in GiB."""
+
+        def g(n: int) -> str:
+            return f"{n / _GIB:.2f} GiB"
+
+        card = f"card {g(self.card_bytes)} = " if self.card_bytes else ""
+        return (
+            f"expert cache ({self.source}): {card}resident weights {g(self.resident_bytes)} + lane state "
+            f"{g(self.lane_bytes)} + round workspace {g(self.workspace_bytes)} + headroom "
+            f"{g(self.headroom_bytes)} + MTP reserve {g(self.mtp_reserve_bytes)} + expert slots "
+            f"{g(self.slots_per_layer * self.expert_bytes * self.moe_layers)} ({self.slots_per_layer} of "
+            f"{self.num_experts} experts a layer x {self.moe_layers} layers, {self.expert_bytes / 2**20:.2f} "
+            f"MiB each; {self.fraction_cached:.0%} of {g(self.experts_bytes)} of experts in host memory)"
+        )
+
+
+def plan_expert_cache(
+    *,
+    expert_bytes: int,
+    moe_layers: int,
+    num_experts: int,
+    resident_bytes: int,
+    lane_bytes: int,
+    workspace_bytes: int,
+    mtp_reserve_bytes: int = 0,
+    budget_bytes: int | None = None,
+    card_bytes: int = 0,
+    card_name: str = "",
+    headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+) -> CacheBudget:
+    """The slots per layer for an explicit budget or the card's memory.
+
+    With `budget_bytes` (the flag / config key): the MTP reserve is taken from it and the rest is the
+    slots' share. Without: the card's memory minus resident weights, lane state, round workspace,
+    headroom and the MTP reserve.
+
+    Raises:
+        ConfigError: the share left holds less than one expert slot per layer (the message gives the
+            split and the smallest budget that works), or no budget and no card size.
+    """
+    if expert_bytes <= 0 or moe_layers <= 0 or num_experts <= 0:
+        raise ConfigError("the expert cache needs a model with routed experts")
+    if budget_bytes is not None:
+        source = "flag"
+        share = budget_bytes - mtp_reserve_bytes
+    elif card_bytes > 0:
+        source = f"profile:{card_name}" if card_name else "card"
+        share = (
+            card_bytes - resident_bytes - lane_bytes - workspace_bytes - headroom_bytes - mtp_reserve_bytes
+        )
+    else:
+        raise ConfigError("the expert cache needs a budget (--expert-cache-bytes) or a card size")
+    per_slot = moe_layers * expert_bytes
+    slots = min(num_experts, max(share, 0) // per_slot)
+    if slots < 1:
+        need = per_slot + mtp_reserve_bytes
+        raise ConfigError(
+            f"expert cache: {max(share, 0) / _GIB:.2f} GiB left for expert slots after the MTP reserve "
+            f"({mtp_reserve_bytes / _GIB:.2f} GiB); one slot a layer needs {per_slot / _GIB:.2f} GiB "
+            f"({moe_layers} layers x {expert_bytes / 2**20:.2f} MiB)"
+            + (f": give --expert-cache-bytes >= {need}" if budget_bytes is not None else
+               f"; the card's {card_bytes / _GIB:.2f} GiB do not fit resident weights "
+               f"{resident_bytes / _GIB:.2f} GiB + lane state {lane_bytes / _GIB:.2f} GiB + workspace "
+               f"{workspace_bytes / _GIB:.2f} GiB + headroom {headroom_bytes / _GIB:.2f} GiB with it: "
+               "lower --lanes or --model-max-context")
+        )  # fmt: skip
+    return CacheBudget(
+        source=source,
+        card_bytes=card_bytes if budget_bytes is None else 0,
+        resident_bytes=resident_bytes,
+        lane_bytes=lane_bytes,
+        workspace_bytes=workspace_bytes,
+        headroom_bytes=headroom_bytes if budget_bytes is None else 0,
+        mtp_reserve_bytes=mtp_reserve_bytes,
+        cache_bytes=max(share, 0),
+        expert_bytes=expert_bytes,
+        moe_layers=moe_layers,
+        num_experts=num_experts,
+        slots_per_layer=int(slots),
+    )
+
+
+def host_experts(
+    config: Any, weights: Mapping[str, Any], prefix: str, *, dtype: torch.dtype
+) -> list[SwiGLUWeights]:
+    """One MoE layer's routed experts as host `SwiGLUWeights` (gate, up, down apart, as the resident
+    executor holds them): views of the fused stacks (``{prefix}.experts.gate_up_proj[e, :I]`` /
+    ``[e, I:]``, ``down_proj[e]``) or the per-expert tensors; dense weights cast to `dtype` (a copy
+    only when the stored dtype differs), q4 weights as stored (row-major)."""
+
+    def host(t: Any) -> Any:
+        if isinstance(t, Q4Weight):
+            return t.to_row_major() if t.is_tiled else t
+        return t.detach().to(dtype=dtype)
+
+    inter = config.moe_intermediate_size
+    if f"{prefix}.experts.gate_up_proj" in weights:
+        gate_up = host(weights[f"{prefix}.experts.gate_up_proj"])
+        down = host(weights[f"{prefix}.experts.down_proj"])
+        return [
+            SwiGLUWeights(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(config.num_experts)
+        ]
+    return [
+        SwiGLUWeights(
+            host(weights[f"{prefix}.experts.{e}.gate_proj.weight"]),
+            host(weights[f"{prefix}.experts.{e}.up_proj.weight"]),
+            host(weights[f"{prefix}.experts.{e}.down_proj.weight"]),
+        )
+        for e in range(config.num_experts)
+    ]
