@@ -1,0 +1,377 @@
+"""Expert cache (`ignis.runtime.expert_cache`): routed experts in host memory behind a few device slots
+per layer give the fully resident model's output bit for bit.
+
+* `ExpertSlots` alone: slot mapping, LRU eviction, refill after eviction, groups when a forward needs
+  more experts than slots, hit / miss / byte counters.
+* `sparse_moe_block` with a cache of 1, 2 and all slots equals the resident block exactly, dense and
+  q4_g32 experts.
+* The engine on tiny qwen3_5_moe and qwen3_next targets (HF-written checkpoints,
+  `tests/hf_tiny_hybrid.py`), with 1 and 2 slots a layer (misses forced and counted): greedy output
+  token for token and seeded sampled output token for token (every verify round's logits are equal,
+  so the sampled distribution is the same), speculation off and with the MTP head, several lanes; the
+  static executor's (CPU, eager) path too.
+* The budget plan: the split, the MTP reserve taken from the cache's share, refusals; byte parsing;
+  the metric samples.
+
+CUDA: `test_cuda_cache_matches_resident` (marked gpu) runs the side-stream copy path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hf_tiny_hybrid import make_tiny_hybrid
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
+
+from ignis.formats import quantize_q4_g32
+from ignis.runtime.drafters.mtp import build_mtp_drafter, load_mtp_checkpoint
+from ignis.runtime.engine import SpeculativeEngine
+from ignis.runtime.errors import ConfigError
+from ignis.runtime.expert_cache import (
+    ExpertCache,
+    ExpertCacheStats,
+    ExpertSlots,
+    _Copier,
+    expert_nbytes,
+    parse_bytes,
+    plan_expert_cache,
+)
+from ignis.runtime.families.hybrid_executor import HybridExecutor
+from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block
+from ignis.runtime.families.qwen3_5 import canonicalize_moe_tensors
+from ignis.runtime.linear import Q4Weight, torch_linear
+from ignis.runtime.sampling import SamplingParams
+from ignis.tools.make_test_drafter import make_mtp_drafter
+
+MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next")
+PROMPTS = ([5, 17, 3, 99, 250, 7, 8, 41], list(range(30, 100)), [1, 2, 3], [300, 12, 64, 64, 9])
+
+
+def _experts(n: int, hidden: int, inter: int, seed: int, *, q4: bool = False) -> list[SwiGLUWeights]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(rows: int, cols: int) -> torch.Tensor | Q4Weight:
+        t = torch.randn(rows, cols, generator=g) * 0.2
+        if not q4:
+            return t
+        packed, scales = quantize_q4_g32(t.numpy())
+        return Q4Weight(torch.from_numpy(packed), torch.from_numpy(scales))
+
+    return [SwiGLUWeights(w(inter, hidden), w(inter, hidden), w(hidden, inter)) for _ in range(n)]
+
+
+def _slots(host: list[SwiGLUWeights], num_slots: int, stats: ExpertCacheStats | None = None) -> ExpertSlots:
+    stats = stats if stats is not None else ExpertCacheStats()
+    return ExpertSlots(
+        host,
+        num_slots,
+        device=torch.device("cpu"),
+        copier=_Copier(torch.device("cpu"), expert_nbytes(host[0])),
+        stats=stats,
+        first=True,
+    )
+
+
+def _visit(slots: ExpertSlots, experts: list[int]) -> list[list[int]]:
+    """Run `resident_groups` to the end; the groups' experts, and check each yielded slot holds the
+    expert's host weights at that moment."""
+    groups = []
+    for group in slots.resident_groups(experts, rows=1):
+        for e, w in group:
+            assert torch.equal(w.gate, slots[e].gate) and torch.equal(w.down, slots[e].down)
+        groups.append([e for e, _ in group])
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# ExpertSlots
+# ---------------------------------------------------------------------------------------------
+
+
+def test_slots_lru_eviction_and_refill() -> None:
+    host = _experts(6, 32, 16, seed=0)
+    stats = ExpertCacheStats()
+    slots = _slots(host, 3, stats)
+    per = expert_nbytes(host[0])
+    assert per == 3 * 16 * 32 * 4 and slots.slots_in_use == 0
+
+    assert _visit(slots, [0, 2, 4]) == [[0, 2, 4]]
+    assert (stats.hits, stats.misses, stats.bytes_copied) == (0, 3, 3 * per)
+    assert list(slots.resident) == [0, 2, 4]
+
+    assert _visit(slots, [2]) == [[2]]  # hit: 2 becomes most recently used
+    assert (stats.hits, stats.misses) == (1, 3)
+    assert list(slots.resident) == [0, 4, 2]
+
+    assert _visit(slots, [1, 2]) == [[1, 2]]  # 1 evicts 0 (the LRU), 2 is a hit
+    assert (stats.hits, stats.misses) == (2, 4)
+    assert set(slots.resident) == {1, 2, 4} and 0 not in slots.resident
+    slot_of_1 = slots.resident[1]
+
+    assert _visit(slots, [0]) == [[0]]  # refill of an evicted expert: evicts 4 (LRU now)
+    assert (stats.hits, stats.misses, stats.bytes_copied) == (2, 5, 5 * per)
+    assert set(slots.resident) == {0, 1, 2}
+    assert slots.resident[1] == slot_of_1  # untouched
+    assert stats.forwards == 4 and stats.rows == 4
+
+
+def test_slots_groups_when_a_forward_needs_more_experts_than_slots() -> None:
+    host = _experts(5, 32, 16, seed=1)
+    stats = ExpertCacheStats()
+    slots = _slots(host, 2, stats)
+    assert _visit(slots, [0, 1, 3, 4]) == [[0, 1], [3, 4]]
+    assert stats.misses == 4 and stats.hits == 0
+    # the group in use is never evicted by its own members: 3 and 4 are resident now
+    assert set(slots.resident) == {3, 4}
+    assert _visit(slots, [1, 3, 4]) == [[1, 3], [4]]
+    # group [1, 3]: 3 hit, 1 evicts 4 (LRU, not in the group); group [4]: 4 refilled, evicts 1
+    assert (stats.hits, stats.misses) == (1, 6)
+    one = _slots(host, 1)
+    assert _visit(one, [0, 2, 4]) == [[0], [2], [4]]
+
+
+def test_slots_refuse_bad_sizes_and_mixed_experts() -> None:
+    host = _experts(3, 32, 16, seed=2)
+    with pytest.raises(ValueError, match="num_slots"):
+        _slots(host, 0)
+    with pytest.raises(ValueError, match="num_slots"):
+        _slots(host, 4)
+    odd = [*host[:2], _experts(1, 32, 8, seed=3)[0]]
+    with pytest.raises(ValueError, match="parts differ"):
+        _slots(odd, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the MoE block
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q4", [False, True], ids=["dense", "q4_g32"])
+@pytest.mark.parametrize("num_slots", [1, 2, 8])
+def test_moe_block_with_cache_equals_resident(q4: bool, num_slots: int) -> None:
+    hidden, inter, n = 64, 32, 8
+    experts = _experts(n, hidden, inter, seed=4, q4=q4)
+    g = torch.Generator().manual_seed(5)
+    shared = _experts(1, hidden, 64, seed=6, q4=q4)[0]
+    router = torch.randn(n, hidden, generator=g)
+    gate = torch.randn(1, hidden, generator=g)
+    resident = SparseMoeWeights(router, experts, shared, gate)
+    cache = ExpertCache(num_slots, device="cpu")
+    cached = dataclasses.replace(resident, experts=cache.make_layer(experts))
+    for rows in (1, 3, 8, 17):
+        x = torch.randn(rows, hidden, generator=g)
+        want = sparse_moe_block(x, resident, top_k=2, norm_topk_prob=True, linear=torch_linear)
+        got = sparse_moe_block(x, cached, top_k=2, norm_topk_prob=True, linear=torch_linear)
+        assert torch.equal(got, want)
+    assert cache.stats.misses > 0 and cache.stats.forwards == 4 and cache.stats.rows == 29
+    if num_slots < n:
+        assert cache.stats.misses > n  # evicted experts were copied in again
+    assert cache.slots_in_use <= num_slots and cache.device_bytes == num_slots * expert_nbytes(experts[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny hybrid MoE targets through the engine
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Target:
+    family: str
+    config: object
+    tensors: dict  # canonical names, mtp.* included
+    ex: HybridExecutor  # every expert resident
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def target(request, tmp_path_factory: pytest.TempPathFactory) -> Target:
+    base = tmp_path_factory.mktemp(request.param)
+    tiny = make_tiny_hybrid(request.param, base / "target")
+    make_mtp_drafter(tiny.folder, base / "with_mtp", seed=7)
+    config, tensors = load_mtp_checkpoint(base / "with_mtp")
+    tensors = canonicalize_moe_tensors(config, tensors)
+    return Target(request.param, config, tensors, HybridExecutor(config, tensors))
+
+
+def _cached(t: Target, slots: int, *, static: bool = False) -> tuple[HybridExecutor, ExpertCache]:
+    cache = ExpertCache(slots, device="cpu")
+    if static:
+        return StaticHybridExecutor(
+            t.config, t.tensors, max_lanes=4, max_context=256, expert_cache=cache
+        ), cache
+    return HybridExecutor(t.config, t.tensors, expert_cache=cache), cache
+
+
+def _generate(ex, params: SamplingParams, *, mtp: Target | None = None, k: int = 3) -> list[list[int]]:
+    drafter = None
+    if mtp is not None:
+        drafter = build_mtp_drafter(target_config=mtp.config, target_weights=mtp.tensors)
+    engine = SpeculativeEngine(ex, drafter, draft_tokens=k if drafter is not None else None)
+    outs = engine.generate(list(PROMPTS), params)
+    return [o.output_token_ids for o in outs]
+
+
+def _assert_forced_misses(t: Target, cache: ExpertCache, slots: int) -> None:
+    stats = cache.stats
+    n = t.config.num_experts
+    assert stats.misses > len(cache.layers) * n  # more copies than experts: evictions and refills
+    assert stats.bytes_copied == stats.misses * cache.layers[0].expert_bytes
+    assert stats.forwards > 0 and stats.rows >= stats.forwards
+    assert cache.slots_in_use == cache.slots_total == slots * len(cache.layers)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("spec", ["off", "mtp"])
+def test_greedy_equals_resident(target: Target, slots: int, spec: str) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=14)
+    mtp = target if spec == "mtp" else None
+    want = _generate(target.ex, greedy, mtp=mtp)
+    ex, cache = _cached(target, slots)
+    assert _generate(ex, greedy, mtp=mtp) == want
+    _assert_forced_misses(target, cache, slots)
+
+
+@pytest.mark.parametrize("spec", ["off", "mtp"])
+def test_sampled_equals_resident(target: Target, spec: str) -> None:
+    mtp = target if spec == "mtp" else None
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=14, seed=1234)
+    want = _generate(target.ex, params, mtp=mtp)
+    ex, cache = _cached(target, 1)
+    assert _generate(ex, params, mtp=mtp) == want
+    _assert_forced_misses(target, cache, 1)
+
+
+def test_verify_round_logits_equal_resident(target: Target) -> None:
+    """A prefill then verify rounds of several lanes: every logit equal, states equal after commit."""
+    ex, cache = _cached(target, 2)
+    g = torch.Generator().manual_seed(9)
+    lanes_ref = [target.ex.new_lane() for _ in range(3)]
+    lanes = [ex.new_lane() for _ in range(3)]
+    prompts = [torch.tensor(p) for p in PROMPTS[:3]]
+    for record, cols in ((False, prompts), (True, None), (True, None)):
+        if cols is None:
+            cols = [torch.randint(0, target.config.vocab_size, (4,), generator=g) for _ in lanes]
+        want = target.ex.forward(lanes_ref, cols, record=record)
+        got = ex.forward(lanes, cols, record=record)
+        for a, b in zip(got.logits, want.logits, strict=True):
+            assert torch.equal(a, b)
+        keep = [c.numel() for c in cols] if not record else [1, 4, 2]
+        target.ex.commit(lanes_ref, keep)
+        ex.commit(lanes, keep)
+    for a, b in zip(lanes, lanes_ref, strict=True):
+        assert a.num_tokens == b.num_tokens
+        for layer in range(target.config.num_hidden_layers):
+            if target.config.is_full_attention(layer):
+                assert all(torch.equal(x, y) for x, y in zip(a.kv(layer), b.kv(layer), strict=True))
+            else:
+                assert torch.equal(a.recurrent_state(layer), b.recurrent_state(layer))
+    assert cache.stats.misses > 0
+
+
+def test_static_executor_with_cache_equals_resident(target: Target) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    ref = StaticHybridExecutor(target.config, target.tensors, max_lanes=4, max_context=256)
+    want = _generate(ref, greedy, mtp=target)
+    ex, cache = _cached(target, 1, static=True)
+    assert _generate(ex, greedy, mtp=target) == want
+    _assert_forced_misses(target, cache, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cache_matches_resident(target: Target) -> None:
+    """On CUDA (pinned staging, side-stream copies ordered by events): greedy output with 1 and 2
+    slots a layer equals the resident executor's, in bf16 and with MTP."""
+    dev = torch.device("cuda")
+    greedy = SamplingParams(temperature=0, max_tokens=14)
+    ref = HybridExecutor(target.config, target.tensors, device=dev, dtype=torch.bfloat16)
+    for slots in (1, 2):
+        cache = ExpertCache(slots, device=dev)
+        # experts stay CPU tensors (the host side); everything else goes to the device
+        ex = HybridExecutor(
+            target.config, target.tensors, device=dev, dtype=torch.bfloat16, expert_cache=cache
+        )
+        assert all(b.device.type == "cuda" for layer in cache.layers for b in layer._buffers)
+        drafter = build_mtp_drafter(
+            target_config=target.config, target_weights=target.tensors, device=dev, dtype=torch.bfloat16
+        )
+        want = SpeculativeEngine(ref).generate(list(PROMPTS), greedy)
+        got = SpeculativeEngine(ex).generate(list(PROMPTS), greedy)
+        assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+        got_mtp = SpeculativeEngine(ex, drafter, draft_tokens=3).generate(list(PROMPTS), greedy)
+        assert [o.output_token_ids for o in got_mtp] == [o.output_token_ids for o in want]
+        assert cache.stats.misses > len(cache.layers) * target.config.num_experts
+
+
+# ---------------------------------------------------------------------------------------------
+# budget, sizes, metrics
+# ---------------------------------------------------------------------------------------------
+
+GIB = 1024**3
+
+
+def test_plan_from_card_and_mtp_reserve() -> None:
+    kw = dict(
+        expert_bytes=5 * 2**20,
+        moe_layers=48,
+        num_experts=256,
+        resident_bytes=8 * GIB,
+        lane_bytes=3 * GIB,
+        workspace_bytes=1 * GIB,
+        card_bytes=32 * GIB,
+        card_name="rtx5090",
+        headroom_bytes=2 * GIB,
+    )
+    off = plan_expert_cache(**kw)
+    assert off.source == "profile:rtx5090"
+    assert off.cache_bytes == 18 * GIB
+    assert off.slots_per_layer == 18 * GIB // (48 * 5 * 2**20) == 76
+    on = plan_expert_cache(**kw, mtp_reserve_bytes=int(1.1 * GIB))
+    assert on.cache_bytes == 18 * GIB - int(1.1 * GIB)
+    assert on.slots_per_layer == on.cache_bytes // (48 * 5 * 2**20) < off.slots_per_layer
+    assert "MTP reserve 1.10 GiB" in on.describe() and "rtx5090" in on.describe()
+    big = plan_expert_cache(**{**kw, "card_bytes": 400 * GIB})
+    assert big.slots_per_layer == 256 and big.fraction_cached == 1.0
+
+
+def test_plan_from_flag_and_refusals() -> None:
+    kw = dict(
+        expert_bytes=2**20, moe_layers=4, num_experts=16, resident_bytes=0, lane_bytes=0, workspace_bytes=0
+    )
+    plan = plan_expert_cache(**kw, budget_bytes=10 * 2**20, mtp_reserve_bytes=2 * 2**20)
+    assert (plan.source, plan.cache_bytes, plan.slots_per_layer) == ("flag", 8 * 2**20, 2)
+    with pytest.raises(ConfigError, match="expert-cache-bytes >= "):
+        plan_expert_cache(**kw, budget_bytes=5 * 2**20, mtp_reserve_bytes=2 * 2**20)
+    with pytest.raises(ConfigError, match="lower --lanes"):
+        plan_expert_cache(**{**kw, "resident_bytes": 30 * GIB}, card_bytes=32 * GIB)
+    with pytest.raises(ConfigError, match="budget"):
+        plan_expert_cache(**kw)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("24GiB") == 24 * GIB
+    assert parse_bytes("24G") == 24 * GIB
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("512mib") == 512 * 2**20
+    assert parse_bytes("4096") == 4096 and parse_bytes(7) == 7
+    for bad in ("lots", "-1G", "nan", -3, True):
+        with pytest.raises(ConfigError):
+            parse_bytes(bad)
+
+
+def test_stats_samples() -> None:
+    host = _experts(4, 32, 16, seed=8)
+    cache = ExpertCache(2, device="cpu")
+    slots = cache.make_layer(host)
+    _visit(slots, [0, 1, 2])
+    values = {name: (kind, value) for name, kind, _, value in cache.stats.samples()}
+    per = expert_nbytes(host[0])
+    assert values["ignis_expert_cache_misses_total"] == ("counter", 3)
+    assert values["ignis_expert_cache_hits_total"] == ("counter", 0)
+    assert values["ignis_expert_cache_copied_bytes_total"] == ("counter", 3 * per)
+    assert values["ignis_expert_cache_copied_bytes_per_token"] == ("gauge", 3 * per)
+    assert values["ignis_expert_cache_copied_bytes_per_round"] == ("gauge", 3 * per)
+    assert values["ignis_expert_cache_slots_in_use"] == ("gauge", 2)
+    assert values["ignis_expert_cache_slots"] == ("gauge", 2)
