@@ -178,6 +178,7 @@ def run_command(opts: dict[str, Any]) -> None:
             device=_checked_device(pick("device")),
             cuda_graphs=bool(pick("cuda_graphs")),
             max_prefill_tokens=int(pick("max_prefill_tokens")),
+            expert_cache=pick("expert_cache_bytes"),
         )
     )
     if served_name != model.name:
@@ -322,6 +323,15 @@ def run_command(opts: dict[str, Any]) -> None:
     help="On CUDA, run verify rounds of the hybrid families (qwen3_5, qwen3_next) from CUDA graphs "
     "over fixed-capacity lane buffers sized by --lanes and --model-max-context (8192 tokens when "
     "neither is set and the model allows more). [default: on]",
+)
+@click.option(
+    "--expert-cache-bytes",
+    metavar="SIZE|auto|off",
+    help="MoE models: device memory for the routed-expert cache (e.g. 24GiB, 512MiB, bytes); the experts "
+    "stay in host memory and each layer caches what fits. --spec-backend mtp takes the MTP head's "
+    "reserve from it. auto: the card profile's memory after the weights, KV, the MTP reserve and the "
+    "round workspace (on CUDA, when the experts do not all fit); off: every expert on the device. "
+    "[default: auto]",
 )
 @click.option(
     "--log-level",

@@ -7,6 +7,7 @@ The format (YAML shown; TOML has the same keys, `[spec]`, `[spec.NAME]`, ...)::
     socket: /run/ignis/ignis.sock
     lanes: 8
     max_prefill_tokens: 2048            # prompt tokens prefilled per step (0: whole prompts at once)
+    expert_cache_bytes: 24GiB           # MoE: routed-expert cache on the card (auto, off, or a size)
     spec:                               # speculative settings for every model ...
       backend: dflash2
       draft_tokens: 7
@@ -62,6 +63,7 @@ SERVER_KEYS: dict[str, type] = {
     "model_max_context": int,
     "cuda_graphs": bool,
     "max_prefill_tokens": int,
+    "expert_cache_bytes": str,  # a size ("24GiB"), a byte count, "auto" or "off"
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.
@@ -117,6 +119,10 @@ class ConfigFile:
 def _check_value(path: Path, where: str, key: str, value: Any, kind: type) -> Any:
     if kind is str and where.startswith("spec") and key == "backend" and value is False:
         return "off"  # YAML 1.1 reads a bare `off` as false
+    if key == "expert_cache_bytes" and value is False:
+        return "off"  # YAML 1.1 reads a bare `off` as false
+    if key == "expert_cache_bytes" and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # a plain byte count
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind is float:

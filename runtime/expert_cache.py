@@ -677,3 +677,145 @@ def host_experts(
         )
         for e in range(config.num_experts)
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# artifacts and serving
+# ---------------------------------------------------------------------------------------------
+
+
+def _held_bytes(info: Any, dtype: torch.dtype, keep_q4: bool) -> int:
+    """Bytes a stored tensor takes once loaded: q4_g32 as stored with `keep_q4` (codes + scales),
+    else dequantized / cast to `dtype`; integer tensors as stored."""
+    numel = math.prod(info.shape)
+    if info.dtype == "q4_g32":
+        return int(info.length) if keep_q4 else numel * _dtype_bytes(dtype)
+    if info.dtype in ("f32", "f16", "bf16"):
+        return numel * _dtype_bytes(dtype)
+    return int(info.length)
+
+
+def plan_for_artifact(
+    art: Any,
+    *,
+    dtype: torch.dtype,
+    keep_q4: bool,
+    lanes: int,
+    context: int,
+    rows: int,
+    mtp: bool,
+    budget_bytes: int | None,
+    headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+) -> CacheBudget:
+    """`plan_expert_cache` with the sizes read from an artifact (`ignis.runtime.artifact.Artifact`):
+    resident and expert bytes from its tensor table (as they will be held: `keep_q4`, `dtype`), the
+    lanes' state for `lanes` x `context` tokens, the workspace of a `rows`-row verify round, the MTP
+    reserve (the head's weights and its KV for `lanes` x `context`) when `mtp`, and the card's memory
+    from the artifact's profile when `budget_bytes` is None.
+
+    Raises:
+        ConfigError: the model has no routed experts, or `plan_expert_cache`'s refusals.
+    """
+    config = art.config
+    if not getattr(config, "is_moe", False) or not getattr(config, "num_experts", 0):
+        raise ConfigError(f"{config.model_type}: the expert cache needs a model with routed experts")
+    moe = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    names = list(art.family.tensor_shapes(config))
+    reader = art.weights
+    first = f"model.layers.{moe[0]}.mlp.experts."
+    resident = experts = 0
+    for name in names:
+        held = _held_bytes(reader.info(name), dtype, keep_q4)
+        if is_routed_expert(name):
+            experts += held if name.startswith(first) else 0
+        else:
+            resident += held
+    reserve = 0
+    if mtp and art.mtp is not None:
+        reserve = sum(_held_bytes(art.mtp.info(n), dtype, keep_q4) for n in art.mtp)
+        kv = 2 * config.num_key_value_heads * config.head_dim * _dtype_bytes(dtype)
+        reserve += lanes * context * kv * config.mtp_num_hidden_layers
+    return plan_expert_cache(
+        expert_bytes=experts // config.num_experts,
+        moe_layers=len(moe),
+        num_experts=config.num_experts,
+        resident_bytes=resident,
+        lane_bytes=lane_state_bytes(config, lanes=lanes, context=context, dtype=dtype),
+        workspace_bytes=round_workspace_bytes(config, rows=rows, dtype=dtype),
+        mtp_reserve_bytes=reserve,
+        budget_bytes=budget_bytes,
+        card_bytes=int(art.profile.vram_bytes),
+        card_name=str(art.profile.name),
+        headroom_bytes=headroom_bytes,
+    )
+
+
+def cache_for_artifact(
+    art: Any,
+    setting: str | int | None,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    keep_q4: bool,
+    lanes: int,
+    context: int,
+    rows: int,
+    mtp: bool,
+    stats: ExpertCacheStats | None = None,
+) -> ExpertCache | None:
+    """The expert cache a served artifact runs with, or None (every expert resident); logs the split.
+
+    Args:
+        setting: "off" (every expert resident), None or "auto" (the card profile's default: a cache
+            only on CUDA and only when the experts do not fit beside everything else), or a budget
+            (bytes, or a size string for `parse_bytes`).
+        the rest: as `plan_for_artifact`.
+
+    Raises:
+        ConfigError: a budget for a model without routed experts, a bad size, or too small a budget.
+    """
+    if setting == "off":
+        return None
+    auto = setting is None or setting == "auto"
+    is_moe = bool(getattr(art.config, "is_moe", False) and getattr(art.config, "num_experts", 0))
+    if auto and (device.type != "cuda" or not is_moe or not art.profile.vram_bytes):
+        return None
+    budget = None if auto else parse_bytes(setting)  # type: ignore[arg-type]
+    plan = plan_for_artifact(
+        art,
+        dtype=dtype,
+        keep_q4=keep_q4,
+        lanes=lanes,
+        context=context,
+        rows=rows,
+        mtp=mtp,
+        budget_bytes=budget,
+    )
+    if auto and plan.slots_per_layer >= plan.num_experts:
+        log.info(
+            "expert cache off: every routed expert fits on the card beside the rest (%s)", plan.describe()
+        )
+        return None
+    log.info("%s", plan.describe())
+    if mtp and plan.mtp_reserve_bytes:
+        log.info(
+            "--spec-backend mtp: %.2f GiB reserved from the expert cache for the MTP head",
+            plan.mtp_reserve_bytes / _GIB,
+        )
+    return ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan)
+
+
+def prometheus_collector(stats: ExpertCacheStats) -> Any:
+    """A `prometheus_client` collector of `stats.samples()` (for the server's registry)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.registry import Collector
+
+    class _ExpertCacheCollector(Collector):
+        def collect(self) -> Iterator[Any]:
+            for name, kind, doc, value in stats.samples():
+                if kind == "counter":
+                    yield CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
+                else:
+                    yield GaugeMetricFamily(name, doc, value=value)
+
+    return _ExpertCacheCollector()

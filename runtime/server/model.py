@@ -85,6 +85,9 @@ class ModelSettings:
         max_prefill_tokens: the engine's prefill budget, prompt tokens prefilled per step across all
             lanes (`SpeculativeEngine`; a longer prompt is prefilled in chunks over several steps while
             the other lanes decode); 0 = no limit.
+        expert_cache: MoE models: the device budget of the routed-expert cache (bytes or a size
+            string, `ignis.runtime.expert_cache.parse_bytes`), "off" (every expert resident), or None /
+            "auto" (the card profile's default: `ignis.runtime.expert_cache.cache_for_artifact`).
 
     Raises:
         ConfigError: max_prefill_tokens is not an integer >= 0.
@@ -95,9 +98,14 @@ class ModelSettings:
     device: str | None = None
     cuda_graphs: bool = True
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    expert_cache: str | int | None = None
 
     def __post_init__(self) -> None:
         check_max_prefill_tokens(self.max_prefill_tokens)  # refused before a long load
+        if self.expert_cache not in (None, "auto", "off"):  # a bad size refused before a long load
+            from ignis.runtime.expert_cache import parse_bytes
+
+            parse_bytes(self.expert_cache)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -113,6 +121,7 @@ class ServedModel:
         aliases: further names accepted as "model" (e.g. the artifact directory's name).
         created: Unix time of the load (seconds).
         close: releases what the model holds (GPU memory, mmaps), or None.
+        collectors: further `prometheus_client` collectors for /metrics (e.g. the expert cache's).
     """
 
     name: str
@@ -122,6 +131,7 @@ class ServedModel:
     aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
     close: Callable[[], None] | None = None
+    collectors: tuple[Any, ...] = ()
 
     def accepts(self, name: str) -> bool:
         """True when a request's "model" names this model."""

@@ -127,6 +127,8 @@ class IgnisServer:
             spec_metrics=SpeculativeMetrics(),
         )
         self.metrics = ServerMetrics(lambda: self.lanes.snapshot, options.lanes)
+        for collector in model.collectors:  # the model's own series (e.g. the expert cache's)
+            self.metrics.registry.register(collector)
         self.lanes.metrics = self.metrics
         self.app = create_app(model, self.lanes, self.metrics)
         self.unix_socket: BoundUnixSocket | None = None
