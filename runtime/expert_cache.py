@@ -70,6 +70,7 @@ __all__ = [
     "ExpertCacheStats",
     "ExpertSlots",
     "expert_nbytes",
+    "human_bytes",
     "is_routed_expert",
     "lane_state_bytes",
     "parse_bytes",
@@ -130,6 +131,11 @@ def parse_bytes(value: str | int) -> int:
     if not math.isfinite(number) or number < 0:
         raise ConfigError(f"expert cache size must be >= 0 bytes, got {value!r}")
     return int(number * scale)
+
+
+def human_bytes(n: float) -> str:
+    """A byte count in GiB from 1 GiB on, else MiB (two decimals)."""
+    return f"{n / _GIB:.2f} GiB" if abs(n) >= _GIB else f"{n / 2**20:.2f} MiB"
 
 
 def _leaves(w: SwiGLUWeights) -> list[tuple[str, str, torch.Tensor]]:
@@ -569,8 +575,7 @@ class CacheBudget:
     def describe(self) -> str:
         """One log line with the split, in GiB."""
 
-        def g(n: int) -> str:
-            return f"{n / _GIB:.2f} GiB"
+        g = human_bytes
 
         card = f"card {g(self.card_bytes)} = " if self.card_bytes else ""
         return (
@@ -799,8 +804,8 @@ def cache_for_artifact(
     log.info("%s", plan.describe())
     if mtp and plan.mtp_reserve_bytes:
         log.info(
-            "--spec-backend mtp: %.2f GiB reserved from the expert cache for the MTP head",
-            plan.mtp_reserve_bytes / _GIB,
+            "--spec-backend mtp: %s reserved from the expert cache for the MTP head",
+            human_bytes(plan.mtp_reserve_bytes),
         )
     return ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan)
 

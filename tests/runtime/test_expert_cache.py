@@ -19,6 +19,7 @@ CUDA: `test_cuda_cache_matches_resident` (marked gpu) runs the side-stream copy 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -375,3 +376,109 @@ def test_stats_samples() -> None:
     assert values["ignis_expert_cache_copied_bytes_per_round"] == ("gauge", 3 * per)
     assert values["ignis_expert_cache_slots_in_use"] == ("gauge", 2)
     assert values["ignis_expert_cache_slots"] == ("gauge", 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# an artifact: experts as host views of the memory map, the served budget, /metrics
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen3_next artifact with its MTP companion, no compiled modules (torch linears)."""
+    import hf_tiny
+
+    from ignis.compiler.build import build_artifact
+
+    root = tmp_path_factory.mktemp("moe_art")
+    make_tiny_hybrid("qwen3_next", root / "base")
+    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(root / "base")
+    make_mtp_drafter(root / "base", root / "ckpt", seed=3)
+    (root / "r.toml").write_text('name = "tiny-next"\n[modules]\nwidths = []\n')
+    res = build_artifact(
+        card="cpu",
+        model=root / "ckpt",
+        recipe=root / "r.toml",
+        out=root / "art",
+        progress=False,
+        echo=lambda _l: None,
+    )
+    assert res.out is not None
+    return res.out
+
+
+def test_artifact_experts_stay_host_views(moe_artifact: Path) -> None:
+    from ignis.runtime.artifact import load_artifact
+
+    with load_artifact(moe_artifact) as art:
+        host = art.target_weights(dtype=torch.float32, experts_on_host=True)
+        expert = next(n for n in host if n.startswith("model.layers.") and ".mlp.experts." in n)
+        # a zero-copy view of the memory map (float32 stored, float32 asked): same bytes, not a copy
+        assert host[expert].data_ptr() == art.weights.torch(expert).data_ptr()
+        greedy = SamplingParams(temperature=0, max_tokens=12)
+        want = [
+            o.output_token_ids for o in SpeculativeEngine(art.make_executor()).generate(list(PROMPTS), greedy)
+        ]
+        cache = ExpertCache(1, device="cpu")
+        ex = art.make_executor(expert_cache=cache)
+        assert ex.expert_cache is cache and len(cache.layers) == sum(
+            art.config.is_moe_layer(i) for i in range(art.config.num_hidden_layers)
+        )
+        got = [o.output_token_ids for o in SpeculativeEngine(ex).generate(list(PROMPTS), greedy)]
+        assert got == want
+        assert cache.stats.misses > len(cache.layers) * art.config.num_experts
+
+
+def test_served_budget_mtp_reserve_and_metrics(moe_artifact: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ignis.runtime.expert_cache import plan_for_artifact
+    from ignis.runtime.metrics import SpeculativeMetrics
+    from ignis.runtime.profiles import SpecDefaults
+    from ignis.runtime.server.artifact_source import ArtifactSource
+    from ignis.runtime.server.model import ModelSettings
+
+    source = ArtifactSource(moe_artifact)
+    art = source.artifact
+    mtp = SpecDefaults(backend="mtp", draft_tokens=3, draft_rows=8)
+    sizes = dict(dtype=torch.float32, keep_q4=False, lanes=2, context=64, rows=8, mtp=True)
+    probe = plan_for_artifact(art, budget_bytes=10**9, **sizes)
+    per_slot = probe.expert_bytes * probe.moe_layers
+    assert probe.mtp_reserve_bytes > sum(art.mtp.info(n).length for n in art.mtp) > 0
+    without = plan_for_artifact(art, budget_bytes=10**9, **{**sizes, "mtp": False})
+    assert (
+        without.mtp_reserve_bytes == 0 and without.cache_bytes - probe.cache_bytes == probe.mtp_reserve_bytes
+    )
+    budget = probe.mtp_reserve_bytes + 2 * per_slot + per_slot // 2  # two slots a layer after the reserve
+    with caplog.at_level("INFO", logger="ignis.runtime.expert_cache"):
+        model = source.load(ModelSettings(spec=mtp, max_context=64, device="cpu", expert_cache=str(budget)))
+        engine = model.make_engine(2, SpeculativeMetrics())
+    cache = engine.executor.expert_cache
+    assert cache is not None and cache.slots_per_layer == 2 and cache.budget.source == "flag"
+    assert "expert cache (flag)" in caplog.text and "MTP reserve" in caplog.text
+    assert "reserved from the expert cache for the MTP head" in caplog.text
+    outs = engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8))
+    assert all(len(o.output_token_ids) == 8 for o in outs)
+    registry = CollectorRegistry()
+    for collector in model.collectors:
+        registry.register(collector)
+    text = generate_latest(registry).decode()
+    stats = cache.stats
+    assert stats.misses > 0
+    assert f"ignis_expert_cache_misses_total {float(stats.misses)}" in text
+    assert f"ignis_expert_cache_slots {float(cache.slots_total)}" in text
+    assert (
+        "ignis_expert_cache_copied_bytes_per_token" in text
+        and "ignis_expert_cache_copied_bytes_per_round" in text
+    )
+    # a budget below one slot a layer after the MTP reserve is refused with the size that works
+    with pytest.raises(ConfigError, match="expert-cache-bytes >= "):
+        source.load(
+            ModelSettings(spec=mtp, max_context=64, device="cpu", expert_cache=str(budget - 2 * per_slot))
+        ).make_engine(2, SpeculativeMetrics())
+    # off, and auto on a CPU device: every expert resident, no collector
+    for setting in ("off", None):
+        model = source.load(ModelSettings(spec=mtp, max_context=64, device="cpu", expert_cache=setting))
+        assert (
+            model.make_engine(2, SpeculativeMetrics()).executor.expert_cache is None and not model.collectors
+        )
