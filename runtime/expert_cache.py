@@ -423,6 +423,12 @@ class ExpertSlots:
             for _, slot in ((e, self._slot_of[e]) for e in group):
                 self._last_use[slot] = used
 
+    def flush(self) -> None:
+        """Forget every resident expert (the slots stay allocated; the next lookups are misses). The
+        no-cache baseline of the benchmark: every expert copied on demand."""
+        self._slot_of.clear()
+        self._free = list(range(self.num_slots))
+
     def _take_slot(self, pinned: set[int]) -> int:
         if self._free:
             return self._free.pop(0)
@@ -475,6 +481,11 @@ class ExpertCache:
         )
         self.layers.append(layer)
         return layer
+
+    def flush(self) -> None:
+        """`ExpertSlots.flush` on every layer."""
+        for layer in self.layers:
+            layer.flush()
 
     @property
     def slots_total(self) -> int:

@@ -118,6 +118,11 @@ def test_slots_lru_eviction_and_refill() -> None:
     assert slots.resident[1] == slot_of_1  # untouched
     assert stats.forwards == 4 and stats.rows == 4
 
+    slots.flush()  # the no-cache baseline: nothing resident, every expert copied again
+    assert slots.resident == {} and slots.slots_in_use == 0
+    assert _visit(slots, [0, 1, 2, 3]) == [[0, 1, 2], [3]]
+    assert (stats.hits, stats.misses) == (2, 9)
+
 
 def test_slots_groups_when_a_forward_needs_more_experts_than_slots() -> None:
     host = _experts(5, 32, 16, seed=1)
