@@ -418,10 +418,12 @@ class ExpertSlots:
                 out.append((expert, self._slot_weights[slot]))
             if copied:
                 self._copier.fence()
-            yield out
-            used = self._copier.used()
-            for _, slot in ((e, self._slot_of[e]) for e in group):
-                self._last_use[slot] = used
+            try:
+                yield out
+            finally:  # also when the caller stops early: the group's kernels may have been issued
+                used = self._copier.used()
+                for expert in group:
+                    self._last_use[self._slot_of[expert]] = used
 
     def flush(self) -> None:
         """Forget every resident expert (the slots stay allocated; the next lookups are misses). The
