@@ -55,7 +55,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -554,7 +554,10 @@ class CacheBudget:
         workspace_bytes: the verify rounds' workspace at the row budget.
         headroom_bytes: kept free (CUDA context, allocator).
         mtp_reserve_bytes: the MTP head's weights and KV, taken from the cache's share.
-        cache_bytes: the expert slots' share after the MTP reserve.
+        wide_round_bytes: with an explicit budget, the workspace a verify round wider than 8 rows
+            needs beyond an 8-row one, taken from the cache's share (a card plan's workspace holds
+            it already).
+        cache_bytes: the expert slots' share after the reserves.
         expert_bytes: one routed expert.
         moe_layers: layers with routed experts.
         num_experts: routed experts per layer.
@@ -573,7 +576,7 @@ class CacheBudget:
     moe_layers: int
     num_experts: int
     slots_per_layer: int
-    notes: tuple[str, ...] = field(default=())
+    wide_round_bytes: int = 0
 
     @property
     def experts_bytes(self) -> int:
@@ -586,18 +589,27 @@ class CacheBudget:
         return self.slots_per_layer / self.num_experts
 
     def describe(self) -> str:
-        """One log line with the split, in GiB."""
-
+        """One log line with the split (GiB, MiB below 1 GiB)."""
         g = human_bytes
-
-        card = f"card {g(self.card_bytes)} = " if self.card_bytes else ""
+        slots = (
+            f"expert slots {g(self.slots_per_layer * self.expert_bytes * self.moe_layers)} "
+            f"({self.slots_per_layer} of {self.num_experts} experts a layer x {self.moe_layers} layers, "
+            f"{self.expert_bytes / 2**20:.2f} MiB each; {self.fraction_cached:.0%} of "
+            f"{g(self.experts_bytes)} of experts in host memory)"
+        )
+        rest = (
+            f"resident weights {g(self.resident_bytes)} + lane state {g(self.lane_bytes)} + round "
+            f"workspace {g(self.workspace_bytes)}"
+        )
+        if self.source == "flag":
+            wide = f" + wide-round reserve {g(self.wide_round_bytes)}" if self.wide_round_bytes else ""
+            return (
+                f"expert cache (flag): budget = MTP reserve {g(self.mtp_reserve_bytes)}{wide} + {slots}; "
+                f"besides it on the device: {rest}"
+            )
         return (
-            f"expert cache ({self.source}): {card}resident weights {g(self.resident_bytes)} + lane state "
-            f"{g(self.lane_bytes)} + round workspace {g(self.workspace_bytes)} + headroom "
-            f"{g(self.headroom_bytes)} + MTP reserve {g(self.mtp_reserve_bytes)} + expert slots "
-            f"{g(self.slots_per_layer * self.expert_bytes * self.moe_layers)} ({self.slots_per_layer} of "
-            f"{self.num_experts} experts a layer x {self.moe_layers} layers, {self.expert_bytes / 2**20:.2f} "
-            f"MiB each; {self.fraction_cached:.0%} of {g(self.experts_bytes)} of experts in host memory)"
+            f"expert cache ({self.source}): card {g(self.card_bytes)} = {rest} + headroom "
+            f"{g(self.headroom_bytes)} + MTP reserve {g(self.mtp_reserve_bytes)} + {slots}"
         )
 
 
@@ -614,12 +626,14 @@ def plan_expert_cache(
     card_bytes: int = 0,
     card_name: str = "",
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+    wide_round_bytes: int = 0,
 ) -> CacheBudget:
     """The slots per layer for an explicit budget or the card's memory.
 
-    With `budget_bytes` (the flag / config key): the MTP reserve is taken from it and the rest is the
-    slots' share. Without: the card's memory minus resident weights, lane state, round workspace,
-    headroom and the MTP reserve.
+    With `budget_bytes` (the flag / config key): the MTP reserve and `wide_round_bytes` (what a
+    verify round wider than 8 rows needs beyond an 8-row one) are taken from it and the rest is the
+    slots' share. Without: the card's memory minus resident weights, lane state, round workspace (at
+    the row budget, so wide rounds included), headroom and the MTP reserve.
 
     Raises:
         ConfigError: the share left holds less than one expert slot per layer (the message gives the
@@ -629,7 +643,7 @@ def plan_expert_cache(
         raise ConfigError("the expert cache needs a model with routed experts")
     if budget_bytes is not None:
         source = "flag"
-        share = budget_bytes - mtp_reserve_bytes
+        share = budget_bytes - mtp_reserve_bytes - wide_round_bytes
     elif card_bytes > 0:
         source = f"profile:{card_name}" if card_name else "card"
         share = (
@@ -640,7 +654,7 @@ def plan_expert_cache(
     per_slot = moe_layers * expert_bytes
     slots = min(num_experts, max(share, 0) // per_slot)
     if slots < 1:
-        need = per_slot + mtp_reserve_bytes
+        need = per_slot + mtp_reserve_bytes + wide_round_bytes
         raise ConfigError(
             f"expert cache: {max(share, 0) / _GIB:.2f} GiB left for expert slots after the MTP reserve "
             f"({mtp_reserve_bytes / _GIB:.2f} GiB); one slot a layer needs {per_slot / _GIB:.2f} GiB "
@@ -664,6 +678,7 @@ def plan_expert_cache(
         moe_layers=moe_layers,
         num_experts=num_experts,
         slots_per_layer=int(slots),
+        wide_round_bytes=wide_round_bytes if budget_bytes is not None else 0,
     )
 
 
@@ -760,6 +775,11 @@ def plan_for_artifact(
         resident_bytes=resident,
         lane_bytes=lane_state_bytes(config, lanes=lanes, context=context, dtype=dtype),
         workspace_bytes=round_workspace_bytes(config, rows=rows, dtype=dtype),
+        wide_round_bytes=max(
+            0,
+            round_workspace_bytes(config, rows=rows, dtype=dtype)
+            - round_workspace_bytes(config, rows=min(rows, 8), dtype=dtype),
+        ),
         mtp_reserve_bytes=reserve,
         budget_bytes=budget_bytes,
         card_bytes=int(art.profile.vram_bytes),

@@ -350,6 +350,12 @@ def test_plan_from_flag_and_refusals() -> None:
     assert (plan.source, plan.cache_bytes, plan.slots_per_layer) == ("flag", 8 * 2**20, 2)
     with pytest.raises(ConfigError, match="expert-cache-bytes >= "):
         plan_expert_cache(**kw, budget_bytes=5 * 2**20, mtp_reserve_bytes=2 * 2**20)
+    # a row budget past 8: the wider round's extra workspace comes out of the cache too
+    wide = plan_expert_cache(
+        **kw, budget_bytes=10 * 2**20, mtp_reserve_bytes=2 * 2**20, wide_round_bytes=4 * 2**20
+    )
+    assert (wide.cache_bytes, wide.slots_per_layer) == (4 * 2**20, 1)
+    assert "wide-round reserve 4.00 MiB" in wide.describe() and "MTP reserve 2.00 MiB" in wide.describe()
     with pytest.raises(ConfigError, match="lower --lanes"):
         plan_expert_cache(**{**kw, "resident_bytes": 30 * GIB}, card_bytes=32 * GIB)
     with pytest.raises(ConfigError, match="budget"):
@@ -451,6 +457,8 @@ def test_served_budget_mtp_reserve_and_metrics(moe_artifact: Path, caplog: pytes
     per_slot = probe.expert_bytes * probe.moe_layers
     assert probe.mtp_reserve_bytes > sum(art.mtp.info(n).length for n in art.mtp) > 0
     without = plan_for_artifact(art, budget_bytes=10**9, **{**sizes, "mtp": False})
+    wide = plan_for_artifact(art, budget_bytes=10**9, **{**sizes, "rows": 16})
+    assert probe.wide_round_bytes == 0 < wide.wide_round_bytes == probe.cache_bytes - wide.cache_bytes
     assert (
         without.mtp_reserve_bytes == 0 and without.cache_bytes - probe.cache_bytes == probe.mtp_reserve_bytes
     )
