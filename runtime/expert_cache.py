@@ -23,10 +23,11 @@ paths with it). On CUDA each part goes host view -> a pinned staging buffer (a r
 reused only after the event of its last upload has completed) -> the slot, as an asynchronous copy
 on a side stream; the side stream first waits for the event recorded after the slot's previous
 occupant last ran (so an evicted expert is never overwritten while a kernel reads it), and the
-compute stream waits for an event recorded after a group's copies before its experts run. Within a
-layer, the copies of a later group overlap the compute of the groups before it. Copies cannot start
-before the layer's router has run (the routing decides them); prefetching by router-score lookahead
-from the layers before is not done.
+compute stream waits for the event recorded after an expert's own copy just before that expert runs.
+All copies of a group are issued before its first expert runs, so within a layer an expert's compute
+overlaps the copies of the experts after it (hits run at once). Copies cannot start before the
+layer's router has run (the routing decides them); prefetching by router-score lookahead from the
+layers before is not done.
 
 Eviction is LRU over the layer's experts (the order of last use; ties within a round by expert index).
 Frequency-based and router-lookahead policies are for later, to be chosen by measurement on the GPU
@@ -266,13 +267,14 @@ class _Copier:
             ]
             self._staging_done = [None] * staging_buffers
 
-    def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], after: Any = None) -> None:
+    def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], after: Any = None) -> Any:
         """Copy src[i] (host) into dst[i] (a slot's part); on CUDA asynchronously on the side stream,
-        after event `after` (the slot's last use)."""
+        after event `after` (the slot's last use). Returns the event that marks the copy done (None on
+        the CPU, where it is done on return)."""
         if not self.cuda:
             for d, s in zip(dst, src, strict=True):
                 d.copy_(s)
-            return
+            return None
         staging = self._staging[self._next]
         done = self._staging_done[self._next]
         if done is not None:
@@ -290,13 +292,14 @@ class _Copier:
                 self.stream.wait_event(after)
             for d, part in zip(dst, views, strict=True):
                 d.reshape(-1).view(torch.uint8).copy_(part, non_blocking=True)
-            self._staging_done[self._next] = self.stream.record_event()
+            done = self._staging_done[self._next] = self.stream.record_event()
         self._next = (self._next + 1) % len(self._staging)
+        return done
 
-    def fence(self) -> None:
-        """Make the compute stream wait for every copy issued so far (no-op on the CPU)."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.stream.record_event())
+    def wait(self, event: Any) -> None:
+        """Make the compute stream wait for `event` (a copy's; no-op for None)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def used(self) -> Any:
         """An event on the compute stream after the work issued so far (None on the CPU)."""
@@ -383,10 +386,13 @@ class ExpertSlots:
 
     def resident_groups(
         self, experts: Sequence[int], *, rows: int
-    ) -> Iterator[list[tuple[int, SwiGLUWeights]]]:
+    ) -> Iterator[Iterator[tuple[int, SwiGLUWeights]]]:
         """Make `experts` (ascending, distinct) resident, in groups of at most `num_slots`, and yield
-        each group's [(expert, slot weights)] in order; a group's slots are not reused before the
-        caller asks for the next group (on CUDA: until the work issued by then has run).
+        for each group an iterator of its (expert, slot weights) in order; a group's slots are not
+        reused before the caller asks for the next group (on CUDA: until the work issued by then has
+        run). Every copy of a group is issued before its first expert is handed out, and on CUDA the
+        compute stream waits for an expert's own copy just before it is handed out, so an expert
+        runs while the copies of the experts after it are still in flight.
 
         Args:
             experts: the union of the experts the forward's rows were routed to.
@@ -399,31 +405,33 @@ class ExpertSlots:
         for start in range(0, len(experts), self.num_slots):
             group = experts[start : start + self.num_slots]
             pinned = set(group)
-            copied = False
-            out: list[tuple[int, SwiGLUWeights]] = []
+            out: list[tuple[int, SwiGLUWeights, Any]] = []
             for expert in group:
                 slot = self._slot_of.get(expert)
+                ready = None
                 if slot is not None:
                     self._stats.hits += 1
                     self._slot_of.move_to_end(expert)
                 else:
                     slot = self._take_slot(pinned)
-                    self._copier.copy(
+                    ready = self._copier.copy(
                         [b[slot] for b in self._buffers], self._host_leaves[expert], self._last_use[slot]
                     )
                     self._slot_of[expert] = slot
                     self._stats.misses += 1
                     self._stats.bytes_copied += self.expert_bytes
-                    copied = True
-                out.append((expert, self._slot_weights[slot]))
-            if copied:
-                self._copier.fence()
+                out.append((expert, self._slot_weights[slot], ready))
             try:
-                yield out
+                yield self._in_turn(out)
             finally:  # also when the caller stops early: the group's kernels may have been issued
                 used = self._copier.used()
                 for expert in group:
                     self._last_use[self._slot_of[expert]] = used
+
+    def _in_turn(self, entries: list[tuple[int, SwiGLUWeights, Any]]) -> Iterator[tuple[int, SwiGLUWeights]]:
+        for expert, weights, ready in entries:
+            self._copier.wait(ready)
+            yield expert, weights
 
     def flush(self) -> None:
         """Forget every resident expert (the slots stay allocated; the next lookups are misses). The

@@ -81,9 +81,10 @@ def _visit(slots: ExpertSlots, experts: list[int]) -> list[list[int]]:
     expert's host weights at that moment."""
     groups = []
     for group in slots.resident_groups(experts, rows=1):
+        groups.append([])
         for e, w in group:
             assert torch.equal(w.gate, slots[e].gate) and torch.equal(w.down, slots[e].down)
-        groups.append([e for e, _ in group])
+            groups[-1].append(e)
     return groups
 
 
@@ -495,3 +496,56 @@ def test_served_budget_mtp_reserve_and_metrics(moe_artifact: Path, caplog: pytes
         assert (
             model.make_engine(2, SpeculativeMetrics()).executor.expert_cache is None and not model.collectors
         )
+
+
+class _RecordingCopier(_Copier):
+    """The CPU copier that also logs the CUDA path's ordering calls (events are ("copy", n) / ("used",
+    n) tokens) so the protocol is checked without a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"), 0)
+        self.log: list[tuple] = []
+        self.n = 0
+
+    def copy(self, dst, src, after=None):
+        super().copy(dst, src)
+        self.n += 1
+        self.log.append(("copy", self.n, after))
+        return ("copy", self.n)
+
+    def wait(self, event):
+        self.log.append(("wait", event))
+
+    def used(self):
+        self.n += 1
+        self.log.append(("used", self.n))
+        return ("used", self.n)
+
+
+def test_copy_ordering_protocol() -> None:
+    """Each copy into a slot waits for the last use of the slot's previous occupant; every copy of a
+    group is issued before its first expert is handed out; an expert is handed out only after a wait
+    on its own copy; the group's use is recorded after its experts were handed out."""
+    host = _experts(4, 32, 16, seed=10)
+    copier = _RecordingCopier()
+    slots = ExpertSlots(host, 2, device=torch.device("cpu"), copier=copier, stats=ExpertCacheStats())
+    handed: list[tuple] = []
+    for group in slots.resident_groups([0, 1, 2], rows=1):
+        for e, _ in group:
+            copier.log.append(("run", e))
+            handed.append(e)
+    log = copier.log
+    assert handed == [0, 1, 2]
+    # group [0, 1]: two copies into free slots (no previous use), then wait+run per expert, then used
+    assert log[0] == ("copy", 1, None) and log[1] == ("copy", 2, None)
+    assert log[2:6] == [("wait", ("copy", 1)), ("run", 0), ("wait", ("copy", 2)), ("run", 1)]
+    assert log[6] == ("used", 3)
+    # group [2]: evicts expert 0 (LRU); its copy waits for group 1's use of that slot
+    assert log[7] == ("copy", 4, ("used", 3))
+    assert log[8:11] == [("wait", ("copy", 4)), ("run", 2), ("used", 5)]
+    # a hit needs no copy: its wait is on None
+    copier.log.clear()
+    for group in slots.resident_groups([2], rows=1):
+        for e, _ in group:
+            copier.log.append(("run", e))
+    assert copier.log == [("wait", None), ("run", 2), ("used", 6)]
