@@ -34,9 +34,11 @@ Frequency-based and router-lookahead policies are for later, to be chosen by mea
 (tools/bench/expert_cache.py reports the hit rate and bytes copied per token that such a comparison
 needs).
 
-Slots hold q4 experts in the stored row-major layout: their linears run the linear hook's row-major
-q4 functions when the artifact compiled them for the expert shapes, else the torch route
-(dequantize + GEMM). Re-laying a slot in the CUDA tiled layout after its copy is not done.
+Layout: a q4 expert part whose shape the executor's linear hook places in the CUDA tiled layout
+(`LinearBackend.place`: the artifact's tiled functions serve it) is held tiled in its slots, as the
+resident executor holds it: a miss copies the stored row-major bytes into a device scratch and tiles
+them into the slot on the copy stream, so the experts run through the same compiled kernels as when
+resident. Other parts stay row-major (their linears run wherever the hook serves them).
 
 Budget (`plan_expert_cache`): the slots of every MoE layer together take `cache_bytes`, either given
 (`--expert-cache-bytes`, config key `expert_cache_bytes`) or, by default, what the card's memory
@@ -55,7 +57,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +65,8 @@ import torch
 
 from ignis.runtime.errors import ConfigError
 from ignis.runtime.families.moe import SwiGLUWeights
-from ignis.runtime.linear import Q4Weight
+from ignis.runtime.kernels.q4_tiled import tiled_shapes
+from ignis.runtime.linear import TILED, Q4Weight, place_weight
 
 __all__ = [
     "CacheBudget",
@@ -259,6 +262,7 @@ class _Copier:
         self.cuda = device.type == "cuda"
         self._staging: list[torch.Tensor] = []
         self._staging_done: list[Any] = []
+        self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
         self._next = 0
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
@@ -267,13 +271,30 @@ class _Copier:
             ]
             self._staging_done = [None] * staging_buffers
 
-    def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], after: Any = None) -> Any:
-        """Copy src[i] (host) into dst[i] (a slot's part); on CUDA asynchronously on the side stream,
-        after event `after` (the slot's last use). Returns the event that marks the copy done (None on
-        the CPU, where it is done on return)."""
+    def scratch(self, key: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A device buffer for one expert part in transit (row-major, before tiling), one per key:
+        every use is ordered on the copy stream (or synchronous on the CPU), so one is enough."""
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf
+
+    def copy(
+        self,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        after: Any = None,
+        then: Callable[[], None] | None = None,
+    ) -> Any:
+        """Copy src[i] (host) into dst[i] (a slot's part or a scratch buffer), then run `then` (e.g.
+        tile a scratch into the slot); on CUDA asynchronously on the side stream, after event `after`
+        (the slot's last use). Returns the event that marks it all done (None on the CPU, where it is
+        done on return)."""
         if not self.cuda:
             for d, s in zip(dst, src, strict=True):
                 d.copy_(s)
+            if then is not None:
+                then()
             return None
         staging = self._staging[self._next]
         done = self._staging_done[self._next]
@@ -292,6 +313,8 @@ class _Copier:
                 self.stream.wait_event(after)
             for d, part in zip(dst, views, strict=True):
                 d.reshape(-1).view(torch.uint8).copy_(part, non_blocking=True)
+            if then is not None:
+                then()
             done = self._staging_done[self._next] = self.stream.record_event()
         self._next = (self._next + 1) % len(self._staging)
         return done
@@ -322,6 +345,9 @@ class ExpertSlots:
         copier: the cache's host-to-device copier.
         stats: counters to update.
         first: this is the first MoE layer a forward visits (it counts forwards and rows).
+        tiled: the q4 fields ("gate", "up", "down", "gate_up") whose slots hold the CUDA tiled layout
+            (`ignis.runtime.linear.Q4Weight.to_tiled`): a miss copies the row-major parts into a
+            device scratch and tiles them into the slot on the copy stream.
 
     Raises:
         ValueError: no experts, num_slots outside 1..len(host), or experts whose parts differ.
@@ -336,6 +362,7 @@ class ExpertSlots:
         copier: _Copier,
         stats: ExpertCacheStats,
         first: bool = False,
+        tiled: Collection[str] = (),
     ) -> None:
         if not host:
             raise ValueError("an expert cache layer needs at least one expert")
@@ -352,7 +379,25 @@ class ExpertSlots:
         self.device = device
         self.expert_bytes = expert_nbytes(self._host[0])
         self._copier, self._stats, self._first = copier, stats, first
-        self._buffers = [torch.empty((num_slots, *shape), dtype=dt, device=device) for _, _, shape, dt in sig]
+        q4_fields = {f for f, p, _, _ in sig if p == "packed"}
+        if not set(tiled) <= q4_fields:
+            raise ValueError(f"tiled fields {sorted(set(tiled) - q4_fields)} are not q4 parts of the experts")
+        self._tiled = {f: int(shape[-2]) for f, p, shape, _ in sig if f in tiled and p == "packed"}
+        self._buffers = []
+        self._dst: list[Callable[[int], torch.Tensor]] = []  # leaf -> where a miss copies it (slot -> tensor)
+        for f, p, shape, dt in sig:
+            if f in self._tiled:
+                (t, steps, width), (_, _, swidth) = tiled_shapes(
+                    shape[-2], shape[-1] * (8 if p == "packed" else 32)
+                )
+                slot_shape = (t, steps, width if p == "packed" else swidth)
+                buf = torch.empty((num_slots, *slot_shape), dtype=dt, device=device)
+                scratch = copier.scratch((f, p, shape, dt), shape, dt)
+                self._dst.append(lambda _slot, scratch=scratch: scratch)
+            else:
+                buf = torch.empty((num_slots, *shape), dtype=dt, device=device)
+                self._dst.append(lambda slot, buf=buf: buf[slot])
+            self._buffers.append(buf)
         self._slot_weights = [self._build(s) for s in range(num_slots)]
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self._free = list(range(num_slots))
@@ -363,7 +408,14 @@ class ExpertSlots:
         for (f, p, _, _), buf in zip(self._sig, self._buffers, strict=True):
             parts.setdefault(f, {})[p] = buf[slot]
         values = {
-            f: (Q4Weight(v["packed"], v["scales"]) if "packed" in v else v["w"]) for f, v in parts.items()
+            f: (
+                v["w"]
+                if "packed" not in v
+                else Q4Weight(v["packed"], v["scales"], TILED, self._tiled[f])
+                if f in self._tiled
+                else Q4Weight(v["packed"], v["scales"])
+            )
+            for f, v in parts.items()
         }
         return SwiGLUWeights(values.get("gate"), values.get("up"), values["down"], values.get("gate_up"))
 
@@ -415,7 +467,10 @@ class ExpertSlots:
                 else:
                     slot = self._take_slot(pinned)
                     ready = self._copier.copy(
-                        [b[slot] for b in self._buffers], self._host_leaves[expert], self._last_use[slot]
+                        [dst(slot) for dst in self._dst],
+                        self._host_leaves[expert],
+                        self._last_use[slot],
+                        then=self._tile_into(slot) if self._tiled else None,
                     )
                     self._slot_of[expert] = slot
                     self._stats.misses += 1
@@ -427,6 +482,19 @@ class ExpertSlots:
                 used = self._copier.used()
                 for expert in group:
                     self._last_use[self._slot_of[expert]] = used
+
+    def _tile_into(self, slot: int) -> Callable[[], None]:
+        """Tile the scratch of every tiled field into `slot` (run after the scratch copies)."""
+
+        def run() -> None:
+            for f in self._tiled:
+                i = next(j for j, (g, p, _, _) in enumerate(self._sig) if g == f and p == "packed")
+                k = next(j for j, (g, p, _, _) in enumerate(self._sig) if g == f and p == "scales")
+                t = Q4Weight(self._dst[i](slot), self._dst[k](slot)).to_tiled()
+                self._buffers[i][slot].copy_(t.packed)
+                self._buffers[k][slot].copy_(t.scales)
+
+        return run
 
     def _in_turn(self, entries: list[tuple[int, SwiGLUWeights, Any]]) -> Iterator[tuple[int, SwiGLUWeights]]:
         for expert, weights, ready in entries:
@@ -457,6 +525,9 @@ class ExpertCache:
         device: where the slots live.
         stats: counters (a fresh `ExpertCacheStats` when None).
         budget: the plan the slots came from (reported; may be None in tests).
+        linear: the executor's linear hook: a q4 expert part whose shape it places in the tiled
+            layout (`ignis.runtime.linear.place_weight`: CUDA tiled functions serve it) is held tiled
+            in the slots, as the resident executor would hold it; None: row-major.
     """
 
     def __init__(
@@ -466,6 +537,7 @@ class ExpertCache:
         device: torch.device | str,
         stats: ExpertCacheStats | None = None,
         budget: CacheBudget | None = None,
+        linear: Any = None,
     ) -> None:
         if slots_per_layer < 1:
             raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
@@ -474,6 +546,7 @@ class ExpertCache:
         self.stats = stats if stats is not None else ExpertCacheStats()
         self.budget = budget
         self.layers: list[ExpertSlots] = []
+        self.linear = linear
         self._copier: _Copier | None = None
         self.stats.attach(self)
 
@@ -481,6 +554,13 @@ class ExpertCache:
         """The slots of the next MoE layer (layers in forward order) over its host experts."""
         if self._copier is None:
             self._copier = _Copier(self.device, expert_nbytes(host[0]))
+        tiled = []
+        for name in _FIELDS:
+            part = getattr(host[0], name)
+            if isinstance(part, Q4Weight) and self.linear is not None:
+                placed = place_weight(self.linear, part.to(self.device).contiguous())
+                if isinstance(placed, Q4Weight) and placed.is_tiled:
+                    tiled.append(name)
         layer = ExpertSlots(
             host,
             min(self.slots_per_layer, len(host)),
@@ -488,6 +568,7 @@ class ExpertCache:
             copier=self._copier,
             stats=self.stats,
             first=not self.layers,
+            tiled=tiled,
         )
         self.layers.append(layer)
         return layer
@@ -808,6 +889,7 @@ def cache_for_artifact(
     rows: int,
     mtp: bool,
     stats: ExpertCacheStats | None = None,
+    linear: Any = None,
 ) -> ExpertCache | None:
     """The expert cache a served artifact runs with, or None (every expert resident); logs the split.
 
@@ -815,6 +897,7 @@ def cache_for_artifact(
         setting: "off" (every expert resident), None or "auto" (the card profile's default: a cache
             only on CUDA and only when the experts do not fit beside everything else), or a budget
             (bytes, or a size string for `parse_bytes`).
+        linear: the executor's linear hook (slots take the layout it places q4 experts in).
         the rest: as `plan_for_artifact`.
 
     Raises:
@@ -848,7 +931,7 @@ def cache_for_artifact(
             "--spec-backend mtp: %s reserved from the expert cache for the MTP head",
             human_bytes(plan.mtp_reserve_bytes),
         )
-    return ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan)
+    return ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan, linear=linear)
 
 
 def prometheus_collector(stats: ExpertCacheStats) -> Any:

@@ -224,7 +224,7 @@ class ArtifactSource:
         cache_stats = ExpertCacheStats()
 
         def make_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
-            expert_cache = self._expert_cache(settings, device, dtype, keep_q4, max_lanes, cache_stats)
+            expert_cache = self._expert_cache(settings, device, dtype, linear, max_lanes, cache_stats)
             executor = art.make_executor(
                 device=device,
                 dtype=dtype,
@@ -281,7 +281,7 @@ class ArtifactSource:
         settings: ModelSettings,
         device: torch.device,
         dtype: torch.dtype,
-        keep_q4: bool,
+        linear: Any,
         lanes: int,
         stats: ExpertCacheStats,
     ) -> ExpertCache | None:
@@ -302,10 +302,11 @@ class ArtifactSource:
             settings.expert_cache,
             device=device,
             dtype=dtype,
-            keep_q4=keep_q4,
+            keep_q4=linear is not None,
             lanes=lanes,
             context=context,
             rows=rows,
             mtp=spec.backend == "mtp",
             stats=stats,
+            linear=linear,
         )

@@ -507,8 +507,8 @@ class _RecordingCopier(_Copier):
         self.log: list[tuple] = []
         self.n = 0
 
-    def copy(self, dst, src, after=None):
-        super().copy(dst, src)
+    def copy(self, dst, src, after=None, then=None):
+        super().copy(dst, src, then=then)
         self.n += 1
         self.log.append(("copy", self.n, after))
         return ("copy", self.n)
@@ -549,3 +549,42 @@ def test_copy_ordering_protocol() -> None:
         for e, _ in group:
             copier.log.append(("run", e))
     assert copier.log == [("wait", None), ("run", 2), ("used", 6)]
+
+
+class _TilingHook:
+    """A linear hook that places every q4 weight it can in the tiled layout (as a `LinearBackend` does
+    for the shapes its CUDA tiled functions serve) and runs torch linears (exact on either layout)."""
+
+    def place(self, w, *, row_splits: int = 1):
+        n, k = w.out_features, w.in_features
+        return w.to_tiled() if k % 128 == 0 and (n // row_splits) % 16 == 0 else w
+
+    def __call__(self, x, w, b=None):
+        return torch_linear(x, w, b)
+
+
+@pytest.mark.parametrize("num_slots", [1, 3])
+def test_tiled_slots_equal_resident_tiled(num_slots: int) -> None:
+    """Slots of q4 experts the hook tiles hold the tiled layout (tiled on the copy path from the
+    row-major host bytes): the block equals the resident block over the placed (tiled) experts."""
+    hidden, inter, n = 128, 128, 6
+    hook = _TilingHook()
+    host = _experts(n, hidden, inter, seed=11, q4=True)
+    placed = [SwiGLUWeights(hook.place(e.gate), hook.place(e.up), hook.place(e.down)) for e in host]
+    assert all(p.gate.is_tiled and p.down.is_tiled for p in placed)
+    g = torch.Generator().manual_seed(12)
+    shared = _experts(1, hidden, 128, seed=13, q4=True)[0]
+    router, gate = torch.randn(n, hidden, generator=g), torch.randn(1, hidden, generator=g)
+    resident = SparseMoeWeights(router, placed, shared, gate)
+    cache = ExpertCache(num_slots, device="cpu", linear=hook)
+    slots = cache.make_layer(host)
+    assert all(w.gate.is_tiled and w.up.is_tiled and w.down.is_tiled for w in slots._slot_weights)
+    cached = dataclasses.replace(resident, experts=slots)
+    for rows in (1, 5, 9):
+        x = torch.randn(rows, hidden, generator=g)
+        want = sparse_moe_block(x, resident, top_k=2, norm_topk_prob=True, linear=hook)
+        assert torch.equal(sparse_moe_block(x, cached, top_k=2, norm_topk_prob=True, linear=hook), want)
+    assert cache.stats.misses > 0
+    for e, slot in slots.resident.items():  # the slot's bytes are the resident tiled weight's
+        assert torch.equal(slots._slot_weights[slot].down.packed, placed[e].down.packed)
+        assert torch.equal(slots._slot_weights[slot].gate.scales, placed[e].gate.scales)
