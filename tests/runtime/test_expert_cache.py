@@ -588,3 +588,30 @@ def test_tiled_slots_equal_resident_tiled(num_slots: int) -> None:
     for e, slot in slots.resident.items():  # the slot's bytes are the resident tiled weight's
         assert torch.equal(slots._slot_weights[slot].down.packed, placed[e].down.packed)
         assert torch.equal(slots._slot_weights[slot].gate.scales, placed[e].gate.scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_slots", [1, 3])
+def test_cuda_tiled_slots_equal_resident_tiled(num_slots: int) -> None:
+    """The CUDA copy path with tiling on the copy stream (pinned staging, scratch, events): the block
+    with host q4 experts equals the block over the device-resident tiled experts, bit for bit."""
+    dev = torch.device("cuda")
+    hidden, inter, n = 128, 128, 6
+    hook = _TilingHook()
+    host = _experts(n, hidden, inter, seed=14, q4=True)
+    placed = [
+        SwiGLUWeights(*(hook.place(getattr(e, f).to(dev)) for f in ("gate", "up", "down"))) for e in host
+    ]
+    g = torch.Generator().manual_seed(15)
+    shared = _experts(1, hidden, 128, seed=16, q4=True)[0]
+    shared = SwiGLUWeights(shared.gate.to(dev), shared.up.to(dev), shared.down.to(dev))
+    router, gate = torch.randn(n, hidden, generator=g).to(dev), torch.randn(1, hidden, generator=g).to(dev)
+    resident = SparseMoeWeights(router, placed, shared, gate)
+    cache = ExpertCache(num_slots, device=dev, linear=hook)
+    cached = dataclasses.replace(resident, experts=cache.make_layer(host))
+    for rows in (1, 5, 9, 9, 1):
+        x = torch.randn(rows, hidden, generator=g).to(dev)
+        want = sparse_moe_block(x, resident, top_k=2, norm_topk_prob=True, linear=hook)
+        assert torch.equal(sparse_moe_block(x, cached, top_k=2, norm_topk_prob=True, linear=hook), want)
+    assert cache.stats.misses > n
