@@ -30,9 +30,12 @@ lane-round] / median round time, with E from the documented acceptance (`--accep
 expert copied on demand each round: the slots are flushed after every forward). The host-to-device
 bandwidth (pinned and pageable, 1 GiB) is measured in the same run.
 
-Linears: with `--mods` (a `build_gpu_modules` bundle whose shapes cover this model) through its
-compiled functions, else torch (dequantize + GEMM): the figures then show the cache's copy traffic
-and hit rates faithfully but not the kernels' speed.
+Linears: with `--mods` (a bundle from ``python -m ignis.tools.bench.build_gpu_modules --out DIR
+--shapes flash-next``, which serves every linear shape of this model) through its compiled tiled
+functions (resident weights and the cache's slots in the tiled layout), else torch (dequantize +
+GEMM): the figures then show the cache's copy traffic and hit rates faithfully but not the kernels'
+speed. A full run (2 cards x 3 modes x 5 lane counts, baselines) takes longer than one 10-minute
+device command: split it, e.g. ``--cards 32 --modes off,mtp --lanes 1,2,4``.
 
 Prints a table last; writes ``bench_expert_cache.json`` into `--out` (default $OUT or .).
 """
