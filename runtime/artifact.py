@@ -196,7 +196,7 @@ class Artifact:
         if info.dtype == "q4_g32":
             parts = reader.torch_parts(name)
             w = Q4Weight(parts["packed"], parts["scales"])
-            if keep_q4:
+            if keep_q4 or host:  # a cached expert stays q4 on the host (the cache dequantizes on the device)
                 if fused:
                     return w
                 w = w.to(device)
@@ -236,8 +236,8 @@ class Artifact:
                 family's own fusions (`Family.fused_linears`): those stay on the host, and the
                 executor stacks, moves and places them.
             experts_on_host: routed experts (`ignis.runtime.expert_cache.is_routed_expert`) stay on
-                the host, zero-copy views of the memory map (q4 kept packed with `keep_q4`, else
-                dequantized there), for an executor with an expert cache.
+                the host, zero-copy views of the memory map (q4 ones as `Q4Weight` whatever
+                `keep_q4`), for an executor with an expert cache.
         """
         from ignis.runtime.expert_cache import is_routed_expert
 

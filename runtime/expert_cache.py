@@ -57,16 +57,17 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ignis.runtime.errors import ConfigError
 from ignis.runtime.families.moe import SwiGLUWeights
 from ignis.runtime.kernels.q4_tiled import tiled_shapes
-from ignis.runtime.linear import TILED, Q4Weight, place_weight
+from ignis.runtime.linear import ROW_MAJOR, TILED, Q4Weight, place_weight
 
 __all__ = [
     "CacheBudget",
@@ -345,12 +346,16 @@ class ExpertSlots:
         copier: the cache's host-to-device copier.
         stats: counters to update.
         first: this is the first MoE layer a forward visits (it counts forwards and rows).
-        tiled: the q4 fields ("gate", "up", "down", "gate_up") whose slots hold the CUDA tiled layout
-            (`ignis.runtime.linear.Q4Weight.to_tiled`): a miss copies the row-major parts into a
-            device scratch and tiles them into the slot on the copy stream.
+        layouts: per q4 field ("gate", "up", "down", "gate_up"), how its slots hold it: "row_major"
+            (the default: the stored bytes), "tiled" (the CUDA tiled layout,
+            `ignis.runtime.linear.Q4Weight.to_tiled`) or a torch dtype (dequantized, for a linear
+            hook that takes no q4 weights). For the last two a miss copies the row-major parts into a
+            device scratch and converts them into the slot on the copy stream; the bytes copied are
+            the stored q4 ones either way.
 
     Raises:
-        ValueError: no experts, num_slots outside 1..len(host), or experts whose parts differ.
+        ValueError: no experts, num_slots outside 1..len(host), experts whose parts differ, or a
+            layout for a field that is not a q4 part.
     """
 
     def __init__(
@@ -362,7 +367,7 @@ class ExpertSlots:
         copier: _Copier,
         stats: ExpertCacheStats,
         first: bool = False,
-        tiled: Collection[str] = (),
+        layouts: Mapping[str, str | torch.dtype] | None = None,
     ) -> None:
         if not host:
             raise ValueError("an expert cache layer needs at least one expert")
@@ -379,45 +384,51 @@ class ExpertSlots:
         self.device = device
         self.expert_bytes = expert_nbytes(self._host[0])
         self._copier, self._stats, self._first = copier, stats, first
-        q4_fields = {f for f, p, _, _ in sig if p == "packed"}
-        if not set(tiled) <= q4_fields:
-            raise ValueError(f"tiled fields {sorted(set(tiled) - q4_fields)} are not q4 parts of the experts")
-        self._tiled = {f: int(shape[-2]) for f, p, shape, _ in sig if f in tiled and p == "packed"}
-        self._buffers = []
-        self._dst: list[Callable[[int], torch.Tensor]] = []  # leaf -> where a miss copies it (slot -> tensor)
+        shapes = {f: shape for f, p, shape, _ in sig if p == "packed"}  # q4 field -> packed [N, K/8]
+        layouts = {f: v for f, v in (layouts or {}).items() if v != ROW_MAJOR}
+        if not set(layouts) <= set(shapes):
+            raise ValueError(f"layouts for {sorted(set(layouts) - set(shapes))}: not q4 parts of the experts")
+        self._layouts = layouts
+        # per field: the slot buffers, [num_slots, ...] each ("w" dense; "packed" + "scales" q4)
+        self._slot_bufs: dict[str, dict[str, torch.Tensor]] = {}
+        self._dst: list[Callable[[int], torch.Tensor]] = []  # leaf -> where a miss copies it
+        self._scratch: dict[str, dict[str, torch.Tensor]] = {}
         for f, p, shape, dt in sig:
-            if f in self._tiled:
-                (t, steps, width), (_, _, swidth) = tiled_shapes(
-                    shape[-2], shape[-1] * (8 if p == "packed" else 32)
-                )
-                slot_shape = (t, steps, width if p == "packed" else swidth)
-                buf = torch.empty((num_slots, *slot_shape), dtype=dt, device=device)
-                scratch = copier.scratch((f, p, shape, dt), shape, dt)
-                self._dst.append(lambda _slot, scratch=scratch: scratch)
-            else:
-                buf = torch.empty((num_slots, *shape), dtype=dt, device=device)
+            bufs = self._slot_bufs.setdefault(f, {})
+            layout = layouts.get(f)
+            if layout is None:
+                buf = bufs[p] = torch.empty((num_slots, *shape), dtype=dt, device=device)
                 self._dst.append(lambda slot, buf=buf: buf[slot])
-            self._buffers.append(buf)
+                continue
+            n, k = shapes[f][-2], shapes[f][-1] * 8
+            if layout == TILED:
+                codes, scales = tiled_shapes(n, k)
+                bufs[p] = torch.empty(
+                    (num_slots, *(codes if p == "packed" else scales)), dtype=dt, device=device
+                )
+            elif p == "packed":
+                assert isinstance(layout, torch.dtype)
+                bufs["w"] = torch.empty((num_slots, n, k), dtype=layout, device=device)
+            scratch = self._scratch.setdefault(f, {})[p] = copier.scratch((f, p, shape, dt), shape, dt)
+            self._dst.append(lambda _slot, scratch=scratch: scratch)
         self._slot_weights = [self._build(s) for s in range(num_slots)]
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self._free = list(range(num_slots))
         self._last_use: list[Any] = [None] * num_slots
 
     def _build(self, slot: int) -> SwiGLUWeights:
-        parts: dict[str, Any] = {}
-        for (f, p, _, _), buf in zip(self._sig, self._buffers, strict=True):
-            parts.setdefault(f, {})[p] = buf[slot]
-        values = {
-            f: (
-                v["w"]
-                if "packed" not in v
-                else Q4Weight(v["packed"], v["scales"], TILED, self._tiled[f])
-                if f in self._tiled
-                else Q4Weight(v["packed"], v["scales"])
-            )
-            for f, v in parts.items()
-        }
+        values: dict[str, Any] = {}
+        for f, bufs in self._slot_bufs.items():
+            if "w" in bufs:
+                values[f] = bufs["w"][slot]
+            elif self._layouts.get(f) == TILED:
+                values[f] = Q4Weight(bufs["packed"][slot], bufs["scales"][slot], TILED, self._rows(f))
+            else:
+                values[f] = Q4Weight(bufs["packed"][slot], bufs["scales"][slot])
         return SwiGLUWeights(values.get("gate"), values.get("up"), values["down"], values.get("gate_up"))
+
+    def _rows(self, field: str) -> int:
+        return next(int(shape[-2]) for f, p, shape, _ in self._sig if f == field and p == "packed")
 
     def __len__(self) -> int:
         return len(self._host)
@@ -470,7 +481,7 @@ class ExpertSlots:
                         [dst(slot) for dst in self._dst],
                         self._host_leaves[expert],
                         self._last_use[slot],
-                        then=self._tile_into(slot) if self._tiled else None,
+                        then=self._convert_into(slot) if self._layouts else None,
                     )
                     self._slot_of[expert] = slot
                     self._stats.misses += 1
@@ -483,16 +494,20 @@ class ExpertSlots:
                 for expert in group:
                     self._last_use[self._slot_of[expert]] = used
 
-    def _tile_into(self, slot: int) -> Callable[[], None]:
-        """Tile the scratch of every tiled field into `slot` (run after the scratch copies)."""
+    def _convert_into(self, slot: int) -> Callable[[], None]:
+        """Convert every scratch (row-major q4 parts just copied) into `slot`: tiled or dequantized."""
 
         def run() -> None:
-            for f in self._tiled:
-                i = next(j for j, (g, p, _, _) in enumerate(self._sig) if g == f and p == "packed")
-                k = next(j for j, (g, p, _, _) in enumerate(self._sig) if g == f and p == "scales")
-                t = Q4Weight(self._dst[i](slot), self._dst[k](slot)).to_tiled()
-                self._buffers[i][slot].copy_(t.packed)
-                self._buffers[k][slot].copy_(t.scales)
+            for f, layout in self._layouts.items():
+                w = Q4Weight(self._scratch[f]["packed"], self._scratch[f]["scales"])
+                bufs = self._slot_bufs[f]
+                if layout == TILED:
+                    t = w.to_tiled()
+                    bufs["packed"][slot].copy_(t.packed)
+                    bufs["scales"][slot].copy_(t.scales)
+                else:
+                    assert isinstance(layout, torch.dtype)
+                    bufs["w"][slot].copy_(w.dequantize(layout))
 
         return run
 
@@ -525,9 +540,6 @@ class ExpertCache:
         device: where the slots live.
         stats: counters (a fresh `ExpertCacheStats` when None).
         budget: the plan the slots came from (reported; may be None in tests).
-        linear: the executor's linear hook: a q4 expert part whose shape it places in the tiled
-            layout (`ignis.runtime.linear.place_weight`: CUDA tiled functions serve it) is held tiled
-            in the slots, as the resident executor would hold it; None: row-major.
     """
 
     def __init__(
@@ -537,7 +549,6 @@ class ExpertCache:
         device: torch.device | str,
         stats: ExpertCacheStats | None = None,
         budget: CacheBudget | None = None,
-        linear: Any = None,
     ) -> None:
         if slots_per_layer < 1:
             raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
@@ -546,21 +557,35 @@ class ExpertCache:
         self.stats = stats if stats is not None else ExpertCacheStats()
         self.budget = budget
         self.layers: list[ExpertSlots] = []
-        self.linear = linear
         self._copier: _Copier | None = None
         self.stats.attach(self)
 
-    def make_layer(self, host: Sequence[SwiGLUWeights]) -> ExpertSlots:
-        """The slots of the next MoE layer (layers in forward order) over its host experts."""
+    def make_layer(
+        self, host: Sequence[SwiGLUWeights], *, linear: Any, dtype: torch.dtype = torch.float32
+    ) -> ExpertSlots:
+        """The slots of the next MoE layer (layers in forward order) over its host experts.
+
+        Args:
+            host: the layer's experts in host memory (`host_experts`).
+            linear: the executor's linear hook. A q4 expert part is held in the layout the resident
+                executor would hold it in: tiled when the hook places its shape in the tiled layout
+                (`ignis.runtime.linear.place_weight`: CUDA tiled functions serve it), row-major when
+                the hook takes q4 weights as they are, and dequantized to `dtype` when the hook is
+                None or `F.linear` (no q4 weights).
+            dtype: the executor's dtype.
+        """
         if self._copier is None:
             self._copier = _Copier(self.device, expert_nbytes(host[0]))
-        tiled = []
+        layouts: dict[str, str | torch.dtype] = {}
         for name in _FIELDS:
             part = getattr(host[0], name)
-            if isinstance(part, Q4Weight) and self.linear is not None:
-                placed = place_weight(self.linear, part.to(self.device).contiguous())
-                if isinstance(placed, Q4Weight) and placed.is_tiled:
-                    tiled.append(name)
+            if not isinstance(part, Q4Weight):
+                continue
+            if linear is None or linear is F.linear:
+                layouts[name] = dtype
+                continue
+            placed = place_weight(linear, part.to(self.device).contiguous())
+            layouts[name] = TILED if isinstance(placed, Q4Weight) and placed.is_tiled else ROW_MAJOR
         layer = ExpertSlots(
             host,
             min(self.slots_per_layer, len(host)),
@@ -568,7 +593,7 @@ class ExpertCache:
             copier=self._copier,
             stats=self.stats,
             first=not self.layers,
-            tiled=tiled,
+            layouts=layouts,
         )
         self.layers.append(layer)
         return layer
@@ -889,7 +914,6 @@ def cache_for_artifact(
     rows: int,
     mtp: bool,
     stats: ExpertCacheStats | None = None,
-    linear: Any = None,
 ) -> ExpertCache | None:
     """The expert cache a served artifact runs with, or None (every expert resident); logs the split.
 
@@ -897,7 +921,6 @@ def cache_for_artifact(
         setting: "off" (every expert resident), None or "auto" (the card profile's default: a cache
             only on CUDA and only when the experts do not fit beside everything else), or a budget
             (bytes, or a size string for `parse_bytes`).
-        linear: the executor's linear hook (slots take the layout it places q4 experts in).
         the rest: as `plan_for_artifact`.
 
     Raises:
@@ -931,7 +954,7 @@ def cache_for_artifact(
             "--spec-backend mtp: %s reserved from the expert cache for the MTP head",
             human_bytes(plan.mtp_reserve_bytes),
         )
-    return ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan, linear=linear)
+    return ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan)
 
 
 def prometheus_collector(stats: ExpertCacheStats) -> Any:

@@ -377,7 +377,9 @@ class HybridExecutor:
         inter = c.moe_intermediate_size
         experts: Sequence[SwiGLUWeights]
         if self.expert_cache is not None:  # routed experts stay on the host; device slots cache them
-            experts = self.expert_cache.make_layer(host_experts(c, trunk, p, dtype=self.dtype))
+            experts = self.expert_cache.make_layer(
+                host_experts(c, trunk, p, dtype=self.dtype), linear=self.linear, dtype=self.dtype
+            )
         elif f"{p}.experts.gate_up_proj" in trunk:
             gate_up, down = get(f"{p}.experts.gate_up_proj"), get(f"{p}.experts.down_proj")
             experts = [

@@ -308,5 +308,4 @@ class ArtifactSource:
             rows=rows,
             mtp=spec.backend == "mtp",
             stats=stats,
-            linear=linear,
         )

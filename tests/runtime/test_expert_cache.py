@@ -167,7 +167,7 @@ def test_moe_block_with_cache_equals_resident(q4: bool, num_slots: int) -> None:
     gate = torch.randn(1, hidden, generator=g)
     resident = SparseMoeWeights(router, experts, shared, gate)
     cache = ExpertCache(num_slots, device="cpu")
-    cached = dataclasses.replace(resident, experts=cache.make_layer(experts))
+    cached = dataclasses.replace(resident, experts=cache.make_layer(experts, linear=torch_linear))
     for rows in (1, 3, 8, 17):
         x = torch.randn(rows, hidden, generator=g)
         want = sparse_moe_block(x, resident, top_k=2, norm_topk_prob=True, linear=torch_linear)
@@ -377,7 +377,7 @@ def test_parse_bytes() -> None:
 def test_stats_samples() -> None:
     host = _experts(4, 32, 16, seed=8)
     cache = ExpertCache(2, device="cpu")
-    slots = cache.make_layer(host)
+    slots = cache.make_layer(host, linear=None)
     _visit(slots, [0, 1, 2])
     values = {name: (kind, value) for name, kind, _, value in cache.stats.samples()}
     per = expert_nbytes(host[0])
@@ -563,6 +563,28 @@ class _TilingHook:
         return torch_linear(x, w, b)
 
 
+def test_q4_experts_dequantized_into_slots_for_a_dense_hook() -> None:
+    """With F.linear (no q4 weights) the slots hold the experts dequantized to the executor's dtype,
+    copied as q4 bytes: the block equals the resident block over the dequantized experts."""
+    hidden, inter, n = 64, 32, 5
+    host = _experts(n, hidden, inter, seed=17, q4=True)
+    dense = [SwiGLUWeights(e.gate.dequantize(), e.up.dequantize(), e.down.dequantize()) for e in host]
+    g = torch.Generator().manual_seed(18)
+    shared = _experts(1, hidden, 64, seed=19)[0]
+    resident = SparseMoeWeights(
+        torch.randn(n, hidden, generator=g), dense, shared, torch.randn(1, hidden, generator=g)
+    )
+    cache = ExpertCache(2, device="cpu")
+    slots = cache.make_layer(host, linear=torch.nn.functional.linear, dtype=torch.float32)
+    assert all(isinstance(w.gate, torch.Tensor) for w in slots._slot_weights)
+    cached = dataclasses.replace(resident, experts=slots)
+    for rows in (1, 4, 7):
+        x = torch.randn(rows, hidden, generator=g)
+        want = sparse_moe_block(x, resident, top_k=2, norm_topk_prob=True)
+        assert torch.equal(sparse_moe_block(x, cached, top_k=2, norm_topk_prob=True), want)
+    assert cache.stats.bytes_copied == cache.stats.misses * expert_nbytes(host[0])  # q4 bytes moved
+
+
 @pytest.mark.parametrize("num_slots", [1, 3])
 def test_tiled_slots_equal_resident_tiled(num_slots: int) -> None:
     """Slots of q4 experts the hook tiles hold the tiled layout (tiled on the copy path from the
@@ -576,8 +598,8 @@ def test_tiled_slots_equal_resident_tiled(num_slots: int) -> None:
     shared = _experts(1, hidden, 128, seed=13, q4=True)[0]
     router, gate = torch.randn(n, hidden, generator=g), torch.randn(1, hidden, generator=g)
     resident = SparseMoeWeights(router, placed, shared, gate)
-    cache = ExpertCache(num_slots, device="cpu", linear=hook)
-    slots = cache.make_layer(host)
+    cache = ExpertCache(num_slots, device="cpu")
+    slots = cache.make_layer(host, linear=hook)
     assert all(w.gate.is_tiled and w.up.is_tiled and w.down.is_tiled for w in slots._slot_weights)
     cached = dataclasses.replace(resident, experts=slots)
     for rows in (1, 5, 9):
@@ -608,8 +630,8 @@ def test_cuda_tiled_slots_equal_resident_tiled(num_slots: int) -> None:
     shared = SwiGLUWeights(shared.gate.to(dev), shared.up.to(dev), shared.down.to(dev))
     router, gate = torch.randn(n, hidden, generator=g).to(dev), torch.randn(1, hidden, generator=g).to(dev)
     resident = SparseMoeWeights(router, placed, shared, gate)
-    cache = ExpertCache(num_slots, device=dev, linear=hook)
-    cached = dataclasses.replace(resident, experts=cache.make_layer(host))
+    cache = ExpertCache(num_slots, device=dev)
+    cached = dataclasses.replace(resident, experts=cache.make_layer(host, linear=hook))
     for rows in (1, 5, 9, 9, 1):
         x = torch.randn(rows, hidden, generator=g).to(dev)
         want = sparse_moe_block(x, resident, top_k=2, norm_topk_prob=True, linear=hook)

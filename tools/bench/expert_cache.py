@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                     )  # fmt: skip
                     print(plan.describe(), flush=True)
                     slots = plan.slots_per_layer
-                cache = ExpertCache(slots, device=dev, linear=linear)
+                cache = ExpertCache(slots, device=dev)
             run_weights = weights
             if card is None:  # every expert resident
                 run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
