@@ -447,6 +447,11 @@ class ExpertSlots:
         """Slots holding an expert."""
         return len(self._slot_of)
 
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of this layer's slots."""
+        return sum(b.numel() * b.element_size() for bufs in self._slot_bufs.values() for b in bufs.values())
+
     def resident_groups(
         self, experts: Sequence[int], *, rows: int
     ) -> Iterator[Iterator[tuple[int, SwiGLUWeights]]]:
@@ -615,8 +620,8 @@ class ExpertCache:
 
     @property
     def device_bytes(self) -> int:
-        """Device bytes of every layer's slots."""
-        return sum(layer.num_slots * layer.expert_bytes for layer in self.layers)
+        """Device bytes of every layer's slots (as laid out: tiled or dequantized parts included)."""
+        return sum(layer.slot_bytes for layer in self.layers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -577,6 +577,7 @@ def test_q4_experts_dequantized_into_slots_for_a_dense_hook() -> None:
     cache = ExpertCache(2, device="cpu")
     slots = cache.make_layer(host, linear=torch.nn.functional.linear, dtype=torch.float32)
     assert all(isinstance(w.gate, torch.Tensor) for w in slots._slot_weights)
+    assert cache.device_bytes == 2 * 3 * inter * hidden * 4  # float32 slots, not the q4 bytes
     cached = dataclasses.replace(resident, experts=slots)
     for rows in (1, 4, 7):
         x = torch.randn(rows, hidden, generator=g)
