@@ -38,14 +38,20 @@ Layout: a q4 expert part whose shape the executor's linear hook places in the CU
 (`LinearBackend.place`: the artifact's tiled functions serve it) is held tiled in its slots, as the
 resident executor holds it: a miss copies the stored row-major bytes into a device scratch and tiles
 them into the slot on the copy stream, so the experts run through the same compiled kernels as when
-resident. Other parts stay row-major (their linears run wherever the hook serves them).
+resident. With a hook that takes no q4 weights (`F.linear`), the parts are dequantized into
+dense slots the same way (the host keeps q4, so the copies move q4 bytes). Other parts stay
+row-major (their linears run wherever the hook serves them).
 
 Budget (`plan_expert_cache`): the slots of every MoE layer together take `cache_bytes`, either given
 (`--expert-cache-bytes`, config key `expert_cache_bytes`) or, by default, what the card's memory
 leaves after the resident weights, the lanes' KV and recurrent state, the verify rounds' workspace, a
 headroom and the MTP reserve. With `--spec-backend mtp` the MTP head's weights and KV (`mtp_reserve`)
-are always taken from the cache's share, whatever the number of drafts. The split is logged at load
-(`CacheBudget.describe`).
+are always taken from the cache's share, whatever the number of drafts, and with an explicit budget
+a row budget past 8 takes the wider round's extra workspace from it too. The split is logged at
+load (`CacheBudget.describe`). The head itself stays resident (its experts are not cached).
+
+Prefill: a prompt chunk routes nearly every expert of every layer, so with few slots each chunk
+copies nearly all experts once (a larger `--max-prefill-tokens` amortizes that over more tokens).
 
 Counters (`ExpertCacheStats.samples`, exported on /metrics): hits, misses, bytes copied, forwards
 (verify rounds and prefill chunks) and rows (tokens) run through the MoE layers, bytes copied per
