@@ -87,6 +87,7 @@ __all__ = [
     "parse_bytes",
     "plan_expert_cache",
     "round_workspace_bytes",
+    "simulate_policy",
 ]
 
 log = logging.getLogger("ignis.runtime.expert_cache")
@@ -191,6 +192,9 @@ class ExpertCacheStats:
         self.forwards = 0
         self.rows = 0
         self._cache: ExpertCache | None = None
+        #: when a list: every lookup is appended as (layer index among the MoE layers, experts), the
+        #: routing trace `simulate_policy` replays (benchmarks; None: not recorded)
+        self.trace: list[tuple[int, tuple[int, ...]]] | None = None
 
     def attach(self, cache: ExpertCache) -> None:
         """Report the slots of `cache` (the current engine's) from now on."""
@@ -352,6 +356,7 @@ class ExpertSlots:
         copier: the cache's host-to-device copier.
         stats: counters to update.
         first: this is the first MoE layer a forward visits (it counts forwards and rows).
+        index: the layer's index among the MoE layers (in the routing trace).
         layouts: per q4 field ("gate", "up", "down", "gate_up"), how its slots hold it: "row_major"
             (the default: the stored bytes), "tiled" (the CUDA tiled layout,
             `ignis.runtime.linear.Q4Weight.to_tiled`) or a torch dtype (dequantized, for a linear
@@ -374,6 +379,7 @@ class ExpertSlots:
         stats: ExpertCacheStats,
         first: bool = False,
         layouts: Mapping[str, str | torch.dtype] | None = None,
+        index: int = 0,
     ) -> None:
         if not host:
             raise ValueError("an expert cache layer needs at least one expert")
@@ -390,6 +396,7 @@ class ExpertSlots:
         self.device = device
         self.expert_bytes = expert_nbytes(self._host[0])
         self._copier, self._stats, self._first = copier, stats, first
+        self.index = index
         shapes = {f: shape for f, p, shape, _ in sig if p == "packed"}  # q4 field -> packed [N, K/8]
         layouts = {f: v for f, v in (layouts or {}).items() if v != ROW_MAJOR}
         if not set(layouts) <= set(shapes):
@@ -476,6 +483,8 @@ class ExpertSlots:
             self._stats.forwards += 1
             self._stats.rows += rows
         experts = list(experts)
+        if self._stats.trace is not None:
+            self._stats.trace.append((self.index, tuple(experts)))
         for start in range(0, len(experts), self.num_slots):
             group = experts[start : start + self.num_slots]
             pinned = set(group)
@@ -604,6 +613,7 @@ class ExpertCache:
             copier=self._copier,
             stats=self.stats,
             first=not self.layers,
+            index=len(self.layers),
             layouts=layouts,
         )
         self.layers.append(layer)
@@ -982,3 +992,82 @@ def prometheus_collector(stats: ExpertCacheStats) -> Any:
                     yield GaugeMetricFamily(name, doc, value=value)
 
     return _ExpertCacheCollector()
+
+
+# ---------------------------------------------------------------------------------------------
+# eviction policies, replayed on a routing trace
+# ---------------------------------------------------------------------------------------------
+
+POLICIES = ("lru", "lfu", "belady")
+
+
+def simulate_policy(
+    trace: Sequence[tuple[int, Sequence[int]]], slots: int, policy: str = "lru"
+) -> dict[str, int]:
+    """Replay a routing trace (`ExpertCacheStats.trace`) through `slots` slots a layer under an
+    eviction policy, with the cache's grouping (a lookup of more experts than slots is served in
+    groups of `slots`, ascending; a group's members are never evicted for each other).
+
+    Policies: "lru" (what `ExpertSlots` does: the same hits and misses on the same trace), "lfu"
+    (evict the expert used least often so far, ties least recently used) and "belady" (evict the
+    expert whose next use in the trace is farthest: the offline optimum, an upper bound on what any
+    policy, router lookahead included, can reach).
+
+    Returns:
+        {"hits": ..., "misses": ...}.
+
+    Raises:
+        ValueError: an unknown policy or slots < 1.
+    """
+    if policy not in POLICIES or slots < 1:
+        raise ValueError(f"policy must be one of {POLICIES} and slots >= 1, got {policy!r}, {slots}")
+    # position of every use of (layer, expert), for belady's next-use lookups
+    uses: dict[tuple[int, int], list[int]] = {}
+    flat: list[tuple[int, list[list[int]]]] = []
+    t = 0
+    for layer, experts in trace:
+        groups = [list(experts[i : i + slots]) for i in range(0, len(experts), slots)]
+        flat.append((layer, groups))
+        for group in groups:
+            for e in group:
+                uses.setdefault((layer, e), []).append(t)
+            t += 1
+    resident: dict[int, OrderedDict[int, None]] = {}
+    counts: dict[tuple[int, int], int] = {}
+    cursor: dict[tuple[int, int], int] = {}
+    hits = misses = 0
+    for layer, groups in flat:
+        cache = resident.setdefault(layer, OrderedDict())
+        for group in groups:
+            pinned = set(group)
+            for e in group:
+                key = (layer, e)
+                cursor[key] = cursor.get(key, 0) + 1  # uses of key consumed so far (this one included)
+                counts[key] = counts.get(key, 0) + 1
+                if e in cache:
+                    hits += 1
+                    cache.move_to_end(e)
+                    continue
+                misses += 1
+                if len(cache) >= slots:
+                    candidates = [x for x in cache if x not in pinned]
+                    if policy == "lru":
+                        victim = candidates[0]
+                    elif policy == "lfu":  # the first minimum: least recently used on ties
+                        scores = [counts[(layer, x)] for x in candidates]
+                        victim = candidates[scores.index(min(scores))]
+                    else:  # the first maximum of the next use
+                        later = [_next_use(uses, cursor, (layer, x)) for x in candidates]
+                        victim = candidates[later.index(max(later))]
+                    del cache[victim]
+                cache[e] = None
+    return {"hits": hits, "misses": misses}
+
+
+def _next_use(
+    uses: Mapping[tuple[int, int], list[int]], cursor: Mapping[tuple[int, int], int], key: tuple[int, int]
+) -> float:
+    """The trace position of `key`'s next use after those consumed (`cursor`), or inf."""
+    times = uses[key]
+    i = cursor.get(key, 0)
+    return times[i] if i < len(times) else math.inf

@@ -638,3 +638,37 @@ def test_cuda_tiled_slots_equal_resident_tiled(num_slots: int) -> None:
         want = sparse_moe_block(x, resident, top_k=2, norm_topk_prob=True, linear=hook)
         assert torch.equal(sparse_moe_block(x, cached, top_k=2, norm_topk_prob=True, linear=hook), want)
     assert cache.stats.misses > n
+
+
+def test_policy_replay_matches_the_cache_and_belady_bounds_it(target: Target) -> None:
+    """The LRU replay of a recorded routing trace gives the cache's own hits and misses; Belady's
+    offline optimum never misses more; LFU replays too."""
+    from ignis.runtime.expert_cache import simulate_policy
+
+    ex, cache = _cached(target, 2)
+    cache.stats.trace = []
+    _generate(ex, SamplingParams(temperature=0, max_tokens=10))
+    trace = cache.stats.trace
+    assert len(trace) == cache.stats.forwards * len(cache.layers)
+    lru = simulate_policy(trace, 2, "lru")
+    assert (lru["hits"], lru["misses"]) == (cache.stats.hits, cache.stats.misses)
+    best = simulate_policy(trace, 2, "belady")
+    assert best["misses"] <= lru["misses"] and best["hits"] + best["misses"] == lru["hits"] + lru["misses"]
+    lfu = simulate_policy(trace, 2, "lfu")
+    assert lfu["hits"] + lfu["misses"] == lru["hits"] + lru["misses"]
+    everything = simulate_policy(trace, target.config.num_experts, "lru")
+    assert (
+        everything["misses"] == len(cache.layers) * target.config.num_experts
+        or everything["misses"] < lru["misses"]
+    )
+    with pytest.raises(ValueError, match="policy"):
+        simulate_policy(trace, 2, "fifo")
+
+
+def test_belady_on_a_known_trace() -> None:
+    from ignis.runtime.expert_cache import simulate_policy
+
+    # one layer, 2 slots: 0 1 2 0 1 ... LRU always misses; Belady keeps 0 and misses less
+    trace = [(0, (e,)) for e in (0, 1, 2, 0, 1, 2, 0, 1, 2)]
+    assert simulate_policy(trace, 2, "lru") == {"hits": 0, "misses": 9}
+    assert simulate_policy(trace, 2, "belady") == {"hits": 3, "misses": 6}
