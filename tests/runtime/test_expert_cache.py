@@ -300,7 +300,12 @@ def test_cuda_cache_matches_resident(target: Target) -> None:
         ex = HybridExecutor(
             target.config, target.tensors, device=dev, dtype=torch.bfloat16, expert_cache=cache
         )
-        assert all(b.device.type == "cuda" for layer in cache.layers for b in layer._buffers)
+        assert all(
+            b.device.type == "cuda"
+            for lay in cache.layers
+            for bufs in lay._slot_bufs.values()
+            for b in bufs.values()
+        )
         drafter = build_mtp_drafter(
             target_config=target.config, target_weights=target.tensors, device=dev, dtype=torch.bfloat16
         )
@@ -657,10 +662,8 @@ def test_policy_replay_matches_the_cache_and_belady_bounds_it(target: Target) ->
     lfu = simulate_policy(trace, 2, "lfu")
     assert lfu["hits"] + lfu["misses"] == lru["hits"] + lru["misses"]
     everything = simulate_policy(trace, target.config.num_experts, "lru")
-    assert (
-        everything["misses"] == len(cache.layers) * target.config.num_experts
-        or everything["misses"] < lru["misses"]
-    )
+    # with every expert a slot only the first use of each misses
+    assert everything["misses"] == len({(layer, e) for layer, es in trace for e in es}) < lru["misses"]
     with pytest.raises(ValueError, match="policy"):
         simulate_policy(trace, 2, "fifo")
 
