@@ -76,6 +76,7 @@ from ignis.runtime.kernels.q4_tiled import tiled_shapes
 from ignis.runtime.linear import ROW_MAJOR, TILED, Q4Weight, place_weight
 
 __all__ = [
+    "POLICIES",
     "CacheBudget",
     "ExpertCache",
     "ExpertCacheStats",

@@ -20,7 +20,9 @@ the head's reserve comes out of the cache) and per mode:
 
 and per lane count: `--tokens` greedy tokens per lane through `SpeculativeEngine` (random prompts of
 32 tokens, prefill excluded from the timing): measured tok/s, the median step (verify round) time,
-rounds, expert-cache hit rate, bytes copied per emitted token and per round. Random weights route
+rounds, expert-cache hit rate, bytes copied per emitted token and per round, and the hit rates the
+decode's routing trace would get under LFU and Belady's offline optimum (`simulate_policy`: the
+bound on any smarter policy, router lookahead included) at the same slots. Random weights route
 nearly uniformly (a trained router has locality: real hit rates are higher) and a random MTP head is
 almost never accepted, so for MTP the table also gives the projected tok/s = lanes x E[tokens per
 lane-round] / median round time, with E from the documented acceptance (`--accept`, default 0.815:
@@ -58,11 +60,13 @@ import torch
 from ignis.runtime.drafters.mtp import build_mtp_drafter
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.expert_cache import (
+    POLICIES,
     ExpertCache,
     is_routed_expert,
     lane_state_bytes,
     plan_expert_cache,
     round_workspace_bytes,
+    simulate_policy,
 )
 from ignis.runtime.families.hybrid_executor import HybridExecutor
 from ignis.runtime.families.qwen3_5 import Qwen3_5MoeTextConfig, mtp_tensor_shapes, tensor_shapes
@@ -191,6 +195,8 @@ def run_case(
     engine.step()  # the prefill (and first tokens)
     if flush and cache is not None:
         cache.flush()
+    if cache is not None and not flush:
+        cache.stats.trace = []  # the decode's routing, replayed under other policies below
     before = dict(cache.stats.snapshot()) if cache is not None else {}
     emitted = 0
     times: list[float] = []
@@ -221,6 +227,12 @@ def run_case(
             "MB_per_round": round(copied / max(len(times), 1) / 1e6, 2),
             "slots_in_use": after["slots_in_use"],
         }
+        if cache.stats.trace is not None:
+            for policy in POLICIES:
+                sim = simulate_policy(cache.stats.trace, cache.slots_per_layer, policy)
+                total = sim["hits"] + sim["misses"]
+                res[f"hit_rate_{policy}"] = round(sim["hits"] / total, 4) if total else 0.0
+            cache.stats.trace = None
     return res
 
 
@@ -358,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
     cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "hit_rate")
-    cols += ("MB_per_token", "MB_per_round")
+    cols += ("hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
     print(" | ".join(cols))
     for r in results["cases"]:
         print(" | ".join(str(r.get(c, "")) for c in cols))
