@@ -791,15 +791,16 @@ def plan_expert_cache(
     slots = min(num_experts, max(share, 0) // per_slot)
     if slots < 1:
         need = per_slot + mtp_reserve_bytes + wide_round_bytes
+        h = human_bytes
+        wide = f" and the wide-round reserve ({h(wide_round_bytes)})" if wide_round_bytes else ""
         raise ConfigError(
-            f"expert cache: {max(share, 0) / _GIB:.2f} GiB left for expert slots after the MTP reserve "
-            f"({mtp_reserve_bytes / _GIB:.2f} GiB); one slot a layer needs {per_slot / _GIB:.2f} GiB "
-            f"({moe_layers} layers x {expert_bytes / 2**20:.2f} MiB)"
+            f"expert cache: {h(max(share, 0))} left for expert slots after the MTP reserve "
+            f"({h(mtp_reserve_bytes)}){wide}; one slot a layer needs {h(per_slot)} "
+            f"({moe_layers} layers x {h(expert_bytes)})"
             + (f": give --expert-cache-bytes >= {need}" if budget_bytes is not None else
-               f"; the card's {card_bytes / _GIB:.2f} GiB do not fit resident weights "
-               f"{resident_bytes / _GIB:.2f} GiB + lane state {lane_bytes / _GIB:.2f} GiB + workspace "
-               f"{workspace_bytes / _GIB:.2f} GiB + headroom {headroom_bytes / _GIB:.2f} GiB with it: "
-               "lower --lanes or --model-max-context")
+               f"; the card's {h(card_bytes)} do not fit resident weights {h(resident_bytes)} + lane "
+               f"state {h(lane_bytes)} + workspace {h(workspace_bytes)} + headroom {h(headroom_bytes)} "
+               "with it: lower --lanes or --model-max-context")
         )  # fmt: skip
     return CacheBudget(
         source=source,
