@@ -185,16 +185,18 @@ class Artifact:
         device: torch.device | str,
         keep_q4: bool,
         linear: LinearBackend | None = None,
+        host: bool = False,
     ) -> torch.Tensor | Q4Weight:
         info = reader.info(name)
         # A member of the family's own fusions stays on the host (a view of the mapped file where no
         # conversion is needed): the executor stacks the members and moves the result, so the
-        # device never holds a layer's members and their stack at once.
-        fused = self.family.is_fused_member(name)
+        # device never holds a layer's members and their stack at once. So does a routed expert
+        # served from an expert cache (`host`).
+        fused = host or self.family.is_fused_member(name)
         if info.dtype == "q4_g32":
             parts = reader.torch_parts(name)
             w = Q4Weight(parts["packed"], parts["scales"])
-            if keep_q4:
+            if keep_q4 or host:  # a cached expert stays q4 on the host (the cache dequantizes on the device)
                 if fused:
                     return w
                 w = w.to(device)
@@ -220,6 +222,7 @@ class Artifact:
         device: torch.device | str = "cpu",
         keep_q4: bool = False,
         linear: LinearBackend | None = None,
+        experts_on_host: bool = False,
     ) -> dict[str, torch.Tensor | Q4Weight]:
         """The trunk's tensors by canonical name (zero-copy CPU views where no conversion is needed).
 
@@ -232,11 +235,18 @@ class Artifact:
                 CUDA for the shapes its "q4_g32_tiled" functions serve), except the members of the
                 family's own fusions (`Family.fused_linears`): those stay on the host, and the
                 executor stacks, moves and places them.
+            experts_on_host: routed experts (`ignis.runtime.expert_cache.is_routed_expert`) stay on
+                the host, zero-copy views of the memory map (q4 ones as `Q4Weight` whatever
+                `keep_q4`), for an executor with an expert cache.
         """
+        from ignis.runtime.expert_cache import is_routed_expert
+
         names = list(self.family.tensor_shapes(self.config))
-        return self._group(
-            self.weights, names, "", dtype=dtype, device=device, keep_q4=keep_q4, linear=linear
-        )
+        kw: dict[str, Any] = dict(dtype=dtype, device=device, keep_q4=keep_q4, linear=linear)
+        return {
+            n: self._tensor(self.weights, n, host=experts_on_host and is_routed_expert(n), **kw)
+            for n in names
+        }
 
     def drafter_weights(
         self,
@@ -404,6 +414,7 @@ class Artifact:
         cuda_graphs: bool | None = None,
         max_lanes: int | None = None,
         max_context: int | None = None,
+        expert_cache: Any = None,
     ) -> Executor:
         """Build the family's executor over the artifact's weights.
 
@@ -421,6 +432,8 @@ class Artifact:
             max_lanes: lane slots of the static executor's pools (default 8; more lanes grow them).
             max_context: tokens per lane of the static executor's pools (default: min(the model's
                 max_position_embeddings, 8192)); `SpeculativeEngine` caps its context to it.
+            expert_cache: an `ignis.runtime.expert_cache.ExpertCache` (MoE hybrid families): the
+                routed experts stay in host memory (the memory map) and run from its device slots.
 
         The static executor gets the artifact's fused kernels when the manifest lists them for
         `dtype` and they load (`gdn_module()`, `norms_module()`, `mixers_module()`); otherwise it runs
@@ -439,7 +452,11 @@ class Artifact:
             from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 
             weights = self.target_weights(
-                dtype=dtype, device=device, keep_q4=linear is not None, linear=linear
+                dtype=dtype,
+                device=device,
+                keep_q4=linear is not None,
+                linear=linear,
+                experts_on_host=expert_cache is not None,
             )
             return StaticHybridExecutor(
                 self.config,
@@ -449,6 +466,7 @@ class Artifact:
                 linear=linear,
                 max_lanes=max_lanes or 8,
                 max_context=max_context,
+                expert_cache=expert_cache,
                 **self._hybrid_kernels(dtype),
             )
         params = inspect.signature(self.family.make_executor).parameters
@@ -458,13 +476,20 @@ class Artifact:
                 "the %s executor takes no linear hook yet; compiled modules are not used",
                 self.family.model_type,
             )
+        if expert_cache is not None and "expert_cache" not in params:
+            raise ValueError(f"the {self.family.model_type} executor takes no expert cache")
         keep_q4 = linear is not None and accepts
         weights = self.target_weights(
-            dtype=dtype, device=device, keep_q4=keep_q4, linear=linear if keep_q4 else None
+            dtype=dtype,
+            device=device,
+            keep_q4=keep_q4,
+            linear=linear if keep_q4 else None,
+            experts_on_host=expert_cache is not None,
         )
+        extra: dict[str, Any] = {} if expert_cache is None else {"expert_cache": expert_cache}
         if linear is not None and accepts:
-            return self.family.make_executor(self.config, weights, device, dtype, linear=linear)
-        return self.family.make_executor(self.config, weights, device, dtype)
+            return self.family.make_executor(self.config, weights, device, dtype, linear=linear, **extra)
+        return self.family.make_executor(self.config, weights, device, dtype, **extra)
 
     def _hybrid_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
         """`StaticHybridExecutor` keyword arguments for the fused kernels that take `dtype` (only the

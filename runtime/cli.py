@@ -204,6 +204,7 @@ def run_command(opts: dict[str, Any]) -> None:
             checkpoint_card_bytes=card_bytes,
             checkpoint_host_bytes=host_bytes,
             checkpoint_dir=pick("checkpoint_dir"),
+            expert_cache=pick("expert_cache_bytes"),
         )
     )
     if served_name != model.name:
@@ -385,6 +386,15 @@ def run_command(opts: dict[str, Any]) -> None:
     help="On CUDA, run verify rounds of the hybrid families (qwen3_5, qwen3_next) from CUDA graphs "
     "over fixed-capacity lane buffers sized by --lanes and --model-max-context (8192 tokens when "
     "neither is set and the model allows more). [default: on]",
+)
+@click.option(
+    "--expert-cache-bytes",
+    metavar="SIZE|auto|off",
+    help="MoE models: device memory for the routed-expert cache (e.g. 24GiB, 512MiB, bytes); the experts "
+    "stay in host memory and each layer caches what fits. --spec-backend mtp takes the MTP head's "
+    "reserve from it. auto: the card profile's memory after the weights, KV, the MTP reserve and the "
+    "round workspace (on CUDA, when the experts do not all fit); off: every expert on the device. "
+    "[default: auto]",
 )
 @click.option(
     "--log-level",

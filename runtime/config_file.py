@@ -10,6 +10,7 @@ The format (YAML shown; TOML has the same keys, `[spec]`, `[spec.NAME]`, ...)::
     checkpoint_card_memory: 16GiB       # prompt checkpoints on the card / in host RAM (sizes or bytes)
     checkpoint_host_memory: 32GiB
     checkpoint_dir: /var/lib/ignis/checkpoints   # snapshot directory for a warm restart
+    expert_cache_bytes: 24GiB           # MoE: routed-expert cache on the card (auto, off, or a size)
     spec:                               # speculative settings for every model ...
       backend: dflash2
       draft_tokens: 7
@@ -70,6 +71,7 @@ SERVER_KEYS: dict[str, type] = {
     "checkpoint_dir": str,
     "api_key": str,
     "max_request_bytes": int,
+    "expert_cache_bytes": str,  # a size ("24GiB"), a byte count, "auto" or "off"
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.
@@ -132,6 +134,10 @@ def _check_value(path: Path, where: str, key: str, value: Any, kind: type) -> An
             return parse_size(value, what=key)
         except ConfigError as exc:
             raise ConfigFileError(f"{path}: {where}{exc}") from None
+    if key == "expert_cache_bytes" and value is False:
+        return "off"  # YAML 1.1 reads a bare `off` as false
+    if key == "expert_cache_bytes" and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # a plain byte count
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind is float:

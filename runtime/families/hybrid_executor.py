@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ignis.runtime.errors import StateError, TensorSetError, TensorShapeError
+from ignis.runtime.expert_cache import ExpertCache, host_experts
 from ignis.runtime.families.base import ForwardOutput
 from ignis.runtime.families.gated_deltanet import (
     causal_conv1d_silu,
@@ -251,6 +252,9 @@ class HybridExecutor:
         linear: the linear hook ``linear(x, weight, bias)`` every linear layer runs through
             (`ignis.runtime.linear.LinearBackend` for an artifact; linear weights may then be
             `Q4Weight`s); `F.linear` when None.
+        expert_cache: keep the routed experts in host memory (where `weights` has them: e.g. the
+            artifact's memory map) and run them from this cache's device slots
+            (`ignis.runtime.expert_cache`); None: every expert is moved to `device`.
 
     Raises:
         TensorSetError: missing or unexpected trunk tensors, all listed at once.
@@ -266,6 +270,7 @@ class HybridExecutor:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         linear: LinearFn | None = None,
+        expert_cache: ExpertCache | None = None,
     ) -> None:
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
@@ -273,6 +278,7 @@ class HybridExecutor:
         self.device = torch.device(device)
         self.dtype = dtype
         self.linear: LinearFn = linear or F.linear
+        self.expert_cache = expert_cache
         c = config
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         _check_weights(c, trunk)
@@ -369,7 +375,12 @@ class HybridExecutor:
         c = self.config
         assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
         inter = c.moe_intermediate_size
-        if f"{p}.experts.gate_up_proj" in trunk:
+        experts: Sequence[SwiGLUWeights]
+        if self.expert_cache is not None:  # routed experts stay on the host; device slots cache them
+            experts = self.expert_cache.make_layer(
+                host_experts(c, trunk, p, dtype=self.dtype), linear=self.linear, dtype=self.dtype
+            )
+        elif f"{p}.experts.gate_up_proj" in trunk:
             gate_up, down = get(f"{p}.experts.gate_up_proj"), get(f"{p}.experts.down_proj")
             experts = [
                 SwiGLUWeights(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(c.num_experts)

@@ -258,6 +258,7 @@ class StaticHybridExecutor(HybridExecutor):
             CUDA: the GDN conv1d + SiLU (reading the pooled conv states, writing the windows commit
             reads) and attention's q/k RMSNorm + RoPE + KV write; None: the torch ops. Also
             settable later as the ``mixers_module`` attribute (captured graphs are dropped then).
+        expert_cache: routed experts in host memory behind device slots (`HybridExecutor`).
 
     Memory (bytes): KV 2 x attn_layers x max_lanes x capacity x kv_heads x head_dim x dtype size;
     recurrent state 4 x gdn_layers x max_lanes x v_heads x k_dim x v_dim, and max_columns times that
@@ -289,8 +290,11 @@ class StaticHybridExecutor(HybridExecutor):
         norms_module: Any = None,
         mixers_module: Any = None,
         chunked_prefill: int | None = None,
+        expert_cache: Any = None,
     ) -> None:
-        super().__init__(config, weights, device=device, dtype=dtype, linear=linear)
+        super().__init__(
+            config, weights, device=device, dtype=dtype, linear=linear, expert_cache=expert_cache
+        )
         c = config
         if max_lanes < 1 or max_columns < 1:
             raise ValueError(f"max_lanes and max_columns must be >= 1, got {max_lanes}, {max_columns}")

@@ -100,14 +100,20 @@ def sparse_moe_block(
     """The sparse MoE block on x [R, hidden] -> [R, hidden] (x's dtype).
 
     Each routed expert runs once on exactly the rows routed to it (experts visited in index order,
-    contributions accumulated with `index_add_`, as HF's eager expert loop does).
+    contributions accumulated with `index_add_`, as HF's eager expert loop does). When `w.experts` is
+    an `ignis.runtime.expert_cache.ExpertSlots` (experts in host memory, a device cache of slots), the
+    union of the routed experts is made resident through its `resident_groups`, in the same order.
     """
     top_w, top_i = route_top_k(x, w.router, top_k=top_k, norm_topk_prob=norm_topk_prob, linear=linear)
     out = torch.zeros_like(x)
-    for expert in torch.unique(top_i).tolist():
-        rows, slot = torch.where(top_i == expert)
-        y = swiglu_mlp(x[rows], w.experts[expert], linear=linear) * top_w[rows, slot, None]
-        out.index_add_(0, rows, y.to(out.dtype))
+    experts = torch.unique(top_i).tolist()
+    # an `ignis.runtime.expert_cache.ExpertSlots` makes the experts resident group by group (same order)
+    groups = getattr(w.experts, "resident_groups", None)
+    for group in groups(experts, rows=x.shape[0]) if groups else ([(e, w.experts[e]) for e in experts],):
+        for expert, weights in group:
+            rows, slot = torch.where(top_i == expert)
+            y = swiglu_mlp(x[rows], weights, linear=linear) * top_w[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
     shared = swiglu_mlp(x, w.shared_expert, linear=linear) * torch.sigmoid(
         linear(x, w.shared_expert_gate, None)
     )

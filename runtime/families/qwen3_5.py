@@ -581,12 +581,16 @@ def make_hybrid_executor(
     dtype: torch.dtype = torch.float32,
     *,
     linear: Any = None,
+    expert_cache: Any = None,
 ) -> Any:
     """Build the torch `HybridExecutor` (see `hybrid_executor.py`) for any of the hybrid families;
-    `linear` is the executor's linear hook (base.py's `Family.make_executor`)."""
+    `linear` is the executor's linear hook (base.py's `Family.make_executor`); `expert_cache` an
+    `ignis.runtime.expert_cache.ExpertCache` for the routed experts (MoE families), or None."""
     from ignis.runtime.families.hybrid_executor import HybridExecutor
 
-    return HybridExecutor(config, weights, device=device, dtype=dtype, linear=linear)
+    return HybridExecutor(
+        config, weights, device=device, dtype=dtype, linear=linear, expert_cache=expert_cache
+    )
 
 
 #: The hybrid executors' own fusions of a decoder layer's linear weights (as `Family.fused_linears`:

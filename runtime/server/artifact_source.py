@@ -35,6 +35,7 @@ import torch
 from ignis.runtime.artifact_guard import watch_artifact
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.errors import TokenizerError
+from ignis.runtime.expert_cache import ExpertCache, ExpertCacheStats, cache_for_artifact, prometheus_collector
 from ignis.runtime.linear import Q4Weight
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile
@@ -229,7 +230,10 @@ class ArtifactSource:
         def detokenize(ids: Any) -> str:
             return str(tokenizer.decode(ids, skip_special_tokens=True))
 
+        cache_stats = ExpertCacheStats()
+
         def make_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
+            expert_cache = self._expert_cache(settings, device, dtype, linear, max_lanes, cache_stats)
             executor = art.make_executor(
                 device=device,
                 dtype=dtype,
@@ -237,6 +241,7 @@ class ArtifactSource:
                 cuda_graphs=None if settings.cuda_graphs else False,
                 max_lanes=max_lanes,
                 max_context=settings.max_context,
+                **({} if expert_cache is None else {"expert_cache": expert_cache}),
             )
             drafter = None if spec.backend == "off" else make_drafter(executor)
             return SpeculativeEngine(
@@ -272,6 +277,50 @@ class ArtifactSource:
             close=art.close,
             prefix_cache=cache,
             save_checkpoints=save_checkpoints,
+            collectors=(prometheus_collector(cache_stats),) if self._serves_experts(settings, device) else (),
+        )
+
+    def _serves_experts(self, settings: ModelSettings, device: torch.device) -> bool:
+        """Whether the expert cache may be on (an MoE model, not "off"; auto only on CUDA)."""
+        config = self.artifact.config
+        if not (getattr(config, "is_moe", False) and getattr(config, "num_experts", 0)):
+            return False
+        return settings.expert_cache not in ("off",) and (
+            device.type == "cuda" or settings.expert_cache not in (None, "auto")
+        )
+
+    def _expert_cache(
+        self,
+        settings: ModelSettings,
+        device: torch.device,
+        dtype: torch.dtype,
+        linear: Any,
+        lanes: int,
+        stats: ExpertCacheStats,
+    ) -> ExpertCache | None:
+        """The routed-expert cache of one engine (`cache_for_artifact`), sized for `lanes` lanes, the
+        context limit and the verify round's rows; None: every expert resident."""
+        art, spec = self.artifact, settings.spec
+        config = art.config
+        if settings.expert_cache not in (None, "auto", "off") and not getattr(config, "num_experts", 0):
+            log.warning("--expert-cache-bytes applies to MoE models; %s has no routed experts", self.name)
+            return None
+        context = settings.max_context or min(int(getattr(config, "max_position_embeddings", 8192)), 8192)
+        if spec.backend == "mtp":
+            rows = max(lanes, spec.draft_rows or 8)
+        else:
+            rows = lanes * (1 + (spec.draft_tokens if spec.backend != "off" else 0))
+        return cache_for_artifact(
+            art,
+            settings.expert_cache,
+            device=device,
+            dtype=dtype,
+            keep_q4=linear is not None,
+            lanes=lanes,
+            context=context,
+            rows=rows,
+            mtp=spec.backend == "mtp",
+            stats=stats,
         )
 
     def _snapshot_binding(self, backend: str) -> Any:

@@ -104,6 +104,9 @@ class ModelSettings:
             (`ignis.runtime.prefix_cache.PrefixCache`) on the card and in host RAM; both 0: off.
         checkpoint_dir: a snapshot directory (`ignis.runtime.snapshots.SnapshotDirectory`): loaded
             into the pool at start and written at shutdown, so a restarted server starts warm; None.
+        expert_cache: MoE models: the device budget of the routed-expert cache (bytes or a size
+            string, `ignis.runtime.expert_cache.parse_bytes`), "off" (every expert resident), or None /
+            "auto" (the card profile's default: `ignis.runtime.expert_cache.cache_for_artifact`).
 
     Raises:
         ConfigError: max_prefill_tokens is not an integer >= 0.
@@ -117,9 +120,14 @@ class ModelSettings:
     checkpoint_card_bytes: int = 0
     checkpoint_host_bytes: int = 0
     checkpoint_dir: str | None = None
+    expert_cache: str | int | None = None
 
     def __post_init__(self) -> None:
         check_max_prefill_tokens(self.max_prefill_tokens)  # refused before a long load
+        if self.expert_cache not in (None, "auto", "off"):  # a bad size refused before a long load
+            from ignis.runtime.expert_cache import parse_bytes
+
+            parse_bytes(self.expert_cache)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -138,6 +146,7 @@ class ServedModel:
         prefix_cache: the prompt checkpoint pool every engine `make_engine` builds shares (it
             outlives an engine restart), or None; the server exports its metrics.
         save_checkpoints: writes the pool to the snapshot directory (at shutdown), or None.
+        collectors: further `prometheus_client` collectors for /metrics (e.g. the expert cache's).
     """
 
     name: str
@@ -149,6 +158,7 @@ class ServedModel:
     close: Callable[[], None] | None = None
     prefix_cache: PrefixCache | None = None
     save_checkpoints: Callable[[], None] | None = None
+    collectors: tuple[Any, ...] = ()
 
     def accepts(self, name: str) -> bool:
         """True when a request's "model" names this model."""

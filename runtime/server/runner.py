@@ -179,6 +179,8 @@ class IgnisServer:
         self.metrics = ServerMetrics(lambda: self.lanes.snapshot, options.lanes)
         if model.prefix_cache is not None:  # the prompt checkpoint pool's counters and gauges
             self.metrics.registry.register(PromptCheckpointCollector(model.prefix_cache))
+        for collector in model.collectors:  # the model's own series (e.g. the expert cache's)
+            self.metrics.registry.register(collector)
         self.lanes.metrics = self.metrics
         self.app = create_app(
             model,

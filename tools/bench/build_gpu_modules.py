@@ -1,6 +1,6 @@
 """Build, on a host without a GPU, every CUDA module the GPU benchmarks carry to the device.
 
-    python -m ignis.tools.bench.build_gpu_modules --out .device/final [--arch sm_90]
+    python -m ignis.tools.bench.build_gpu_modules --out .device/final [--arch sm_90] [--shapes flash-next]
 
 Writes into OUT (about 6 MB for sm_90):
 
@@ -44,15 +44,34 @@ E2E_SHAPES = (
     (16384, 5120),
     (34816, 5120),
 )
+#: The same for the Qwen3.5-122B-A10B-shaped `qwen3_5_moe` of `ignis.tools.bench.expert_cache`
+#: (hidden 3,072): attention q (with its gate) / k, v / q|k|v / o_proj, GDN in_proj_qkv / z / qkv|z /
+#: out_proj, a routed or shared expert's gate or up and down, the LM head, the MTP head's fc.
+FLASH_NEXT_SHAPES = (
+    (16384, 3072),
+    (512, 3072),
+    (17408, 3072),
+    (3072, 8192),
+    (12288, 3072),
+    (8192, 3072),
+    (20480, 3072),
+    (1024, 3072),
+    (3072, 1024),
+    (248320, 3072),
+    (3072, 6144),
+)
+SHAPE_SETS = {"qwen3_5-27b": E2E_SHAPES, "flash-next": FLASH_NEXT_SHAPES}
 E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
 #: The tiled route's widths: also 40-64 (33-64 rows in one call, every 8 rows as the h200 profile
 #: compiles: docs/perf/log runs 69-72); the mma route's kernels stop at 32 rows.
 E2E_WIDTHS_TILED = (*E2E_WIDTHS, 40, 48, 56, 64)
 
 
-def build_q4_e2e_bundle(out: Path, arch: str, route: str = "tiled") -> dict[str, object]:
-    """Build the q4 bundle for `E2E_SHAPES` x `E2E_WIDTHS` (`E2E_WIDTHS_TILED` on the tiled route) into
-    `out`; returns the manifest dict.
+def build_q4_e2e_bundle(
+    out: Path, arch: str, route: str = "tiled", shapes: tuple[tuple[int, int], ...] = E2E_SHAPES
+) -> dict[str, object]:
+    """Build the q4 bundle for `shapes` (default `E2E_SHAPES`) x `E2E_WIDTHS` (`E2E_WIDTHS_TILED` on the
+    tiled route) into `out`; returns the manifest dict.
 
     route "tiled": the tiled stream-K kernel (`ignis.compiler.kernels.q4_tiled`; weights in the tiled
     layout, manifest ``kind`` "q4_g32_tiled"), one export per n-tile count; "mma": the row-major
@@ -63,7 +82,7 @@ def build_q4_e2e_bundle(out: Path, arch: str, route: str = "tiled") -> dict[str,
 
         texports, ttable = {}, {}
         for w in E2E_WIDTHS_TILED:
-            for n, k in E2E_SHAPES:
+            for n, k in shapes:
                 cfg = tiled_config_for(w, n, k, arch)
                 name = "q4t_" + cfg.tag
                 texports[name] = cfg
@@ -82,7 +101,7 @@ def build_q4_e2e_bundle(out: Path, arch: str, route: str = "tiled") -> dict[str,
 
     exports, table = {}, {}
     for w in E2E_WIDTHS:
-        for n, k in E2E_SHAPES:
+        for n, k in shapes:
             cfg = default_tile_config(w, n, k, arch=arch)
             name = "q4_" + cfg.tag
             exports[name] = cfg
@@ -100,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90", help="CUDA arch (sm_90, sm_120) [default: sm_90]")
     ap.add_argument("--skip-q4", action="store_true", help="do not rebuild the q4 bundle")
     ap.add_argument("--q4-route", choices=("tiled", "mma"), default="tiled", help="q4 kernel route [tiled]")
+    ap.add_argument(
+        "--shapes",
+        choices=sorted(SHAPE_SETS),
+        default="qwen3_5-27b",
+        help="the model whose linear shapes the q4 bundle serves: e2e_gpu's 27B, or expert_cache's "
+        "Flash-Next [qwen3_5-27b]",
+    )
     args = ap.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_q4:
         timed(
             "q4 e2e bundle",
-            lambda: (build_q4_e2e_bundle(out, args.arch, args.q4_route), out / f"q4_e2e_{tag}.so")[1],
+            lambda: (
+                build_q4_e2e_bundle(out, args.arch, args.q4_route, SHAPE_SETS[args.shapes]),
+                out / f"q4_e2e_{tag}.so",
+            )[1],
         )
     from ignis.compiler.kernels.fused_norms import build_fused_norms
     from ignis.compiler.kernels.gdn_recurrent import build_gdn_recurrent

@@ -1,0 +1,113 @@
+"""`ignis-run --expert-cache-bytes` and the config file's `expert_cache_bytes` reach ModelSettings; bad
+sizes are refused before any load (in process, the serving loop stubbed by `captured`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import toy_model
+from click.testing import CliRunner
+from server_helpers import short_tmpdir
+
+from ignis.runtime import cli
+from ignis.runtime.config_file import ConfigFileError, load_config_file
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    settings: list[object] = []
+    load = toy_model.ToySource.load
+
+    def spy(self, s):  # record what the toy source was loaded with
+        settings.append(s)
+        return load(self, s)
+
+    monkeypatch.setattr(toy_model.ToySource, "load", spy)
+    return settings
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(
+        cli.main, ["--model-factory", "toy_model:from_env", *args], catch_exceptions=False
+    )
+
+
+def test_flag_and_config_key_reach_the_model_settings(captured, seen, tmp_path: Path) -> None:
+    sock = short_tmpdir() / "s.sock"
+    cfg = tmp_path / "ignis.yaml"
+    cfg.write_text(f"socket: {sock}\nexpert_cache_bytes: 24GiB\n")
+    for args, want in (
+        (["--socket", str(sock)], None),
+        (["--socket", str(sock), "--expert-cache-bytes", "512MiB"], "512MiB"),
+        (["--config", str(cfg)], "24GiB"),
+        (["--config", str(cfg), "--expert-cache-bytes", "off"], "off"),
+    ):
+        result = _invoke(*args)
+        assert result.exit_code == 0, result.output
+        assert seen[-1].expert_cache == want, args
+    result = _invoke("--socket", str(sock), "--expert-cache-bytes", "lots")
+    assert result.exit_code == 1 and "not a byte count" in result.output
+
+
+def test_config_file_values(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    for text, want in (("expert_cache_bytes: off\n", "off"), ("expert_cache_bytes: 4096\n", "4096")):
+        path.write_text(text)
+        assert load_config_file(path).server["expert_cache_bytes"] == want
+    path.write_text("expert_cache_bytes: [1]\n")
+    with pytest.raises(ConfigFileError, match="expert_cache_bytes must be str"):
+        load_config_file(path)
+
+
+class _CachedSource:
+    """An `ArtifactSource` loaded with an expert-cache budget (what --expert-cache-bytes passes)."""
+
+    def __init__(self, inner, budget: str) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.budget = inner, budget
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.inner, name)
+
+    def load(self, settings):  # type: ignore[no-untyped-def]
+        import dataclasses
+
+        return self.inner.load(dataclasses.replace(settings, expert_cache=self.budget, device="cpu"))
+
+
+def test_metrics_report_the_expert_cache(tmp_path: Path) -> None:
+    """A served MoE artifact with a small expert cache: its greedy output equals the resident one's
+    and /metrics carries the cache's series (misses counted)."""
+    import hf_tiny
+    from hf_tiny_hybrid import make_tiny_hybrid
+    from server_helpers import serve
+
+    from ignis.compiler.build import build_artifact
+    from ignis.runtime.profiles import SpecDefaults
+    from ignis.runtime.server.artifact_source import ArtifactSource
+
+    make_tiny_hybrid("qwen3_5_moe", tmp_path / "ckpt")
+    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "r.toml").write_text('name = "tiny-moe"\n[modules]\nwidths = []\n')
+    res = build_artifact(
+        card="cpu", model=tmp_path / "ckpt", recipe=tmp_path / "r.toml", out=tmp_path / "art", progress=False,
+        echo=lambda _l: None,
+    )  # fmt: skip
+    off = SpecDefaults(backend="off")
+    body = {"prompt": [5, 9, 200, 31, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body["return_token_ids"] = True
+    outs, texts = [], []
+    for source in (ArtifactSource(res.out), _CachedSource(ArtifactSource(res.out), "100KiB")):
+        with serve(source, off) as running, running.client() as c:
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            outs.append(r.json()["choices"][0]["token_ids"])
+            texts.append(c.get("/metrics").text)
+    assert outs[0] == outs[1] and len(outs[0]) == 8
+    assert "ignis_expert_cache" not in texts[0]
+    misses = next(
+        float(line.split()[1])
+        for line in texts[1].splitlines()
+        if line.startswith("ignis_expert_cache_misses_total")
+    )
+    assert misses > 0 and "ignis_expert_cache_slots_in_use" in texts[1]

@@ -1,0 +1,36 @@
+"""`python -m ignis.tools.bench.expert_cache --tiny` on the CPU: the benchmark's plumbing at toy sizes
+(cached cards of 1 and 4 slots a layer, speculation off and MTP) writes its table and JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
+
+from ignis.tools.bench.expert_cache import drafts_per_lane, expected_tokens, main
+
+
+def test_tiny_run_writes_cases(tmp_path: Path, capsys) -> None:
+    assert (
+        main(["--tiny", "--lanes", "1", "--modes", "off,mtp", "--tokens", "3", "--out", str(tmp_path)]) == 0
+    )
+    res = json.loads((tmp_path / "bench_expert_cache.json").read_text())
+    cases = {(c["card"], c["mode"]): c for c in res["cases"]}
+    assert set(cases) == {("1slots", "off"), ("1slots", "mtp"), ("4slots", "off"), ("4slots", "mtp")}
+    one = cases[("1slots", "off")]
+    assert one["slots_per_layer"] == 1 and one["tokens"] >= 1 and one["MB_per_token"] > 0
+    assert 0 <= one["hit_rate"] < 1
+    assert one["hit_rate_lru"] == one["hit_rate"] and one["hit_rate_belady"] >= one["hit_rate"]
+    assert (
+        cases[("1slots", "mtp")]["drafts_per_lane"] == 3 and cases[("1slots", "mtp")]["projected_tok_s"] > 0
+    )
+    assert res["bytes"]["expert"] * 16 * 4 == res["bytes"]["experts"]  # 16 experts x 4 MoE layers
+    assert "card | mode | lanes" in capsys.readouterr().out
+
+
+def test_projection_rules() -> None:
+    assert expected_tokens(0, 0.8) == 1 and abs(expected_tokens(3, 0.5) - 1.875) < 1e-12
+    # the default row budget of 8: 3 drafts at 1-2 lanes, 1 at 3-4, none from 5 on; budget 3: 1 lane only
+    assert [drafts_per_lane(n, 3, 8) for n in (1, 2, 3, 4, 5, 8)] == [3, 3, 1, 1, 0, 0]
+    assert [drafts_per_lane(n, 3, 3) for n in (1, 2)] == [2, 0]

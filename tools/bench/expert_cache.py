@@ -1,0 +1,382 @@
+"""Flash-Next on smaller cards: decode through the routed-expert cache at a card's memory (issue 22).
+
+    python -m ignis.tools.bench.expert_cache [--cards 32,96] [--lanes 1,2,3,4,8]
+        [--modes off,mtp,mtp-rows3] [--tokens 24] [--layers 48] [--baselines] [--mods DIR] [--out DIR]
+    python -m ignis.tools.bench.expert_cache --tiny        # CPU plumbing check at toy sizes
+
+The model is Qwen3.5-122B-A10B-shaped (`qwen3_5_moe_text`: hidden 3,072; 48 layers, 3 Gated DeltaNet
+: 1 gated attention; 32 query / 2 KV heads of 256; GDN 16 key / 64 value heads of 128; 256 experts,
+8 a token, expert and shared-expert intermediate 1,024; vocabulary 248,320; one MTP layer) with
+RANDOM weights: q4_g32 codes (random u32) + small f16 scales for every projection and expert (the
+router, the shared-expert gate and GDN `in_proj_a/b` bf16), bf16 for the rest. Routed experts are
+generated on the device layer by layer and moved to host memory (pageable, as a memory map is;
+~65 GB at 48 layers: the GPU host has 128 GB). `--layers N` keeps the shape with N layers.
+
+Per emulated card (`--cards`, GiB: the budget is what `plan_expert_cache` leaves of that card after
+the resident weights, 8 lanes' KV at `--context`, the round workspace and the headroom; with MTP on,
+the head's reserve comes out of the cache) and per mode:
+
+* off: speculation off; mtp: the MTP head, 3 drafts, row budget 8; mtp-rows3: 3 drafts, row budget 3;
+
+and per lane count: `--tokens` greedy tokens per lane through `SpeculativeEngine` (random prompts of
+32 tokens, prefill excluded from the timing): measured tok/s, the median step (verify round) time,
+rounds, expert-cache hit rate, bytes copied per emitted token and per round, and the hit rates the
+decode's routing trace would get under LFU and Belady's offline optimum (`simulate_policy`: the
+bound on any smarter policy, router lookahead included) at the same slots. Random weights route
+nearly uniformly (a trained router has locality: real hit rates are higher) and a random MTP head is
+almost never accepted, so for MTP the table also gives the projected tok/s = lanes x E[tokens per
+lane-round] / median round time, with E from the documented acceptance (`--accept`, default 0.815:
+80-83 % of the first four drafts) and the drafts the row budget allows each lane.
+
+`--baselines`: the same decode with every expert resident (fits the H200) and with no cache (every
+expert copied on demand each round: the slots are flushed after every forward). The host-to-device
+bandwidth (pinned and pageable, 1 GiB) is measured in the same run.
+
+Linears: with `--mods` (a bundle from ``python -m ignis.tools.bench.build_gpu_modules --out DIR
+--shapes flash-next``, which serves every linear shape of this model) through its compiled tiled
+functions (resident weights and the cache's slots in the tiled layout), else torch (dequantize +
+GEMM): the figures then show the cache's copy traffic and hit rates faithfully but not the kernels'
+speed. A full run (2 cards x 3 modes x 5 lane counts, baselines) takes longer than one 10-minute
+device command: split it, e.g. ``--cards 32 --modes off,mtp --lanes 1,2,4``.
+
+Prints a table last; writes ``bench_expert_cache.json`` into `--out` (default $OUT or .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ignis.runtime.drafters.mtp import build_mtp_drafter
+from ignis.runtime.engine import SpeculativeEngine
+from ignis.runtime.expert_cache import (
+    POLICIES,
+    ExpertCache,
+    is_routed_expert,
+    lane_state_bytes,
+    plan_expert_cache,
+    round_workspace_bytes,
+    simulate_policy,
+)
+from ignis.runtime.families.hybrid_executor import HybridExecutor
+from ignis.runtime.families.qwen3_5 import Qwen3_5MoeTextConfig, mtp_tensor_shapes, tensor_shapes
+from ignis.runtime.linear import Q4Weight
+from ignis.runtime.sampling import SamplingParams
+
+GIB = 1024**3
+_PRECISE = re.compile(r"(in_proj_(a|b|ba)\.weight|mlp\.gate\.weight|shared_expert_gate\.weight)$")
+_LINEAR = re.compile(r"(proj[A-Za-z0-9_]*(\.weight)?|lm_head\.weight|mtp\.fc\.weight)$")
+
+
+def issue_config(layers: int = 48, *, tiny: bool = False) -> Qwen3_5MoeTextConfig:
+    """The issue's shape with `layers` layers (every 4th full attention), or a toy one (`tiny`)."""
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers))
+    if tiny:
+        return Qwen3_5MoeTextConfig(
+            vocab_size=512, hidden_size=128, num_hidden_layers=layers, layer_types=types,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_key_head_dim=32,
+            linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=16,
+            num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            max_position_embeddings=4096,
+        )  # fmt: skip
+    return Qwen3_5MoeTextConfig(
+        vocab_size=248320, hidden_size=3072, num_hidden_layers=layers, layer_types=types,
+        num_attention_heads=32, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=64, num_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+        max_position_embeddings=262144, rope_theta=10_000_000.0,
+    )  # fmt: skip
+
+
+def _q4(shape: tuple[int, ...], dev: torch.device, gen: torch.Generator) -> Q4Weight:
+    *lead, n, k = shape
+    packed = torch.randint(
+        -(2**31), 2**31 - 1, (*lead, n, k // 8), generator=gen, device=dev, dtype=torch.int32
+    ).view(torch.uint32)
+    scales = (torch.rand(*lead, n, k // 32, generator=gen, device=dev) * (2 / (7 * math.sqrt(k)))).half()
+    return Q4Weight(packed, scales)
+
+
+def make_weights(shapes: dict[str, tuple[int, ...]], dev: torch.device, seed: int) -> dict[str, Any]:
+    """Random weights (module docstring) on `dev`; routed experts moved to host memory."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    out: dict[str, Any] = {}
+    for name, shape in shapes.items():
+        quantize = len(shape) >= 2 and shape[-1] % 32 == 0 and not _PRECISE.search(name)
+        if quantize and _LINEAR.search(name):
+            w = _q4(shape, dev, gen)
+            out[name] = w.to("cpu") if is_routed_expert(name) else w
+            continue
+        if name.endswith("A_log"):
+            t = torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=gen).log_()
+        elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+            t = torch.ones(shape, device=dev)
+        elif name.endswith("conv1d.weight"):
+            t = torch.randn(shape, generator=gen, device=dev) * 0.3
+        elif name.endswith("embed_tokens.weight"):
+            t = torch.randn(shape, generator=gen, device=dev)
+        elif len(shape) == 1:
+            t = torch.zeros(shape, device=dev)
+        else:
+            t = torch.randn(shape, generator=gen, device=dev) / math.sqrt(shape[-1])
+        out[name] = t.to(torch.bfloat16)
+    return out
+
+
+def nbytes(w: Any) -> int:
+    if isinstance(w, Q4Weight):
+        return w.packed.numel() * 4 + w.scales.numel() * 2
+    return int(w.numel() * w.element_size())
+
+
+def bandwidth(dev: torch.device, size: int = GIB) -> dict[str, float]:
+    """Host-to-device GB/s (pinned and pageable) of one `size`-byte copy, best of 3."""
+    if dev.type != "cuda":
+        return {}
+    out = {}
+    dst = torch.empty(size, dtype=torch.uint8, device=dev)
+    for kind, src in (
+        ("pinned", torch.empty(size, dtype=torch.uint8, pin_memory=True)),
+        ("pageable", torch.empty(size, dtype=torch.uint8)),
+    ):
+        src.fill_(1)
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=kind == "pinned")
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        out[f"h2d_{kind}_GBps"] = round(size / best / 1e9, 2)
+    return out
+
+
+def expected_tokens(k: int, accept: float) -> float:
+    """E[tokens a lane-round commits] with k drafts each accepted with probability `accept` in turn."""
+    return sum(accept**i for i in range(k + 1))
+
+
+def drafts_per_lane(lanes: int, k: int, rows: int) -> int:
+    """The scheduler's rule for a row-budgeted drafter: min(k, rows // lanes - 1), at least 0."""
+    return max(0, min(k, (rows or 8) // lanes - 1))
+
+
+def run_case(
+    ex: HybridExecutor,
+    drafter: Any,
+    *,
+    lanes: int,
+    k: int,
+    rows: int,
+    tokens: int,
+    vocab: int,
+    cache: ExpertCache | None,
+    flush: bool,
+    seed: int,
+) -> dict[str, Any]:
+    """Greedy decode of `lanes` random prompts; step times after the prefill; cache counters."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(lanes)]
+    engine = SpeculativeEngine(ex, drafter, draft_tokens=k if drafter is not None else None, draft_rows=rows)
+    params = SamplingParams(temperature=0, max_tokens=tokens)
+    for p in prompts:
+        engine.add_lane(p, params)
+    sync = torch.cuda.synchronize if ex.device.type == "cuda" else (lambda: None)
+    engine.step()  # the prefill (and first tokens)
+    if flush and cache is not None:
+        cache.flush()
+    if cache is not None and not flush:
+        cache.stats.trace = []  # the decode's routing, replayed under other policies below
+    before = dict(cache.stats.snapshot()) if cache is not None else {}
+    emitted = 0
+    times: list[float] = []
+    while engine.has_unfinished:
+        sync()
+        t0 = time.perf_counter()
+        updates = engine.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        emitted += sum(len(u.new_token_ids) for u in updates)
+        if flush and cache is not None:
+            cache.flush()
+    wall = sum(times)
+    res: dict[str, Any] = {
+        "lanes": lanes,
+        "rounds": len(times),
+        "tokens": emitted,
+        "tok_s": round(emitted / wall, 2) if wall else 0.0,
+        "round_ms": round(statistics.median(times) * 1e3, 2) if times else 0.0,
+    }
+    if cache is not None:
+        after = cache.stats.snapshot()
+        hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+        copied = after["bytes_copied"] - before["bytes_copied"]
+        res |= {
+            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            "MB_per_token": round(copied / max(emitted, 1) / 1e6, 2),
+            "MB_per_round": round(copied / max(len(times), 1) / 1e6, 2),
+            "slots_in_use": after["slots_in_use"],
+        }
+        if cache.stats.trace is not None:
+            for policy in POLICIES:
+                sim = simulate_policy(cache.stats.trace, cache.slots_per_layer, policy)
+                total = sim["hits"] + sim["misses"]
+                res[f"hit_rate_{policy}"] = round(sim["hits"] / total, 4) if total else 0.0
+            cache.stats.trace = None
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cards", default="32,96", help="emulated card memory, GiB, comma-separated")
+    ap.add_argument("--lanes", default="1,2,3,4,8")
+    ap.add_argument("--modes", default="off,mtp,mtp-rows3")
+    ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per lane")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--context", type=int, default=8192, help="context per lane the KV is planned for")
+    ap.add_argument("--accept", type=float, default=0.815, help="MTP per-draft acceptance for projections")
+    ap.add_argument("--baselines", action="store_true", help="also every expert resident, and no cache")
+    ap.add_argument("--mods", type=Path, help="a build_gpu_modules bundle covering these shapes")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (plumbing check)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = ap.parse_args(argv)
+
+    dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = issue_config(4 if args.tiny else args.layers, tiny=args.tiny)
+    t0 = time.perf_counter()
+    weights = make_weights(tensor_shapes(cfg), dev, seed=0)
+    mtp_weights = make_weights(mtp_tensor_shapes(cfg), dev, seed=1)
+    if dtype != torch.bfloat16:
+        weights = {n: w if isinstance(w, Q4Weight) else w.to(dtype) for n, w in weights.items()}
+        mtp_weights = {n: w if isinstance(w, Q4Weight) else w.to(dtype) for n, w in mtp_weights.items()}
+    print(f"weights generated in {time.perf_counter() - t0:.1f} s", flush=True)
+    linear = None
+    if args.mods is not None:
+        from ignis.runtime.linear import LinearBackend
+        from ignis.tools.bench.e2e_gpu import load_compiled
+
+        linear = LinearBackend(load_compiled(args.mods))
+    else:
+        from ignis.runtime.linear import torch_linear
+
+        linear = torch_linear
+
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    expert_total = sum(nbytes(w) for n, w in weights.items() if is_routed_expert(n))
+    expert_bytes = expert_total // (moe_layers * cfg.num_experts)
+    resident = sum(nbytes(w) for n, w in weights.items() if not is_routed_expert(n))
+    mtp_bytes = sum(nbytes(w) for w in mtp_weights.values())
+    lanes_list = [int(x) for x in args.lanes.split(",")]
+    lane_bytes = lane_state_bytes(cfg, lanes=max(lanes_list), context=args.context, dtype=dtype)
+    mtp_kv = max(lanes_list) * args.context * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    results: dict[str, Any] = {
+        "config": {
+            "layers": cfg.num_hidden_layers,
+            "experts": cfg.num_experts,
+            "top_k": cfg.num_experts_per_tok,
+        },
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "linears": "compiled" if args.mods else "torch",
+        "bytes": {
+            "experts": expert_total,
+            "expert": expert_bytes,
+            "resident": resident,
+            "mtp_head": mtp_bytes,
+            "lane_state": lane_bytes,
+        },
+        "bandwidth": bandwidth(dev),
+        "cases": [],
+    }
+    print(json.dumps({k: results[k] for k in ("config", "device", "bytes", "bandwidth")}), flush=True)
+
+    modes = {"off": (0, 0), "mtp": (3, 8), "mtp-rows3": (3, 3)}
+    wanted = [m for m in args.modes.split(",") if m]
+    cases: list[tuple[str, int | None]] = [
+        (f"{c}GiB", int(float(c) * GIB)) for c in args.cards.split(",") if c
+    ]
+    if args.tiny:  # toy budgets: 1 and 4 slots a layer
+        cases = [(f"{s}slots", s * moe_layers * expert_bytes) for s in (1, 4)]
+    if args.baselines:
+        cases += [("resident", None), ("no-cache", -1)]
+    for label, card in cases:
+        for mode in wanted:
+            k, rows = modes[mode]
+            mtp_on = k > 0
+            cache = None
+            if card is not None:
+                workspace = round_workspace_bytes(cfg, rows=max(8, rows, max(lanes_list)), dtype=dtype)
+                if card == -1:  # no cache: top_k slots, flushed after every round
+                    slots = cfg.num_experts_per_tok
+                elif args.tiny:
+                    slots = card // (moe_layers * expert_bytes)
+                else:
+                    plan = plan_expert_cache(
+                        expert_bytes=expert_bytes, moe_layers=moe_layers, num_experts=cfg.num_experts,
+                        resident_bytes=resident, lane_bytes=lane_bytes, workspace_bytes=workspace,
+                        mtp_reserve_bytes=(mtp_bytes + mtp_kv) if mtp_on else 0, card_bytes=card,
+                        card_name=label,
+                    )  # fmt: skip
+                    print(plan.describe(), flush=True)
+                    slots = plan.slots_per_layer
+                cache = ExpertCache(slots, device=dev)
+            run_weights = weights
+            if card is None:  # every expert resident
+                run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
+            ex = HybridExecutor(cfg, run_weights, device=dev, dtype=dtype, linear=linear, expert_cache=cache)
+            drafter = None
+            if mtp_on:
+                shared = {
+                    n: weights[n]
+                    for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+                }
+                drafter = build_mtp_drafter(
+                    target_config=cfg, target_weights=shared, mtp_weights=mtp_weights, device=dev,
+                    dtype=dtype, linear=linear,
+                )  # fmt: skip
+            for lanes in lanes_list:
+                res = run_case(
+                    ex, drafter, lanes=lanes, k=k, rows=rows, tokens=args.tokens, vocab=cfg.vocab_size,
+                    cache=cache, flush=card == -1, seed=lanes,
+                )  # fmt: skip
+                res |= {
+                    "card": label,
+                    "mode": mode,
+                    "slots_per_layer": cache.slots_per_layer if cache else None,
+                }
+                if mtp_on and res["round_ms"]:
+                    d = drafts_per_lane(lanes, k, rows)
+                    res["drafts_per_lane"] = d
+                    res["projected_tok_s"] = round(
+                        lanes * expected_tokens(d, args.accept) / res["round_ms"] * 1e3, 2
+                    )
+                print(json.dumps(res), flush=True)
+                results["cases"].append(res)
+            del ex, drafter, cache, run_weights
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
+    cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "hit_rate")
+    cols += ("hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
+    print(" | ".join(cols))
+    for r in results["cases"]:
+        print(" | ".join(str(r.get(c, "")) for c in cols))
+    print(f"bandwidth: {results['bandwidth']}; wrote {args.out / 'bench_expert_cache.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
