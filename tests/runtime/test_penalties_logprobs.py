@@ -252,7 +252,9 @@ def test_extreme_repetition_penalties_are_refused() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_rows_and_logprobs_match_the_cpu(dtype) -> None:
-    """The per-lane state lives on the logits' device: CUDA rows and logprobs equal the CPU's."""
+    """The per-lane state lives on the logits' device: CUDA rows equal the CPU's to the dtype's rounding
+    (the two devices' elementwise kernels may round a product differently: not bit for bit, as an
+    H200 run showed), with the same greedy choice in every row, and the same logprobs."""
     from ignis.runtime.logits_processors import LanePenalties, token_logprobs
 
     g = torch.Generator().manual_seed(0)
@@ -269,9 +271,13 @@ def test_cuda_rows_and_logprobs_match_the_cpu(dtype) -> None:
         state.process(logits[:1].to(device), [])  # counts built, then extended
         state.extend(output[100:])
         rows[device] = state.process(logits.to(device), drafts).cpu()
-    assert torch.equal(rows["cpu"], rows["cuda"])
+    torch.testing.assert_close(rows["cuda"], rows["cpu"])
+    assert torch.equal(rows["cpu"].isinf(), rows["cuda"].isinf())  # the same tokens masked
     tokens = rows["cpu"].argmax(-1).tolist()
+    if dtype == torch.float32:  # bf16 rows can hold exact ties that one rounding step reorders
+        assert rows["cuda"].argmax(-1).tolist() == tokens
     cpu = token_logprobs(logits.float(), tokens, 5)
     gpu = token_logprobs(logits.float().cuda(), tokens, 5)
     assert [x.top[0][0] for x in cpu] == [x.top[0][0] for x in gpu]
-    assert [x.logprob for x in cpu] == pytest.approx([x.logprob for x in gpu], abs=1e-5)
+    # log-softmax over 151,936 logits sums in another order on each device: ~1e-5 apart (H200 run)
+    assert [x.logprob for x in cpu] == pytest.approx([x.logprob for x in gpu], rel=1e-4, abs=1e-4)
