@@ -67,6 +67,7 @@ class HybridSource:
     aliases: tuple[str, ...] = ()
     spec_kinds: tuple[str, ...] = ("mtp",)
     profile: str | None = None
+    checkpoint_bytes: int = 0  # a card pool of prompt checkpoints (`PrefixCache`); 0: none
 
     def __post_init__(self) -> None:
         from ignis.runtime.drafters.mtp import load_mtp_checkpoint
@@ -85,9 +86,13 @@ class HybridSource:
 
     def load(self, settings: ModelSettings) -> ServedModel:
         from ignis.runtime.drafters.mtp import build_mtp_drafter
+        from ignis.runtime.prefix_cache import PrefixCache
 
         tok = _tokenizer(self.template)
         spec = settings.spec
+        cache = None
+        if self.checkpoint_bytes:
+            cache = PrefixCache(card_bytes=self.checkpoint_bytes, host_bytes=0, pin_host_memory=False)
 
         def make_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
             drafter = None
@@ -101,9 +106,12 @@ class HybridSource:
                 detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
                 max_lanes=max_lanes,
                 metrics=metrics,
+                prefix_cache=cache,
             )
 
-        return ServedModel(name=self.name, tokenizer=tok, make_engine=make_engine, spec=spec)
+        return ServedModel(
+            name=self.name, tokenizer=tok, make_engine=make_engine, spec=spec, prefix_cache=cache
+        )
 
 
 WEATHER = {
@@ -172,7 +180,7 @@ def _check_args(name: str, args: dict) -> None:
 
 @pytest.mark.parametrize(("family", "template"), CASES, ids=[c[0] for c in CASES])
 def test_tiny_hybrid_tool_calls_and_json_over_the_socket(tmp_path: Path, family: str, template: str) -> None:
-    source = HybridSource(family, tmp_path, template)
+    source = HybridSource(family, tmp_path, template, checkpoint_bytes=1 << 30)
     with serve(source, SpecDefaults(backend="mtp", draft_tokens=3), lanes=2) as running:
         http = httpx.Client(transport=httpx.HTTPTransport(uds=str(running.socket)), timeout=120)
         oai = openai.OpenAI(base_url="http://ignis/v1", api_key="x", http_client=http, max_retries=0)
@@ -229,6 +237,11 @@ def test_tiny_hybrid_tool_calls_and_json_over_the_socket(tmp_path: Path, family:
         before = tok.decode([*choice.prompt_token_ids, *choice.token_ids])  # type: ignore[attr-defined]
         assert rendered.startswith(before), (before, rendered)
         assert follow.choices[0].prompt_token_ids[: len(choice.prompt_token_ids)] == choice.prompt_token_ids  # type: ignore[attr-defined]
+        # ... and it is reused: the turn carrying the tool result starts from a prompt checkpoint
+        # (the last turn's prompt or reply), prefilling only the call's rendering and the result.
+        assert follow.usage is not None and follow.usage.prompt_tokens_details is not None
+        cached = follow.usage.prompt_tokens_details.cached_tokens
+        assert len(choice.prompt_token_ids) <= cached < follow.usage.prompt_tokens, cached  # type: ignore[attr-defined]
         # json_schema: valid JSON; greedy ids served with MTP equal the in-process spec-off run.
         fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
         js = oai.chat.completions.create(
