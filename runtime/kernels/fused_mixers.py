@@ -63,9 +63,10 @@ def gated_attention_smem_bytes(head_dim: int, element_bytes: int = 2) -> int:
     return (64 + 4 * 32) * (head_dim + 8) * element_bytes
 
 
-ATTN_MAX_SPLITS = 64
+ATTN_MAX_SPLITS = 32
 """Most key splits of one ``gated_attention`` call: a one-lane round of the 27B shape (4 kv heads) then
-runs up to 256 blocks, about two a multiprocessor of an H200, when its context is long."""
+runs 128 blocks at long context, one wave on an H200's 132 SMs (48, 64 or 96 splits leave a second,
+partial wave: measured slower, docs/perf/log session 12)."""
 
 
 def attention_split_keys(max_keys: int) -> int:

@@ -257,14 +257,14 @@ def test_gated_attention_needs_a_device_that_holds_its_shared_memory(monkeypatch
 
 
 def test_attention_split_keys() -> None:
-    """One split up to 256 keys; beyond, at most 64 splits of whole 32-key stages."""
-    assert [attention_split_keys(k) for k in (1, 16, 256, 257, 4096, 16_384)] == [256] * 6
-    assert attention_split_keys(16_385) == 288
-    assert attention_split_keys(32_768) == 512
+    """One split up to 256 keys; beyond, at most 32 splits of whole 32-key stages."""
+    assert [attention_split_keys(k) for k in (1, 16, 256, 257, 4096, 8192)] == [256] * 6
+    assert attention_split_keys(8193) == 288
+    assert attention_split_keys(32_768) == 1024
     for max_keys in (1, 255, 256, 257, 1000, 4096, 4097, 10_000, 131_072, 262_145):
         sk = attention_split_keys(max_keys)
         assert sk % 32 == 0 and sk >= 256
-        assert -(-max_keys // sk) <= 64
+        assert -(-max_keys // sk) <= 32
     with pytest.raises(ValueError, match="max_keys"):
         attention_split_keys(0)
 
