@@ -105,3 +105,29 @@ def serve(
         assert not errors, errors
         assert not os.path.lexists(path), "socket file left behind"
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def build_tiny_hybrid_artifact(root: Path) -> Path:
+    """A tiny `qwen3_5` artifact for the `cpu` card with a grafted 2-layer DFlash2 drafter (widths [1]),
+    built under `root` with `ignis-build`'s API (needs the compiler and transformers)."""
+    import hf_tiny
+    import hf_tiny_hybrid
+
+    from ignis.compiler import build
+    from ignis.tools.make_test_drafter import make_dflash2_drafter
+
+    hf_tiny_hybrid.make_tiny_hybrid("qwen3_5", root / "qwen3_5")
+    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(root / "qwen3_5")
+    make_dflash2_drafter(root / "qwen3_5", root / "dflash2", num_layers=2, dtype="float32")
+    recipe = root / "r.toml"
+    recipe.write_text('name = "tiny-hybrid"\n[modules]\nwidths = [1]\n')
+    res = build.build_artifact(
+        card="cpu",
+        model=root / "qwen3_5",
+        drafter=root / "dflash2",
+        recipe=recipe,
+        out=root / "tiny-hybrid",
+        progress=False,
+        echo=lambda _line: None,
+    )
+    return Path(res.out)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from server_helpers import serve, short_tmpdir
+from server_helpers import build_tiny_hybrid_artifact, serve, short_tmpdir
 
 from ignis.runtime.errors import ConfigError
 from ignis.runtime.profiles import SpecDefaults, get_profile
@@ -28,27 +28,7 @@ SYSTEM = "You are a careful coding agent. Tools: read_file(path), run(cmd). Answ
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import hf_tiny
-    import hf_tiny_hybrid
-
-    from ignis.tools.make_test_drafter import make_dflash2_drafter
-
-    root = tmp_path_factory.mktemp("art")
-    hf_tiny_hybrid.make_tiny_hybrid("qwen3_5", root / "qwen3_5")
-    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(root / "qwen3_5")
-    make_dflash2_drafter(root / "qwen3_5", root / "dflash2", num_layers=2, dtype="float32")
-    recipe = root / "r.toml"
-    recipe.write_text('name = "tiny-hybrid"\n[modules]\nwidths = [1]\n')
-    res = build.build_artifact(
-        card="cpu",
-        model=root / "qwen3_5",
-        drafter=root / "dflash2",
-        recipe=recipe,
-        out=root / "tiny-hybrid",
-        progress=False,
-        echo=lambda _line: None,
-    )
-    return Path(res.out)
+    return build_tiny_hybrid_artifact(tmp_path_factory.mktemp("art"))
 
 
 class WithCheckpoints:
