@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import sys
 from collections.abc import Sequence
 from functools import cache
@@ -30,7 +29,8 @@ from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thr
 
 pytest.importorskip("llguidance")
 
-from ignis.runtime.drafters.base import BaseDrafter, DraftProposal, DraftRequest
+from steered_drafter import SteeredDrafter
+
 from ignis.runtime.drafters.testing import BigramDrafter, ModelDrafter
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.grammar import (
@@ -198,42 +198,6 @@ def targets(tmp_path_factory: pytest.TempPathFactory):
         return made[family]
 
     return get
-
-
-class SteeredDrafter(BaseDrafter):
-    """A real drafter whose first n drafts (n uniform in 0..k, seeded) are replaced by the reference."""
-
-    def __init__(self, inner, refs: dict[tuple[int, ...], tuple[int, ...]], seed: int) -> None:
-        self.inner = inner
-        self.name = f"steered-{inner.name}"
-        self.is_row_budgeted = inner.is_row_budgeted
-        self.needs_hidden_states = inner.needs_hidden_states
-        self.tap_layers = inner.tap_layers
-        self.refs = refs
-        self.rng = random.Random(seed)
-        self.prompts: dict[int, tuple[int, ...]] = {}
-
-    def start_lane(self, lane_id: int, prompt_token_ids: Sequence[int]) -> None:
-        self.prompts[lane_id] = tuple(prompt_token_ids)
-        self.inner.start_lane(lane_id, prompt_token_ids)
-
-    def end_lane(self, lane_id: int) -> None:
-        self.inner.end_lane(lane_id)
-
-    def commit(self, spans) -> None:
-        self.inner.commit(spans)
-
-    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
-        out = []
-        for req, prop in zip(requests, self.inner.propose(requests), strict=True):
-            ref = self.refs[self.prompts[req.lane_id]]
-            done = len(req.token_ids) - req.num_prompt_tokens
-            drafts = prop.draft_token_ids.tolist()
-            for j in range(self.rng.randint(0, len(drafts))):
-                if done + j < len(ref):
-                    drafts[j] = ref[done + j]
-            out.append(DraftProposal(torch.tensor(drafts, dtype=torch.int64)))
-        return out
 
 
 def _greedy(**kw) -> SamplingParams:
