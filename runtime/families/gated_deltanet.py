@@ -153,7 +153,6 @@ def gated_delta_rule_chunked(
     # decay[h, m, i, j] = exp(c_i - c_j) for j <= i, else 0.
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
     system = (bc.unsqueeze(-1) * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
-    system.diagonal(dim1=-2, dim2=-1).fill_(1.0)
     rhs = torch.cat([bc.unsqueeze(-1) * vc, (bc * cum.exp()).unsqueeze(-1) * kc], dim=-1)
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     w_v, w_k = sol[..., :v_dim], sol[..., v_dim:]  # [heads, chunks, c, v_dim] / [.., k_dim]
