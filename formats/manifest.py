@@ -231,6 +231,8 @@ KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
         "gdn_replay": 1,
         "silu_mul": 1,
         "narrow_linear": 1,
+        "moe_q4_gate_up": 1,
+        "moe_q4_down": 1,
     }
 )
 KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
@@ -246,6 +248,8 @@ KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
         "gdn_replay": "cuda",
         "silu_mul": "cuda",
         "narrow_linear": "cuda",
+        "moe_q4_gate_up": "cuda",
+        "moe_q4_down": "cuda",
     }
 )
 

@@ -448,6 +448,10 @@ class Artifact:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got {device}")
         from ignis.runtime.families.qwen3_5 import HybridConfig
 
+        # the grouped expert kernels: the routed experts stay on the host here and the executor
+        # moves them into its row-major stacks (never tiled: no second copy on the device)
+        moe = self._moe_module(dtype) if on_cuda and linear is not None else None
+        moe_kw: dict[str, Any] = {} if moe is None else {"moe_module": moe}
         if isinstance(self.config, HybridConfig) and on_cuda and cuda_graphs is not False:
             from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 
@@ -456,7 +460,7 @@ class Artifact:
                 device=device,
                 keep_q4=linear is not None,
                 linear=linear,
-                experts_on_host=expert_cache is not None,
+                experts_on_host=expert_cache is not None or moe is not None,
             )
             return StaticHybridExecutor(
                 self.config,
@@ -468,6 +472,7 @@ class Artifact:
                 max_context=max_context,
                 expert_cache=expert_cache,
                 **self._hybrid_kernels(dtype),
+                **moe_kw,
             )
         params = inspect.signature(self.family.make_executor).parameters
         accepts = "linear" in params
@@ -479,17 +484,30 @@ class Artifact:
         if expert_cache is not None and "expert_cache" not in params:
             raise ValueError(f"the {self.family.model_type} executor takes no expert cache")
         keep_q4 = linear is not None and accepts
+        if "moe_module" not in params:
+            moe_kw = {}
         weights = self.target_weights(
             dtype=dtype,
             device=device,
             keep_q4=keep_q4,
             linear=linear if keep_q4 else None,
-            experts_on_host=expert_cache is not None,
+            experts_on_host=expert_cache is not None or bool(moe_kw and keep_q4),
         )
         extra: dict[str, Any] = {} if expert_cache is None else {"expert_cache": expert_cache}
+        if keep_q4:
+            extra |= moe_kw
         if linear is not None and accepts:
             return self.family.make_executor(self.config, weights, device, dtype, linear=linear, **extra)
         return self.family.make_executor(self.config, weights, device, dtype, **extra)
+
+    def _moe_module(self, dtype: torch.dtype) -> Any:
+        """The grouped MoE expert kernels (`kernel_library("moe_experts")`) when the manifest lists
+        them for `dtype` and they load; None otherwise (MoE layers then run one linear per routed
+        expert)."""
+        name = str(dtype).removeprefix("torch.")
+        if any(self.manifest.kernel(kind, name) is None for kind in LIBRARIES["moe_experts"].required):
+            return None
+        return self.kernel_library("moe_experts")
 
     def _hybrid_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
         """`StaticHybridExecutor` keyword arguments for the fused kernels that take `dtype` (only the

@@ -60,6 +60,7 @@ row and per forward, slots in use and slots in all.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import OrderedDict
@@ -364,10 +365,13 @@ class ExpertSlots:
             hook that takes no q4 weights). For the last two a miss copies the row-major parts into a
             device scratch and converts them into the slot on the copy stream; the bytes copied are
             the stored q4 ones either way.
+        stacked: hold each part of gate and up in one buffer per part, gate's rows over up's
+            ([num_slots, 2 I, ...]: the gate|up stack of every slot, `stacks`), for the grouped
+            expert kernels (`ignis.runtime.families.moe_grouped`); no field may be "tiled".
 
     Raises:
-        ValueError: no experts, num_slots outside 1..len(host), experts whose parts differ, or a
-            layout for a field that is not a q4 part.
+        ValueError: no experts, num_slots outside 1..len(host), experts whose parts differ, a
+            layout for a field that is not a q4 part, or a tiled layout with `stacked`.
     """
 
     def __init__(
@@ -381,6 +385,7 @@ class ExpertSlots:
         first: bool = False,
         layouts: Mapping[str, str | torch.dtype] | None = None,
         index: int = 0,
+        stacked: bool = False,
     ) -> None:
         if not host:
             raise ValueError("an expert cache layer needs at least one expert")
@@ -402,7 +407,26 @@ class ExpertSlots:
         layouts = {f: v for f, v in (layouts or {}).items() if v != ROW_MAJOR}
         if not set(layouts) <= set(shapes):
             raise ValueError(f"layouts for {sorted(set(layouts) - set(shapes))}: not q4 parts of the experts")
+        if stacked and TILED in layouts.values():
+            raise ValueError("stacked expert slots hold row-major or dense parts, not tiled ones")
         self._layouts = layouts
+        self.stacked = stacked
+        # stacked: gate's and up's buffers are the halves of one [num_slots, 2 I, ...] buffer per part
+        gate_sig = [(p, shape, dt) for f, p, shape, dt in sig if f == "gate"]
+        pair = stacked and bool(gate_sig) and gate_sig == [(p, sh, dt) for f, p, sh, dt in sig if f == "up"]
+        pair = pair and layouts.get("gate") == layouts.get("up")
+        self._gate_up: dict[str, torch.Tensor] = {}  # part -> the joint buffer (stacked)
+
+        def alloc(f: str, p: str, shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            if not (pair and f in ("gate", "up")):
+                return torch.empty((num_slots, *shape), dtype=dt, device=device)
+            joint = self._gate_up.get(p)
+            if joint is None:
+                joint = self._gate_up[p] = torch.empty(
+                    (num_slots, 2 * shape[0], *shape[1:]), dtype=dt, device=device
+                )
+            return joint[:, : shape[0]] if f == "gate" else joint[:, shape[0] :]
+
         # per field: the slot buffers, [num_slots, ...] each ("w" dense; "packed" + "scales" q4)
         self._slot_bufs: dict[str, dict[str, torch.Tensor]] = {}
         self._dst: list[Callable[[int], torch.Tensor]] = []  # leaf -> where a miss copies it
@@ -411,7 +435,7 @@ class ExpertSlots:
             bufs = self._slot_bufs.setdefault(f, {})
             layout = layouts.get(f)
             if layout is None:
-                buf = bufs[p] = torch.empty((num_slots, *shape), dtype=dt, device=device)
+                buf = bufs[p] = alloc(f, p, tuple(shape), dt)
                 self._dst.append(lambda slot, buf=buf: buf[slot])
                 continue
             n, k = shapes[f][-2], shapes[f][-1] * 8
@@ -422,7 +446,7 @@ class ExpertSlots:
                 )
             elif p == "packed":
                 assert isinstance(layout, torch.dtype)
-                bufs["w"] = torch.empty((num_slots, n, k), dtype=layout, device=device)
+                bufs["w"] = alloc(f, "w", (n, k), layout)
             scratch = self._scratch.setdefault(f, {})[p] = copier.scratch((f, p, shape, dt), shape, dt)
             self._dst.append(lambda _slot, scratch=scratch: scratch)
         self._slot_weights = [self._build(s) for s in range(num_slots)]
@@ -480,6 +504,54 @@ class ExpertSlots:
             experts: the union of the experts the forward's rows were routed to.
             rows: the forward's rows (counted once per forward, at the first MoE layer).
         """
+        with contextlib.closing(self._groups(experts, rows)) as groups:
+            for entries in groups:
+                yield self._in_turn([(e, self._slot_weights[slot], ready) for e, slot, ready in entries])
+
+    def slot_groups(self, experts: Sequence[int], *, rows: int) -> Iterator[list[tuple[int, int]]]:
+        """`resident_groups` for the grouped expert kernels: yields, per group, its (expert, slot)
+        pairs, after the compute stream has waited for every copy of the group (the kernels read all
+        of the group's slots at once). The group's slots are not reused before the caller asks for
+        the next group (on CUDA: until the work issued by then has run); counters as
+        `resident_groups`.
+
+        Args:
+            experts: the union of the experts the forward's rows were routed to (ascending, distinct).
+            rows: the forward's rows (counted once per forward, at the first MoE layer).
+        """
+        with contextlib.closing(self._groups(experts, rows)) as groups:
+            for entries in groups:
+                for _expert, _slot, ready in entries:
+                    self._copier.wait(ready)
+                yield [(expert, slot) for expert, slot, _ready in entries]
+
+    def stacks(self) -> tuple[Any, Any]:
+        """(gate_up, down): every slot's gate|up and down weights as stacks, [num_slots, 2 I, H] and
+        [num_slots, H, I] (a row-major `Q4Weight` or a dense tensor; views of the slot buffers), for
+        the grouped expert kernels: slot s of a stack holds the expert `slot_groups` mapped to s.
+
+        Raises:
+            ValueError: the slots are not `stacked` (or the experts have no separate gate and up
+                parts of one shape, nor a gate_up part).
+        """
+
+        def weight(bufs: Mapping[str, torch.Tensor]) -> Any:
+            return bufs["w"] if "w" in bufs else Q4Weight(bufs["packed"], bufs["scales"])
+
+        if not self.stacked:
+            raise ValueError("stacks() needs slots built with stacked=True")
+        if "gate_up" in self._slot_bufs:
+            gate_up = weight(self._slot_bufs["gate_up"])
+        elif self._gate_up:
+            gate_up = weight(self._gate_up)
+        else:
+            raise ValueError("the experts have no gate_up part nor gate and up parts of one shape")
+        return gate_up, weight(self._slot_bufs["down"])
+
+    def _groups(self, experts: Sequence[int], rows: int) -> Iterator[list[tuple[int, int, Any]]]:
+        """The lookup behind `resident_groups` and `slot_groups`: per group of at most `num_slots`
+        experts, (expert, slot, event of its copy or None) once every copy of the group is issued;
+        the group's slots are marked used (their last-use event) when the caller moves on."""
         if self._first:
             self._stats.forwards += 1
             self._stats.rows += rows
@@ -489,7 +561,7 @@ class ExpertSlots:
         for start in range(0, len(experts), self.num_slots):
             group = experts[start : start + self.num_slots]
             pinned = set(group)
-            out: list[tuple[int, SwiGLUWeights, Any]] = []
+            out: list[tuple[int, int, Any]] = []
             for expert in group:
                 slot = self._slot_of.get(expert)
                 ready = None
@@ -507,9 +579,9 @@ class ExpertSlots:
                     self._slot_of[expert] = slot
                     self._stats.misses += 1
                     self._stats.bytes_copied += self.expert_bytes
-                out.append((expert, self._slot_weights[slot], ready))
+                out.append((expert, slot, ready))
             try:
-                yield self._in_turn(out)
+                yield out
             finally:  # also when the caller stops early: the group's kernels may have been issued
                 used = self._copier.used()
                 for expert in group:
@@ -582,7 +654,12 @@ class ExpertCache:
         self.stats.attach(self)
 
     def make_layer(
-        self, host: Sequence[SwiGLUWeights], *, linear: Any, dtype: torch.dtype = torch.float32
+        self,
+        host: Sequence[SwiGLUWeights],
+        *,
+        linear: Any,
+        dtype: torch.dtype = torch.float32,
+        stacked: bool = False,
     ) -> ExpertSlots:
         """The slots of the next MoE layer (layers in forward order) over its host experts.
 
@@ -594,6 +671,9 @@ class ExpertCache:
                 the hook takes q4 weights as they are, and dequantized to `dtype` when the hook is
                 None or `F.linear` (no q4 weights).
             dtype: the executor's dtype.
+            stacked: slots for the grouped expert kernels (`ExpertSlots`' `stacked`): q4 parts stay
+                row-major (never tiled) when the hook takes q4 weights, dequantized to `dtype` when
+                it does not.
         """
         if self._copier is None:
             self._copier = _Copier(self.device, expert_nbytes(host[0]))
@@ -604,6 +684,9 @@ class ExpertCache:
                 continue
             if linear is None or linear is F.linear:
                 layouts[name] = dtype
+                continue
+            if stacked:
+                layouts[name] = ROW_MAJOR
                 continue
             placed = place_weight(linear, part.to(self.device).contiguous())
             layouts[name] = TILED if isinstance(placed, Q4Weight) and placed.is_tiled else ROW_MAJOR
@@ -616,6 +699,7 @@ class ExpertCache:
             first=not self.layers,
             index=len(self.layers),
             layouts=layouts,
+            stacked=stacked,
         )
         self.layers.append(layer)
         return layer

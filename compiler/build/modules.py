@@ -197,8 +197,9 @@ def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, .
 
     Returns:
         "topk" with a DFlash2 drafter; for hybrid configs (qwen3_5, qwen3_5_moe, qwen3_next: the
-        `StaticHybridExecutor` families) "gdn_recurrent" when `gdn_kernel_fits`, "fused_norms", and
-        "fused_mixers" when `mixers_kernel_fits`.
+        `StaticHybridExecutor` families) "gdn_recurrent" when `gdn_kernel_fits`, "fused_norms",
+        "fused_mixers" when `mixers_kernel_fits`, and "moe_experts" when `moe_kernel_fits` (MoE
+        configs: the grouped routed-expert linears).
     """
     from ignis.runtime.families.qwen3_5 import HybridConfig
 
@@ -211,7 +212,25 @@ def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, .
         out.append("fused_norms")
         if mixers_kernel_fits(config):
             out.append("fused_mixers")
+        if moe_kernel_fits(config):
+            out.append("moe_experts")
     return tuple(out)
+
+
+def moe_kernel_fits(config: Any) -> bool:
+    """Whether the grouped expert kernels (`ignis.runtime.kernels.moe_experts`) take a config's routed
+    experts: a MoE config (`is_moe`) with experts, hidden_size and moe_intermediate_size multiples
+    of 32 (the q4_g32 groups the kernels stream) and num_experts_per_tok <= `MAX_PAIRS`. False for a
+    config without those fields."""
+    from ignis.runtime.kernels.moe_experts import MAX_PAIRS
+
+    try:
+        moe = bool(config.is_moe)
+        experts, top_k = int(config.num_experts), int(config.num_experts_per_tok)
+        hidden, inter = int(config.hidden_size), int(config.moe_intermediate_size)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return moe and experts >= 1 and 1 <= top_k <= MAX_PAIRS and hidden % 32 == 0 and inter % 32 == 0
 
 
 @dataclass(frozen=True, order=True)
@@ -761,6 +780,7 @@ __all__ = [
     "check_cuda_binary",
     "gdn_kernel_fits",
     "linear_shapes",
+    "moe_kernel_fits",
     "plan_modules",
     "prepare_cuda_build",
     "select_kernels",

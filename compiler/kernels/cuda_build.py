@@ -1,15 +1,15 @@
 """The one nvcc build the hand-written CUDA kernel modules share (q4_linear, q4_tiled, topk,
-gdn_recurrent, fused_norms, fused_mixers): a tvm-ffi shared library with SASS for one arch only (no
-PTX).
+gdn_recurrent, fused_norms, fused_mixers, moe_experts): a tvm-ffi shared library with SASS for one
+arch only (no PTX).
 
 :func:`build_cuda_module` writes the module's source into a temporary directory next to the
 destination, runs nvcc there and moves the library into place atomically, so a reader never sees a
 half-written file. :func:`target_dict`, :func:`cuda_arch` and :func:`find_nvcc` read a build target
 and find the toolkit for every builder (each raises the builder's own error type).
 
-The fixed-export libraries (topk, gdn_recurrent, fused_norms, fused_mixers) are rows of one table,
-:data:`KERNEL_BUILDS`: the headers the translation unit includes, its export lines (names from the
-runtime's ABI, ``ignis.runtime.kernels``), the files whose bytes key the build cache, and the
+The fixed-export libraries (topk, gdn_recurrent, fused_norms, fused_mixers, moe_experts) are rows
+of one table, :data:`KERNEL_BUILDS`: the headers the translation unit includes, its export lines
+(names from the runtime's ABI, ``ignis.runtime.kernels``), the files whose bytes key the build cache, and the
 oldest arch it compiles for; :func:`build_kernel_library` builds any row. Their
 ``build_<name>`` functions only name the row and their error type.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ignis.runtime.kernels import fused_mixers, fused_norms, gdn_recurrent, topk
+from ignis.runtime.kernels import fused_mixers, fused_norms, gdn_recurrent, moe_experts, topk
 
 KERNEL_DIR = Path(__file__).resolve().parent
 
@@ -284,6 +284,20 @@ KERNEL_BUILDS: dict[str, KernelBuild] = {
             fused_mixers.__file__,
         ),
         min_sm=(80, "the fused mixers need sm_80 or newer"),  # gated_attention: mma.m16n8k16, cp.async
+    ),
+    "moe_experts": KernelBuild(
+        not_cuda="the grouped MoE expert kernels are CUDA only",
+        headers=("moe_experts_ffi.cuh",),
+        exports=("IGNIS_MOE_EXPERTS_EXPORT()",),
+        sources=(
+            "moe_experts.cuh",
+            "moe_experts_ffi.cuh",
+            "ffi_checks.cuh",
+            "dtypes.cuh",
+            "moe_experts.py",
+            "cuda_build.py",
+            moe_experts.__file__,
+        ),
     ),
 }
 

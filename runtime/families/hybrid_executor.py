@@ -54,7 +54,9 @@ from ignis.runtime.families.gated_deltanet import (
     l2_normalize,
 )
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
+from ignis.runtime.families.moe_grouped import GroupedExperts, stack_experts
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig, tensor_shapes
+from ignis.runtime.kernels.moe_experts import MoeExpertsKernel
 from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader, cat_rows, place_weight, to_device
 
 _Weight = torch.Tensor | Q4Weight
@@ -255,6 +257,12 @@ class HybridExecutor:
         expert_cache: keep the routed experts in host memory (where `weights` has them: e.g. the
             artifact's memory map) and run them from this cache's device slots
             (`ignis.runtime.expert_cache`); None: every expert is moved to `device`.
+        moe_module: the compiled grouped expert kernels (`MoeExpertsKernel`, a loaded module or a
+            ``.so`` path from ``ignis.compiler.kernels.moe_experts.build_moe_experts``). MoE layers
+            run their routed experts as weight stacks through `grouped_moe_block`
+            (`ignis.runtime.families.moe_grouped`) off CUDA (its torch path) and on CUDA when this
+            is given and the experts are q4_g32 (held row-major); otherwise (CUDA without it) the
+            reference loop of `sparse_moe_block`, one linear per routed expert.
 
     Raises:
         TensorSetError: missing or unexpected trunk tensors, all listed at once.
@@ -271,6 +279,7 @@ class HybridExecutor:
         dtype: torch.dtype = torch.float32,
         linear: LinearFn | None = None,
         expert_cache: ExpertCache | None = None,
+        moe_module: Any = None,
     ) -> None:
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
@@ -279,6 +288,7 @@ class HybridExecutor:
         self.dtype = dtype
         self.linear: LinearFn = linear or F.linear
         self.expert_cache = expert_cache
+        self.moe_kernel = MoeExpertsKernel(moe_module) if moe_module is not None else None
         c = config
         trunk = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         _check_weights(c, trunk)
@@ -376,10 +386,29 @@ class HybridExecutor:
         assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
         inter = c.moe_intermediate_size
         experts: Sequence[SwiGLUWeights]
+        first = f"{p}.experts.gate_up_proj" if f"{p}.experts.gate_up_proj" in trunk else None
+        first = first or f"{p}.experts.0.gate_proj.weight"
+        # the grouped block (moe_grouped.py): off CUDA, or with the compiled kernels and q4 experts
+        grouped_on = self.device.type != "cuda" or (
+            self.moe_kernel is not None and isinstance(trunk.get(first), Q4Weight)
+        )
+        grouped = None
         if self.expert_cache is not None:  # routed experts stay on the host; device slots cache them
-            experts = self.expert_cache.make_layer(
-                host_experts(c, trunk, p, dtype=self.dtype), linear=self.linear, dtype=self.dtype
+            slots = self.expert_cache.make_layer(
+                host_experts(c, trunk, p, dtype=self.dtype),
+                linear=self.linear,
+                dtype=self.dtype,
+                stacked=grouped_on,
             )
+            experts = slots
+            if grouped_on:
+                grouped = GroupedExperts(*slots.stacks(), kernel=self.moe_kernel, slots=slots)
+        elif grouped_on:
+            gate_up, down = self._expert_stacks(p, trunk)
+            experts = [
+                SwiGLUWeights(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(c.num_experts)
+            ]
+            grouped = GroupedExperts(gate_up, down, kernel=self.moe_kernel)
         elif f"{p}.experts.gate_up_proj" in trunk:
             gate_up, down = get(f"{p}.experts.gate_up_proj"), get(f"{p}.experts.down_proj")
             experts = [
@@ -400,8 +429,31 @@ class HybridExecutor:
             get(f"{p}.shared_expert.down_proj.weight"),
         )
         return SparseMoeWeights(
-            get(f"{p}.gate.weight"), experts, shared, get(f"{p}.shared_expert_gate.weight")
+            get(f"{p}.gate.weight"), experts, shared, get(f"{p}.shared_expert_gate.weight"), grouped
         )
+
+    def _expert_stacks(self, p: str, trunk: Mapping[str, _Weight]) -> tuple[Any, Any]:
+        """A MoE layer's routed experts as device stacks for the grouped block: (gate_up [E, 2 I, H],
+        down [E, H, I]), q4 weights row-major (the kernels' layout: never tiled), dense ones in the
+        executor's dtype; the fused checkpoint stacks as they are, per-expert tensors stacked."""
+        c = self.config
+        assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
+        dev, dt = self.device, self.dtype
+
+        def move(w: _Weight) -> _Weight:
+            if isinstance(w, Q4Weight):
+                return w.to_row_major().to(dev).contiguous()
+            return w.detach().to(device=dev, dtype=dt).contiguous()
+
+        if f"{p}.experts.gate_up_proj" in trunk:
+            return move(trunk[f"{p}.experts.gate_up_proj"]), move(trunk[f"{p}.experts.down_proj"])
+        n = range(c.num_experts)
+        gate_up, down = stack_experts(
+            [trunk[f"{p}.experts.{e}.gate_proj.weight"] for e in n],
+            [trunk[f"{p}.experts.{e}.up_proj.weight"] for e in n],
+            [trunk[f"{p}.experts.{e}.down_proj.weight"] for e in n],
+        )
+        return move(gate_up), move(down)
 
     # ---- protocol ----
 

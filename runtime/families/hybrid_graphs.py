@@ -45,8 +45,11 @@ say, which also loads every compiled module once: they are capture-safe after a 
 all graphs sharing one memory pool; compiled q4 modules launch on torch's stream
 (`ignis.runtime.kernels.tvm_runtime.capture`). A replay's outputs are copied out (one clone per output), so
 returned logits survive the next round. Graphs are off (the static path runs eagerly, still batched
-over lanes) for configs with MoE layers: `sparse_moe_block` routes on the host (``torch.unique``
-+ ``.tolist()``), which a capture cannot contain.
+over lanes) for configs with MoE layers whose routing syncs the host: `sparse_moe_block`'s reference
+loop (``torch.unique`` + ``.tolist()``) and an expert cache (one copy of the routed ids a layer),
+which a capture cannot contain. With every expert resident and the compiled grouped expert kernels
+(``moe_module``; `ignis.runtime.families.moe_grouped`) a MoE layer stays on the device and rounds are
+graphed as for the dense families.
 
 Chunked prefill (``chunked_prefill``): a ``record=False`` forward (a prompt) whose longest lane has
 more than max_columns but at most ``chunked_prefill`` columns runs as consecutive static rounds of
@@ -240,7 +243,8 @@ class StaticHybridExecutor(HybridExecutor):
             max_position_embeddings, `DEFAULT_MAX_CONTEXT`). `SpeculativeEngine` caps its context to it.
         max_columns: most columns per lane of a static (graphed) round, >= 1 (8 = anchor + 7 drafts).
         cuda_graphs: capture and replay static rounds (default: on CUDA, unless the config has MoE
-            layers, see the module docstring). True on a CPU device raises ValueError.
+            layers that sync the host, see the module docstring). True on a CPU device raises
+            ValueError.
         chunked_prefill: most columns per lane of a ``record=False`` forward run as chunks of
             max_columns static rounds (module docstring); None: ``CHUNKED_PREFILL_ROUNDS x
             max_columns`` when cuda_graphs, else 0 (off). Also settable later as the attribute.
@@ -259,6 +263,8 @@ class StaticHybridExecutor(HybridExecutor):
             reads) and attention's q/k RMSNorm + RoPE + KV write; None: the torch ops. Also
             settable later as the ``mixers_module`` attribute (captured graphs are dropped then).
         expert_cache: routed experts in host memory behind device slots (`HybridExecutor`).
+        moe_module: the compiled grouped expert kernels (`HybridExecutor`); with them and no
+            expert cache the MoE layers need no host sync and rounds are graphed.
 
     Memory (bytes): KV 2 x attn_layers x max_lanes x capacity x kv_heads x head_dim x dtype size;
     recurrent state 4 x gdn_layers x max_lanes x v_heads x k_dim x v_dim, and max_columns times that
@@ -291,9 +297,16 @@ class StaticHybridExecutor(HybridExecutor):
         mixers_module: Any = None,
         chunked_prefill: int | None = None,
         expert_cache: Any = None,
+        moe_module: Any = None,
     ) -> None:
         super().__init__(
-            config, weights, device=device, dtype=dtype, linear=linear, expert_cache=expert_cache
+            config,
+            weights,
+            device=device,
+            dtype=dtype,
+            linear=linear,
+            expert_cache=expert_cache,
+            moe_module=moe_module,
         )
         c = config
         if max_lanes < 1 or max_columns < 1:
@@ -307,13 +320,20 @@ class StaticHybridExecutor(HybridExecutor):
                 f"max_context must be 1..{c.max_position_embeddings} (max_position_embeddings), "
                 f"got {max_context}"
             )
-        has_moe = any(isinstance(layer.mlp, SparseMoeWeights) for layer in self._layers)
+        # MoE layers that sync the host (the reference expert loop, an expert cache) keep graphs off;
+        # resident experts run by the compiled grouped kernels do not (moe_grouped.py)
+        has_moe = any(
+            isinstance(layer.mlp, SparseMoeWeights)
+            and not (layer.mlp.grouped is not None and layer.mlp.grouped.capturable)
+            for layer in self._layers
+        )
         on_cuda = self.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got {self.device}")
         if cuda_graphs and has_moe:
             raise ValueError(
-                f"{c.model_type}: cuda_graphs=True with MoE layers (their routing syncs the host)"
+                f"{c.model_type}: cuda_graphs=True with MoE layers whose routing syncs the host (an "
+                "expert cache, or no compiled grouped expert kernels)"
             )
         self.cuda_graphs = bool(on_cuda and not has_moe if cuda_graphs is None else cuda_graphs)
         self.max_lanes, self.max_columns, self.max_context = max_lanes, max_columns, max_context

@@ -57,12 +57,17 @@ class SparseMoeWeights:
         experts: one SwiGLUWeights per routed expert, in expert-index order.
         shared_expert: the always-on expert (HF `mlp.shared_expert.*`).
         shared_expert_gate: [1, hidden] (HF `mlp.shared_expert_gate.weight`), a sigmoid gate per row.
+        grouped: the routed experts as weight stacks
+            (`ignis.runtime.families.moe_grouped.GroupedExperts`): `sparse_moe_block` then runs
+            `grouped_moe_block` (two grouped launches, at most one host sync); None: the reference
+            loop over `experts`.
     """
 
     router: torch.Tensor
     experts: Sequence[SwiGLUWeights]
     shared_expert: SwiGLUWeights
     shared_expert_gate: torch.Tensor
+    grouped: Any = None
 
 
 def swiglu_mlp(x: torch.Tensor, w: SwiGLUWeights, *, linear: LinearFn = F.linear) -> torch.Tensor:
@@ -103,7 +108,13 @@ def sparse_moe_block(
     contributions accumulated with `index_add_`, as HF's eager expert loop does). When `w.experts` is
     an `ignis.runtime.expert_cache.ExpertSlots` (experts in host memory, a device cache of slots), the
     union of the routed experts is made resident through its `resident_groups`, in the same order.
+    With `w.grouped` set, `ignis.runtime.families.moe_grouped.grouped_moe_block` runs instead (the
+    same block to float rounding).
     """
+    if w.grouped is not None:
+        from ignis.runtime.families.moe_grouped import grouped_moe_block
+
+        return grouped_moe_block(x, w, top_k=top_k, norm_topk_prob=norm_topk_prob, linear=linear)
     top_w, top_i = route_top_k(x, w.router, top_k=top_k, norm_topk_prob=norm_topk_prob, linear=linear)
     out = torch.zeros_like(x)
     experts = torch.unique(top_i).tolist()

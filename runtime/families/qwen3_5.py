@@ -582,14 +582,22 @@ def make_hybrid_executor(
     *,
     linear: Any = None,
     expert_cache: Any = None,
+    moe_module: Any = None,
 ) -> Any:
     """Build the torch `HybridExecutor` (see `hybrid_executor.py`) for any of the hybrid families;
     `linear` is the executor's linear hook (base.py's `Family.make_executor`); `expert_cache` an
-    `ignis.runtime.expert_cache.ExpertCache` for the routed experts (MoE families), or None."""
+    `ignis.runtime.expert_cache.ExpertCache` for the routed experts (MoE families), or None;
+    `moe_module` the compiled grouped expert kernels, or None."""
     from ignis.runtime.families.hybrid_executor import HybridExecutor
 
     return HybridExecutor(
-        config, weights, device=device, dtype=dtype, linear=linear, expert_cache=expert_cache
+        config,
+        weights,
+        device=device,
+        dtype=dtype,
+        linear=linear,
+        expert_cache=expert_cache,
+        moe_module=moe_module,
     )
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ignis.formats.manifest import KernelEntry, Manifest
-from ignis.runtime.kernels import fused_mixers, fused_norms, gdn_recurrent, topk
+from ignis.runtime.kernels import fused_mixers, fused_norms, gdn_recurrent, moe_experts, topk
 
 __all__ = ["ALL_DTYPES", "LIBRARIES", "KernelLibrary", "load_library"]
 
@@ -123,6 +123,15 @@ LIBRARIES: dict[str, KernelLibrary] = {
         fallback="rounds run the torch mixer ops",
         bind=lambda funcs, _entries: fused_mixers.FusedMixersKernel(dict(funcs)),
         export_dtypes=(("gated_attention", ("bfloat16", "float16")),),
+    ),
+    "moe_experts": KernelLibrary(
+        name="moe_experts",
+        file="moe_experts.so",
+        exports=_same_names(moe_experts.FUNCTION_NAMES),
+        required=moe_experts.REQUIRED_FUNCTION_NAMES,
+        what="grouped MoE experts",
+        fallback="MoE layers run one linear per routed expert",
+        bind=lambda funcs, _entries: moe_experts.MoeExpertsKernel(dict(funcs)),
     ),
 }
 

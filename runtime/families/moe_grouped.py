@@ -1,0 +1,191 @@
+"""The sparse MoE block with its routed experts run as two grouped launches (gate|up, down) over
+expert stacks, and at most one host sync per layer.
+
+Same block as `ignis.runtime.families.moe.sparse_moe_block` (HF's Qwen3-Next / Qwen3.5-MoE sparse
+block): router linear, float32 softmax, top-k, renormalization, SwiGLU experts weighted by their
+routing weights, plus the sigmoid-gated shared expert. What differs is how the routed experts run:
+`sparse_moe_block`'s reference loop syncs the host to list the routed experts and runs each one on
+its rows (a ``nonzero`` sync, two linears, the SwiGLU and an ``index_add`` per expert); here every
+(row, choice) pair runs at once against its expert's slot of a weight stack:
+
+    h  = gate_up(x, ids)                      [R, k, 2 I]   x's dtype
+    y  = w * down(silu(gate(h)) * up(h), ids) [R, k, H]     float32 (w: the routing weights)
+    out = sum_j y[:, j]                       [R, H]        summed in float32, cast to x's dtype
+
+with ids [R, k] the slot of each pair's expert. On CUDA with the compiled grouped kernels
+(`ignis.runtime.kernels.moe_experts.MoeExpertsKernel`: q4_g32 row-major stacks) these are two
+launches (the SwiGLU fused into the second); elsewhere (the CPU, dense stacks) the torch path runs
+each slot's pairs through one ``F.linear`` per weight (q4 weights dequantized to x's dtype, as
+`ignis.runtime.linear.torch_linear`). Either way a pair's result does not depend on which other
+pairs run with it.
+
+Slots: with every expert resident (`GroupedExperts.slots` None) the stacks hold all experts and the
+slot of a pair is its expert index: routing, kernels and the sum stay on the device, no host sync
+(a CUDA graph can capture the layer). With an expert cache (`ignis.runtime.expert_cache.ExpertSlots`
+built ``stacked``) the [R, k] expert ids are copied to the host once (pinned memory, one event
+wait): the union of the routed experts is made resident group by group (`ExpertSlots.slot_groups`:
+hits and misses counted per distinct expert per forward, as the reference loop does), and for each
+group the pairs of its experts run with their slot ids (built on the host from that copy, uploaded
+without a sync) while the other pairs are masked (-1). Every pair runs exactly once, in the group
+of its expert, with the same code as resident, so the output with any cache size equals the
+resident output bit for bit.
+
+Numerics against the reference loop: the same maths to float rounding: the kernels sum in float32
+over exactly dequantized weights (the reference's torch path rounds the weights to x's dtype
+first), gate and up come from one product, and the k weighted expert outputs are added in float32
+in choice order (the reference adds them in x's dtype in expert-index order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ignis.runtime.families.moe import SparseMoeWeights, route_top_k, swiglu_mlp
+from ignis.runtime.linear import LinearFn, Q4Weight, torch_linear
+
+__all__ = ["GroupedExperts", "grouped_moe_block", "stack_experts"]
+
+
+@dataclass(frozen=True)
+class GroupedExperts:
+    """A MoE layer's routed experts as two stacks, for `grouped_moe_block`.
+
+    Attributes:
+        gate_up: [S, 2 I, H]: slot s's gate rows over its up rows (a row-major `Q4Weight` or a dense
+            tensor of the executor's dtype), on the device.
+        down: [S, H, I], the same kind.
+        kernel: the compiled grouped kernels (`MoeExpertsKernel`), or None: the torch path.
+        slots: the layer's `ignis.runtime.expert_cache.ExpertSlots` (built ``stacked``; the stacks
+            are its slot buffers), or None: every expert resident, slot = expert index.
+    """
+
+    gate_up: Any
+    down: Any
+    kernel: Any = None
+    slots: Any = None
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether the kernels run these stacks: a kernel binding and row-major q4 stacks."""
+        return self.kernel is not None and _q4_stack(self.gate_up) and _q4_stack(self.down)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether the layer runs without a host sync (every expert resident, compiled kernels on
+        CUDA): a CUDA graph may capture it."""
+        return self.slots is None and self.uses_kernel and self.gate_up.device.type == "cuda"
+
+
+def _q4_stack(w: Any) -> bool:
+    return isinstance(w, Q4Weight) and not w.is_tiled and len(w.lead) == 1 and w.in_features % 32 == 0
+
+
+def stack_experts(gates: list[Any], ups: list[Any], downs: list[Any]) -> tuple[Any, Any]:
+    """Per-expert weights -> (gate_up [E, 2 I, H], down [E, H, I]) stacks (a copy), on their device:
+    row-major `Q4Weight`s (a tiled one is untiled first) or dense tensors.
+
+    Raises:
+        TypeError: q4 and dense weights mixed.
+    """
+
+    def rm(w: Any) -> Any:
+        return w.to_row_major() if isinstance(w, Q4Weight) else w
+
+    gates, ups, downs = [rm(w) for w in gates], [rm(w) for w in ups], [rm(w) for w in downs]
+    every = [*gates, *ups, *downs]
+    if all(isinstance(w, Q4Weight) for w in every):
+        gate_up = Q4Weight(
+            torch.stack([torch.cat([g.packed, u.packed]) for g, u in zip(gates, ups, strict=True)]),
+            torch.stack([torch.cat([g.scales, u.scales]) for g, u in zip(gates, ups, strict=True)]),
+        )
+        down = Q4Weight(torch.stack([d.packed for d in downs]), torch.stack([d.scales for d in downs]))
+        return gate_up, down
+    if any(isinstance(w, Q4Weight) for w in every):
+        raise TypeError("stack_experts: q4_g32 and dense expert weights mixed")
+    gate_up = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups, strict=True)])
+    return gate_up, torch.stack(list(downs))
+
+
+def grouped_moe_block(
+    x: torch.Tensor,
+    w: SparseMoeWeights,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    linear: LinearFn = F.linear,
+) -> torch.Tensor:
+    """The sparse MoE block on x [R, hidden] -> [R, hidden] (x's dtype), its routed experts run from
+    `w.grouped` (a `GroupedExperts`; module docstring). The router, the shared expert and its gate
+    run through `linear` as in `sparse_moe_block`."""
+    g: GroupedExperts = w.grouped
+    top_w, top_i = route_top_k(x, w.router, top_k=top_k, norm_topk_prob=norm_topk_prob, linear=linear)
+    route_w = top_w.float()
+    rows, hidden = x.shape
+    y = torch.empty((rows, top_k, hidden), dtype=torch.float32, device=x.device)
+    if g.slots is None:
+        ids = top_i.to(torch.int32)
+        _run_pairs(x, ids, ids if not x.is_cuda else None, route_w, g, y)
+    else:
+        host = _to_host(top_i)
+        experts = sorted(set(host.reshape(-1).tolist()))
+        for group in g.slots.slot_groups(experts, rows=rows):
+            table = torch.full((len(g.slots),), -1, dtype=torch.int32)
+            table[torch.tensor([e for e, _ in group], dtype=torch.long)] = torch.tensor(
+                [s for _, s in group], dtype=torch.int32
+            )
+            sid_host = table[host]
+            sid = sid_host
+            if x.is_cuda:
+                sid = sid_host.pin_memory().to(x.device, non_blocking=True)
+            _run_pairs(x, sid, sid_host, route_w, g, y)
+    routed = y.sum(dim=1).to(x.dtype)
+    shared = swiglu_mlp(x, w.shared_expert, linear=linear) * torch.sigmoid(
+        linear(x, w.shared_expert_gate, None)
+    )
+    return routed + shared
+
+
+def _to_host(ids: torch.Tensor) -> torch.Tensor:
+    """ids on the host (int64): on CUDA a non-blocking copy into pinned memory and one wait on its
+    event (the layer's one host sync); a CPU tensor as is."""
+    if not ids.is_cuda:
+        return ids.long()
+    buf = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    buf.copy_(ids, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return buf.long()
+
+
+def _run_pairs(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    ids_host: torch.Tensor | None,
+    route_w: torch.Tensor,
+    g: GroupedExperts,
+    y: torch.Tensor,
+) -> None:
+    """Run the pairs whose slot id (ids [R, k], int32, on x's device) is >= 0 into y [R, k, H]
+    float32 (weighted down outputs); the other pairs' rows of y are left as they are. ids_host: the
+    same ids on the host when known (the torch path needs them; None: copied here)."""
+    if g.uses_kernel:
+        h = g.kernel.gate_up(x, ids, g.gate_up)
+        g.kernel.down(h, ids, g.down, route_w, y)
+        return
+    rows, top_k = ids.shape
+    flat = (ids_host if ids_host is not None else ids.cpu()).reshape(-1).long()
+    y_pairs = y.view(rows * top_k, -1)
+    w_pairs = route_w.reshape(-1)
+    for slot in sorted(set(flat.tolist())):
+        if slot < 0:
+            continue
+        sel_host = (flat == slot).nonzero().flatten()
+        sel = sel_host.to(x.device)
+        gate, up = torch_linear(x[sel // top_k], g.gate_up[slot]).chunk(2, dim=-1)
+        out = torch_linear(F.silu(gate) * up, g.down[slot])
+        y_pairs[sel] = out.float() * w_pairs[sel, None]
