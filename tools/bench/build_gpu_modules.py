@@ -12,8 +12,9 @@ Writes into OUT (about 6 MB for sm_90):
   row-major kernels, the tiles `default_tile_config` chooses. ``manifest.json`` maps ``"W|N|K"`` to
   the exported function (the format `ignis.tools.bench.e2e_gpu.load_compiled` reads);
 * ``gdn_recurrent_<arch>.so`` (`build_gdn_recurrent`), ``fused_norms_<arch>.so``
-  (`build_fused_norms`), ``topk_<arch>.so`` (`build_topk`) and, where the kernel exists,
-  ``fused_mixers_<arch>.so``.
+  (`build_fused_norms`), ``topk_<arch>.so`` (`build_topk`), ``moe_experts_<arch>.so``
+  (`build_moe_experts`: the grouped routed-expert kernels `tools/bench/expert_cache.py` loads from
+  ``--mods``) and, where the kernel exists, ``fused_mixers_<arch>.so``.
 
 Needs nvcc (CUDA 12.8+ for sm_120) and tvm-ffi; takes 1-2 minutes on two cores.
 
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     timed("gdn_recurrent", lambda: build_gdn_recurrent(args.arch, out_path=out / f"gdn_recurrent_{tag}.so"))
     timed("fused_norms", lambda: build_fused_norms(args.arch, out_path=out / f"fused_norms_{tag}.so"))
     timed("topk", lambda: build_topk(args.arch, out_path=out / f"topk_{tag}.so"))
+    from ignis.compiler.kernels.moe_experts import build_moe_experts
+
+    timed("moe_experts", lambda: build_moe_experts(args.arch, out_path=out / f"moe_experts_{tag}.so"))
     try:
         from ignis.compiler.kernels.fused_mixers import build_fused_mixers  # type: ignore[import-not-found]
     except ImportError:

@@ -36,8 +36,13 @@ Linears: with `--mods` (a bundle from ``python -m ignis.tools.bench.build_gpu_mo
 --shapes flash-next``, which serves every linear shape of this model) through its compiled tiled
 functions (resident weights and the cache's slots in the tiled layout), else torch (dequantize +
 GEMM): the figures then show the cache's copy traffic and hit rates faithfully but not the kernels'
-speed. A full run (2 cards x 3 modes x 5 lane counts, baselines) takes longer than one 10-minute
-device command: split it, e.g. ``--cards 32 --modes off,mtp --lanes 1,2,4``.
+speed. The routed experts: with the bundle's ``moe_experts_sm<NN>.so`` the grouped MoE block
+(`ignis.runtime.families.moe_grouped`: two grouped launches a layer over row-major q4 stacks, one
+host sync a layer with a cache, none resident); `--moe-loop` (or no such file) keeps the reference
+loop of `sparse_moe_block` (one tiled linear per routed expert, host syncs per expert).
+
+A full run (2 cards x 3 modes x 5 lane counts, baselines) takes longer than one 10-minute device
+command: split it, e.g. ``--cards 32 --modes off,mtp --lanes 1,2,4``.
 
 Prints a table last; writes ``bench_expert_cache.json`` into `--out` (default $OUT or .).
 """
@@ -247,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accept", type=float, default=0.815, help="MTP per-draft acceptance for projections")
     ap.add_argument("--baselines", action="store_true", help="also every expert resident, and no cache")
     ap.add_argument("--mods", type=Path, help="a build_gpu_modules bundle covering these shapes")
+    ap.add_argument(
+        "--moe-loop",
+        action="store_true",
+        help="run the routed experts by the reference loop even when --mods has moe_experts_sm<NN>.so",
+    )
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (plumbing check)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args(argv)
@@ -262,11 +272,18 @@ def main(argv: list[str] | None = None) -> int:
         mtp_weights = {n: w if isinstance(w, Q4Weight) else w.to(dtype) for n, w in mtp_weights.items()}
     print(f"weights generated in {time.perf_counter() - t0:.1f} s", flush=True)
     linear = None
+    moe_module = None
     if args.mods is not None:
         from ignis.runtime.linear import LinearBackend
         from ignis.tools.bench.e2e_gpu import load_compiled
 
         linear = LinearBackend(load_compiled(args.mods))
+        major, minor = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
+        moe_path = args.mods / f"moe_experts_sm{major}{minor}.so"
+        if dev.type == "cuda" and not args.moe_loop and moe_path.exists():
+            from ignis.runtime.kernels.moe_experts import MoeExpertsKernel
+
+            moe_module = MoeExpertsKernel(moe_path)
     else:
         from ignis.runtime.linear import torch_linear
 
@@ -288,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "linears": "compiled" if args.mods else "torch",
+        "experts": "grouped kernels" if moe_module is not None else "reference loop",
         "bytes": {
             "experts": expert_total,
             "expert": expert_bytes,
@@ -298,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth": bandwidth(dev),
         "cases": [],
     }
-    print(json.dumps({k: results[k] for k in ("config", "device", "bytes", "bandwidth")}), flush=True)
+    print(
+        json.dumps({k: results[k] for k in ("config", "device", "experts", "bytes", "bandwidth")}), flush=True
+    )
 
     modes = {"off": (0, 0), "mtp": (3, 8), "mtp-rows3": (3, 3)}
     wanted = [m for m in args.modes.split(",") if m]
@@ -333,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
             run_weights = weights
             if card is None:  # every expert resident
                 run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
-            ex = HybridExecutor(cfg, run_weights, device=dev, dtype=dtype, linear=linear, expert_cache=cache)
+            ex = HybridExecutor(
+                cfg, run_weights, device=dev, dtype=dtype, linear=linear, expert_cache=cache,
+                moe_module=moe_module,
+            )  # fmt: skip
             drafter = None
             if mtp_on:
                 shared = {
