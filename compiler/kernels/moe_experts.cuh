@@ -47,7 +47,7 @@ constexpr int kRowsPerWarp = 4;                     // weight rows a warp stream
 constexpr int kTileRows = kWarps * kRowsPerWarp;    // weight rows (outputs) per block: 32
 constexpr int kMaxPairs = 1024;                     // most pairs (rows x top_k) one launch takes
 constexpr int kGroupStride = 36;                    // floats per staged group of 32 inputs (+4 padding)
-constexpr int kMaxStageBytes = 96 * 1024;           // most shared memory for the staged activations
+constexpr int kMaxStageBytes = 64 * 1024;           // most shared memory for the staged activations
 
 struct Params {
   const void* x;          // activations, model dtype T
