@@ -8,6 +8,7 @@
     art.linear_backend()                                      # compiled modules per width (runtime/linear.py)
     art.topk_module()                                         # the drafter's compiled top-k, or None
     art.gdn_module(), art.norms_module(), art.mixers_module() # the hybrid rounds' fused kernels, or None
+    art.moe_module(torch.bfloat16)                            # the grouped MoE expert kernels, or None
 
 Validation at load (`verify`):
 
@@ -450,7 +451,7 @@ class Artifact:
 
         # the grouped expert kernels: the routed experts stay on the host here and the executor
         # moves them into its row-major stacks (never tiled: no second copy on the device)
-        moe = self._moe_module(dtype) if on_cuda and linear is not None else None
+        moe = self.moe_module(dtype) if on_cuda and linear is not None else None
         moe_kw: dict[str, Any] = {} if moe is None else {"moe_module": moe}
         if isinstance(self.config, HybridConfig) and on_cuda and cuda_graphs is not False:
             from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
@@ -500,7 +501,7 @@ class Artifact:
             return self.family.make_executor(self.config, weights, device, dtype, linear=linear, **extra)
         return self.family.make_executor(self.config, weights, device, dtype, **extra)
 
-    def _moe_module(self, dtype: torch.dtype) -> Any:
+    def moe_module(self, dtype: torch.dtype) -> Any:
         """The grouped MoE expert kernels (`kernel_library("moe_experts")`) when the manifest lists
         them for `dtype` and they load; None otherwise (MoE layers then run one linear per routed
         expert)."""

@@ -70,12 +70,14 @@ from ignis.runtime.families.attention import sdpa
 from ignis.runtime.families.base import get_family
 from ignis.runtime.families.hybrid_executor import rms_norm_one_plus
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
+from ignis.runtime.families.moe_grouped import GroupedExperts, load_expert_stacks, use_grouped
 from ignis.runtime.families.qwen3_5 import (
     HybridConfig,
     Qwen3_5MoeConfig,
     Qwen3NextConfig,
     mtp_tensor_shapes,
 )
+from ignis.runtime.kernels.moe_experts import MoeExpertsKernel
 from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader, place_weight
 from ignis.runtime.sampling import logits_to_probs
 
@@ -203,6 +205,9 @@ class MTPHead:
         device, dtype: where and in which dtype to compute.
         linear: the linear hook ``linear(x, weight, bias)`` every linear layer runs through (an
             artifact's `LinearBackend`); `F.linear` when None.
+        moe_module: the compiled grouped expert kernels (as `HybridExecutor`'s): a MoE head's routed
+            experts run as stacks through `grouped_moe_block` off CUDA, and on CUDA with them (q4
+            experts); otherwise the reference loop.
 
     Raises:
         see `check_mtp_fits`.
@@ -216,6 +221,7 @@ class MTPHead:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         linear: LinearFn | None = None,
+        moe_module: Any = None,
     ) -> None:
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be floating, got {dtype}")
@@ -253,7 +259,16 @@ class MTPHead:
         if _is_moe_head(config):
             assert isinstance(config, Qwen3_5MoeConfig | Qwen3NextConfig)
             m, inter = f"{p}.mlp", config.moe_intermediate_size
-            if f"{m}.experts.gate_up_proj" in w:
+            kernel = MoeExpertsKernel(moe_module) if moe_module is not None else None
+            grouped = None
+            if use_grouped(self.device, kernel, w, m):
+                gate_up, down = load_expert_stacks(w, m, config.num_experts, device=self.device, dtype=dtype)
+                experts = [
+                    SwiGLUWeights(gate_up[e, :inter], gate_up[e, inter:], down[e])
+                    for e in range(config.num_experts)
+                ]
+                grouped = GroupedExperts(gate_up, down, kernel=kernel)
+            elif f"{m}.experts.gate_up_proj" in w:
                 gate_up, down = lin(f"{m}.experts.gate_up_proj"), lin(f"{m}.experts.down_proj")
                 experts = [
                     SwiGLUWeights(gate_up[e, :inter], gate_up[e, inter:], down[e])
@@ -277,6 +292,7 @@ class MTPHead:
                     lin(f"{m}.shared_expert.down_proj.weight"),
                 ),
                 shared_expert_gate=lin(f"{m}.shared_expert_gate.weight"),
+                grouped=grouped,
             )
         else:
             self.mlp = SwiGLUWeights(
@@ -412,6 +428,7 @@ class MTPDrafter(BaseDrafter):
         linear: the linear hook ``linear(x, weight, bias)`` the head and lm_head run through (an
             artifact's `LinearBackend`; the weights and lm_head may then be `Q4Weight`s); `F.linear`
             when None.
+        moe_module: the compiled grouped expert kernels for a MoE head (`MTPHead`), or None.
 
     Raises:
         MissingDrafterWeightsError, ConfigError, TensorSetError, TensorShapeError: see `check_mtp_fits`.
@@ -434,6 +451,7 @@ class MTPDrafter(BaseDrafter):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         linear: LinearFn | None = None,
+        moe_module: Any = None,
     ) -> None:
         h, v = config.hidden_size, config.vocab_size
         for what, t in (("embedding", embed_tokens), ("lm_head", lm_head)):
@@ -450,7 +468,7 @@ class MTPDrafter(BaseDrafter):
                 f"mtp: target final norm has shape {tuple(final_norm.shape)}, expected [{h}]"
             )
         self.config = config
-        self.head = MTPHead(config, weights, device=device, dtype=dtype, linear=linear)
+        self.head = MTPHead(config, weights, device=device, dtype=dtype, linear=linear, moe_module=moe_module)
         self.linear: LinearFn = self.head.linear
         self.device, self.dtype = self.head.device, dtype
         self.embed_tokens = embed_tokens.detach().to(device=self.device, dtype=dtype)
@@ -707,10 +725,11 @@ def build_mtp_drafter(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     linear: LinearFn | None = None,
+    moe_module: Any = None,
 ) -> MTPDrafter:
     """The registered `mtp` factory: the head from `mtp_weights` (default: the `mtp.*` tensors among
     `target_weights`), sharing the target's embedding, lm_head and final norm; `linear` is the
-    head's linear hook (see `MTPDrafter`).
+    head's linear hook, `moe_module` the grouped expert kernels of a MoE head (see `MTPDrafter`).
 
     Raises:
         ConfigError: target weights lack the embedding or the final norm; plus `MTPDrafter`'s errors.
@@ -731,6 +750,7 @@ def build_mtp_drafter(
         device=device,
         dtype=dtype,
         linear=linear,
+        moe_module=moe_module,
     )
 
 

@@ -54,7 +54,7 @@ from ignis.runtime.families.gated_deltanet import (
     l2_normalize,
 )
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
-from ignis.runtime.families.moe_grouped import GroupedExperts, stack_experts
+from ignis.runtime.families.moe_grouped import GroupedExperts, load_expert_stacks, use_grouped
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig, tensor_shapes
 from ignis.runtime.kernels.moe_experts import MoeExpertsKernel
 from ignis.runtime.linear import LinearFn, Q4Weight, WeightLoader, cat_rows, place_weight, to_device
@@ -386,12 +386,8 @@ class HybridExecutor:
         assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
         inter = c.moe_intermediate_size
         experts: Sequence[SwiGLUWeights]
-        first = f"{p}.experts.gate_up_proj" if f"{p}.experts.gate_up_proj" in trunk else None
-        first = first or f"{p}.experts.0.gate_proj.weight"
         # the grouped block (moe_grouped.py): off CUDA, or with the compiled kernels and q4 experts
-        grouped_on = self.device.type != "cuda" or (
-            self.moe_kernel is not None and isinstance(trunk.get(first), Q4Weight)
-        )
+        grouped_on = use_grouped(self.device, self.moe_kernel, trunk, p)
         grouped = None
         if self.expert_cache is not None:  # routed experts stay on the host; device slots cache them
             slots = self.expert_cache.make_layer(
@@ -404,7 +400,7 @@ class HybridExecutor:
             if grouped_on:
                 grouped = GroupedExperts(*slots.stacks(), kernel=self.moe_kernel, slots=slots)
         elif grouped_on:
-            gate_up, down = self._expert_stacks(p, trunk)
+            gate_up, down = load_expert_stacks(trunk, p, c.num_experts, device=self.device, dtype=self.dtype)
             experts = [
                 SwiGLUWeights(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(c.num_experts)
             ]
@@ -431,29 +427,6 @@ class HybridExecutor:
         return SparseMoeWeights(
             get(f"{p}.gate.weight"), experts, shared, get(f"{p}.shared_expert_gate.weight"), grouped
         )
-
-    def _expert_stacks(self, p: str, trunk: Mapping[str, _Weight]) -> tuple[Any, Any]:
-        """A MoE layer's routed experts as device stacks for the grouped block: (gate_up [E, 2 I, H],
-        down [E, H, I]), q4 weights row-major (the kernels' layout: never tiled), dense ones in the
-        executor's dtype; the fused checkpoint stacks as they are, per-expert tensors stacked."""
-        c = self.config
-        assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
-        dev, dt = self.device, self.dtype
-
-        def move(w: _Weight) -> _Weight:
-            if isinstance(w, Q4Weight):
-                return w.to_row_major().to(dev).contiguous()
-            return w.detach().to(device=dev, dtype=dt).contiguous()
-
-        if f"{p}.experts.gate_up_proj" in trunk:
-            return move(trunk[f"{p}.experts.gate_up_proj"]), move(trunk[f"{p}.experts.down_proj"])
-        n = range(c.num_experts)
-        gate_up, down = stack_experts(
-            [trunk[f"{p}.experts.{e}.gate_proj.weight"] for e in n],
-            [trunk[f"{p}.experts.{e}.up_proj.weight"] for e in n],
-            [trunk[f"{p}.experts.{e}.down_proj.weight"] for e in n],
-        )
-        return move(gate_up), move(down)
 
     # ---- protocol ----
 

@@ -38,6 +38,7 @@ in choice order (the reference adds them in x's dtype in expert-index order).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from ignis.runtime.families.moe import SparseMoeWeights, route_top_k, swiglu_mlp
 from ignis.runtime.linear import LinearFn, Q4Weight, torch_linear
 
-__all__ = ["GroupedExperts", "grouped_moe_block", "stack_experts"]
+__all__ = ["GroupedExperts", "grouped_moe_block", "load_expert_stacks", "stack_experts", "use_grouped"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,39 @@ def stack_experts(gates: list[Any], ups: list[Any], downs: list[Any]) -> tuple[A
         raise TypeError("stack_experts: q4_g32 and dense expert weights mixed")
     gate_up = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups, strict=True)])
     return gate_up, torch.stack(list(downs))
+
+
+def use_grouped(device: torch.device, kernel: Any, weights: Mapping[str, Any], prefix: str) -> bool:
+    """Whether a MoE layer (routed experts under ``{prefix}.experts.``) runs `grouped_moe_block`:
+    off CUDA always (its torch path), on CUDA with the compiled kernels and q4_g32 experts."""
+    if device.type != "cuda":
+        return True
+    first = weights.get(f"{prefix}.experts.gate_up_proj", weights.get(f"{prefix}.experts.0.gate_proj.weight"))
+    return kernel is not None and isinstance(first, Q4Weight)
+
+
+def load_expert_stacks(
+    weights: Mapping[str, Any], prefix: str, num_experts: int, *, device: torch.device, dtype: torch.dtype
+) -> tuple[Any, Any]:
+    """A MoE layer's routed experts as device stacks for the grouped block: (gate_up [E, 2 I, H],
+    down [E, H, I]) from the fused checkpoint stacks (``{prefix}.experts.gate_up_proj`` /
+    ``down_proj``, moved as they are) or the per-expert tensors (stacked: a copy); q4 weights
+    row-major (the kernels' layout: a tiled one is untiled), dense ones cast to `dtype`."""
+
+    def move(w: Any) -> Any:
+        if isinstance(w, Q4Weight):
+            return w.to_row_major().to(device).contiguous()
+        return w.detach().to(device=device, dtype=dtype).contiguous()
+
+    if f"{prefix}.experts.gate_up_proj" in weights:
+        return move(weights[f"{prefix}.experts.gate_up_proj"]), move(weights[f"{prefix}.experts.down_proj"])
+    n = range(num_experts)
+    gate_up, down = stack_experts(
+        [weights[f"{prefix}.experts.{e}.gate_proj.weight"] for e in n],
+        [weights[f"{prefix}.experts.{e}.up_proj.weight"] for e in n],
+        [weights[f"{prefix}.experts.{e}.down_proj.weight"] for e in n],
+    )
+    return move(gate_up), move(down)
 
 
 def grouped_moe_block(

@@ -209,6 +209,7 @@ class ArtifactSource:
                 return attach_topk(drafter, art, device)
             from ignis.runtime.drafters.mtp import build_mtp_drafter
 
+            on_cuda = torch.device(device).type == "cuda"
             return build_mtp_drafter(
                 target_config=art.config,
                 target_weights=shared,
@@ -216,6 +217,7 @@ class ArtifactSource:
                 device=device,
                 dtype=dtype,
                 linear=linear,
+                moe_module=art.moe_module(dtype) if keep_q4 and on_cuda else None,
             )
 
         eos = tuple(tokenizer.eos_token_ids)

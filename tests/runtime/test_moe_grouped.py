@@ -273,6 +273,30 @@ def test_static_executor_runs_the_kernel_binding(family: str, tmp_path: Path) ->
     assert calls["moe_q4_gate_up"] == calls["moe_q4_down"] == 2 * len(layers)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_mtp_head_runs_the_grouped_block(family: str, tmp_path: Path) -> None:
+    """A MoE MTP head holds its routed experts as stacks (the kernel binding with `moe_module`); its
+    MoE block equals the reference loop to float rounding."""
+    from ignis.runtime.drafters.mtp import build_mtp_drafter, load_mtp_checkpoint
+    from ignis.tools.make_test_drafter import make_mtp_drafter
+
+    tiny = make_tiny_hybrid(family, tmp_path / "target")
+    make_mtp_drafter(tiny.folder, tmp_path / "with_mtp", seed=7)
+    config, tensors = load_mtp_checkpoint(tmp_path / "with_mtp")
+    tensors = _q4_experts(tensors)
+    drafter = build_mtp_drafter(
+        target_config=config, target_weights=tensors, linear=torch_linear, moe_module=reference_module()
+    )
+    mlp = drafter.head.mlp
+    assert isinstance(mlp, SparseMoeWeights) and mlp.grouped is not None and mlp.grouped.uses_kernel
+    loop = dataclasses.replace(mlp, grouped=None)
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(8))
+    kw = dict(top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob, linear=torch_linear)
+    torch.testing.assert_close(
+        sparse_moe_block(x, mlp, **kw), sparse_moe_block(x, loop, **kw), rtol=1e-5, atol=1e-5
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # the library: selection, build, argument checks
 # ---------------------------------------------------------------------------------------------

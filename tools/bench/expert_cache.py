@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 drafter = build_mtp_drafter(
                     target_config=cfg, target_weights=shared, mtp_weights=mtp_weights, device=dev,
-                    dtype=dtype, linear=linear,
+                    dtype=dtype, linear=linear, moe_module=moe_module,
                 )  # fmt: skip
             for lanes in lanes_list:
                 res = run_case(
