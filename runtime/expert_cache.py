@@ -29,6 +29,13 @@ overlaps the copies of the experts after it (hits run at once). Copies cannot st
 layer's router has run (the routing decides them); prefetching by router-score lookahead from the
 layers before is not done.
 
+Grouped kernels: for `ignis.runtime.families.moe_grouped.grouped_moe_block` (the executors' MoE
+block off CUDA, and on CUDA with the compiled grouped expert kernels) the slots are built
+``stacked``: q4 parts row-major, gate's and up's buffers the two halves of one [slots, 2 I, H] stack
+(`ExpertSlots.stacks`), and the block asks for (expert, slot) pairs group by group
+(`ExpertSlots.slot_groups`: the compute stream waits for all of a group's copies before its two
+launches). Same lookups, same counters, same LRU.
+
 Eviction is LRU over the layer's experts (the order of last use; ties within a round by expert index).
 Frequency-based and router-lookahead policies are for later, to be chosen by measurement on the GPU
 (tools/bench/expert_cache.py reports the hit rate and bytes copied per token that such a comparison
