@@ -23,9 +23,10 @@
 // Grid: x = pairs, y = N / kTileRows tiles; block kThreads. The block of pair p first checks whether
 // an earlier pair has the same slot (then it exits: that block does the work), else it gathers every
 // later pair of its slot (ascending) -- so each slot's weights are streamed once per launch however
-// many rows chose it. Its members' activation rows are staged in shared memory as float32 (MAXM rows
-// at a time; groups of 32 padded to kGroupStride floats, so the lanes' float4 reads are free of bank
-// conflicts); each warp streams kRowsPerWarp weight rows of the tile, one 16-byte load (one group)
+// many rows chose it (a slot with more members than MAXM runs as several chunks over the weights).
+// Its members' activation rows are staged in shared memory as float32, MAXM <= kMaxStageRows rows at
+// a time, groups of 32 padded to kGroupStride floats so the lanes' float4 reads are free of bank
+// conflicts; each warp streams kRowsPerWarp weight rows of the tile, one 16-byte load (one group)
 // per row per lane per step.
 #pragma once
 
@@ -48,6 +49,7 @@ constexpr int kTileRows = kWarps * kRowsPerWarp;    // weight rows (outputs) per
 constexpr int kMaxPairs = 1024;                     // most pairs (rows x top_k) one launch takes
 constexpr int kGroupStride = 36;                    // floats per staged group of 32 inputs (+4 padding)
 constexpr int kMaxStageBytes = 64 * 1024;           // most shared memory for the staged activations
+constexpr int kMaxStageRows = 4;                    // most activation rows staged (and summed) at once
 
 struct Params {
   const void* x;          // activations, model dtype T

@@ -33,11 +33,13 @@ using namespace ignis_ffi;  // the shared argument checks (ffi_checks.cuh)
 
 inline bool fully_contiguous(const TensorView& t) { return inner_contiguous(t, t.ndim()); }
 
-// Most activation rows staged at once for `rows` rows of a K-input weight: the power of two >= min(rows, 8)
-// whose stage fits kMaxStageBytes (at least 1).
+// Most activation rows staged at once for `rows` rows of a K-input weight: the power of two >=
+// min(rows, kMaxStageRows) whose stage fits kMaxStageBytes (at least 1). A slot's members are at most
+// `rows` (a row routes to distinct experts) and at decode sizes mostly 1-2: more rows a chunk would
+// cost registers (occupancy) for the rare slot with more members, which runs as several chunks.
 inline int stage_rows(int64_t rows, int64_t k) {
   int m = 1;
-  while (m < 8 && m < rows) m *= 2;
+  while (m < kMaxStageRows && m < rows) m *= 2;
   const int64_t per_row = (k / 32) * kGroupStride * static_cast<int64_t>(sizeof(float));
   while (m > 1 && m * per_row > kMaxStageBytes) m /= 2;
   return m;
@@ -62,11 +64,8 @@ void launch_rows(const char* name, const Params& p, int m, dim3 grid, cudaStream
     case 2:
       launch_typed<T, 2, DOWN>(name, p, grid, smem, stream);
       break;
-    case 4:
-      launch_typed<T, 4, DOWN>(name, p, grid, smem, stream);
-      break;
     default:
-      launch_typed<T, 8, DOWN>(name, p, grid, smem, stream);
+      launch_typed<T, kMaxStageRows, DOWN>(name, p, grid, smem, stream);
       break;
   }
 }
