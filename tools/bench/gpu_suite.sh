@@ -21,6 +21,8 @@ export PYTHONPATH=/tmp/site:/tmp/ns IGNIS_TVM_LIB_DIR=$PWD/.device/q4/tvm_lib PY
 export IGNIS_GDN_MODULE=$M/gdn_recurrent_sm90.so IGNIS_NORMS_MODULE=$M/fused_norms_sm90.so
 export IGNIS_TOPK_MODULE=$M/topk_sm90.so
 [ -f "$M/fused_mixers_sm90.so" ] && export IGNIS_MIXERS_MODULE=$M/fused_mixers_sm90.so
+# the grouped MoE expert kernels (tests/runtime/test_moe_grouped.py)
+[ -f "$M/moe_experts_sm90.so" ] && export IGNIS_MOE_MODULE=$M/moe_experts_sm90.so
 ART=${IGNIS_GDN_ARTIFACT:-$PWD/.device/gdn-art/tiny-hybrid-h200}
 export IGNIS_GDN_ARTIFACT=$ART IGNIS_TOPK_ARTIFACT=$ART
 # the tiled q4 kernel: the bundle in $M (tools/bench/build_gpu_modules.py) and a tiny tiled-route llama
@@ -36,8 +38,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # 1. GPU tests of everything that runs on CUDA (graphs, fused kernels, top-k, artifacts).
 timeout ${GPU_TESTS_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
-  -k "${GPU_TESTS_K:-fused_mixers or gated_attention or artifact or topk or tiled or gdn}" \
+  -k "${GPU_TESTS_K:-fused_mixers or gated_attention or artifact or topk or tiled or gdn or moe_grouped}" \
   tests/runtime/test_hybrid_graphs.py tests/runtime/test_topk.py tests/runtime/test_artifact.py \
+  tests/runtime/test_moe_grouped.py \
   tests/compiler/test_gdn_kernel.py \
   tests/compiler/test_q4_tiled.py tests/runtime/test_linear_tiled.py \
   >"$OUT/gpu_tests.log" 2>&1
