@@ -261,7 +261,7 @@ class MTPHead:
             m, inter = f"{p}.mlp", config.moe_intermediate_size
             kernel = MoeExpertsKernel(moe_module) if moe_module is not None else None
             grouped = None
-            if use_grouped(self.device, kernel, w, m):
+            if use_grouped(self.device, kernel, w, m, self.linear):
                 gate_up, down = load_expert_stacks(w, m, config.num_experts, device=self.device, dtype=dtype)
                 experts = [
                     SwiGLUWeights(gate_up[e, :inter], gate_up[e, inter:], down[e])

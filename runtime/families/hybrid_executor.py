@@ -260,9 +260,10 @@ class HybridExecutor:
         moe_module: the compiled grouped expert kernels (`MoeExpertsKernel`, a loaded module or a
             ``.so`` path from ``ignis.compiler.kernels.moe_experts.build_moe_experts``). MoE layers
             run their routed experts as weight stacks through `grouped_moe_block`
-            (`ignis.runtime.families.moe_grouped`) off CUDA (its torch path) and on CUDA when this
-            is given and the experts are q4_g32 (held row-major); otherwise (CUDA without it) the
-            reference loop of `sparse_moe_block`, one linear per routed expert.
+            (`ignis.runtime.families.moe_grouped`) on CUDA when this is given and the experts are
+            q4_g32 (held row-major), and off CUDA (its torch path) unless `linear` runs compiled
+            functions; otherwise the reference loop of `sparse_moe_block`, one linear per routed
+            expert (`moe_grouped.use_grouped`).
 
     Raises:
         TensorSetError: missing or unexpected trunk tensors, all listed at once.
@@ -387,7 +388,7 @@ class HybridExecutor:
         inter = c.moe_intermediate_size
         experts: Sequence[SwiGLUWeights]
         # the grouped block (moe_grouped.py): off CUDA, or with the compiled kernels and q4 experts
-        grouped_on = use_grouped(self.device, self.moe_kernel, trunk, p)
+        grouped_on = use_grouped(self.device, self.moe_kernel, trunk, p, self.linear)
         grouped = None
         if self.expert_cache is not None:  # routed experts stay on the host; device slots cache them
             slots = self.expert_cache.make_layer(

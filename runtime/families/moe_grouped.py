@@ -15,9 +15,10 @@ its rows (a ``nonzero`` sync, two linears, the SwiGLU and an ``index_add`` per e
 with ids [R, k] the slot of each pair's expert. On CUDA with the compiled grouped kernels
 (`ignis.runtime.kernels.moe_experts.MoeExpertsKernel`: q4_g32 row-major stacks) these are two
 launches (the SwiGLU fused into the second); elsewhere (the CPU, dense stacks) the torch path runs
-each slot's pairs through one ``F.linear`` per weight (q4 weights dequantized to x's dtype, as
-`ignis.runtime.linear.torch_linear`). Either way a pair's result does not depend on which other
-pairs run with it.
+each slot's pairs through the executor's linear hook, gate, up and down apart, as the reference loop
+does (q4 weights dequantized to x's dtype by `ignis.runtime.linear.torch_linear`, or an artifact's
+compiled CPU functions). The kernels' result for a pair does not depend on which other pairs run
+with it; the torch path's depends on them only through the GEMM's float32 blocking.
 
 Slots: with every expert resident (`GroupedExperts.slots` None) the stacks hold all experts and the
 slot of a pair is its expert index: routing, kernels and the sum stay on the device, no host sync
@@ -111,11 +112,16 @@ def stack_experts(gates: list[Any], ups: list[Any], downs: list[Any]) -> tuple[A
     return gate_up, torch.stack(list(downs))
 
 
-def use_grouped(device: torch.device, kernel: Any, weights: Mapping[str, Any], prefix: str) -> bool:
-    """Whether a MoE layer (routed experts under ``{prefix}.experts.``) runs `grouped_moe_block`:
-    off CUDA always (its torch path), on CUDA with the compiled kernels and q4_g32 experts."""
+def use_grouped(
+    device: torch.device, kernel: Any, weights: Mapping[str, Any], prefix: str, linear: Any = None
+) -> bool:
+    """Whether a MoE layer (routed experts under ``{prefix}.experts.``) runs `grouped_moe_block`: on
+    CUDA with the compiled kernels and q4_g32 experts; off CUDA (its torch path) unless the linear
+    hook runs compiled functions (an artifact's CPU modules serve the experts' own shapes, and may
+    want them tiled: the reference loop keeps them)."""
     if device.type != "cuda":
-        return True
+        compiled = getattr(linear, "compiled", None)
+        return compiled is None or not len(compiled)
     first = weights.get(f"{prefix}.experts.gate_up_proj", weights.get(f"{prefix}.experts.0.gate_proj.weight"))
     return kernel is not None and isinstance(first, Q4Weight)
 
@@ -162,7 +168,7 @@ def grouped_moe_block(
     y = torch.empty((rows, top_k, hidden), dtype=torch.float32, device=x.device)
     if g.slots is None:
         ids = top_i.to(torch.int32)
-        _run_pairs(x, ids, ids if not x.is_cuda else None, route_w, g, y)
+        _run_pairs(x, ids, ids if not x.is_cuda else None, route_w, g, y, linear)
     else:
         host = _to_host(top_i)
         experts = sorted(set(host.reshape(-1).tolist()))
@@ -175,7 +181,7 @@ def grouped_moe_block(
             sid = sid_host
             if x.is_cuda:
                 sid = sid_host.pin_memory().to(x.device, non_blocking=True)
-            _run_pairs(x, sid, sid_host, route_w, g, y)
+            _run_pairs(x, sid, sid_host, route_w, g, y, linear)
     routed = y.sum(dim=1).to(x.dtype)
     shared = swiglu_mlp(x, w.shared_expert, linear=linear) * torch.sigmoid(
         linear(x, w.shared_expert_gate, None)
@@ -203,23 +209,30 @@ def _run_pairs(
     route_w: torch.Tensor,
     g: GroupedExperts,
     y: torch.Tensor,
+    linear: LinearFn,
 ) -> None:
     """Run the pairs whose slot id (ids [R, k], int32, on x's device) is >= 0 into y [R, k, H]
     float32 (weighted down outputs); the other pairs' rows of y are left as they are. ids_host: the
-    same ids on the host when known (the torch path needs them; None: copied here)."""
+    same ids on the host when known (the torch path needs them; None: copied here).
+
+    Without the kernels, each slot's pairs run its gate, up and down weights through `linear` (the
+    executor's hook: an artifact's compiled CPU functions serve the experts' shapes; `F.linear`
+    is replaced by `torch_linear` for q4 stacks), as the reference loop runs them."""
     if g.uses_kernel:
         h = g.kernel.gate_up(x, ids, g.gate_up)
         g.kernel.down(h, ids, g.down, route_w, y)
         return
+    if linear is F.linear:
+        linear = torch_linear
     rows, top_k = ids.shape
+    inter = g.down.shape[-1]
     flat = (ids_host if ids_host is not None else ids.cpu()).reshape(-1).long()
     y_pairs = y.view(rows * top_k, -1)
     w_pairs = route_w.reshape(-1)
     for slot in sorted(set(flat.tolist())):
         if slot < 0:
             continue
-        sel_host = (flat == slot).nonzero().flatten()
-        sel = sel_host.to(x.device)
-        gate, up = torch_linear(x[sel // top_k], g.gate_up[slot]).chunk(2, dim=-1)
-        out = torch_linear(F.silu(gate) * up, g.down[slot])
-        y_pairs[sel] = out.float() * w_pairs[sel, None]
+        sel = (flat == slot).nonzero().flatten().to(x.device)
+        xs, gate_up = x[sel // top_k], g.gate_up[slot]
+        act = F.silu(linear(xs, gate_up[:inter], None)) * linear(xs, gate_up[inter:], None)
+        y_pairs[sel] = linear(act, g.down[slot], None).float() * w_pairs[sel, None]

@@ -177,6 +177,24 @@ def test_grouped_block_with_cache_equals_resident_bit_for_bit(num_slots: int, pa
         assert cache.stats.misses > EXPERTS
 
 
+def test_which_layers_run_the_grouped_block() -> None:
+    """On CUDA: with the kernels and q4 experts only; off CUDA: unless the hook runs compiled
+    functions (a CPU artifact's modules keep the reference loop)."""
+    from types import SimpleNamespace
+
+    from ignis.runtime.families.moe_grouped import use_grouped
+
+    g = torch.Generator().manual_seed(9)
+    q4 = {"p.experts.gate_up_proj": _stack(4, 64, 64, g)}
+    dense = {"p.experts.0.gate_proj.weight": torch.zeros(32, 64)}
+    cpu, cuda, kernel = torch.device("cpu"), torch.device("cuda"), object()
+    assert use_grouped(cpu, None, q4, "p") and use_grouped(cpu, None, dense, "p", torch_linear)
+    assert use_grouped(cpu, None, q4, "p", SimpleNamespace(compiled=[]))
+    assert not use_grouped(cpu, kernel, q4, "p", SimpleNamespace(compiled=[("fn",)]))
+    assert use_grouped(cuda, kernel, q4, "p") and not use_grouped(cuda, None, q4, "p")
+    assert not use_grouped(cuda, kernel, dense, "p")
+
+
 def test_stacked_slots_share_one_gate_up_buffer() -> None:
     w = _block(True, seed=6)
     slots = ExpertCache(2, device="cpu").make_layer(w.experts, linear=torch_linear, stacked=True)
