@@ -427,9 +427,10 @@ class Artifact:
                 then runs torch linears over dequantized weights).
             cuda_graphs: hybrid families (qwen3_5, qwen3_next, ...) on a CUDA device: build the
                 `StaticHybridExecutor` (pooled lane buffers, verify rounds replayed from CUDA graphs;
-                MoE configs run its static path eagerly). None (default) = on for CUDA; False = the
-                eager `HybridExecutor`. Other families and CPU devices ignore it (True on a CPU device
-                raises ValueError).
+                MoE configs run its static path eagerly unless every expert is resident and the
+                artifact carries the grouped expert kernels, `moe_module`). None (default) = on for
+                CUDA; False = the eager `HybridExecutor`. Other families and CPU devices ignore it
+                (True on a CPU device raises ValueError).
             max_lanes: lane slots of the static executor's pools (default 8; more lanes grow them).
             max_context: tokens per lane of the static executor's pools (default: min(the model's
                 max_position_embeddings, 8192)); `SpeculativeEngine` caps its context to it.
@@ -438,7 +439,9 @@ class Artifact:
 
         The static executor gets the artifact's fused kernels when the manifest lists them for
         `dtype` and they load (`gdn_module()`, `norms_module()`, `mixers_module()`); otherwise it runs
-        the torch ops.
+        the torch ops. Either executor gets the grouped MoE expert kernels (`moe_module(dtype)`)
+        with a linear hook on CUDA; the routed experts then come from the memory map and the
+        executor moves them into its row-major stacks (or its expert cache).
 
         Raises:
             ValueError: cuda_graphs=True on a CPU device, or bad pool sizes.
