@@ -218,7 +218,7 @@ def _run_pairs(
     Without the kernels, each slot's pairs run its gate, up and down weights through `linear` (the
     executor's hook: an artifact's compiled CPU functions serve the experts' shapes; `F.linear`
     is replaced by `torch_linear` for q4 stacks), as the reference loop runs them."""
-    if g.uses_kernel:
+    if g.uses_kernel and g.kernel.takes(x, g.gate_up) and g.kernel.takes(x, g.down):
         h = g.kernel.gate_up(x, ids, g.gate_up)
         g.kernel.down(h, ids, g.down, route_w, y)
         return
