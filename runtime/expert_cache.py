@@ -1004,7 +1004,7 @@ POLICIES = ("lru", "lfu", "belady")
 
 
 def simulate_policy(
-    trace: Sequence[tuple[int, Sequence[int]]], slots: int, policy: str = "lru"
+    trace: Sequence[tuple[int, Sequence[int]]], slots: int, policy: str = "lru", *, warmup: int = 0
 ) -> dict[str, int]:
     """Replay a routing trace (`ExpertCacheStats.trace`) through `slots` slots a layer under an
     eviction policy, with the cache's grouping (a lookup of more experts than slots is served in
@@ -1015,8 +1015,11 @@ def simulate_policy(
     expert whose next use in the trace is farthest: the offline optimum, an upper bound on what any
     policy, router lookahead included, can reach).
 
+    The first `warmup` trace entries (e.g. a prefill's) are replayed through the policy but not
+    counted, so that a decode's hits are compared from the cache state the real run had.
+
     Returns:
-        {"hits": ..., "misses": ...}.
+        {"hits": ..., "misses": ...} over trace[warmup:].
 
     Raises:
         ValueError: an unknown policy or slots < 1.
@@ -1038,8 +1041,9 @@ def simulate_policy(
     counts: dict[tuple[int, int], int] = {}
     cursor: dict[tuple[int, int], int] = {}
     hits = misses = 0
-    for layer, groups in flat:
+    for i, (layer, groups) in enumerate(flat):
         cache = resident.setdefault(layer, OrderedDict())
+        counted = i >= warmup
         for group in groups:
             pinned = set(group)
             for e in group:
@@ -1047,10 +1051,10 @@ def simulate_policy(
                 cursor[key] = cursor.get(key, 0) + 1  # uses of key consumed so far (this one included)
                 counts[key] = counts.get(key, 0) + 1
                 if e in cache:
-                    hits += 1
+                    hits += counted
                     cache.move_to_end(e)
                     continue
-                misses += 1
+                misses += counted
                 if len(cache) >= slots:
                     candidates = [x for x in cache if x not in pinned]
                     if policy == "lru":

@@ -7,8 +7,8 @@
 The model is Qwen3.5-122B-A10B-shaped (`qwen3_5_moe_text`: hidden 3,072; 48 layers, 3 Gated DeltaNet
 : 1 gated attention; 32 query / 2 KV heads of 256; GDN 16 key / 64 value heads of 128; 256 experts,
 8 a token, expert and shared-expert intermediate 1,024; vocabulary 248,320; one MTP layer) with
-RANDOM weights: q4_g32 codes (random u32) + small f16 scales for every projection and expert (the
-router, the shared-expert gate and GDN `in_proj_a/b` bf16), bf16 for the rest. Routed experts are
+RANDOM weights: q4_g32 codes (random u32) + small f16 scales of random sign for every projection and
+expert (the router, the shared-expert gate and GDN `in_proj_a/b` bf16), bf16 for the rest. Routed experts are
 generated on the device layer by layer and moved to host memory (pageable, as a memory map is;
 ~65 GB at 48 layers: the GPU host has 128 GB). `--layers N` keeps the shape with N layers.
 
@@ -20,8 +20,10 @@ the head's reserve comes out of the cache) and per mode:
 
 and per lane count: `--tokens` greedy tokens per lane through `SpeculativeEngine` (random prompts of
 32 tokens, prefill excluded from the timing): measured tok/s, the median step (verify round) time,
-rounds, expert-cache hit rate, bytes copied per emitted token and per round, and the hit rates the
-decode's routing trace would get under LFU and Belady's offline optimum (`simulate_policy`: the
+rounds, expert-cache hit rate, bytes copied per emitted token and per round, the routing's spread
+(distinct experts per layer forward and per layer over the decode) and the hit rates the decode's
+routing trace would get under LRU (a check: equal to the measured rate), LFU and Belady's offline
+optimum, replayed from the cache's state at the decode's start (`simulate_policy`: Belady is the
 bound on any smarter policy, router lookahead included) at the same slots. Random weights route
 nearly uniformly (a trained router has locality: real hit rates are higher) and a random MTP head is
 almost never accepted, so for MTP the table also gives the projected tok/s = lanes x E[tokens per
@@ -103,8 +105,13 @@ def _q4(shape: tuple[int, ...], dev: torch.device, gen: torch.Generator) -> Q4We
     packed = torch.randint(
         -(2**31), 2**31 - 1, (*lead, n, k // 8), generator=gen, device=dev, dtype=torch.int32
     ).view(torch.uint32)
-    scales = (torch.rand(*lead, n, k // 32, generator=gen, device=dev) * (2 / (7 * math.sqrt(k)))).half()
-    return Q4Weight(packed, scales)
+    # signed scales (as llama.cpp's Q4_0 has: d = max / -8): codes uniform on 0..15 give q - 8 a mean
+    # of -1/2, which with positive scales adds the same direction to every row's output; through 48
+    # layers that common mode swamps the tokens' own features and the router sends every token to the
+    # same few experts (measured: 8-16 distinct experts a layer over 12 tokens)
+    mag = torch.rand(*lead, n, k // 32, generator=gen, device=dev) * (2 / (7 * math.sqrt(k)))
+    sign = torch.randint(0, 2, mag.shape, generator=gen, device=dev) * 2 - 1
+    return Q4Weight(packed, (mag * sign).half())
 
 
 def make_weights(shapes: dict[str, tuple[int, ...]], dev: torch.device, seed: int) -> dict[str, Any]:
@@ -195,8 +202,9 @@ def run_case(
     engine.step()  # the prefill (and first tokens)
     if flush and cache is not None:
         cache.flush()
-    if cache is not None and not flush:
-        cache.stats.trace = []  # the decode's routing, replayed under other policies below
+    # the routing trace runs from the cache's creation (main), so a policy replayed below starts the
+    # decode from the state the real cache had: every earlier case's and this prefill's routing
+    start = len(cache.stats.trace) if cache is not None and cache.stats.trace is not None else 0
     before = dict(cache.stats.snapshot()) if cache is not None else {}
     emitted = 0
     times: list[float] = []
@@ -228,11 +236,17 @@ def run_case(
             "slots_in_use": after["slots_in_use"],
         }
         if cache.stats.trace is not None:
+            trace = cache.stats.trace[start:]
+            layers_seen = {layer for layer, _ in trace}
+            # routing spread: distinct experts a layer's forward runs, and a layer's distinct experts
+            # over the whole decode (a router that collapses shows few of either)
+            res["experts_per_forward"] = round(statistics.mean(len(e) for _, e in trace), 2) if trace else 0.0
+            per_layer = [len({x for l2, e in trace if l2 == layer for x in e}) for layer in layers_seen]
+            res["experts_per_layer_run"] = round(statistics.mean(per_layer), 1) if per_layer else 0.0
             for policy in POLICIES:
-                sim = simulate_policy(cache.stats.trace, cache.slots_per_layer, policy)
+                sim = simulate_policy(cache.stats.trace, cache.slots_per_layer, policy, warmup=start)
                 total = sim["hits"] + sim["misses"]
                 res[f"hit_rate_{policy}"] = round(sim["hits"] / total, 4) if total else 0.0
-            cache.stats.trace = None
     return res
 
 
@@ -330,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(plan.describe(), flush=True)
                     slots = plan.slots_per_layer
                 cache = ExpertCache(slots, device=dev)
+                if card != -1:
+                    cache.stats.trace = []  # every forward's routing (run_case replays it)
             run_weights = weights
             if card is None:  # every expert resident
                 run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
@@ -370,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
     cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "hit_rate")
-    cols += ("hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
+    cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
+    cols += ("experts_per_forward", "experts_per_layer_run")
     print(" | ".join(cols))
     for r in results["cases"]:
         print(" | ".join(str(r.get(c, "")) for c in cols))
