@@ -14,6 +14,8 @@ share (they never run concurrently). Compiled q4 modules launch on torch's strea
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +30,11 @@ __all__ = [
     "host_columns",
     "kv_bucket",
     "run_chunks",
+    "warm_up_static",
 ]
+
+
+log = logging.getLogger("ignis.runtime.static_rounds")
 
 
 class _SlotOwner(Protocol):
@@ -152,3 +158,26 @@ def run_chunks(
             if out.taps is not None:
                 parts["t"][i].append(out.taps[j])
     return parts
+
+
+def warm_up_static(*executors: Any) -> int:
+    """Load-time capture: call ``warm_up()`` on every executor that has one (the static executors with
+    CUDA graphs capture their round shapes then, so that no request pays for a capture); None and
+    executors without it are skipped. Returns the graphs captured in all, and logs them with the
+    time taken."""
+    total = 0
+    for ex in executors:
+        warm = getattr(ex, "warm_up", None)
+        if ex is None or not callable(warm):
+            continue
+        t0 = time.perf_counter()
+        n = int(warm())
+        total += n
+        if n:
+            log.info(
+                "%s: %d round shapes captured at load in %.2f s",
+                type(ex).__name__,
+                n,
+                time.perf_counter() - t0,
+            )
+    return total

@@ -453,13 +453,14 @@ def test_make_executor_keeps_the_eager_executor_on_the_cpu(tmp_path: Path) -> No
 
 
 def _tiny_artifact(base: Path, **overrides) -> Path:
-    """A `.ninfer` artifact (card "cpu": q4 weights, no compiled modules) of a tiny random llama."""
+    """A `.ninfer` artifact of a tiny random llama for the "cpu" card with no compiled modules (q4
+    weights, torch linears: it serves on the CPU and on CUDA alike)."""
     from ignis.compiler.build import build_artifact
 
     ckpt = hf_tiny.save_tiny(
         hf_tiny.tiny_model("llama", seed=0, **overrides), base / "ckpt", tokenizer=hf_tiny.tiny_tokenizer()
     )
-    (base / "r.toml").write_text('name = "tiny"\n[modules]\nwidths = [1, 4]\n')
+    (base / "r.toml").write_text('name = "tiny"\n[modules]\nwidths = []\n')
     res = build_artifact(
         card="cpu", model=ckpt, recipe=base / "r.toml", out=base / "art", progress=False, echo=lambda _l: None
     )
@@ -538,7 +539,7 @@ def test_first_request_is_as_fast_as_the_tenth(tmp_path: Path) -> None:
         tmp_path, vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4
     )
     with load_artifact(folder) as art:
-        ex = art.make_executor(device="cuda", linear=art.linear_backend(), max_lanes=8)
+        ex = art.make_executor(device="cuda", dtype=torch.bfloat16, max_lanes=8)
         assert isinstance(ex, StaticLlamaExecutor) and ex.cuda_graphs
         assert ex.warm_up() > 0  # load
         captured = ex.num_captures
@@ -560,7 +561,7 @@ def test_first_request_is_as_fast_as_the_tenth(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_make_executor_takes_the_static_route_on_cuda(tmp_path: Path) -> None:
-    """make_executor on CUDA: StaticLlamaExecutor by default and with the compiled linears; the eager
+    """make_executor on CUDA: StaticLlamaExecutor by default (float32 and bf16); the eager
     LlamaExecutor with cuda_graphs=False; greedy decoding equal between them (float32)."""
     from ignis.runtime.artifact import load_artifact
 
@@ -573,6 +574,40 @@ def test_make_executor_takes_the_static_route_on_cuda(tmp_path: Path) -> None:
         ps = [tokens(9, 1).tolist(), tokens(40, 2).tolist()]
         want = [r.output_token_ids for r in SpeculativeEngine(eager).generate(ps, greedy)]
         assert [r.output_token_ids for r in SpeculativeEngine(static).generate(ps, greedy)] == want
-        compiled = art.make_executor(device="cuda", linear=art.linear_backend(), max_lanes=2)
-        assert isinstance(compiled, StaticLlamaExecutor)
-        assert all(len(r.output_token_ids) == 20 for r in SpeculativeEngine(compiled).generate(ps, greedy))
+        bf16 = art.make_executor(device="cuda", dtype=torch.bfloat16, max_lanes=2)
+        assert isinstance(bf16, StaticLlamaExecutor) and bf16.dtype == torch.bfloat16
+        assert all(len(r.output_token_ids) == 20 for r in SpeculativeEngine(bf16).generate(ps, greedy))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_served_engine_captures_its_rounds_at_load(tmp_path: Path) -> None:
+    """The server's engine factory (`ArtifactSource.load(...).make_engine`, what `ignis-run` builds at
+    start) returns a static llama executor whose round shapes are captured already, for the target
+    and for a draft model's executor; serving a request then captures nothing new."""
+    from ignis.runtime.metrics import SpeculativeMetrics
+    from ignis.runtime.profiles import SpecDefaults
+    from ignis.runtime.server.artifact_source import ArtifactSource
+    from ignis.runtime.server.model import ModelSettings
+
+    art = _tiny_artifact(tmp_path)
+    for spec in (SpecDefaults("off"), SpecDefaults("draft-model", 3)):
+        source = (
+            ArtifactSource(art, draft_model=art) if spec.backend == "draft-model" else ArtifactSource(art)
+        )
+        model = source.load(ModelSettings(spec, device="cuda"))
+        try:
+            engine = model.make_engine(4, SpeculativeMetrics())
+            ex = engine.executor
+            assert isinstance(ex, StaticLlamaExecutor) and ex.num_captures == 3 * 4  # lanes 1-4 x cols 1-8
+            executors = [ex]
+            if spec.backend == "draft-model":
+                executors.append(engine.drafter.executor)
+                assert engine.drafter.executor.num_captures > 0
+            before = [e.num_captures for e in executors]
+            greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            out = engine.generate([tokens(6, 1).tolist(), tokens(3, 2).tolist()], greedy)
+            assert all(len(r.output_token_ids) == 16 for r in out)
+            assert [e.num_captures for e in executors] == before
+        finally:
+            model.close()
