@@ -226,20 +226,22 @@ class StaticLlamaExecutor(LlamaExecutor):
         static input buffer and (with graphs) the static logits buffer; graphs dropped."""
         c, dev = self.config, self.device
         shape = (c.num_hidden_layers, lanes + 1, self.capacity, self._nkv, self._hd)
-        keys = torch.zeros(shape, dtype=self.dtype, device=dev)
-        values = torch.zeros_like(keys)
-        if old is not None:
-            used = old[0].shape[1] - 1  # the old pools' lane slots (their scratch slot is not kept)
-            keys[:, :used].copy_(old[0][:, :used])
-            values[:, :used].copy_(old[1][:, :used])
+        rows = _pow2_at_least(lanes) * self.max_columns
+        # normal tensors even when built under inference mode (checkpoint restores write them outside it)
+        with torch.inference_mode(False):
+            keys = torch.zeros(shape, dtype=self.dtype, device=dev)
+            values = torch.zeros_like(keys)
+            if old is not None:
+                used = old[0].shape[1] - 1  # the old pools' lane slots (their scratch slot is not kept)
+                keys[:, :used].copy_(old[0][:, :used])
+                values[:, :used].copy_(old[1][:, :used])
+            # static inputs: token ids [rows] | positions [rows] | slots [lanes'] (views per round shape)
+            self._inputs = torch.zeros(2 * rows + _pow2_at_least(lanes), dtype=torch.long, device=dev)
+            self._logits_out = (
+                torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=dev) if self.cuda_graphs else None
+            )
         self._keys, self._values = keys, values
         self._scratch = lanes
-        rows = _pow2_at_least(lanes) * self.max_columns
-        # static inputs: token ids [rows] | positions [rows] | slots [lanes'] (views per round shape)
-        self._inputs = torch.zeros(2 * rows + _pow2_at_least(lanes), dtype=torch.long, device=dev)
-        self._logits_out = (
-            torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=dev) if self.cuda_graphs else None
-        )
         self._graphs.clear()
         self._pool = None
 
@@ -291,7 +293,7 @@ class StaticLlamaExecutor(LlamaExecutor):
 
     # ---- protocol ----
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(  # type: ignore[override]
         self,
         states: Sequence[StaticLlamaLaneState],
@@ -612,7 +614,7 @@ class StaticLlamaExecutor(LlamaExecutor):
         widths_l = [1 << i for i in range(_pow2_at_least(self.max_lanes).bit_length())]
         widths_n = sorted({min(1 << i, self.max_columns) for i in range(self.max_columns.bit_length() + 1)})
         before = self.num_captures
-        with torch.inference_mode():
+        with torch.no_grad():
             for b in range(buckets):
                 for lp in widths_l:
                     for n in widths_n:

@@ -417,6 +417,23 @@ def test_checkpoints_restore_across_executors(tiny: Tiny, ref: LlamaExecutor) ->
         restore_model_state(st, lane, cp, 30)
 
 
+def test_pools_built_under_inference_mode_take_restores_outside_it(tiny: Tiny, ref: LlamaExecutor) -> None:
+    """An executor built inside `torch.inference_mode()` (a caller's context) keeps normal pool tensors:
+    a checkpoint restore outside inference mode writes them, also after the pools grew there."""
+    seq = tokens(10, 3)
+    with torch.inference_mode():
+        st = tiny.static(max_lanes=1)
+        lane = feed_alone(st, seq)
+        grown = st.new_lane()  # the pools grow inside inference mode
+    cp = capture_model_state(st, lane)
+    st.release_lane(grown)
+    into = st.new_lane()
+    restore_model_state(st, into, cp, 10)
+    expect = feed_alone(ref, seq)
+    assert_same_state(tiny.config, into, expect)
+    run_both(ref, st, [expect], [into], [tokens(3, 4)], [3])
+
+
 def test_prefix_reuse_with_the_static_executor(tiny: Tiny, ref: LlamaExecutor) -> None:
     """Prompt checkpoints through the engine on the static executor: a request sharing a prefix
     restores it (block-aligned, attention-only truncation) and its greedy output equals a cold
