@@ -19,12 +19,15 @@ State (allocated at construction; grown only by `new_lane` when every slot is ta
   forward overwrites; attention never reads them (the causal mask is built from the positions).
 
 A *static round* is a forward whose lanes have n_i <= max_columns columns. Its shape is padded to a key
-(lanes L', columns n', KV bucket T, hidden states wanted, tap layers): n' is the smallest power of two
->= max n_i (at most max_columns), L' the smallest power of two >= the number of lanes, T the smallest
-``kv_bucket * 2**i`` holding every lane's past + n' (at most the capacity). Short lanes get dummy
-columns (token 0) whose outputs are discarded and which commit never keeps (their keys land past the
-lane's committed length); padding lanes run dummy columns in the scratch slot. So 8 lanes decoding
-with up to 7 drafts meet 4 x 4 shapes per KV bucket, all of which `warm_up` captures at load. Every
+(lanes L', columns n', KV bucket T, hidden states wanted, tap layers): n' is the smallest of
+`column_widths` >= max n_i (by default the powers of two below max_columns and max_columns; `warm_up`
+adds the verify width draft_tokens + 1, so verify rounds run unpadded), L' the number of lanes up to
+`EXACT_LANES` (8) and the next multiple of 8 above it, T the smallest ``kv_bucket * 2**i`` holding
+every lane's past + n' (at most the capacity). Short lanes get dummy columns (token 0) whose outputs
+are discarded and which commit never keeps (their keys land past the lane's committed length);
+padding lanes run dummy columns in the scratch slot. Padding costs rows (a q4 linear's time grows
+with its rows past ~8), so lanes, the costlier dimension, stay exact where it matters most; 8 lanes
+decoding with k drafts meet 8 x 5 shapes per KV bucket, which `warm_up` captures at load. Every
 data-dependent quantity is a device tensor in one static input buffer (token ids, positions, slot
 ids) filled by one host->device copy; attention gathers the lanes' caches up to T, folds each KV
 head's query heads into rows (GQA) and runs one masked scaled-dot-product attention over the bucket;
@@ -85,6 +88,8 @@ __all__ = [
     "DEFAULT_MAX_CONTEXT",
     "StaticLlamaExecutor",
     "StaticLlamaLaneState",
+    "default_column_widths",
+    "lane_width",
     "pick_sdpa_backend",
 ]
 
@@ -98,8 +103,22 @@ CHUNKED_PREFILL_ROUNDS = 4
 max_columns chunks run as static rounds."""
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+EXACT_LANES = 8
+"""Rounds of up to this many lanes run at their exact lane count; more lanes are padded to a multiple of
+it (padding lanes run in the scratch slot)."""
+
+
+def lane_width(lanes: int) -> int:
+    """The lane count a static round of `lanes` lanes runs at (`EXACT_LANES`)."""
+    return lanes if lanes <= EXACT_LANES else -(-lanes // EXACT_LANES) * EXACT_LANES
+
+
+def default_column_widths(max_columns: int) -> tuple[int, ...]:
+    """The column counts static rounds are padded to by default: the powers of two below
+    max_columns, and max_columns."""
+    return tuple(
+        sorted({1 << i for i in range(max_columns.bit_length()) if 1 << i < max_columns} | {max_columns})
+    )
 
 
 def pick_sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> SDPBackend:
@@ -165,8 +184,8 @@ class StaticLlamaExecutor(LlamaExecutor):
         kv_bucket: the smallest KV length bucket (a power of two; buckets double up to the capacity).
 
     Memory (bytes): KV 2 x layers x (max_lanes + 1) x capacity x kv_heads x head_dim x dtype size;
-    with CUDA graphs a static logits buffer of 4 x L' x max_columns x vocab_size (L' = max_lanes
-    rounded up to a power of two).
+    with CUDA graphs a static logits buffer of 4 x L' x max_columns x vocab_size (L' =
+    `lane_width(max_lanes)`).
 
     Raises:
         ValueError: max_lanes, max_columns, kv_bucket, max_context or chunked_prefill out of range;
@@ -214,6 +233,7 @@ class StaticLlamaExecutor(LlamaExecutor):
             raise ValueError(f"chunked_prefill must be >= 0, got {chunked_prefill}")
         self.chunked_prefill = chunked_prefill
         self.sdpa_backend = pick_sdpa_backend(self.device, dtype, self._hd)
+        self.column_widths = default_column_widths(max_columns)
         self._free: list[int] = list(range(max_lanes))
         self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
         self._pool: Any = None
@@ -226,7 +246,7 @@ class StaticLlamaExecutor(LlamaExecutor):
         static input buffer and (with graphs) the static logits buffer; graphs dropped."""
         c, dev = self.config, self.device
         shape = (c.num_hidden_layers, lanes + 1, self.capacity, self._nkv, self._hd)
-        rows = _pow2_at_least(lanes) * self.max_columns
+        rows = lane_width(lanes) * self.max_columns
         # normal tensors even when built under inference mode (checkpoint restores write them outside it)
         with torch.inference_mode(False):
             keys = torch.zeros(shape, dtype=self.dtype, device=dev)
@@ -236,7 +256,7 @@ class StaticLlamaExecutor(LlamaExecutor):
                 keys[:, :used].copy_(old[0][:, :used])
                 values[:, :used].copy_(old[1][:, :used])
             # static inputs: token ids [rows] | positions [rows] | slots [lanes'] (views per round shape)
-            self._inputs = torch.zeros(2 * rows + _pow2_at_least(lanes), dtype=torch.long, device=dev)
+            self._inputs = torch.zeros(2 * rows + lane_width(lanes), dtype=torch.long, device=dev)
             self._logits_out = (
                 torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=dev) if self.cuda_graphs else None
             )
@@ -397,7 +417,7 @@ class StaticLlamaExecutor(LlamaExecutor):
 
     def _round_shape(self, lanes: int, n: int) -> tuple[int, int]:
         """(L', n'): the padded lanes and columns of a static round (module docstring)."""
-        return _pow2_at_least(lanes), min(_pow2_at_least(n), self.max_columns)
+        return lane_width(lanes), next(w for w in self.column_widths if w >= n)
 
     def _static_forward(
         self,
@@ -600,24 +620,35 @@ class StaticLlamaExecutor(LlamaExecutor):
 
     # ---- load ----
 
-    def warm_up(self, *, buckets: int = 1) -> int:
-        """Capture, at load, the graphs of every round shape this executor's pools can meet in their
-        first `buckets` KV buckets: lanes L' in 1, 2, 4, .. (max_lanes rounded up) x columns n' in 1,
-        2, 4, .. max_columns. The rounds run in the scratch slot (no lane is touched). Without CUDA
-        graphs nothing is done.
+    def warm_up(self, *, columns: Sequence[int] = (), buckets: int = 1) -> int:
+        """Capture, at load, the graphs of every round shape the pools can meet in their first `buckets`
+        KV buckets: lane counts 1 .. max_lanes (as `lane_width` pads them) x `column_widths`. The
+        rounds run in the scratch slot (no lane is touched).
+
+        Args:
+            columns: column counts to add to `column_widths` first (e.g. draft_tokens + 1: verify
+                rounds of that many columns then run unpadded), each 1..max_columns; they apply with
+                or without CUDA graphs.
+            buckets: KV buckets to capture, from the smallest.
 
         Returns:
-            graphs captured now (shapes captured before are kept).
+            graphs captured now (0 without CUDA graphs; shapes captured before are kept).
+
+        Raises:
+            ValueError: a column count outside 1..max_columns.
         """
+        for n in columns:
+            if not 1 <= int(n) <= self.max_columns:
+                raise ValueError(f"warm_up: column count {n} outside 1..max_columns {self.max_columns}")
+        self.column_widths = tuple(sorted(set(self.column_widths) | {int(n) for n in columns}))
         if not self.cuda_graphs:
             return 0
-        widths_l = [1 << i for i in range(_pow2_at_least(self.max_lanes).bit_length())]
-        widths_n = sorted({min(1 << i, self.max_columns) for i in range(self.max_columns.bit_length() + 1)})
+        lane_widths = sorted({lane_width(n) for n in range(1, self.max_lanes + 1)})
         before = self.num_captures
         with torch.no_grad():
             for b in range(buckets):
-                for lp in widths_l:
-                    for n in widths_n:
+                for lp in lane_widths:
+                    for n in self.column_widths:
                         bucket = kv_bucket(max(self.kv_bucket << b, n), self.kv_bucket, self.capacity)
                         if (lp, n, bucket, False, ()) in self._graphs:
                             continue

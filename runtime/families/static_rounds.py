@@ -160,18 +160,18 @@ def run_chunks(
     return parts
 
 
-def warm_up_static(*executors: Any) -> int:
-    """Load-time capture: call ``warm_up()`` on every executor that has one (the static executors with
-    CUDA graphs capture their round shapes then, so that no request pays for a capture); None and
-    executors without it are skipped. Returns the graphs captured in all, and logs them with the
-    time taken."""
+def warm_up_static(*executors: Any, columns: Sequence[int] = ()) -> int:
+    """Load-time capture: call ``warm_up(columns=columns)`` on every executor that has one (the static
+    executors with CUDA graphs capture their round shapes then, so that no request pays for a
+    capture; `columns`: the verify width, draft_tokens + 1, when speculating); None and executors
+    without it are skipped. Returns the graphs captured in all, and logs them with the time taken."""
     total = 0
     for ex in executors:
         warm = getattr(ex, "warm_up", None)
         if ex is None or not callable(warm):
             continue
         t0 = time.perf_counter()
-        n = int(warm())
+        n = int(warm(columns=tuple(columns)))
         total += n
         if n:
             log.info(

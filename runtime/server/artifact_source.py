@@ -245,7 +245,8 @@ class ArtifactSource:
                 **({} if expert_cache is None else {"expert_cache": expert_cache}),
             )
             drafter = None if spec.backend == "off" else make_drafter(executor)
-            warm_up_static(executor, getattr(drafter, "executor", None))  # graphs captured at load
+            verify = (spec.draft_tokens + 1,) if drafter is not None and spec.draft_tokens else ()
+            warm_up_static(executor, getattr(drafter, "executor", None), columns=verify)  # at load
             return SpeculativeEngine(
                 executor,
                 drafter,

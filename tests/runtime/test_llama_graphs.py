@@ -219,23 +219,34 @@ def test_rewind_equals_feeding_the_first_tokens(tiny: Tiny, ref: LlamaExecutor) 
     assert lane.num_tokens == 11
 
 
-def test_round_shapes_are_padded_to_powers_of_two(tiny: Tiny, ref: LlamaExecutor) -> None:
-    """Lanes and columns are padded to powers of two (columns capped at max_columns) and the KV read
-    to a bucket; the padding lanes and columns change nothing the real ones see."""
+def test_round_shapes_are_padded_to_the_column_widths(tiny: Tiny, ref: LlamaExecutor) -> None:
+    """Columns are padded to the next of `column_widths` (powers of two below max_columns, max_columns,
+    and what warm_up adds), lanes are exact up to 8 and padded to a multiple of 8 past it (padding
+    lanes in the scratch slot), the KV read to a bucket; the padding changes nothing the real lanes
+    see."""
     st = tiny.static(max_lanes=6, max_columns=6, kv_bucket=16)
+    assert st.column_widths == (1, 2, 4, 6)
     shapes = _record_shapes(st)
     lanes = [st.new_lane() for _ in range(3)]
     refs = [ref.new_lane() for _ in range(3)]
     run_both(ref, st, refs, lanes, [tokens(n, 30 + n) for n in (5, 1, 3)], [5, 1, 3])
     run_both(ref, st, refs, lanes, [tokens(n, 40 + n) for n in (1, 1, 2)], [1, 1, 1])
-    run_both(ref, st, refs[:1], lanes[:1], [tokens(6, 50)], [6])  # past the first bucket of 16? 5+1+6=12
-    run_both(ref, st, refs[:1], lanes[:1], [tokens(6, 51)], [6])  # 12 + 6 = 18 -> bucket 32
-    assert shapes == [(4, 6, 16), (4, 2, 16), (1, 6, 16), (1, 6, 32)]
+    run_both(ref, st, refs[:1], lanes[:1], [tokens(6, 50)], [6])  # 6 + 6 = 12 keys: bucket 16
+    run_both(ref, st, refs[:1], lanes[:1], [tokens(6, 51)], [6])  # 12 + 6 = 18: bucket 32
+    assert shapes == [(3, 6, 16), (3, 2, 16), (1, 6, 16), (1, 6, 32)]
+    assert st.warm_up(columns=(5,)) == 0  # no graphs on the CPU; the width applies all the same
+    assert st.column_widths == (1, 2, 4, 5, 6)
+    with pytest.raises(ValueError, match=r"outside 1\.\.max_columns"):
+        st.warm_up(columns=(7,))
     five = [st.new_lane() for _ in range(2)] + lanes
     five_refs = [ref.new_lane() for _ in range(2)] + refs
-    cols = [tokens(n, 60 + n) for n in (4, 2, 1, 1, 3)]
-    run_both(ref, st, five_refs, five, cols, [4, 2, 1, 1, 3])
-    assert shapes[-1] == (8, 4, 32)
+    run_both(ref, st, five_refs, five, [tokens(n, 60 + n) for n in (4, 2, 1, 5, 3)], [4, 2, 1, 5, 3])
+    assert shapes[-1] == (5, 5, 32)
+    ten = five + [st.new_lane() for _ in range(5)]  # the pools grow to 12 slots; 10 lanes run as 16
+    ten_refs = five_refs + [ref.new_lane() for _ in range(5)]
+    cols = [tokens(1 + i % 3, 70 + i) for i in range(10)]
+    run_both(ref, st, ten_refs, ten, cols, [c.numel() for c in cols])
+    assert st.max_lanes == 12 and shapes[-1] == (16, 4, 32)
 
 
 def test_chunked_prefill_keeps_the_protocol(tiny: Tiny, ref: LlamaExecutor) -> None:
@@ -616,7 +627,8 @@ def test_served_engine_captures_its_rounds_at_load(tmp_path: Path) -> None:
         try:
             engine = model.make_engine(4, SpeculativeMetrics())
             ex = engine.executor
-            assert isinstance(ex, StaticLlamaExecutor) and ex.num_captures == 3 * 4  # lanes 1-4 x cols 1-8
+            # lanes 1-4 x columns 1, 2, 4, 8 (draft_tokens + 1 = 4 among them)
+            assert isinstance(ex, StaticLlamaExecutor) and ex.num_captures == 4 * 4
             executors = [ex]
             if spec.backend == "draft-model":
                 executors.append(engine.drafter.executor)
