@@ -470,9 +470,10 @@ class Artifact:
                 expert_cache=expert_cache,
                 **self._hybrid_kernels(dtype),
             )
-        from ignis.runtime.families.llama import _DecoderConfig
+        from ignis.runtime.families.llama import LlamaConfig, Qwen2Config
 
-        if isinstance(self.config, _DecoderConfig) and on_cuda and cuda_graphs is not False:
+        decoder = isinstance(self.config, LlamaConfig | Qwen2Config)
+        if decoder and on_cuda and cuda_graphs is not False and expert_cache is None:  # a cache: see below
             from ignis.runtime.families.llama_graphs import StaticLlamaExecutor
 
             weights = self.target_weights(
