@@ -295,7 +295,7 @@ class StaticLlamaExecutor(LlamaExecutor):
             StateError: the state belongs to another executor.
         """
         if not isinstance(state, StaticLlamaLaneState) or state._owner is not self:
-            raise StateError("lane 0: state was not created by this executor's new_lane()")
+            raise StateError("release_lane: the state was not created by this executor's new_lane()")
         if state._released:
             return
         state._released = True

@@ -338,6 +338,18 @@ def test_slot_reuse_growth_and_errors(tiny: Tiny, ref: LlamaExecutor) -> None:
     assert st.warm_up() == 0  # no graphs on the CPU: nothing to capture
 
 
+def test_warm_up_static_passes_the_verify_width(tiny: Tiny) -> None:
+    """`warm_up_static` (the server's load) calls warm_up on the executors that have one, with the
+    verify width, and skips None and executors without it; on the CPU nothing is captured."""
+    from ignis.runtime.families.static_rounds import warm_up_static
+
+    st, draft = tiny.static(), tiny.static(max_lanes=2)
+    assert warm_up_static(st, tiny.eager(), None, draft, columns=(6,)) == 0
+    assert st.column_widths == draft.column_widths == (1, 2, 4, 6, 8)
+    with pytest.raises(StateError, match="release_lane"):
+        st.release_lane(draft.new_lane())
+
+
 # ---- through the engine ---------------------------------------------------------------------------
 
 
