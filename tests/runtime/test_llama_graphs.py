@@ -549,8 +549,8 @@ def test_cuda_graphs_replay_like_the_eager_executor(tiny: Tiny, dtype: torch.dty
         st.commit(sa, keep)
     assert st.num_captures > 0 and st.num_replays >= len(shapes)
     captured = st.num_captures
-    cols = [tokens(n, 999 + i).cuda() for i, n in enumerate([2, 7, 1])]  # a shape seen: replayed
-    st.forward(sa, cols)
+    cols = [tokens(n, 999 + i).cuda() for i, n in enumerate([2, 7, 1])]  # the last round's shape: replayed
+    st.forward(sa, cols, output_hidden_states=True)
     st.commit(sa, [1, 1, 1])
     assert st.num_captures == captured
     for layer in range(tiny.config.num_hidden_layers):
