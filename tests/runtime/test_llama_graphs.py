@@ -350,6 +350,66 @@ def test_warm_up_static_passes_the_verify_width(tiny: Tiny) -> None:
         st.release_lane(draft.new_lane())
 
 
+class _ReplayedGraph:
+    """A CPU stand-in for a captured CUDA graph: replay() runs the captured body again and writes its
+    outputs into the tensors the capture returned, as a real replay rewrites them in place."""
+
+    def __init__(self, body, outputs) -> None:
+        self.body, self.outputs = body, outputs
+
+    def replay(self) -> None:
+        for name, value in self.body().items():
+            if value.data_ptr() != self.outputs[name].data_ptr():
+                self.outputs[name].copy_(value)
+
+
+def test_graph_bookkeeping_with_a_stand_in_graph(
+    tiny: Tiny, ref: LlamaExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graphed path's bookkeeping on the CPU, with a stand-in for the capture (`_ReplayedGraph`):
+    one capture per shape, replays after; the logits of every shape come out of one static buffer and
+    are copied out (a round's logits survive the next rounds); warm_up captures every shape in the
+    scratch slot without touching a lane; the rounds still equal LlamaExecutor's."""
+    import ignis.runtime.families.llama_graphs as lg
+    from ignis.runtime.families.static_rounds import CapturedRound
+
+    def fake_capture(body, *, device, pool):
+        outputs = body()
+        return CapturedRound(_ReplayedGraph(body, outputs), outputs)
+
+    monkeypatch.setattr(lg, "capture_round", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    st = tiny.static(max_lanes=3, chunked_prefill=24)  # kv_bucket 16
+    st.cuda_graphs = True
+    st._allocate(st.max_lanes)  # with the static logits buffer
+    lanes, refs = [st.new_lane() for _ in range(3)], [ref.new_lane() for _ in range(3)]
+    # chunks (3 lanes, 8 columns, bucket 16), (1, 8, 16), (1, 4, 32): three shapes
+    run_both(ref, st, refs, lanes, [tokens(n, 80 + n) for n in (20, 3, 7)], [20, 3, 7], record=False)
+    assert (st.num_captures, st.num_replays) == (3, 3)
+    kept = st.forward(lanes, [tokens(n, 90 + n) for n in (2, 1, 2)])  # (3, 2, 32)
+    first = [x.clone() for x in kept.logits]
+    st.commit(lanes, [1, 1, 1])
+    for r, shape in enumerate([(1, 2, 2), (2, 2, 1), (8, 1, 1)]):  # replayed twice, then (3, 8, 32)
+        st.forward(lanes, [tokens(n, 91 + 3 * r + i) for i, n in enumerate(shape)])
+        st.commit(lanes, [1, 1, 1])
+    for a, b in zip(kept.logits, first, strict=True):
+        assert torch.equal(a, b)  # copied out of the static buffer: the later rounds left it alone
+    assert (st.num_captures, st.num_replays) == (5, 7)
+    before = [[t.clone() for t in s.kv(layer)] for s in lanes for layer in range(2)]
+    # lanes 1-3 x columns 1, 2, 3, 4, 8 at bucket 16, less the two chunk shapes captured already
+    assert st.warm_up(columns=(3,)) == 3 * 5 - 2
+    after = [list(s.kv(layer)) for s in lanes for layer in range(2)]
+    for old, new in zip(before, after, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
+    for s in lanes:
+        st.release_lane(s)
+    seqs = [tokens(n, 300 + n) for n in (5, 9, 2)]
+    refs = [feed_alone(ref, q) for q in seqs]
+    lanes = [feed_alone(st, q) for q in seqs]
+    run_both(ref, st, refs, lanes, [tokens(n, 200 + n) for n in (3, 1, 2)], [3, 1, 2])
+    assert st.num_captures == 5 + 13  # every shape since came from the warm-up
+
+
 # ---- through the engine ---------------------------------------------------------------------------
 
 
