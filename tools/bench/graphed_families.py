@@ -18,7 +18,8 @@ graphed`` (`StaticHybridExecutor`). The static executors are warmed up as the se
 (`ignis.runtime.families.static_rounds.warm_up_static`; its time is printed as ``load_warmup_s``); the
 hybrid executor has no load-time warm-up, so its first request captures its graphs.
 
-Per route and lane count (1 and 8): greedy generation through `SpeculativeEngine`, speculation off,
+Per route and lane count (1 and 8): greedy generation through `SpeculativeEngine`, speculation off
+(and with ``--spec``: 7 drafts from the test drafter right with p = 0.885, or ngram),
 ``--prompt`` random tokens per lane and ``--tokens`` output tokens per lane (ignore_eos), run ``--runs``
 times; reported: the first run's tok/s (``first``), the median of the others (``steady``), and
 ``first / steady``. Then the ratio of llama graphed to qwen3_5 graphed (steady and first), against the
@@ -172,9 +173,14 @@ def executors(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     }
 
 
-def generate(ex: Any, prompts: list[list[int]], tokens: int) -> tuple[float, list[tuple[int, ...]]]:
-    """(wall seconds, outputs) of one greedy `generate` of the prompts, speculation off."""
-    engine = SpeculativeEngine(ex, max_lanes=len(prompts))
+def generate(
+    ex: Any, prompts: list[list[int]], tokens: int, drafter: Any = None, k: int = 0
+) -> tuple[float, list[tuple[int, ...]]]:
+    """(wall seconds, outputs) of one greedy `generate` of the prompts (speculation off without a
+    drafter, else `k` drafts a round)."""
+    engine = SpeculativeEngine(
+        ex, drafter, draft_tokens=k if drafter is not None else None, max_lanes=len(prompts)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     if ex.device.type == "cuda":
         torch.cuda.synchronize()
@@ -183,6 +189,34 @@ def generate(ex: Any, prompts: list[list[int]], tokens: int) -> tuple[float, lis
     if ex.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0, [r.output_token_ids for r in out]
+
+
+def spec_runs(
+    ex: Any, prompts: list[list[int]], off: list[tuple[int, ...]], args: argparse.Namespace
+) -> dict:
+    """`--runs` generations with 7 drafts (`--spec`): first and steady tok/s, and whether the output
+    equals speculation off (greedy: it must)."""
+    from ignis.runtime.drafters.ngram import NgramDrafter
+    from ignis.runtime.drafters.testing import right_with_probability
+
+    refs = {tuple(p): o for p, o in zip(prompts, off, strict=True)}
+    walls, same = [], True
+    for run in range(max(args.runs, 2)):
+        if args.spec == "ngram":
+            drafter: Any = NgramDrafter(prompt_lookup_min=1, prompt_lookup_max=3)
+        else:
+            drafter = right_with_probability(refs, 0.885, vocab_size=ex.config.vocab_size, seed=run)
+        wall, out = generate(ex, prompts, args.tokens, drafter, 7)
+        walls.append(wall)
+        same = same and out == off
+    n = len(prompts) * args.tokens
+    steady = statistics.median(walls[1:])
+    return {
+        "first_tok_s": round(n / walls[0], 1),
+        "steady_tok_s": round(n / steady, 1),
+        "first_over_steady": round(walls[0] / steady, 2),
+        "equals_off": same,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="output tokens per lane")
     ap.add_argument("--runs", type=int, default=4, help="generations per route and lane count (>= 2)")
     ap.add_argument("--lanes", default="1,8")
+    ap.add_argument(
+        "--spec",
+        default="off",
+        choices=["off", "p0.885", "ngram"],
+        help="also run with 7 drafts: the test drafter right with p = 0.885 (replaying the speculation-off "
+        "output: the round cost at that acceptance) or ngram (prompt lookup on the random prompts)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -210,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for route, ex in exs.items():
         t0 = time.perf_counter()
-        captured = warm_up_static(ex)
+        captured = warm_up_static(ex, columns=(8,) if args.spec != "off" else ())
         warm_s = time.perf_counter() - t0
         vocab = ex.config.vocab_size
         gen = torch.Generator().manual_seed(7)
@@ -238,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
                 "same_outputs": all(o == outs[0] for o in outs),
             }
             print(f"{route:16s} lanes {lanes}: {row[f'lanes{lanes}']}", flush=True)
+            if args.spec != "off":
+                row[f"lanes{lanes}_{args.spec}"] = spec_runs(ex, prompts[:lanes], outs[0], args)
+                print(
+                    f"{route:16s} lanes {lanes} {args.spec}: {row[f'lanes{lanes}_{args.spec}']}", flush=True
+                )
         row["graphs_total"] = getattr(ex, "num_captures", None)
         results["routes"][route] = row
     ratios: dict[str, Any] = {}
@@ -255,16 +301,18 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_graphed_families.json").write_text(json.dumps(results, indent=2))
     print()
-    head = f"{'route':16s} {'lanes':>5s} {'first tok/s':>12s} {'steady tok/s':>13s} {'first/steady':>13s}"
+    head = f"{'route':22s} {'lanes':>5s} {'first tok/s':>12s} {'steady tok/s':>13s} {'first/steady':>13s}"
     print(head)
     print("-" * len(head))
     for route, row in routes.items():
-        for lanes in lanes_list:
-            r = row[f"lanes{lanes}"]
-            print(
-                f"{route:16s} {lanes:5d} {r['first_tok_s']:12.1f} {r['steady_tok_s']:13.1f} "
-                f"{r['first_over_steady']:13.2f}"
-            )
+        for suffix in ("", f"_{args.spec}") if args.spec != "off" else ("",):
+            for lanes in lanes_list:
+                r = row[f"lanes{lanes}{suffix}"]
+                name = route + (f" {args.spec}" if suffix else "")
+                print(
+                    f"{name:22s} {lanes:5d} {r['first_tok_s']:12.1f} {r['steady_tok_s']:13.1f} "
+                    f"{r['first_over_steady']:13.2f}"
+                )
     for lanes, r in ratios.items():
         print(
             f"llama graphed / qwen3_5 graphed, {lanes}: steady {r['steady']}, first {r['first']} "
