@@ -89,8 +89,10 @@ __all__ = [
     "StaticLlamaExecutor",
     "StaticLlamaLaneState",
     "default_column_widths",
+    "grouped_attention",
     "lane_width",
     "pick_sdpa_backend",
+    "round_mask",
 ]
 
 log = logging.getLogger("ignis.runtime.llama_graphs")
@@ -121,23 +123,57 @@ def default_column_widths(max_columns: int) -> tuple[int, ...]:
     )
 
 
+def round_mask(pos: torch.Tensor, bucket: int, rep: int) -> torch.Tensor:
+    """bool [L, 1, rep * n, T]: row (g, j) of lane i (query head g of a KV head's group, column j) sees
+    key positions 0 .. pos[i, j] of the T = bucket read. pos: int64 [L, n] (past + column)."""
+    lanes, n = pos.shape
+    mask = torch.arange(bucket, device=pos.device)[None, None, :] <= pos[:, :, None]  # [L, n, T]
+    return mask[:, None].expand(lanes, rep, n, bucket).reshape(lanes, 1, rep * n, bucket)
+
+
+def grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """GQA as one SDPA call: q [L, n, kv_heads, rep, hd] (query head h = kv head h // rep), keys and
+    values [L, kv_heads, T, hd] (last dim contiguous), mask from `round_mask`. Returns [L * n,
+    kv_heads * rep * hd] in q's dtype. The backend is the caller's (`sdpa_kernel`)."""
+    lanes, n, nkv, rep, hd = q.shape
+    qq = q.permute(0, 2, 3, 1, 4).reshape(lanes, nkv, rep * n, hd)  # the group's query heads as rows
+    o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=scale)
+    return o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(lanes * n, nkv * rep * hd)
+
+
 def pick_sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> SDPBackend:
     """The one SDPA backend a static executor runs (module docstring, "Attention route").
 
-    CUDA: the memory-efficient kernel when a probe of a masked GQA-folded call of this dtype and
-    head_dim runs with it alone, else the math kernel. CPU: the math kernel.
+    CUDA: the memory-efficient kernel when a probe shaped like a round (`grouped_attention` of two
+    lanes, two KV heads of two query heads each, three columns, 20 keys read through a strided view,
+    the mask broadcast over the KV heads) runs with it alone and agrees with the math kernel, else the
+    math kernel. CPU: the math kernel.
     """
     if device.type != "cuda":
         return SDPBackend.MATH
-    q = torch.zeros(1, 1, 4, head_dim, device=device, dtype=dtype)
-    k = torch.zeros(1, 1, 16, head_dim, device=device, dtype=dtype)
-    mask = torch.ones(1, 1, 4, 16, device=device, dtype=torch.bool)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(2, 3, 2, 2, head_dim, device=device, generator=gen).to(dtype)
+    kv = torch.randn(2, 2, 20, 2, head_dim, device=device, generator=gen).to(dtype)  # [2, L, T, nkv, hd]
+    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    mask = round_mask(torch.tensor([[4, 5, 6], [17, 18, 19]], device=device), 20, 2)
     try:
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+            got = grouped_attention(q, keys, values, mask, head_dim**-0.5)
+        with sdpa_kernel([SDPBackend.MATH]):
+            want = grouped_attention(q, keys, values, mask, head_dim**-0.5)
+        ok = bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
     except RuntimeError as exc:
         log.warning(
             "memory-efficient SDPA does not take %s head_dim %d (%s): math kernel", dtype, head_dim, exc
+        )
+        return SDPBackend.MATH
+    if not ok:
+        log.warning(
+            "memory-efficient SDPA disagrees with the math kernel for %s head_dim %d: math kernel",
+            dtype,
+            head_dim,
         )
         return SDPBackend.MATH
     return SDPBackend.EFFICIENT_ATTENTION
@@ -578,8 +614,7 @@ class StaticLlamaExecutor(LlamaExecutor):
         x = F.embedding(ids, self.embed)  # [R, H]
         pos_rows = pos.reshape(-1)
         cos, sin = self._rope(pos_rows)  # [R, 1, hd]
-        mask = torch.arange(bucket, device=self.device)[None, None, :] <= pos[:, :, None]  # [L, n, T]
-        mask = mask[:, None].expand(lanes, rep, n, bucket).reshape(lanes, 1, rep * n, bucket)
+        mask = round_mask(pos, bucket, rep)
         slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
         if valid is not None:
             slot_rows, key_rows = slot_rows[valid], pos_rows[valid]
@@ -599,11 +634,8 @@ class StaticLlamaExecutor(LlamaExecutor):
             vc[slot_rows, key_rows] = v
             keys = kc[:, :bucket].index_select(0, slots).transpose(1, 2)  # [L, nkv, T, hd]
             values = vc[:, :bucket].index_select(0, slots).transpose(1, 2)
-            # query head h reads kv head h // rep: the rep query heads of a kv head as extra rows
-            qq = q.view(lanes, n, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(lanes, nkv, rep * n, hd)
             with sdpa_kernel([self.sdpa_backend]):
-                o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=self._scale)
-            o = o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(rows, nh * hd)
+                o = grouped_attention(q.view(lanes, n, nkv, rep, hd), keys, values, mask, self._scale)
             x = x + linear(o, layer.w_o, layer.b_o)
             h = self._norm(x, layer.norm_post)
             gate, up = linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)

@@ -142,6 +142,29 @@ def _record_shapes(ex) -> list[tuple[int, int, int]]:
     return shapes
 
 
+def test_grouped_attention_against_a_loop() -> None:
+    """`grouped_attention` over a `round_mask` (what a round runs): query head h of lane i, column j
+    attends kv head h // rep over key positions 0 .. pos[i, j], read through a strided view."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ignis.runtime.families.llama_graphs import grouped_attention, round_mask
+
+    g = torch.Generator().manual_seed(0)
+    lanes, n, nkv, rep, hd, t = 2, 3, 2, 3, 16, 20
+    q = torch.randn(lanes, n, nkv, rep, hd, generator=g)
+    kv = torch.randn(2, lanes, t, nkv, hd, generator=g)  # the pool's [lanes, T, kv_heads, hd] layout
+    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    pos = torch.tensor([[4, 5, 6], [17, 18, 19]])
+    with sdpa_kernel([SDPBackend.MATH]):
+        got = grouped_attention(q, keys, values, round_mask(pos, t, rep), 0.25).view(lanes, n, nkv * rep, hd)
+    for i in range(lanes):
+        for j in range(n):
+            for h in range(nkv * rep):
+                p = int(pos[i, j])
+                w = (keys[i, h // rep, : p + 1] @ q[i, j, h // rep, h % rep] * 0.25).softmax(-1)
+                close(got[i, j, h], w @ values[i, h // rep, : p + 1])
+
+
 # ---- rounds -------------------------------------------------------------------------------------
 
 
