@@ -35,9 +35,11 @@ logits of every row (and hidden states, taps) are the outputs. `commit` and `rew
 lengths only (`LlamaExecutor.commit` / `rewind`: keys past the committed length are never read).
 
 Attention route: fixed at construction, never chosen per shape on the request path. Torch's SDPA
-runs with one backend pinned (`SDPA_ROUTE`): on CUDA the memory-efficient kernel (any mask, any
-length, fp32/fp16/bf16, no per-shape plan and capture-safe), checked once at construction with a
-probe of the executor's dtype and head_dim, else the math kernel; on the CPU the math kernel. The
+runs with one backend pinned (the ``sdpa_backend`` attribute, from `pick_sdpa_backend`): on CUDA the
+memory-efficient kernel (any mask, any length, fp32/fp16/bf16, no per-shape plan, capture-safe) once
+a probe shaped like a round, in the executor's dtype and head_dim, ran with it and agreed with the
+math kernel, else the math kernel; on the CPU the math kernel. cuDNN's attention is left out: it
+builds an execution plan per new shape (`ignis.runtime.families.attention`). The
 project's fused ``gated_attention`` (`ignis.runtime.kernels.fused_mixers`) multiplies by the output
 gate of the hybrid families and is compiled into hybrid artifacts only, so it does not serve here.
 
