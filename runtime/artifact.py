@@ -424,10 +424,11 @@ class Artifact:
             linear: the linear hook; passed to the family's `make_executor` when it accepts a `linear`
                 argument (then q4 weights stay `Q4Weight`), else ignored with a warning (the executor
                 then runs torch linears over dequantized weights).
-            cuda_graphs: hybrid families (qwen3_5, qwen3_next, ...) on a CUDA device: build the
-                `StaticHybridExecutor` (pooled lane buffers, verify rounds replayed from CUDA graphs;
-                MoE configs run its static path eagerly). None (default) = on for CUDA; False = the
-                eager `HybridExecutor`. Other families and CPU devices ignore it (True on a CPU device
+            cuda_graphs: on a CUDA device, build the static executor (pooled lane buffers, verify
+                rounds replayed from CUDA graphs): `StaticHybridExecutor` for the hybrid families
+                (qwen3_5, qwen3_next, ...; MoE configs run its static path eagerly),
+                `StaticLlamaExecutor` for llama and qwen2. None (default) = on for CUDA; False = the
+                eager `HybridExecutor` / `LlamaExecutor`. CPU devices ignore it (True on a CPU device
                 raises ValueError).
             max_lanes: lane slots of the static executor's pools (default 8; more lanes grow them).
             max_context: tokens per lane of the static executor's pools (default: min(the model's
@@ -468,6 +469,24 @@ class Artifact:
                 max_context=max_context,
                 expert_cache=expert_cache,
                 **self._hybrid_kernels(dtype),
+            )
+        from ignis.runtime.families.llama import LlamaConfig, Qwen2Config
+
+        decoder = isinstance(self.config, LlamaConfig | Qwen2Config)
+        if decoder and on_cuda and cuda_graphs is not False and expert_cache is None:  # a cache: see below
+            from ignis.runtime.families.llama_graphs import StaticLlamaExecutor
+
+            weights = self.target_weights(
+                dtype=dtype, device=device, keep_q4=linear is not None, linear=linear
+            )
+            return StaticLlamaExecutor(
+                self.config,
+                weights,
+                device=device,
+                dtype=dtype,
+                linear=linear,
+                max_lanes=max_lanes or 8,
+                max_context=max_context,
             )
         params = inspect.signature(self.family.make_executor).parameters
         accepts = "linear" in params

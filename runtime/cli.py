@@ -383,9 +383,9 @@ def run_command(opts: dict[str, Any]) -> None:
 @click.option(
     "--cuda-graphs/--no-cuda-graphs",
     default=None,
-    help="On CUDA, run verify rounds of the hybrid families (qwen3_5, qwen3_next) from CUDA graphs "
-    "over fixed-capacity lane buffers sized by --lanes and --model-max-context (8192 tokens when "
-    "neither is set and the model allows more). [default: on]",
+    help="On CUDA, run verify rounds of every family (llama, qwen2, qwen3_5, qwen3_next) from CUDA "
+    "graphs over fixed-capacity lane buffers sized by --lanes and --model-max-context (8192 tokens "
+    "when neither is set and the model allows more), captured at load for llama / qwen2. [default: on]",
 )
 @click.option(
     "--expert-cache-bytes",

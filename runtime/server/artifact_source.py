@@ -36,6 +36,7 @@ from ignis.runtime.artifact_guard import watch_artifact
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.errors import TokenizerError
 from ignis.runtime.expert_cache import ExpertCache, ExpertCacheStats, cache_for_artifact, prometheus_collector
+from ignis.runtime.families.static_rounds import warm_up_static
 from ignis.runtime.linear import Q4Weight
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile
@@ -244,6 +245,8 @@ class ArtifactSource:
                 **({} if expert_cache is None else {"expert_cache": expert_cache}),
             )
             drafter = None if spec.backend == "off" else make_drafter(executor)
+            verify = (spec.draft_tokens + 1,) if drafter is not None and spec.draft_tokens else ()
+            warm_up_static(executor, getattr(drafter, "executor", None), columns=verify)  # at load
             return SpeculativeEngine(
                 executor,
                 drafter,
