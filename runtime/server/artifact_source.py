@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +75,13 @@ def _shared_tensors(art: Any, executor: Any, dtype: torch.dtype, device: torch.d
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied
     return out
+
+
+def _close_all(caches: Any, art: Any) -> None:
+    """The served model's close: undo the expert caches' host registrations, then unmap the artifact."""
+    for cache in list(caches):
+        cache.close()
+    art.close()
 
 
 def attach_topk(drafter: Any, art: Any, device: torch.device) -> Any:
@@ -231,9 +239,12 @@ class ArtifactSource:
             return str(tokenizer.decode(ids, skip_special_tokens=True))
 
         cache_stats = ExpertCacheStats()
+        expert_caches: weakref.WeakSet[ExpertCache] = weakref.WeakSet()  # closed with the model
 
         def make_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
             expert_cache = self._expert_cache(settings, device, dtype, linear, max_lanes, cache_stats)
+            if expert_cache is not None:
+                expert_caches.add(expert_cache)
             executor = art.make_executor(
                 device=device,
                 dtype=dtype,
@@ -243,6 +254,8 @@ class ArtifactSource:
                 max_context=settings.max_context,
                 **({} if expert_cache is None else {"expert_cache": expert_cache}),
             )
+            if expert_cache is not None:  # the host experts were registered as the layers were built
+                log.info("expert cache: %s", expert_cache.describe_host())
             drafter = None if spec.backend == "off" else make_drafter(executor)
             return SpeculativeEngine(
                 executor,
@@ -274,7 +287,7 @@ class ArtifactSource:
             make_engine=make_engine,
             spec=spec,
             aliases=self.aliases,
-            close=art.close,
+            close=lambda: _close_all(expert_caches, art),
             prefix_cache=cache,
             save_checkpoints=save_checkpoints,
             collectors=(prometheus_collector(cache_stats),) if self._serves_experts(settings, device) else (),
@@ -321,6 +334,7 @@ class ArtifactSource:
             rows=rows,
             mtp=spec.backend == "mtp",
             stats=stats,
+            pin=settings.expert_cache_pin,
         )
 
     def _snapshot_binding(self, backend: str) -> Any:
