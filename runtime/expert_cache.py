@@ -626,8 +626,7 @@ class ExpertCache:
         slots_per_layer: device slots of each MoE layer (clamped to the layer's experts).
         device: where the slots live.
         stats: counters (a fresh `ExpertCacheStats` when None).
-        budget: the plan the slots came from (reported; may be None in tests). Its experts' bytes are
-            checked against the host's memory before any layer is registered (`HostPin.expect`).
+        budget: the plan the slots came from (reported; may be None in tests).
         pin: page-lock the layers' host experts on CUDA (`ignis.runtime.host_pin`): "auto" (fall
             back to the staging ring when refused), "on" (refuse to load instead) or "off".
 
@@ -654,8 +653,6 @@ class ExpertCache:
         self.layers: list[ExpertSlots] = []
         self._copier: _Copier | None = None
         self.pin = HostPin(self.device, pin)
-        if budget is not None:
-            self.pin.expect(budget.experts_bytes)
         self.stats.attach(self)
 
     def make_layer(
@@ -1036,7 +1033,8 @@ def cache_for_artifact(
         the rest: as `plan_for_artifact`.
 
     Raises:
-        ConfigError: a budget for a model without routed experts, a bad size, or too small a budget.
+        ConfigError: a budget for a model without routed experts, a bad size, too small a budget, or
+            `pin` "on" where the experts cannot be page-locked.
     """
     if setting == "off":
         return None
@@ -1066,7 +1064,11 @@ def cache_for_artifact(
             "--spec-backend mtp: %s reserved from the expert cache for the MTP head",
             human_bytes(plan.mtp_reserve_bytes),
         )
-    return ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan, pin=pin)
+    cache = ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan, pin=pin)
+    # the host's memory checked for the stored expert bytes before any layer is registered
+    names = art.family.tensor_shapes(art.config)
+    cache.pin.expect(sum(int(art.weights.info(n).length) for n in names if is_routed_expert(n)))
+    return cache
 
 
 def prometheus_collector(stats: ExpertCacheStats) -> Any:

@@ -263,9 +263,26 @@ class _Driver:
         return int(self._lib.cuMemHostUnregister(ctypes.c_void_p(ptr)))
 
 
+#: releases that came due while a CUDA graph was being captured (a finalizer run by the garbage
+#: collector mid-capture must not synchronize): done at the next `HostPin` load or close
+_deferred: list[tuple[Any, ...]] = []
+
+
+def _capturing() -> bool:
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except RuntimeError:  # a torch without CUDA
+        return False
+
+
 def _release(driver: _Driver | None, owned: list[int], maps: list[mmap.mmap], device: torch.device) -> None:
     """Undo registrations (after the device's queued work, which may still read them) and unmap the
-    read-only mappings that no tensor views any more."""
+    read-only mappings that no tensor views any more. Deferred while this thread captures a CUDA graph."""
+    if owned and driver is not None and _capturing():
+        _deferred.append((driver, list(owned), list(maps), device))
+        owned.clear()
+        maps.clear()
+        return
     if owned and driver is not None:
         try:
             torch.cuda.synchronize(device)  # in-flight copies read these pages; binds the context too
@@ -282,6 +299,13 @@ def _release(driver: _Driver | None, owned: list[int], maps: list[mmap.mmap], de
         except BufferError:
             pass  # tensors still view it: unmapped with the last of them
     maps.clear()
+
+
+def _release_deferred() -> None:
+    if _capturing():
+        return
+    while _deferred:
+        _release(*_deferred.pop())
 
 
 class HostPin:
@@ -427,6 +451,7 @@ class HostPin:
         self._ranges.clear()
         self._starts.clear()
         self._finalizer()
+        _release_deferred()
         if self.active:
             self.active, self.reason = False, "closed"
 
@@ -445,6 +470,7 @@ class HostPin:
                 "staging ring at the pageable rate", reason)  # fmt: skip
 
     def _prepare(self) -> _Driver:
+        _release_deferred()
         if self._driver is not None:
             return self._driver
         driver = _Driver()

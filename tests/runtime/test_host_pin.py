@@ -221,6 +221,20 @@ def test_anonymous_memory_registered_in_place(fake_cuda) -> None:
     assert len([x for x in fake_cuda.calls if x[0] == "register"]) == 1
 
 
+def test_release_waits_out_a_cuda_graph_capture(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release due while a graph is captured (a finalizer run by the collector mid-capture) must not
+    synchronize: it is deferred to the next load or close."""
+    a = torch.randn(50_000)
+    pin = HostPin("cuda:0", "auto", margin_bytes=0)
+    pin.adopt([a])
+    monkeypatch.setattr(host_pin, "_capturing", lambda: True)
+    pin.close()
+    assert not any(c[0] == "unregister" for c in fake_cuda.calls) and host_pin._deferred
+    monkeypatch.setattr(host_pin, "_capturing", lambda: False)
+    HostPin("cuda:0", "auto").close()
+    assert [c[0] for c in fake_cuda.calls] == ["register", "unregister"] and not host_pin._deferred
+
+
 def test_no_read_only_registration_falls_back(fake_cuda, tmp_path: Path, caplog) -> None:
     _write_layer(tmp_path / "m.ninfer")
     reader = NinferReader(tmp_path / "m.ninfer")
