@@ -516,10 +516,14 @@ class HostPin:
         for i, t in enumerate(items):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
                 continue
-            if not t.is_contiguous() or self.covers(t):
+            if not t.is_contiguous():
+                continue  # copied through the staging ring (`covers` is False for it)
+            if self.covers(t):
+                self.pinned_bytes += t.numel() * t.element_size()
                 continue
             if t.is_pinned():  # page-locked by its allocator or by someone else's registration
-                self._add_range(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                storage = t.untyped_storage()  # the whole block: its other views are covered too
+                self._add_range(storage.data_ptr(), storage.data_ptr() + storage.nbytes())
                 self.pinned_bytes += t.numel() * t.element_size()
                 continue
             ptr = t.data_ptr()

@@ -215,10 +215,12 @@ def test_anonymous_memory_registered_in_place(fake_cuda) -> None:
     assert pin.covers(a) and not pin.covers(b)
     (reg,) = [c for c in fake_cuda.calls if c[0] == "register"]
     assert reg[1] <= a.data_ptr() and a.data_ptr() + a.numel() * 4 <= reg[1] + reg[2]
-    # a second adoption overlapping the same pages registers only what is new
+    assert pin.pinned_bytes == a.numel() * 4
+    # a second adoption inside the same pages registers nothing new, and counts the bytes
     c = a[100:200]
     assert pin.adopt([c])[0] is c and pin.covers(c)
     assert len([x for x in fake_cuda.calls if x[0] == "register"]) == 1
+    assert pin.pinned_bytes == a.numel() * 4 + 400
 
 
 def test_release_waits_out_a_cuda_graph_capture(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -440,3 +442,16 @@ def test_cuda_artifact_memory_map_registered_path_equals_resident(tmp_path: Path
         _assert_path(cache, "on")
         assert "page-locked" in cache.describe_host()
         cache.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_pinned_memory_is_used_as_is() -> None:
+    """Experts already in pinned memory (views of one pin_memory stack) are covered without a
+    registration of their own."""
+    stack = torch.randn(8, 4096).pin_memory()
+    views = list(stack)
+    pin = HostPin("cuda", "on")
+    assert all(x is y for x, y in zip(pin.adopt(views), views, strict=True))
+    assert pin.regions == 0 and all(pin.covers(v) for v in views)
+    assert pin.pinned_bytes == stack.numel() * 4 and "page-locked" in pin.describe()
