@@ -69,6 +69,7 @@ import math
 import mmap
 import os
 import re
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -217,8 +218,11 @@ def copier_rates(
     sources: list[tuple[str, Any]] = [
         ("pageable", lambda: (torch.ones(n * part, dtype=torch.uint8), "off")),
         ("pinned", lambda: (torch.ones(n * part, dtype=torch.uint8, pin_memory=True), "auto")),
-        ("mmap", lambda: (_private_map(path, n * part), "auto")),
     ]
+    if shutil.disk_usage(mmap_dir).free > n * part + GIB:
+        sources.append(("mmap", lambda: (_private_map(path, n * part), "auto")))
+    else:
+        out["mmap_pin_reason"] = f"{mmap_dir}: not enough free space for {size / GIB:.1f} GiB"
     try:
         for kind, make in sources:
             flat, mode = make()
@@ -262,6 +266,13 @@ def host_experts_to(weights: dict[str, Any], host: str, mmap_dir: Path) -> tuple
             weights[n] = Q4Weight(w.packed.pin_memory(), w.scales.pin_memory())
         return None, None
     path = mmap_dir / f"ignis-bench-experts-{os.getpid()}.ninfer"
+    need = sum(nbytes(weights[n]) for n in names)
+    free = shutil.disk_usage(mmap_dir).free
+    if free < need + GIB:
+        raise SystemExit(
+            f"--host mmap: {mmap_dir} has {free / GIB:.1f} GiB free, the experts take {need / GIB:.1f} GiB "
+            "(+1 GiB spare): give another --mmap-dir or fewer --layers"
+        )
     with NinferWriter(path) as writer:
         for n in names:
             w = weights[n]
