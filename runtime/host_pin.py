@@ -275,13 +275,15 @@ def _capturing() -> bool:
         return False
 
 
-def _release(driver: _Driver | None, owned: list[int], maps: list[mmap.mmap], device: torch.device) -> None:
-    """Undo registrations (after the device's queued work, which may still read them) and unmap the
-    read-only mappings that no tensor views any more. Deferred while this thread captures a CUDA graph."""
+def _release(driver: _Driver | None, owned: list[int], held: list[Any], device: torch.device) -> None:
+    """Undo registrations (after the device's queued work, which may still read them), then drop what
+    kept the registered memory mapped: the read-only mappings (unmapped unless tensors still view
+    them) and the tensors registered in place (held so their memory is not freed, and the address
+    reused, while registered). Deferred while this thread captures a CUDA graph."""
     if owned and driver is not None and _capturing():
-        _deferred.append((driver, list(owned), list(maps), device))
+        _deferred.append((driver, list(owned), list(held), device))
         owned.clear()
-        maps.clear()
+        held.clear()
         return
     if owned and driver is not None:
         try:
@@ -293,12 +295,13 @@ def _release(driver: _Driver | None, owned: list[int], maps: list[mmap.mmap], de
             if rc != 0:
                 log.debug("cuMemHostUnregister(%#x): %s", ptr, driver.error_name(rc))
     owned.clear()
-    for mm in maps:
-        try:
-            mm.close()
-        except BufferError:
-            pass  # tensors still view it: unmapped with the last of them
-    maps.clear()
+    for item in held:
+        if isinstance(item, mmap.mmap):
+            try:
+                item.close()
+            except BufferError:
+                pass  # tensors still view it: unmapped with the last of them
+    held.clear()
 
 
 def _release_deferred() -> None:
@@ -351,10 +354,10 @@ class HostPin:
         self._ranges: list[tuple[int, int]] = []  # page-locked [start, end), ascending
         self._starts: list[int] = []
         self._owned: list[int] = []  # registration base addresses to unregister
-        self._maps: list[mmap.mmap] = []
+        self._held: list[Any] = []  # read-only mmaps and tensors registered in place
         self._budget: tuple[int, int | None] | None = None  # (MemAvailable at first use, cgroup max)
         self._locked_file_bytes = 0  # file-backed bytes registered (not on tmpfs)
-        self._finalizer = weakref.finalize(self, _release, None, self._owned, self._maps, self.device)
+        self._finalizer = weakref.finalize(self, _release, None, self._owned, self._held, self.device)
         self._finalizer.atexit = False  # process exit unpins everything; no CUDA calls at shutdown
 
     # ---- queries ----
@@ -484,7 +487,7 @@ class HostPin:
         self._read_only = bool(read_only)
         self._driver = driver
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _release, driver, self._owned, self._maps, self.device)
+        self._finalizer = weakref.finalize(self, _release, driver, self._owned, self._held, self.device)
         self._finalizer.atexit = False
         return driver
 
@@ -542,6 +545,7 @@ class HostPin:
             )
             for start, end in _subtract(spans, self._ranges):
                 self._register(driver, start, end - start)
+            self._held.extend(items[i] for i in in_place)
             for i in in_place:
                 if self.covers(items[i]):
                     self.pinned_bytes += items[i].numel() * items[i].element_size()
@@ -611,7 +615,7 @@ class HostPin:
                     mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
                 except (OSError, ValueError) as exc:
                     raise PinRefused(f"cannot map {path} read-only at {start}: {exc}") from None
-                self._maps.append(mm)
+                self._held.append(mm)
                 t0 = time.perf_counter()
                 for advice in (mmap.MADV_WILLNEED, _MADV_POPULATE_READ):
                     try:

@@ -223,6 +223,24 @@ def test_anonymous_memory_registered_in_place(fake_cuda) -> None:
     assert pin.pinned_bytes == a.numel() * 4 + 400
 
 
+def test_memory_registered_in_place_is_held_until_unregistered(fake_cuda) -> None:
+    """A tensor registered in place stays alive while registered (its freed memory could be mapped
+    again at the same address and refused as already registered), and goes with `close`."""
+    import gc
+    import weakref
+
+    a = torch.randn(50_000)
+    pin = HostPin("cuda:0", "auto", margin_bytes=0)
+    pin.adopt([a])
+    ref = weakref.ref(a)
+    del a
+    gc.collect()
+    assert ref() is not None
+    pin.close()
+    gc.collect()
+    assert ref() is None and [c[0] for c in fake_cuda.calls] == ["register", "unregister"]
+
+
 def test_release_waits_out_a_cuda_graph_capture(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:
     """A release due while a graph is captured (a finalizer run by the collector mid-capture) must not
     synchronize: it is deferred to the next load or close."""
