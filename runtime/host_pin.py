@@ -10,11 +10,12 @@ registers the memory they live in (`HostPin.adopt`, one MoE layer at a time):
 * memory that is page-locked already (torch's `pin_memory`, a range registered before) is used as is;
 * bytes of a private file mapping (the artifact's: `NinferReader` maps copy-on-write) are mapped again,
   read-only and shared (``mmap(PROT_READ, MAP_SHARED)`` of the same file range, found through
-  ``/proc/self/maps``), and the tensors become views of that mapping. A long-term pin of a private
-  (copy-on-write) mapping makes the kernel break copy-on-write on Linux >= 6.x (a private copy of every
-  page: the experts' size again in anonymous memory), while the pages of a read-only shared mapping are
-  the page cache's own. The range is prefetched (``MADV_WILLNEED``), populated
-  (``MADV_POPULATE_READ``, Linux >= 5.14) and registered with ``CU_MEMHOSTREGISTER_READ_ONLY``;
+  ``/proc/self/maps``), and the tensors become views of that mapping. A writable registration of a
+  private (copy-on-write) mapping copies every page into anonymous memory (the experts' size again),
+  and so may a read-only one (Linux unshares the page-cache pages of a copy-on-write mapping on a
+  long-term pin), while the pages of a read-only shared mapping are the page cache's own. The range
+  is prefetched (``MADV_WILLNEED``), populated (``MADV_POPULATE_READ``, Linux >= 5.14) and registered
+  with ``CU_MEMHOSTREGISTER_READ_ONLY``;
 * other host memory (anonymous: an expert stack converted to the model's dtype) is registered in place.
 
 Registrations cover whole pages, one per contiguous range (a layer's stacked experts are one or two
