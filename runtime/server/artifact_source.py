@@ -323,7 +323,7 @@ class ArtifactSource:
             rows = max(lanes, spec.draft_rows or 8)
         else:
             rows = lanes * (1 + (spec.draft_tokens if spec.backend != "off" else 0))
-        return cache_for_artifact(
+        cache = cache_for_artifact(
             art,
             settings.expert_cache,
             device=device,
@@ -336,6 +336,9 @@ class ArtifactSource:
             stats=stats,
             pin=settings.expert_cache_pin,
         )
+        if cache is None and settings.expert_cache_pin == "on":
+            log.warning("--expert-cache-pin on: no expert cache here (every routed expert on the device)")
+        return cache
 
     def _snapshot_binding(self, backend: str) -> Any:
         """What prompt snapshots of this model are bound to (`ignis.formats.snapshot`): the target
