@@ -429,33 +429,64 @@ def test_cuda_cache_registered_path_equals_resident(pin: str, tmp_path: Path) ->
         cache.close()
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_cuda_artifact_memory_map_registered_path_equals_resident(tmp_path: Path) -> None:
-    """A tiny qwen3_next artifact in float32 (the experts are zero-copy views of its memory map): the
-    cache of 2 slots a layer with pin on maps the expert ranges read-only, registers them, copies every
-    miss by DMA from them, and equals the resident executor token for token."""
+@pytest.fixture(scope="module")
+def next_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen3_next artifact (cpu card: float32 experts, no compiled modules)."""
     import hf_tiny
     from hf_tiny_hybrid import make_tiny_hybrid
 
     from ignis.compiler.build import build_artifact
+
+    root = tmp_path_factory.mktemp("pin_art")
+    make_tiny_hybrid("qwen3_next", root / "base")
+    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(root / "base")
+    (root / "r.toml").write_text('name = "tiny-next"\n[modules]\nwidths = []\n')
+    res = build_artifact(
+        card="cpu", model=root / "base", recipe=root / "r.toml", out=root / "art",
+        progress=False, echo=lambda _l: None,
+    )  # fmt: skip
+    assert res.out is not None
+    return res.out
+
+
+def test_served_cache_checks_the_host_for_the_stored_expert_bytes(
+    next_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cache_for_artifact` hands the setting to the cache and checks the artifact's stored expert bytes
+    against the host's memory before any layer: too little MemAvailable falls back (auto) or refuses
+    the load (on). (A CUDA device is named; nothing is allocated on it before the executor.)"""
+    from ignis.runtime.artifact import load_artifact
+    from ignis.runtime.expert_cache import cache_for_artifact, is_routed_expert
+
+    with load_artifact(next_artifact) as art:
+        stored = sum(art.weights.info(n).length for n in art.weights if is_routed_expert(n))
+        monkeypatch.setattr(host_pin, "_meminfo", lambda: {"MemAvailable": stored, "MemTotal": stored})
+        kw = dict(device=torch.device("cuda"), dtype=torch.float32, keep_q4=False, lanes=1, context=64,
+                  rows=1, mtp=False)  # fmt: skip
+        cache = cache_for_artifact(art, str(10**9), pin="auto", **kw)
+        assert not cache.pin.on and "MemAvailable" in cache.pin.reason  # the 4 GiB margin does not fit
+        with pytest.raises(ConfigError, match=r"--expert-cache-pin on: .*MemAvailable"):
+            cache_for_artifact(art, str(10**9), pin="on", **kw)
+        assert cache_for_artifact(art, str(10**9), pin="off", **kw).pin.reason == "--expert-cache-pin off"
+        monkeypatch.setattr(host_pin, "_meminfo", lambda: {"MemAvailable": 2**40, "MemTotal": 2**40})
+        assert cache_for_artifact(art, str(10**9), pin="on", **kw).pin.on
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_artifact_memory_map_registered_path_equals_resident(next_artifact: Path) -> None:
+    """A tiny qwen3_next artifact in float32 (the experts are zero-copy views of its memory map): the
+    cache of 2 slots a layer with pin on maps the expert ranges read-only, registers them, copies every
+    miss by DMA from them, and equals the resident executor token for token."""
     from ignis.runtime.artifact import load_artifact
     from ignis.runtime.expert_cache import ExpertCache
 
-    make_tiny_hybrid("qwen3_next", tmp_path / "base")
-    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(tmp_path / "base")
-    (tmp_path / "r.toml").write_text('name = "tiny-next"\n[modules]\nwidths = []\n')
-    res = build_artifact(
-        card="cpu", model=tmp_path / "base", recipe=tmp_path / "r.toml", out=tmp_path / "art",
-        progress=False, echo=lambda _l: None,
-    )  # fmt: skip
-    with load_artifact(res.out) as art:
+    with load_artifact(next_artifact) as art:
         want = _tokens(art.make_executor(device="cuda", dtype=torch.float32))
         cache = ExpertCache(2, device="cuda", pin="on")
         ex = art.make_executor(device="cuda", dtype=torch.float32, expert_cache=cache)
-        assert {os.path.realpath(f) for f in cache.pin.files} == {
-            os.path.realpath(art.weights.path)
-        } and cache.pin.regions >= len(cache.layers)
+        files = {os.path.realpath(f) for f in cache.pin.files}
+        assert files == {os.path.realpath(art.weights.path)} and cache.pin.regions >= len(cache.layers)
         assert _tokens(ex) == want
         _assert_path(cache, "on")
         assert "page-locked" in cache.describe_host()
