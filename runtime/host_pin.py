@@ -418,7 +418,10 @@ class HostPin:
             return self._adopt(items)
         except PinRefused as exc:
             self._fail(str(exc))
-            return items
+        except (OSError, RuntimeError, ValueError) as exc:  # not foreseen: say so, keep serving
+            log.warning("page-locking the routed experts failed", exc_info=True)
+            self._fail(f"unexpected {type(exc).__name__}: {exc}")
+        return items
 
     def adopt_experts(self, experts: Sequence[Any]) -> list[Any]:
         """`adopt` over every stored tensor of a layer's experts (`SwiGLUWeights`: dense weights or
@@ -560,7 +563,11 @@ class HostPin:
         rc = driver.register(ptr, size, self._flags())
         self.register_seconds += time.perf_counter() - t0
         if rc == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-            return  # someone else's registration covers (part of) it: tensors inside it count as pinned
+            # someone else registered (part of) it: not ours to undo. Copies from it take the direct
+            # path; a part the driver finds unregistered is staged by the driver itself (correct,
+            # at the pageable rate)
+            self._add_range(ptr, ptr + size)
+            return
         if rc != 0:
             soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
             limit = "unlimited" if soft == resource.RLIM_INFINITY else _human(soft)

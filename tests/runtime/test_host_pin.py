@@ -241,6 +241,27 @@ def test_memory_registered_in_place_is_held_until_unregistered(fake_cuda) -> Non
     assert ref() is None and [c[0] for c in fake_cuda.calls] == ["register", "unregister"]
 
 
+def test_memory_registered_by_someone_else_is_used_not_undone(fake_cuda, monkeypatch) -> None:
+    a = torch.randn(50_000)
+    monkeypatch.setattr(_FakeDriver, "register", lambda self, ptr, size, flags: 712)  # already registered
+    pin = HostPin("cuda:0", "auto", margin_bytes=0)
+    assert pin.adopt([a])[0] is a and pin.on and pin.covers(a) and pin.regions == 0
+    pin.close()
+    assert fake_cuda.calls == []  # nothing of ours to unregister
+
+
+def test_unexpected_error_falls_back_with_its_name(fake_cuda, monkeypatch) -> None:
+    def broken() -> list:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(host_pin, "_vmas", broken)
+    a = torch.randn(10)
+    pin = HostPin("cuda:0", "auto", margin_bytes=0)
+    assert pin.adopt([a])[0] is a and not pin.on and "unexpected OSError" in pin.reason
+    with pytest.raises(ConfigError, match="unexpected OSError"):
+        HostPin("cuda:0", "on", margin_bytes=0).adopt([a])
+
+
 def test_release_waits_out_a_cuda_graph_capture(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:
     """A release due while a graph is captured (a finalizer run by the collector mid-capture) must not
     synchronize: it is deferred to the next load or close."""
