@@ -15,7 +15,9 @@ registers the memory they live in (`HostPin.adopt`, one MoE layer at a time):
   and so may a read-only one (Linux unshares the page-cache pages of a copy-on-write mapping on a
   long-term pin), while the pages of a read-only shared mapping are the page cache's own. The range
   is prefetched (``MADV_WILLNEED``), populated (``MADV_POPULATE_READ``, Linux >= 5.14) and registered
-  with ``CU_MEMHOSTREGISTER_READ_ONLY``;
+  with ``CU_MEMHOSTREGISTER_READ_ONLY``. A device without read-only registration
+  (``CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED`` 0) gets a copy instead: the ranges read
+  into anonymous memory and registered there (the experts' size in RAM: `HostPin.copied`);
 * other host memory (anonymous: an expert stack converted to the model's dtype) is registered in place.
 
 Registrations cover whole pages, one per contiguous range (a layer's stacked experts are one or two
@@ -24,11 +26,11 @@ tensors in the artifact, so one or two registrations a layer), are made through 
 error pending on the thread, and torch's next kernel-launch check raises it against an unrelated
 kernel), and are undone by `HostPin.close` (or when the object is collected).
 
-Refusals: no CUDA driver or context; a device without host registration or without read-only
-registration (``CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED`` / ``..._READ_ONLY_HOST_REGISTER_SUPPORTED``);
-more file-backed bytes to lock than ``MemAvailable`` (and the cgroup's ``memory.max``) less a margin
-(the page cache must hold the experts locked beside everything else; files on tmpfs are resident
-already and need nothing more); a mapped file that cannot be opened again (deleted, replaced or
+Refusals: no CUDA driver or context; a device without host registration
+(``CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED``); more file-backed bytes to lock (or to copy) than
+``MemAvailable`` (and the cgroup's ``memory.max``) less a margin (the page cache must hold the experts
+locked beside everything else; files on tmpfs are resident already and need nothing more unless
+copied); a mapped file that cannot be opened again (deleted, replaced or
 truncated); a driver error (named, with ``RLIMIT_MEMLOCK``). Mode "auto" then undoes every
 registration of the object and leaves the copies to the cache's staging ring (logged once with the
 reason); mode "on" raises `ConfigError`.
@@ -350,6 +352,9 @@ class HostPin:
         self.populate_seconds = 0.0
         self.register_seconds = 0.0
         self.files: set[str] = set()
+        #: the device cannot register read-only memory: mapped experts were copied into registered
+        #: anonymous memory instead of being registered where they are
+        self.copied = False
         self._driver: _Driver | None = None
         self._read_only = False
         self._ranges: list[tuple[int, int]] = []  # page-locked [start, end), ascending
@@ -383,7 +388,12 @@ class HostPin:
                 f"routed experts not page-locked ({self.reason or 'nothing adopted'}): misses copy "
                 "through the pinned staging ring (a CPU memcpy, then a DMA)"
             )
-        files = f" (read-only shared maps of {', '.join(sorted(self.files))})" if self.files else ""
+        how = (
+            "copies in anonymous memory (no read-only registration here)"
+            if self.copied
+            else "read-only shared maps"
+        )
+        files = f" ({how} of {', '.join(sorted(self.files))})" if self.files else ""
         return (
             f"routed experts page-locked: {_human(self.pinned_bytes)} in {self.regions} registrations"
             f"{files}, {self.populate_seconds + self.register_seconds:.1f} s (populate "
@@ -556,6 +566,7 @@ class HostPin:
         return out
 
     def _flags(self) -> int:
+        """PORTABLE, and READ_ONLY where the device has it (every copy only reads the host bytes)."""
         return _CU_MEMHOSTREGISTER_PORTABLE | (_CU_MEMHOSTREGISTER_READ_ONLY if self._read_only else 0)
 
     def _register(self, driver: _Driver, ptr: int, size: int) -> None:
@@ -595,19 +606,18 @@ class HostPin:
         out: list[Any],
     ) -> None:
         """Map the file ranges of `members` read-only and shared, register them, and put views of them
-        into `out` (checked against the bytes of `items`)."""
-        if not self._read_only:
-            raise PinRefused(
-                "the device cannot register host memory read-only (CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_"
-                "REGISTER_SUPPORTED is 0); a writable registration of the artifact's private mapping "
-                "would copy every expert page"
-            )
+        into `out` (checked against the bytes of `items`). A device that cannot register read-only
+        memory gets a copy instead: the ranges read into anonymous memory, registered writable (the
+        experts' size in RAM beside the page cache, which may then evict the file's pages)."""
+        copy = not self._read_only
         nbytes = {i: items[i].numel() * items[i].element_size() for i, _, _ in members}
         spans = page_spans((off, off + nbytes[i]) for i, off, _ in members)
         on_memory_fs = _fs_type(path) in _MEMORY_FILESYSTEMS
         size = sum(e - s for s, e in spans)
-        if not on_memory_fs:
+        if copy or not on_memory_fs:
             self._check_memory(size)
+        if copy:
+            self.copied = True
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
@@ -620,16 +630,28 @@ class HostPin:
             for start, end in spans:
                 length = min(end, st.st_size) - start  # mmap refuses a length past the file's end
                 try:
-                    mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
+                    if copy:
+                        mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                    else:
+                        mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
                 except (OSError, ValueError) as exc:
-                    raise PinRefused(f"cannot map {path} read-only at {start}: {exc}") from None
+                    raise PinRefused(f"cannot map {length} bytes for {path} at {start}: {exc}") from None
                 self._held.append(mm)
                 t0 = time.perf_counter()
-                for advice in (mmap.MADV_WILLNEED, _MADV_POPULATE_READ):
-                    try:
-                        mm.madvise(advice)
-                    except OSError:
-                        pass  # an older kernel: the driver faults the pages in itself
+                if copy:
+                    with memoryview(mm) as view:
+                        done = 0
+                        while done < length:
+                            n = os.preadv(fd, [view[done:]], start + done)
+                            if n <= 0:
+                                raise PinRefused(f"{path} ended at {start + done} while being read")
+                            done += n
+                else:
+                    for advice in (mmap.MADV_WILLNEED, _MADV_POPULATE_READ):
+                        try:
+                            mm.madvise(advice)
+                        except OSError:
+                            pass  # an older kernel: the driver faults the pages in itself
                 self.populate_seconds += time.perf_counter() - t0
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # a read-only buffer: never written
@@ -638,7 +660,7 @@ class HostPin:
                 bases.append((start, start + length, base))
         finally:
             os.close(fd)
-        if not on_memory_fs:
+        if copy or not on_memory_fs:
             self._locked_file_bytes += size
         self.files.add(path)
         base_starts = [b[0] for b in bases]

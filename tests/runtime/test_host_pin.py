@@ -276,20 +276,28 @@ def test_release_waits_out_a_cuda_graph_capture(fake_cuda, monkeypatch: pytest.M
     assert [c[0] for c in fake_cuda.calls] == ["register", "unregister"] and not host_pin._deferred
 
 
-def test_no_read_only_registration_falls_back(fake_cuda, tmp_path: Path, caplog) -> None:
+def test_no_read_only_registration_copies_into_registered_memory(fake_cuda, tmp_path: Path) -> None:
+    """A device without read-only registration: the expert ranges are read into anonymous memory and
+    registered writable there (never the artifact's private mapping), same bytes; the copy counts
+    against the host's memory."""
     _write_layer(tmp_path / "m.ninfer")
     reader = NinferReader(tmp_path / "m.ninfer")
     fake_cuda.read_only = 0
     experts = _layer_experts(reader, 0)
     pin = HostPin("cuda:0", "auto", margin_bytes=0)
-    with caplog.at_level("WARNING", logger="ignis.runtime.host_pin"):
-        got = pin.adopt_experts(experts)
-    assert all(x is y for x, y in zip(_leaves(got), _leaves(experts), strict=True))
-    assert not pin.on and "READ_ONLY" in pin.reason and "staging ring" in caplog.text
-    assert "not page-locked" in pin.describe() and pin.pinned_bytes == 0
-    assert not any(c[0] == "register" for c in fake_cuda.calls)
-    with pytest.raises(ConfigError, match=r"--expert-cache-pin on: .*READ_ONLY"):
-        HostPin("cuda:0", "on", margin_bytes=0).adopt_experts(experts)
+    got = pin.adopt_experts(experts)
+    assert pin.on and pin.copied and "copies in anonymous memory" in pin.describe()
+    for before, after in zip(_leaves(experts), _leaves(got), strict=True):
+        assert torch.equal(after.view(torch.uint8), before.view(torch.uint8)) and pin.covers(after)
+        assert _vma_of(after.data_ptr()) == "rw-p "  # private anonymous memory, not the file
+    (reg,) = [c for c in fake_cuda.calls if c[0] == "register"]
+    assert reg[3] == host_pin._CU_MEMHOSTREGISTER_PORTABLE  # writable: no READ_ONLY flag
+    # the copy needs RAM even for a file on tmpfs; too little refuses (auto: back to the ring)
+    short = HostPin("cuda:0", "auto", margin_bytes=1 << 60)
+    assert short.adopt_experts(experts)[0].gate.packed is experts[0].gate.packed
+    assert not short.on and "MemAvailable" in short.reason
+    with pytest.raises(ConfigError, match=r"--expert-cache-pin on: .*MemAvailable"):
+        HostPin("cuda:0", "on", margin_bytes=1 << 60).adopt_experts(experts)
     reader.close()
 
 
