@@ -706,7 +706,9 @@ class ExpertCache:
         return self.pin.describe()
 
     def close(self) -> None:
-        """Undo the host registrations (after the queued copies; later misses use the staging ring)."""
+        """Undo the host registrations (after the queued copies; later misses use the staging ring).
+        Call it once the engine no longer runs forwards: a miss issued while it runs may read pages
+        being unpinned."""
         self.pin.close()
 
     @property

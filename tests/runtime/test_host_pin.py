@@ -533,3 +533,16 @@ def test_cuda_pinned_memory_is_used_as_is() -> None:
     assert all(x is y for x, y in zip(pin.adopt(views), views, strict=True))
     assert pin.regions == 0 and all(pin.covers(v) for v in views)
     assert pin.pinned_bytes == stack.numel() * 4 and "page-locked" in pin.describe()
+
+
+def test_copy_path_series_are_exported() -> None:
+    from ignis.runtime.expert_cache import ExpertCache
+
+    cache = ExpertCache(2, device="cpu")
+    values = {name: (kind, value) for name, kind, _, value in cache.stats.samples()}
+    assert values["ignis_expert_cache_direct_copies_total"] == ("counter", 0)
+    assert values["ignis_expert_cache_staged_copies_total"] == ("counter", 0)
+    assert values["ignis_expert_cache_pinned_host_bytes"] == ("gauge", 0)
+    cache.stats.direct_copies, cache.stats.staged_copies = 5, 2
+    snap = cache.stats.snapshot()
+    assert (snap["direct_copies"], snap["staged_copies"], snap["pinned_host_bytes"]) == (5, 2, 0)
