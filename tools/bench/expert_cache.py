@@ -203,12 +203,12 @@ def _private_map(path: Path, nbytes: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=nbytes))
 
 
-def copier_rates(
-    dev: torch.device, mmap_dir: Path, part: int = 5 * 2**20, size: int = GIB
-) -> dict[str, float]:
+def copier_rates(dev: torch.device, mmap_dir: Path, part: int = 5 * 2**20, size: int = GIB) -> dict[str, Any]:
     """GB/s of the expert cache's copier (`_Copier.copy`, one `part`-byte expert a call, `size` bytes in
-    all, best of 3) from pageable memory (the staging ring), pinned memory and a memory map registered
-    by `HostPin` (direct DMA), plus that registration's populate and pin seconds per GiB."""
+    all, best of 3) from pageable memory (`pin="off"`: the staging ring), pinned memory and a private
+    memory map registered by `HostPin` as the runtime registers the artifact. Keys name the path taken
+    (`copier_direct_mmap_GBps`, or `copier_staged_mmap_GBps` with `mmap_pin_reason` when registration
+    was refused), plus that registration's populate and pin seconds per GiB."""
     if dev.type != "cuda":
         return {}
     n = size // part
