@@ -425,11 +425,12 @@ class Artifact:
             linear: the linear hook; passed to the family's `make_executor` when it accepts a `linear`
                 argument (then q4 weights stay `Q4Weight`), else ignored with a warning (the executor
                 then runs torch linears over dequantized weights).
-            cuda_graphs: hybrid families (qwen3_5, qwen3_next, ...) on a CUDA device: build the
-                `StaticHybridExecutor` (pooled lane buffers, verify rounds replayed from CUDA graphs;
-                MoE configs run its static path eagerly unless every expert is resident and the
-                artifact carries the grouped expert kernels, `moe_module`). None (default) = on for
-                CUDA; False = the eager `HybridExecutor`. Other families and CPU devices ignore it
+            cuda_graphs: on a CUDA device, build the static executor (pooled lane buffers, verify
+                rounds replayed from CUDA graphs): `StaticHybridExecutor` for the hybrid families
+                (qwen3_5, qwen3_next, ...; MoE configs run its static path eagerly unless every
+                expert is resident and the artifact carries the grouped expert kernels,
+                `moe_module`), `StaticLlamaExecutor` for llama and qwen2. None (default) = on for
+                CUDA; False = the eager `HybridExecutor` / `LlamaExecutor`. CPU devices ignore it
                 (True on a CPU device raises ValueError).
             max_lanes: lane slots of the static executor's pools (default 8; more lanes grow them).
             max_context: tokens per lane of the static executor's pools (default: min(the model's
@@ -477,6 +478,24 @@ class Artifact:
                 expert_cache=expert_cache,
                 **self._hybrid_kernels(dtype),
                 **moe_kw,
+            )
+        from ignis.runtime.families.llama import LlamaConfig, Qwen2Config
+
+        decoder = isinstance(self.config, LlamaConfig | Qwen2Config)
+        if decoder and on_cuda and cuda_graphs is not False and expert_cache is None:  # a cache: see below
+            from ignis.runtime.families.llama_graphs import StaticLlamaExecutor
+
+            weights = self.target_weights(
+                dtype=dtype, device=device, keep_q4=linear is not None, linear=linear
+            )
+            return StaticLlamaExecutor(
+                self.config,
+                weights,
+                device=device,
+                dtype=dtype,
+                linear=linear,
+                max_lanes=max_lanes or 8,
+                max_context=max_context,
             )
         params = inspect.signature(self.family.make_executor).parameters
         accepts = "linear" in params

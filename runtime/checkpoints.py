@@ -25,7 +25,8 @@ M < N (`is_truncatable`): the first M keys and values are the state at M.
 
 Executors are served by a registry keyed by executor class (`register_state_io`; the lookup walks the
 class's MRO, so a subclass may register its own): `LlamaExecutor`, `HybridExecutor` (lane-owned
-tensors) and `StaticHybridExecutor` (pooled lane slots: restore copies into the lane's slot). Capture
+tensors), `StaticLlamaExecutor` and `StaticHybridExecutor` (pooled lane slots: restore copies into
+the lane's slot). Capture
 clones (device to device); `LaneCheckpoint.to` moves a checkpoint between the card and host RAM.
 """
 
@@ -285,6 +286,35 @@ def _llama_restore(ex: Any, state: Any, tensors: Mapping[str, torch.Tensor], n: 
     state._num_tokens = n
 
 
+# ---- llama / qwen2 (static, pooled lane slots) ---------------------------------------------------
+
+
+def _static_llama_capture(ex: Any, state: Any) -> dict[str, torch.Tensor]:
+    n, s = state.num_tokens, state.slot
+    # pools [layers, lanes, capacity, kv_heads, head_dim] -> [layers, kv_heads, n, head_dim]
+    return {
+        "attn.keys": ex._keys[:, s, :n].transpose(1, 2).clone(),
+        "attn.values": ex._values[:, s, :n].transpose(1, 2).clone(),
+    }
+
+
+def _static_llama_restore(ex: Any, state: Any, tensors: Mapping[str, torch.Tensor], n: int) -> None:
+    full = _kv_len(tensors)
+    if not 0 <= n <= full:
+        raise CheckpointError(f"restore at {n} outside the checkpoint's 0..{full} tokens")
+    if n > ex.max_context:
+        raise CheckpointError(
+            f"a checkpoint of {n} tokens does not fit the lanes' max_context {ex.max_context}"
+        )
+    shape = _kv_shape(ex, ex.config.num_hidden_layers, full)
+    keys = _expect(tensors, "attn.keys", shape, ex.dtype)
+    values = _expect(tensors, "attn.values", shape, ex.dtype)
+    s = state.slot
+    ex._keys[:, s, :n].copy_(keys[:, :, :n].transpose(1, 2))
+    ex._values[:, s, :n].copy_(values[:, :, :n].transpose(1, 2))
+    state._num_tokens = n
+
+
 # ---- hybrid (eager) ------------------------------------------------------------------------------
 
 
@@ -396,8 +426,12 @@ def _register_builtin() -> None:
     from ignis.runtime.families.hybrid_executor import HybridExecutor
     from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
     from ignis.runtime.families.llama import LlamaExecutor
+    from ignis.runtime.families.llama_graphs import StaticLlamaExecutor
 
     _STATE_IO.setdefault(LlamaExecutor, StateIO(_llama_capture, _llama_restore, lambda ex: True))
+    _STATE_IO.setdefault(
+        StaticLlamaExecutor, StateIO(_static_llama_capture, _static_llama_restore, lambda ex: True)
+    )
     _STATE_IO.setdefault(HybridExecutor, StateIO(_hybrid_capture, _hybrid_restore, _hybrid_truncatable))
     _STATE_IO.setdefault(StaticHybridExecutor, StateIO(_static_capture, _static_restore, _hybrid_truncatable))
 

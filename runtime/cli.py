@@ -31,6 +31,7 @@ _DEFAULTS: dict[str, Any] = {
     "log_level": "info",
     "cuda_graphs": True,
     "max_prefill_tokens": DEFAULT_MAX_PREFILL_TOKENS,
+    "expert_cache_pin": "auto",
 }
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -205,6 +206,7 @@ def run_command(opts: dict[str, Any]) -> None:
             checkpoint_host_bytes=host_bytes,
             checkpoint_dir=pick("checkpoint_dir"),
             expert_cache=pick("expert_cache_bytes"),
+            expert_cache_pin=pick("expert_cache_pin"),
         )
     )
     if served_name != model.name:
@@ -383,9 +385,9 @@ def run_command(opts: dict[str, Any]) -> None:
 @click.option(
     "--cuda-graphs/--no-cuda-graphs",
     default=None,
-    help="On CUDA, run verify rounds of the hybrid families (qwen3_5, qwen3_next) from CUDA graphs "
-    "over fixed-capacity lane buffers sized by --lanes and --model-max-context (8192 tokens when "
-    "neither is set and the model allows more). [default: on]",
+    help="On CUDA, run verify rounds of every family (llama, qwen2, qwen3_5, qwen3_next) from CUDA "
+    "graphs over fixed-capacity lane buffers sized by --lanes and --model-max-context (8192 tokens "
+    "when neither is set and the model allows more), captured at load for llama / qwen2. [default: on]",
 )
 @click.option(
     "--expert-cache-bytes",
@@ -395,6 +397,15 @@ def run_command(opts: dict[str, Any]) -> None:
     "reserve from it. auto: the card profile's memory after the weights, KV, the MTP reserve and the "
     "round workspace (on CUDA, when the experts do not all fit); off: every expert on the device. "
     "[default: auto]",
+)
+@click.option(
+    "--expert-cache-pin",
+    type=click.Choice(("auto", "on", "off"), case_sensitive=False),
+    help="MoE models with an expert cache on CUDA: page-lock the routed experts in host memory (the "
+    "artifact's expert ranges mapped read-only and registered with CUDA) so that a cache miss is one "
+    "DMA into its slot. auto: fall back to the pinned staging ring (a CPU memcpy first, at the "
+    "pageable rate) when registration is refused, logging why; on: refuse to start instead; off: "
+    "always the staging ring. [default: auto]",
 )
 @click.option(
     "--log-level",

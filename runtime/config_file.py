@@ -11,6 +11,7 @@ The format (YAML shown; TOML has the same keys, `[spec]`, `[spec.NAME]`, ...)::
     checkpoint_host_memory: 32GiB
     checkpoint_dir: /var/lib/ignis/checkpoints   # snapshot directory for a warm restart
     expert_cache_bytes: 24GiB           # MoE: routed-expert cache on the card (auto, off, or a size)
+    expert_cache_pin: auto              # MoE: page-lock the host experts (auto, on, off)
     spec:                               # speculative settings for every model ...
       backend: dflash2
       draft_tokens: 7
@@ -72,6 +73,7 @@ SERVER_KEYS: dict[str, type] = {
     "api_key": str,
     "max_request_bytes": int,
     "expert_cache_bytes": str,  # a size ("24GiB"), a byte count, "auto" or "off"
+    "expert_cache_pin": str,  # "auto", "on" or "off"
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.
@@ -136,6 +138,13 @@ def _check_value(path: Path, where: str, key: str, value: Any, kind: type) -> An
             raise ConfigFileError(f"{path}: {where}{exc}") from None
     if key == "expert_cache_bytes" and value is False:
         return "off"  # YAML 1.1 reads a bare `off` as false
+    if key == "expert_cache_pin":  # YAML 1.1 reads bare on/off as booleans
+        from ignis.runtime.host_pin import parse_pin_mode
+
+        try:
+            return parse_pin_mode(value)
+        except ConfigError as exc:
+            raise ConfigFileError(f"{path}: {where}{exc}") from None
     if key == "expert_cache_bytes" and isinstance(value, int) and not isinstance(value, bool):
         return str(value)  # a plain byte count
     if kind is int:

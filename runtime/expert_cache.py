@@ -19,11 +19,17 @@ the output is bit for bit the fully resident model's (the experts' weights are t
 run through the same `linear` calls with the same shapes).
 
 Copies: on a CPU device a plain `copy_` (the CPU tests prove the slot mapping, eviction and refill
-paths with it). On CUDA each part goes host view -> a pinned staging buffer (a ring of them, each
-reused only after the event of its last upload has completed) -> the slot, as an asynchronous copy
-on a side stream; the side stream first waits for the event recorded after the slot's previous
-occupant last ran (so an evicted expert is never overwritten while a kernel reads it), and the
-compute stream waits for the event recorded after an expert's own copy just before that expert runs.
+paths with it). On CUDA the routed experts' host memory is registered with CUDA at load
+(`ignis.runtime.host_pin.HostPin`, `--expert-cache-pin`, default auto: the artifact's expert
+ranges mapped again read-only and page-locked), and each part of a miss is one asynchronous DMA from
+the host view straight into the slot on a side stream: no CPU memcpy, no wait on the engine thread.
+Where registration is refused (the reason is logged once; `--expert-cache-pin off`) each part goes
+host view -> a pinned staging buffer (a ring of them, allocated at the first such copy, each reused
+only after the event of its last upload has completed: a synchronous CPU memcpy on the engine thread)
+-> the slot, as an asynchronous copy on the side stream. Either way the side stream first waits
+for the event recorded after the slot's previous occupant last ran (so an evicted expert is
+never overwritten while a kernel reads it), and the compute stream waits for the event recorded
+after an expert's own copy just before that expert runs.
 All copies of a group are issued before its first expert runs, so within a layer an expert's compute
 overlaps the copies of the experts after it (hits run at once). Copies cannot start before the
 layer's router has run (the routing decides them); prefetching by router-score lookahead from the
@@ -62,7 +68,8 @@ copies nearly all experts once (a larger `--max-prefill-tokens` amortizes that o
 
 Counters (`ExpertCacheStats.samples`, exported on /metrics): hits, misses, bytes copied, forwards
 (verify rounds and prefill chunks) and rows (tokens) run through the MoE layers, bytes copied per
-row and per forward, slots in use and slots in all.
+row and per forward, slots in use and slots in all, misses copied by direct DMA and through the
+staging ring, and the bytes of routed experts page-locked in host memory (0: the staging path).
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ import torch.nn.functional as F
 
 from ignis.runtime.errors import ConfigError
 from ignis.runtime.families.moe import SwiGLUWeights
+from ignis.runtime.host_pin import HostPin
 from ignis.runtime.kernels.q4_tiled import tiled_shapes
 from ignis.runtime.linear import ROW_MAJOR, TILED, Q4Weight, place_weight
 
@@ -200,6 +208,9 @@ class ExpertCacheStats:
         self.bytes_copied = 0
         self.forwards = 0
         self.rows = 0
+        #: misses whose parts were copied by DMA from page-locked host memory, and through the ring
+        self.direct_copies = 0
+        self.staged_copies = 0
         self._cache: ExpertCache | None = None
         #: when a list: every lookup is appended as (layer index among the MoE layers, experts), the
         #: routing trace `simulate_policy` replays (benchmarks; None: not recorded)
@@ -218,6 +229,11 @@ class ExpertCacheStats:
     def slots_in_use(self) -> int:
         """Slots holding an expert, every layer together."""
         return self._cache.slots_in_use if self._cache is not None else 0
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """Bytes of the current cache's routed experts page-locked in host memory (0: staged copies)."""
+        return self._cache.pin.pinned_bytes if self._cache is not None and self._cache.pin.on else 0
 
     @property
     def hit_rate(self) -> float:
@@ -248,6 +264,9 @@ class ExpertCacheStats:
             "bytes_per_forward": self.bytes_per_forward,
             "slots_in_use": self.slots_in_use,
             "slots_total": self.slots_total,
+            "direct_copies": self.direct_copies,
+            "staged_copies": self.staged_copies,
+            "pinned_host_bytes": self.pinned_host_bytes,
         }
 
     def samples(self) -> list[tuple[str, str, str, float]]:
@@ -271,25 +290,50 @@ class ExpertCacheStats:
             ("ignis_expert_cache_slots_in_use", "gauge", "Expert slots holding an expert.",
              self.slots_in_use),
             ("ignis_expert_cache_slots", "gauge", "Expert slots of every MoE layer.", self.slots_total),
+            ("ignis_expert_cache_direct_copies_total", "counter",
+             "Expert misses copied by DMA straight from page-locked host memory.", self.direct_copies),
+            ("ignis_expert_cache_staged_copies_total", "counter",
+             "Expert misses copied through the pinned staging ring (CPU memcpy first).",
+             self.staged_copies),
+            ("ignis_expert_cache_pinned_host_bytes", "gauge",
+             "Bytes of routed experts page-locked in host memory (0: misses use the staging ring).",
+             self.pinned_host_bytes),
         ]  # fmt: skip
 
 
 class _Copier:
-    """Host-to-device copies of expert parts (module docstring, "Copies"); one per cache."""
+    """Host-to-device copies of expert parts (module docstring, "Copies"); one per cache.
 
-    def __init__(self, device: torch.device, staging_bytes: int, *, staging_buffers: int = STAGING_BUFFERS):
+    Args:
+        device: the slots' device.
+        staging_bytes: one expert's bytes (a staging buffer's size).
+        staging_buffers: buffers in the staging ring (allocated at the first staged copy).
+        pin: the cache's page-locked host memory: a miss whose parts it all covers is copied by DMA
+            straight into the slot (None: always staged).
+        stats: counters of direct and staged copies (None: not counted).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        staging_bytes: int,
+        *,
+        staging_buffers: int = STAGING_BUFFERS,
+        pin: HostPin | None = None,
+        stats: ExpertCacheStats | None = None,
+    ):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.pin = pin
+        self.stats = stats
+        self._staging_bytes = staging_bytes
+        self._staging_count = staging_buffers
         self._staging: list[torch.Tensor] = []
         self._staging_done: list[Any] = []
         self._scratch: dict[tuple[Any, ...], torch.Tensor] = {}
         self._next = 0
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
-            self._staging = [
-                torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(staging_buffers)
-            ]
-            self._staging_done = [None] * staging_buffers
 
     def scratch(self, key: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A device buffer for one expert part in transit (row-major, before tiling), one per key:
@@ -316,6 +360,28 @@ class _Copier:
             if then is not None:
                 then()
             return None
+        if self.pin is not None and all(self.pin.covers(s) for s in src):
+            # page-locked host bytes: one DMA each, queued on the side stream; the engine thread
+            # neither copies nor waits (the host bytes never change, so nothing to protect)
+            with torch.cuda.stream(self.stream):
+                if after is not None:
+                    self.stream.wait_event(after)
+                for d, s in zip(dst, src, strict=True):
+                    d.reshape(-1).view(torch.uint8).copy_(s.reshape(-1).view(torch.uint8), non_blocking=True)
+                if then is not None:
+                    then()
+                done = self.stream.record_event()
+            if self.stats is not None:
+                self.stats.direct_copies += 1
+            return done
+        if not self._staging:
+            self._staging = [
+                torch.empty(self._staging_bytes, dtype=torch.uint8, pin_memory=True)
+                for _ in range(self._staging_count)
+            ]
+            self._staging_done = [None] * self._staging_count
+        if self.stats is not None:
+            self.stats.staged_copies += 1
         staging = self._staging[self._next]
         done = self._staging_done[self._next]
         if done is not None:
@@ -640,6 +706,12 @@ class ExpertCache:
         device: where the slots live.
         stats: counters (a fresh `ExpertCacheStats` when None).
         budget: the plan the slots came from (reported; may be None in tests).
+        pin: page-lock the layers' host experts on CUDA (`ignis.runtime.host_pin`): "auto" (fall
+            back to the staging ring when refused), "on" (refuse to load instead) or "off".
+
+    Raises:
+        ValueError: slots_per_layer < 1.
+        ConfigError: a bad `pin`, or "on" off CUDA (and later, from `make_layer`, refused).
     """
 
     def __init__(
@@ -649,6 +721,7 @@ class ExpertCache:
         device: torch.device | str,
         stats: ExpertCacheStats | None = None,
         budget: CacheBudget | None = None,
+        pin: str = "auto",
     ) -> None:
         if slots_per_layer < 1:
             raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
@@ -658,6 +731,7 @@ class ExpertCache:
         self.budget = budget
         self.layers: list[ExpertSlots] = []
         self._copier: _Copier | None = None
+        self.pin = HostPin(self.device, pin)
         self.stats.attach(self)
 
     def make_layer(
@@ -682,8 +756,9 @@ class ExpertCache:
                 row-major (never tiled) when the hook takes q4 weights, dequantized to `dtype` when
                 it does not.
         """
+        host = self.pin.adopt_experts(host)  # page-locked views where registration works (or as given)
         if self._copier is None:
-            self._copier = _Copier(self.device, expert_nbytes(host[0]))
+            self._copier = _Copier(self.device, expert_nbytes(host[0]), pin=self.pin, stats=self.stats)
         layouts: dict[str, str | torch.dtype] = {}
         for name in _FIELDS:
             part = getattr(host[0], name)
@@ -715,6 +790,17 @@ class ExpertCache:
         """`ExpertSlots.flush` on every layer."""
         for layer in self.layers:
             layer.flush()
+
+    def describe_host(self) -> str:
+        """One log line: the copy path of the misses (direct DMA from page-locked experts or the
+        staging ring, with the reason) and what registration cost at load."""
+        return self.pin.describe()
+
+    def close(self) -> None:
+        """Undo the host registrations (after the queued copies; later misses use the staging ring).
+        Call it once the engine no longer runs forwards: a miss issued while it runs may read pages
+        being unpinned."""
+        self.pin.close()
 
     @property
     def slots_total(self) -> int:
@@ -1028,6 +1114,7 @@ def cache_for_artifact(
     rows: int,
     mtp: bool,
     stats: ExpertCacheStats | None = None,
+    pin: str = "auto",
 ) -> ExpertCache | None:
     """The expert cache a served artifact runs with, or None (every expert resident); logs the split.
 
@@ -1035,10 +1122,12 @@ def cache_for_artifact(
         setting: "off" (every expert resident), None or "auto" (the card profile's default: a cache
             only on CUDA and only when the experts do not fit beside everything else), or a budget
             (bytes, or a size string for `parse_bytes`).
+        pin: `--expert-cache-pin` (`ExpertCache`'s `pin`).
         the rest: as `plan_for_artifact`.
 
     Raises:
-        ConfigError: a budget for a model without routed experts, a bad size, or too small a budget.
+        ConfigError: a budget for a model without routed experts, a bad size, too small a budget, or
+            `pin` "on" where the experts cannot be page-locked.
     """
     if setting == "off":
         return None
@@ -1068,7 +1157,11 @@ def cache_for_artifact(
             "--spec-backend mtp: %s reserved from the expert cache for the MTP head",
             human_bytes(plan.mtp_reserve_bytes),
         )
-    return ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan)
+    cache = ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan, pin=pin)
+    # the host's memory checked for the stored expert bytes before any layer is registered
+    names = art.family.tensor_shapes(art.config)
+    cache.pin.expect(sum(int(art.weights.info(n).length) for n in names if is_routed_expert(n)))
+    return cache
 
 
 def prometheus_collector(stats: ExpertCacheStats) -> Any:
@@ -1095,7 +1188,7 @@ POLICIES = ("lru", "lfu", "belady")
 
 
 def simulate_policy(
-    trace: Sequence[tuple[int, Sequence[int]]], slots: int, policy: str = "lru"
+    trace: Sequence[tuple[int, Sequence[int]]], slots: int, policy: str = "lru", *, warmup: int = 0
 ) -> dict[str, int]:
     """Replay a routing trace (`ExpertCacheStats.trace`) through `slots` slots a layer under an
     eviction policy, with the cache's grouping (a lookup of more experts than slots is served in
@@ -1106,8 +1199,11 @@ def simulate_policy(
     expert whose next use in the trace is farthest: the offline optimum, an upper bound on what any
     policy, router lookahead included, can reach).
 
+    The first `warmup` trace entries (e.g. a prefill's) are replayed through the policy but not
+    counted, so that a decode's hits are compared from the cache state the real run had.
+
     Returns:
-        {"hits": ..., "misses": ...}.
+        {"hits": ..., "misses": ...} over trace[warmup:].
 
     Raises:
         ValueError: an unknown policy or slots < 1.
@@ -1129,8 +1225,9 @@ def simulate_policy(
     counts: dict[tuple[int, int], int] = {}
     cursor: dict[tuple[int, int], int] = {}
     hits = misses = 0
-    for layer, groups in flat:
+    for i, (layer, groups) in enumerate(flat):
         cache = resident.setdefault(layer, OrderedDict())
+        counted = i >= warmup
         for group in groups:
             pinned = set(group)
             for e in group:
@@ -1138,10 +1235,10 @@ def simulate_policy(
                 cursor[key] = cursor.get(key, 0) + 1  # uses of key consumed so far (this one included)
                 counts[key] = counts.get(key, 0) + 1
                 if e in cache:
-                    hits += 1
+                    hits += counted
                     cache.move_to_end(e)
                     continue
-                misses += 1
+                misses += counted
                 if len(cache) >= slots:
                     candidates = [x for x in cache if x not in pinned]
                     if policy == "lru":

@@ -230,6 +230,9 @@ class DraftModelDrafter(BaseDrafter):
         self.vocab_size = int(vocab_size)
         self.is_row_budgeted = bool(is_row_budgeted)
         self.max_positions: int | None = getattr(executor.config, "max_position_embeddings", None)
+        pool_max = getattr(executor, "max_context", None)  # static executors: fixed-capacity lane slots
+        if isinstance(pool_max, int):
+            self.max_positions = pool_max if self.max_positions is None else min(self.max_positions, pool_max)
         self.draft_vocab_size: int = int(draft_vocab if draft_vocab is not None else vocab_size)
         self.owner = owner
         self._rewind: Rewind | None = rewinder_for(executor) if keep_drafts is not False else None

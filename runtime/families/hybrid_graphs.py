@@ -106,7 +106,6 @@ round by torch); same rounding points. Long (eager) forwards keep the torch ops.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,6 +127,14 @@ from ignis.runtime.families.hybrid_executor import (
 )
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig
+from ignis.runtime.families.static_rounds import (
+    CapturedRound,
+    PooledLaneState,
+    capture_round,
+    host_columns,
+    kv_bucket,
+    run_chunks,
+)
 from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
 from ignis.runtime.kernels.fused_norms import SILU_MUL_MAX_ROWS, FusedNormsKernel
 from ignis.runtime.kernels.gdn_recurrent import MAX_KEY_DIM as GDN_MAX_KEY_DIM
@@ -167,34 +174,12 @@ class _StaticPending:
     replay: GdnRecurrentKernel | None = None
 
 
-class StaticLaneState:
-    """One lane of a `StaticHybridExecutor`: a slot in its pooled buffers plus the committed length.
+class StaticLaneState(PooledLaneState):
+    """One lane of a `StaticHybridExecutor`: a slot in its pooled buffers plus the committed length
+    (`PooledLaneState`). Created by `StaticHybridExecutor.new_lane`; the inspectors below mirror
+    `HybridLaneState`'s."""
 
-    Created by `StaticHybridExecutor.new_lane`; the inspectors below mirror `HybridLaneState`'s.
-    """
-
-    def __init__(self, owner: StaticHybridExecutor, slot: int) -> None:
-        self._owner = owner
-        self._slot = slot
-        self._num_tokens = 0
-        self._pending: _StaticPending | None = None
-        self._released = False
-        self._finalizer = weakref.finalize(self, owner._lane_gone, slot, id(self))
-
-    @property
-    def num_tokens(self) -> int:
-        """Committed tokens whose effect the state holds."""
-        return self._num_tokens
-
-    @property
-    def slot(self) -> int:
-        """The lane slot (0..max_lanes-1) this lane occupies in the pooled buffers."""
-        return self._slot
-
-    @property
-    def is_pending(self) -> bool:
-        """True between a forward and its commit."""
-        return self._pending is not None
+    _pending: _StaticPending | None
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Committed (keys, values) of full-attention layer `layer`, each [kv_heads, num_tokens,
@@ -225,12 +210,6 @@ class StaticLaneState:
         """
         o = self._owner
         return o._rec[o._slot(layer, attention=False), self._slot]
-
-
-@dataclass
-class _Graph:
-    graph: Any  # torch.cuda.CUDAGraph
-    outputs: dict[str, torch.Tensor]
 
 
 class StaticHybridExecutor(HybridExecutor):
@@ -366,7 +345,7 @@ class StaticHybridExecutor(HybridExecutor):
         self._inputs = torch.zeros(2 * rows + max_lanes, dtype=torch.long, device=dev)
         self._free: list[int] = list(range(max_lanes))
         self._round_open: set[int] = set()  # id() of lanes whose pending forward lives in the round buffer
-        self._graphs: dict[tuple[Any, ...], _Graph] = {}
+        self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
         self._pool: Any = None
         self.num_captures = 0
         self.num_replays = 0
@@ -697,15 +676,7 @@ class StaticHybridExecutor(HybridExecutor):
     ) -> set[int]:
         """`HybridExecutor._check_forward` (same errors), its per-lane token-id range checks run on
         one host copy of every lane's columns: one device sync per forward instead of two per lane."""
-        if (
-            len(columns) > 1
-            and all(
-                isinstance(c, torch.Tensor) and c.dim() == 1 and not c.is_floating_point() for c in columns
-            )
-            and len({(c.device, c.dtype) for c in columns}) == 1
-        ):
-            columns = list(torch.cat(columns).cpu().split([c.numel() for c in columns]))
-        return super()._check_forward(states, columns, logits, tap_layers)  # type: ignore[arg-type]
+        return super()._check_forward(states, host_columns(columns), logits, tap_layers)  # type: ignore[arg-type]
 
     def _check_owner(self, state: object, lane: int) -> None:
         if not isinstance(state, StaticLaneState) or state._owner is not self:
@@ -717,10 +688,7 @@ class StaticHybridExecutor(HybridExecutor):
         return (y * self._one_plus[id(weight)]).to(x.dtype)
 
     def _bucket(self, needed: int) -> int:
-        t = self.kv_bucket
-        while t < needed:
-            t *= 2
-        return min(t, self.capacity)
+        return kv_bucket(needed, self.kv_bucket, self.capacity)
 
     def _static_forward(
         self,
@@ -783,27 +751,10 @@ class StaticHybridExecutor(HybridExecutor):
         slots = torch.tensor([s.slot for s in states], dtype=torch.long, device=self.device)
         saved_conv, saved_rec = self._conv[:, slots], self._rec[:, slots]  # copies (indexed): [G, L, ...]
         starts = [s.num_tokens for s in states]
-        parts: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in states] for k in ("l", "h", "t")}
         try:
-            for start in range(0, max(lens), mc):
-                idx = [i for i, n_i in enumerate(lens) if n_i > start]
-                sub = [states[i] for i in idx]
-                cols = [columns[i][start : start + mc] for i in idx]
-                out = self.forward(
-                    sub,
-                    cols,
-                    logits=logits,
-                    record=False,
-                    output_hidden_states=want_hidden,
-                    tap_layers=taps,
-                )
-                self.commit(sub, [int(c.numel()) for c in cols])
-                for j, i in enumerate(idx):
-                    parts["l"][i].append(out.logits[j])
-                    if out.hidden_states is not None:
-                        parts["h"][i].append(out.hidden_states[j])
-                    if out.taps is not None:
-                        parts["t"][i].append(out.taps[j])
+            parts = run_chunks(
+                self, states, columns, lens, mc, logits=logits, want_hidden=want_hidden, taps=taps
+            )
         except BaseException:
             for i, state in enumerate(states):  # back to before the forward
                 self._round_open.discard(id(state))
@@ -824,21 +775,12 @@ class StaticHybridExecutor(HybridExecutor):
             taps=[torch.cat(p) for p in parts["t"]] if taps else None,
         )
 
-    def _capture(self, body: Callable[[], dict[str, torch.Tensor]]) -> _Graph:
-        from ignis.runtime.kernels.tvm_runtime import capture
-
+    def _capture(self, body: Callable[[], dict[str, torch.Tensor]]) -> CapturedRound:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            body()  # warm-up: loads every module and kernel once, outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capture(graph, pool=self._pool):
-            outputs = body()
+        entry = capture_round(body, device=self.device, pool=self._pool)
         self.num_captures += 1
-        return _Graph(graph, outputs)
+        return entry
 
     def _eager_forward(
         self,

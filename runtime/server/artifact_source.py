@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +37,7 @@ from ignis.runtime.artifact_guard import watch_artifact
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.errors import TokenizerError
 from ignis.runtime.expert_cache import ExpertCache, ExpertCacheStats, cache_for_artifact, prometheus_collector
+from ignis.runtime.families.static_rounds import warm_up_static
 from ignis.runtime.linear import Q4Weight
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile
@@ -74,6 +76,13 @@ def _shared_tensors(art: Any, executor: Any, dtype: torch.dtype, device: torch.d
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied
     return out
+
+
+def _close_all(caches: Any, art: Any) -> None:
+    """The served model's close: undo the expert caches' host registrations, then unmap the artifact."""
+    for cache in list(caches):
+        cache.close()
+    art.close()
 
 
 def attach_topk(drafter: Any, art: Any, device: torch.device) -> Any:
@@ -233,9 +242,12 @@ class ArtifactSource:
             return str(tokenizer.decode(ids, skip_special_tokens=True))
 
         cache_stats = ExpertCacheStats()
+        expert_caches: weakref.WeakSet[ExpertCache] = weakref.WeakSet()  # closed with the model
 
         def make_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
             expert_cache = self._expert_cache(settings, device, dtype, linear, max_lanes, cache_stats)
+            if expert_cache is not None:
+                expert_caches.add(expert_cache)
             executor = art.make_executor(
                 device=device,
                 dtype=dtype,
@@ -245,7 +257,11 @@ class ArtifactSource:
                 max_context=settings.max_context,
                 **({} if expert_cache is None else {"expert_cache": expert_cache}),
             )
+            if expert_cache is not None:  # the host experts were registered as the layers were built
+                log.info("expert cache: %s", expert_cache.describe_host())
             drafter = None if spec.backend == "off" else make_drafter(executor)
+            verify = (spec.draft_tokens + 1,) if drafter is not None and spec.draft_tokens else ()
+            warm_up_static(executor, getattr(drafter, "executor", None), columns=verify)  # at load
             return SpeculativeEngine(
                 executor,
                 drafter,
@@ -276,7 +292,7 @@ class ArtifactSource:
             make_engine=make_engine,
             spec=spec,
             aliases=self.aliases,
-            close=art.close,
+            close=lambda: _close_all(expert_caches, art),
             prefix_cache=cache,
             save_checkpoints=save_checkpoints,
             collectors=(prometheus_collector(cache_stats),) if self._serves_experts(settings, device) else (),
@@ -312,7 +328,7 @@ class ArtifactSource:
             rows = max(lanes, spec.draft_rows or 8)
         else:
             rows = lanes * (1 + (spec.draft_tokens if spec.backend != "off" else 0))
-        return cache_for_artifact(
+        cache = cache_for_artifact(
             art,
             settings.expert_cache,
             device=device,
@@ -323,7 +339,11 @@ class ArtifactSource:
             rows=rows,
             mtp=spec.backend == "mtp",
             stats=stats,
+            pin=settings.expert_cache_pin,
         )
+        if cache is None and settings.expert_cache_pin == "on":
+            log.warning("--expert-cache-pin on: no expert cache here (every routed expert on the device)")
+        return cache
 
     def _snapshot_binding(self, backend: str) -> Any:
         """What prompt snapshots of this model are bound to (`ignis.formats.snapshot`): the target

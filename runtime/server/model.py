@@ -107,9 +107,12 @@ class ModelSettings:
         expert_cache: MoE models: the device budget of the routed-expert cache (bytes or a size
             string, `ignis.runtime.expert_cache.parse_bytes`), "off" (every expert resident), or None /
             "auto" (the card profile's default: `ignis.runtime.expert_cache.cache_for_artifact`).
+        expert_cache_pin: "auto", "on" or "off": page-lock the routed experts in host memory so that
+            cache misses are DMAs (`ignis.runtime.host_pin`); auto falls back to the staging ring.
 
     Raises:
-        ConfigError: max_prefill_tokens is not an integer >= 0.
+        ConfigError: max_prefill_tokens is not an integer >= 0, a bad expert cache size, or an
+            expert_cache_pin other than auto/on/off.
     """
 
     spec: SpecDefaults
@@ -121,6 +124,7 @@ class ModelSettings:
     checkpoint_host_bytes: int = 0
     checkpoint_dir: str | None = None
     expert_cache: str | int | None = None
+    expert_cache_pin: str = "auto"
 
     def __post_init__(self) -> None:
         check_max_prefill_tokens(self.max_prefill_tokens)  # refused before a long load
@@ -128,6 +132,9 @@ class ModelSettings:
             from ignis.runtime.expert_cache import parse_bytes
 
             parse_bytes(self.expert_cache)  # type: ignore[arg-type]
+        from ignis.runtime.host_pin import parse_pin_mode
+
+        object.__setattr__(self, "expert_cache_pin", parse_pin_mode(self.expert_cache_pin))
 
 
 @dataclass

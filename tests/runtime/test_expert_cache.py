@@ -675,3 +675,17 @@ def test_belady_on_a_known_trace() -> None:
     trace = [(0, (e,)) for e in (0, 1, 2, 0, 1, 2, 0, 1, 2)]
     assert simulate_policy(trace, 2, "lru") == {"hits": 0, "misses": 9}
     assert simulate_policy(trace, 2, "belady") == {"hits": 3, "misses": 6}
+
+
+def test_simulate_policy_warmup_counts_only_after_it() -> None:
+    """Entries before `warmup` fill the cache but are not counted: the same decode trace scores its
+    hits from the state a prefill left, as the real cache does."""
+    from ignis.runtime.expert_cache import simulate_policy
+
+    prefill = [(0, (1, 2))]
+    decode = [(0, (1,)), (0, (2,)), (0, (3,))]
+    cold = simulate_policy(decode, 2, "lru")
+    warm = simulate_policy(prefill + decode, 2, "lru", warmup=1)
+    assert cold == {"hits": 0, "misses": 3}
+    assert warm == {"hits": 2, "misses": 1}
+    assert simulate_policy(prefill + decode, 2, "lru") == {"hits": 2, "misses": 3}

@@ -34,3 +34,20 @@ def test_projection_rules() -> None:
     # the default row budget of 8: 3 drafts at 1-2 lanes, 1 at 3-4, none from 5 on; budget 3: 1 lane only
     assert [drafts_per_lane(n, 3, 8) for n in (1, 2, 3, 4, 5, 8)] == [3, 3, 1, 1, 0, 0]
     assert [drafts_per_lane(n, 3, 3) for n in (1, 2)] == [2, 0]
+
+
+def test_tiny_mmap_host_matches_pageable(tmp_path: Path) -> None:
+    """--host mmap: the experts written to a container in --mmap-dir and served from its memory map
+    route and copy exactly as pageable ones (same hits, same bytes); the file is removed after."""
+    runs = {}
+    for host in ("pageable", "mmap"):
+        out = tmp_path / host
+        argv = ["--tiny", "--lanes", "1", "--modes", "off", "--tokens", "3", "--out", str(out)]
+        assert main([*argv, "--host", host, "--mmap-dir", str(tmp_path)]) == 0
+        runs[host] = json.loads((out / "bench_expert_cache.json").read_text())
+    assert runs["mmap"]["host"] == "mmap" and all(c["host"] == "mmap" for c in runs["mmap"]["cases"])
+    keys = ("card", "tokens", "hit_rate", "MB_per_token", "rounds")
+    assert [[c[k] for k in keys] for c in runs["mmap"]["cases"]] == [
+        [c[k] for k in keys] for c in runs["pageable"]["cases"]
+    ]
+    assert not list(tmp_path.glob("ignis-bench-experts-*"))

@@ -2,15 +2,28 @@
 
     python -m ignis.tools.bench.expert_cache [--cards 32,96] [--lanes 1,2,3,4,8]
         [--modes off,mtp,mtp-rows3] [--tokens 24] [--layers 48] [--baselines] [--mods DIR] [--out DIR]
+        [--host pageable|pinned|mmap] [--mmap-dir DIR]
     python -m ignis.tools.bench.expert_cache --tiny        # CPU plumbing check at toy sizes
 
 The model is Qwen3.5-122B-A10B-shaped (`qwen3_5_moe_text`: hidden 3,072; 48 layers, 3 Gated DeltaNet
 : 1 gated attention; 32 query / 2 KV heads of 256; GDN 16 key / 64 value heads of 128; 256 experts,
 8 a token, expert and shared-expert intermediate 1,024; vocabulary 248,320; one MTP layer) with
-RANDOM weights: q4_g32 codes (random u32) + small f16 scales for every projection and expert (the
-router, the shared-expert gate and GDN `in_proj_a/b` bf16), bf16 for the rest. Routed experts are
-generated on the device layer by layer and moved to host memory (pageable, as a memory map is;
-~65 GB at 48 layers: the GPU host has 128 GB). `--layers N` keeps the shape with N layers.
+RANDOM weights: q4_g32 codes (random u32) + small f16 scales of random sign for every projection and
+expert (the router, the shared-expert gate and GDN `in_proj_a/b` bf16), bf16 for the rest. Routed experts are
+generated on the device layer by layer and moved to host memory (~65 GB at 48 layers: the GPU host has
+128 GB). `--layers N` keeps the shape with N layers. Where the host experts live (`--host`):
+
+* pageable (default): plain CPU tensors, the cache with `pin="off"`: every miss through the staging
+  ring (a CPU memcpy into a pinned buffer, then a DMA), the path of a host where registration fails;
+* pinned: `pin_memory` tensors: every miss one DMA (the upper bound: no registration needed);
+* mmap: the experts written to a container in `--mmap-dir` (default /dev/shm; a disk directory measures
+  a file not in tmpfs) and memory-mapped as the artifact is (`NinferReader`: private, copy-on-write),
+  the cache with `pin="auto"`: registered as `ignis-run` registers them (`ignis.runtime.host_pin`),
+  every miss one DMA from the page cache. The file takes the experts' size (60.7 GiB at 48 layers: more
+  than the GPU host's /dev/shm or disk may hold; `--layers 24` halves it).
+
+Each case's JSON has the copy path taken (`direct_copies` / `staged_copies`) and, for mmap, what the
+registration cost (`pin_populate_s`, `pin_register_s`).
 
 Per emulated card (`--cards`, GiB: the budget is what `plan_expert_cache` leaves of that card after
 the resident weights, 8 lanes' KV at `--context`, the round workspace and the headroom; with MTP on,
@@ -20,8 +33,10 @@ the head's reserve comes out of the cache) and per mode:
 
 and per lane count: `--tokens` greedy tokens per lane through `SpeculativeEngine` (random prompts of
 32 tokens, prefill excluded from the timing): measured tok/s, the median step (verify round) time,
-rounds, expert-cache hit rate, bytes copied per emitted token and per round, and the hit rates the
-decode's routing trace would get under LFU and Belady's offline optimum (`simulate_policy`: the
+rounds, expert-cache hit rate, bytes copied per emitted token and per round, the routing's spread
+(distinct experts per layer forward and per layer over the decode) and the hit rates the decode's
+routing trace would get under LRU (a check: equal to the measured rate), LFU and Belady's offline
+optimum, replayed from the cache's state at the decode's start (`simulate_policy`: Belady is the
 bound on any smarter policy, router lookahead included) at the same slots. Random weights route
 nearly uniformly (a trained router has locality: real hit rates are higher) and a random MTP head is
 almost never accepted, so for MTP the table also gives the projected tok/s = lanes x E[tokens per
@@ -30,7 +45,10 @@ lane-round] / median round time, with E from the documented acceptance (`--accep
 
 `--baselines`: the same decode with every expert resident (fits the H200) and with no cache (every
 expert copied on demand each round: the slots are flushed after every forward). The host-to-device
-bandwidth (pinned and pageable, 1 GiB) is measured in the same run.
+bandwidth is measured in the same run: one 1 GiB copy from pinned and from pageable memory, and the
+expert cache's own copier moving 1 GiB in one-expert parts through each of its paths (`copier_rates`:
+the staging ring from pageable memory, direct from pinned memory, direct from a registered memory map
+in `--mmap-dir`, with what registering that map cost per GiB).
 
 Linears: with `--mods` (a bundle from ``python -m ignis.tools.bench.build_gpu_modules --out DIR
 --shapes flash-next``, which serves every linear shape of this model) through its compiled tiled
@@ -53,20 +71,26 @@ import argparse
 import gc
 import json
 import math
+import mmap
 import os
 import re
+import shutil
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from ignis.formats.reader import NinferReader
+from ignis.formats.writer import NinferWriter
 from ignis.runtime.drafters.mtp import build_mtp_drafter
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.expert_cache import (
     POLICIES,
     ExpertCache,
+    _Copier,
     is_routed_expert,
     lane_state_bytes,
     plan_expert_cache,
@@ -75,6 +99,7 @@ from ignis.runtime.expert_cache import (
 )
 from ignis.runtime.families.hybrid_executor import HybridExecutor
 from ignis.runtime.families.qwen3_5 import Qwen3_5MoeTextConfig, mtp_tensor_shapes, tensor_shapes
+from ignis.runtime.host_pin import HostPin
 from ignis.runtime.linear import Q4Weight
 from ignis.runtime.sampling import SamplingParams
 
@@ -108,8 +133,13 @@ def _q4(shape: tuple[int, ...], dev: torch.device, gen: torch.Generator) -> Q4We
     packed = torch.randint(
         -(2**31), 2**31 - 1, (*lead, n, k // 8), generator=gen, device=dev, dtype=torch.int32
     ).view(torch.uint32)
-    scales = (torch.rand(*lead, n, k // 32, generator=gen, device=dev) * (2 / (7 * math.sqrt(k)))).half()
-    return Q4Weight(packed, scales)
+    # signed scales (as llama.cpp's Q4_0 has: d = max / -8): codes uniform on 0..15 give q - 8 a mean
+    # of -1/2, which with positive scales adds the same direction to every row's output; through 48
+    # layers that common mode swamps the tokens' own features and the router sends every token to the
+    # same few experts (measured: 8-16 distinct experts a layer over 12 tokens)
+    mag = torch.rand(*lead, n, k // 32, generator=gen, device=dev) * (2 / (7 * math.sqrt(k)))
+    sign = torch.randint(0, 2, mag.shape, generator=gen, device=dev) * 2 - 1
+    return Q4Weight(packed, (mag * sign).half())
 
 
 def make_weights(shapes: dict[str, tuple[int, ...]], dev: torch.device, seed: int) -> dict[str, Any]:
@@ -166,6 +196,100 @@ def bandwidth(dev: torch.device, size: int = GIB) -> dict[str, float]:
     return out
 
 
+def _private_map(path: Path, nbytes: int) -> torch.Tensor:
+    """`nbytes` of a new file at `path` (filled), mapped private copy-on-write as `NinferReader` maps an
+    artifact: a uint8 CPU tensor over the mapping."""
+    with open(path, "wb") as f:
+        chunk = bytes(range(256)) * (2**20 // 256)
+        for _ in range(nbytes // len(chunk)):
+            f.write(chunk)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=nbytes))
+
+
+def copier_rates(dev: torch.device, mmap_dir: Path, part: int = 5 * 2**20, size: int = GIB) -> dict[str, Any]:
+    """GB/s of the expert cache's copier (`_Copier.copy`, one `part`-byte expert a call, `size` bytes in
+    all, best of 3) from pageable memory (`pin="off"`: the staging ring), pinned memory and a private
+    memory map registered by `HostPin` as the runtime registers the artifact. Keys name the path taken
+    (`copier_direct_mmap_GBps`, or `copier_staged_mmap_GBps` with `mmap_pin_reason` when registration
+    was refused), plus that registration's populate and pin seconds per GiB."""
+    if dev.type != "cuda":
+        return {}
+    n = size // part
+    dst = torch.empty(n, part, dtype=torch.uint8, device=dev)
+    out: dict[str, Any] = {}
+    path = mmap_dir / f"ignis-bench-copier-{os.getpid()}.bin"
+    sources: list[tuple[str, Any]] = [
+        ("pageable", lambda: (torch.ones(n * part, dtype=torch.uint8), "off")),
+        ("pinned", lambda: (torch.ones(n * part, dtype=torch.uint8, pin_memory=True), "auto")),
+    ]
+    if shutil.disk_usage(mmap_dir).free > n * part + GIB:
+        sources.append(("mmap", lambda: (_private_map(path, n * part), "auto")))
+    else:
+        out["mmap_pin_reason"] = f"{mmap_dir}: not enough free space for {size / GIB:.1f} GiB"
+    try:
+        for kind, make in sources:
+            flat, mode = make()
+            pin = HostPin(dev, mode)
+            src = pin.adopt([flat[i * part : (i + 1) * part] for i in range(n)])
+            how = "direct" if all(pin.covers(t) for t in src) else "staged"
+            copier = _Copier(dev, part, pin=pin)
+            best = float("inf")
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(n):
+                    copier.copy([dst[i]], [src[i]])
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            out[f"copier_{how}_{kind}_GBps"] = round(n * part / best / 1e9, 2)
+            if kind == "mmap":
+                gib = n * part / GIB
+                out["mmap_populate_s_per_GiB"] = round(pin.populate_seconds / gib, 3)
+                out["mmap_register_s_per_GiB"] = round(pin.register_seconds / gib, 3)
+                if pin.reason:
+                    out["mmap_pin_reason"] = pin.reason
+            pin.close()
+            del src, flat, copier
+    finally:
+        path.unlink(missing_ok=True)
+    return out
+
+
+def host_experts_to(weights: dict[str, Any], host: str, mmap_dir: Path) -> tuple[Any, Path | None]:
+    """Move the routed experts of `weights` (CPU `Q4Weight`s, in place) to `host` memory: "pageable"
+    (unchanged), "pinned" (`pin_memory`) or "mmap" (written to a container in `mmap_dir`, one tensor
+    at a time so the host never holds both, and replaced by views of its memory map). Returns the
+    reader (mmap; close it after the run) and the file to delete, else (None, None)."""
+    names = [n for n in weights if is_routed_expert(n)]
+    if host == "pageable":
+        return None, None
+    if host == "pinned":
+        for n in names:
+            w = weights[n]
+            weights[n] = Q4Weight(w.packed.pin_memory(), w.scales.pin_memory())
+        return None, None
+    path = mmap_dir / f"ignis-bench-experts-{os.getpid()}.ninfer"
+    need = sum(nbytes(weights[n]) for n in names)
+    free = shutil.disk_usage(mmap_dir).free
+    if free < need + GIB:
+        raise SystemExit(
+            f"--host mmap: {mmap_dir} has {free / GIB:.1f} GiB free, the experts take {need / GIB:.1f} GiB "
+            "(+1 GiB spare): give another --mmap-dir or fewer --layers"
+        )
+    with NinferWriter(path) as writer:
+        for n in names:
+            w = weights[n]
+            writer.add_q4_g32(n, w.packed.numpy(), w.scales.numpy())
+            weights[n] = None  # the pageable copy goes as its bytes reach the file
+        writer.finish()
+    reader = NinferReader(path)
+    for n in names:
+        weights[n] = Q4Weight(**reader.torch_parts(n))
+    return reader, path
+
+
 def expected_tokens(k: int, accept: float) -> float:
     """E[tokens a lane-round commits] with k drafts each accepted with probability `accept` in turn."""
     return sum(accept**i for i in range(k + 1))
@@ -200,8 +324,9 @@ def run_case(
     engine.step()  # the prefill (and first tokens)
     if flush and cache is not None:
         cache.flush()
-    if cache is not None and not flush:
-        cache.stats.trace = []  # the decode's routing, replayed under other policies below
+    # the routing trace runs from the cache's creation (main), so a policy replayed below starts the
+    # decode from the state the real cache had: every earlier case's and this prefill's routing
+    start = len(cache.stats.trace) if cache is not None and cache.stats.trace is not None else 0
     before = dict(cache.stats.snapshot()) if cache is not None else {}
     emitted = 0
     times: list[float] = []
@@ -224,6 +349,10 @@ def run_case(
     }
     if cache is not None:
         after = cache.stats.snapshot()
+        res |= {
+            "direct_copies": after["direct_copies"] - before["direct_copies"],
+            "staged_copies": after["staged_copies"] - before["staged_copies"],
+        }
         hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
         copied = after["bytes_copied"] - before["bytes_copied"]
         res |= {
@@ -233,11 +362,17 @@ def run_case(
             "slots_in_use": after["slots_in_use"],
         }
         if cache.stats.trace is not None:
+            trace = cache.stats.trace[start:]
+            layers_seen = {layer for layer, _ in trace}
+            # routing spread: distinct experts a layer's forward runs, and a layer's distinct experts
+            # over the whole decode (a router that collapses shows few of either)
+            res["experts_per_forward"] = round(statistics.mean(len(e) for _, e in trace), 2) if trace else 0.0
+            per_layer = [len({x for l2, e in trace if l2 == layer for x in e}) for layer in layers_seen]
+            res["experts_per_layer_run"] = round(statistics.mean(per_layer), 1) if per_layer else 0.0
             for policy in POLICIES:
-                sim = simulate_policy(cache.stats.trace, cache.slots_per_layer, policy)
+                sim = simulate_policy(cache.stats.trace, cache.slots_per_layer, policy, warmup=start)
                 total = sim["hits"] + sim["misses"]
                 res[f"hit_rate_{policy}"] = round(sim["hits"] / total, 4) if total else 0.0
-            cache.stats.trace = None
     return res
 
 
@@ -258,10 +393,20 @@ def main(argv: list[str] | None = None) -> int:
         help="run the routed experts by the reference loop even when --mods has moe_experts_sm<NN>.so",
     )
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (plumbing check)")
+    ap.add_argument(
+        "--host", choices=("pageable", "pinned", "mmap"), default="pageable",
+        help="where the routed experts live on the host (module docstring)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--mmap-dir", type=Path, default=Path("/dev/shm") if os.path.isdir("/dev/shm") else None,
+        help="directory of the memory-mapped expert file (--host mmap) and of copier_rates' mapped file",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args(argv)
 
     dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if args.host == "pinned" and dev.type != "cuda":
+        ap.error("--host pinned needs CUDA (pinned memory is CUDA's)")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = issue_config(4 if args.tiny else args.layers, tiny=args.tiny)
     t0 = time.perf_counter()
@@ -271,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         weights = {n: w if isinstance(w, Q4Weight) else w.to(dtype) for n, w in weights.items()}
         mtp_weights = {n: w if isinstance(w, Q4Weight) else w.to(dtype) for n, w in mtp_weights.items()}
     print(f"weights generated in {time.perf_counter() - t0:.1f} s", flush=True)
+    mmap_dir = args.mmap_dir or args.out
+    mmap_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    reader, expert_file = host_experts_to(weights, args.host, mmap_dir)
+    print(f"routed experts in {args.host} host memory ({time.perf_counter() - t0:.1f} s)", flush=True)
     linear = None
     moe_module = None
     if args.mods is not None:
@@ -313,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             "mtp_head": mtp_bytes,
             "lane_state": lane_bytes,
         },
-        "bandwidth": bandwidth(dev),
+        "bandwidth": {**bandwidth(dev), **copier_rates(dev, mmap_dir)},
+        "host": args.host,
         "cases": [],
     }
     print(
@@ -349,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
                     )  # fmt: skip
                     print(plan.describe(), flush=True)
                     slots = plan.slots_per_layer
-                cache = ExpertCache(slots, device=dev)
+                cache = ExpertCache(slots, device=dev, pin="off" if args.host == "pageable" else "auto")
+                if card != -1:
+                    cache.stats.trace = []  # every forward's routing (run_case replays it)
             run_weights = weights
             if card is None:  # every expert resident
                 run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
@@ -357,6 +510,16 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, run_weights, device=dev, dtype=dtype, linear=linear, expert_cache=cache,
                 moe_module=moe_module,
             )  # fmt: skip
+            pinned: dict[str, Any] = {}
+            if cache is not None:
+                print(f"{label}: {cache.describe_host()}", flush=True)
+                pinned = {
+                    "host_pinned_GB": round(cache.pin.pinned_bytes / 1e9, 2),
+                    "pin_populate_s": round(cache.pin.populate_seconds, 2),
+                    "pin_register_s": round(cache.pin.register_seconds, 2),
+                }
+                if cache.pin.reason:
+                    pinned["pin_reason"] = cache.pin.reason
             drafter = None
             if mtp_on:
                 shared = {
@@ -375,7 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                 res |= {
                     "card": label,
                     "mode": mode,
+                    "host": args.host,
                     "slots_per_layer": cache.slots_per_layer if cache else None,
+                    **pinned,
                 }
                 if mtp_on and res["round_ms"]:
                     d = drafts_per_lane(lanes, k, rows)
@@ -385,15 +550,24 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 print(json.dumps(res), flush=True)
                 results["cases"].append(res)
+            if cache is not None:
+                cache.close()
             del ex, drafter, cache, run_weights
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
+    del weights
+    gc.collect()
+    if reader is not None:
+        reader.close()
+    if expert_file is not None:
+        expert_file.unlink(missing_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
     cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "hit_rate")
-    cols += ("hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
+    cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
+    cols += ("experts_per_forward", "experts_per_layer_run", "host", "direct_copies", "staged_copies")
     print(" | ".join(cols))
     for r in results["cases"]:
         print(" | ".join(str(r.get(c, "")) for c in cols))

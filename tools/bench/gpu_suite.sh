@@ -8,8 +8,8 @@
 # libraries), .device/final (the modules) and .device/gdn-art (a tiny qwen3_5 h200 artifact with a
 # DFlash2 drafter, for the artifact tests):
 #   bash tools/bench/gpu_suite.sh [BENCH_BUDGET_S]
-# Writes under $OUT (or ./gpu-suite-out): gpu_tests.log, bench_topk JSON, bench_e2e_gpu.json, and
-# prints a short table last.
+# Writes under $OUT (or ./gpu-suite-out): gpu_tests.log, bench_topk JSON, bench_e2e_gpu.json,
+# bench_graphed_families.json, and prints a short table last.
 set -u
 OUT=${OUT:-$PWD/gpu-suite-out}
 mkdir -p "$OUT"
@@ -38,9 +38,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # 1. GPU tests of everything that runs on CUDA (graphs, fused kernels, top-k, artifacts).
 timeout ${GPU_TESTS_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
-  -k "${GPU_TESTS_K:-fused_mixers or gated_attention or artifact or topk or tiled or gdn or moe_grouped}" \
+  -k "${GPU_TESTS_K:-fused_mixers or gated_attention or artifact or topk or tiled or gdn or llama_graphs or moe_grouped}" \
   tests/runtime/test_hybrid_graphs.py tests/runtime/test_topk.py tests/runtime/test_artifact.py \
-  tests/runtime/test_moe_grouped.py \
+  tests/runtime/test_llama_graphs.py tests/runtime/test_moe_grouped.py \
   tests/compiler/test_gdn_kernel.py \
   tests/compiler/test_q4_tiled.py tests/runtime/test_linear_tiled.py \
   >"$OUT/gpu_tests.log" 2>&1
@@ -60,5 +60,12 @@ timeout $((BUDGET + 45)) python3 -m ignis.tools.bench.e2e_gpu --mods "$M" --gdn-
   --norms-module "$IGNIS_NORMS_MODULE" $MIX --fused-only --no-eager-rounds --no-eager --widths 1,2,4,8,16,32,48,64 \
   --budget-s "$BUDGET" --reps 5 ${E2E_EXTRA:-} --hf-tokens 16 --out "$OUT" >"$OUT/bench_e2e.log" 2>&1
 echo "bench_e2e rc=$?"
+# 4. A small llama on its static, graphed route next to a qwen3_5 of the same size (1 and 8 lanes,
+#    first request and steady; issue 25's >= 0.8x target).
+if [ -z "${SKIP_GRAPHED_FAMILIES:-}" ]; then
+  timeout 240 python3 -m ignis.tools.bench.graphed_families --out "$OUT" >"$OUT/bench_graphed_families.log" 2>&1
+  echo "bench_graphed_families rc=$?"
+fi
 [ -f "$OUT/bench_topk.log" ] && { echo "== top-k =="; tail -n 16 "$OUT/bench_topk.log"; }
+[ -f "$OUT/bench_graphed_families.log" ] && { echo "== graphed families =="; tail -n 12 "$OUT/bench_graphed_families.log"; }
 echo "== end to end (tables last) =="; tail -n 60 "$OUT/bench_e2e.log"

@@ -111,3 +111,20 @@ def test_metrics_report_the_expert_cache(tmp_path: Path) -> None:
         if line.startswith("ignis_expert_cache_misses_total")
     )
     assert misses > 0 and "ignis_expert_cache_slots_in_use" in texts[1]
+
+
+def test_pin_flag_and_config_key_reach_the_model_settings(captured, seen, tmp_path: Path) -> None:
+    sock = short_tmpdir() / "s.sock"
+    cfg = tmp_path / "ignis.yaml"
+    cfg.write_text(f"socket: {sock}\nexpert_cache_pin: off\n")  # YAML 1.1: a bare off is false
+    for args, want in (
+        (["--socket", str(sock)], "auto"),
+        (["--socket", str(sock), "--expert-cache-pin", "on"], "on"),
+        (["--config", str(cfg)], "off"),
+        (["--config", str(cfg), "--expert-cache-pin", "auto"], "auto"),
+    ):
+        result = _invoke(*args)
+        assert result.exit_code == 0, result.output
+        assert seen[-1].expert_cache_pin == want, args
+    result = _invoke("--socket", str(sock), "--expert-cache-pin", "sometimes")
+    assert result.exit_code == 2 and "sometimes" in result.output
