@@ -168,6 +168,24 @@ def make_weights(shapes: dict[str, tuple[int, ...]], dev: torch.device, seed: in
     return out
 
 
+def static_kernels(mods: Path | None, dev: torch.device) -> dict[str, Any]:
+    """The fused GDN / norms / mixers libraries of a `build_gpu_modules` bundle, as
+    `StaticHybridExecutor` arguments (those present for this device's arch)."""
+    if mods is None or dev.type != "cuda":
+        return {}
+    major, minor = torch.cuda.get_device_capability(dev)
+    out: dict[str, Any] = {}
+    for arg, stem in (
+        ("gdn_module", "gdn_recurrent"),
+        ("norms_module", "fused_norms"),
+        ("mixers_module", "fused_mixers"),
+    ):
+        path = mods / f"{stem}_sm{major}{minor}.so"
+        if path.exists():
+            out[arg] = path
+    return out
+
+
 def nbytes(w: Any) -> int:
     if isinstance(w, Q4Weight):
         return w.packed.numel() * 4 + w.scales.numel() * 2
@@ -392,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the routed experts by the reference loop even when --mods has moe_experts_sm<NN>.so",
     )
+    ap.add_argument(
+        "--executor",
+        choices=("static", "eager"),
+        default="static",
+        help="static: StaticHybridExecutor with the bundle's fused kernels (the server's route on CUDA); "
+        "eager: HybridExecutor [static]",
+    )
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (plumbing check)")
     ap.add_argument(
         "--host", choices=("pageable", "pinned", "mmap"), default="pageable",
@@ -500,16 +525,32 @@ def main(argv: list[str] | None = None) -> int:
                     )  # fmt: skip
                     print(plan.describe(), flush=True)
                     slots = plan.slots_per_layer
-                cache = ExpertCache(slots, device=dev, pin="off" if args.host == "pageable" else "auto")
-                if card != -1:
-                    cache.stats.trace = []  # every forward's routing (run_case replays it)
+                if card != -1 and not args.tiny and slots >= cfg.num_experts:
+                    # as the server does (`cache_for_artifact`, auto): every expert fits, no cache
+                    print(f"{label}: every routed expert fits: resident, no expert cache", flush=True)
+                else:
+                    cache = ExpertCache(slots, device=dev, pin="off" if args.host == "pageable" else "auto")
+                    if card != -1:
+                        cache.stats.trace = []  # every forward's routing (run_case replays it)
             run_weights = weights
-            if card is None:  # every expert resident
+            if cache is None:  # every expert resident
                 run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
-            ex = HybridExecutor(
-                cfg, run_weights, device=dev, dtype=dtype, linear=linear, expert_cache=cache,
-                moe_module=moe_module,
-            )  # fmt: skip
+            if args.executor == "static" and dev.type == "cuda":
+                # the server's route: pooled lanes, the bundle's fused kernels, CUDA graphs when every
+                # expert is resident (an expert cache syncs the host once a layer: eager)
+                from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+
+                kernels = static_kernels(args.mods, dev)
+                ex = StaticHybridExecutor(
+                    cfg, run_weights, device=dev, dtype=dtype, linear=linear, expert_cache=cache,
+                    moe_module=moe_module, max_lanes=max(lanes_list), max_columns=max(8, rows),
+                    max_context=min(args.context, 4096), **kernels,
+                )  # fmt: skip
+            else:
+                ex = HybridExecutor(
+                    cfg, run_weights, device=dev, dtype=dtype, linear=linear, expert_cache=cache,
+                    moe_module=moe_module,
+                )  # fmt: skip
             pinned: dict[str, Any] = {}
             if cache is not None:
                 print(f"{label}: {cache.describe_host()}", flush=True)
