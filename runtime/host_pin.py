@@ -18,7 +18,10 @@ registers the memory they live in (`HostPin.adopt`, one MoE layer at a time):
   with ``CU_MEMHOSTREGISTER_READ_ONLY``. A device without read-only registration
   (``CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED`` 0) gets a copy instead: the ranges read
   into anonymous memory and registered there (the experts' size in RAM: `HostPin.copied`);
-* other host memory (anonymous: an expert stack converted to the model's dtype) is registered in place.
+* other host memory (anonymous: an expert stack converted to the model's dtype) is copied into an
+  anonymous mapping of its own and registered there (the experts' size in RAM again, `HostPin.copied_bytes`):
+  registering it in place would lock pages other tensors share, and the driver refuses a copy from a
+  range that straddles a registered region's edge.
 
 Registrations cover whole pages, one per contiguous range (a layer's stacked experts are one or two
 tensors in the artifact, so one or two registrations a layer), are made through the CUDA driver API
@@ -355,6 +358,8 @@ class HostPin:
         #: the device cannot register read-only memory: mapped experts were copied into registered
         #: anonymous memory instead of being registered where they are
         self.copied = False
+        #: bytes of anonymous host tensors copied into a registered mapping of their own (`_copy_in`)
+        self.copied_bytes = 0
         self._driver: _Driver | None = None
         self._read_only = False
         self._ranges: list[tuple[int, int]] = []  # page-locked [start, end), ascending
@@ -553,17 +558,41 @@ class HostPin:
         for (path, inode), members in files.items():
             self._remap_file(driver, path, inode, members, items, out)
         if in_place:
-            spans = page_spans(
-                (items[i].data_ptr(), items[i].data_ptr() + items[i].numel() * items[i].element_size())
-                for i in in_place
-            )
-            for start, end in _subtract(spans, self._ranges):
-                self._register(driver, start, end - start)
-            self._held.extend(items[i] for i in in_place)
-            for i in in_place:
-                if self.covers(items[i]):
-                    self.pinned_bytes += items[i].numel() * items[i].element_size()
+            self._copy_in(driver, [(i, items[i]) for i in in_place], out)
         return out
+
+    def _copy_in(self, driver: _Driver, members: list[tuple[int, torch.Tensor]], out: list[Any]) -> None:
+        """Copy anonymous host tensors into one anonymous mapping of their own (each at a page
+        boundary), register it, and put views of the copies into `out`. Registering the tensors in
+        place would lock whole pages that other tensors of the same allocator share; a host copy from a
+        range that straddles a registered region's edge is refused by the driver (invalid argument),
+        so the neighbours' own copies would fail."""
+        offsets, total = [], 0
+        for _, t in members:
+            offsets.append(total)
+            total += -(-(t.numel() * t.element_size()) // PAGE) * PAGE
+        try:
+            mm = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (OSError, ValueError) as exc:
+            raise PinRefused(f"cannot map {total} bytes for a page-locked copy: {exc}") from None
+        self._held.append(mm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # numpy's view of the writable map
+            base = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+        t0 = time.perf_counter()
+        views = []
+        for (i, t), off in zip(members, offsets, strict=True):
+            n = t.numel() * t.element_size()
+            view = base[off : off + n].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            views.append((i, view))
+        self.populate_seconds += time.perf_counter() - t0
+        self.copied_bytes += total
+        self._register(driver, base.data_ptr(), total)
+        self._held.append(base)
+        for i, view in views:
+            out[i] = view
+            self.pinned_bytes += view.numel() * view.element_size()
 
     def _flags(self) -> int:
         """PORTABLE, and READ_ONLY where the device has it (every copy only reads the host bytes)."""

@@ -207,45 +207,58 @@ def test_artifact_experts_remapped_read_only_and_registered(fake_cuda, tmp_path:
     reader.close()
 
 
-def test_anonymous_memory_registered_in_place(fake_cuda) -> None:
+def test_anonymous_memory_copied_into_a_registered_map_of_its_own(fake_cuda) -> None:
+    """Anonymous tensors come back as equal copies in one registered mapping, each page-aligned; the
+    caller's own pages are never registered (their neighbours' copies would straddle a registered
+    region's edge, which the driver refuses: the first H200 run failed that way)."""
     a, b = torch.randn(50_000), torch.randn(3, 7000)[:, :100]  # b: not contiguous
+    neighbour = torch.randn(1000)
     pin = HostPin("cuda:0", "auto", margin_bytes=0)
     out = pin.adopt([a, b, "not a tensor"])
-    assert out[0] is a and out[1] is b and out[2] == "not a tensor"
-    assert pin.covers(a) and not pin.covers(b)
+    assert out[0] is not a and torch.equal(out[0], a) and out[0].dtype == a.dtype
+    assert out[1] is b and out[2] == "not a tensor"
+    assert pin.covers(out[0]) and not pin.covers(a) and not pin.covers(b) and not pin.covers(neighbour)
     (reg,) = [c for c in fake_cuda.calls if c[0] == "register"]
-    assert reg[1] <= a.data_ptr() and a.data_ptr() + a.numel() * 4 <= reg[1] + reg[2]
-    assert pin.pinned_bytes == a.numel() * 4
-    # a second adoption inside the same pages registers nothing new, and counts the bytes
-    c = a[100:200]
+    assert reg[1] == out[0].data_ptr() and reg[1] % host_pin.PAGE == 0
+    assert reg[2] == -(-a.numel() * 4 // host_pin.PAGE) * host_pin.PAGE
+    assert not (reg[1] <= a.data_ptr() < reg[1] + reg[2])
+    assert pin.pinned_bytes == a.numel() * 4 and pin.copied_bytes == reg[2]
+    # a second adoption of a view of the copy registers nothing new, and counts the bytes
+    c = out[0][100:200]
     assert pin.adopt([c])[0] is c and pin.covers(c)
     assert len([x for x in fake_cuda.calls if x[0] == "register"]) == 1
     assert pin.pinned_bytes == a.numel() * 4 + 400
 
 
-def test_memory_registered_in_place_is_held_until_unregistered(fake_cuda) -> None:
-    """A tensor registered in place stays alive while registered (its freed memory could be mapped
-    again at the same address and refused as already registered), and goes with `close`."""
+def test_copied_memory_is_held_until_unregistered(fake_cuda) -> None:
+    """The registered copy stays mapped and registered while the pin lives, whatever the caller drops
+    (freed memory could be mapped again at the same address and refused as already registered), and
+    is unregistered by `close`."""
     import gc
-    import weakref
 
     a = torch.randn(50_000)
     pin = HostPin("cuda:0", "auto", margin_bytes=0)
-    pin.adopt([a])
-    ref = weakref.ref(a)
-    del a
+    copy = pin.adopt([a])[0]
+    ptr, want = copy.data_ptr(), copy.clone()
+    del copy, a
     gc.collect()
-    assert ref() is not None
+    assert [c[0] for c in fake_cuda.calls] == ["register"]
+    again = pin.adopt([torch.empty(0)])  # nothing to adopt; the pin still covers its copy
+    assert again[0].numel() == 0 and pin.pinned_bytes == want.numel() * 4
+    view = torch.from_numpy(np.frombuffer(pin._held[0], dtype=np.float32, count=want.numel()))
+    assert view.data_ptr() == ptr and torch.equal(view, want)
+    del view
     pin.close()
     gc.collect()
-    assert ref() is None and [c[0] for c in fake_cuda.calls] == ["register", "unregister"]
+    assert [c[0] for c in fake_cuda.calls] == ["register", "unregister"]
 
 
 def test_memory_registered_by_someone_else_is_used_not_undone(fake_cuda, monkeypatch) -> None:
     a = torch.randn(50_000)
     monkeypatch.setattr(_FakeDriver, "register", lambda self, ptr, size, flags: 712)  # already registered
     pin = HostPin("cuda:0", "auto", margin_bytes=0)
-    assert pin.adopt([a])[0] is a and pin.on and pin.covers(a) and pin.regions == 0
+    out = pin.adopt([a])[0]
+    assert torch.equal(out, a) and pin.on and pin.covers(out) and pin.regions == 0
     pin.close()
     assert fake_cuda.calls == []  # nothing of ours to unregister
 
