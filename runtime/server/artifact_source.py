@@ -252,7 +252,7 @@ class ArtifactSource:
                 "hidden": bool(getattr(drafter, "needs_hidden_states", False)),
                 "taps": tuple(getattr(drafter, "tap_layers", ())),
             }
-            warm_up_static(executor, columns=verify, **asks)
+            warm_up_static(executor, columns=verify, context=settings.graph_warmup_context, **asks)
             warm_up_static(getattr(drafter, "executor", None), columns=verify)
             return SpeculativeEngine(
                 executor,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -269,19 +270,122 @@ def test_warm_up_static_passes_what_each_warm_up_takes() -> None:
     assert calls == [("full", (), None, False, ())]
 
 
+class _Loaded(Exception):
+    """Raised by `_RecordingSource.load` to stop `ignis-run` before it serves."""
+
+
+class _RecordingSource:
+    name = "rec"
+    aliases: tuple[str, ...] = ()
+    spec_kinds: tuple[str, ...] = ()
+    profile = None
+    settings: ClassVar[list] = []
+
+    def missing_backend_reason(self, backend: str) -> str:
+        return "none here"
+
+    def load(self, settings):  # -> ServedModel; here: record and stop
+        _RecordingSource.settings.append(settings)
+        raise _Loaded
+
+
+def recording_source() -> _RecordingSource:
+    return _RecordingSource()
+
+
+@pytest.mark.parametrize(("flag", "expect"), [((), None), (("--graph-warmup-context", "2048"), 2048)])
+def test_ignis_run_passes_the_graph_warmup_context(flag: tuple[str, ...], expect, tmp_path: Path) -> None:
+    """`--graph-warmup-context` reaches the model settings (unset: None, the whole context); 0 is a
+    usage error before any load; ModelSettings refuses a bad value with ConfigError."""
+    from click.testing import CliRunner
+
+    from ignis.runtime import cli
+    from ignis.runtime.errors import ConfigError
+    from ignis.runtime.profiles import SpecDefaults
+    from ignis.runtime.server.model import ModelSettings
+
+    _RecordingSource.settings.clear()
+    args = ["--model-factory", f"{__name__}:recording_source", "--socket", str(tmp_path / "s"), *flag]
+    with pytest.raises(_Loaded):
+        CliRunner().invoke(cli.main, args, catch_exceptions=False)
+    (settings,) = _RecordingSource.settings
+    assert settings.graph_warmup_context == expect
+    bad = CliRunner().invoke(cli.main, [*args[:4], "--graph-warmup-context", "0"])
+    assert bad.exit_code == 2 and "graph-warmup-context" in bad.output
+    assert len(_RecordingSource.settings) == 1
+    for value in (0, -5, 1.5, True):
+        with pytest.raises(ConfigError, match="graph_warmup_context"):
+            ModelSettings(SpecDefaults("off"), graph_warmup_context=value)
+
+
+def _tiny_hybrid_artifact(root: Path) -> Path:
+    """A tiny `qwen3_5` artifact for the `cpu` card with a grafted 2-layer DFlash2 drafter (as
+    tests/runtime/server/server_helpers.py builds it), under `root`."""
+    import hf_tiny
+
+    from ignis.compiler import build
+    from ignis.tools.make_test_drafter import make_dflash2_drafter
+
+    make_tiny_hybrid("qwen3_5", root / "qwen3_5")
+    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(root / "qwen3_5")
+    make_dflash2_drafter(root / "qwen3_5", root / "dflash2", num_layers=2, dtype="float32")
+    recipe = root / "r.toml"
+    recipe.write_text('name = "tiny-hybrid"\n[modules]\nwidths = [1]\n')
+    res = build.build_artifact(
+        card="cpu",
+        model=root / "qwen3_5",
+        drafter=root / "dflash2",
+        recipe=recipe,
+        out=root / "tiny-hybrid",
+        progress=False,
+        echo=lambda _line: None,
+    )
+    assert res.out is not None
+    return Path(res.out)
+
+
+@pytest.mark.parametrize("backend", ["off", "dflash2"])
+def test_the_server_load_warms_the_target_with_the_drafters_outputs(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's engine factory calls `warm_up_static` on the target with the verify width, the
+    settings' graph_warmup_context and the output set its drafter asks every forward for (DFlash2:
+    its tap layers), and on a draft model's executor (none here) without them."""
+    import ignis.runtime.server.artifact_source as src
+    from ignis.runtime.metrics import SpeculativeMetrics
+    from ignis.runtime.profiles import SpecDefaults
+    from ignis.runtime.server.model import ModelSettings
+
+    calls: list = []
+    monkeypatch.setattr(src, "warm_up_static", lambda *exs, **kw: calls.append((exs, kw)) or 0)
+    spec = SpecDefaults("off") if backend == "off" else SpecDefaults("dflash2", 3)
+    model = src.ArtifactSource(_tiny_hybrid_artifact(tmp_path)).load(
+        ModelSettings(spec, device="cpu", graph_warmup_context=300)
+    )
+    try:
+        engine = model.make_engine(2, SpeculativeMetrics())
+        (target, target_kw), (draft, draft_kw) = calls
+        assert target == (engine.executor,) and draft == (None,)
+        taps = () if backend == "off" else tuple(engine.drafter.tap_layers)
+        assert backend == "off" or taps
+        verify = () if backend == "off" else (4,)
+        assert target_kw == {"columns": verify, "context": 300, "hidden": False, "taps": taps}
+        assert draft_kw == {"columns": verify}
+    finally:
+        model.close()
+
+
 # ---- GPU --------------------------------------------------------------------------------------------
 
 
 def _served(tmp_path: Path, spec) -> tuple:
     """(model, engine) as `ignis-run` builds them at start for the tiny qwen3_5 artifact (a grafted
     DFlash2 drafter) on CUDA."""
-    from server_helpers import build_tiny_hybrid_artifact
-
     from ignis.runtime.metrics import SpeculativeMetrics
     from ignis.runtime.server.artifact_source import ArtifactSource
     from ignis.runtime.server.model import ModelSettings
 
-    art = build_tiny_hybrid_artifact(tmp_path)
+    art = _tiny_hybrid_artifact(tmp_path)
     model = ArtifactSource(art).load(ModelSettings(spec, device="cuda", max_context=512))
     return model, model.make_engine(4, SpeculativeMetrics())
 
