@@ -320,7 +320,8 @@ def test_ignis_run_passes_the_graph_warmup_context(flag: tuple[str, ...], expect
 
 def _tiny_hybrid_artifact(root: Path) -> Path:
     """A tiny `qwen3_5` artifact for the `cpu` card with a grafted 2-layer DFlash2 drafter (as
-    tests/runtime/server/server_helpers.py builds it), under `root`."""
+    tests/runtime/server/server_helpers.py builds it, but with no compiled modules: torch linears, so
+    it serves on the CPU and on CUDA alike), under `root`."""
     import hf_tiny
 
     from ignis.compiler import build
@@ -330,7 +331,7 @@ def _tiny_hybrid_artifact(root: Path) -> Path:
     hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(root / "qwen3_5")
     make_dflash2_drafter(root / "qwen3_5", root / "dflash2", num_layers=2, dtype="float32")
     recipe = root / "r.toml"
-    recipe.write_text('name = "tiny-hybrid"\n[modules]\nwidths = [1]\n')
+    recipe.write_text('name = "tiny-hybrid"\n[modules]\nwidths = []\n')
     res = build.build_artifact(
         card="cpu",
         model=root / "qwen3_5",
