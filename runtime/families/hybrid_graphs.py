@@ -721,9 +721,10 @@ class StaticHybridExecutor(HybridExecutor):
             [s.num_tokens + j for s in states for j in range(n)] + [s.slot for s in states], dtype=torch.long
         )
         self._inputs[rows : 2 * rows + lanes].copy_(host.to(dev, non_blocking=True))
-        out = self._run_round(lanes, n, bucket, want_hidden, taps)
+        round_out = self._run_round(lanes, n, bucket, want_hidden, taps)
+        out: dict[str, Any] = dict(round_out)
         if self.cuda_graphs:  # the graphs' shared output buffers: copied out (the next round overwrites)
-            out = {k: v.clone() for k, v in out.items()}
+            out = {k: v.clone() for k, v in round_out.items()}
         out["rows"] = "all"
         out["width"] = n
         return out
