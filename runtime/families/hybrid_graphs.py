@@ -345,8 +345,10 @@ class StaticHybridExecutor(HybridExecutor):
         self._round_open: set[int] = set()  # id() of lanes whose pending forward lives in the round buffer
         self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
         self._pool: Any = None
-        # graphs: the static buffers every captured round writes its outputs into (sliced per shape)
+        # graphs: the static buffers every captured round writes its outputs into (sliced per shape),
+        # and the side stream of the captures' warm-up runs
         self._outputs: dict[str, torch.Tensor] = {}
+        self._side_stream: Any = None
         self.num_captures = 0
         self.num_replays = 0
         # per-layer constants computed once (fewer kernels per round): 1 + w of the (1 + w) RMSNorms,
@@ -816,7 +818,10 @@ class StaticHybridExecutor(HybridExecutor):
     def _capture(self, body: Callable[[], dict[str, torch.Tensor]]) -> CapturedRound:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        entry = capture_round(body, device=self.device, pool=self._pool)
+        if self._side_stream is None and self.device.type == "cuda":
+            # one for every capture: their warm-up runs share the allocator's cached blocks
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        entry = capture_round(body, device=self.device, pool=self._pool, stream=self._side_stream)
         self.num_captures += 1
         return entry
 
@@ -894,6 +899,9 @@ class StaticHybridExecutor(HybridExecutor):
         log.debug(
             "warm_up: lanes 1..%d x columns %s x KV buckets %s", self.max_lanes, self.column_widths, base
         )
+        if self.num_captures > before and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the warm-up runs' cached blocks (the graphs' pool stays)
         return self.num_captures - before
 
     def _eager_forward(

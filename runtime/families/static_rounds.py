@@ -94,14 +94,22 @@ def kv_bucket(needed: int, smallest: int, capacity: int) -> int:
 
 
 def capture_round(
-    body: Callable[[], dict[str, torch.Tensor]], *, device: torch.device, pool: Any
+    body: Callable[[], dict[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    pool: Any,
+    stream: torch.cuda.Stream | None = None,
 ) -> CapturedRound:
     """Run `body` once on a side stream (warm-up), then capture it into a CUDA graph drawing from
     `pool` (a ``torch.cuda.graph_pool_handle()``). `body` must be capture-safe: no host syncs, no
-    host->device copies, fixed input and state addresses."""
+    host->device copies, fixed input and state addresses.
+
+    `stream`: the side stream (None: a new one from torch's pool). An executor capturing many shapes
+    passes one of its own: the caching allocator keeps freed blocks per stream, so the warm-up runs of
+    many captures on torch's round-robin streams would each keep a round's intermediates cached."""
     from ignis.runtime.kernels.tvm_runtime import capture
 
-    side = torch.cuda.Stream(device=device)
+    side = torch.cuda.Stream(device=device) if stream is None else stream
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         body()  # warm-up: loads every module and kernel once, outside the capture

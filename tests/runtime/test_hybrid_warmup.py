@@ -56,7 +56,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     count = [0]
 
-    def fake_capture(body, *, device, pool):
+    def fake_capture(body, *, device, pool, stream=None):
         count[0] += 1
         return CapturedRound(_ReplayedGraph(body), body())
 
@@ -427,3 +427,39 @@ def test_served_hybrid_engine_captures_its_rounds_at_load(tmp_path: Path, backen
             assert times[0] <= 1.5 * times[9], [round(t * 1e3, 1) for t in times]
     finally:
         model.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_shapes_share_the_output_memory(tiny: TinyHybrid) -> None:
+    """On CUDA, with a vocabulary of 65,536 (the tiny model's head widened): capturing every other
+    shape of one KV bucket (lanes 1..4 x widths 1, 2, 4, 8) after the largest keeps no memory
+    allocated (per-shape outputs would hold 4 bytes x vocab x rows: 31 MB), and the reserved memory
+    grows by less than that too (one side stream for the captures' warm-up runs, cache emptied after);
+    every graph's logits are the first rows of one buffer."""
+    import dataclasses
+
+    vocab = 65_536
+    config = dataclasses.replace(tiny.config, vocab_size=vocab)
+    gen = torch.Generator().manual_seed(3)
+    weights = dict(tiny.canonical_tensors())
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = torch.randn(vocab, config.hidden_size, generator=gen) / config.hidden_size**0.5
+    ex = StaticHybridExecutor(
+        config, weights, device="cuda", dtype=torch.bfloat16, max_lanes=4, max_context=200, kv_bucket=16
+    )
+    assert ex.cuda_graphs
+    lanes = [ex.new_lane() for _ in range(4)]
+    step(ex, lanes, [tokens(8, i, 320).cuda() for i in range(4)], [8] * 4)  # the largest shape: 4 x 8
+    for s in lanes:
+        ex.release_lane(s)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    assert ex.warm_up(context=16) == 4 * 4 - 1
+    torch.cuda.synchronize()
+    per_shape = 4 * vocab * (10 * 15 - 4 * 8)  # the logits rows of every shape but the largest
+    assert torch.cuda.memory_allocated() - allocated < per_shape / 8
+    assert torch.cuda.memory_reserved() - reserved < per_shape / 2
+    logits = ex._outputs["logits"]
+    assert logits.shape == (32, vocab)
+    assert all(e.outputs["logits"].data_ptr() == logits.data_ptr() for e in ex._graphs.values())
