@@ -155,6 +155,48 @@ def test_warm_up_changes_no_lane_and_the_rounds_after_equal_the_eager_path(
     assert ex.num_captures == 4 * 5 * 3 + 1
 
 
+@pytest.mark.parametrize("spec", ["off", "drafts"])
+def test_an_engine_after_warm_up_captures_nothing(tiny: TinyHybrid, stand_in: list[int], spec: str) -> None:
+    """Through `SpeculativeEngine` (greedy; prompts short, chunked and long, more prompts than lanes;
+    speculation off, or 3 drafts a round each right with p = 0.7): after warm_up (as the server's load
+    calls it) every round replays a shape the warm-up captured, and the output equals the eager
+    static path's with speculation off (no graphs, no warm-up)."""
+    from ignis.runtime.drafters.testing import right_with_probability
+    from ignis.runtime.engine import SpeculativeEngine
+    from ignis.runtime.sampling import SamplingParams
+
+    vocab = tiny.config.vocab_size
+    ex, plain = graphed(tiny), static(tiny)
+    verify = () if spec == "off" else (4,)
+    # lanes 1..4 x widths 1, 2, 4, 8 x buckets 16, 32, 64, 128 and the capacity 208
+    assert warm_up_static(ex, columns=verify) == 4 * 4 * 5
+    prompts = [tokens(n, 5 + n, vocab).tolist() for n in (6, 24, 3, 30, 51)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [r.output_token_ids for r in SpeculativeEngine(plain, max_lanes=4).generate(prompts, greedy)]
+    shapes, inner = set(), ex._run_round
+
+    def recorded(lanes, n, bucket, hidden, taps):
+        shapes.add((lanes, n, bucket))
+        return inner(lanes, n, bucket, hidden, taps)
+
+    ex._run_round = recorded
+    kw = {}
+    if spec == "drafts":
+        refs = {tuple(p): list(w) for p, w in zip(prompts, want, strict=True)}
+        kw = {"drafter": right_with_probability(refs, 0.7, vocab_size=vocab, seed=1), "draft_tokens": 3}
+    engine = SpeculativeEngine(ex, max_lanes=4, **kw)
+    assert [r.output_token_ids for r in engine.generate(prompts, greedy)] == want
+    assert ex.num_captures == 4 * 4 * 5, "a request captured a shape the warm-up did not"
+    # prefill chunks of 8 columns and decode rounds of 1; verify rounds of 4 (and fewer drafts where
+    # the reference ends: padded to 2 or 4)
+    widths = {n for _, n, _ in shapes}
+    if spec == "off":
+        assert widths == {1, 8}
+    else:
+        assert {1, 4, 8} <= widths
+    assert {b for _, _, b in shapes} >= {16, 32, 64, 128}
+
+
 def test_graphs_share_one_set_of_output_buffers(tiny: TinyHybrid, stand_in: list[int]) -> None:
     """Every captured shape writes its logits, hidden states and taps into the first rows of one
     static buffer each (max_lanes x max_columns rows); a round's returned outputs are copies that
