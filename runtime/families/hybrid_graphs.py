@@ -577,7 +577,7 @@ class StaticHybridExecutor(HybridExecutor):
                 )
             self._gdn_buffers()  # a buffer left from a swapped recurrence goes now
             return self._chunked_forward(
-                states, columns, lens, logits, output_hidden_states, tuple(tap_layers)
+                states, columns, lens, logits, output_hidden_states, tuple(int(t) for t in tap_layers)
             )
         if n <= self.max_columns:
             if self._round_open:
@@ -586,7 +586,8 @@ class StaticHybridExecutor(HybridExecutor):
                     "states live in one round buffer)"
                 )
             self._gdn_buffers()  # a buffer left from a swapped recurrence goes now
-            out = self._static_forward(states, columns, lens, output_hidden_states, tuple(tap_layers))
+            tap_ids = tuple(int(t) for t in tap_layers)
+            out = self._static_forward(states, columns, lens, output_hidden_states, tap_ids)
             for i, state in enumerate(states):
                 state._pending = _StaticPending(
                     lens[i], record, i, True, replay=self._gdn_kernel if self._replays else None
@@ -744,7 +745,7 @@ class StaticHybridExecutor(HybridExecutor):
         slots = self._inputs[2 * rows : 2 * rows + lanes]
         if not self.cuda_graphs:
             return self._body(ids, pos, slots, bucket, want_hidden=want_hidden, taps=taps)
-        key = (lanes, n, bucket, want_hidden, taps)
+        key = (lanes, n, bucket, bool(want_hidden), taps)
         entry = self._graphs.get(key)
         if entry is None:
             dst = self._round_outputs(rows, want_hidden, len(taps))
@@ -866,7 +867,7 @@ class StaticHybridExecutor(HybridExecutor):
         if context is not None and context < 1:
             raise ValueError(f"warm_up: context must be >= 1 tokens, got {context}")
         layers = self.config.num_hidden_layers
-        taps = tuple(int(t) for t in taps)
+        hidden, taps = bool(hidden), tuple(int(t) for t in taps)
         for t in taps:
             if not 0 <= t < layers:
                 raise ValueError(f"warm_up: tap layer {t} outside 0..{layers - 1}")
