@@ -201,6 +201,7 @@ def run_command(opts: dict[str, Any]) -> None:
             max_context=max_context,
             device=device,
             cuda_graphs=bool(pick("cuda_graphs")),
+            graph_warmup_context=pick("graph_warmup_context"),
             max_prefill_tokens=int(pick("max_prefill_tokens")),
             checkpoint_card_bytes=card_bytes,
             checkpoint_host_bytes=host_bytes,
@@ -387,7 +388,15 @@ def run_command(opts: dict[str, Any]) -> None:
     default=None,
     help="On CUDA, run verify rounds of every family (llama, qwen2, qwen3_5, qwen3_next) from CUDA "
     "graphs over fixed-capacity lane buffers sized by --lanes and --model-max-context (8192 tokens "
-    "when neither is set and the model allows more), captured at load for llama / qwen2. [default: on]",
+    "when neither is set and the model allows more), captured at load. [default: on]",
+)
+@click.option(
+    "--graph-warmup-context",
+    type=click.IntRange(min=1),
+    metavar="TOKENS",
+    help="Hybrid families (qwen3_5, qwen3_next) with CUDA graphs: capture at load the round shapes of "
+    "every KV bucket up to this many tokens (a lane's past + the round's columns); rounds past it "
+    "capture their shape on first use. Lower it to shorten the load. [default: the whole context]",
 )
 @click.option(
     "--expert-cache-bytes",

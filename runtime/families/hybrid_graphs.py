@@ -26,8 +26,10 @@ State (allocated at construction; grown only by `new_lane` when every slot is ta
   the round's recurrence at 8 columns and more.
 
 A *static round* is a forward whose lanes have n_i <= max_columns columns. It runs as one shape keyed
-by (lanes L, padded columns n = max n_i, KV bucket T, hidden states wanted, tap layers): shorter lanes
-are padded with dummy columns (token 0) whose outputs are discarded and which commit never keeps.
+by (lanes L, padded columns n, KV bucket T, hidden states wanted, tap layers), n the smallest of
+`column_widths` >= max n_i (by default the powers of two below max_columns and max_columns; `warm_up`
+adds the verify width draft_tokens + 1, so verify rounds run unpadded): the lanes' columns are padded
+with dummy columns (token 0) whose outputs are discarded and which commit never keeps.
 Every data-dependent quantity is a device tensor in one static input buffer (token ids, positions,
 slot ids); attention gathers the lanes' caches up to T (the smallest power-of-two bucket, from
 `kv_bucket`, holding every lane's past + n) with a causal mask built from the positions; keys and
@@ -40,11 +42,17 @@ window gathered out of the windows (all lanes together), and KV commits by movin
 length. The record belongs to the round: a
 static round must be committed before the next one starts (`StateError` otherwise).
 
-CUDA graphs: captured lazily per key (warm-up on a side stream first, as the torch.cuda.graphs docs
-say, which also loads every compiled module once: they are capture-safe after a first run, ADR 0001),
-all graphs sharing one memory pool; compiled q4 modules launch on torch's stream
-(`ignis.runtime.kernels.tvm_runtime.capture`). A replay's outputs are copied out (one clone per output), so
-returned logits survive the next round. Graphs are off (the static path runs eagerly, still batched
+CUDA graphs: captured per key, at load by `warm_up` (every lane count 1..max_lanes x `column_widths`
+x the KV buckets up to a context bound, in free lane slots) and lazily for any other key (warm-up on a
+side stream first, as the torch.cuda.graphs docs say, which also loads every compiled module once:
+they are capture-safe after a first run, ADR 0001), all graphs sharing one memory pool; compiled q4
+modules launch on torch's stream (`ignis.runtime.kernels.tvm_runtime.capture`). Every graph writes
+its outputs into one set of static buffers of max_lanes x max_columns rows (logits float32, hidden
+states, taps), sliced per key, so a captured shape keeps no outputs of its own and the pool holds
+only the largest shape's intermediates (for the 27B's vocabulary of 248,320 at 8 x 8: 64 MB of logits
+in all, instead of 4 bytes x vocab x rows of every captured shape: 536 MB per KV bucket over lanes 1..8
+x widths 1, 2, 4, 8). A replay's outputs are copied out (one clone per output), so returned logits
+survive the next round. Graphs are off (the static path runs eagerly, still batched
 over lanes) for configs with MoE layers whose routing syncs the host: `sparse_moe_block`'s reference
 loop (``torch.unique`` + ``.tolist()``) and an expert cache (one copy of the routed ids a layer),
 which a capture cannot contain. With every expert resident and the compiled grouped expert kernels
@@ -125,6 +133,7 @@ from ignis.runtime.families.hybrid_executor import (
     _apply_rope,
     _Layer,
 )
+from ignis.runtime.families.llama_graphs import default_column_widths
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig
 from ignis.runtime.families.static_rounds import (
@@ -244,6 +253,9 @@ class StaticHybridExecutor(HybridExecutor):
         expert_cache: routed experts in host memory behind device slots (`HybridExecutor`).
         moe_module: the compiled grouped expert kernels (`HybridExecutor`); with them and no
             expert cache the MoE layers need no host sync and rounds are graphed.
+        column_widths: the column counts static rounds are padded to (each 1..max_columns; max_columns
+            is always one); None: the powers of two below max_columns, and max_columns. `warm_up`
+            adds to them.
 
     Memory (bytes): KV 2 x attn_layers x max_lanes x capacity x kv_heads x head_dim x dtype size;
     recurrent state 4 x gdn_layers x max_lanes x v_heads x k_dim x v_dim, and max_columns times that
@@ -251,9 +263,9 @@ class StaticHybridExecutor(HybridExecutor):
     max_columns x max_lanes x `gdn_stash_width` for the stash (modules with replay).
 
     Raises:
-        ValueError: max_lanes, max_columns, kv_bucket or max_context out of range; cuda_graphs=True
-            off CUDA or with MoE layers; a gdn_module off CUDA or for GDN shapes it does not take;
-            a norms_module or mixers_module off CUDA.
+        ValueError: max_lanes, max_columns, kv_bucket, max_context or a column width out of range;
+            cuda_graphs=True off CUDA or with MoE layers; a gdn_module off CUDA or for GDN shapes it
+            does not take; a norms_module or mixers_module off CUDA.
             Otherwise as `HybridExecutor`.
         TvmRuntimeError: a gdn_module, norms_module or mixers_module path that cannot be loaded.
     """
@@ -277,6 +289,7 @@ class StaticHybridExecutor(HybridExecutor):
         chunked_prefill: int | None = None,
         expert_cache: Any = None,
         moe_module: Any = None,
+        column_widths: Sequence[int] | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -317,6 +330,11 @@ class StaticHybridExecutor(HybridExecutor):
         self.cuda_graphs = bool(on_cuda and not has_moe if cuda_graphs is None else cuda_graphs)
         self.max_lanes, self.max_columns, self.max_context = max_lanes, max_columns, max_context
         self.capacity = max_context + max_columns
+        widths = default_column_widths(max_columns) if column_widths is None else tuple(column_widths)
+        for w in widths:
+            if not 1 <= int(w) <= max_columns:
+                raise ValueError(f"column_widths: {w} outside 1..max_columns {max_columns}")
+        self.column_widths: tuple[int, ...] = tuple(sorted({int(w) for w in widths} | {max_columns}))
         self.kv_bucket = kv_bucket
         if chunked_prefill is None:
             chunked_prefill = CHUNKED_PREFILL_ROUNDS * max_columns if self.cuda_graphs else 0
@@ -347,6 +365,10 @@ class StaticHybridExecutor(HybridExecutor):
         self._round_open: set[int] = set()  # id() of lanes whose pending forward lives in the round buffer
         self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
         self._pool: Any = None
+        # graphs: the static buffers every captured round writes its outputs into (sliced per shape),
+        # and the side stream of the captures' warm-up runs
+        self._outputs: dict[str, torch.Tensor] = {}
+        self._side_stream: Any = None
         self.num_captures = 0
         self.num_replays = 0
         # per-layer constants computed once (fewer kernels per round): 1 + w of the (1 + w) RMSNorms,
@@ -499,6 +521,7 @@ class StaticHybridExecutor(HybridExecutor):
         if self._stash is not None:
             self._stash = widen(self._stash, 2)
         self._inputs = self._inputs.new_zeros(2 * new * self.max_columns + new)
+        self._outputs = {}  # sized for max_lanes rows: reallocated at the next capture
         self._graphs.clear()
         self._pool = None
         self._free += list(range(old, new))
@@ -574,7 +597,7 @@ class StaticHybridExecutor(HybridExecutor):
                 )
             self._gdn_buffers()  # a buffer left from a swapped recurrence goes now
             return self._chunked_forward(
-                states, columns, lens, logits, output_hidden_states, tuple(tap_layers)
+                states, columns, lens, logits, output_hidden_states, tuple(int(t) for t in tap_layers)
             )
         if n <= self.max_columns:
             if self._round_open:
@@ -583,7 +606,8 @@ class StaticHybridExecutor(HybridExecutor):
                     "states live in one round buffer)"
                 )
             self._gdn_buffers()  # a buffer left from a swapped recurrence goes now
-            out = self._static_forward(states, columns, lens, output_hidden_states, tuple(tap_layers))
+            tap_ids = tuple(int(t) for t in tap_layers)
+            out = self._static_forward(states, columns, lens, output_hidden_states, tap_ids)
             for i, state in enumerate(states):
                 state._pending = _StaticPending(
                     lens[i], record, i, True, replay=self._gdn_kernel if self._replays else None
@@ -591,6 +615,7 @@ class StaticHybridExecutor(HybridExecutor):
                 self._round_open.add(id(state))
         else:
             out = self._eager_forward(states, columns, lens, record, logits, output_hidden_states, tap_layers)
+        n = out.get("width", n)  # a static round's columns: padded to a column width
         if logits == "last" and out["rows"] == "all":
             rows = torch.tensor([i * n + n_i - 1 for i, n_i in enumerate(lens)], device=self.device)
             out_logits = list(out["logits"][rows].split(1))
@@ -698,7 +723,11 @@ class StaticHybridExecutor(HybridExecutor):
         want_hidden: bool,
         taps: tuple[int, ...],
     ) -> dict[str, Any]:
-        lanes, n = len(states), max(lens)
+        """A static round: the lanes' columns padded to the smallest of `column_widths` holding the
+        longest (dummy token 0 after a lane's own columns). Returns the round's outputs ([lanes * n',
+        ...] rows, copies), "rows": "all" and "width": n'."""
+        lanes = len(states)
+        n = next(w for w in self.column_widths if w >= max(lens))
         rows = lanes * n
         dev = self.device
         bucket = self._bucket(max(s.num_tokens for s in states) + n)
@@ -714,26 +743,58 @@ class StaticHybridExecutor(HybridExecutor):
         host = torch.tensor(
             [s.num_tokens + j for s in states for j in range(n)] + [s.slot for s in states], dtype=torch.long
         )
-        meta = self._inputs[rows : 2 * rows + lanes]
-        meta.copy_(host.to(dev, non_blocking=True))
-        pos = meta[:rows].view(lanes, n)
-        slots = meta[rows:]
-
-        def body() -> dict[str, torch.Tensor]:
-            return self._body(ids, pos, slots, bucket, want_hidden=want_hidden, taps=taps)
-
-        if not self.cuda_graphs:
-            out = body()
-        else:
-            key = (lanes, n, bucket, want_hidden, taps)
-            entry = self._graphs.get(key)
-            if entry is None:
-                entry = self._capture(body)
-                self._graphs[key] = entry
-            entry.graph.replay()
-            self.num_replays += 1
-            out = {k: v.clone() for k, v in entry.outputs.items()}
+        self._inputs[rows : 2 * rows + lanes].copy_(host.to(dev, non_blocking=True))
+        round_out = self._run_round(lanes, n, bucket, want_hidden, taps)
+        out: dict[str, Any] = dict(round_out)
+        if self.cuda_graphs:  # the graphs' shared output buffers: copied out (the next round overwrites)
+            out = {k: v.clone() for k, v in round_out.items()}
         out["rows"] = "all"
+        out["width"] = n
+        return out
+
+    def _run_round(
+        self, lanes: int, n: int, bucket: int, want_hidden: bool, taps: tuple[int, ...]
+    ) -> dict[str, torch.Tensor]:
+        """The static round of `lanes` lanes x n columns reading KV bucket `bucket`, over the static
+        input buffer (ids [lanes * n] | positions [lanes * n] | slots [lanes]): run eagerly, or
+        replayed from its graph (captured first when new). With graphs the outputs are slices of the
+        shared output buffers (`_round_outputs`), overwritten by the next replay."""
+        rows = lanes * n
+        ids = self._inputs[:rows]
+        pos = self._inputs[rows : 2 * rows].view(lanes, n)
+        slots = self._inputs[2 * rows : 2 * rows + lanes]
+        if not self.cuda_graphs:
+            return self._body(ids, pos, slots, bucket, want_hidden=want_hidden, taps=taps)
+        key = (lanes, n, bucket, bool(want_hidden), taps)
+        entry = self._graphs.get(key)
+        if entry is None:
+            dst = self._round_outputs(rows, want_hidden, len(taps))
+            entry = self._capture(
+                lambda: self._body(ids, pos, slots, bucket, want_hidden=want_hidden, taps=taps, out=dst)
+            )
+            self._graphs[key] = entry
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.outputs
+
+    def _round_outputs(self, rows: int, want_hidden: bool, num_taps: int) -> dict[str, torch.Tensor]:
+        """The first `rows` rows of the static output buffers a captured round writes into: logits
+        float32 [rows, vocab], hidden [rows, H] and taps [rows, num_taps * H] in the model dtype
+        (when asked). One set of buffers of max_lanes x max_columns rows serves every shape (allocated
+        on first use, outside the graphs' pool), so a captured shape holds no outputs of its own."""
+        c, dev = self.config, self.device
+        cap = self.max_lanes * self.max_columns
+        need = {"logits": (c.vocab_size, torch.float32)}
+        if want_hidden:
+            need["hidden"] = (c.hidden_size, self.dtype)
+        if num_taps:
+            need[f"taps{num_taps}"] = (num_taps * c.hidden_size, self.dtype)
+        out = {}
+        for name, (width, dtype) in need.items():
+            buf = self._outputs.get(name)
+            if buf is None:
+                buf = self._outputs[name] = torch.empty(cap, width, dtype=dtype, device=dev)
+            out[name.rstrip("0123456789")] = buf[:rows]
         return out
 
     def _chunked_forward(
@@ -778,9 +839,91 @@ class StaticHybridExecutor(HybridExecutor):
     def _capture(self, body: Callable[[], dict[str, torch.Tensor]]) -> CapturedRound:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        entry = capture_round(body, device=self.device, pool=self._pool)
+        if self._side_stream is None and self.device.type == "cuda":
+            # one for every capture: their warm-up runs share the allocator's cached blocks
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        entry = capture_round(body, device=self.device, pool=self._pool, stream=self._side_stream)
         self.num_captures += 1
         return entry
+
+    # ---- load ----
+
+    def warm_up(
+        self,
+        *,
+        columns: Sequence[int] = (),
+        context: int | None = None,
+        hidden: bool = False,
+        taps: Sequence[int] = (),
+    ) -> int:
+        """Capture, at load, the graph of every static round shape that rounds over lanes holding up to
+        `context` tokens can meet: lane counts 1 .. max_lanes x `column_widths` x the KV buckets up to
+        the one holding `context`, for one output set (`hidden`, `taps`: what the engine's drafter
+        asks every forward for). The rounds run in free lane slots (their keys land past any lane's
+        committed length; conv and recurrent states are only read, and `new_lane` zeroes them):
+        no lane's state changes, and shapes captured before are kept.
+
+        Args:
+            columns: column counts to add to `column_widths` first (e.g. draft_tokens + 1: verify
+                rounds of that many columns then run unpadded), each 1..max_columns; they apply with
+                or without CUDA graphs.
+            context: tokens a round reads (a lane's past + the round's columns) up to which every KV
+                bucket is captured, >= 1; None: the capacity (every bucket, so no round of these
+                output sets ever captures). Longer rounds capture their bucket on first use.
+            hidden: capture the shapes that return hidden states (the MTP drafter's rounds).
+            taps: tap layers of the captured shapes (the DFlash2 drafter's rounds).
+
+        Returns:
+            graphs captured now (0 without CUDA graphs).
+
+        Raises:
+            ValueError: a column count outside 1..max_columns, context < 1, a tap layer outside
+                0..num_hidden_layers - 1.
+            StateError: a static round is pending, or every lane slot is taken (with CUDA graphs).
+        """
+        for n in columns:
+            if not 1 <= int(n) <= self.max_columns:
+                raise ValueError(f"warm_up: column count {n} outside 1..max_columns {self.max_columns}")
+        if context is not None and context < 1:
+            raise ValueError(f"warm_up: context must be >= 1 tokens, got {context}")
+        layers = self.config.num_hidden_layers
+        hidden, taps = bool(hidden), tuple(int(t) for t in taps)
+        for t in taps:
+            if not 0 <= t < layers:
+                raise ValueError(f"warm_up: tap layer {t} outside 0..{layers - 1}")
+        self.column_widths = tuple(sorted(set(self.column_widths) | {int(n) for n in columns}))
+        if not self.cuda_graphs:
+            return 0
+        if self._round_open:
+            raise StateError("warm_up: a static round is pending; commit it first")
+        if not self._free:
+            raise StateError("warm_up: every lane slot is taken (the warm-up rounds run in free slots)")
+        reach = self.capacity if context is None else min(context, self.capacity)
+        base = [self._bucket(1)]
+        while base[-1] < reach:
+            base.append(self._bucket(2 * base[-1]))
+        free = sorted(self._free)
+        self._gdn_buffers()
+        before = self.num_captures
+        with torch.no_grad():
+            for lanes in range(1, self.max_lanes + 1):
+                slots = torch.tensor([free[i % len(free)] for i in range(lanes)], dtype=torch.long)
+                for n in self.column_widths:
+                    rows = lanes * n
+                    for bucket in sorted({self._bucket(max(b, n)) for b in base}):
+                        if (lanes, n, bucket, hidden, taps) in self._graphs:
+                            continue
+                        pos = torch.arange(n, dtype=torch.long).repeat(lanes)
+                        host = torch.cat([torch.zeros(rows, dtype=torch.long), pos, slots])
+                        self._inputs[: 2 * rows + lanes].copy_(host.to(self.device))
+                        self._run_round(lanes, n, bucket, hidden, taps)
+        log.debug(
+            "warm_up: lanes 1..%d x columns %s x KV buckets %s", self.max_lanes, self.column_widths, base
+        )
+        if self.num_captures > before and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the warm-up runs' cached blocks (the graphs' pool stays)
+        return self.num_captures - before
 
     def _eager_forward(
         self,
@@ -832,10 +975,13 @@ class StaticHybridExecutor(HybridExecutor):
         taps: tuple[int, ...],
         eager: tuple[list[int], bool, torch.Tensor, list[_StaticPending]] | None = None,
         logit_rows: torch.Tensor | None = None,
+        out: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """One forward over static shapes: ids [L*n] int64, pos [L, n] int64 (past + column), slots
         [L] int64, bucket = KV length read. `eager` = (lens, record, valid rows, pendings) for a long
-        (non-static) forward. No host syncs, no host->device copies (capture-safe)."""
+        (non-static) forward. No host syncs, no host->device copies (capture-safe). Returns logits
+        float32 [rows, vocab], and hidden [rows, H] / taps [rows, len(taps) * H] (model dtype) when
+        asked; `out`: tensors of those shapes to write them into (and return) instead of new ones."""
         c = self.config
         lanes, n = pos.shape
         h = F.embedding(ids, self._embed)
@@ -888,11 +1034,19 @@ class StaticHybridExecutor(HybridExecutor):
         else:
             hl = h if logit_rows is None else h[logit_rows]
             normed = self._norm(hl, self._final_norm)
-        out = {"logits": self.linear(normed, self._lm_head, None).float()}
+        logits = self.linear(normed, self._lm_head, None)
+        if out is None:
+            result = {"logits": logits.float()}
+            if want_hidden:
+                result["hidden"] = h
+            if taps:
+                result["taps"] = torch.cat([tapped[t] for t in taps], dim=-1)
+            return result
+        out["logits"].copy_(logits)  # the float32 cast, into the static buffer
         if want_hidden:
-            out["hidden"] = h
+            out["hidden"].copy_(h)
         if taps:
-            out["taps"] = torch.cat([tapped[t] for t in taps], dim=-1)
+            torch.cat([tapped[t] for t in taps], dim=-1, out=out["taps"])
         return out
 
     def _mlp(self, x: torch.Tensor, mlp: SwiGLUWeights, fused: FusedNormsKernel | None) -> torch.Tensor:

@@ -14,6 +14,7 @@ share (they never run concurrently). Compiled q4 modules launch on torch's strea
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import weakref
@@ -93,14 +94,22 @@ def kv_bucket(needed: int, smallest: int, capacity: int) -> int:
 
 
 def capture_round(
-    body: Callable[[], dict[str, torch.Tensor]], *, device: torch.device, pool: Any
+    body: Callable[[], dict[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    pool: Any,
+    stream: torch.cuda.Stream | None = None,
 ) -> CapturedRound:
     """Run `body` once on a side stream (warm-up), then capture it into a CUDA graph drawing from
     `pool` (a ``torch.cuda.graph_pool_handle()``). `body` must be capture-safe: no host syncs, no
-    host->device copies, fixed input and state addresses."""
+    host->device copies, fixed input and state addresses.
+
+    `stream`: the side stream (None: a new one from torch's pool). An executor capturing many shapes
+    passes one of its own: the caching allocator keeps freed blocks per stream, so the warm-up runs of
+    many captures on torch's round-robin streams would each keep a round's intermediates cached."""
     from ignis.runtime.kernels.tvm_runtime import capture
 
-    side = torch.cuda.Stream(device=device)
+    side = torch.cuda.Stream(device=device) if stream is None else stream
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         body()  # warm-up: loads every module and kernel once, outside the capture
@@ -160,18 +169,41 @@ def run_chunks(
     return parts
 
 
-def warm_up_static(*executors: Any, columns: Sequence[int] = ()) -> int:
-    """Load-time capture: call ``warm_up(columns=columns)`` on every executor that has one (the static
-    executors with CUDA graphs capture their round shapes then, so that no request pays for a
-    capture; `columns`: the verify width, draft_tokens + 1, when speculating); None and executors
-    without it are skipped. Returns the graphs captured in all, and logs them with the time taken."""
+def warm_up_static(
+    *executors: Any,
+    columns: Sequence[int] = (),
+    context: int | None = None,
+    hidden: bool = False,
+    taps: Sequence[int] = (),
+) -> int:
+    """Load-time capture: call ``warm_up(columns=columns, ...)`` on every executor that has one (the
+    static executors with CUDA graphs capture their round shapes then, so that no request pays for a
+    capture); None and executors without it are skipped.
+
+    Args:
+        columns: the verify width, draft_tokens + 1, when speculating.
+        context, hidden, taps: passed on to the ``warm_up`` methods that take them (the hybrid's:
+            the KV length up to which buckets are captured, and the output set the engine's
+            forwards ask for); None / False / () are not passed.
+
+    Returns:
+        the graphs captured in all; each executor's count is logged with the time taken.
+    """
     total = 0
+    extra: dict[str, Any] = {}
+    if context is not None:
+        extra["context"] = context
+    if hidden:
+        extra["hidden"] = True
+    if taps:
+        extra["taps"] = tuple(taps)
     for ex in executors:
         warm = getattr(ex, "warm_up", None)
         if ex is None or not callable(warm):
             continue
+        params = inspect.signature(warm).parameters
         t0 = time.perf_counter()
-        n = int(warm(columns=tuple(columns)))
+        n = int(warm(columns=tuple(columns), **{k: v for k, v in extra.items() if k in params}))
         total += n
         if n:
             log.info(

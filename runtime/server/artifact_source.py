@@ -261,7 +261,14 @@ class ArtifactSource:
                 log.info("expert cache: %s", expert_cache.describe_host())
             drafter = None if spec.backend == "off" else make_drafter(executor)
             verify = (spec.draft_tokens + 1,) if drafter is not None and spec.draft_tokens else ()
-            warm_up_static(executor, getattr(drafter, "executor", None), columns=verify)  # at load
+            # at load: the round shapes of the target (with the outputs the drafter asks every forward
+            # for) and of a draft model's executor
+            asks = {
+                "hidden": bool(getattr(drafter, "needs_hidden_states", False)),
+                "taps": tuple(getattr(drafter, "tap_layers", ())),
+            }
+            warm_up_static(executor, columns=verify, context=settings.graph_warmup_context, **asks)
+            warm_up_static(getattr(drafter, "executor", None), columns=verify)
             return SpeculativeEngine(
                 executor,
                 drafter,

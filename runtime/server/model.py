@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ignis.runtime.engine import SpeculativeEngine
+from ignis.runtime.errors import ConfigError
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.prefix_cache import PrefixCache
 from ignis.runtime.profiles import CardProfile, SpecDefaults
@@ -97,6 +98,9 @@ class ModelSettings:
         device: torch device to load on ("cuda", "cpu", ...), or None for the source's default.
         cuda_graphs: on CUDA, replay verify rounds from CUDA graphs where the executor can
             (`Artifact.make_executor`); False runs them eagerly.
+        graph_warmup_context: the KV length (tokens a round reads) up to which the static hybrid
+            executor captures its round shapes at load (`StaticHybridExecutor.warm_up`); longer rounds
+            capture theirs on first use; None: the whole context.
         max_prefill_tokens: the engine's prefill budget, prompt tokens prefilled per step across all
             lanes (`SpeculativeEngine`; a longer prompt is prefilled in chunks over several steps while
             the other lanes decode); 0 = no limit.
@@ -111,8 +115,8 @@ class ModelSettings:
             cache misses are DMAs (`ignis.runtime.host_pin`); auto falls back to the staging ring.
 
     Raises:
-        ConfigError: max_prefill_tokens is not an integer >= 0, a bad expert cache size, or an
-            expert_cache_pin other than auto/on/off.
+        ConfigError: max_prefill_tokens is not an integer >= 0, a bad expert cache size, an
+            expert_cache_pin other than auto/on/off, or graph_warmup_context < 1.
     """
 
     spec: SpecDefaults
@@ -125,9 +129,18 @@ class ModelSettings:
     checkpoint_dir: str | None = None
     expert_cache: str | int | None = None
     expert_cache_pin: str = "auto"
+    graph_warmup_context: int | None = None
 
     def __post_init__(self) -> None:
         check_max_prefill_tokens(self.max_prefill_tokens)  # refused before a long load
+        if self.graph_warmup_context is not None and (
+            isinstance(self.graph_warmup_context, bool)
+            or not isinstance(self.graph_warmup_context, int)
+            or self.graph_warmup_context < 1
+        ):
+            raise ConfigError(
+                f"graph_warmup_context {self.graph_warmup_context!r} must be an integer >= 1 (tokens)"
+            )
         if self.expert_cache not in (None, "auto", "off"):  # a bad size refused before a long load
             from ignis.runtime.expert_cache import parse_bytes
 

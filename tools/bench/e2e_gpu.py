@@ -15,9 +15,10 @@ Phases (in priority order; each is skipped, and said so, when the time budget is
 
 0. Graphed route (`--no-graphs` skips it): `StaticHybridExecutor` (runtime/families/hybrid_graphs.py)
    over the same backend, rounds replayed from CUDA graphs. Per width R (1 lane, R columns, one
-   executor with max_columns = the widest R): round time, the first call's time (warm-up + capture)
-   and max |logits - eager HybridExecutor's|; then decode as in 2 (8 lane slots, 8 columns), each run
-   twice (the first captures; the second is reported, first_wall_s kept). With `--gdn-module PATH`
+   executor with max_columns = the widest R, every R a column width: no padding): round time, the
+   first call's time (warm-up + capture) and max |logits - eager HybridExecutor's|; then decode as
+   in 2 (8 lane slots, 8 columns), each run twice (the first captures; the second is reported,
+   first_wall_s kept). With `--gdn-module PATH`
    (a `.so` from `ignis.compiler.kernels.gdn_recurrent.build_gdn_recurrent`): the rounds per width
    again with the fused GDN recurrence (`rounds_fused`), one GDN layer's recurrence alone (torch
    loop vs the kernel, CUDA-graph replay, `gdn_layer`), and the decode with the kernel. With
@@ -876,7 +877,7 @@ def main() -> int:
             else:
                 wide = StaticHybridExecutor(
                     cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
-                    max_lanes=1, max_columns=max(widths), max_context=ctx,
+                    max_lanes=1, max_columns=max(widths), column_widths=widths, max_context=ctx,
                 )  # fmt: skip
                 gr["cuda_graphs"] = wide.cuda_graphs
                 log(f"graphed route (cuda_graphs={wide.cuda_graphs}): rounds per width")
@@ -888,7 +889,8 @@ def main() -> int:
             if args.gdn_module is not None:
                 fused = StaticHybridExecutor(
                     cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
-                    max_lanes=1, max_columns=max(widths), max_context=ctx, gdn_module=args.gdn_module,
+                    max_lanes=1, max_columns=max(widths), column_widths=widths, max_context=ctx,
+                    gdn_module=args.gdn_module,
                 )  # fmt: skip
                 gr["gdn_module"] = res.get("gdn_module_file", str(args.gdn_module))
                 log("graphed route with the fused GDN recurrence: rounds per width")
@@ -902,7 +904,8 @@ def main() -> int:
             if args.norms_module is not None:
                 allf = StaticHybridExecutor(
                     cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
-                    max_lanes=1, max_columns=max(widths), max_context=ctx, gdn_module=args.gdn_module,
+                    max_lanes=1, max_columns=max(widths), column_widths=widths, max_context=ctx,
+                    gdn_module=args.gdn_module,
                     norms_module=args.norms_module,
                 )  # fmt: skip
                 gr["norms_module"] = str(args.norms_module)
@@ -914,7 +917,8 @@ def main() -> int:
             if args.mixers_module is not None:
                 mixf = StaticHybridExecutor(
                     cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend,
-                    max_lanes=1, max_columns=max(widths), max_context=ctx, gdn_module=args.gdn_module,
+                    max_lanes=1, max_columns=max(widths), column_widths=widths, max_context=ctx,
+                    gdn_module=args.gdn_module,
                     norms_module=args.norms_module, mixers_module=args.mixers_module,
                 )  # fmt: skip
                 gr["mixers_module"] = str(args.mixers_module)
@@ -1032,7 +1036,8 @@ def main() -> int:
             ctx_b = max(PROMPT_LEN, ROUND_CONTEXT) + 2 * tokens + 64
             gb = StaticHybridExecutor(
                 cfg, dense, device=dev, dtype=torch.bfloat16,
-                max_lanes=1, max_columns=max(widths), max_context=ctx_b, gdn_module=args.gdn_module,
+                max_lanes=1, max_columns=max(widths), column_widths=widths, max_context=ctx_b,
+                    gdn_module=args.gdn_module,
                 norms_module=args.norms_module, mixers_module=args.mixers_module,
             )  # fmt: skip
             log("bf16 route (cuBLAS), graphed with the given fused modules: rounds per width")

@@ -15,8 +15,8 @@ heads of 64). bf16 weights, torch linears (cuBLAS). With ``--llama-artifact`` / 
 
 Routes: ``llama eager`` (`LlamaExecutor`), ``llama graphed`` (`StaticLlamaExecutor`) and ``qwen3_5
 graphed`` (`StaticHybridExecutor`). The static executors are warmed up as the server's load does
-(`ignis.runtime.families.static_rounds.warm_up_static`; its time is printed as ``load_warmup_s``); the
-hybrid executor has no load-time warm-up, so its first request captures its graphs.
+(`ignis.runtime.families.static_rounds.warm_up_static`; its time is printed as ``load_warmup_s``):
+llama's shapes of the first KV bucket, the hybrid's of every KV bucket up to the context.
 
 Per route and lane count (1 and 8): greedy generation through `SpeculativeEngine`, speculation off
 (and with ``--spec``: 7 drafts from the test drafter right with p = 0.885, or ngram),
