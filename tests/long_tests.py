@@ -9,4 +9,5 @@ LONG = (
     "tests/runtime/server/test_server_real_model.py::",  # builds and serves SmolLM2: ~1.5 min
     # nvcc builds the tiny qwen3_5's tiled and kernel libraries for h200: ~1-3 min
     "tests/compiler/test_build_without_tvm.py::test_an_all_nvcc_qwen3_5_builds_for_h200_without_tvm",
+    "tests/tools/test_fullsize_27b.py::",  # tools/bench/fullsize_27b.sh's phases on the CPU: ~1 min
 )
