@@ -298,7 +298,7 @@ def _quantize_rows(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(packed, dtype="<u4"), s
 
 
-def _q4_chunks(t: torch.Tensor, threads: int | None = None) -> Iterator[memoryview]:
+def q4_chunks(t: torch.Tensor, threads: int | None = None) -> Iterator[memoryview]:
     """The stored q4_g32 bytes of `t`: packed codes row block by row block, then every scale.
 
     With more than one thread (`build_threads()` unless given) the blocks are quantized ahead on the
@@ -378,7 +378,7 @@ def write_tensor(
             f"value(s) (NaN or inf; the first at flat index {first}); the checkpoint is corrupt"
         )
     if dtype == "q4_g32":
-        return writer.add_tensor_chunks(name, dtype=dtype, shape=shape, chunks=_q4_chunks(t))
+        return writer.add_tensor_chunks(name, dtype=dtype, shape=shape, chunks=q4_chunks(t))
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"{name}: unsupported storage dtype {dtype!r}")
     return writer.add_tensor_chunks(name, dtype=dtype, shape=shape, chunks=_plain_chunks(t, dtype))
@@ -420,6 +420,7 @@ __all__ = [
     "is_linear_weight",
     "is_quantizable",
     "make_jobs",
+    "q4_chunks",
     "resolve_layout",
     "storage_dtype",
     "write_jobs",

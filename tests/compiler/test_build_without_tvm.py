@@ -173,3 +173,22 @@ def test_the_build_module_imports_no_tvm() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("ids", [list(range(40)), [39, 3, 17, 3, 0]])
+def test_the_shortlist_head_on_threads_is_the_reference_quantization(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ids: list[int]
+) -> None:
+    from ignis.compiler.build.shortlist import write_shortlist
+    from ignis.formats import NinferReader, quantize_q4_g32
+
+    head = (torch.randn(40, 64, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    monkeypatch.setattr(convert, "PARALLEL_CHUNK_ELEMENTS", 64 * 3)
+    monkeypatch.setenv(convert.BUILD_THREADS_ENV, "3")
+    with NinferWriter(tmp_path / "s.ninfer") as w:
+        write_shortlist(w, head, np.array(ids, dtype=np.int32))
+    packed, scales = quantize_q4_g32(head.float()[ids].numpy())
+    with NinferReader(tmp_path / "s.ninfer") as r:
+        q = r.q4_g32("shortlist.head.weight")
+        np.testing.assert_array_equal(q.packed, packed)
+        np.testing.assert_array_equal(q.scales, scales)
