@@ -192,3 +192,21 @@ def test_the_shortlist_head_on_threads_is_the_reference_quantization(
         q = r.q4_g32("shortlist.head.weight")
         np.testing.assert_array_equal(q.packed, packed)
         np.testing.assert_array_equal(q.scales, scales)
+
+
+def test_convert_rate_measures_every_thread_count_on_the_same_bytes(tmp_path: Path) -> None:
+    from ignis.tools.bench.convert_rate import measure
+    from ignis.tools.random_checkpoint import write_random_checkpoint
+
+    write_random_checkpoint(tmp_path / "ckpt", model="tiny")
+    res = measure(
+        tmp_path / "ckpt", drafter=None, card="h200", threads=[1, 3], max_params=5e5, out_dir=tmp_path
+    )
+    assert res["same_bytes"] and [r["threads"] for r in res["runs"]] == [1, 3]
+    assert (
+        5e5
+        <= res["measured_params"]["q4"] + res["measured_params"]["plain"]
+        < res["plan_params"]["q4"] + (res["plan_params"]["plain"])
+    )
+    assert all(r["estimated_plan_weights_s"] > 0 for r in res["runs"])
+    assert not list(tmp_path.glob("convert-rate-*"))  # the scratch files are gone

@@ -9,6 +9,9 @@ Phases, in order (each can be its own command; state lives under --ckpt-root / -
   public 27B drafter's shape (`ignis.tools.random_checkpoint`; ~54 + ~3.5 GB in bf16) into
   --ckpt-root: /dev/shm (RAM) when it has room, else /tmp (the GPU host's 64 GB disk cannot hold the
   checkpoint and the ~17 GB artifact together).
+- `rate` (optional, after `write`, before `build` deletes the checkpoint): the weight step's
+  conversion rate on the first --rate-params parameters at 1 thread and at every core
+  (`ignis.tools.bench.convert_rate`), written to `rate.json`.
 - `build`: `ignis-build --card CARD --drafter ...` into --art-root (disk), the whole vocabulary as
   the shortlist (random weights have no token frequencies); the checkpoint in /dev/shm is then
   deleted (RAM for serving) unless --keep-checkpoint.
@@ -47,6 +50,7 @@ from typing import Any
 __all__ = ["main", "summarize_runs"]
 
 PHASES = ("write", "build", "off", "dflash2", "replay", "table")
+EXTRA_PHASES = ("rate",)
 BACKENDS = ("off", "dflash2", "replay")
 
 #: Issue 25's targets at the socket on the H200 (27B shape), output tok/s: (backend, concurrency) -> value.
@@ -137,6 +141,25 @@ def phase_write(c: _Ctx) -> None:
         },
     )
     _say(f"write: checkpoint {t1 - t0:.0f} s, drafter {t2 - t1:.0f} s ({need / (t2 - t0) / 2**30:.2f} GiB/s)")
+
+
+def phase_rate(c: _Ctx) -> None:
+    from ignis.tools.bench.convert_rate import measure
+
+    if not (c.ckpt_root / ".complete").exists():
+        raise SystemExit(f"rate: no checkpoint in {c.ckpt_root}: run the write phase first")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = sorted({1, cores})
+    _say(f"rate: converting {c.a.rate_params:.2g} parameters at {threads} thread(s)")
+    res = measure(
+        c.ckpt,
+        drafter=c.drafter,
+        card=c.a.card,
+        threads=threads,
+        max_params=c.a.rate_params,
+        out_dir=c.art_root,
+    )
+    c.record("rate.json", res)
 
 
 def phase_build(c: _Ctx) -> None:
@@ -329,6 +352,9 @@ def summarize_runs(out: Path) -> list[dict[str, Any]]:
                     "target_tok_s": TARGETS.get((backend, conc)),
                     "same_as_off": f"{same}/{len(outputs)}" if reference else "n/a",
                     "failed": s["failed"],
+                    "requests": s["completed"],
+                    "max_tokens": run["config"]["max_tokens"],
+                    "prompt_tokens_mean": s["prompt_tokens"] / s["completed"] if s["completed"] else None,
                     "server_ready_s": data.get("server_ready_s"),
                 }
             )
@@ -351,7 +377,7 @@ def _fmt(v: Any, spec: str) -> str:
 def phase_table(c: _Ctx) -> None:
     rows = summarize_runs(c.out)
     meta = {}
-    for name in ("write.json", "build.json"):
+    for name in ("write.json", "rate.json", "build.json"):
         if (c.out / name).exists():
             meta[name.removesuffix(".json")] = json.loads((c.out / name).read_text())
     c.record("fullsize_27b.json", {"model": c.a.model, "card": c.a.card, "rows": rows, **meta})
@@ -359,14 +385,22 @@ def phase_table(c: _Ctx) -> None:
         f"{'backend':<8} {'lanes':>5} {'tok/s':>8} {'target':>6} {'lane p50':>8} {'TTFT ms':>8} "
         f"{'ms/tok':>7} {'tok/rnd':>7} {'acc@1':>6} {'ms/rnd':>7} {'drafter':>8} {'=off':>6}"
     )
-    print(
-        f"\n27B-shaped qwen3_5 at the socket ({c.a.model}, card {c.a.card}; "
-        f"{c.a.input_len}-token prompts, {c.a.max_tokens} tokens, greedy)"
-    )
+    shape = ""
+    if rows:
+        r0 = rows[0]
+        prompt = r0["prompt_tokens_mean"] or 0.0
+        shape = f"; {r0['requests']} requests of {prompt:.0f} + {r0['max_tokens']} tokens, greedy"
+    print(f"\n27B-shaped qwen3_5 at the socket ({c.a.model}, card {c.a.card}{shape})")
     if "write" in meta:
         w = meta["write"]
         print(
             f"write: checkpoint {w['checkpoint_s']:.0f} s + drafter {w['drafter_s']:.0f} s into {w['root']}"
+        )
+    for run in meta.get("rate", {}).get("runs", []):
+        q4 = run["params_per_s"]["q4"] or 0.0
+        print(
+            f"rate: {run['threads']} thread(s): q4 {q4 / 1e6:.0f} M params/s, "
+            f"weights of the whole plan ~{run['estimated_plan_weights_s']:.0f} s"
         )
     if "build" in meta:
         print(f"build: {meta['build']['seconds']:.0f} s (rc {meta['build']['rc']})")
@@ -397,7 +431,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "phases", nargs="+", choices=[*PHASES, "all"], metavar="PHASE", help=" ".join(PHASES) + " | all"
+        "phases",
+        nargs="+",
+        choices=[*PHASES, *EXTRA_PHASES, "all"],
+        metavar="PHASE",
+        help=" ".join(PHASES) + " | all | rate",
     )
     p.add_argument("--model", default="qwen3_5-27b", choices=["qwen3_5-27b", "tiny"])
     p.add_argument("--card", default="h200")
@@ -416,6 +454,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", type=int, default=7)
     p.add_argument("--accept", type=float, default=0.885)
     p.add_argument("--ready-timeout", type=float, default=420.0)
+    p.add_argument("--rate-params", type=float, default=3e9, help="rate: parameters converted per run")
     p.add_argument(
         "--server-arg", action="append", default=[], help="an extra ignis-run argument (repeatable)"
     )
@@ -432,6 +471,8 @@ def main(argv: list[str] | None = None) -> None:
             phase_write(c)
         elif phase == "build":
             phase_build(c)
+        elif phase == "rate":
+            phase_rate(c)
         elif phase == "table":
             phase_table(c)
         else:
