@@ -3,12 +3,13 @@
     python -m ignis.tools.bench.fullsize_27b [options] PHASE [PHASE ...]
     bash tools/bench/fullsize_27b.sh PHASE ...        # on the GPU host: sets up the lean environment
 
-Phases, in order (each can be its own command; state lives under --ckpt-root / --art-root):
+Phases, in order (each can be its own command; state lives under --ckpt-root / --art-root, chosen
+by `place` on the first command and kept in --state for the next ones):
 
 - `write`: a random checkpoint of the public Qwen3.5-27B text config and a DFlash2 drafter of the
   public 27B drafter's shape (`ignis.tools.random_checkpoint`; ~54 + ~3.5 GB in bf16) into
-  --ckpt-root: /dev/shm (RAM) when it has room, else /tmp (the GPU host's 64 GB disk cannot hold the
-  checkpoint and the ~17 GB artifact together).
+  --ckpt-root: /dev/shm (RAM) when it has room, else /tmp with the artifact in /dev/shm (the GPU
+  host's 64 GB disk cannot hold the checkpoint and the ~19 GB artifact together).
 - `rate` (optional, after `write`, before `build` deletes the checkpoint): the weight step's
   conversion rate on the first --rate-params parameters at 1 thread and at every core
   (`ignis.tools.bench.convert_rate`), written to `rate.json`.
@@ -68,39 +69,87 @@ def _free(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def _checkpoint_bytes(model: str) -> int:
-    """Bytes of the checkpoint and its drafter in bf16 (from the tables, nothing written)."""
+def _tables(model: str) -> tuple[Any, dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(the target config, its tensor table, the drafter's tensor table) of a preset."""
     from ignis.runtime.drafters.dflash2 import DFlash2Config, dflash2_tensor_shapes
     from ignis.runtime.families.base import config_from_hf
     from ignis.runtime.families.qwen3_5 import HybridConfig, tensor_shapes
+    from ignis.tools.make_test_drafter import small_dflash2_config
     from ignis.tools.random_checkpoint import MODELS, PUBLIC_27B_DFLASH2
 
     cfg = config_from_hf(MODELS[model])
     assert isinstance(cfg, HybridConfig)
-    n = sum(math.prod(s) for s in tensor_shapes(cfg).values())
     if model == "qwen3_5-27b":
-        n += sum(
-            math.prod(s) for s in dflash2_tensor_shapes(DFlash2Config.from_hf(PUBLIC_27B_DFLASH2)).values()
-        )
-    return 2 * n
+        d = DFlash2Config.from_hf(PUBLIC_27B_DFLASH2)
+    else:
+        d = small_dflash2_config(cfg, num_layers=2, intermediate_size=2 * cfg.hidden_size)
+    return cfg, dict(tensor_shapes(cfg)), dict(dflash2_tensor_shapes(d))
 
 
-def default_ckpt_root(model: str) -> Path:
-    """/dev/shm/ignis-fullsize when it has room for the checkpoint (+5%), else /tmp/ignis-fullsize-ckpt."""
-    need = int(_checkpoint_bytes(model) * 1.05)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and _free(shm) >= need:
-        return shm / "ignis-fullsize"
-    return Path("/tmp/ignis-fullsize-ckpt")
+def _checkpoint_bytes(model: str) -> int:
+    """Bytes of the checkpoint and its drafter in bf16 (from the tables, nothing written)."""
+    _, target, drafter = _tables(model)
+    return 2 * sum(math.prod(s) for s in (*target.values(), *drafter.values()))
+
+
+def _artifact_bytes(model: str, card: str) -> int:
+    """Bytes of the artifact's weights: the card's storage dtypes (`convert.storage_dtype`) of the
+    target and the drafter, plus the whole-vocabulary shortlist head (q4_g32)."""
+    from ignis.compiler.build.convert import storage_dtype
+    from ignis.formats.constants import stored_length
+    from ignis.runtime.profiles import get_profile
+
+    cfg, target, drafter = _tables(model)
+    prof = get_profile(card)
+    total = stored_length("q4_g32", (int(cfg.vocab_size), int(cfg.hidden_size)))
+    for name, shape in (*target.items(), *drafter.items()):
+        dt = storage_dtype(name, shape, linear_dtype=prof.linear_dtype, other_dtype=prof.other_dtype)
+        total += stored_length(dt, shape)
+    return int(total)
+
+
+def place(model: str, card: str) -> tuple[Path, Path]:
+    """(checkpoint root, artifact root) for a host: the checkpoint in /dev/shm (RAM) when it fits
+    there, else on /tmp's disk with the artifact beside it when both fit, else the artifact in
+    /dev/shm. The GPU host (64 GB disk, 128 GB RAM) takes the first.
+
+    Raises:
+        SystemExit: no placement fits (the sizes are named).
+    """
+    need_ck, need_art = int(_checkpoint_bytes(model) * 1.05), int(_artifact_bytes(model, card) * 1.1)
+    shm, disk = Path("/dev/shm"), Path("/tmp")
+    shm_free = _free(shm) if shm.is_dir() else 0
+    disk_free = _free(disk)
+    if shm_free >= need_ck and disk_free >= need_art:
+        return shm / "ignis-fullsize", disk / "ignis-fullsize-art"
+    if disk_free >= need_ck + need_art:
+        return disk / "ignis-fullsize-ckpt", disk / "ignis-fullsize-art"
+    if disk_free >= need_ck and shm_free >= need_art:
+        return disk / "ignis-fullsize-ckpt", shm / "ignis-fullsize-art"
+    raise SystemExit(
+        f"no room: the checkpoint needs {need_ck / 2**30:.1f} GiB and the artifact "
+        f"{need_art / 2**30:.1f} GiB; /dev/shm has {shm_free / 2**30:.1f} GiB free, /tmp "
+        f"{disk_free / 2**30:.1f} GiB: pass --ckpt-root and --art-root"
+    )
 
 
 class _Ctx:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
-        self.ckpt_root = Path(a.ckpt_root) if a.ckpt_root else default_ckpt_root(a.model)
+        ckpt_root, art_root = a.ckpt_root, a.art_root
+        if ckpt_root is None or art_root is None:  # where an earlier command put them, else `place`
+            state = Path(a.state)
+            saved = json.loads(state.read_text()) if state.exists() else {}
+            if saved.get("model") != a.model:
+                ck, ar = place(a.model, a.card)
+                saved = {"model": a.model, "ckpt_root": str(ck), "art_root": str(ar)}
+                state.write_text(json.dumps(saved) + "\n")
+            ckpt_root = ckpt_root or saved["ckpt_root"]
+            art_root = art_root or saved["art_root"]
+        self.ckpt_root = Path(ckpt_root)
         self.ckpt = self.ckpt_root / "ckpt"
         self.drafter = self.ckpt_root / "dflash2"
-        self.art_root = Path(a.art_root)
+        self.art_root = Path(art_root)
         self.art = self.art_root / "art"
         self.ref = self.art_root / "replay.jsonl"
         self.out = Path(a.out)
@@ -439,8 +488,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="qwen3_5-27b", choices=["qwen3_5-27b", "tiny"])
     p.add_argument("--card", default="h200")
-    p.add_argument("--ckpt-root", default=None, help="default: /dev/shm when it has room, else /tmp")
-    p.add_argument("--art-root", default="/tmp/ignis-fullsize-art")
+    p.add_argument("--ckpt-root", default=None, help="default: /dev/shm when it has room (`place`)")
+    p.add_argument("--art-root", default=None, help="default: /tmp (`place`)")
+    p.add_argument(
+        "--state",
+        default="/tmp/ignis-fullsize-state.json",
+        help="where the chosen roots are kept between commands",
+    )
     p.add_argument("--out", default=os.environ.get("OUT") or "fullsize-out")
     p.add_argument(
         "--widths", default=None, help="recipe widths, comma-separated ('' = none); default: the card's"

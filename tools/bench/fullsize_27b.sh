@@ -4,16 +4,19 @@
 # dflash2 at 7 drafts, the replay drafter at p = 0.885). The phases are
 # tools/bench/fullsize_27b.py's; run from the repository root, each command under 10 minutes:
 #
-#   bash tools/bench/fullsize_27b.sh write          # ~57 GB random bf16 into /dev/shm      (~2 min)
+#   bash tools/bench/fullsize_27b.sh write          # 53.7 GiB random bf16 into /dev/shm    (~2 min)
 #   bash tools/bench/fullsize_27b.sh build          # ignis-build --card h200 into /tmp     (~5-7 min)
 #   bash tools/bench/fullsize_27b.sh off replay     # record greedy outputs, replay at p    (~3-5 min)
 #   bash tools/bench/fullsize_27b.sh dflash2 table  # the grafted drafter at 7 drafts       (~2-4 min)
 #
-# (`write build` fit one command when the build is known to take < 7 min.) State between commands:
-# the checkpoint in /dev/shm/ignis-fullsize (RAM: the 64 GB disk cannot hold it beside the artifact;
-# deleted once built), the artifact and the replay file in /tmp/ignis-fullsize-art. Figures, logs and
-# the table's JSON go to $OUT (default ./fullsize-out). Extra arguments go to the Python driver
-# (e.g. --num-requests 32, --lanes 8, --model tiny --card cpu --widths '' for a CPU dry run).
+# (`write build` fit one command when the build is known to take < 7 min; `rate` between them
+# measures the weight step's conversion rate at 1 thread and every core.) State between commands:
+# the checkpoint (53.7 GiB) in /dev/shm/ignis-fullsize (RAM: the 64 GB disk cannot hold it beside the
+# 17.8 GiB artifact; deleted once built), the artifact and the replay file in /tmp/ignis-fullsize-art
+# (where /dev/shm is too small: the checkpoint on /tmp, the artifact in /dev/shm), the choice kept in
+# /tmp/ignis-fullsize-state.json. Figures, logs and the table's JSON go to $OUT (./fullsize-out).
+# Extra arguments go to the Python driver (e.g. --num-requests 32, --lanes 8; --model tiny --card cpu
+# --widths '' for a CPU dry run).
 #
 # Environment, as .device/env.sh does: the wheels in .whl/ installed into /tmp/site (no network),
 # the checkout linked as the `ignis` namespace in /tmp/ns, TVM's runtime libraries from
