@@ -8,14 +8,16 @@ writes it), then the server replays it as drafts, each draft right with probabil
     ignis-run --artifact A --spec-backend replay --spec-replay ref.jsonl --spec-replay-accept 0.885
 
 The file (`load_replay_file`): JSON lines `{"prompt_token_ids": [...], "output_token_ids": [...]}`
-(the engine's prompt ids, so chat prompts count after the chat template). A lane whose prompt is in
-it drafts, for an output of L tokens so far, reference[L + j] for draft j with probability p and
-otherwise another token (uniform over the other vocab_size - 1 ids), so with k drafts a round
-commits 1 + sum_{j=1..k} p^j tokens on average (greedy). The coin flips come from the lane's own
-`random.Random`, seeded by (seed, prompt): a request's acceptance pattern does not depend on what
-else is running. A prompt not in the file, a lane past its reference's end, and a lane whose output
-left the reference (sampling, another max_tokens, numerics) draft nothing from there on: plain
-decode rounds. The output stays exact whatever is drafted: the verify round decides every token.
+(the engine's prompt ids, so chat prompts count after the chat template); a prompt may have several
+recorded outputs (runs at other lane counts whose numerics differed). A lane whose prompt is in it
+follows the recorded output that agrees with what it has generated so far: for an output of L
+tokens it drafts reference[L + j] for draft j with probability p and otherwise another token
+(uniform over the other vocab_size - 1 ids), so with k drafts a round commits 1 + sum_{j=1..k} p^j
+tokens on average (greedy). The coin flips come from the lane's own `random.Random`, seeded by
+(seed, prompt): a request's acceptance pattern does not depend on what else is running. A prompt
+not in the file, a lane past its reference's end, and a lane whose output agrees with no recorded
+output (sampling, numerics) draft nothing from there on: plain decode rounds. The output stays
+exact whatever is drafted: the verify round decides every token.
 
 Drafts are point masses (no q): under sampling they are verified by rejection sampling like any
 deterministic drafter, and the acceptance is then not p.
@@ -43,10 +45,9 @@ __all__ = ["ReplayDrafter", "ReplayOptions", "build_replay_drafter", "load_repla
 log = logging.getLogger("ignis.runtime.drafters.replay")
 
 
-def load_replay_file(path: str | Path) -> dict[tuple[int, ...], list[int]]:
-    """Read a replay file (module docstring): prompt token ids -> reference output ids.
-
-    A prompt listed twice keeps its longest output.
+def load_replay_file(path: str | Path) -> dict[tuple[int, ...], list[list[int]]]:
+    """Read a replay file (module docstring): prompt token ids -> its distinct recorded outputs,
+    longest first (an output that is a prefix of another is dropped).
 
     Raises:
         ConfigError: the file cannot be read, or a line is not an object with integer lists
@@ -57,7 +58,7 @@ def load_replay_file(path: str | Path) -> dict[tuple[int, ...], list[int]]:
         lines = p.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--spec-replay {p}: cannot read it: {exc}") from exc
-    out: dict[tuple[int, ...], list[int]] = {}
+    out: dict[tuple[int, ...], list[list[int]]] = {}
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -78,10 +79,17 @@ def load_replay_file(path: str | Path) -> dict[tuple[int, ...], list[int]]:
                 f"--spec-replay {p}:{n}: expected {{'prompt_token_ids': [ids...], 'output_token_ids': "
                 f"[ids...]}} with non-negative integer ids and a non-empty prompt"
             )
-        key = tuple(prompt)
-        if len(output) > len(out.get(key, ())):
-            out[key] = list(output)
-    return out
+        out.setdefault(tuple(prompt), []).append(list(output))
+    return {k: _distinct(v) for k, v in out.items()}
+
+
+def _distinct(outputs: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The outputs longest first, without duplicates and without one that is a prefix of another."""
+    kept: list[list[int]] = []
+    for o in sorted((list(o) for o in outputs), key=len, reverse=True):
+        if not any(k[: len(o)] == o for k in kept):
+            kept.append(o)
+    return kept
 
 
 @dataclass(frozen=True)
@@ -95,17 +103,17 @@ class ReplayOptions:
 
 @dataclass
 class _Lane:
-    reference: list[int] | None  # None: the prompt is not in the file
+    references: list[list[int]]  # empty: the prompt is not in the file
     rng: random.Random
-    on_reference: bool = True
-    checked: int = 0  # output tokens already found equal to the reference
+    current: int = 0  # the reference the lane follows; -1 once it agrees with none
+    checked: int = 0  # output tokens already found equal to it
 
 
 class ReplayDrafter(BaseDrafter):
     """Replays recorded outputs as drafts, each right with probability `accept` (module docstring).
 
     Args:
-        references: prompt token ids -> reference output ids (`load_replay_file`).
+        references: prompt token ids -> its recorded outputs (`load_replay_file`), or one output.
         vocab_size: the model's vocabulary (wrong drafts are drawn in [0, vocab_size)).
         accept: probability that each draft is right, in [0, 1].
         seed: mixed with each prompt into its lane's random stream.
@@ -119,7 +127,7 @@ class ReplayDrafter(BaseDrafter):
 
     def __init__(
         self,
-        references: Mapping[tuple[int, ...], Sequence[int]],
+        references: Mapping[tuple[int, ...], Sequence[Sequence[int]] | Sequence[int]],
         *,
         vocab_size: int,
         accept: float,
@@ -129,7 +137,10 @@ class ReplayDrafter(BaseDrafter):
             raise ConfigError(f"--spec-replay-accept must be in [0, 1], got {accept}")
         if vocab_size < 2:
             raise ConfigError(f"the replay drafter needs vocab_size >= 2, got {vocab_size}")
-        self.references = {tuple(k): list(v) for k, v in references.items()}
+        self.references: dict[tuple[int, ...], list[list[int]]] = {}
+        for k, v in references.items():
+            many = [list(o) for o in v] if v and not isinstance(v[0], int) else [list(v)]  # type: ignore[arg-type]
+            self.references[tuple(k)] = _distinct(many)
         self.vocab_size = int(vocab_size)
         self.accept = float(accept)
         self.seed = int(seed)
@@ -145,11 +156,11 @@ class ReplayDrafter(BaseDrafter):
     def start_lane(self, lane_id: int, prompt_token_ids: Sequence[int]) -> None:
         """Look the prompt up; a prompt not in the file drafts nothing."""
         prompt = tuple(int(t) for t in prompt_token_ids)
-        ref = self.references.get(prompt)
-        if ref is None:
+        refs = self.references.get(prompt, [])
+        if not refs:
             self.unknown_prompts += 1
             log.debug("lane %d: prompt of %d tokens not in the replay file: no drafts", lane_id, len(prompt))
-        self._lanes[lane_id] = _Lane(ref, self._rng(prompt))
+        self._lanes[lane_id] = _Lane(refs, self._rng(prompt), current=0 if refs else -1)
 
     def end_lane(self, lane_id: int) -> None:
         self._lanes.pop(lane_id, None)
@@ -165,22 +176,37 @@ class ReplayDrafter(BaseDrafter):
     def _wrong(self, token: int, rng: random.Random) -> int:
         return (token + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
 
+    def _follow(self, lane: _Lane, produced: Sequence[int]) -> list[int] | None:
+        """The reference the lane's output so far agrees with (switching to another recorded output
+        when the current one stops agreeing), or None when none does."""
+        done = len(produced)
+        if lane.current >= 0:
+            ref = lane.references[lane.current]
+            fresh = [int(t) for t in produced[lane.checked :]]
+            if done <= len(ref) and fresh == ref[lane.checked : done]:
+                lane.checked = done
+                return ref
+        out = [int(t) for t in produced]
+        for i, ref in enumerate(lane.references):
+            if i != lane.current and done <= len(ref) and ref[:done] == out:
+                lane.current, lane.checked = i, done
+                return ref
+        if lane.current >= 0:
+            self.left_reference += 1
+            log.debug("lane output agrees with no recorded output after %d tokens: no drafts", done)
+        lane.current = -1
+        return None
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
         out = []
         for req in requests:
             lane = self._lanes.get(req.lane_id)
             drafts: list[int] = []
-            if lane is not None and lane.reference is not None and lane.on_reference:
-                ref = lane.reference
-                done = len(req.token_ids) - req.num_prompt_tokens
-                start = req.num_prompt_tokens + lane.checked
-                fresh = [int(t) for t in req.token_ids[start:]]
-                if done > len(ref) or fresh != ref[lane.checked : done]:
-                    lane.on_reference = False  # sampling or another run's numerics: stop drafting
-                    self.left_reference += 1
-                    log.debug("lane %d left its reference after %d tokens: no drafts", req.lane_id, done)
-                else:
-                    lane.checked = done
+            if lane is not None and lane.current >= 0:
+                produced = req.token_ids[req.num_prompt_tokens :]
+                ref = self._follow(lane, produced)
+                if ref is not None:
+                    done = len(produced)
                     for j in range(min(req.num_drafts, len(ref) - done)):
                         truth = ref[done + j]
                         ok = lane.rng.random() < self.accept

@@ -182,12 +182,26 @@ def test_a_bad_replay_file_names_the_line(tmp_path: Path, line: str, message: st
         load_replay_file(f)
 
 
-def test_the_longest_output_of_a_prompt_is_kept(tmp_path: Path) -> None:
+def test_a_prompt_keeps_its_distinct_outputs(tmp_path: Path) -> None:
     f = tmp_path / "r.jsonl"
-    rows = [([1, 2], [3]), ([1, 2], [3, 4, 5]), ([9], [8])]
+    rows = [([1, 2], [3]), ([1, 2], [3, 4, 5]), ([9], [8]), ([1, 2], [3, 6, 5]), ([1, 2], [3, 4, 5])]
     f.write_text(
         "\n".join(json.dumps({"prompt_token_ids": p, "output_token_ids": o}) for p, o in rows) + "\n\n"
     )
-    assert load_replay_file(f) == {(1, 2): [3, 4, 5], (9,): [8]}
+    assert load_replay_file(f) == {(1, 2): [[3, 4, 5], [3, 6, 5]], (9,): [[8]]}  # [3] is a prefix: dropped
     with pytest.raises(ConfigError, match=r"must be in \[0, 1\]"):
         ReplayDrafter({}, vocab_size=10, accept=1.5)
+
+
+def test_a_lane_follows_the_recorded_output_it_agrees_with() -> None:
+    """Two runs of one prompt differed at the third token (other lane counts): a lane that takes the
+    second branch switches to that output and keeps drafting."""
+    refs = {(1, 2): [[10, 11, 12, 13, 14, 15], [10, 11, 20, 21, 22, 23]]}
+    d = ReplayDrafter(refs, vocab_size=50, accept=1.0)
+    d.start_lane(0, [1, 2])
+    (p,) = d.propose([_request(0, [1, 2], [10], k=2)])
+    assert p.draft_token_ids.tolist() == [11, 12]
+    (p,) = d.propose([_request(0, [1, 2], [10, 11, 20], k=2)])  # the verify round chose 20, not 12
+    assert p.draft_token_ids.tolist() == [21, 22] and d.left_reference == 0
+    (p,) = d.propose([_request(0, [1, 2], [10, 11, 20, 21, 22, 30], k=2)])  # agrees with neither
+    assert p.draft_token_ids.tolist() == [] and d.left_reference == 1

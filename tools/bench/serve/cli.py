@@ -45,19 +45,18 @@ CHECKOUT = Path(__file__).resolve().parents[3]
 
 
 def write_outputs(path: Path, results: list[RequestResult]) -> int:
-    """Write the completed requests' (prompt ids, generated ids) as JSON lines, one per distinct prompt
-    (the longest output kept), in first-seen order; returns the lines written."""
-    best: dict[tuple[int, ...], list[int]] = {}
+    """Write the completed requests' (prompt ids, generated ids) as JSON lines, each distinct pair once,
+    in first-seen order (a prompt run at several concurrencies may get several outputs when the
+    server's numerics depend on the batch); returns the lines written."""
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
     for r in results:
         if r.ok and r.prompt_ids:
-            key = tuple(r.prompt_ids)
-            if len(r.generated_ids) >= len(best.get(key, ())):
-                best[key] = list(r.generated_ids)
+            seen[(tuple(r.prompt_ids), tuple(r.generated_ids))] = None
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
-        for prompt, output in best.items():
-            f.write(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": output}) + "\n")
-    return len(best)
+        for prompt, output in seen:
+            f.write(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": list(output)}) + "\n")
+    return len(seen)
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -412,7 +411,7 @@ def main(**kw: Any) -> None:
         click.echo(f"report written to {kw['json_out']}", err=True)
     if kw["save_outputs"] is not None:
         n = write_outputs(kw["save_outputs"], outputs)
-        click.echo(f"{n} prompt(s) and their outputs written to {kw['save_outputs']}", err=True)
+        click.echo(f"{n} prompt/output pair(s) written to {kw['save_outputs']}", err=True)
     if interrupted or any(r["interrupted"] for r in reports):
         sys.exit(130)
     complete = len(reports) == len(kw["concurrency"])
