@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -205,3 +206,43 @@ def test_a_lane_follows_the_recorded_output_it_agrees_with() -> None:
     assert p.draft_token_ids.tolist() == [21, 22] and d.left_reference == 0
     (p,) = d.propose([_request(0, [1, 2], [10, 11, 20, 21, 22, 30], k=2)])  # agrees with neither
     assert p.draft_token_ids.tolist() == [] and d.left_reference == 1
+
+
+@pytest.mark.gpu
+def test_replay_on_the_gpu_matches_spec_off_at_one_and_eight_lanes(tmp_path: Path) -> None:
+    """On a GPU host, a hybrid artifact built for its card ($IGNIS_GDN_ARTIFACT, e.g. the tiny qwen3_5
+    built for h200): greedy replay at p = 0.885 (7 drafts, the graphed route) equals speculation off,
+    one request alone and eight together, with ~p accepted at the first position."""
+    import os
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    env = os.environ.get("IGNIS_GDN_ARTIFACT")
+    if not env:
+        pytest.skip("set IGNIS_GDN_ARTIFACT to a hybrid artifact built for this GPU's card")
+    art = Path(env)
+    prompts = [[(11 * i + 5 * j) % 200 + 10 for j in range(8 + i)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+    def run(spec: SpecDefaults, replay: ReplayOptions | None, batch: list[list[int]]) -> tuple[Any, Any]:
+        model = ArtifactSource(art, replay=replay).load(ModelSettings(spec, device="cuda"))
+        metrics = SpeculativeMetrics()
+        try:
+            engine = model.make_engine(8, metrics)
+            return [list(r.output_token_ids) for r in engine.generate(batch, params)], metrics
+        finally:
+            if model.close is not None:
+                model.close()
+
+    alone, _ = run(SpecDefaults("off"), None, prompts[:1])
+    together, _ = run(SpecDefaults("off"), None, prompts)
+    ref = tmp_path / "ref.jsonl"
+    rows = [(prompts[0], alone[0]), *zip(prompts, together, strict=True)]
+    ref.write_text(
+        "".join(json.dumps({"prompt_token_ids": p, "output_token_ids": o}) + "\n" for p, o in rows)
+    )
+    opts = ReplayOptions(ref, accept=P)
+    got_alone, m1 = run(SpecDefaults("replay", 7), opts, prompts[:1])
+    got_together, m8 = run(SpecDefaults("replay", 7), opts, prompts)
+    assert got_alone == alone and got_together == together
+    assert abs(m8.acceptance_rate(0) - P) < 0.1 and m1.rounds_total > 0
