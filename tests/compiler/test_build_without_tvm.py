@@ -210,3 +210,63 @@ def test_convert_rate_measures_every_thread_count_on_the_same_bytes(tmp_path: Pa
     )
     assert all(r["estimated_plan_weights_s"] > 0 for r in res["runs"])
     assert not list(tmp_path.glob("convert-rate-*"))  # the scratch files are gone
+
+
+def _sparse_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A bf16 safetensors file with these tensors' header and no data written (a sparse file)."""
+    import math
+    import struct
+
+    header: dict[str, object] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        size = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def test_the_full_27b_plan_for_h200_needs_no_tvm(tmp_path: Path) -> None:
+    """The public Qwen3.5-27B text config with the public 27B DFlash2 drafter (headers only, no
+    weights): every linear, the drafter's and the whole-vocabulary shortlist head's included, takes
+    the nvcc-built tiled route at every h200 width (8 tile libraries), nothing needs TVM, and the
+    artifact is ~17.8 GiB."""
+    from ignis.compiler.build import build_artifact
+    from ignis.runtime.drafters.dflash2 import DFlash2Config, dflash2_tensor_shapes
+    from ignis.runtime.families.base import config_from_hf
+    from ignis.runtime.families.qwen3_5 import tensor_shapes
+    from ignis.tools import random_checkpoint as rc
+
+    ckpt, drafter = tmp_path / "ckpt", tmp_path / "dflash2"
+    ckpt.mkdir()
+    drafter.mkdir()
+    raw = rc.MODELS["qwen3_5-27b"]
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    rc._write_tokenizer(ckpt, raw["vocab_size"])
+    shapes = tensor_shapes(config_from_hf(raw))
+    groups = rc._shards(shapes, 2, 4 << 30)  # 4 GiB shards: each mapped on its own
+    weight_map = {}
+    for i, names in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        _sparse_safetensors(ckpt / file, {n: shapes[n] for n in names})
+        weight_map |= dict.fromkeys(names, file)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    d = DFlash2Config.from_hf(rc.PUBLIC_27B_DFLASH2)
+    (drafter / "config.json").write_text(json.dumps(d.to_hf()))
+    _sparse_safetensors(drafter / "model.safetensors", dflash2_tensor_shapes(d))
+    (tmp_path / "r.toml").write_text('name = "q27"\n[shortlist]\nsize = 248320\n')
+    res = build_artifact(
+        card="h200", model=ckpt, drafter=drafter, recipe=tmp_path / "r.toml", out=tmp_path / "art",
+        dry_run=True, echo=lambda _l: None,
+    )  # fmt: skip
+    m = res.plan.modules
+    assert m.tvm_shapes() == () and {m.route(s) for s in m.shapes} == {"cuda-tiled"}
+    assert len(m.shapes) == 11 and sorted({(w + 7) // 8 for w in m.widths}) == list(range(1, 9))
+    assert set(m.kernels) == {"topk", "gdn_recurrent", "fused_norms", "fused_mixers"}
+    assert 17.5 * 2**30 < res.plan.weights_bytes < 18.1 * 2**30
