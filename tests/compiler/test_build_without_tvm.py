@@ -270,3 +270,54 @@ def test_the_full_27b_plan_for_h200_needs_no_tvm(tmp_path: Path) -> None:
     assert len(m.shapes) == 11 and sorted({(w + 7) // 8 for w in m.widths}) == list(range(1, 9))
     assert set(m.kernels) == {"topk", "gdn_recurrent", "fused_norms", "fused_mixers"}
     assert 17.5 * 2**30 < res.plan.weights_bytes < 18.1 * 2**30
+
+
+def test_tile_libraries_build_in_parallel_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_build_nt_libraries` runs one build per tile count on `build_workers` threads at once; the
+    entries and the files come back in tile order whatever finishes first, and a failure names its
+    library."""
+    import time as _time
+
+    from ignis.compiler.build import modules
+    from ignis.compiler.build.errors import ModuleBuildError
+
+    plan = modules.ModulePlan(
+        card="h200", arch="sm_90", widths=(1, 8, 16, 24, 64), shapes=(), dtype="bfloat16",
+        target={"kind": "cuda", "arch": "sm_90"},
+    )  # fmt: skip
+    monkeypatch.setattr(modules, "build_workers", lambda jobs: 4)
+    monkeypatch.setattr(modules, "strip_local_symbols", lambda path: True)
+    monkeypatch.setattr(modules, "check_cuda_binary", lambda path, arch: None)
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def build(nt: int, path: Path) -> None:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        _time.sleep(0.05 * (9 - nt))  # the small tile counts finish last
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"lib")
+        with lock:
+            running[0] -= 1
+
+    done: list[str] = []
+    by_width: dict[int, list[object]] = {w: [] for w in plan.widths}
+    modules._build_nt_libraries(
+        plan, tmp_path, by_width, done.append, rel_of=lambda nt: f"m/nt{nt}.so", build=build,
+        route="cuda-tiled", functions=(),
+    )  # fmt: skip
+    assert peak[0] > 1  # ran together
+    assert done == ["m/nt1.so", "m/nt2.so", "m/nt3.so", "m/nt8.so"]
+    assert [(w, [e.file for e in by_width[w]]) for w in plan.widths] == [
+        (1, ["m/nt1.so"]), (8, ["m/nt1.so"]), (16, ["m/nt2.so"]), (24, ["m/nt3.so"]), (64, ["m/nt8.so"])
+    ]  # fmt: skip
+
+    def failing(nt: int, path: Path) -> None:
+        if nt == 3:
+            raise RuntimeError("nvcc exploded")
+
+    with pytest.raises(ModuleBuildError, match=r"m/nt3\.so for sm_90 failed: nvcc exploded"):
+        modules._build_nt_libraries(
+            plan, tmp_path, {w: [] for w in plan.widths}, lambda _r: None, rel_of=lambda nt: f"m/nt{nt}.so",
+            build=failing, route="cuda-tiled", functions=(),
+        )  # fmt: skip
