@@ -26,12 +26,14 @@ With `--drafter DIR`, a DFlash2 drafter of the public Qwen3.5-27B DFlash2 drafte
 (`PUBLIC_27B_DFLASH2`: 5 layers, 32 / 8 heads of 128, MLP 17408, taps [5, 19, 33, 47, 61], block 8,
 sliding window 2048, conv 2 taps in groups of 16, selector rank 256, top-16, mask token 248,070) is
 written there too (`tiny`: `make_test_drafter.small_dflash2_config`'s shape for the tiny target), in
-the public layout, weights drawn by `make_test_drafter.random_dflash2_weights`' rules.
+the public layout: matrices N(0, 0.02), plain norm weights 1, biases 0, the conv base kernels near
+identity (tap 0 ~ 1, the next ~ 0.15) and the selector's codebooks N(0, 256^-1/4).
 
 Values (`init_tensor`): matrices and embeddings N(0, `INIT_STD` = 0.02) as HF's `initializer_range`;
 (1 + w) RMSNorm weights 0 (identity), the GDN's plain gated-norm weight 1; `A_log` = log U(1, 16)
-and `dt_bias` = 1 (HF's init); the conv1d N(0, 0.02) too. Activations stay finite through 64 layers
-in bf16 (the residual grows like sqrt(depth) * 0.02 * sqrt(width) per block). Every tensor (and every
+and `dt_bias` = 1 (HF's init); the conv1d N(0, 0.02) too. A block then adds O(1) to the residual
+stream (a linear of fan-in K scales its normalized input by 0.02 * sqrt(K): 1.4 at 5120, 2.6 at
+17408), which stays far inside bf16's range through 64 layers. Every tensor (and every
 row block of a large one) draws from its own `torch.Generator` seeded by (seed, name, block), so the
 output does not depend on the thread count. Every block of a shard is generated on a thread pool
 (torch releases the GIL) and the shard is written by `safetensors.torch.save_file` on another
