@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -117,7 +118,16 @@ def run_command(opts: dict[str, Any]) -> None:
     else:
         from ignis.runtime.server.artifact_source import ArtifactSource
 
-        source = ArtifactSource(artifact, draft_model=opts.get("spec_draft_model"))
+        replay = None
+        if opts.get("spec_replay") is not None:
+            from ignis.runtime.drafters.replay import ReplayOptions
+
+            replay = ReplayOptions(
+                Path(opts["spec_replay"]),
+                accept=float(opts.get("spec_replay_accept", 0.885)),
+                seed=int(opts.get("spec_replay_seed") or 0),
+            )
+        source = ArtifactSource(artifact, draft_model=opts.get("spec_draft_model"), replay=replay)
 
     if opts.get("max_prefill_tokens") is None and file_server.get("max_prefill_tokens") is None:
         # unset: the card profile's budget (cpu: 256), not the GPU-sized default
@@ -188,6 +198,8 @@ def run_command(opts: dict[str, Any]) -> None:
         logger.warning("--spec-draft-head applies to dflash2 and mtp; ignored with backend %s", backend)
     if opts.get("spec_draft_model") is not None and backend != "draft-model":
         logger.warning("--spec-draft-model applies to backend draft-model; ignored with backend %s", backend)
+    if opts.get("spec_replay") is not None and backend != "replay":
+        logger.warning("--spec-replay applies to backend replay; ignored with backend %s", backend)
     head = resolved.spec.draft_head if backend in HEAD_BACKENDS else "none"
     logging.getLogger("ignis.runtime.draft_head").info("proposal head: %s; %s", head, resolved.describe())
     card_bytes, host_bytes = resolve_checkpoint_budgets(
@@ -338,11 +350,34 @@ def run_command(opts: dict[str, Any]) -> None:
 )
 @click.option(
     "--spec-backend",
-    type=click.Choice(["dflash2", "mtp", "ngram", "draft-model", "off"]),
+    type=click.Choice(["dflash2", "mtp", "ngram", "draft-model", "replay", "off"]),
     help="Speculative backend: dflash2 (the grafted drafter), mtp (needs the NAME_mtp.ninfer "
     "companion beside the artifact), ngram (prompt lookup in the lane's own context: no weights, "
-    "4 draft tokens by default), draft-model (needs --spec-draft-model; 3 draft tokens by default) "
+    "4 draft tokens by default), draft-model (needs --spec-draft-model; 3 draft tokens by default), "
+    "replay (benchmarking only: needs --spec-replay; 7 draft tokens by default) "
     "or off. [default: the card profile's]",
+)
+@click.option(
+    "--spec-replay",
+    type=click.Path(exists=True, dir_okay=False),
+    help="With --spec-backend replay (a benchmarking drafter, not for production): a JSONL file of "
+    "recorded greedy outputs ({prompt_token_ids, output_token_ids} per line, ignis-bench "
+    "--save-outputs writes it) replayed as drafts, each right with probability --spec-replay-accept; "
+    "prompts not in it draft nothing. The output stays exact.",
+)
+@click.option(
+    "--spec-replay-accept",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.885,
+    show_default=True,
+    help="With --spec-backend replay: the probability that each draft is right.",
+)
+@click.option(
+    "--spec-replay-seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="With --spec-backend replay: seeds the right-or-wrong draws (per prompt).",
 )
 @click.option(
     "--spec-draft-model",

@@ -15,7 +15,7 @@ from typing import Any
 from ignis.runtime.errors import ConfigError
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, check_max_prefill_tokens
 
-_SPEC_BACKENDS = ("dflash2", "mtp", "ngram", "draft-model", "off")
+_SPEC_BACKENDS = ("dflash2", "mtp", "ngram", "draft-model", "replay", "off")
 _DTYPES = ("q4_g32", "bf16", "f16", "f32")
 
 

@@ -17,6 +17,10 @@ Which dtype a tensor gets (`storage_dtype`):
 Quantization is the reference `ignis.formats.quantize_q4_g32` (symmetric, scale = absmax / 7 per 32
 inputs, round to nearest even; SPEC.md §4.1). Tensors are converted one at a time and written in row
 chunks of at most `CHUNK_ELEMENTS` values, so memory stays bounded by one source tensor plus a chunk.
+A q4 tensor's row chunks (`PARALLEL_CHUNK_ELEMENTS` values each) are quantized by `build_threads()`
+worker threads (numpy and torch release the GIL in their array loops), at most
+`2 * build_threads()` chunks in flight, and written in row order: the quantizer works row by row, so
+the bytes are those of the one-thread run whatever the thread count.
 
 Routed experts are written in the family's canonical layout (`<Config>.expert_layout`) whatever the
 checkpoint's layout: a fused stack is sliced per expert, per-expert tensors are stacked (one stack
@@ -25,8 +29,12 @@ at a time).
 
 from __future__ import annotations
 
+import os
 import re
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +47,49 @@ from ignis.runtime.errors import TensorShapeError
 
 #: Values per conversion chunk (float32: 64 MiB).
 CHUNK_ELEMENTS = 1 << 24
+
+#: Values per q4 chunk when the quantization runs on worker threads (float32: 8 MiB; small enough
+#: that one 27B linear gives every core work).
+PARALLEL_CHUNK_ELEMENTS = 1 << 21
+
+#: Environment variable: worker threads of the q4 quantization (default: the usable cores; 1 = none).
+BUILD_THREADS_ENV = "IGNIS_BUILD_THREADS"
+
+_POOL_LOCK = threading.Lock()
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def build_threads() -> int:
+    """Threads that quantize q4 chunks: `$IGNIS_BUILD_THREADS` when set (>= 1), else the cores this
+    process may run on.
+
+    Raises:
+        CheckpointError: `$IGNIS_BUILD_THREADS` is not a positive integer.
+    """
+    raw = os.environ.get(BUILD_THREADS_ENV, "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise CheckpointError(f"${BUILD_THREADS_ENV} must be a positive integer, got {raw!r}")
+        return n
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The shared quantization pool of `threads` workers (re-made when the count changes)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != threads:
+            if _POOL is not None:
+                _POOL[1].shutdown(wait=False)
+            _POOL = (threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ignis-q4"))
+        return _POOL[1]
+
 
 _TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -241,16 +292,48 @@ def _plain_chunks(t: torch.Tensor, dtype: str) -> Iterator[memoryview]:
         yield memoryview(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))).cast("B")
 
 
-def _q4_chunks(t: torch.Tensor) -> Iterator[memoryview]:
+def _quantize_rows(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(little-endian packed codes, scales) of a row block (float32 through the reference quantizer)."""
+    packed, s = quantize_q4_g32(rows.to(torch.float32).numpy())
+    return np.ascontiguousarray(packed, dtype="<u4"), s
+
+
+def q4_chunks(t: torch.Tensor, threads: int | None = None) -> Iterator[memoryview]:
+    """The stored q4_g32 bytes of `t`: packed codes row block by row block, then every scale.
+
+    With more than one thread (`build_threads()` unless given) the blocks are quantized ahead on the
+    shared pool, at most 2 * threads in flight, and yielded in row order (module docstring).
+    """
     rows = _rows(t)
     k = rows.shape[1]
-    step = max(1, CHUNK_ELEMENTS // k)
+    threads = build_threads() if threads is None else threads
+    step = max(1, (PARALLEL_CHUNK_ELEMENTS if threads > 1 else CHUNK_ELEMENTS) // k)
+    starts = range(0, rows.shape[0], step)
     scales: list[np.ndarray] = []
-    for start in range(0, rows.shape[0], step):
-        chunk = rows[start : start + step].to(torch.float32).numpy()
-        packed, s = quantize_q4_g32(chunk)
-        scales.append(s)
-        yield memoryview(np.ascontiguousarray(packed, dtype="<u4")).cast("B")
+    if threads <= 1 or len(starts) == 1:
+        for start in starts:
+            packed, s = _quantize_rows(rows[start : start + step])
+            scales.append(s)
+            yield memoryview(packed).cast("B")
+    else:
+        pool = _pool(threads)
+        pending: deque[Future[tuple[np.ndarray, np.ndarray]]] = deque()
+        todo = iter(starts)
+        try:
+            for start in todo:
+                pending.append(pool.submit(_quantize_rows, rows[start : start + step]))
+                if len(pending) >= 2 * threads:
+                    break
+            while pending:
+                packed, s = pending.popleft().result()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.append(pool.submit(_quantize_rows, rows[nxt : nxt + step]))
+                scales.append(s)
+                yield memoryview(packed).cast("B")
+        finally:
+            for f in pending:  # a failure or an abandoned generator: drop the work not yet started
+                f.cancel()
     yield memoryview(np.ascontiguousarray(np.concatenate(scales), dtype="<f2")).cast("B")
 
 
@@ -295,7 +378,7 @@ def write_tensor(
             f"value(s) (NaN or inf; the first at flat index {first}); the checkpoint is corrupt"
         )
     if dtype == "q4_g32":
-        return writer.add_tensor_chunks(name, dtype=dtype, shape=shape, chunks=_q4_chunks(t))
+        return writer.add_tensor_chunks(name, dtype=dtype, shape=shape, chunks=q4_chunks(t))
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"{name}: unsupported storage dtype {dtype!r}")
     return writer.add_tensor_chunks(name, dtype=dtype, shape=shape, chunks=_plain_chunks(t, dtype))
@@ -329,11 +412,15 @@ def write_jobs(
 
 
 __all__ = [
+    "BUILD_THREADS_ENV",
     "CHUNK_ELEMENTS",
+    "PARALLEL_CHUNK_ELEMENTS",
     "TensorJob",
+    "build_threads",
     "is_linear_weight",
     "is_quantizable",
     "make_jobs",
+    "q4_chunks",
     "resolve_layout",
     "storage_dtype",
     "write_jobs",

@@ -25,9 +25,14 @@ Which functions, per card:
     `modules/<card>/q4_mma_nt{T}.so`, route "cuda-mma", functions `q4_n{N}_k{K}` of kind "q4_g32".
 
   The rest go on the TensorIR route with dlight's schedules (`modules/<card>/q4_tir_w{W}.so`, fixed
-  rows, kind "q4_g32", builder `ignis.compiler.kernels.q4_linear`). Cross-compiled with nvcc on a host without
-  a GPU (the libcuda stub of `compiler/kernels/cuda_stub.py` keeps TVM from embedding CUDA source);
-  every exported library is checked to hold SASS for the card's arch and neither PTX nor CUDA source.
+  rows, kind "q4_g32", builder `ignis.compiler.kernels.q4_linear`). Only that route (and the `cpu`
+  card's) needs the TVM compiler package `tvm`; the nvcc-built libraries need tvm-ffi and nvcc alone,
+  so a CUDA build whose every q4 linear has K % 128 == 0 runs where `tvm` is not installed
+  (`tvm_shapes` lists what needs it, `require_tvm` refuses a plan that needs it there). The tiled / mma
+  libraries of the tile counts compile in parallel (one nvcc each, `build_workers()` at a time).
+  Cross-compiled with nvcc on a host without a GPU (the libcuda stub of
+  `compiler/kernels/cuda_stub.py` keeps TVM from embedding CUDA source); every exported library is
+  checked to hold SASS for the card's arch and neither PTX nor CUDA source.
   The nvcc-built libraries are stripped of their static symbol table (`strip_local_symbols`), which
   would otherwise carry nvcc's per-process temporary file names: builds are byte-reproducible.
   Besides the linears, a CUDA card gets the non-linear kernel libraries (`KERNELS`) the model uses
@@ -357,6 +362,10 @@ class ModulePlan:
         if shape.in_features % MMA_STEP_K == 0:
             return Q4_CUDA_ROUTES[self.q4_cuda_route]
         return "tir-dlight"
+
+    def tvm_shapes(self) -> tuple[LinearShape, ...]:
+        """The linears whose route needs the TVM compiler (`llvm-te`, `tir-dlight`)."""
+        return tuple(s for s in self.shapes if self.route(s) in ("llvm-te", "tir-dlight"))
 
     def num_functions(self) -> int:
         """Functions compiled in all (one per shape and width, tiled / mma libraries shared across
@@ -712,19 +721,27 @@ def _build_nt_libraries(
     functions: tuple[ModuleFunction, ...],
 ) -> None:
     """One dynamic-rows library per 8-row tile count T of the plan's widths (`rel_of(T)`, made by
-    `build(T, path)`), stripped and checked to hold SASS for the arch only; an entry of `route` for
-    every width with that T is appended to `by_width`.
+    `build(T, path)` on `build_workers` threads, one nvcc each), stripped and checked to hold SASS for
+    the arch only; an entry of `route` for every width with that T is appended to `by_width`.
 
     Raises:
         ModuleBuildError: the build failed (nvcc, the kernel builder) or the library is not a binary
             for the arch only.
     """
-    for nt in sorted({(w + 7) // 8 for w in plan.widths}):
-        rel = rel_of(nt)
+    tiles = sorted({(w + 7) // 8 for w in plan.widths})
+    with ThreadPoolExecutor(max_workers=build_workers(len(tiles)), thread_name_prefix="ignis-nvcc") as pool:
+        futures = [pool.submit(build, nt, artifact_dir / rel_of(nt)) for nt in tiles]
         try:
-            build(nt, artifact_dir / rel)
-        except Exception as exc:  # Q4KernelError, nvcc failures
-            raise ModuleBuildError(f"building {rel} for {plan.arch} failed: {exc}") from exc
+            for nt, fut in zip(tiles, futures, strict=True):
+                try:
+                    fut.result()
+                except Exception as exc:  # Q4KernelError, nvcc failures
+                    raise ModuleBuildError(f"building {rel_of(nt)} for {plan.arch} failed: {exc}") from exc
+        finally:
+            for fut in futures:
+                fut.cancel()
+    for nt in tiles:
+        rel = rel_of(nt)
         strip_local_symbols(artifact_dir / rel)
         check_cuda_binary(artifact_dir / rel, plan.arch)
         done(rel)
@@ -740,6 +757,50 @@ def _build_nt_libraries(
                         functions=functions,
                     )
                 )
+
+
+def tvm_available() -> bool:
+    """Whether the TVM compiler package `tvm` can be found (not imported: a CUDA build must load the
+    libcuda stub before the first `import tvm`, `prepare_cuda_build`)."""
+    import importlib.util
+
+    if "tvm" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("tvm") is not None
+    except (ImportError, ValueError):  # an import hook that refuses it, a broken package
+        return False
+
+
+def require_tvm(plan: ModulePlan) -> None:
+    """Refuse, before any work, a plan with linears on a TVM route where `tvm` is not installed.
+
+    Raises:
+        ModuleBuildError: naming the shapes ([N, K], route) that need TVM and what avoids them.
+    """
+    need = plan.tvm_shapes()
+    if not need or not plan.widths or tvm_available():
+        return
+    shown = ", ".join(f"[{s.out_features}, {s.in_features}] ({plan.route(s)})" for s in need[:12])
+    more = f" and {len(need) - 12} more" if len(need) > 12 else ""
+    hint = (
+        f"on card {plan.card} only the q4 linears with in_features % {MMA_STEP_K} == 0 build without it"
+        if plan.is_cuda
+        else "the cpu card compiles every linear with TVM's LLVM backend"
+    )
+    raise ModuleBuildError(
+        f"{len(need)} linear shape(s) need the TVM compiler (pip install 'ignis[compiler]'), which is not "
+        f"installed here: {shown}{more}; {hint}"
+    )
+
+
+def build_workers(jobs: int) -> int:
+    """nvcc processes run at once for `jobs` libraries: one per core but one, at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 2
+    return max(1, min(jobs, cores - 1))
 
 
 def prepare_cuda_build() -> str:
@@ -777,13 +838,16 @@ __all__ = [
     "LinearShape",
     "ModulePlan",
     "build_modules",
+    "build_workers",
     "check_cuda_binary",
     "gdn_kernel_fits",
     "linear_shapes",
     "moe_kernel_fits",
     "plan_modules",
     "prepare_cuda_build",
+    "require_tvm",
     "select_kernels",
     "strip_local_symbols",
     "tiled_function_name",
+    "tvm_available",
 ]

@@ -48,7 +48,7 @@ from ignis.compiler.build.manifest import (
     tool_versions,
     write_manifest,
 )
-from ignis.compiler.build.modules import build_modules, prepare_cuda_build
+from ignis.compiler.build.modules import build_modules, prepare_cuda_build, require_tvm
 from ignis.compiler.build.partials import LEFTOVER_RE, Cleanup, claim_partial, remove_stale
 from ignis.compiler.build.plan import BuildPlan, human, make_plan
 from ignis.compiler.build.recipe import Recipe
@@ -329,8 +329,9 @@ def build_artifact(
         OutputExistsError; an unwritable one: OutputNotWritableError), before any work;
         InsufficientDiskError: less free disk than the estimate (after the plan is printed, also in a
         dry run); ShortlistError: an unreadable corpus or counts file; ModuleBuildError: a module
-        failed to compile or is not a binary for the card's arch; FormatError / OSError: writing
-        failed. In every failure case nothing is left at `out` or beside it.
+        failed to compile or is not a binary for the card's arch, or the plan has linears on a TVM
+        route and the TVM compiler is not installed (after the plan is printed, also in a dry run);
+        FormatError / OSError: writing failed. In every failure case nothing is left at `out` or beside it.
     """
     start = time.perf_counter()
     say = echo or _default_echo
@@ -347,6 +348,7 @@ def build_artifact(
             needed=plan.disk_needed,
             free=plan.disk_free,
         )
+    require_tvm(plan.modules)  # a plan that needs the TVM compiler where it is missing: refused now
     if dry_run:
         say("dry run: nothing written")
         return BuildResult(

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ignis.compiler.build.convert import CHUNK_ELEMENTS
+from ignis.compiler.build.convert import q4_chunks
 from ignis.compiler.build.errors import ShortlistError
-from ignis.formats import NinferWriter, TensorInfo, quantize_q4_g32
+from ignis.formats import NinferWriter, TensorInfo
 from ignis.formats.manifest import SHORTLIST_HEAD, SHORTLIST_IDS
 
 PREFIX = "shortlist."
@@ -187,7 +187,9 @@ def write_shortlist(
     *,
     prefix: str = PREFIX,
 ) -> tuple[TensorInfo, TensorInfo]:
-    """Write the q4_g32 head rows of `token_ids` and the id map, streaming in row chunks.
+    """Write the q4_g32 head rows of `token_ids` and the id map: the rows are gathered (one copy of
+    the selected rows, none when the shortlist is the whole vocabulary in order) and quantized in row
+    chunks on the build's worker threads (`convert.q4_chunks`).
 
     Args:
         head: float [vocab, hidden] (the output head, or the tied embedding); hidden % 32 == 0.
@@ -205,20 +207,13 @@ def write_shortlist(
     ids = np.asarray(token_ids, dtype=np.int32)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ShortlistError(f"shortlist ids must lie in 0..{vocab - 1}")
-    step = max(1, CHUNK_ELEMENTS // hidden)
-    scales: list[np.ndarray] = []
-
-    def chunks() -> Iterator[memoryview]:
-        for start in range(0, ids.shape[0], step):
-            sel = torch.from_numpy(ids[start : start + step].astype(np.int64))
-            rows = head.index_select(0, sel).to(torch.float32).numpy()
-            packed, s = quantize_q4_g32(rows)
-            scales.append(s)
-            yield memoryview(np.ascontiguousarray(packed, dtype="<u4")).cast("B")
-        yield memoryview(np.ascontiguousarray(np.concatenate(scales), dtype="<f2")).cast("B")
-
+    if ids.shape[0] == vocab and np.array_equal(ids, np.arange(vocab, dtype=np.int32)):
+        rows = head  # the whole vocabulary in order: no copy
+    else:
+        rows = head.index_select(0, torch.from_numpy(ids.astype(np.int64)))
+    # quantized on the build's worker threads (`convert.q4_chunks`: the one-thread bytes)
     info_head = writer.add_tensor_chunks(
-        prefix + HEAD_NAME, dtype="q4_g32", shape=(ids.shape[0], hidden), chunks=chunks()
+        prefix + HEAD_NAME, dtype="q4_g32", shape=(ids.shape[0], hidden), chunks=q4_chunks(rows)
     )
     info_ids = writer.add_tensor(prefix + IDS_NAME, np.ascontiguousarray(ids, dtype="<i4"))
     return info_head, info_ids

@@ -64,3 +64,4 @@ def _register_builtin_backends() -> None:
     from ignis.runtime.drafters import draft_model as draft_model
     from ignis.runtime.drafters import mtp as mtp
     from ignis.runtime.drafters import ngram as ngram
+    from ignis.runtime.drafters import replay as replay

@@ -29,7 +29,7 @@ import inspect
 import logging
 import weakref
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -43,6 +43,9 @@ from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile
 from ignis.runtime.server.checkpoints import build_checkpoint_pool
 from ignis.runtime.server.model import ModelSettings, ServedModel
+
+if TYPE_CHECKING:
+    from ignis.runtime.drafters.replay import ReplayOptions
 
 __all__ = ["ArtifactSource", "attach_topk"]
 
@@ -100,6 +103,8 @@ class ArtifactSource:
     Args:
         path: the artifact directory.
         verify: `load_artifact`'s check level: "none", "fast" (default: every tensor's crc32) or "full".
+        draft_model: `--spec-draft-model`: the draft model's artifact (enables backend "draft-model").
+        replay: `--spec-replay`: the benchmarking drafter's settings (enables backend "replay").
 
     Raises:
         ignis.formats errors: a missing, corrupt or mismatched file (named, with the offset).
@@ -112,6 +117,7 @@ class ArtifactSource:
         *,
         verify: Literal["none", "fast", "full"] = "fast",
         draft_model: str | Path | None = None,
+        replay: ReplayOptions | None = None,
     ) -> None:
         from ignis.runtime.artifact import load_artifact
 
@@ -129,6 +135,9 @@ class ArtifactSource:
         kinds.append("ngram")  # prompt lookup needs no weights: every artifact can run it
         if self.draft_model is not None:
             kinds.append("draft-model")
+        self.replay = replay  # --spec-replay: the benchmarking drafter (drafters/replay.py)
+        if replay is not None:
+            kinds.append("replay")
         self.spec_kinds: tuple[str, ...] = tuple(kinds)
         self.profile: CardProfile | None = art.profile
 
@@ -143,6 +152,8 @@ class ArtifactSource:
             return f"the artifact in {self.path} carries no grafted DFlash2 drafter (ignis-build --drafter)"
         if backend == "draft-model":
             return "it needs --spec-draft-model ARTIFACT (an artifact of a model with the same tokenizer)"
+        if backend == "replay":
+            return "it needs --spec-replay FILE (prompt ids -> recorded outputs, ignis-bench --save-outputs)"
         return f"unknown backend {backend}"
 
     def _device(self, settings: ModelSettings) -> torch.device:
@@ -184,6 +195,13 @@ class ArtifactSource:
                 from ignis.runtime.drafters.ngram import build_ngram_drafter
 
                 return build_ngram_drafter()
+            if spec.backend == "replay" and self.replay is not None:
+                from ignis.runtime.drafters.replay import build_replay_drafter
+
+                r = self.replay
+                return build_replay_drafter(
+                    path=r.path, vocab_size=int(art.config.vocab_size), accept=r.accept, seed=r.seed
+                )
             if spec.backend == "draft-model":
                 from ignis.runtime.drafters.draft_model import build_draft_model_drafter
 

@@ -38,13 +38,14 @@ __all__ = [
     "resolve_spec",
 ]
 
-BACKENDS = ("dflash2", "mtp", "ngram", "draft-model", "off")
+BACKENDS = ("dflash2", "mtp", "ngram", "draft-model", "replay", "off")
 DRAFT_HEADS = ("full", "shortlist")
 HEAD_BACKENDS = ("dflash2", "mtp")  # the backends whose drafter reads draft_head
 ROW_BUDGETED_BACKENDS = ("mtp",)  # the backends whose drafts per lane follow draft_rows
 MTP_DEFAULT_DRAFT_TOKENS = 3  # rtxpro6000's MTP default; dflash2 has none (draft_tokens is required)
 NGRAM_DEFAULT_DRAFT_TOKENS = 4  # prompt lookup (vLLM's num_speculative_tokens examples use 3-5)
 DRAFT_MODEL_DEFAULT_DRAFT_TOKENS = 3  # a small model of the same tokenizer (docs/perf/log: 3.4 tokens/round)
+REPLAY_DEFAULT_DRAFT_TOKENS = 7  # the benchmarking drafter (drafters/replay.py): DFlash2's block of 7
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ def resolve_spec(
             "mtp": MTP_DEFAULT_DRAFT_TOKENS,
             "ngram": NGRAM_DEFAULT_DRAFT_TOKENS,
             "draft-model": DRAFT_MODEL_DEFAULT_DRAFT_TOKENS,
+            "replay": REPLAY_DEFAULT_DRAFT_TOKENS,
         }.get(backend),
         "draft_rows": 0,
         "draft_head": "full",

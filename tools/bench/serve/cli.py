@@ -30,6 +30,7 @@ import click
 from ignis.tools.bench.serve.client import BenchClient, ServerError, Target
 from ignis.tools.bench.serve.report import format_report, format_sweep
 from ignis.tools.bench.serve.run import BenchConfig, MultiTurnConfig, run_load, run_multi_turn
+from ignis.tools.bench.serve.stats import RequestResult
 from ignis.tools.bench.serve.workload import (
     DatasetError,
     Prompt,
@@ -41,6 +42,21 @@ from ignis.tools.bench.serve.workload import (
 __all__ = ["main"]
 
 CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def write_outputs(path: Path, results: list[RequestResult]) -> int:
+    """Write the completed requests' (prompt ids, generated ids) as JSON lines, each distinct pair once,
+    in first-seen order (a prompt run at several concurrencies may get several outputs when the
+    server's numerics depend on the batch); returns the lines written."""
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
+    for r in results:
+        if r.ok and r.prompt_ids:
+            seen[(tuple(r.prompt_ids), tuple(r.generated_ids))] = None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for prompt, output in seen:
+            f.write(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": list(output)}) + "\n")
+    return len(seen)
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -234,6 +250,13 @@ def _flags(names: list[str]) -> str:
     "--json-out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report as JSON."
 )
 @click.option(
+    "--save-outputs",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write each prompt's token ids and generated ids as JSON lines ({prompt_token_ids, "
+    "output_token_ids}; --endpoint completions, greedy): the file `ignis-run --spec-backend replay "
+    "--spec-replay` replays.",
+)
+@click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=600.0,
@@ -298,6 +321,16 @@ def main(**kw: Any) -> None:
     endpoint = kw["endpoint"] or ("completions" if kw["input_len"] is not None else "chat")
     if kw["input_len"] is not None and endpoint == "chat":
         raise click.UsageError("--input-len sends token ids, which only --endpoint completions takes")
+    if kw["save_outputs"] is not None:
+        if kw["multi_turn"] or endpoint != "completions":
+            raise click.UsageError(
+                "--save-outputs records /v1/completions runs (the server returns the prompt ids there): "
+                "use --endpoint completions, without --multi-turn"
+            )
+        if kw["temperature"] > 0:
+            click.echo(
+                "ignis-bench: warning: --save-outputs records sampled outputs; replay wants greedy", err=True
+            )
     num = kw["num_requests"]
     prompts: list[Prompt] = []
     if not kw["multi_turn"]:
@@ -325,6 +358,7 @@ def main(**kw: Any) -> None:
         percentiles=kw["percentiles"],
         timeout=kw["timeout"],
         progress=kw["progress"],
+        return_token_ids=kw["save_outputs"] is not None,
     )
     target = Target(socket=kw["socket"], url=kw["url"])
     mt = MultiTurnConfig(
@@ -336,6 +370,7 @@ def main(**kw: Any) -> None:
     )
 
     reports: list[dict[str, Any]] = []
+    outputs: list[RequestResult] = []
     interrupted = False
 
     async def go() -> None:
@@ -346,7 +381,7 @@ def main(**kw: Any) -> None:
                 if kw["multi_turn"]:
                     report = await run_multi_turn(client, run_cfg, mt)
                 else:
-                    report = await run_load(client, run_cfg, prompts)
+                    report = await run_load(client, run_cfg, prompts, outputs)
                 report["argv"] = ["ignis-bench", *sys.argv[1:]]
                 report["label"] = kw["label"]
                 reports.append(report)
@@ -374,6 +409,9 @@ def main(**kw: Any) -> None:
         kw["json_out"].parent.mkdir(parents=True, exist_ok=True)
         kw["json_out"].write_text(json.dumps(out, indent=1) + "\n")
         click.echo(f"report written to {kw['json_out']}", err=True)
+    if kw["save_outputs"] is not None:
+        n = write_outputs(kw["save_outputs"], outputs)
+        click.echo(f"{n} prompt/output pair(s) written to {kw['save_outputs']}", err=True)
     if interrupted or any(r["interrupted"] for r in reports):
         sys.exit(130)
     complete = len(reports) == len(kw["concurrency"])

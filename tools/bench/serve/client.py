@@ -176,6 +176,9 @@ class BenchClient:
                         c = choices[0]
                         parts.append(str((c.get("delta") or {}).get("content") or c.get("text") or ""))
                         finish = c.get("finish_reason") or finish
+                        prompt_ids = c.get("prompt_token_ids")
+                        if isinstance(prompt_ids, list) and not result.prompt_ids:
+                            result.prompt_ids = [int(t) for t in prompt_ids]
                         ids = c.get("token_ids")
                         if isinstance(ids, list):  # the server says which token the chunk carries
                             result.generated_ids.extend(int(t) for t in ids)

@@ -64,6 +64,7 @@ class BenchConfig:
         percentiles: percentiles the distributions report.
         timeout: seconds the client waits for the server between bytes.
         progress: show a progress bar on stderr.
+        return_token_ids: ask for the prompt and generated token ids (`--save-outputs`).
     """
 
     endpoint: str = "chat"
@@ -82,6 +83,7 @@ class BenchConfig:
     percentiles: Sequence[float] = DEFAULT_PERCENTILES
     timeout: float = 600.0
     progress: bool = True
+    return_token_ids: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -134,6 +136,8 @@ def _sampling(cfg: BenchConfig, index: int) -> dict[str, Any]:
         body["top_k"] = cfg.top_k
     if cfg.temperature > 0:
         body["seed"] = cfg.seed + index
+    if cfg.return_token_ids:
+        body["return_token_ids"] = True
     return body
 
 
@@ -242,9 +246,15 @@ def _report(
     }
 
 
-async def run_load(client: BenchClient, cfg: BenchConfig, prompts: Sequence[Prompt]) -> dict[str, Any]:
+async def run_load(
+    client: BenchClient,
+    cfg: BenchConfig,
+    prompts: Sequence[Prompt],
+    outputs: list[RequestResult] | None = None,
+) -> dict[str, Any]:
     """Send `cfg.num_requests` requests (prompts cycled) at `cfg.request_rate` with at most
-    `cfg.concurrency` in flight; return the report (`_report`; mode "load").
+    `cfg.concurrency` in flight; return the report (`_report`; mode "load"). The measured requests'
+    records (with their token ids when `cfg.return_token_ids`) are appended to `outputs` when given.
 
     Raises:
         ServerError: the server cannot be reached at the start.
@@ -298,6 +308,8 @@ async def run_load(client: BenchClient, cfg: BenchConfig, prompts: Sequence[Prom
     end = end if run.results else time.perf_counter()
     after = await client.metrics()
     run.results = [r for r in run.results if r.ok or r.error is not None]  # never-sent ones are dropped
+    if outputs is not None:
+        outputs.extend(run.results)
     return _report("load", cfg, info, run, end - t0, before, after, client.target.where)
 
 

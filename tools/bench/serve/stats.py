@@ -103,6 +103,8 @@ class RequestResult:
         text: the generated text (kept for multi-turn replay; left out of the JSON).
         generated_ids: the generated token ids when the server sends them (`return_token_ids`; left out
             of the JSON).
+        prompt_ids: the prompt's token ids as the server saw them, when it sends them (/v1/completions
+            with `return_token_ids`; left out of the JSON).
         session: the multi-turn session index (None outside --multi-turn).
         turn: the turn index in its session (None outside --multi-turn).
     """
@@ -122,6 +124,7 @@ class RequestResult:
     finish_reason: str | None = None
     text: str = ""
     generated_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
     session: int | None = None
     turn: int | None = None
 
@@ -148,7 +151,7 @@ class RequestResult:
     def to_json(self) -> dict[str, Any]:
         """The JSON record of this request (times in seconds; `text` left out)."""
         out = asdict(self)
-        del out["text"], out["token_times"], out["generated_ids"]
+        del out["text"], out["token_times"], out["generated_ids"], out["prompt_ids"]
         if self.session is None:
             del out["session"], out["turn"]
         out["itl"] = self.itl

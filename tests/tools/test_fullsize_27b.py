@@ -1,0 +1,51 @@
+"""tools/bench/fullsize_27b.sh (issue 25 item 4) dry-run on the CPU: every phase the GPU host runs
+(write, build, off, dflash2, replay, table) on the tiny preset, card cpu, through the shell wrapper.
+
+The table's JSON must hold a row per backend and concurrency, every output equal to speculation
+off's (dflash2 and replay), and the replay drafter's first-position acceptance near 0.885.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ignis.compiler.build")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_phase_runs_on_the_tiny_model(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "IGNIS_NS": str(tmp_path / "ns"), "OMP_NUM_THREADS": "1"}
+    env.pop("IGNIS_TVM_LIB_DIR", None)
+    out = tmp_path / "out"
+    args = ["--model", "tiny", "--card", "cpu", "--widths", "", "--ckpt-root", str(tmp_path / "ckpt"),
+            "--art-root", str(tmp_path / "art"), "--out", str(out), "--num-requests", "4",
+            "--max-tokens", "32", "--keep-checkpoint"]  # fmt: skip
+    first = subprocess.run(
+        ["bash", "tools/bench/fullsize_27b.sh", *args, "write", "build", "off", "replay"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
+    second = subprocess.run(  # a later command: the state carries over (the write phase is skipped)
+        ["bash", "tools/bench/fullsize_27b.sh", *args, "write", "dflash2", "table"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
+    assert "already holds the tiny checkpoint" in second.stderr
+    assert "27B-shaped qwen3_5 at the socket" in second.stdout
+    table = json.loads((out / "fullsize_27b.json").read_text())
+    rows = {(r["backend"], r["concurrency"]): r for r in table["rows"]}
+    assert set(rows) == {(b, c) for b in ("off", "dflash2", "replay") for c in (1, 8)}
+    assert all(r["same_as_off"] == "4/4" and r["failed"] == 0 for r in rows.values())
+    for c in (1, 8):
+        assert abs(rows[("replay", c)]["first_acceptance"] - 0.885) < 0.15
+        assert rows[("replay", c)]["tokens_per_round"] > 3.0
+        assert rows[("off", c)]["tokens_per_round"] == 1.0
+        assert "drafter_ms_per_round" in rows[("dflash2", c)]
+    assert table["build"]["rc"] == 0 and (tmp_path / "art" / "replay.jsonl").exists()
