@@ -353,6 +353,13 @@ def phase_serve(c: _Ctx, backend: str) -> None:
             report.write_text(json.dumps(data, indent=1) + "\n")
             if backend == "off":
                 shutil.copyfile(outputs, c.ref)
+            if c.a.after_bench:  # e.g. issue 24's agent measurements on the same loaded server
+                env = {**os.environ, "IGNIS_SOCK": str(sock), "IGNIS_BACKEND": backend}
+                _say(f"{backend}: after-bench: {c.a.after_bench}")
+                after = subprocess.run(c.a.after_bench, shell=True, env=env, capture_output=True, text=True)
+                (c.out / f"after-{backend}.log").write_text(after.stdout + after.stderr)
+                print(after.stdout[-6000:], flush=True)
+                _say(f"{backend}: after-bench rc {after.returncode}")
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -515,6 +522,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-params", type=float, default=3e9, help="rate: parameters converted per run")
     p.add_argument(
         "--server-arg", action="append", default=[], help="an extra ignis-run argument (repeatable)"
+    )
+    p.add_argument(
+        "--after-bench",
+        default="",
+        help="a shell command run after each serving phase's bench while its server is up (the socket "
+        "in $IGNIS_SOCK, the backend in $IGNIS_BACKEND); its output goes to after-<backend>.log",
     )
     return p
 
