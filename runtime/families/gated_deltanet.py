@@ -251,8 +251,10 @@ def _chunked_rule(
     bmm over num x heads on views (no copies), and the hand-over's operands for chunk m are
     contiguous slices. Launches: ~30 for all chunks plus one ``baddbmm_`` per chunk for the state
     hand-over ``S_{m+1} = B_m - (P_m - exp(c_L) I) S_m``, written in place into a buffer that
-    already holds B_m. Key heads are shared by broadcasting (no repeated copies of q / k): the scores
-    q.k and k.k are computed per key head and the per-value-head decays multiply them.
+    already holds B_m (no copy, no separate decay multiply). Key heads are shared by broadcasting
+    (no repeated copies of q / k): the scores q.k and k.k are computed per key head and the
+    per-value-head decays multiply them. Every in-place product writes a contiguous tensor (a
+    strided one costs a per-batch loop on the CPU).
     """
     num, hk, _, c, dk = qk.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -288,23 +290,26 @@ def _chunked_rule(
     torch.linalg.solve_triangular(e[1], rhs, upper=False, unitriangular=True, out=rhs)
     rhs3 = rhs.view(num * hv, c, dv + dk)
     w_v, w_k = rhs3[..., :dv], rhs3[..., dv:]
-    # the hand-over: x[m + 1] = [B_m | P_m - exp(c_L) I], x[0][..., :dv] = the state entering
+    # the hand-over: s_all[m + 1] = B_m, then S_{m+1} = B_m - (P_m - exp(c_L) I) S_m in place
     fe = (cum[..., -1:] - cum).exp().view(num, hk, rep, c, 1)
-    k_end = torch.mul(fe, k5).view(num * hv, c, dk)  # exp(c_L - c_s) k_s
-    x = torch.empty(num + 1, hv, dk, dv + dk, dtype=torch.float32, device=dev)
-    torch.bmm(k_end.transpose(1, 2), rhs3, out=x[1:].view(num * hv, dk, dv + dk))
-    del k_end
-    x[1:, :, :, dv:].diagonal(dim1=-2, dim2=-1).sub_(cum[..., -1:].exp())
-    x[0, :, :, :dv].copy_(state)
+    k_end_t = torch.mul(fe, k5).view(num * hv, c, dk).transpose(1, 2)  # exp(c_L - c_s) k_s, [.., dk, c]
+    s_all = torch.empty(num + 1, hv, dk, dv, dtype=torch.float32, device=dev)
+    torch.bmm(k_end_t, w_v, out=s_all[1:].view(num * hv, dk, dv))
+    p = torch.bmm(k_end_t, w_k).view(num, hv, dk, dk)
+    del k_end_t
+    p.diagonal(dim1=-2, dim2=-1).sub_(cum[..., -1:].exp())
+    s_all[0].copy_(state)
     for m in range(num):
-        x[m + 1, :, :, :dv].baddbmm_(x[m + 1, :, :, dv:], x[m, :, :, :dv], alpha=-1.0)
-    final = x[num, :, :, :dv].clone()  # its own memory: the buffer goes with this call
-    starts = x[:num].view(num * hv, dk, dv + dk)[..., :dv]  # the state entering each chunk
-    w_v.baddbmm_(w_k, starts, alpha=-1.0)  # u = W_v - W_k S (in place)
-    # out = exp(c_t) q_t S + (decayed scores) u, chunk-major [num, hv, c, dv]
+        s_all[m + 1].baddbmm_(p[m], s_all[m], alpha=-1.0)
+    del p
+    final = s_all[num].clone()  # its own memory: the buffer goes with this call
+    starts = s_all[:num].view(num * hv, dk, dv)  # the state entering each chunk
+    # out = exp(c_t) q_t S + A (W_v - W_k S) = (exp(c_t) q_t - A W_k) S + A W_v with A the decayed
+    # causal scores e[0]: no u materialized, every in-place product on a contiguous buffer
+    a_sc = e[0].view(num * hv, c, c)
     qd = torch.mul(rows[:, :, 0].exp().view(num, hk, rep, c, 1), qk[:, :, 0].unsqueeze(2))
-    out = torch.bmm(qd.view(num * hv, c, dk), starts)
-    out.baddbmm_(e[0].view(num * hv, c, c), w_v)
+    qd = qd.view(num * hv, c, dk).baddbmm_(a_sc, w_k, alpha=-1.0)
+    out = torch.bmm(qd, starts).baddbmm_(a_sc, w_v)
     return out.view(num, hv, c, dv), final
 
 

@@ -13,7 +13,8 @@ counts scale to the 27B's 48 GDN + 16 attention layers: the operator calls of a 
 attention layer are what the GPU launches a layer (plus the linears' dequantization there).
 
 Prints the operators by calls (the top `--top`), the totals per GDN layer (calls of `aten::` leaf
-operators, `copy_`, elementwise and matmul-family calls), the same for the chunked rule alone
+operators, `copy_`, elementwise and matmul-family calls; the ``copy_`` of self onto itself that an
+in-place ``baddbmm_`` makes is not counted: it returns without a kernel), the same for the chunked rule alone
 (`gated_delta_rule_chunked` on the layer's inputs) and the median wall of `--reps` forwards and of
 `--reps` calls of the rule alone (CPU wall: a relative figure, not a GPU prediction).
 """
@@ -52,6 +53,9 @@ _VIEWS = {
 }  # fmt: skip
 _GEMM = ("aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm", "aten::linalg_solve_triangular",
          "aten::baddbmm_", "aten::mkldnn_convolution")  # fmt: skip
+
+
+_IN_PLACE = ("aten::baddbmm_", "aten::addmm_")
 
 
 def scaled_config(hidden: int, layers: int) -> Qwen3_5TextConfig:
@@ -94,6 +98,8 @@ def leaf_counts(prof: Any, scope: str | None = None) -> Counter[str]:
     for e in prof.events():
         if not e.name.startswith("aten::") or e.name in _VIEWS:
             continue
+        if e.name == "aten::copy_" and e.cpu_parent is not None and e.cpu_parent.name in _IN_PLACE:
+            continue  # an in-place product's copy of self onto itself: returns at once, no kernel
         if scope is not None:
             p = e.cpu_parent
             while p is not None and p.name != scope:
