@@ -994,7 +994,7 @@ class StaticHybridExecutor(HybridExecutor):
             q, k = self._norm(qg[..., :hd], a.q_norm), self._norm(k_lin, a.k_norm)
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
             slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
-            if eager is None:
+            if eager is None or min(eager[0]) == n:  # every column real (one prompt): no gathers
                 kc[slot_rows, pos_rows] = k
                 vc[slot_rows, pos_rows] = v
             else:  # only the real columns (a padded column of a long forward could pass the capacity)
