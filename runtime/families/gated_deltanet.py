@@ -23,6 +23,7 @@ math is done in float32 whatever the model dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -268,13 +269,17 @@ def _chunked_rule(
         g, beta = (F.pad(x, (0, 0, 0, big - n)) for x in (g, beta))
     cum = g.view(num, c, hv).transpose(1, 2).cumsum(-1).contiguous()  # [num, hv, c]
     bt = beta.view(num, c, hv).transpose(1, 2)  # [num, hv, c]
-    # row terms of the decays: [num, hv, 2, c] = (c_t + log q_scale, c_t + log beta_t)
-    rows = torch.stack((cum + q_log_scale if q_log_scale else cum, cum + bt.log()), dim=2)
+    # row terms of the decays: [num, hv, 2, c] = (c_t + log q_scale, c_t + log beta_t), and their
+    # exponentials (q_scale exp(c_t) for the outputs, beta_t exp(c_t) for the right-hand side)
+    rows = torch.empty(num, hv, 2, c, dtype=torch.float32, device=dev)
+    torch.add(cum, q_log_scale, out=rows[:, :, 0])
+    torch.add(cum, bt.log(), out=rows[:, :, 1])
+    rows_exp = rows.exp()
     # e[0] = exp(c_i - c_j) q_scale (j <= i), the scores' decay; e[1] = beta_i exp(c_i - c_j) (the
     # system, strictly lower part read); both 0 above the diagonal
     e = torch.empty(2, num, hv, c, c, dtype=torch.float32, device=dev)
     torch.sub(rows.unsqueeze(-1), cum[:, :, None, None, :], out=e.permute(1, 2, 0, 3, 4))
-    e.masked_fill_(torch.ones(c, c, dtype=torch.bool, device=dev).triu_(1), float("-inf")).exp_()
+    e.masked_fill_(_above_diagonal(c, dev), float("-inf")).exp_()
     # [q; k] k^T per key head and chunk, times the decays (broadcast over the rep value heads)
     k3 = qk[:, :, 1].view(num * hk, c, dk)
     scores = torch.bmm(qk.view(num * hk, 2 * c, dk), k3.transpose(1, 2)).view(num, hk, 1, 2, c, c)
@@ -285,7 +290,7 @@ def _chunked_rule(
     rhs = torch.empty(num, hv, c, dv + dk, dtype=torch.float32, device=dev)
     torch.mul(bt.unsqueeze(-1), v.view(num, c, hv, dv).transpose(1, 2), out=rhs[..., :dv])
     k5 = qk[:, :, 1].unsqueeze(2)  # [num, hk, 1, c, dk]
-    fk = rows[:, :, 1].exp().view(num, hk, rep, c, 1)  # beta_t exp(c_t)
+    fk = rows_exp[:, :, 1].view(num, hk, rep, c, 1)  # beta_t exp(c_t)
     torch.mul(fk, k5, out=rhs[..., dv:].view(num, hk, rep, c, dk))
     torch.linalg.solve_triangular(e[1], rhs, upper=False, unitriangular=True, out=rhs)
     rhs3 = rhs.view(num * hv, c, dv + dk)
@@ -307,10 +312,16 @@ def _chunked_rule(
     # out = exp(c_t) q_t S + A (W_v - W_k S) = (exp(c_t) q_t - A W_k) S + A W_v with A the decayed
     # causal scores e[0]: no u materialized, every in-place product on a contiguous buffer
     a_sc = e[0].view(num * hv, c, c)
-    qd = torch.mul(rows[:, :, 0].exp().view(num, hk, rep, c, 1), qk[:, :, 0].unsqueeze(2))
+    qd = torch.mul(rows_exp[:, :, 0].view(num, hk, rep, c, 1), qk[:, :, 0].unsqueeze(2))
     qd = qd.view(num * hv, c, dk).baddbmm_(a_sc, w_k, alpha=-1.0)
     out = torch.bmm(qd, starts).baddbmm_(a_sc, w_v)
     return out.view(num, hv, c, dv), final
+
+
+@functools.lru_cache(maxsize=8)
+def _above_diagonal(c: int, device: torch.device) -> torch.Tensor:
+    """[c, c] bool, True above the diagonal (j > i): the entries a causal chunk never reads."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
 
 
 def _store_token_major(chunked: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
