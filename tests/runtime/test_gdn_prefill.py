@@ -25,17 +25,18 @@ from ignis.runtime.families.hybrid_executor import HybridExecutor, gated_rms_nor
 from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 
 
-def _case(n: int, hk: int, hv: int, dk: int, dv: int, seed: int, dtype: torch.dtype):
+def _case(n: int, hk: int, hv: int, dk: int, dv: int, seed: int, dtype: torch.dtype, device: str = "cpu"):
     """A conv output as the executors hold it ([channels, n] memory, read as [n, channels]) and the
-    float32 per-token inputs of the rule."""
+    float32 per-token inputs of the rule, on `device`."""
     gen = torch.Generator().manual_seed(seed)
-    conv = (torch.randn(2 * hk * dk + hv * dv, n, generator=gen) * 2).to(dtype).t()
+    conv = (torch.randn(2 * hk * dk + hv * dv, n, generator=gen) * 2).to(dtype).t().to(device)
+    assert conv.stride() == (1, n)  # the channel-major layout survives the move
     qk = conv[:, : 2 * hk * dk].unflatten(-1, (2, hk, dk))
     v = conv[:, 2 * hk * dk :].unflatten(-1, (hv, dv))
     g = -3 * torch.rand(n, hv, generator=gen)
     beta = torch.rand(n, hv, generator=gen)
     s0 = torch.randn(hv, dk, dv, generator=gen)
-    return qk, v, g, beta, s0
+    return qk, v, g.to(device), beta.to(device), s0.to(device)
 
 
 def _reference(qk, v, g, beta, s0):
@@ -170,3 +171,34 @@ def test_long_prompt_leaves_only_the_states_pending(tiny: TinyHybrid) -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         st.commit([lane], [3])
         ref.commit([r], [3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [2048, 200])
+def test_prefill_entry_on_cuda_at_the_27b_mixer_shape(n: int) -> None:
+    """On CUDA (cuBLAS's in-place solve and strided products), the 27B's GDN shape (16 key / 48 value
+    heads of 128 x 128) from a strided bf16 conv output: equal to the same call on the CPU (float32
+    rounding apart) and to the token-by-token recurrence, the final state its own memory, and the
+    call's transient memory bounded by ~213 KB a token (its chunk-major temporaries: decays 25 KB,
+    right-hand sides 49, per-chunk B and P 51 + 49, K_end 25, q|k 16)."""
+    dev = torch.device("cuda")
+    want_o, want_s = gated_delta_prefill(*_case(n, 16, 48, 128, 128, seed=n, dtype=torch.bfloat16))
+    qk, v, g, beta, s0 = _case(n, 16, 48, 128, 128, seed=n, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(n, 48, 128, dtype=torch.bfloat16, device=dev)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got_o, got_s = gated_delta_prefill(qk, v, g, beta, s0, out=out)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - base
+    assert got_o.data_ptr() == out.data_ptr()
+    assert got_s.untyped_storage().nbytes() == got_s.numel() * 4
+    padded = 64 * -(-n // 64)
+    assert transient < 260e3 * padded + (64 << 20), transient
+    torch.testing.assert_close(got_o.cpu(), want_o.to(torch.bfloat16), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_s.cpu(), want_s, atol=2e-4, rtol=2e-4)
+    o32, s32 = gated_delta_prefill(qk, v, g, beta, s0)
+    ref_o, ref_s = _reference(qk, v, g, beta, s0)
+    torch.testing.assert_close(o32, ref_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s32, ref_s, atol=1e-4, rtol=1e-4)
