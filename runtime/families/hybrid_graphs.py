@@ -63,8 +63,10 @@ instead of the chunked one (float32 ~1e-5).
 
 Other forwards with more than max_columns columns in some lane (prompts) run eagerly over the same pooled
 buffers: attention batched over lanes (only the real columns' keys are written), the GDN per lane
-with its true length (chunked with ``record=False``, token by token with ``record=True``); their final
-(or per-column) states wait in the lane until commit, as in `HybridExecutor`.
+with its true length (``record=False``: `gated_delta_prefill`, the chunked rule from the conv output;
+``record=True``: token by token); their final (or per-column) states wait in the lane until commit,
+as in `HybridExecutor` (a ``record=False`` forward keeps only the conv state after its last column
+and the final recurrent state, each its own tensor: it can only be committed whole).
 
 Numerics follow `HybridExecutor`'s per lane, casts included (RoPE, the conv, the recurrence; a static
 round runs the token-by-token recurrence also for ``record=False``), with three differences of
