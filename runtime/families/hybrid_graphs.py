@@ -698,9 +698,10 @@ class StaticHybridExecutor(HybridExecutor):
             raise StateError(f"lane {lane}: state was not created by this executor's new_lane()")
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """`rms_norm_one_plus` with the precomputed float32 (1 + weight) and torch's fused RMSNorm."""
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
-        return (y * self._one_plus[id(weight)]).to(x.dtype)
+        """`rms_norm_one_plus` with the precomputed float32 (1 + weight) applied by torch's fused RMSNorm
+        (float32 inside, one rounding to x's dtype after)."""
+        y = F.rms_norm(x.float(), (x.shape[-1],), self._one_plus[id(weight)], self.config.rms_norm_eps)
+        return y.to(x.dtype)
 
     def _bucket(self, needed: int) -> int:
         t = self.kv_bucket
