@@ -202,3 +202,19 @@ def test_prefill_entry_on_cuda_at_the_27b_mixer_shape(n: int) -> None:
     ref_o, ref_s = _reference(qk, v, g, beta, s0)
     torch.testing.assert_close(o32, ref_o, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s32, ref_s, atol=1e-4, rtol=1e-4)
+
+
+def test_the_hand_over_is_one_operator_a_chunk() -> None:
+    """Everything but the state hand-over runs for all chunks at once, and the hand-over is one
+    in-place ``baddbmm_`` a chunk (it was two ``baddbmm`` copying into their outputs and a ``mul``):
+    two more chunks cost exactly two more operator calls."""
+    from ignis.tools.bench.prefill_ops import leaf_counts
+
+    def calls(n: int) -> int:
+        qk, v, g, beta, s0 = _case(n, hk=2, hv=4, dk=16, dv=8, seed=0, dtype=torch.bfloat16)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            gated_delta_prefill(qk, v, g, beta, s0)
+        return sum(leaf_counts(prof).values())
+
+    calls(64)  # the first call builds the cached causal mask
+    assert calls(256) - calls(128) == 2
