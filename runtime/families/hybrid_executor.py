@@ -49,7 +49,7 @@ from ignis.runtime.expert_cache import ExpertCache, host_experts
 from ignis.runtime.families.base import ForwardOutput
 from ignis.runtime.families.gated_deltanet import (
     causal_conv1d_silu,
-    gated_delta_rule_chunked,
+    gated_delta_prefill,
     gated_delta_rule_recurrent,
     l2_normalize,
 )
@@ -154,7 +154,9 @@ class _Layer:
 class _Pending:
     num_columns: int
     record: bool
-    conv_windows: list[torch.Tensor]  # per GDN slot: [conv_dim, kernel - 1 + n], model dtype
+    # per GDN slot, model dtype: [conv_dim, kernel - 1 + n] (record) or [conv_dim, kernel - 1], the
+    # conv state after the last column (record=False)
+    conv_windows: list[torch.Tensor]
     rec_states: list[torch.Tensor]  # per GDN slot: [n, hv, dk, dv] (record) or [hv, dk, dv], float32
 
 
@@ -234,7 +236,8 @@ class HybridLaneState:
         assert pending is not None
         if keep > 0:
             for slot, window in enumerate(pending.conv_windows):
-                self._conv[slot] = window[:, keep : keep + conv_len].clone()
+                # record=False: already the conv state after the last column (whole commits only)
+                self._conv[slot] = window[:, keep : keep + conv_len].clone() if pending.record else window
             for slot, states in enumerate(pending.rec_states):
                 self._rec[slot] = states[keep - 1].clone() if pending.record else states
             self._num_tokens += keep
@@ -808,6 +811,19 @@ class HybridExecutor:
             rows = slice(start, start + n)
             window = torch.cat([state._conv[layer.slot], qkv[rows].transpose(0, 1)], dim=1)
             conv = causal_conv1d_silu(window, g.conv).transpose(0, 1)  # [n, conv_dim]
+            prev = state._rec[layer.slot]
+            if not record:  # a prompt: norms + chunked rule from the conv output, into core
+                _, new_state = gated_delta_prefill(
+                    conv[:, : 2 * nk * dk].unflatten(-1, (2, nk, dk)),
+                    conv[:, 2 * nk * dk :].unflatten(-1, (nv, dv)),
+                    decay[rows],
+                    beta[rows],
+                    prev,
+                    out=core[rows],
+                )
+                windows[lane].append(window[:, n:].clone())  # the conv state after the last column
+                recs[lane].append(new_state)
+                continue
             q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)
             q = l2_normalize(q.float().reshape(n, nk, dk))
             k = l2_normalize(k.float().reshape(n, nk, dk))
@@ -815,11 +831,7 @@ class HybridExecutor:
                 q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
             q = q * dk**-0.5
             v = v.float().reshape(n, nv, dv)
-            prev = state._rec[layer.slot]
-            if record:
-                o, new_state = gated_delta_rule_recurrent(q, k, v, decay[rows], beta[rows], prev, record=True)
-            else:
-                o, new_state = gated_delta_rule_chunked(q, k, v, decay[rows], beta[rows], prev)
+            o, new_state = gated_delta_rule_recurrent(q, k, v, decay[rows], beta[rows], prev, record=True)
             core[rows] = o.to(x.dtype)
             windows[lane].append(window)
             recs[lane].append(new_state)

@@ -74,8 +74,10 @@ instead of the chunked one (float32 ~1e-5).
 
 Other forwards with more than max_columns columns in some lane (prompts) run eagerly over the same pooled
 buffers: attention batched over lanes (only the real columns' keys are written), the GDN per lane
-with its true length (chunked with ``record=False``, token by token with ``record=True``); their final
-(or per-column) states wait in the lane until commit, as in `HybridExecutor`.
+with its true length (``record=False``: `gated_delta_prefill`, the chunked rule from the conv output;
+``record=True``: token by token); their final (or per-column) states wait in the lane until commit,
+as in `HybridExecutor` (a ``record=False`` forward keeps only the conv state after its last column
+and the final recurrent state, each its own tensor: it can only be committed whole).
 
 Numerics follow `HybridExecutor`'s per lane, casts included (RoPE, the conv, the recurrence; a static
 round runs the token-by-token recurrence also for ``record=False``), with three differences of
@@ -124,8 +126,9 @@ import torch.nn.functional as F
 from ignis.runtime.errors import StateError
 from ignis.runtime.families.base import ForwardOutput
 from ignis.runtime.families.gated_deltanet import (
-    gated_delta_rule_chunked,
+    gated_delta_prefill,
     gated_delta_rule_recurrent,
+    gated_rms_norm_lean,
     l2_normalize,
 )
 from ignis.runtime.families.hybrid_executor import (
@@ -173,7 +176,9 @@ class _StaticPending:
     record: bool
     position: int  # the lane's index in its forward (its rows in the round buffer)
     static: bool  # True: the state after column t is record[:, t, position]
-    conv_windows: list[torch.Tensor] | None = None  # eager: per GDN slot [conv_dim, kernel - 1 + n]
+    # eager: per GDN slot [conv_dim, kernel - 1 + n] (record) or [conv_dim, kernel - 1], the conv state
+    # after the last column (record=False)
+    conv_windows: list[torch.Tensor] | None = None
     rec_states: list[torch.Tensor] | None = None  # eager: per GDN slot [n, hv, dk, dv] or [hv, dk, dv]
     # chunked prefill: the lane's (conv [G, C, kd], recurrent [G, hv, dk, dv]) before the forward; its
     # chunks are committed already, so commit(whole) moves the length and commit(0) restores these
@@ -681,7 +686,8 @@ class StaticHybridExecutor(HybridExecutor):
             elif keep > 0 and not pending.static:
                 assert pending.conv_windows is not None and pending.rec_states is not None
                 for gs, window in enumerate(pending.conv_windows):
-                    self._conv[gs, state.slot] = window[:, keep : keep + kd]
+                    # record=False: the conv state after the last column already (whole commits only)
+                    self._conv[gs, state.slot] = window[:, keep : keep + kd] if pending.record else window
                 for gs, rec in enumerate(pending.rec_states):
                     self._rec[gs, state.slot] = rec[keep - 1] if pending.record else rec
             state._num_tokens += keep
@@ -708,9 +714,10 @@ class StaticHybridExecutor(HybridExecutor):
             raise StateError(f"lane {lane}: state was not created by this executor's new_lane()")
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """`rms_norm_one_plus` with the precomputed float32 (1 + weight) and torch's fused RMSNorm."""
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
-        return (y * self._one_plus[id(weight)]).to(x.dtype)
+        """`rms_norm_one_plus` with the precomputed float32 (1 + weight) applied by torch's fused RMSNorm
+        (float32 inside, one rounding to x's dtype after)."""
+        y = F.rms_norm(x.float(), (x.shape[-1],), self._one_plus[id(weight)], self.config.rms_norm_eps)
+        return y.to(x.dtype)
 
     def _bucket(self, needed: int) -> int:
         return kv_bucket(needed, self.kv_bucket, self.capacity)
@@ -1106,7 +1113,7 @@ class StaticHybridExecutor(HybridExecutor):
             q, k = self._norm(qg[..., :hd], a.q_norm), self._norm(k_lin, a.k_norm)
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
             slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
-            if eager is None:
+            if eager is None or min(eager[0]) == n:  # every column real (one prompt): no gathers
                 kc[slot_rows, pos_rows] = k
                 vc[slot_rows, pos_rows] = v
             else:  # only the real columns (a padded column of a long forward could pass the capacity)
@@ -1175,6 +1182,9 @@ class StaticHybridExecutor(HybridExecutor):
             return self._gdn_output(layer, out_core.view(lanes * n, nv, dv).float(), z, x.dtype)
         beta = torch.sigmoid(b).float().view(lanes, n, nv)
         decay = (neg_a * F.softplus(a.float() + dt_bias)).view(lanes, n, nv)
+        if eager is not None and not eager[1]:  # a prompt (record=False): the chunked rule
+            assert window is not None  # eager forwards keep the torch conv
+            return self._gdn_prefill(layer, conv, window, beta, decay, z, slots, eager, x.dtype)
         q, k, v = conv.split([nk * dk, nk * dk, nv * dv], dim=-1)  # [L, n, *]
         q = l2_normalize(q.float().reshape(lanes, n, nk, dk))
         k = l2_normalize(k.float().reshape(lanes, n, nk, dk))
@@ -1189,20 +1199,61 @@ class StaticHybridExecutor(HybridExecutor):
             assert self._record is not None
             core = self._recurrence(q, k, v, decay, beta, prev, self._record[gs, :n, :lanes])
         else:
-            lens, record, _, pendings = eager
+            lens, _, _, pendings = eager  # record=True here (record=False: `_gdn_prefill`)
             core = q.new_zeros(lanes, n, nv, dv)
             for i, n_i in enumerate(lens):
                 args = (q[i, :n_i], k[i, :n_i], v[i, :n_i], decay[i, :n_i], beta[i, :n_i], prev[i])
-                if record:
-                    o, new_state = gated_delta_rule_recurrent(*args, record=True)
-                else:
-                    o, new_state = gated_delta_rule_chunked(*args)
+                o, new_state = gated_delta_rule_recurrent(*args, record=True)
                 core[i, :n_i] = o
                 assert window is not None  # eager forwards keep the torch conv
                 pendings[i].conv_windows.append(window[i, :, : kd + n_i])
                 pendings[i].rec_states.append(new_state)
         core = core.view(lanes * n, nv, dv).to(x.dtype).float()  # rounded as HF's
         return self._gdn_output(layer, core, z, x.dtype, fused=eager is None)
+
+    def _gdn_prefill(
+        self,
+        layer: _Layer,
+        conv: torch.Tensor,
+        window: torch.Tensor,
+        beta: torch.Tensor,
+        decay: torch.Tensor,
+        z: torch.Tensor,
+        slots: torch.Tensor,
+        eager: Any,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """A GDN layer's mixer for a record=False eager forward (a prompt), from the conv output on:
+        `gated_delta_prefill` per lane (l2 norms, chunked rule) writing its output in the model dtype
+        (rounded as HF's), the gated RMSNorm in few passes, out_proj. conv [L, n, conv_dim] (model
+        dtype, any strides), window [L, conv_dim, kd + n], beta / decay [L, n, v_heads] float32,
+        z [L * n, v_heads, v_dim]. Pending per lane: the conv state after its last column (the
+        window's last kd columns, copied: a record=False forward commits whole or nothing) and the
+        final recurrent state (its own tensor): nothing of the size of the prompt outlives the layer.
+        """
+        c, g = self.config, layer.gdn
+        assert g is not None
+        nk, nv, dk, dv = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        )
+        kd, gs = c.linear_conv_kernel_dim - 1, layer.slot
+        lanes, n = conv.shape[0], conv.shape[1]
+        lens, _, _, pendings = eager
+        prev = self._rec[gs].index_select(0, slots)  # [L, hv, dk, dv]
+        core = conv.new_empty(lanes, n, nv, dv) if min(lens) == n else conv.new_zeros(lanes, n, nv, dv)
+        for i, n_i in enumerate(lens):
+            qk = conv[i, :n_i, : 2 * nk * dk].unflatten(-1, (2, nk, dk))
+            v = conv[i, :n_i, 2 * nk * dk :].unflatten(-1, (nv, dv))
+            _, new_state = gated_delta_prefill(
+                qk, v, decay[i, :n_i], beta[i, :n_i], prev[i], out=core[i, :n_i]
+            )
+            pendings[i].conv_windows.append(window[i, :, n_i : n_i + kd].clone())
+            pendings[i].rec_states.append(new_state)
+        out = gated_rms_norm_lean(core.view(lanes * n, nv, dv), z, g.norm, c.rms_norm_eps)
+        return self.linear(out.view(lanes * n, nv * dv), g.out_proj, None)
 
     def _gdn_output(
         self, layer: _Layer, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype, *, fused: bool = False
