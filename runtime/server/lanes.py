@@ -11,8 +11,9 @@ the asyncio event loop, talk to that thread through two thread-safe doors:
 
 The thread applies queued operations between steps, so a new request joins at the next round and an
 abort frees its lane before the next round runs. After each step it pushes one `TokenEvent` per lane
-that emitted tokens (a whole committed run; the HTTP side splits it into one chunk per token) onto the
-request's asyncio queue with `loop.call_soon_threadsafe`. A finished lane's last event carries its
+that emitted tokens (a whole committed run; the HTTP side sends one chunk per token) onto the
+request's asyncio queue: the step's events for every lane go in one `loop.call_soon_threadsafe`, so the
+event loop wakes once per step, not once per lane. A finished lane's last event carries its
 finish reason and, for a request with stop strings, the engine's text cut before the stop string.
 
 An exception out of `engine.step()` leaves the engine unusable (`ignis.runtime.engine`): the thread
@@ -143,10 +144,27 @@ class RequestHandle:
         return await self._queue.get()
 
     def _push(self, event: TokenEvent | ErrorEvent) -> None:
+        _deliver([(self, event)])
+
+
+def _put_all(items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> None:
+    """On the event loop: queue each event for its request, in order."""
+    for handle, event in items:
+        handle._queue.put_nowait(event)
+
+
+def _deliver(items: Sequence[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> None:
+    """From the lane thread: hand events to their requests' event loops with one `call_soon_threadsafe`
+    per loop (one wake-up of the loop per step, whatever the number of lanes), in order. Marks a
+    request done with its last event. Events for a closed loop are dropped (nobody listens any more)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, TokenEvent | ErrorEvent]]] = {}
+    for handle, event in items:
         if isinstance(event, ErrorEvent) or event.finish_reason is not None:
-            self.is_done = True
+            handle.is_done = True
+        by_loop.setdefault(handle._loop, []).append((handle, event))
+    for loop, batch in by_loop.items():
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -300,8 +318,7 @@ class LaneLoop:
                 pass
         except BaseException:  # a bug or a failed engine restart: fail what is left and stop taking requests
             logger.exception("the lane loop failed; failing %d request(s) and stopping", len(self._handles))
-            for handle, event in self._outbox:
-                handle._push(event)
+            _deliver(self._outbox)
             self._outbox.clear()
             with self._cond:
                 self._stopping = True
@@ -337,7 +354,8 @@ class LaneLoop:
         if not self._engine.has_unfinished:
             self._publish()
             return True
-        self._publish()  # before the step: its prefills can take long
+        if ops:  # before the step (its prefills can take long); else nothing changed since the last
+            self._publish()
         try:
             updates = self._engine.step()
         except Exception as exc:  # the engine is unusable now (engine docstring): restart it
@@ -399,8 +417,8 @@ class LaneLoop:
             spec_samples=tuple(self.spec_metrics.samples()),
         )
         outbox, self._outbox = self._outbox, []
-        for handle, event in outbox:
-            handle._push(event)
+        if outbox:
+            _deliver(outbox)
 
     def _add(self, handle: RequestHandle) -> None:
         if handle.is_abort_requested:

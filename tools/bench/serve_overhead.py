@@ -15,7 +15,7 @@ For each concurrency c the benchmark
    streamed request gives the in-process token ids (`return_token_ids`), and sends c concurrent streamed
    `/v1/completions` requests of the same prompts: served tok/s = output tokens (the usage the server
    reports) / the seconds from the first request sent to the last `[DONE]`, and the server process's
-   CPU seconds (utime + stime of every thread, `/proc/PID/stat`) per token.
+   CPU seconds (all its threads: the process CPU-time clock) per token.
 
 Each figure is the median over `--repeat` runs. The table gives in-process tok/s, served tok/s, their
 ratio and both CPU costs per token; `--json-out` writes them with the settings.
@@ -259,7 +259,8 @@ class Figures:
         ratio: served / in-process.
         in_process_cpu_s_per_token: this process's CPU seconds (all threads) per output token in-process.
         server_cpu_s_per_token: the server process's CPU seconds (all threads) per output token served.
-        in_process_runs, served_runs: every run's tok/s.
+        in_process_runs, served_runs: every run's tok/s (the best of them is the figure least
+            disturbed by other work on a shared machine).
     """
 
     lanes: int
@@ -306,9 +307,13 @@ def run_in_process(
 
 
 def _proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads), seconds (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of a process, every thread (Linux: the process's CPU-time clock, the clock id
+    `clock_getcpuclockid(pid)` returns, nanoseconds; else utime + stime of /proc/PID/stat, clock ticks)."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    except OSError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _stream(socket_path: str, body: dict[str, Any]) -> tuple[int, int, list[int]]:
