@@ -218,7 +218,10 @@ class LaneLoop:
         self.num_cut = 0  # requests in flight aborted by abort_all() or stop() (not by their client)
         # events the lane thread sends at its next `_publish`, after the snapshot (lane thread only)
         self._outbox: list[tuple[RequestHandle, TokenEvent | ErrorEvent]] = []
-        self.snapshot = LaneSnapshot(spec_samples=tuple(self.spec_metrics.samples()))
+        self._spec_samples = tuple(self.spec_metrics.samples())
+        m = self.spec_metrics
+        self._spec_key = (m.rounds_total, m.drafted_tokens_total, m.accepted_tokens_total)
+        self.snapshot = LaneSnapshot(spec_samples=self._spec_samples)
 
     # ------------------------------------------------------------------ any thread
 
@@ -365,6 +368,7 @@ class LaneLoop:
             self._fail_all(exc)
             return True
         now = time.monotonic()
+        emitted: list[tuple[RequestHandle, int]] = []
         for update in updates:
             handle = self._handles.get(update.lane_id)
             if handle is None:
@@ -375,10 +379,12 @@ class LaneLoop:
                 del self._handles[update.lane_id]
                 stop_text = result.text if handle.params.stop else None
                 cached = result.num_cached_tokens
-            if self.metrics is not None and update.new_token_ids:
-                self.metrics.tokens_emitted(handle, len(update.new_token_ids), now)
+            if update.new_token_ids:
+                emitted.append((handle, len(update.new_token_ids)))
             handle.num_emitted += len(update.new_token_ids)
             if update.is_finished:  # released before the client can see its last token
+                if self.metrics is not None and emitted and emitted[-1][0] is handle:
+                    self.metrics.step_emitted([emitted.pop()], now)  # its tokens before its duration
                 self._release(handle, update.finish_reason)
             event = TokenEvent(
                 update.new_token_ids,
@@ -389,6 +395,8 @@ class LaneLoop:
                 logprobs=update.logprobs,
             )
             self._send(handle, event)
+        if self.metrics is not None and emitted:
+            self.metrics.step_emitted(emitted, now)
         self._publish()  # then the tokens go out: a client that read its reply sees this step's counters
         return True
 
@@ -411,10 +419,12 @@ class LaneLoop:
         busy = eng.num_active + eng.num_prefilling
         held = busy + eng.num_waiting
         active = min(held, max(self.max_lanes, busy))
+        m = self.spec_metrics
+        key = (m.rounds_total, m.drafted_tokens_total, m.accepted_tokens_total)
+        if key != self._spec_key:  # rebuilt only after speculative rounds were counted
+            self._spec_key, self._spec_samples = key, tuple(m.samples())
         self.snapshot = LaneSnapshot(
-            num_active=active,
-            num_waiting=self._num_inflight - active,
-            spec_samples=tuple(self.spec_metrics.samples()),
+            num_active=active, num_waiting=self._num_inflight - active, spec_samples=self._spec_samples
         )
         outbox, self._outbox = self._outbox, []
         if outbox:
