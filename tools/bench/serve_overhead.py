@@ -7,15 +7,21 @@ its Unix socket, at 1 and 8 concurrent lanes (issue 25, item 3).
 
 For each concurrency c the benchmark
 
-1. loads the model in this process and runs c lanes of the same prompt length to `--max-tokens`
-   (greedy, `ignore_eos`) with `SpeculativeEngine.generate`, after one warm-up generation: in-process
-   tok/s = output tokens / wall seconds, and this process's CPU seconds (every thread) per token;
-2. closes that model, starts `ignis-run` (a subprocess, `python -m ignis.runtime.cli`, `--lanes` the
-   largest concurrency, prompt checkpoints off on both sides) on a fresh Unix socket, checks that one
-   streamed request gives the in-process token ids (`return_token_ids`), and sends c concurrent streamed
-   `/v1/completions` requests of the same prompts: served tok/s = output tokens (the usage the server
+1. runs c lanes of the same prompt length to `--max-tokens` (greedy, `ignore_eos`) with one
+   `SpeculativeEngine` of this process (`generate`, after one warm-up generation): in-process tok/s =
+   output tokens / wall seconds, and this process's CPU seconds (every thread) per token;
+2. serves the same prompts through `ignis-run` (a subprocess, `python -m ignis.runtime.cli`, `--lanes`
+   the largest concurrency, prompt checkpoints off on both sides) on a fresh Unix socket: it first
+   checks that one streamed request gives the in-process token ids (`return_token_ids`), then sends c
+   concurrent streamed `/v1/completions` requests: served tok/s = output tokens (the usage the server
    reports) / the seconds from the first request sent to the last `[DONE]`, and the server process's
-   CPU seconds (all its threads: the process CPU-time clock) per token.
+   CPU seconds (all its threads: the process CPU-time clock) per token, and its main thread's (the
+   event loop's).
+
+With `--interleave` (the default with `--synthetic`) both sides hold the model at once and their runs
+alternate, so that other work on a shared machine weighs on both alike; without it (the default with
+`--artifact`: one copy of a large model in memory at a time) every in-process run comes first, then
+the model is closed and the server started.
 
 Each figure is the median over `--repeat` runs. The table gives in-process tok/s, served tok/s, their
 ratio and both CPU costs per token; `--json-out` writes them with the settings.
@@ -286,27 +292,29 @@ def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(num)]
 
 
-def run_in_process(
-    model: ServedModel, prompts: list[list[int]], max_tokens: int, max_lanes: int, repeat: int
-) -> tuple[list[float], list[float], list[list[int]]]:
-    """Generate `prompts` together with one engine; returns (tok/s per run, CPU s/token per run, the
-    first prompt's output ids)."""
-    engine = model.make_engine(max_lanes, SpeculativeMetrics())
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
-    rates, cpus = [], []
-    first: list[int] = []
-    for _ in range(repeat):
+class InProcess:
+    """The engine in this process: one engine of `max_lanes` lanes, warmed up with one short generation,
+    reused for every run."""
+
+    def __init__(self, model: ServedModel, max_lanes: int, warm_prompt: list[int]) -> None:
+        self.engine = model.make_engine(max_lanes, SpeculativeMetrics())
+        self.engine.generate([warm_prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, list[int]]:
+        """Generate `prompts` together (greedy, ignore_eos); returns (tok/s, this process's CPU seconds
+        per token, the first prompt's output ids).
+
+        Raises:
+            BenchError: an output shorter than max_tokens.
+        """
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        results = engine.generate(prompts, params)
+        results = self.engine.generate(prompts, params)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         n = sum(len(r.output_token_ids) for r in results)
         if n != max_tokens * len(prompts):
             raise BenchError(f"in-process: {n} tokens, expected {max_tokens * len(prompts)}")
-        rates.append(n / wall)
-        cpus.append(cpu / n)
-        first = list(results[0].output_token_ids)
-    return rates, cpus, first
+        return n / wall, cpu / n, list(results[0].output_token_ids)
 
 
 def _thread_cpu_s(pid: int, tid: int) -> float:
@@ -453,28 +461,31 @@ class ServerProcess:
         self.close()
 
 
-def run_served(
-    server: ServerProcess, prompts: list[list[int]], max_tokens: int, repeat: int, expect_ids: list[int]
-) -> tuple[list[float], list[float], list[float]]:
-    """Serve `prompts` concurrently `repeat` times; returns (tok/s per run, server CPU s/token per run, its
-    main thread's CPU s/token per run).
+def check_served(server: ServerProcess, prompt: list[int], max_tokens: int, expect_ids: list[int]) -> None:
+    """One streamed request with `return_token_ids`: its ids must be the in-process ones.
 
     Raises:
-        BenchError: a wrong reply, or token ids different from the in-process ones.
+        BenchError: a wrong reply, or different token ids.
     """
-    _, _, ids = asyncio.run(_stream(server.socket, _body(prompts[0], max_tokens, with_ids=True)))
+    _, _, ids = asyncio.run(_stream(server.socket, _body(prompt, max_tokens, with_ids=True)))
     if ids != expect_ids:
         first = next((i for i, (a, b) in enumerate(zip(ids, expect_ids, strict=False)) if a != b), None)
         raise BenchError(f"served token ids differ from in-process ones (first at output position {first})")
-    rates, cpus, loop_cpus = [], [], []
+
+
+def run_served(
+    server: ServerProcess, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, float, float]:
+    """Serve `prompts` concurrently once; returns (tok/s, the server's CPU seconds per token, its main
+    thread's CPU seconds per token).
+
+    Raises:
+        BenchError: a wrong reply.
+    """
     pid = server.proc.pid
-    for _ in range(repeat):
-        cpu0, loop0 = _proc_cpu_s(pid), _thread_cpu_s(pid, pid)
-        wall, n = asyncio.run(_served_once(server.socket, prompts, max_tokens))
-        cpus.append((_proc_cpu_s(pid) - cpu0) / n)
-        loop_cpus.append((_thread_cpu_s(pid, pid) - loop0) / n)
-        rates.append(n / wall)
-    return rates, cpus, loop_cpus
+    cpu0, loop0 = _proc_cpu_s(pid), _thread_cpu_s(pid, pid)
+    wall, n = asyncio.run(_served_once(server.socket, prompts, max_tokens))
+    return n / wall, (_proc_cpu_s(pid) - cpu0) / n, (_thread_cpu_s(pid, pid) - loop0) / n
 
 
 def format_table(rows: list[Figures], title: str) -> str:
@@ -574,6 +585,13 @@ def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     type=click.IntRange(min=0),
     help="Prefill budget of both sides [default: the card profile's].",
 )
+@click.option(
+    "--interleave/--no-interleave",
+    default=None,
+    help="Alternate in-process and served runs with the model loaded on both sides at once (fair on a "
+    "machine shared with other work; twice the memory) [default: on with --synthetic, off with "
+    "--artifact: every in-process run, the model closed, then the server].",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt seed.")
 @click.option(
     "--start-timeout",
@@ -597,6 +615,7 @@ def main(
     spec_draft_tokens: int | None,
     cuda_graphs: bool,
     max_prefill_tokens: int | None,
+    interleave: bool | None,
     seed: int,
     start_timeout: float,
     json_out: str | None,
@@ -641,22 +660,6 @@ def main(
         spec=spec, device=device, cuda_graphs=cuda_graphs, max_prefill_tokens=budget
     )  # prompt checkpoints off (budgets 0)
 
-    click.echo(f"loading in-process: {what}", err=True)
-    model = source.load(settings)
-    vocab_size = int(getattr(model.tokenizer, "vocab_size", vocab))
-    prompts = _prompts(max_lanes, input_len, vocab_size, seed)
-    figures = {c: Figures(lanes=c) for c in lanes}
-    first_ids: dict[int, list[int]] = {}
-    for c in lanes:
-        rates, cpus, first_ids[c] = run_in_process(model, prompts[:c], max_tokens, max_lanes, repeat)
-        f = figures[c]
-        f.in_process_runs, f.in_process_tok_s = rates, statistics.median(rates)
-        f.in_process_cpu_s_per_token = statistics.median(cpus)
-        click.echo(f"in-process, {c} lane(s): {f.in_process_tok_s:,.0f} tok/s", err=True)
-    if model.close is not None:
-        model.close()
-    del model
-
     args = [
         *model_args,
         "--lanes", str(max_lanes),
@@ -665,19 +668,52 @@ def main(
         "--checkpoint-host-memory", "0",
         "--log-level", "warning",
     ]  # fmt: skip
+    if interleave is None:
+        interleave = synthetic
+    runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {
+        (side, c): [] for side in ("in", "served") for c in lanes
+    }
+    first_ids: dict[int, list[int]] = {}
+
+    click.echo(f"loading in-process: {what}", err=True)
+    model = source.load(settings)
+    prompts = _prompts(max_lanes, input_len, int(getattr(model.tokenizer, "vocab_size", vocab)), seed)
+    engine = InProcess(model, max_lanes, prompts[0])
+
+    def in_process(c: int) -> None:
+        rate, cpu, first_ids[c] = engine.run(prompts[:c], max_tokens)
+        runs[("in", c)].append((rate, cpu, 0.0))
+
+    if not interleave:  # every in-process run, the model closed, then every served run
+        for _ in range(repeat):
+            for c in lanes:
+                in_process(c)
+        if model.close is not None:
+            model.close()
+        del model, engine
     click.echo("starting ignis-run", err=True)
     with ServerProcess(args, env, start_timeout) as server:
-        for c in lanes:
-            rates, cpus, loop_cpus = run_served(server, prompts[:c], max_tokens, repeat, first_ids[c])
-            f = figures[c]
-            f.served_runs, f.served_tok_s = rates, statistics.median(rates)
-            f.server_cpu_s_per_token = statistics.median(cpus)
-            f.server_loop_cpu_s_per_token = statistics.median(loop_cpus)
-            f.ratio = f.served_tok_s / f.in_process_tok_s
-            click.echo(f"served, {c} lane(s): {f.served_tok_s:,.0f} tok/s", err=True)
+        for rep in range(repeat):
+            for c in lanes:
+                if interleave:
+                    in_process(c)
+                if rep == 0:
+                    check_served(server, prompts[0], max_tokens, first_ids[c])
+                runs[("served", c)].append(run_served(server, prompts[:c], max_tokens))
 
+    figures = {c: Figures(lanes=c) for c in lanes}
+    for c, f in figures.items():
+        f.in_process_runs = [r for r, _, _ in runs[("in", c)]]
+        f.served_runs = [r for r, _, _ in runs[("served", c)]]
+        f.in_process_tok_s = statistics.median(f.in_process_runs)
+        f.served_tok_s = statistics.median(f.served_runs)
+        f.ratio = f.served_tok_s / f.in_process_tok_s
+        f.in_process_cpu_s_per_token = statistics.median(x for _, x, _ in runs[("in", c)])
+        f.server_cpu_s_per_token = statistics.median(x for _, x, _ in runs[("served", c)])
+        f.server_loop_cpu_s_per_token = statistics.median(x for _, _, x in runs[("served", c)])
     rows = [figures[c] for c in lanes]
-    title = f"{what}; prompt {input_len} tokens, {max_tokens} out, greedy; median of {repeat}"
+    order = "interleaved" if interleave else "in-process first"
+    title = f"{what}; prompt {input_len} tokens, {max_tokens} out, greedy; median of {repeat} ({order})"
     click.echo(format_table(rows, title))
     if json_out:
         doc = {
@@ -685,6 +721,7 @@ def main(
             "input_len": input_len,
             "max_tokens": max_tokens,
             "repeat": repeat,
+            "interleaved": interleave,
             "server_lanes": max_lanes,
             "max_prefill_tokens": budget,
             "python": sys.version.split()[0],
