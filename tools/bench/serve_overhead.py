@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ from typing import Any
 import click
 import torch
 
-from ignis.runtime.engine import SpeculativeEngine
+from ignis.runtime.engine import LaneResult, SpeculativeEngine
 from ignis.runtime.families.base import ForwardOutput
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import SpecDefaults
@@ -294,11 +295,26 @@ def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 class InProcess:
     """The engine in this process: one engine of `max_lanes` lanes, warmed up with one short generation,
-    reused for every run."""
+    reused for every run. With `in_thread` the engine is built here but every generation runs in one
+    worker thread, as the server builds it and steps it in its lane thread (no event loop beside it):
+    the in-thread figure against the main-thread one isolates what running in a thread costs."""
 
-    def __init__(self, model: ServedModel, max_lanes: int, warm_prompt: list[int]) -> None:
+    def __init__(
+        self, model: ServedModel, max_lanes: int, warm_prompt: list[int], *, in_thread: bool = False
+    ) -> None:
         self.engine = model.make_engine(max_lanes, SpeculativeMetrics())
-        self.engine.generate([warm_prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="bench-engine") if in_thread else None
+        self._generate([warm_prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[LaneResult]:
+        if self._worker is None:
+            return self.engine.generate(prompts, params)
+        return self._worker.submit(self.engine.generate, prompts, params).result()
+
+    def close(self) -> None:
+        """Stop the worker thread (if any)."""
+        if self._worker is not None:
+            self._worker.shutdown()
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, list[int]]:
         """Generate `prompts` together (greedy, ignore_eos); returns (tok/s, this process's CPU seconds
@@ -309,7 +325,7 @@ class InProcess:
         """
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        results = self.engine.generate(prompts, params)
+        results = self._generate(prompts, params)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         n = sum(len(r.output_token_ids) for r in results)
         if n != max_tokens * len(prompts):
@@ -592,6 +608,12 @@ def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     "machine shared with other work; twice the memory) [default: on with --synthetic, off with "
     "--artifact: every in-process run, the model closed, then the server].",
 )
+@click.option(
+    "--in-process-thread",
+    is_flag=True,
+    help="Run the in-process engine in a worker thread, as the server's lane thread runs it (isolates the "
+    "cost of stepping from a thread from the server's own).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt seed.")
 @click.option(
     "--start-timeout",
@@ -616,6 +638,7 @@ def main(
     cuda_graphs: bool,
     max_prefill_tokens: int | None,
     interleave: bool | None,
+    in_process_thread: bool,
     seed: int,
     start_timeout: float,
     json_out: str | None,
@@ -678,7 +701,7 @@ def main(
     click.echo(f"loading in-process: {what}", err=True)
     model = source.load(settings)
     prompts = _prompts(max_lanes, input_len, int(getattr(model.tokenizer, "vocab_size", vocab)), seed)
-    engine = InProcess(model, max_lanes, prompts[0])
+    engine = InProcess(model, max_lanes, prompts[0], in_thread=in_process_thread)
 
     def in_process(c: int) -> None:
         rate, cpu, first_ids[c] = engine.run(prompts[:c], max_tokens)
@@ -688,6 +711,7 @@ def main(
         for _ in range(repeat):
             for c in lanes:
                 in_process(c)
+        engine.close()
         if model.close is not None:
             model.close()
         del model, engine
@@ -700,6 +724,8 @@ def main(
                 if rep == 0:
                     check_served(server, prompts[0], max_tokens, first_ids[c])
                 runs[("served", c)].append(run_served(server, prompts[:c], max_tokens))
+    if interleave:
+        engine.close()
 
     figures = {c: Figures(lanes=c) for c in lanes}
     for c, f in figures.items():
@@ -713,6 +739,8 @@ def main(
         f.server_loop_cpu_s_per_token = statistics.median(x for _, _, x in runs[("served", c)])
     rows = [figures[c] for c in lanes]
     order = "interleaved" if interleave else "in-process first"
+    if in_process_thread:
+        order += "; in-process engine in a worker thread"
     title = f"{what}; prompt {input_len} tokens, {max_tokens} out, greedy; median of {repeat} ({order})"
     click.echo(format_table(rows, title))
     if json_out:
@@ -722,6 +750,7 @@ def main(
             "max_tokens": max_tokens,
             "repeat": repeat,
             "interleaved": interleave,
+            "in_process_thread": in_process_thread,
             "server_lanes": max_lanes,
             "max_prefill_tokens": budget,
             "python": sys.version.split()[0],
