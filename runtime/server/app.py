@@ -129,8 +129,6 @@ def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers or None)
 
 
-
-
 class EventStreamResponse(StreamingResponse):
     """Server-sent events that stop (cancelling the body iterator) as soon as the client disconnects.
 
