@@ -591,6 +591,11 @@ def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
 )
 @click.option("--spec-draft-tokens", type=click.IntRange(1, 7), help="Artifact: draft tokens per round.")
 @click.option(
+    "--spec-draft-model",
+    type=click.Path(exists=True, file_okay=False),
+    help="Artifact, --spec-backend draft-model: the drafter's artifact.",
+)
+@click.option(
     "--cuda-graphs/--no-cuda-graphs",
     default=True,
     show_default=True,
@@ -635,6 +640,7 @@ def main(
     device: str | None,
     spec_backend: str,
     spec_draft_tokens: int | None,
+    spec_draft_model: str | None,
     cuda_graphs: bool,
     max_prefill_tokens: int | None,
     interleave: bool | None,
@@ -660,8 +666,10 @@ def main(
     else:
         from ignis.runtime.server.artifact_source import ArtifactSource
 
-        source = ArtifactSource(artifact)
+        source = ArtifactSource(artifact, draft_model=spec_draft_model)
         model_args = ["--artifact", str(artifact), "--spec-backend", spec_backend]
+        if spec_draft_model is not None:
+            model_args += ["--spec-draft-model", str(spec_draft_model)]
         if spec_draft_tokens is not None:
             model_args += ["--spec-draft-tokens", str(spec_draft_tokens)]
         if device is not None:
