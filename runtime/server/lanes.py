@@ -29,7 +29,6 @@ samples of a request sum to its decode time.
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import logging
 import threading
@@ -92,10 +91,9 @@ class ErrorEvent:
 
 @dataclass(frozen=True)
 class LaneSnapshot:
-    """The loop's state (read by /health and /metrics from other threads): published before a step that
-    follows queued operations (requests taken or aborted), after every step (before its tokens are
-    pushed to the clients, so a client that has its reply reads counters that include it) and when a
-    request is taken.
+    """The loop's state (read by /health and /metrics from other threads): published before every
+    step, after it (before its tokens are pushed to the clients, so a client that has its reply reads
+    counters that include it) and when a request is taken.
 
     Attributes:
         num_active: lanes decoding or being prefilled, and requests admitted to a lane (up to
@@ -138,7 +136,6 @@ class RequestHandle:
         self.is_done = False  # the last event was pushed
         self.is_abort_requested = False
         self.num_emitted = 0
-        # Written by the metrics updates, on the event loop (`ServerMetrics.step_emitted`):
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
@@ -146,43 +143,28 @@ class RequestHandle:
         """Wait for the next event (never returns after the last one has been taken)."""
         return await self._queue.get()
 
+    def _push(self, event: TokenEvent | ErrorEvent) -> None:
+        _deliver([(self, event)])
 
-def _put_all(
-    items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]], updates: list[Callable[[], None]]
-) -> None:
-    """On the event loop: apply the metric updates, then queue each event for its request, in order (a
-    client that has its event reads counters that include it). A failing update is logged; the events
-    still go out."""
-    for update in updates:
-        try:
-            update()
-        except Exception:  # a metrics bug must not lose tokens
-            logger.exception("a metrics update failed")
+
+def _put_all(items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> None:
+    """On the event loop: queue each event for its request, in order."""
     for handle, event in items:
         handle._queue.put_nowait(event)
 
 
-_Batch = tuple[list[tuple[RequestHandle, TokenEvent | ErrorEvent]], list[Callable[[], None]]]
-
-
-def _deliver(
-    items: Sequence[tuple[RequestHandle, TokenEvent | ErrorEvent]],
-    updates: Sequence[tuple[RequestHandle, Callable[[], None]]] = (),
-) -> None:
-    """From the lane thread: hand events, and the metric updates of the requests they belong to, to the
-    requests' event loops with one `call_soon_threadsafe` per loop (one wake-up of the loop per step,
-    whatever the number of lanes), in order. Marks a request done with its last event. What is meant
-    for a closed loop is dropped (nobody listens any more)."""
-    by_loop: dict[asyncio.AbstractEventLoop, _Batch] = {}
-    for handle, update in updates:
-        by_loop.setdefault(handle._loop, ([], []))[1].append(update)
+def _deliver(items: Sequence[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> None:
+    """From the lane thread: hand events to their requests' event loops with one `call_soon_threadsafe`
+    per loop (one wake-up of the loop per step, whatever the number of lanes), in order. Marks a
+    request done with its last event. Events for a closed loop are dropped (nobody listens any more)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, TokenEvent | ErrorEvent]]] = {}
     for handle, event in items:
         if isinstance(event, ErrorEvent) or event.finish_reason is not None:
             handle.is_done = True
-        by_loop.setdefault(handle._loop, ([], []))[0].append((handle, event))
-    for loop, (batch, fns) in by_loop.items():
+        by_loop.setdefault(handle._loop, []).append((handle, event))
+    for loop, batch in by_loop.items():
         try:
-            loop.call_soon_threadsafe(_put_all, batch, fns)
+            loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -236,10 +218,6 @@ class LaneLoop:
         self.num_cut = 0  # requests in flight aborted by abort_all() or stop() (not by their client)
         # events the lane thread sends at its next `_publish`, after the snapshot (lane thread only)
         self._outbox: list[tuple[RequestHandle, TokenEvent | ErrorEvent]] = []
-        # Prometheus updates (tokens, latencies, finishes) the next `_publish` hands to the event loop with
-        # the events, so that the lane thread, between rounds, does not spend time on them (lane thread
-        # only; (request, update))
-        self._metric_updates: list[tuple[RequestHandle, Callable[[], None]]] = []
         self._spec_samples = tuple(self.spec_metrics.samples())
         m = self.spec_metrics
         self._spec_key = (m.rounds_total, m.drafted_tokens_total, m.accepted_tokens_total)
@@ -335,8 +313,7 @@ class LaneLoop:
         with self._cond:
             self._num_inflight -= 1
         if self.metrics is not None and finish_reason is not None:
-            update = functools.partial(self.metrics.request_finished, handle, finish_reason, time.monotonic())
-            self._metric_updates.append((handle, update))
+            self.metrics.request_finished(handle, finish_reason, time.monotonic())
 
     def _run(self) -> None:
         try:
@@ -344,6 +321,8 @@ class LaneLoop:
                 pass
         except BaseException:  # a bug or a failed engine restart: fail what is left and stop taking requests
             logger.exception("the lane loop failed; failing %d request(s) and stopping", len(self._handles))
+            _deliver(self._outbox)
+            self._outbox.clear()
             with self._cond:
                 self._stopping = True
                 pending = [h for kind, h in self._ops if kind == "add"]
@@ -351,11 +330,8 @@ class LaneLoop:
             for handle in [*self._handles.values(), *pending]:
                 if not handle.is_done:
                     self._release(handle, "error")
-                    self._send(handle, ErrorEvent(EngineFailedError("the server's lane loop failed")))
+                    handle._push(ErrorEvent(EngineFailedError("the server's lane loop failed")))
             self._handles.clear()
-            _deliver(self._outbox, self._metric_updates)
-            self._outbox.clear()
-            self._metric_updates.clear()
 
     def _run_once(self) -> bool:
         """Apply queued operations and run one step. Returns False when the loop is to end."""
@@ -408,9 +384,7 @@ class LaneLoop:
             handle.num_emitted += len(update.new_token_ids)
             if update.is_finished:  # released before the client can see its last token
                 if self.metrics is not None and emitted and emitted[-1][0] is handle:
-                    # its tokens (and its first token's time) before its finish
-                    update_fn = functools.partial(self.metrics.step_emitted, [emitted.pop()], now)
-                    self._metric_updates.append((handle, update_fn))
+                    self.metrics.step_emitted([emitted.pop()], now)  # its tokens before its duration
                 self._release(handle, update.finish_reason)
             event = TokenEvent(
                 update.new_token_ids,
@@ -422,9 +396,7 @@ class LaneLoop:
             )
             self._send(handle, event)
         if self.metrics is not None and emitted:
-            self._metric_updates.append(
-                (emitted[0][0], functools.partial(self.metrics.step_emitted, emitted, now))
-            )
+            self.metrics.step_emitted(emitted, now)
         self._publish()  # then the tokens go out: a client that read its reply sees this step's counters
         return True
 
@@ -455,9 +427,8 @@ class LaneLoop:
             num_active=active, num_waiting=self._num_inflight - active, spec_samples=self._spec_samples
         )
         outbox, self._outbox = self._outbox, []
-        updates, self._metric_updates = self._metric_updates, []
-        if outbox or updates:
-            _deliver(outbox, updates)
+        if outbox:
+            _deliver(outbox)
 
     def _add(self, handle: RequestHandle) -> None:
         if handle.is_abort_requested:

@@ -219,9 +219,7 @@ class ServerMetrics:
         """The exposition text of every metric."""
         return generate_latest(self.registry)
 
-    # Called by the lane loop: `request_admitted` in its thread; `step_emitted` and `request_finished` on
-    # the event loop, in step order, just before the step's events reach the requests
-    # (`ignis.runtime.server.lanes`).
+    # Called by the lane thread.
 
     def request_admitted(self, handle: RequestHandle) -> None:
         """A request got into the engine (its prompt tokens count)."""
