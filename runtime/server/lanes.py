@@ -91,9 +91,10 @@ class ErrorEvent:
 
 @dataclass(frozen=True)
 class LaneSnapshot:
-    """The loop's state (read by /health and /metrics from other threads): published before every
-    step, after it (before its tokens are pushed to the clients, so a client that has its reply reads
-    counters that include it) and when a request is taken.
+    """The loop's state (read by /health and /metrics from other threads): published before a step that
+    follows queued operations (requests taken or aborted), after every step (before its tokens are
+    pushed to the clients, so a client that has its reply reads counters that include it) and when a
+    request is taken.
 
     Attributes:
         num_active: lanes decoding or being prefilled, and requests admitted to a lane (up to
