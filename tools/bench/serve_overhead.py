@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -433,10 +434,13 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.socket) or not self._healthy():
             if self.proc.poll() is not None:
-                raise BenchError(f"ignis-run exited with {self.proc.returncode}:\n{self.tail()}")
-            if time.monotonic() > deadline:
+                message = f"ignis-run exited with {self.proc.returncode}:\n{self.tail()}"
                 self.close()
-                raise BenchError(f"ignis-run did not answer /health within {timeout:.0f} s:\n{self.tail()}")
+                raise BenchError(message)
+            if time.monotonic() > deadline:
+                message = f"ignis-run did not answer /health within {timeout:.0f} s:\n{self.tail()}"
+                self.close()
+                raise BenchError(message)
             time.sleep(0.1)
 
     def _healthy(self) -> bool:
@@ -461,6 +465,7 @@ class ServerProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def close(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 30 s) and remove its folder (socket and log)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -469,6 +474,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log_file.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -628,7 +634,18 @@ def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     help="Seconds the server may take to load and answer /health.",
 )
 @click.option("--json-out", type=click.Path(dir_okay=False), help="Write the figures as JSON here.")
-def main(
+def main(**opts: Any) -> None:
+    """Served tok/s against in-process tok/s of the same model, at each concurrency (module docstring)."""
+    from ignis.formats import FormatError
+    from ignis.runtime.errors import IgnisRuntimeError
+
+    try:
+        _bench(**opts)
+    except (BenchError, IgnisRuntimeError, FormatError) as exc:  # a server that failed, a bad artifact
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _bench(
     artifact: str | None,
     synthetic: bool,
     round_ms: float,
@@ -649,7 +666,7 @@ def main(
     start_timeout: float,
     json_out: str | None,
 ) -> None:
-    """Served tok/s against in-process tok/s of the same model, at each concurrency (module docstring)."""
+    """The benchmark; the arguments are `main`'s options by name."""
     from ignis.runtime.profiles import profile_max_prefill_tokens
     from ignis.runtime.server.settings import BACKENDS, SpecLayer, resolve_spec
 
