@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -82,6 +81,7 @@ from ignis.runtime.server.protocol import (
     ModelCard,
     ModelList,
 )
+from ignis.runtime.server.sse import SSE_DONE, ChunkTemplate, sse
 from ignis.runtime.stops import FINISH_STOP, stop_string_holdback
 
 __all__ = ["MAX_BODY_BYTES", "MAX_NESTING", "MIN_TEMPERATURE", "create_app", "default_max_body_bytes"]
@@ -127,13 +127,6 @@ _TEMPLATE_RESERVED = frozenset(
 
 def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers or None)
-
-
-def _sse(obj: Mapping[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-_SSE_DONE = b"data: [DONE]\n\n"
 
 
 class EventStreamResponse(StreamingResponse):
@@ -931,8 +924,12 @@ async def _stream_tokens(
     include_usage: bool,
     req: ChatCompletionRequest | CompletionRequest,
     tokenizer: ChatTokenizer | None = None,
+    template: ChunkTemplate | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE bytes: one chunk per token; the last carries finish_reason and usage; then [DONE].
+
+    The chunks of one event (a committed run) are yielded together, as one write; the last event's
+    with the usage chunk and [DONE].
 
     Args:
         head: the fields every chunk starts with (id, object, created, model).
@@ -941,17 +938,27 @@ async def _stream_tokens(
         include_usage: send a last chunk with empty `choices` and the usage (stream_options).
         tokenizer: decodes the text (default: the model's; agents.py's keeps special call markers).
         req: the request (its logprobs options: each chunk carries its token's logprobs).
+        template: the bytes of a chunk that is neither the first nor the last (`ChunkTemplate`, equal to
+            what `make_choice` gives for it), or None to serialize every chunk.
     """
     text = _TextStream(tokenizer or svc.model.tokenizer, handle.prompt_token_ids, handle.params)
     num_prompt = len(handle.prompt_token_ids)
     num_out, cached = 0, 0
     offset = 0  # completions' text_offset of the next token
+    out: list[bytes] = []
     try:
-        async for event in svc.events(handle):
+        while True:
+            event = await handle.next_event()
+            if isinstance(event, ErrorEvent):
+                raise event.error
             n = len(event.token_ids)
             cached = event.num_cached_tokens or cached
             for i, token in enumerate(event.token_ids):
                 last = event if (i == n - 1 and event.finish_reason is not None) else None
+                if template is not None and last is None and num_out > 0:
+                    out.append(template.render(text.push(token, None), token))
+                    num_out += 1
+                    continue
                 made = make_choice(text.push(token, last), token, last, num_out == 0)
                 if event.logprobs is not None:
                     (made[-1] if isinstance(made, list) else made)["logprobs"] = choice_logprobs(
@@ -964,7 +971,7 @@ async def _stream_tokens(
                     chunk = {**head, "choices": [choice]}
                     if last is not None and j == len(choices) - 1:
                         chunk["usage"] = _usage(num_prompt, num_out, cached)
-                    yield _sse(chunk)
+                    out.append(sse(chunk))
             if event.finish_reason is not None and n == 0:
                 made = make_choice(text.finish_empty(), None, event, num_out == 0)
                 choices = made if isinstance(made, list) else [made]
@@ -972,12 +979,21 @@ async def _stream_tokens(
                     chunk = {**head, "choices": [choice]}
                     if j == len(choices) - 1:
                         chunk["usage"] = _usage(num_prompt, num_out, cached)
-                    yield _sse(chunk)
+                    out.append(sse(chunk))
+            if event.finish_reason is not None:
+                break
+            if out:
+                yield b"".join(out)
+                out = []
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(num_prompt, num_out, cached)})
+            out.append(sse({**head, "choices": [], "usage": _usage(num_prompt, num_out, cached)}))
     except APIError as exc:
-        yield _sse(exc.body())
-    yield _SSE_DONE
+        out.append(sse(exc.body()))
+    finally:
+        if not handle.is_done:  # the client went away (the stream was closed) or a bug: free the lane
+            svc.lanes.abort(handle)
+    out.append(SSE_DONE)
+    yield b"".join(out)
 
 
 def _choice_end(
@@ -1015,7 +1031,10 @@ def _chat_stream(
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": svc.model.name}
     text_tok = agent.text_tokenizer if agent is not None else None
-    return _stream_tokens(svc, handle, head, choice, include_usage, req, text_tok)
+    template = None
+    if tools is None and handle.params.logprobs is None:
+        template = _template(lambda t, tok: {**head, "choices": [choice(t, tok, None, False)]}, with_ids)
+    return _stream_tokens(svc, handle, head, choice, include_usage, req, text_tok, template)
 
 
 def _completion_stream(
@@ -1034,7 +1053,18 @@ def _completion_stream(
         return out
 
     head = {"id": rid, "object": "text_completion", "created": created, "model": svc.model.name}
-    return _stream_tokens(svc, handle, head, choice, include_usage, req)
+    template = None
+    if handle.params.logprobs is None:
+        template = _template(lambda t, tok: {**head, "choices": [choice(t, tok, None, False)]}, with_ids)
+    return _stream_tokens(svc, handle, head, choice, include_usage, req, template=template)
+
+
+def _template(make: Callable[[str, int], Mapping[str, Any]], with_ids: bool) -> ChunkTemplate | None:
+    """The middle chunks' template, or None when the chunk cannot be templated (`ChunkTemplate`)."""
+    try:
+        return ChunkTemplate(make, with_token=with_ids)
+    except ValueError:  # a placeholder also in a fixed field (e.g. the model's name): serialize each chunk
+        return None
 
 
 def _tool_choices(

@@ -11,8 +11,9 @@ the asyncio event loop, talk to that thread through two thread-safe doors:
 
 The thread applies queued operations between steps, so a new request joins at the next round and an
 abort frees its lane before the next round runs. After each step it pushes one `TokenEvent` per lane
-that emitted tokens (a whole committed run; the HTTP side splits it into one chunk per token) onto the
-request's asyncio queue with `loop.call_soon_threadsafe`. A finished lane's last event carries its
+that emitted tokens (a whole committed run; the HTTP side sends one chunk per token) onto the
+request's asyncio queue: the step's events for every lane go in one `loop.call_soon_threadsafe`, so the
+event loop wakes once per step, not once per lane. A finished lane's last event carries its
 finish reason and, for a request with stop strings, the engine's text cut before the stop string.
 
 An exception out of `engine.step()` leaves the engine unusable (`ignis.runtime.engine`): the thread
@@ -90,9 +91,10 @@ class ErrorEvent:
 
 @dataclass(frozen=True)
 class LaneSnapshot:
-    """The loop's state (read by /health and /metrics from other threads): published before every
-    step, after it (before its tokens are pushed to the clients, so a client that has its reply reads
-    counters that include it) and when a request is taken.
+    """The loop's state (read by /health and /metrics from other threads): published before a step that
+    follows queued operations (requests taken or aborted), after every step (before its tokens are
+    pushed to the clients, so a client that has its reply reads counters that include it) and when a
+    request is taken.
 
     Attributes:
         num_active: lanes decoding or being prefilled, and requests admitted to a lane (up to
@@ -143,10 +145,27 @@ class RequestHandle:
         return await self._queue.get()
 
     def _push(self, event: TokenEvent | ErrorEvent) -> None:
+        _deliver([(self, event)])
+
+
+def _put_all(items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> None:
+    """On the event loop: queue each event for its request, in order."""
+    for handle, event in items:
+        handle._queue.put_nowait(event)
+
+
+def _deliver(items: Sequence[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> None:
+    """From the lane thread: hand events to their requests' event loops with one `call_soon_threadsafe`
+    per loop (one wake-up of the loop per step, whatever the number of lanes), in order. Marks a
+    request done with its last event. Events for a closed loop are dropped (nobody listens any more)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, TokenEvent | ErrorEvent]]] = {}
+    for handle, event in items:
         if isinstance(event, ErrorEvent) or event.finish_reason is not None:
-            self.is_done = True
+            handle.is_done = True
+        by_loop.setdefault(handle._loop, []).append((handle, event))
+    for loop, batch in by_loop.items():
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -200,7 +219,10 @@ class LaneLoop:
         self.num_cut = 0  # requests in flight aborted by abort_all() or stop() (not by their client)
         # events the lane thread sends at its next `_publish`, after the snapshot (lane thread only)
         self._outbox: list[tuple[RequestHandle, TokenEvent | ErrorEvent]] = []
-        self.snapshot = LaneSnapshot(spec_samples=tuple(self.spec_metrics.samples()))
+        self._spec_samples = tuple(self.spec_metrics.samples())
+        m = self.spec_metrics
+        self._spec_key = (m.rounds_total, m.drafted_tokens_total, m.accepted_tokens_total)
+        self.snapshot = LaneSnapshot(spec_samples=self._spec_samples)
 
     # ------------------------------------------------------------------ any thread
 
@@ -300,8 +322,7 @@ class LaneLoop:
                 pass
         except BaseException:  # a bug or a failed engine restart: fail what is left and stop taking requests
             logger.exception("the lane loop failed; failing %d request(s) and stopping", len(self._handles))
-            for handle, event in self._outbox:
-                handle._push(event)
+            _deliver(self._outbox)
             self._outbox.clear()
             with self._cond:
                 self._stopping = True
@@ -337,7 +358,8 @@ class LaneLoop:
         if not self._engine.has_unfinished:
             self._publish()
             return True
-        self._publish()  # before the step: its prefills can take long
+        if ops:  # before the step (its prefills can take long); else nothing changed since the last
+            self._publish()
         try:
             updates = self._engine.step()
         except Exception as exc:  # the engine is unusable now (engine docstring): restart it
@@ -347,6 +369,7 @@ class LaneLoop:
             self._fail_all(exc)
             return True
         now = time.monotonic()
+        emitted: list[tuple[RequestHandle, int]] = []
         for update in updates:
             handle = self._handles.get(update.lane_id)
             if handle is None:
@@ -357,10 +380,12 @@ class LaneLoop:
                 del self._handles[update.lane_id]
                 stop_text = result.text if handle.params.stop else None
                 cached = result.num_cached_tokens
-            if self.metrics is not None and update.new_token_ids:
-                self.metrics.tokens_emitted(handle, len(update.new_token_ids), now)
+            if update.new_token_ids:
+                emitted.append((handle, len(update.new_token_ids)))
             handle.num_emitted += len(update.new_token_ids)
             if update.is_finished:  # released before the client can see its last token
+                if self.metrics is not None and emitted and emitted[-1][0] is handle:
+                    self.metrics.step_emitted([emitted.pop()], now)  # its tokens before its duration
                 self._release(handle, update.finish_reason)
             event = TokenEvent(
                 update.new_token_ids,
@@ -371,6 +396,8 @@ class LaneLoop:
                 logprobs=update.logprobs,
             )
             self._send(handle, event)
+        if self.metrics is not None and emitted:
+            self.metrics.step_emitted(emitted, now)
         self._publish()  # then the tokens go out: a client that read its reply sees this step's counters
         return True
 
@@ -393,14 +420,16 @@ class LaneLoop:
         busy = eng.num_active + eng.num_prefilling
         held = busy + eng.num_waiting
         active = min(held, max(self.max_lanes, busy))
+        m = self.spec_metrics
+        key = (m.rounds_total, m.drafted_tokens_total, m.accepted_tokens_total)
+        if key != self._spec_key:  # rebuilt only after speculative rounds were counted
+            self._spec_key, self._spec_samples = key, tuple(m.samples())
         self.snapshot = LaneSnapshot(
-            num_active=active,
-            num_waiting=self._num_inflight - active,
-            spec_samples=tuple(self.spec_metrics.samples()),
+            num_active=active, num_waiting=self._num_inflight - active, spec_samples=self._spec_samples
         )
         outbox, self._outbox = self._outbox, []
-        for handle, event in outbox:
-            handle._push(event)
+        if outbox:
+            _deliver(outbox)
 
     def _add(self, handle: RequestHandle) -> None:
         if handle.is_abort_requested:

@@ -31,7 +31,8 @@ Each server has its own `CollectorRegistry`, so several servers in one process (
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import bisect
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -152,6 +153,21 @@ class _LiveCollector(Collector):
         yield from families.values()
 
 
+def _observe_n(histogram: Histogram, value: float, count: int) -> None:
+    """`count` observations of `value` (>= 0) in a label-less histogram: its matching bucket and count
+    grow by `count` and its sum by value * count under one lock each (prometheus_client's `Histogram`
+    keeps `_upper_bounds`, `_buckets` and `_sum`; a histogram without them is observed `count` times)."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if count == 1 or bounds is None or buckets is None or total is None:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    buckets[bisect.bisect_left(bounds, value)].inc(count)
+
+
 class ServerMetrics:
     """The server's Prometheus registry (module docstring). Thread-safe (prometheus_client's objects are).
 
@@ -211,16 +227,24 @@ class ServerMetrics:
 
     def tokens_emitted(self, handle: RequestHandle, num_tokens: int, now: float) -> None:
         """A step emitted num_tokens (>= 1) for a request at time now (monotonic seconds)."""
-        self.generation_tokens.inc(num_tokens)
-        if handle.first_token_at is None:
-            handle.first_token_at = now
-            self.ttft.observe(now - handle.arrival)
-        else:
-            assert handle.last_token_at is not None
-            per_token = (now - handle.last_token_at) / num_tokens
-            for _ in range(num_tokens):
-                self.itl.observe(per_token)
-        handle.last_token_at = now
+        self.step_emitted([(handle, num_tokens)], now)
+
+    def step_emitted(self, emitted: Sequence[tuple[RequestHandle, int]], now: float) -> None:
+        """One step emitted tokens for several requests at time now (monotonic seconds): (request, its
+        tokens >= 1) each. The generation counter is incremented once; a request's n inter-token
+        samples (all equal) go into the histogram as one observation of weight n."""
+        total = 0
+        for handle, num_tokens in emitted:
+            total += num_tokens
+            if handle.first_token_at is None:
+                handle.first_token_at = now
+                self.ttft.observe(now - handle.arrival)
+            else:
+                assert handle.last_token_at is not None
+                _observe_n(self.itl, (now - handle.last_token_at) / num_tokens, num_tokens)
+            handle.last_token_at = now
+        if total:
+            self.generation_tokens.inc(total)
 
     def request_finished(self, handle: RequestHandle, finish_reason: str, now: float) -> None:
         """A request that got a lane ended."""
