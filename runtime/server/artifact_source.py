@@ -43,6 +43,7 @@ from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile
 from ignis.runtime.server.checkpoints import build_checkpoint_pool
 from ignis.runtime.server.model import ModelSettings, ServedModel
+from ignis.runtime.server.warmup import warm_up_engine
 
 if TYPE_CHECKING:
     from ignis.runtime.drafters.replay import ReplayOptions
@@ -287,7 +288,7 @@ class ArtifactSource:
             }
             warm_up_static(executor, columns=verify, context=settings.graph_warmup_context, **asks)
             warm_up_static(getattr(drafter, "executor", None), columns=verify)
-            return SpeculativeEngine(
+            engine = SpeculativeEngine(
                 executor,
                 drafter,
                 draft_tokens=spec.draft_tokens if drafter is not None else None,
@@ -301,6 +302,9 @@ class ArtifactSource:
                 metrics=metrics,
                 prefix_cache=cache,
             )
+            if device.type == "cuda":  # a first request as fast as the tenth (runtime/server/warmup.py)
+                warm_up_engine(engine)
+            return engine
 
         log.info(
             "artifact %s: family %s, card %s, device %s, dtype %s",
