@@ -35,7 +35,9 @@ def _executor():  # type: ignore[no-untyped-def]
         tiny = make_tiny_hybrid("qwen3_5", Path(tempfile.mkdtemp()) / "m")
         _EX["ex"] = (tiny.config, tiny.tensors)
     config, tensors = _EX["ex"]
-    return StaticHybridExecutor(config, tensors, device="cpu", dtype=torch.float32, max_lanes=4, max_columns=8)
+    return StaticHybridExecutor(
+        config, tensors, device="cpu", dtype=torch.float32, max_lanes=4, max_columns=8
+    )
 
 
 def test_warm_up_request_leaves_no_trace() -> None:
