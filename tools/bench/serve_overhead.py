@@ -492,7 +492,11 @@ def check_served(server: ServerProcess, prompt: list[int], max_tokens: int, expe
     _, _, ids = asyncio.run(_stream(server.socket, _body(prompt, max_tokens, with_ids=True)))
     if ids != expect_ids:
         first = next((i for i, (a, b) in enumerate(zip(ids, expect_ids, strict=False)) if a != b), None)
-        raise BenchError(f"served token ids differ from in-process ones (first at output position {first})")
+        msg = f"served token ids differ from in-process ones (first at output position {first})"
+        if os.environ.get("IGNIS_BENCH_ALLOW_DIVERGENCE"):  # bf16 on a GPU: a near-tie may flip
+            print(f"warning: {msg}", file=sys.stderr, flush=True)
+            return
+        raise BenchError(msg)
 
 
 def run_served(
