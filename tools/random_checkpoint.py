@@ -152,7 +152,7 @@ _TINY: dict[str, Any] = dict(
 MODELS: dict[str, dict[str, Any]] = {"qwen3_5-27b": _QWEN3_5_27B, "tiny": _TINY}
 
 #: The public Qwen3.5-27B DFlash2 drafter's config.json (z-lab's DFlash2 drafter for the 27B: its
-#: schema and values, as tests/runtime/test_dflash2.py's PUBLIC_27B_CONFIG).
+#: schema and values; tests/runtime/test_dflash2.py holds the drafter's parser to it).
 PUBLIC_27B_DFLASH2: dict[str, Any] = {
     "architectures": ["DFlash2DraftModel"],
     "model_type": "qwen3",

@@ -49,6 +49,7 @@ from ignis.runtime.families import get_family
 from ignis.runtime.sampling import SamplingParams
 from ignis.tools.make_test_drafter import main as make_test_drafter_cli
 from ignis.tools.make_test_drafter import make_dflash2_drafter, random_dflash2_weights, small_dflash2_config
+from ignis.tools.random_checkpoint import PUBLIC_27B_DFLASH2
 
 
 def _load_helper():  # tests/hf_tiny_hybrid.py, by path (tests/ is not a package)
@@ -225,33 +226,8 @@ def _reference_drafts(cfg: DFlash2Config, w, embed, head, taps, anchor: int, k: 
 # ------------------------------------------------------------------------------------------ config
 
 
-PUBLIC_27B_CONFIG = {  # the public Qwen3.8-27B DFlash2 config.json schema and values
-    "architectures": ["DFlash2DraftModel"],
-    "model_type": "qwen3",
-    "hidden_size": 5120,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 17408,
-    "vocab_size": 248320,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 262144,
-    "num_target_layers": 64,
-    "sliding_window": 2048,
-    "is_causal": False,
-    "layer_types": ["sliding_attention"] * 5,
-    "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"},
-    "dflash_config": {
-        "block_size": 8,
-        "conv_group_size": 16,
-        "conv_kernel_size": 2,
-        "mask_token_id": 248070,
-        "selector_rank": 256,
-        "selector_top_k": 16,
-        "target_layer_ids": [5, 19, 33, 47, 61],
-    },
-}
+# the public Qwen3.5-27B DFlash2 config.json schema and values (one copy: the random-checkpoint tool's)
+PUBLIC_27B_CONFIG = PUBLIC_27B_DFLASH2
 
 
 def test_public_config_and_tensor_table() -> None:

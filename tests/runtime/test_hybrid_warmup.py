@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 import torch
@@ -312,27 +311,8 @@ def test_warm_up_static_passes_what_each_warm_up_takes() -> None:
     assert calls == [("full", (), None, False, ())]
 
 
-class _Loaded(Exception):
-    """Raised by `_RecordingSource.load` to stop `ignis-run` before it serves."""
-
-
-class _RecordingSource:
-    name = "rec"
-    aliases: tuple[str, ...] = ()
-    spec_kinds: tuple[str, ...] = ()
-    profile = None
-    settings: ClassVar[list] = []
-
-    def missing_backend_reason(self, backend: str) -> str:
-        return "none here"
-
-    def load(self, settings):  # -> ServedModel; here: record and stop
-        _RecordingSource.settings.append(settings)
-        raise _Loaded
-
-
-def recording_source() -> _RecordingSource:
-    return _RecordingSource()
+# the recording model source of the --graph-warmup-context test (one copy, test_hybrid_graphs')
+from test_hybrid_graphs import _Loaded, _RecordingSource, recording_source  # noqa: E402, F401
 
 
 @pytest.mark.parametrize(("flag", "expect"), [((), None), (("--graph-warmup-context", "2048"), 2048)])
