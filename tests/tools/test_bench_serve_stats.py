@@ -327,3 +327,21 @@ def test_the_table_renders_a_report() -> None:
     table = format_report(report)
     assert "TTFT" in table and "p99" in table and "Tokens per round" in table and "2.500" in table
     json.dumps(report)
+
+
+def test_warmup_variant_shares_no_prefix_with_its_prompt() -> None:
+    """ignis-bench's warm-up request must not leave a prompt checkpoint of the first measured prompt
+    (its TTFT would be a restore): the variant has the same size and a different first token / word."""
+    from ignis.tools.bench.serve.workload import Prompt
+
+    ids = Prompt("random-0", prompt=[5, 9, 2, 7, 3], kind="random")
+    v = ids.warmup_variant()
+    assert v.prompt == [3, 7, 2, 9, 5] and v.kind == "random" and v.id == "warm-up-random-0"
+    text = Prompt("p", prompt="one two three")
+    assert text.warmup_variant().prompt == "three two one"
+    chat = Prompt(
+        "c", messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]
+    )
+    w = chat.warmup_variant()
+    assert w.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "c b a"}]
+    assert chat.messages[-1]["content"] == "a b c"  # the measured prompt is untouched

@@ -266,7 +266,10 @@ async def run_load(
             p.chat_messages()  # a token-id prompt raises DatasetError before anything is sent
     for i in range(cfg.warmup):
         w = await client.stream(
-            path, _body(cfg, model, prompts[i % len(prompts)], i), RequestResult(-1, "w"), 0.0
+            path,
+            _body(cfg, model, prompts[i % len(prompts)].warmup_variant(), i),
+            RequestResult(-1, "w"),
+            0.0,
         )
         if not w.ok:
             raise ServerError(f"the warm-up request failed: {w.error}")

@@ -62,6 +62,21 @@ class Prompt:
             return [{"role": "user", "content": self.prompt}]
         raise DatasetError(f"prompt {self.id!r} is a list of token ids: send it to --endpoint completions")
 
+    def warmup_variant(self) -> Prompt:
+        """A prompt of the same size and kind that shares no prefix with this one (token ids and the
+        last message's words in reverse order), for warm-up requests: a server with prompt
+        checkpoints would otherwise hold this prompt's checkpoint when it is measured, and its TTFT
+        would be a restore, not a prefill."""
+        if isinstance(self.prompt, list):
+            return Prompt(f"warm-up-{self.id}", prompt=self.prompt[::-1], kind=self.kind)
+        if isinstance(self.prompt, str):
+            return Prompt(f"warm-up-{self.id}", prompt=" ".join(self.prompt.split()[::-1]), kind=self.kind)
+        assert self.messages is not None
+        messages = [dict(m) for m in self.messages]
+        last = messages[-1]
+        last["content"] = " ".join(str(last.get("content") or "").split()[::-1])
+        return Prompt(f"warm-up-{self.id}", messages=messages, kind=self.kind)
+
     def completion_prompt(self) -> str | list[int]:
         """The prompt for /v1/completions: the text or ids, or for chat messages their contents joined
         by blank lines (the chat template is the server's and is not applied)."""
