@@ -274,6 +274,14 @@ class _Driver:
 _deferred: list[tuple[Any, ...]] = []
 
 
+def _bytes_of(mm: mmap.mmap) -> torch.Tensor:
+    """A uint8 tensor over a mapping's bytes (no copy; numpy's warning about a read-only buffer is
+    silenced: these views are only read, or written once by `HostPin` before registration)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+
+
 def _capturing() -> bool:
     try:
         return bool(torch.cuda.is_current_stream_capturing())
@@ -576,9 +584,7 @@ class HostPin:
         except (OSError, ValueError) as exc:
             raise PinRefused(f"cannot map {total} bytes for a page-locked copy: {exc}") from None
         self._held.append(mm)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # numpy's view of the writable map
-            base = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+        base = _bytes_of(mm)
         t0 = time.perf_counter()
         views = []
         for (i, t), off in zip(members, offsets, strict=True):
@@ -682,9 +688,7 @@ class HostPin:
                         except OSError:
                             pass  # an older kernel: the driver faults the pages in itself
                 self.populate_seconds += time.perf_counter() - t0
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # a read-only buffer: never written
-                    base = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+                base = _bytes_of(mm)
                 self._register(driver, base.data_ptr(), -(-length // PAGE) * PAGE)
                 bases.append((start, start + length, base))
         finally:
