@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from ignis.tools.bench.serve_overhead import ServerProcess
 
 PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
@@ -41,76 +40,45 @@ PROMPTS = (
 )
 
 
-class _Server:
-    """One `ignis-run` on a Unix socket; `close` stops it with SIGINT."""
-
-    def __init__(self, artifact: str, lanes: int, spec: list[str], log: Path) -> None:
-        self.socket = f"/tmp/ignis-served-backends-{os.getpid()}.sock"
-        Path(self.socket).unlink(missing_ok=True)
-        self._log = log
-        cmd = [sys.executable, "-m", "ignis.runtime.cli", "--artifact", artifact, "--socket", self.socket]
-        self._proc = subprocess.Popen(
-            [*cmd, "--lanes", str(lanes), *spec], stdout=log.open("w"), stderr=subprocess.STDOUT
-        )
-        t0 = time.perf_counter()
-        while True:
-            if self._proc.poll() is not None:
-                raise SystemExit(f"ignis-run exited before serving:\n{log.read_text()[-1500:]}")
-            if time.perf_counter() - t0 > 300:
-                self.close()
-                raise SystemExit(f"ignis-run not ready after 300 s; see {log}")
-            try:
-                if self.client().get("http://ignis/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        self.ready_s = time.perf_counter() - t0
-        self.model = self.client().get("http://ignis/v1/models").json()["data"][0]["id"]
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), timeout=600)
-
-    def ask(self, client: httpx.Client, prompt: str, max_tokens: int) -> tuple[str, int]:
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        }
-        r = client.post("http://ignis/v1/chat/completions", json=body)
-        r.raise_for_status()
-        j = r.json()
-        return j["choices"][0]["message"]["content"], int(j["usage"]["completion_tokens"])
-
-    def speculative_counters(self) -> dict[str, float]:
-        out = {}
-        for line in self.client().get("http://ignis/metrics").text.splitlines():
-            parts = line.split()
-            if line.startswith("ignis_speculative_") and len(parts) == 2 and "total" in parts[0]:
-                out[parts[0]] = float(parts[1])
-        return out
-
-    def close(self) -> None:
-        self._proc.send_signal(signal.SIGINT)
-        try:
-            self._proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        Path(self.socket).unlink(missing_ok=True)
+def _client(server: ServerProcess) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=server.socket), timeout=600)
 
 
-def run_backend(server: _Server, max_tokens: int) -> dict[str, Any]:
+def _ask(client: httpx.Client, model: str, prompt: str, max_tokens: int) -> tuple[str, int]:
+    """One greedy chat request: (text, completion tokens)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    r = client.post("http://ignis/v1/chat/completions", json=body)
+    r.raise_for_status()
+    j = r.json()
+    return j["choices"][0]["message"]["content"], int(j["usage"]["completion_tokens"])
+
+
+def _speculative_counters(server: ServerProcess) -> dict[str, float]:
+    out = {}
+    for line in _client(server).get("http://ignis/metrics").text.splitlines():
+        parts = line.split()
+        if line.startswith("ignis_speculative_") and len(parts) == 2 and "total" in parts[0]:
+            out[parts[0]] = float(parts[1])
+    return out
+
+
+def run_backend(server: ServerProcess, max_tokens: int) -> dict[str, Any]:
     """The 8 prompts from one client, then from 8 at once: texts, tok/s."""
-    client = server.client()
-    server.ask(client, "Hello", max_tokens)  # not timed
+    client = _client(server)
+    model = client.get("http://ignis/v1/models").json()["data"][0]["id"]
+    _ask(client, model, "Hello", max_tokens)  # not timed
     t0 = time.perf_counter()
-    one = [server.ask(client, p, max_tokens) for p in PROMPTS]
+    one = [_ask(client, model, p, max_tokens) for p in PROMPTS]
     t1 = time.perf_counter() - t0
     many: list[tuple[str, int]] = [("", 0)] * len(PROMPTS)
 
     def worker(i: int) -> None:
-        many[i] = server.ask(server.client(), PROMPTS[i], max_tokens)
+        many[i] = _ask(_client(server), model, PROMPTS[i], max_tokens)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(PROMPTS))]
     t0 = time.perf_counter()
@@ -143,12 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = ["--spec-backend", backend]
         if backend == "draft-model":
             spec += ["--spec-draft-model", a.draft_model or a.artifact]
-        server = _Server(a.artifact, a.lanes, spec, a.out / f"server-{backend}.log")
-        try:
+        args = ["--artifact", a.artifact, "--lanes", str(a.lanes), *spec]
+        with ServerProcess(args, dict(os.environ), 300.0, log=a.out / f"server-{backend}.log") as server:
             res = run_backend(server, a.max_tokens)
-            counters = server.speculative_counters()
-        finally:
-            server.close()
+            counters = _speculative_counters(server)
         texts[backend] = (res["texts_1"], res["texts_8"])
         row: dict[str, Any] = {"backend": backend, "ready_s": round(server.ready_s, 1)}
         row |= {"tok_s_1": res["tok_s_1"], "tok_s_8": res["tok_s_8"]}
