@@ -41,7 +41,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -261,28 +260,6 @@ def phase_build(c: _Ctx) -> None:
         _say(f"build: removed {c.ckpt_root} (RAM); --keep-checkpoint keeps it")
 
 
-def _wait_ready(sock: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> float:
-    import httpx
-
-    t0 = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"ignis-run exited (rc {proc.returncode}) before serving; see {log}:\n"
-                + "\n".join(log.read_text().splitlines()[-15:])
-            )
-        if time.perf_counter() - t0 > timeout:
-            raise SystemExit(f"ignis-run not ready after {timeout:.0f} s; see {log}")
-        if sock.exists():
-            try:
-                with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://ignis") as h:
-                    if h.get("/health", timeout=5).status_code == 200:
-                        return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.5)
-
-
 def phase_serve(c: _Ctx, backend: str) -> None:
     if not (c.art / "manifest.json").exists():
         raise SystemExit(f"{backend}: no artifact at {c.art}: run the build phase first (same --art-root)")
@@ -293,81 +270,64 @@ def phase_serve(c: _Ctx, backend: str) -> None:
         if not c.ref.exists():
             raise SystemExit(f"replay: no recorded outputs at {c.ref}: run the off phase first")
         spec += ["--spec-replay", str(c.ref), "--spec-replay-accept", str(c.a.accept)]
-    sock = Path(f"/tmp/ignis-fullsize-{os.getpid()}.sock")
-    sock.unlink(missing_ok=True)
     log = c.out / f"server-{backend}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "ignis.runtime.cli",
-        "--artifact",
-        str(c.art),
-        "--socket",
-        str(sock),
-        "--lanes",
-        str(c.a.lanes),
-        *spec,
-        *c.a.server_arg,
-    ]
-    _say(f"{backend}: ignis-run " + " ".join(cmd[3:]))
-    with log.open("wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-        try:
-            ready = _wait_ready(sock, proc, log, c.a.ready_timeout)
-            _say(f"{backend}: serving after {ready:.0f} s")
-            report, outputs = c.out / f"{backend}.json", c.out / f"{backend}.outputs.jsonl"
-            bench = [
-                sys.executable,
-                "-m",
-                "ignis.tools.bench.serve.cli",
-                "--socket",
-                str(sock),
-                "--endpoint",
-                "completions",
-                "--input-len",
-                str(c.a.input_len),
-                "--max-tokens",
-                str(c.a.max_tokens),
-                "--num-requests",
-                str(c.a.num_requests),
-                "--concurrency",
-                c.a.concurrency,
-                "--warmup",
-                "1",
-                "--no-progress",
-                "--label",
-                f"{backend} ({c.a.model}, {c.a.card})",
-                "--json-out",
-                str(report),
-                "--save-outputs",
-                str(outputs),
-            ]
-            t0 = time.perf_counter()
-            run = subprocess.run(bench, capture_output=True, text=True)
-            (c.out / f"bench-{backend}.log").write_text(run.stdout + run.stderr)
-            _say(f"{backend}: ignis-bench rc {run.returncode} in {time.perf_counter() - t0:.0f} s")
-            if run.returncode != 0:
-                raise SystemExit(f"{backend}: ignis-bench failed; see {c.out / f'bench-{backend}.log'}")
-            data = json.loads(report.read_text())
-            data["server_ready_s"] = ready
-            report.write_text(json.dumps(data, indent=1) + "\n")
-            if backend == "off":
-                shutil.copyfile(outputs, c.ref)
-            if c.a.after_bench:  # e.g. issue 24's agent measurements on the same loaded server
-                env = {**os.environ, "IGNIS_SOCK": str(sock), "IGNIS_BACKEND": backend}
-                _say(f"{backend}: after-bench: {c.a.after_bench}")
-                after = subprocess.run(c.a.after_bench, shell=True, env=env, capture_output=True, text=True)
-                (c.out / f"after-{backend}.log").write_text(after.stdout + after.stderr)
-                print(after.stdout[-6000:], flush=True)
-                _say(f"{backend}: after-bench rc {after.returncode}")
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            sock.unlink(missing_ok=True)
+    args = ["--artifact", str(c.art), "--lanes", str(c.a.lanes), *spec, *c.a.server_arg]
+    _say(f"{backend}: ignis-run " + " ".join(args))
+    from ignis.tools.bench.serve_overhead import BenchError, ServerProcess
+
+    try:
+        server = ServerProcess(args, dict(os.environ), c.a.ready_timeout, log=log)
+    except BenchError as exc:
+        raise SystemExit(f"{backend}: {exc} (log: {log})") from None
+    sock = server.socket
+    with server:
+        ready = server.ready_s
+        _say(f"{backend}: serving after {ready:.0f} s")
+        report, outputs = c.out / f"{backend}.json", c.out / f"{backend}.outputs.jsonl"
+        bench = [
+            sys.executable,
+            "-m",
+            "ignis.tools.bench.serve.cli",
+            "--socket",
+            str(sock),
+            "--endpoint",
+            "completions",
+            "--input-len",
+            str(c.a.input_len),
+            "--max-tokens",
+            str(c.a.max_tokens),
+            "--num-requests",
+            str(c.a.num_requests),
+            "--concurrency",
+            c.a.concurrency,
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--label",
+            f"{backend} ({c.a.model}, {c.a.card})",
+            "--json-out",
+            str(report),
+            "--save-outputs",
+            str(outputs),
+        ]
+        t0 = time.perf_counter()
+        run = subprocess.run(bench, capture_output=True, text=True)
+        (c.out / f"bench-{backend}.log").write_text(run.stdout + run.stderr)
+        _say(f"{backend}: ignis-bench rc {run.returncode} in {time.perf_counter() - t0:.0f} s")
+        if run.returncode != 0:
+            raise SystemExit(f"{backend}: ignis-bench failed; see {c.out / f'bench-{backend}.log'}")
+        data = json.loads(report.read_text())
+        data["server_ready_s"] = ready
+        report.write_text(json.dumps(data, indent=1) + "\n")
+        if backend == "off":
+            shutil.copyfile(outputs, c.ref)
+        if c.a.after_bench:  # e.g. issue 24's agent measurements on the same loaded server
+            env = {**os.environ, "IGNIS_SOCK": str(sock), "IGNIS_BACKEND": backend}
+            _say(f"{backend}: after-bench: {c.a.after_bench}")
+            after = subprocess.run(c.a.after_bench, shell=True, env=env, capture_output=True, text=True)
+            (c.out / f"after-{backend}.log").write_text(after.stdout + after.stderr)
+            print(after.stdout[-6000:], flush=True)
+            _say(f"{backend}: after-bench rc {after.returncode}")
 
 
 def _outputs(path: Path) -> dict[tuple[int, ...], set[tuple[int, ...]]]:
