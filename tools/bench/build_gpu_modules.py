@@ -68,6 +68,16 @@ E2E_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
 E2E_WIDTHS_TILED = (*E2E_WIDTHS, 40, 48, 56, 64)
 
 
+def bundle_library(mods: Path, stem: str, device: object = None) -> Path:
+    """Where a bundle of this script keeps library `stem` (e.g. "gdn_recurrent", "moe_experts") for
+    the arch of CUDA `device` (None: the current one): ``<mods>/<stem>_sm<major><minor>.so``, as
+    `main` names them; the file may not exist."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return mods / f"{stem}_sm{major}{minor}.so"
+
+
 def build_q4_e2e_bundle(
     out: Path, arch: str, route: str = "tiled", shapes: tuple[tuple[int, int], ...] = E2E_SHAPES
 ) -> dict[str, object]:

@@ -173,14 +173,15 @@ def static_kernels(mods: Path | None, dev: torch.device) -> dict[str, Any]:
     `StaticHybridExecutor` arguments (those present for this device's arch)."""
     if mods is None or dev.type != "cuda":
         return {}
-    major, minor = torch.cuda.get_device_capability(dev)
+    from ignis.tools.bench.build_gpu_modules import bundle_library
+
     out: dict[str, Any] = {}
     for arg, stem in (
         ("gdn_module", "gdn_recurrent"),
         ("norms_module", "fused_norms"),
         ("mixers_module", "fused_mixers"),
     ):
-        path = mods / f"{stem}_sm{major}{minor}.so"
+        path = bundle_library(mods, stem, dev)
         if path.exists():
             out[arg] = path
     return out
@@ -453,12 +454,13 @@ def main(argv: list[str] | None = None) -> int:
         from ignis.tools.bench.e2e_gpu import load_compiled
 
         linear = LinearBackend(load_compiled(args.mods))
-        major, minor = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
-        moe_path = args.mods / f"moe_experts_sm{major}{minor}.so"
-        if dev.type == "cuda" and not args.moe_loop and moe_path.exists():
+        if dev.type == "cuda" and not args.moe_loop:
             from ignis.runtime.kernels.moe_experts import MoeExpertsKernel
+            from ignis.tools.bench.build_gpu_modules import bundle_library
 
-            moe_module = MoeExpertsKernel(moe_path)
+            moe_path = bundle_library(args.mods, "moe_experts", dev)
+            if moe_path.exists():
+                moe_module = MoeExpertsKernel(moe_path)
     else:
         from ignis.runtime.linear import torch_linear
 

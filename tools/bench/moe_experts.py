@@ -36,14 +36,13 @@ COLUMNS = ("rows", "distinct_experts", "gate_up_us", "gate_up_GBps", "down_us", 
 
 
 def _module_path(path: Path) -> Path:
-    import torch
+    from ignis.tools.bench.build_gpu_modules import bundle_library
 
     if path.is_file():
         return path
-    major, minor = torch.cuda.get_device_capability()
-    cand = path / f"moe_experts_sm{major}{minor}.so"
+    cand = bundle_library(path, "moe_experts")
     if not cand.exists():
-        raise SystemExit(f"no moe_experts_sm{major}{minor}.so under {path}")
+        raise SystemExit(f"no {cand.name} under {path}")
     return cand
 
 
