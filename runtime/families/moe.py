@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ignis.runtime.linear import LinearFn
 
-__all__ = ["SparseMoeWeights", "SwiGLUWeights", "sparse_moe_block", "swiglu_mlp"]
+__all__ = ["SparseMoeWeights", "SwiGLUWeights", "shared_expert_output", "sparse_moe_block", "swiglu_mlp"]
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,14 @@ def sparse_moe_block(
             rows, slot = torch.where(top_i == expert)
             y = swiglu_mlp(x[rows], weights, linear=linear) * top_w[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
-    shared = swiglu_mlp(x, w.shared_expert, linear=linear) * torch.sigmoid(
+    return out + shared_expert_output(x, w, linear=linear)
+
+
+def shared_expert_output(
+    x: torch.Tensor, w: SparseMoeWeights, *, linear: LinearFn = F.linear
+) -> torch.Tensor:
+    """The always-on expert of a sparse MoE block on x [R, hidden]: ``sigmoid(x W_sg^T) * E_shared(x)``
+    -> [R, hidden] (x's dtype)."""
+    return swiglu_mlp(x, w.shared_expert, linear=linear) * torch.sigmoid(
         linear(x, w.shared_expert_gate, None)
     )
-    return out + shared

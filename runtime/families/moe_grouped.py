@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ignis.runtime.families.moe import SparseMoeWeights, route_top_k, swiglu_mlp
+from ignis.runtime.families.moe import SparseMoeWeights, route_top_k, shared_expert_output
 from ignis.runtime.linear import LinearFn, Q4Weight, torch_linear
 
 __all__ = ["GroupedExperts", "grouped_moe_block", "load_expert_stacks", "stack_experts", "use_grouped"]
@@ -183,10 +183,7 @@ def grouped_moe_block(
                 sid = sid_host.pin_memory().to(x.device, non_blocking=True)
             _run_pairs(x, sid, sid_host, route_w, g, y, linear)
     routed = y.sum(dim=1).to(x.dtype)
-    shared = swiglu_mlp(x, w.shared_expert, linear=linear) * torch.sigmoid(
-        linear(x, w.shared_expert_gate, None)
-    )
-    return routed + shared
+    return routed + shared_expert_output(x, w, linear=linear)
 
 
 def _to_host(ids: torch.Tensor) -> torch.Tensor:
