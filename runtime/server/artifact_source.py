@@ -246,6 +246,8 @@ class ArtifactSource:
                 dtype=dtype,
                 linear=linear,
                 moe_module=art.moe_module(dtype) if keep_q4 and on_cuda else None,
+                max_lanes=getattr(executor, "max_lanes", None),  # pooled like the target's lanes
+                max_context=getattr(executor, "max_context", None) or settings.max_context,
             )
 
         eos = tuple(tokenizer.eos_token_ids)
@@ -288,6 +290,7 @@ class ArtifactSource:
             }
             warm_up_static(executor, columns=verify, context=settings.graph_warmup_context, **asks)
             warm_up_static(getattr(drafter, "executor", None), columns=verify)
+            warm_up_static(drafter, columns=verify, context=settings.graph_warmup_context)  # a static head
             engine = SpeculativeEngine(
                 executor,
                 drafter,
