@@ -253,12 +253,13 @@ def _gpu_target(family: str, tmp_path: Path, dtype: torch.dtype, kernel=None) ->
     tiny = make_tiny_hybrid(family, tmp_path / "target")
     make_mtp_drafter(tiny.folder, tmp_path / "with_mtp", seed=5)
     config, tensors = load_mtp_checkpoint(tmp_path / "with_mtp")
-    if kernel is not None:
-        tensors = _q4_experts(tensors)
     dev = torch.device("cuda")
+    # the target (dense experts) only feeds the heads its hidden states
     ex = get_family(config.model_type).make_executor(
         config, canonicalize_moe_tensors(config, tensors), dev, dtype
     )
+    if kernel is not None:
+        tensors = _q4_experts(tensors)
     kw = dict(target_config=config, target_weights=tensors, device=dev, dtype=dtype)
     if kernel is not None:
         kw |= dict(linear=torch_linear, moe_module=kernel)
