@@ -248,6 +248,7 @@ class ArtifactSource:
                 moe_module=art.moe_module(dtype) if keep_q4 and on_cuda else None,
                 max_lanes=getattr(executor, "max_lanes", None),  # pooled like the target's lanes
                 max_context=getattr(executor, "max_context", None) or settings.max_context,
+                cuda_graphs=None if settings.cuda_graphs else False,
             )
 
         eos = tuple(tokenizer.eos_token_ids)
