@@ -542,7 +542,9 @@ class StaticMTPDrafter(MTPDrafter):
         return kv_bucket(needed, self.kv_bucket, self.capacity)
 
     def _run(self, key: tuple[Any, ...], body: Callable[[], dict[str, torch.Tensor]]) -> None:
-        """Run a static shape: eagerly, or replayed from its graph (captured first when new)."""
+        """Run a static shape: eagerly, or replayed from its graph (captured first when new). A capture
+        that fails (a kernel that syncs the host) turns graphs off with a logged warning and runs the
+        shape eagerly."""
         if not self.cuda_graphs:
             body()
             return
@@ -552,7 +554,15 @@ class StaticMTPDrafter(MTPDrafter):
                 self._pool = torch.cuda.graph_pool_handle()
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(device=self.device)
-            entry = capture_round(body, device=self.device, pool=self._pool, stream=self._side_stream)
+            try:
+                entry = capture_round(body, device=self.device, pool=self._pool, stream=self._side_stream)
+            except RuntimeError as exc:  # a kernel the capture cannot hold: the static code, eagerly
+                log.warning("mtp: capturing the head's %s shape failed (%s); graphs off", key[0], exc)
+                self.cuda_graphs = False
+                self._graphs.clear()
+                torch.cuda.synchronize(self.device)
+                body()
+                return
             self._graphs[key] = entry
             self.num_captures += 1
         entry.graph.replay()

@@ -92,7 +92,9 @@ def _assert_same_state(a, b, lane: int, exact: bool = False) -> None:
     (ka, va), (kb, vb) = a.state(lane).keys_values(), b.state(lane).keys_values()
     assert ka.shape == kb.shape and a.state(lane).num_tokens == b.state(lane).num_tokens
     assert a.state(lane).last_token == b.state(lane).last_token
-    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-5)
+    tol: dict = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-5)
+    if not exact and ka.dtype != torch.float32:
+        tol = {}  # the dtype's rounding (torch.testing's defaults)
     torch.testing.assert_close(ka, kb, **tol)
     torch.testing.assert_close(va, vb, **tol)
     torch.testing.assert_close(a.state(lane).last_hidden, b.state(lane).last_hidden, **tol)
@@ -293,7 +295,7 @@ def _graphed_equals_eager(config, ex, kw: dict, *, against_mtp: bool) -> None:
                 for d in drafters[:2]
             )
             for pa, pb in zip(a, b, strict=True):
-                assert torch.equal(pa.draft_probs, pb.draft_probs)
+                torch.testing.assert_close(pa.draft_probs, pb.draft_probs)  # the dtype's rounding
                 assert pa.draft_token_ids.tolist() == pb.draft_token_ids.tolist()
         # a round: lane 0 keeps 1 column, lane 1 two, lane 2 three (the drafts' tokens as inputs)
         spans = []
@@ -311,7 +313,9 @@ def _graphed_equals_eager(config, ex, kw: dict, *, against_mtp: bool) -> None:
         for d in drafters:
             d.commit(spans)
         for i in range(3):
-            _assert_same_state(graphed, plain, i, exact=True)
+            _assert_same_state(graphed, plain, i)
+            if against_mtp:
+                _assert_same_state(graphed, eager, i)
     assert graphed.num_captures == captured and graphed.num_replays > 0  # every shape from warm_up
 
 
