@@ -10,8 +10,9 @@ State (allocated at construction; grown only when every lane slot is taken):
 
 * ``capacity = max_context + 2 * MAX_COLUMNS`` rows per lane, ``max_lanes`` lane slots (MAX_COLUMNS =
   MAX_DRAFT_TOKENS + 1 = 8). Keys and values ``[max_lanes, capacity, kv_heads, head_dim]`` (model
-  dtype; keys after q/k norm and RoPE), and the chained hidden ``[max_lanes, H]``: the head's output
-  (after ``mtp.norm``) at each lane's last committed row. A lane takes a free slot at `start_lane`
+  dtype; keys after q/k norm and RoPE), the chained hidden ``[max_lanes, H]``: the head's output
+  (after ``mtp.norm``) at each lane's last committed row, and the trunk's pre-norm hidden state there
+  ``[max_lanes, H]`` (what a prompt checkpoint keeps). A lane takes a free slot at `start_lane`
   (or `restore_lane`) and gives it back at `end_lane`; with every slot taken the pools double (a
   logged warning; graphs are dropped and recaptured).
 * Row i of a lane pairs the trunk's hidden state at position i with the token committed after it
@@ -126,13 +127,27 @@ class _SlotKV:
 
 
 class _PooledLane(MTPLaneState):
-    """`MTPLaneState` over a lane slot: ``kv`` is a `_SlotKV` and ``last_hidden`` reads and writes the
-    slot's row of the chained-hidden pool (None until the first commit)."""
+    """`MTPLaneState` over a lane slot: ``kv`` is a `_SlotKV`; ``last_hidden`` and ``last_trunk_hidden``
+    read and write the slot's rows of the chained-hidden and trunk-hidden pools (None until the first
+    commit)."""
 
     def __init__(self, owner: StaticMTPDrafter, slot: int) -> None:
         self._owner = owner
         self._has_hidden = False
+        self._has_trunk = False
         super().__init__(_SlotKV(owner, slot))  # type: ignore[arg-type]
+
+    @property  # type: ignore[override]
+    def last_trunk_hidden(self) -> torch.Tensor | None:
+        return self._owner._trunk[self.kv.slot] if self._has_trunk else None  # type: ignore[attr-defined]
+
+    @last_trunk_hidden.setter
+    def last_trunk_hidden(self, value: torch.Tensor | None) -> None:
+        if value is None:
+            self._has_trunk = False
+            return
+        self._owner._trunk[self.kv.slot].copy_(value)  # type: ignore[attr-defined]
+        self._has_trunk = True
 
     @property  # type: ignore[override]
     def last_hidden(self) -> torch.Tensor | None:
@@ -236,10 +251,11 @@ class StaticMTPDrafter(MTPDrafter):
         old = getattr(self, "_k", None)
         keys, values = torch.zeros(shape, device=dev, dtype=dt), torch.zeros(shape, device=dev, dtype=dt)
         hid = torch.zeros(lanes, c.hidden_size, device=dev, dtype=dt)
+        trunk = torch.zeros(lanes, c.hidden_size, device=dev, dtype=dt)
         if old is not None:
             n = old.shape[0]
-            keys[:n], values[:n], hid[:n] = self._k, self._v, self._hid
-        self._k, self._v, self._hid = keys, values, hid
+            keys[:n], values[:n], hid[:n], trunk[:n] = self._k, self._v, self._hid, self._trunk
+        self._k, self._v, self._hid, self._trunk = keys, values, hid, trunk
         rows = lanes * MAX_COLUMNS
         # static inputs: commit ints (ids | positions | slots | last rows), commit hidden rows,
         # propose ints (slots | positions), step tokens / hidden; outputs: drafts, step logits
@@ -365,9 +381,8 @@ class StaticMTPDrafter(MTPDrafter):
             self._run(("commit", L, n, bucket), lambda: self._commit_body(L, n, bucket))
         for lane, s, m in zip(lanes, spans, counts, strict=True):
             lane.kv.length += m
-            lane._has_hidden = True  # type: ignore[attr-defined]
+            lane._has_hidden = lane._has_trunk = True  # type: ignore[attr-defined]
             lane.last_token = int(s.next_token_ids[-1])
-            lane.last_trunk_hidden = s.hidden_states[-1].to(device=self.device, dtype=self.dtype).clone()  # type: ignore[index]
 
     def _commit_body(self, lanes: int, n: int, bucket: int) -> dict[str, torch.Tensor]:
         """Static commit over the input buffers (module docstring): no host syncs, capture-safe."""
@@ -379,6 +394,7 @@ class StaticMTPDrafter(MTPDrafter):
         x = self.head.input_rows(F.embedding(ids, self.embed_tokens), g)
         out = self._layer(x, pos, slots, bucket)
         self._hid.index_copy_(0, slots, out.index_select(0, last))
+        self._trunk.index_copy_(0, slots, self._commit_hidden[:rows].index_select(0, last))
         return {}
 
     # ---- propose ----

@@ -213,11 +213,22 @@ def test_engine_lanes_join_and_leave(target: Target) -> None:
 
 
 def test_checkpoint_snapshot_and_restore(target: Target) -> None:
+    """Snapshots after a prompt (the eager span path) and after a static commit of two columns equal
+    the eager head's; a restored lane proposes as the eager head's."""
     eager, static = _eager(target), _static(target)
     seq = random_tokens(12, seed=3, vocab=VOCAB)
     h = _hidden(target.ex, seq)
     for d in (eager, static):
         _commit_all(d, 0, seq, h)
+    snap_e, snap_s = eager.snapshot_lane(0, len(seq) - 1), static.snapshot_lane(0, len(seq) - 1)
+    for name in ("keys", "values", "hidden"):
+        torch.testing.assert_close(snap_s.tensors[name], snap_e.tensors[name], rtol=1e-5, atol=1e-5)
+    ext = seq + random_tokens(2, seed=4, vocab=VOCAB)
+    h = _hidden(target.ex, ext)
+    span = CommittedSpan(0, len(seq) - 1, tuple(ext[-3:-1]), tuple(ext[-2:]), hidden_states=h[-3:-1])
+    for d in (eager, static):
+        d.commit([span])
+    seq = ext
     snap_e, snap_s = eager.snapshot_lane(0, len(seq) - 1), static.snapshot_lane(0, len(seq) - 1)
     for name in ("keys", "values", "hidden"):
         torch.testing.assert_close(snap_s.tensors[name], snap_e.tensors[name], rtol=1e-5, atol=1e-5)
