@@ -246,8 +246,10 @@ class ArtifactSource:
                 dtype=dtype,
                 linear=linear,
                 moe_module=art.moe_module(dtype) if keep_q4 and on_cuda else None,
-                max_lanes=getattr(executor, "max_lanes", None),  # pooled like the target's lanes
-                max_context=getattr(executor, "max_context", None) or settings.max_context,
+                # pooled like a static target's lanes and context (an eager target: the eager head)
+                static=None if getattr(executor, "max_context", None) else False,
+                max_lanes=getattr(executor, "max_lanes", None),
+                max_context=getattr(executor, "max_context", None),
                 cuda_graphs=None if settings.cuda_graphs else False,
             )
 
