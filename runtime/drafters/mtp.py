@@ -19,6 +19,10 @@ at t with the embedding of the token committed at t+1), plus o of the last commi
 appends exactly the committed columns' rows; the rows `propose` runs for draft 2..k are written past
 the committed length and never counted, so a rejected draft leaves no trace.
 
+On CUDA the factory (`build_mtp_drafter`) builds `ignis.runtime.drafters.mtp_static.StaticMTPDrafter`:
+this head over pooled lane slots, its verify-round commits and whole greedy proposals replayed from
+CUDA graphs; `MTPDrafter` stays the CPU head and the reference the static one is tested against.
+
 Sources (read to learn, not copied): vLLM `model_executor/models/qwen3_next_mtp.py`
 (`Qwen3NextMultiTokenPredictor.forward`: cat([pre_fc_norm_embedding(embeds),
 pre_fc_norm_hidden(hidden)]) -> fc -> `Qwen3NextDecoderLayer(layer_type="full_attention")` -> norm;
