@@ -40,12 +40,13 @@ Every data-dependent quantity of a shape (slots, positions, tokens, hidden rows,
 is a device tensor in a static input buffer; attention gathers the lanes' rows up to T and masks each
 query row to positions <= its own (one SDPA over [L, kv_heads, rep * n, T] with the query heads of a
 KV head stacked, as `ignis.runtime.families.hybrid_graphs` does). Graphs are captured at load by
-`warm_up` (lane counts 1..max_lanes x commit widths up to the verify width x draft counts 1..k x the
-KV buckets up to a context bound, in free lane slots) and lazily for any other key, all sharing one
-memory pool (`ignis.runtime.families.static_rounds.capture_round`). Graphs are off (the static code
-runs eagerly) off CUDA and for a MoE head whose routing syncs the host (the reference expert loop:
-no compiled grouped kernels, or non-q4 experts); with resident experts and the compiled grouped
-kernels (`ignis.runtime.families.moe_grouped.grouped_moe_block`) the MoE layer is captured too.
+`warm_up` (lane counts 1..max_lanes x every commit width (a short prompt commits as a static shape
+too) x draft counts 1..k x the KV buckets up to a context bound, in free lane slots) and lazily for
+any other key, all sharing one memory pool (`ignis.runtime.families.static_rounds.capture_round`).
+Graphs are off (the static code runs eagerly) off CUDA and for a MoE head whose routing syncs the
+host (the reference expert loop: no compiled grouped kernels, or non-q4 experts); with resident
+experts and the compiled grouped kernels (`ignis.runtime.families.moe_grouped.grouped_moe_block`)
+the MoE layer is captured too.
 
 Numerics equal `MTPDrafter`'s to float rounding: attention is one masked SDPA over the bucket instead
 of one unmasked SDPA per lane over its exact length (float32 logits agree to ~1e-5; tests). Graphed and
@@ -586,10 +587,10 @@ class StaticMTPDrafter(MTPDrafter):
 
     def warm_up(self, *, columns: Sequence[int] = (), context: int | None = None) -> int:
         """Capture, at load, the graph of every static shape the engine's rounds over lanes holding up
-        to `context` tokens can meet: for lane counts 1..max_lanes, the commit widths up to the verify
-        width, the greedy chains of 1..k drafts and the sampled steps, each at the KV buckets up to
-        the one holding `context`. Runs in free lane slots (rows there are scratch): no lane's state
-        changes.
+        to `context` tokens can meet: for lane counts 1..max_lanes, every commit width (verify spans
+        and prompts of at most MAX_COLUMNS tokens), the greedy chains of 1..k drafts and the sampled
+        steps, each at the KV buckets up to the one holding `context`. Runs in free lane slots (rows
+        there are scratch): no lane's state changes.
 
         Args:
             columns: the verify width (draft_tokens + 1) the engine runs; k = max(columns) - 1
@@ -619,7 +620,7 @@ class StaticMTPDrafter(MTPDrafter):
             base.append(self._bucket(2 * base[-1]))
         free = sorted(self._free)
         before = self.num_captures
-        widths = [w for w in self.column_widths if w <= width]
+        widths = self.column_widths
         with torch.inference_mode():
             for L in range(1, self.max_lanes + 1):
                 if L > len(free):
