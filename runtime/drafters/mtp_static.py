@@ -100,6 +100,16 @@ def head_is_capturable(drafter: MTPDrafter) -> bool:
     return True
 
 
+def _params_key(params: Any) -> Any:
+    """A dict key under which lanes share one `logits_to_probs` call: the params when hashable (equal
+    params give equal distributions row by row), else their identity."""
+    try:
+        hash(params)
+    except TypeError:
+        return id(params)
+    return params
+
+
 class _SlotKV:
     """One lane's head KV as rows of the drafter's pools (the `_KV` interface `MTPHead.layer` uses):
     ``keys`` / ``values`` [capacity, kv_heads, head_dim] views of the lane's slot, ``length`` rows
@@ -492,12 +502,18 @@ class StaticMTPDrafter(MTPDrafter):
                 top = logits[greedy].argmax(-1).tolist()
                 for i, t in zip(greedy, top, strict=True):
                     drafts[i].append(int(t))
+            groups: dict[Any, list[int]] = {}  # sampled lanes by their params: one q per group
             for i, r in enumerate(requests):
-                if ks[i] <= j or r.params.is_greedy:
-                    continue
-                q = logits_to_probs(logits[i].clone(), r.params)
-                drafts[i].append(int(torch.multinomial(q.to(r.generator.device), 1, generator=r.generator)))
-                probs[i].append(q)
+                if ks[i] > j and not r.params.is_greedy:
+                    groups.setdefault(_params_key(r.params), []).append(i)
+            for members in groups.values():
+                qs = logits_to_probs(logits[members], requests[members[0]].params)  # rows independent
+                for q, i in zip(qs, members, strict=True):
+                    r = requests[i]
+                    drafts[i].append(
+                        int(torch.multinomial(q.to(r.generator.device), 1, generator=r.generator))
+                    )
+                    probs[i].append(q)
         return [
             DraftProposal(torch.tensor(d, dtype=torch.int64), torch.stack(p) if p else None)
             for d, p in zip(drafts, probs, strict=True)

@@ -119,21 +119,29 @@ def test_greedy_proposals_equal_the_eager_head(target: Target) -> None:
 
 
 def test_sampled_proposals_draw_from_the_same_q(target: Target) -> None:
+    """Two sampled lanes (one q computation for both: equal params) beside a greedy one: each lane's
+    draws and q equal the eager head's (its own generator, seeded alike)."""
     eager, static = _eager(target), _static(target)
-    seqs = [random_tokens(n, seed=40 + n, vocab=VOCAB) for n in (6, 9)]
+    seqs = [random_tokens(n, seed=40 + n, vocab=VOCAB) for n in (6, 9, 4)]
     for lane, seq in enumerate(seqs):
         h = _hidden(target.ex, seq)
         for d in (eager, static):
             _commit_all(d, lane, seq, h)
     hot = SamplingParams(temperature=1.3, top_p=0.9)
     for seed in range(3):
-        # lane 0 sampled, lane 1 greedy in the same round
+
         def reqs(seed: int = seed) -> list:  # each drafter its own generators, seeded alike
-            return [draft_request(0, seqs[0], 4, hot, seed=seed), draft_request(1, seqs[1], 3)]
+            return [
+                draft_request(0, seqs[0], 4, hot, seed=seed),
+                draft_request(1, seqs[1], 3),
+                draft_request(2, seqs[2], 2, SamplingParams(temperature=1.3, top_p=0.9), seed=seed + 10),
+            ]
 
         a, b = eager.propose(reqs()), static.propose(reqs())
-        assert b[0].draft_token_ids.tolist() == a[0].draft_token_ids.tolist()
-        torch.testing.assert_close(b[0].draft_probs, a[0].draft_probs, rtol=1e-5, atol=1e-6)
+        for i in (0, 2):
+            assert b[i].draft_token_ids.tolist() == a[i].draft_token_ids.tolist()
+            torch.testing.assert_close(b[i].draft_probs, a[i].draft_probs, rtol=1e-5, atol=1e-6)
+            assert b[i].draft_probs.shape == (len(b[i].draft_token_ids), VOCAB)
         assert b[1].draft_probs is None and b[1].draft_token_ids.tolist() == a[1].draft_token_ids.tolist()
 
 
