@@ -427,3 +427,70 @@ def _q4_experts(tensors: dict) -> dict:
             )
         out[name] = t
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the server's load (ArtifactSource): a tiny qwen3_5 artifact with its MTP companion
+# ---------------------------------------------------------------------------------------------
+
+
+def _mtp_artifact(root: Path) -> Path:
+    """A tiny `qwen3_5` artifact for the `cpu` card (torch linears) with its MTP companion."""
+    import hf_tiny
+
+    from ignis.compiler import build
+
+    make_tiny_hybrid("qwen3_5", root / "target")
+    hf_tiny.tiny_tokenizer(vocab_size=VOCAB).save_pretrained(root / "target")
+    make_mtp_drafter(root / "target", root / "with_mtp", seed=5)
+    recipe = root / "r.toml"
+    recipe.write_text('name = "tiny-mtp"\n[modules]\nwidths = []\n')
+    res = build.build_artifact(
+        card="cpu", model=root / "with_mtp", recipe=recipe, out=root / "art", progress=False,
+        echo=lambda _line: None,
+    )  # fmt: skip
+    assert res.out is not None
+    return Path(res.out)
+
+
+def _served_outputs(art: Path, device: str, backend: str) -> tuple[list[list[int]], object]:
+    from ignis.runtime.metrics import SpeculativeMetrics
+    from ignis.runtime.profiles import SpecDefaults
+    from ignis.runtime.server.artifact_source import ArtifactSource
+    from ignis.runtime.server.model import ModelSettings
+
+    spec = SpecDefaults("off") if backend == "off" else SpecDefaults("mtp", 3)
+    model = ArtifactSource(art).load(ModelSettings(spec, device=device, max_context=256))
+    try:
+        engine = model.make_engine(3, SpeculativeMetrics())
+        drafter = engine.drafter
+        captured = getattr(drafter, "num_captures", 0)
+        prompts = [random_tokens(n, seed=n, vocab=VOCAB) for n in (5, 19, 33)]
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        outs = [r.output_token_ids for r in engine.generate(prompts, params)]
+        if drafter is not None:
+            assert getattr(drafter, "num_captures", 0) == captured, "a request captured a head graph"
+        return outs, drafter
+    finally:
+        model.close()
+
+
+def test_server_serves_mtp_on_the_cpu(tmp_path: Path) -> None:
+    """The server's MTP route on the CPU (the eager head): spec-on equals spec-off."""
+    art = _mtp_artifact(tmp_path)
+    off, _ = _served_outputs(art, "cpu", "off")
+    on, drafter = _served_outputs(art, "cpu", "mtp")
+    assert type(drafter) is MTPDrafter and on == off
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_server_builds_the_graphed_head_and_captures_it_at_load(tmp_path: Path) -> None:
+    """On CUDA the server builds the static head for the engine's lanes and context, captures its
+    shapes at load (no request captures one) and serves spec-on equal to spec-off."""
+    art = _mtp_artifact(tmp_path)
+    off, _ = _served_outputs(art, "cuda", "off")
+    on, drafter = _served_outputs(art, "cuda", "mtp")
+    assert isinstance(drafter, StaticMTPDrafter) and drafter.cuda_graphs
+    assert drafter.max_lanes == 3 and drafter.max_context == 256 and drafter.num_captures > 0
+    assert on == off
