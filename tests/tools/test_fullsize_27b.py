@@ -2,7 +2,8 @@
 (write, build, off, dflash2, replay, table) on the tiny preset, card cpu, through the shell wrapper.
 
 The table's JSON must hold a row per backend and concurrency, every output equal to speculation
-off's (dflash2 and replay), and the replay drafter's first-position acceptance near 0.885.
+off's (dflash2 and replay), and the replay drafter's first-position acceptance near 0.885. The
+default weights are the confident ones; serving the artifact as the other kind is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def test_every_phase_runs_on_the_tiny_model(tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
-    assert "already holds the tiny checkpoint" in second.stderr
+    assert "already holds the tiny confident checkpoint" in second.stderr
     assert "27B-shaped qwen3_5 at the socket" in second.stdout
     table = json.loads((out / "fullsize_27b.json").read_text())
     rows = {(r["backend"], r["concurrency"]): r for r in table["rows"]}
@@ -49,3 +50,9 @@ def test_every_phase_runs_on_the_tiny_model(tmp_path: Path) -> None:
         assert rows[("off", c)]["tokens_per_round"] == 1.0
         assert "drafter_ms_per_round" in rows[("dflash2", c)]
     assert table["build"]["rc"] == 0 and (tmp_path / "art" / "replay.jsonl").exists()
+    assert table["weights"] == "confident" and table["build"]["weights"] == "confident"
+    other = subprocess.run(  # the plain init's figures never come from the confident artifact
+        ["bash", "tools/bench/fullsize_27b.sh", *args, "--weights", "random", "off"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert other.returncode != 0 and "built from confident weights, not random" in other.stderr

@@ -7,7 +7,12 @@ Phases, in order (each can be its own command; state lives under --ckpt-root / -
 by `place` on the first command and kept in --state for the next ones):
 
 - `write`: a random checkpoint of the public Qwen3.5-27B text config and a DFlash2 drafter of the
-  public 27B drafter's shape (`ignis.tools.random_checkpoint`; ~54 + ~3.5 GB in bf16) into
+  public 27B drafter's shape (`ignis.tools.random_checkpoint`; ~54 + ~3.5 GB in bf16), by default
+  with `--weights confident` (`random_checkpoint.Confident`: the same shapes and compute, so the
+  same throughput, but greedy choices with margins of ~65 nats instead of near-flat logits: greedy
+  outputs do not depend on the verify round's row count, so the replay drafter keeps its recording at
+  8 clients and every backend's outputs can be compared with speculation off's; `--weights random`
+  (or IGNIS_FULLSIZE_WEIGHTS=random) writes the plain init) into
   --ckpt-root: /dev/shm (RAM) when it has room, else /tmp with the artifact in /dev/shm (the GPU
   host's 64 GB disk cannot hold the checkpoint and the ~19 GB artifact together).
 - `rate` (optional, after `write`, before `build` deletes the checkpoint): the weight step's
@@ -15,7 +20,8 @@ by `place` on the first command and kept in --state for the next ones):
   (`ignis.tools.bench.convert_rate`), written to `rate.json`.
 - `build`: `ignis-build --card CARD --drafter ...` into --art-root (disk), the whole vocabulary as
   the shortlist (random weights have no token frequencies); the checkpoint in /dev/shm is then
-  deleted (RAM for serving) unless --keep-checkpoint.
+  deleted (RAM for serving) unless --keep-checkpoint. The artifact root records which weights it was
+  built from (`weights`); the serving phases refuse an artifact of the other kind.
 - `off`, `dflash2`, `replay`: one `ignis-run` each (--lanes, the backend; dflash2 and replay at
   --draft-tokens 7; replay at --accept 0.885 over the outputs `off` recorded) driven by `ignis-bench`
   at --concurrency 1,8 over its Unix socket: --num-requests token-id prompts of --input-len tokens,
@@ -161,9 +167,9 @@ class _Ctx:
 def phase_write(c: _Ctx) -> None:
     from ignis.tools.random_checkpoint import write_random_checkpoint, write_random_dflash2
 
-    done = c.ckpt_root / ".complete"
-    if done.exists() and done.read_text().strip() == c.a.model:
-        _say(f"write: {c.ckpt_root} already holds the {c.a.model} checkpoint and drafter")
+    done, kind = c.ckpt_root / ".complete", f"{c.a.model} {c.a.weights}"
+    if done.exists() and done.read_text().strip() == kind:
+        _say(f"write: {c.ckpt_root} already holds the {kind} checkpoint and drafter")
         return
     need, free = _checkpoint_bytes(c.a.model), _free(c.ckpt_root)
     _say(f"write: {need / 2**30:.1f} GiB into {c.ckpt_root} ({free / 2**30:.1f} GiB free)")
@@ -173,15 +179,18 @@ def phase_write(c: _Ctx) -> None:
             f"{need / 2**30:.1f} GiB: pass --ckpt-root"
         )
     t0 = time.perf_counter()
-    write_random_checkpoint(c.ckpt, model=c.a.model, seed=0, force=True, echo=_say)
+    write_random_checkpoint(
+        c.ckpt, model=c.a.model, seed=0, force=True, echo=_say, confident=c.a.weights == "confident"
+    )
     t1 = time.perf_counter()
     write_random_dflash2(c.ckpt, c.drafter, model=c.a.model, seed=0, force=True, echo=_say)
     t2 = time.perf_counter()
-    done.write_text(c.a.model)
+    done.write_text(kind)
     c.record(
         "write.json",
         {
             "model": c.a.model,
+            "weights": c.a.weights,
             "root": str(c.ckpt_root),
             "bytes": need,
             "checkpoint_s": t1 - t0,
@@ -214,9 +223,15 @@ def phase_build(c: _Ctx) -> None:
     from ignis.runtime.families.base import config_from_hf
     from ignis.tools.random_checkpoint import MODELS
 
-    if not (c.ckpt_root / ".complete").exists():
+    done, kind = c.ckpt_root / ".complete", f"{c.a.model} {c.a.weights}"
+    if not done.exists():
         raise SystemExit(
             f"build: no checkpoint in {c.ckpt_root}: run the write phase first (same --ckpt-root)"
+        )
+    if done.read_text().strip() != kind:
+        raise SystemExit(
+            f"build: {c.ckpt_root} holds a {done.read_text().strip()!r} checkpoint, not {kind!r}: "
+            "run the write phase with the same --weights"
         )
     vocab = int(config_from_hf(MODELS[c.a.model]).vocab_size)
     c.art_root.mkdir(parents=True, exist_ok=True)
@@ -251,9 +266,14 @@ def phase_build(c: _Ctx) -> None:
     tail = (c.out / "build.log").read_text().splitlines()[-8:]
     for line in tail:
         _say("build| " + line)
-    c.record("build.json", {"rc": rc, "seconds": seconds, "card": c.a.card, "log_tail": tail})
+    c.record(
+        "build.json",
+        {"rc": rc, "seconds": seconds, "card": c.a.card, "weights": c.a.weights, "log_tail": tail},
+    )
     if rc != 0:
         raise SystemExit(f"build: ignis-build failed (rc {rc}); see {c.out / 'build.log'}")
+    (c.art_root / "weights").write_text(c.a.weights + "\n")
+    c.ref.unlink(missing_ok=True)  # outputs recorded from another artifact are no reference
     _say(f"build: {seconds:.0f} s; artifact {c.art}")
     if str(c.ckpt_root).startswith("/dev/shm") and not c.a.keep_checkpoint:
         shutil.rmtree(c.ckpt_root, ignore_errors=True)  # RAM back for serving
@@ -263,6 +283,13 @@ def phase_build(c: _Ctx) -> None:
 def phase_serve(c: _Ctx, backend: str) -> None:
     if not (c.art / "manifest.json").exists():
         raise SystemExit(f"{backend}: no artifact at {c.art}: run the build phase first (same --art-root)")
+    marker = c.art_root / "weights"
+    built = marker.read_text().strip() if marker.exists() else "random"  # built before the marker existed
+    if built != c.a.weights:
+        raise SystemExit(
+            f"{backend}: the artifact at {c.art} was built from {built} weights, not {c.a.weights}: "
+            f"pass --weights {built} or run write and build again"
+        )
     spec = ["--spec-backend", backend]
     if backend in ("dflash2", "replay"):
         spec += ["--spec-draft-tokens", str(c.a.draft_tokens)]
@@ -400,7 +427,10 @@ def phase_table(c: _Ctx) -> None:
     for name in ("write.json", "rate.json", "build.json"):
         if (c.out / name).exists():
             meta[name.removesuffix(".json")] = json.loads((c.out / name).read_text())
-    c.record("fullsize_27b.json", {"model": c.a.model, "card": c.a.card, "rows": rows, **meta})
+    c.record(
+        "fullsize_27b.json",
+        {"model": c.a.model, "card": c.a.card, "weights": c.a.weights, "rows": rows, **meta},
+    )
     head = (
         f"{'backend':<8} {'lanes':>5} {'tok/s':>8} {'target':>6} {'lane p50':>8} {'TTFT ms':>8} "
         f"{'ms/tok':>7} {'tok/rnd':>7} {'acc@1':>6} {'ms/rnd':>7} {'drafter':>8} {'=off':>6}"
@@ -410,7 +440,7 @@ def phase_table(c: _Ctx) -> None:
         r0 = rows[0]
         prompt = r0["prompt_tokens_mean"] or 0.0
         shape = f"; {r0['requests']} requests of {prompt:.0f} + {r0['max_tokens']} tokens, greedy"
-    print(f"\n27B-shaped qwen3_5 at the socket ({c.a.model}, card {c.a.card}{shape})")
+    print(f"\n27B-shaped qwen3_5 at the socket ({c.a.model}, {c.a.weights} weights, card {c.a.card}{shape})")
     if "write" in meta:
         w = meta["write"]
         print(
@@ -459,6 +489,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="qwen3_5-27b", choices=["qwen3_5-27b", "tiny"])
     p.add_argument("--card", default="h200")
+    p.add_argument(
+        "--weights",
+        default=os.environ.get("IGNIS_FULLSIZE_WEIGHTS") or "confident",
+        choices=["confident", "random"],
+        help="the checkpoint's values: confident (wide greedy margins, `random_checkpoint.Confident`) "
+        "or random (the plain init); default $IGNIS_FULLSIZE_WEIGHTS or confident",
+    )
     p.add_argument("--ckpt-root", default=None, help="default: /dev/shm when it has room (`place`)")
     p.add_argument("--art-root", default=None, help="default: /tmp (`place`)")
     p.add_argument(
