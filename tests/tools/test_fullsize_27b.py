@@ -3,7 +3,8 @@
 
 The table's JSON must hold a row per backend and concurrency, every output equal to speculation
 off's (dflash2 and replay), and the replay drafter's first-position acceptance near 0.885. The
-default weights are the confident ones; serving the artifact as the other kind is refused.
+default weights are the confident ones; serving the artifact as the other kind is refused. Each
+server also answers the equality prompts (socket_equality): every output equals off's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def test_every_phase_runs_on_the_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["--model", "tiny", "--card", "cpu", "--widths", "", "--ckpt-root", str(tmp_path / "ckpt"),
             "--art-root", str(tmp_path / "art"), "--out", str(out), "--num-requests", "4",
-            "--max-tokens", "32", "--keep-checkpoint"]  # fmt: skip
+            "--max-tokens", "32", "--keep-checkpoint", "--equality-prompts", "2",
+            "--equality-tokens", "16"]  # fmt: skip
     first = subprocess.run(
         ["bash", "tools/bench/fullsize_27b.sh", *args, "write", "build", "off", "replay"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
@@ -51,6 +53,11 @@ def test_every_phase_runs_on_the_tiny_model(tmp_path: Path) -> None:
         assert "drafter_ms_per_round" in rows[("dflash2", c)]
     assert table["build"]["rc"] == 0 and (tmp_path / "art" / "replay.jsonl").exists()
     assert table["weights"] == "confident" and table["build"]["weights"] == "confident"
+    eq = {r["pair"]: r for r in json.loads((out / "socket_equality.json").read_text())["rows"]}
+    assert set(eq) == {"off 8 vs 1 clients"} | {f"{b} vs off at {c} clients" for b in ("dflash2", "replay")
+                                               for c in (1, 8)}  # fmt: skip
+    assert all(r["compared"] == 2 and r["divergent"] == 0 for r in eq.values())
+    assert "greedy outputs at the socket against off" in second.stdout
     other = subprocess.run(  # the plain init's figures never come from the confident artifact
         ["bash", "tools/bench/fullsize_27b.sh", *args, "--weights", "random", "off"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,

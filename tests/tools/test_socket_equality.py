@@ -95,8 +95,8 @@ def test_served_outputs_and_gaps_for_off_and_a_spec_backend(
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "out"
-    chat = se._prompts("chat", 2, 0, 0, 0)
-    ids = se._prompts("ids", 2, 10, 1000, 0)
+    chat = se.make_prompts("chat", 2, 0, 0, 0)
+    ids = se.make_prompts("ids", 2, 10, 1000, 0)
     for backend in ("off", "ngram"):
         args = ["--artifact", str(artifact), "--lanes", "3", "--device", "cpu", "--spec-backend", backend]
         with ServerProcess(args, dict(os.environ), 180.0) as server:
@@ -104,10 +104,10 @@ def test_served_outputs_and_gaps_for_off_and_a_spec_backend(
                 recs = se.collect(
                     server.socket, backend, prompts, clients=[1, 3], max_tokens=12, top_logprobs=3
                 )
-                se._append(out, recs)
+                se.append_records(out, recs)
     assert se.main(["report", "--out", str(out)]) == 0
     assert "greedy outputs at the socket against off" in capsys.readouterr().out
-    records = se._read(out)
+    records = se.read_records(out)
     assert len(records) == 2 * 2 * 2 * 2
     for r in records:  # every reply: 12 ids and one finite gap >= 0 per token, speculation on or off
         assert len(r["output_token_ids"]) == 12 and len(r["gaps"]) == 12

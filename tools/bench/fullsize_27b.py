@@ -27,13 +27,19 @@ by `place` on the first command and kept in --state for the next ones):
   at --concurrency 1,8 over its Unix socket: --num-requests token-id prompts of --input-len tokens,
   --max-tokens each, greedy, EOS ignored. Each writes `<backend>.json` (the bench report),
   `<backend>.outputs.jsonl` (prompt ids -> generated ids) and `server-<backend>.log` under --out.
-  `off` must run before `replay` (its outputs are the replay file, kept in --art-root).
+  `off` must run before `replay` (its outputs are the replay file, kept in --art-root). Then, on the
+  same server, `socket_equality.collect`: --equality-prompts token-id prompts (0: skipped) of
+  --input-len ids, --equality-tokens each, at the same client counts, with top logprobs, into
+  `socket_equality.jsonl` under --out (a backend's earlier records there are replaced).
 - `table`: prints the comparison of every backend measured so far and writes `fullsize_27b.json`:
   per backend and concurrency the output tok/s (all lanes), the median per-request decode tok/s,
   TTFT p50, time per output token, tokens per round and the first draft position's acceptance, the
   round time (time per output token x tokens per round), the issue's target, and how many outputs
   equal speculation off's. The DFlash2 drafter's cost per round is estimated as its round time minus
-  the replay drafter's (both verify 1 + 7 columns; replay drafts cost nothing).
+  the replay drafter's (both verify 1 + 7 columns; replay drafts cost nothing). Then the
+  `socket_equality` report of what was collected (off at 1 vs 8 clients, each backend against off:
+  equal, or equal up to near-ties with off's top-2 logprob gap at each divergence), written to
+  `socket_equality.json`.
 - `all`: every phase in order (hosts without a per-command time limit).
 
 `--model tiny --card cpu` runs the same phases on the toy model (the CPU dry run, tests).
@@ -348,6 +354,8 @@ def phase_serve(c: _Ctx, backend: str) -> None:
         report.write_text(json.dumps(data, indent=1) + "\n")
         if backend == "off":
             shutil.copyfile(outputs, c.ref)
+        if c.a.equality_prompts > 0:
+            _collect_equality(c, str(sock), backend)
         if c.a.after_bench:  # e.g. issue 24's agent measurements on the same loaded server
             env = {**os.environ, "IGNIS_SOCK": str(sock), "IGNIS_BACKEND": backend}
             _say(f"{backend}: after-bench: {c.a.after_bench}")
@@ -355,6 +363,21 @@ def phase_serve(c: _Ctx, backend: str) -> None:
             (c.out / f"after-{backend}.log").write_text(after.stdout + after.stderr)
             print(after.stdout[-6000:], flush=True)
             _say(f"{backend}: after-bench rc {after.returncode}")
+
+
+def _collect_equality(c: _Ctx, sock: str, backend: str) -> None:
+    """Greedy outputs with top logprobs from the running server (`socket_equality.collect`)."""
+    from ignis.tools.bench import socket_equality as se
+
+    prompts = se.make_prompts("ids", c.a.equality_prompts, c.a.input_len, 1000, 1)
+    clients = [int(x) for x in c.a.concurrency.split(",") if x.strip()]
+    t0 = time.perf_counter()
+    records = se.collect(sock, backend, prompts, clients=clients, max_tokens=c.a.equality_tokens)
+    path = c.out / se.RECORDS
+    kept = [r for r in (se.read_records(c.out) if path.exists() else []) if r["label"] != backend]
+    path.unlink(missing_ok=True)
+    se.append_records(c.out, [*kept, *records])
+    _say(f"{backend}: equality records at {clients} client(s) in {time.perf_counter() - t0:.0f} s")
 
 
 def _outputs(path: Path) -> dict[tuple[int, ...], set[tuple[int, ...]]]:
@@ -472,6 +495,13 @@ def phase_table(c: _Ctx) -> None:
         ]
         print(" ".join(cells))
     print(f"(written to {c.out / 'fullsize_27b.json'})")
+    from ignis.tools.bench import socket_equality as se
+
+    if (c.out / se.RECORDS).exists():
+        try:
+            se.write_report(c.out, "off", c.a.equality_threshold)
+        except SystemExit as exc:  # no off records yet
+            _say(f"table: no equality report: {exc}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -516,6 +546,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", type=int, default=7)
     p.add_argument("--accept", type=float, default=0.885)
     p.add_argument("--ready-timeout", type=float, default=420.0)
+    p.add_argument(
+        "--equality-prompts",
+        type=int,
+        default=8,
+        help="token-id prompts sent with top logprobs after each bench (socket_equality; 0: none)",
+    )
+    p.add_argument("--equality-tokens", type=int, default=128, help="tokens per equality prompt")
+    p.add_argument(
+        "--equality-threshold",
+        type=float,
+        default=0.25,
+        help="near-tie gap in nats (socket_equality.DEFAULT_THRESHOLD)",
+    )
     p.add_argument("--rate-params", type=float, default=3e9, help="rate: parameters converted per run")
     p.add_argument(
         "--server-arg", action="append", default=[], help="an extra ignis-run argument (repeatable)"

@@ -54,7 +54,17 @@ from typing import Any
 
 import httpx
 
-__all__ = ["DEFAULT_THRESHOLD", "collect", "compare", "gaps_of_reply", "main"]
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "append_records",
+    "collect",
+    "compare",
+    "gaps_of_reply",
+    "main",
+    "make_prompts",
+    "read_records",
+    "write_report",
+]
 
 #: Gap (nats) below which a divergence is a near-tie (module docstring: two bf16 spacings below 32).
 DEFAULT_THRESHOLD = 0.25
@@ -63,7 +73,9 @@ RECORDS = "socket_equality.jsonl"
 REPORT = "socket_equality.json"
 
 
-def _prompts(kind: str, num: int, input_len: int, vocab_max: int, seed: int) -> list[Any]:
+def make_prompts(kind: str, num: int, input_len: int, vocab_max: int, seed: int) -> list[Any]:
+    """`num` chat prompts (str, `served_backends.PROMPTS`) or token-id prompts of `input_len` ids drawn
+    below `vocab_max` from a `random.Random(seed)`."""
     if kind == "chat":
         from ignis.tools.bench.served_backends import PROMPTS
 
@@ -290,23 +302,30 @@ def print_report(rep: dict[str, Any]) -> None:
         )
 
 
-def _read(out: Path) -> list[dict[str, Any]]:
+def read_records(out: Path) -> list[dict[str, Any]]:
+    """The records collected under `out` (SystemExit when there are none)."""
     path = out / RECORDS
     if not path.exists():
         raise SystemExit(f"no records at {path}: run collect or serve first")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _append(out: Path, records: Sequence[dict[str, Any]]) -> None:
+def append_records(out: Path, records: Sequence[dict[str, Any]]) -> None:
+    """Append `records` to `out`'s records file (JSON lines)."""
     out.mkdir(parents=True, exist_ok=True)
     with (out / RECORDS).open("a") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
 
 
-def _report(out: Path, reference: str, threshold: float) -> dict[str, Any]:
+def write_report(out: Path, reference: str, threshold: float) -> dict[str, Any]:
+    """`compare` the records under `out`, write the JSON report there and print the table.
+
+    Raises:
+        SystemExit: no records, or none of `reference`.
+    """
     try:
-        rep = compare(_read(out), reference=reference, threshold=threshold)
+        rep = compare(read_records(out), reference=reference, threshold=threshold)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     (out / REPORT).write_text(json.dumps(rep, indent=1) + "\n")
@@ -352,15 +371,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.command == "report":
-        _report(a.out, a.reference, a.threshold)
+        write_report(a.out, a.reference, a.threshold)
         return 0
     clients = [int(x) for x in a.clients.split(",") if x.strip()]
-    prompts = _prompts(a.prompts, a.num_prompts, a.input_len, a.vocab_max, a.seed)
+    prompts = make_prompts(a.prompts, a.num_prompts, a.input_len, a.vocab_max, a.seed)
     load = {"clients": clients, "max_tokens": a.max_tokens, "top_logprobs": a.top_logprobs}
     if a.command == "collect":
         if not a.socket or not a.label:
             raise SystemExit("collect needs --socket and --label (or $IGNIS_SOCK and $IGNIS_BACKEND)")
-        _append(a.out, collect(a.socket, a.label, prompts, **load))
+        append_records(a.out, collect(a.socket, a.label, prompts, **load))
         print(f"collected {a.label} at {clients} client(s) into {a.out / RECORDS}")
         return 0
     from ignis.tools.bench.serve_overhead import BenchError, ServerProcess
@@ -379,9 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         except BenchError as exc:
             raise SystemExit(f"{backend}: {exc}") from None
         with server:
-            _append(a.out, collect(server.socket, backend, prompts, **load))
+            append_records(a.out, collect(server.socket, backend, prompts, **load))
         print(f"{backend}: collected (server ready after {server.ready_s:.1f} s)", flush=True)
-    _report(a.out, a.reference, a.threshold)
+    write_report(a.out, a.reference, a.threshold)
     return 0
 
 
