@@ -57,6 +57,10 @@ def test_every_phase_runs_on_the_tiny_model(tmp_path: Path) -> None:
     assert set(eq) == {"off 8 vs 1 clients"} | {f"{b} vs off at {c} clients" for b in ("dflash2", "replay")
                                                for c in (1, 8)}  # fmt: skip
     assert all(r["compared"] == 2 and r["divergent"] == 0 for r in eq.values())
+    from ignis.tools.bench.socket_equality import make_prompts
+
+    replayed = [json.loads(line)["prompt_token_ids"] for line in (tmp_path / "art" / "replay.jsonl").open()]
+    assert all(p in replayed for p in make_prompts("ids", 2, 32, 1000, 1))  # off's equality outputs too
     assert "greedy outputs at the socket against off" in second.stdout
     other = subprocess.run(  # the plain init's figures never come from the confident artifact
         ["bash", "tools/bench/fullsize_27b.sh", *args, "--weights", "random", "off"],

@@ -30,7 +30,8 @@ by `place` on the first command and kept in --state for the next ones):
   `off` must run before `replay` (its outputs are the replay file, kept in --art-root). Then, on the
   same server, `socket_equality.collect`: --equality-prompts token-id prompts (0: skipped) of
   --input-len ids, --equality-tokens each, at the same client counts, with top logprobs, into
-  `socket_equality.jsonl` under --out (a backend's earlier records there are replaced).
+  `socket_equality.jsonl` under --out (a backend's earlier records there are replaced); off's
+  outputs of them at the lowest client count are added to the replay file.
 - `table`: prints the comparison of every backend measured so far and writes `fullsize_27b.json`:
   per backend and concurrency the output tok/s (all lanes), the median per-request decode tok/s,
   TTFT p50, time per output token, tokens per round and the first draft position's acceptance, the
@@ -355,7 +356,14 @@ def phase_serve(c: _Ctx, backend: str) -> None:
         if backend == "off":
             shutil.copyfile(outputs, c.ref)
         if c.a.equality_prompts > 0:
-            _collect_equality(c, str(sock), backend)
+            records = _collect_equality(c, str(sock), backend)
+            if backend == "off":  # the replay drafter gets these prompts' recordings too
+                first = min(r["clients"] for r in records)
+                with c.ref.open("a") as f:
+                    for r in records:
+                        if r["clients"] == first:
+                            row = {"prompt_token_ids": r["prompt"], "output_token_ids": r["output_token_ids"]}
+                            f.write(json.dumps(row) + "\n")
         if c.a.after_bench:  # e.g. issue 24's agent measurements on the same loaded server
             env = {**os.environ, "IGNIS_SOCK": str(sock), "IGNIS_BACKEND": backend}
             _say(f"{backend}: after-bench: {c.a.after_bench}")
@@ -365,8 +373,9 @@ def phase_serve(c: _Ctx, backend: str) -> None:
             _say(f"{backend}: after-bench rc {after.returncode}")
 
 
-def _collect_equality(c: _Ctx, sock: str, backend: str) -> None:
-    """Greedy outputs with top logprobs from the running server (`socket_equality.collect`)."""
+def _collect_equality(c: _Ctx, sock: str, backend: str) -> list[dict[str, Any]]:
+    """Greedy outputs with top logprobs from the running server (`socket_equality.collect`), kept
+    under --out (replacing the backend's earlier ones) and returned."""
     from ignis.tools.bench import socket_equality as se
 
     prompts = se.make_prompts("ids", c.a.equality_prompts, c.a.input_len, 1000, 1)
@@ -378,6 +387,7 @@ def _collect_equality(c: _Ctx, sock: str, backend: str) -> None:
     path.unlink(missing_ok=True)
     se.append_records(c.out, [*kept, *records])
     _say(f"{backend}: equality records at {clients} client(s) in {time.perf_counter() - t0:.0f} s")
+    return records
 
 
 def _outputs(path: Path) -> dict[tuple[int, ...], set[tuple[int, ...]]]:
