@@ -57,7 +57,11 @@ def test_every_phase_runs_on_the_tiny_model(tmp_path: Path) -> None:
     assert set(eq) == {"off 8 vs 1 clients"} | {f"{b} vs off at {c} clients" for b in ("dflash2", "replay")
                                                for c in (1, 8)}  # fmt: skip
     assert all(r["compared"] == 2 and r["divergent"] == 0 for r in eq.values())
-    from ignis.tools.bench.socket_equality import make_prompts
+    from ignis.tools.bench.socket_equality import make_prompts, read_records
+
+    records = read_records(out)  # logprobs from every backend, speculation on too; the confident margins
+    assert {r["label"] for r in records} == {"off", "dflash2", "replay"}
+    assert all(len(r["gaps"]) == 16 and min(r["gaps"]) > 2.0 for r in records)
 
     replayed = [json.loads(line)["prompt_token_ids"] for line in (tmp_path / "art" / "replay.jsonl").open()]
     assert all(p in replayed for p in make_prompts("ids", 2, 32, 1000, 1))  # off's equality outputs too
