@@ -302,8 +302,10 @@ class Confident:
     order, r ~ orthogonal to e_t); every other row is an independent draw, so its logit is
     ~N(0, INIT_STD^2 H) and the largest of V - 1 of them ~ INIT_STD sqrt(2 H ln V). The greedy choice
     is pi(t) with a margin of about INIT_STD (H / sqrt(1 + rho^2) - sqrt(2 H ln V)): ~65 nats at the
-    27B (H 5120, V 248,320, rho 1), ~2.6 at `tiny` (H 256, V 1024); a trained model's confident
-    tokens have a few nats. Greedy output walks the permutation: t, pi(t), pi(pi(t)), ... The other
+    27B (H 5120, V 248,320, rho 1), ~2.4 at `tiny` (H 256, V 1024); a trained model's confident
+    tokens have a few nats. `sublayer_output_rms` over-estimates the attention layers (an upper
+    bound), so the actual rho is below the asked one and the margin a little wider (measured figures:
+    docs/perf/README.md). Greedy output walks the permutation: t, pi(t), pi(pi(t)), ... The other
     logits depend on the context through r (a corrupted state moves them, not the argmax).
 
     Attributes:
