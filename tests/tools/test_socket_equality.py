@@ -72,6 +72,15 @@ def test_a_divergence_passes_only_at_a_near_tie() -> None:
     assert g["positions"] == 8 and g["exact_ties"] == 2 and g["below_threshold"] == 4 and g["min"] == 0.0
     with pytest.raises(ValueError, match="no records of the reference 'off'"):
         se.compare(near)
+    # the same tokens with other gaps (a wrong state the tokens do not show): gap_delta tells
+    moved = [
+        _rec("replay", 8, "a", [1, 2, 3, 4], [3.5, 0.1, 2.0, 0.75]),
+        _rec("replay", 8, "b", [1, 2, 7, 7], [3, 0.1, 9, 9]),
+    ]
+    row = se.compare(off + moved)["rows"][1]
+    assert row["pair"] == "replay vs off at 8 clients" and row["equal"] == 1 and row["divergent"] == 1
+    assert row["gap_delta"] == {"positions": 4 + 2, "p50": 0.0, "p99": 0.75, "max": 0.75}
+    assert ngram["gap_delta"]["max"] == 0.0 and ngram["gap_delta"]["positions"] == 2 + 1
 
 
 @pytest.fixture(scope="module")

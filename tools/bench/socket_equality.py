@@ -20,18 +20,22 @@ sends ``--num-prompts`` token-id prompts of ``--input-len`` ids (seeded, below `
 `report` compares, for each label and client count, every output with the reference's
 (``--reference``, default off) at the same client count, and the reference at 1 client with itself at
 each other count. For each output that differs: the first divergent position i, the reference's gap
-there (and the other side's). A pair is **equal up to near-ties** when every divergence sits at a
+there (and the other side's). Over the positions before any divergence (the same tokens so far),
+the differences of the two sides' gaps (``gap_delta``: p50, p99, max): rounding moves them by a few
+bf16 spacings of the logits; a wrong state (a reused prefix or a rolled-back round that is not what
+a cold run computes) moves them by the spread of the model's logits, even where the tokens agree.
+A pair is **equal up to near-ties** when every divergence sits at a
 reference gap below ``--threshold`` (default 0.25 nats; the gap distribution over every position of
 the reference is printed too, so how often near-ties occur is in view). Writes
 ``<out>/socket_equality.json`` and prints a table.
 
-The threshold. Logits leave the LM head in bf16 (the model dtype) before the float32 log-softmax,
-so a top-2 gap is a multiple of the bf16 spacing of the logits there: 2^-4 in [8, 16), 2^-3 in
-[16, 32). A verify round of another row count runs other GEMM tilings, whose float32 sums differ in
-their last bits; where a sum sits near a bf16 rounding boundary, the logit moves by one spacing, and
-the hidden states' one-spacing moves in earlier layers add a few thousandths relative. So two logits
-at most two spacings apart (0.25 nats for logits below 32) can swap between row counts; a divergence
-at a wider gap is not explained by rounding and is a fault to chase.
+The threshold. Logits leave the LM head in bf16 (the model dtype) before the float32 log-softmax, so a
+top-2 gap is a multiple of the bf16 spacing of the logits there (both in one binade): 2^-4 in [8, 16),
+2^-3 in [16, 32). A verify round of another row count runs other GEMM tilings, whose float32 sums differ
+in their last bits; where a sum sits near a bf16 rounding boundary, the logit moves by one spacing, and
+the hidden states' one-spacing moves in earlier layers add a few thousandths relative. So two logits at
+most two spacings apart (0.25 nats for logits below 32) can swap between row counts; a divergence at a
+wider gap is not explained by rounding and is a fault to chase.
 
 The gap from a completions reply: `top_logprobs` is a {token text: logprob} map, so two top tokens
 that decode to the same text share one key (the later, smaller value kept at the first one's place).
@@ -171,14 +175,18 @@ def collect(
     return out
 
 
-def _quantiles(values: Sequence[float]) -> dict[str, float | None]:
+def _quantiles(values: Sequence[float], *, top: bool = False) -> dict[str, float | None]:
+    """min, p1, p5, p50 of `values` (None each when empty); with `top`: p50, p99, max."""
+    keys = ("p50", "p99", "max") if top else ("min", "p1", "p5", "p50")
     if not values:
-        return {"min": None, "p1": None, "p5": None, "p50": None}
+        return dict.fromkeys(keys)
     v = sorted(values)
 
     def q(x: float) -> float:
         return v[min(len(v) - 1, int(x * len(v)))]
 
+    if top:
+        return {"p50": statistics.median(v), "p99": q(0.99), "max": v[-1]}
     return {"min": v[0], "p1": q(0.01), "p5": q(0.05), "p50": statistics.median(v)}
 
 
@@ -193,15 +201,21 @@ def _pair(
     by_prompt = {_key(r["prompt"]): r for r in ref}
     divergences = []
     equal = 0
+    gap_deltas: list[float] = []
     for g in got:
         r = by_prompt.get(_key(g["prompt"]))
         if r is None:
             continue
         a, b = r["output_token_ids"], g["output_token_ids"]
+        i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        gap_deltas += [  # the same tokens so far: how far the two distributions' top-2 gaps differ
+            abs(x - y)
+            for x, y in zip(r["gaps"][:i], g["gaps"][:i], strict=False)
+            if x is not None and y is not None
+        ]
         if a == b:
             equal += 1
             continue
-        i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         ref_gap = r["gaps"][i] if i < len(r["gaps"]) else None
         got_gap = g["gaps"][i] if i < len(g["gaps"]) else None
         divergences.append(
@@ -224,6 +238,7 @@ def _pair(
         "divergent": len(divergences),
         "equal_up_to_near_ties": compared > 0 and all(d["near_tie"] for d in divergences),
         "widest_divergent_gap": worst,
+        "gap_delta": {"positions": len(gap_deltas), **_quantiles(gap_deltas, top=True)},
         "divergences": divergences,
     }
 
@@ -277,7 +292,7 @@ def print_report(rep: dict[str, Any]) -> None:
     print(
         f"\ngreedy outputs at the socket against {rep['reference']} (near-tie: gap < {rep['threshold']} nats)"
     )
-    print(f"{'pair':<34} {'equal':>7} {'divergent':>9} {'widest gap':>10}  verdict")
+    print(f"{'pair':<34} {'equal':>7} {'divergent':>9} {'widest gap':>10} {'max |dgap|':>10}  verdict")
     for r in rep["rows"]:
         verdict = (
             "equal"
@@ -285,7 +300,10 @@ def print_report(rep: dict[str, Any]) -> None:
             else ("equal up to near-ties" if r["equal_up_to_near_ties"] else "DIVERGES ABOVE THE THRESHOLD")
         )
         ratio = f"{r['equal']}/{r['compared']}"
-        cells = f"{ratio:>7} {r['divergent']:>9} {_fmt(r['widest_divergent_gap']):>10}"
+        cells = (
+            f"{ratio:>7} {r['divergent']:>9} {_fmt(r['widest_divergent_gap']):>10} "
+            f"{_fmt(r['gap_delta']['max']):>10}"
+        )
         print(f"{r['pair']:<34} {cells}  {verdict}")
         for d in r["divergences"]:
             print(
