@@ -54,8 +54,9 @@ def test_every_phase_runs_on_the_tiny_model(tmp_path: Path) -> None:
     assert table["build"]["rc"] == 0 and (tmp_path / "art" / "replay.jsonl").exists()
     assert table["weights"] == "confident" and table["build"]["weights"] == "confident"
     eq = {r["pair"]: r for r in json.loads((out / "socket_equality.json").read_text())["rows"]}
-    assert set(eq) == {"off 8 vs 1 clients"} | {f"{b} vs off at {c} clients" for b in ("dflash2", "replay")
-                                               for c in (1, 8)}  # fmt: skip
+    passes = ((1, ""), (1, " (repeats)"), (8, " (repeats)"))
+    pairs = {f"{b} vs off at {c} clients{r}" for b in ("dflash2", "replay") for c, r in passes}
+    assert set(eq) == {"off repeat vs first at 1 clients", "off 8 vs 1 clients (repeats)"} | pairs
     assert all(r["compared"] == 2 and r["divergent"] == 0 for r in eq.values())
     from ignis.tools.bench.socket_equality import make_prompts, read_records
 

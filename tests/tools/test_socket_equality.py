@@ -4,8 +4,9 @@ reference's top-2 logprob gap where they part.
 Unit checks of the reply parsing (chat's list, completions' text-keyed map with a collision and an
 exact tie) and of the comparison (a divergence at a near-tie passes, one at a wide gap does not).
 End to end on a tiny random qwen3_5 artifact (cpu card): `ignis-run` with speculation off and with
-ngram, chat and token-id prompts at 1 and 3 clients; every reply carries token ids and logprobs
-(speculation on too), the gaps are the model's (one per output token), and the outputs are equal.
+ngram, chat and token-id prompts cold at 1 client, repeated at 1 client (served from the prompt
+checkpoints) and at 3 clients; every reply carries token ids and logprobs (speculation on too), the
+gaps are the model's (one per output token), and the outputs are equal.
 """
 
 from __future__ import annotations
@@ -117,12 +118,30 @@ def test_served_outputs_and_gaps_for_off_and_a_spec_backend(
     assert se.main(["report", "--out", str(out)]) == 0
     assert "greedy outputs at the socket against off" in capsys.readouterr().out
     records = se.read_records(out)
-    assert len(records) == 2 * 2 * 2 * 2
+    assert len(records) == 2 * 2 * 3 * 2  # backends x prompt kinds x passes x prompts
     for r in records:  # every reply: 12 ids and one finite gap >= 0 per token, speculation on or off
         assert len(r["output_token_ids"]) == 12 and len(r["gaps"]) == 12
         assert all(g is not None and g >= 0 for g in r["gaps"])
+        if not r["repeat"] and isinstance(r["prompt"], list):  # a cold prefill: nothing reused
+            assert r["cached_tokens"] == 0
     rep = json.loads((out / "socket_equality.json").read_text())
     rows = {r["pair"]: r for r in rep["rows"]}
-    assert set(rows) == {"off 3 vs 1 clients", "ngram vs off at 1 clients", "ngram vs off at 3 clients"}
+    assert set(rows) == {
+        "off repeat vs first at 1 clients",  # a reused prompt against a cold prefill
+        "off 3 vs 1 clients (repeats)",  # 3-row rounds against 1-row ones
+        "ngram vs off at 1 clients",
+        "ngram vs off at 1 clients (repeats)",
+        "ngram vs off at 3 clients (repeats)",
+    }
     assert all(r["compared"] == 4 and r["divergent"] == 0 for r in rows.values())
+    assert rows["off repeat vs first at 1 clients"]["cached_share"] > 0.8
+    assert rows["ngram vs off at 1 clients"]["cached_share"] < 0.5  # chat prompts share the template
+    assert set(rep["reference_gaps"]) == {"1", "1 repeat", "3 repeat"}
     assert rep["reference_gaps"]["1"]["positions"] == 48
+
+
+def test_the_warm_up_prompt_shares_no_prefix() -> None:
+    prompts = [[0, 5, 6], [1, 5, 6], [3, 9]]
+    warm = se._unrelated(prompts)
+    assert warm[0] not in {p[0] for p in prompts} and len(warm) == 3
+    assert isinstance(se._unrelated(["a prompt"]), str)

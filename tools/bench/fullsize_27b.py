@@ -31,16 +31,16 @@ by `place` on the first command and kept in --state for the next ones):
   same server, `socket_equality.collect`: --equality-prompts token-id prompts (0: skipped) of
   --input-len ids, --equality-tokens each, at the same client counts, with top logprobs, into
   `socket_equality.jsonl` under --out (a backend's earlier records there are replaced); off's
-  outputs of them at the lowest client count are added to the replay file.
+  outputs of its first (cold) pass are added to the replay file.
 - `table`: prints the comparison of every backend measured so far and writes `fullsize_27b.json`:
   per backend and concurrency the output tok/s (all lanes), the median per-request decode tok/s,
   TTFT p50, time per output token, tokens per round and the first draft position's acceptance, the
   round time (time per output token x tokens per round), the issue's target, and how many outputs
   equal speculation off's. The DFlash2 drafter's cost per round is estimated as its round time minus
   the replay drafter's (both verify 1 + 7 columns; replay drafts cost nothing). Then the
-  `socket_equality` report of what was collected (off at 1 vs 8 clients, each backend against off:
-  equal, or equal up to near-ties with off's top-2 logprob gap at each divergence), written to
-  `socket_equality.json`.
+  `socket_equality` report of what was collected (off's repeated prompts against its cold ones, off
+  at 8 vs 1 clients, each backend against off: equal, or equal up to near-ties with off's top-2
+  logprob gap at each divergence), written to `socket_equality.json`.
 - `all`: every phase in order (hosts without a per-command time limit).
 
 `--model tiny --card cpu` runs the same phases on the toy model (the CPU dry run, tests).
@@ -358,10 +358,9 @@ def phase_serve(c: _Ctx, backend: str) -> None:
         if c.a.equality_prompts > 0:
             records = _collect_equality(c, str(sock), backend)
             if backend == "off":  # the replay drafter gets these prompts' recordings too
-                first = min(r["clients"] for r in records)
                 with c.ref.open("a") as f:
                     for r in records:
-                        if r["clients"] == first:
+                        if not r["repeat"]:  # the cold pass (the others repeat its outputs or differ at ties)
                             row = {"prompt_token_ids": r["prompt"], "output_token_ids": r["output_token_ids"]}
                             f.write(json.dumps(row) + "\n")
         if c.a.after_bench:  # e.g. issue 24's agent measurements on the same loaded server

@@ -9,25 +9,28 @@
 ``--draft-model``, default the artifact itself), `collect`s from it, and `report`s. `collect` sends
 the prompts to a running server (e.g. from `fullsize_27b --after-bench`, whose $IGNIS_SOCK and
 $IGNIS_BACKEND it reads by default): greedy, EOS ignored, ``--max-tokens`` each, with
-``logprobs``/``top_logprobs`` (``--top-logprobs``, default 5) and ``return_token_ids``, once per
-``--clients`` value (that many requests in flight at once), and appends one JSON line per request
-to ``<out>/socket_equality.jsonl``: {label, clients, prompt, output_token_ids, logprobs, gaps}, where
-gaps[i] is the top-1 minus top-2 logprob at output position i (nats; None where the reply cannot tell).
-Prompts: ``--prompts chat`` sends `served_backends.PROMPTS` to /v1/chat/completions; ``ids``
-sends ``--num-prompts`` token-id prompts of ``--input-len`` ids (seeded, below ``--vocab-max``) to
-/v1/completions, as `ignis-bench` does.
+``logprobs``/``top_logprobs`` (``--top-logprobs``, default 5) and ``return_token_ids``, in passes
+(`collect`): at the first ``--clients`` value with every prompt new (a cold prefill), the same again
+(a repeat: the server's prompt checkpoints serve what they hold), then at each other value (repeats:
+that many requests in flight at once). One JSON line per request is appended to
+``<out>/socket_equality.jsonl``: {label, clients, repeat, prompt, output_token_ids, logprobs, gaps,
+prompt_tokens, cached_tokens}, where gaps[i] is the top-1 minus top-2 logprob at output position i
+(nats; None where the reply cannot tell). Prompts: ``--prompts chat`` sends
+`served_backends.PROMPTS` to /v1/chat/completions; ``ids`` sends ``--num-prompts`` token-id prompts
+of ``--input-len`` ids (seeded, below ``--vocab-max``) to /v1/completions, as `ignis-bench` does.
 
-`report` compares, for each label and client count, every output with the reference's
-(``--reference``, default off) at the same client count, and the reference at 1 client with itself at
-each other count. For each output that differs: the first divergent position i, the reference's gap
-there (and the other side's). Over the positions before any divergence (the same tokens so far),
-the differences of the two sides' gaps (``gap_delta``: p50, p99, max): rounding moves them by a few
-bf16 spacings of the logits; a wrong state (a reused prefix or a rolled-back round that is not what
-a cold run computes) moves them by the spread of the model's logits, even where the tokens agree.
-A pair is **equal up to near-ties** when every divergence sits at a
-reference gap below ``--threshold`` (default 0.25 nats; the gap distribution over every position of
-the reference is printed too, so how often near-ties occur is in view). Writes
-``<out>/socket_equality.json`` and prints a table.
+`report` compares pairs of passes that differ in one thing: the reference's (``--reference``,
+default off) repeat with its first pass (a reused prompt against a cold prefill), the reference at
+each other client count with its repeat at the first (the rounds' row count), and every other label
+with the reference at the same pass. For each output that differs: the first divergent position i,
+the reference's gap there (and the other side's). Over the positions before any divergence (the same
+tokens so far), the differences of the two sides' gaps (``gap_delta``: p50, p99, max): rounding moves
+them by a few bf16 spacings of the logits; a wrong state (a reused prefix or a rolled-back round that
+is not what a cold run computes) moves them by the spread of the model's logits, even where the tokens
+agree. A pair is **equal up to near-ties** when every divergence sits at a reference gap below
+``--threshold`` (default 0.25 nats); the share of prompt tokens the checkpoints served is given per
+pair, and the reference's gap distribution over every position per pass, so how often near-ties
+occur is in view. Writes ``<out>/socket_equality.json`` and prints a table.
 
 The threshold. Logits leave the LM head in bf16 (the model dtype) before the float32 log-softmax, so a
 top-2 gap is a multiple of the bf16 spacing of the logits there (both in one binade): 2^-4 in [8, 16),
@@ -125,12 +128,32 @@ def _request(client: httpx.Client, prompt: Any, max_tokens: int, top: int) -> di
     r = client.post(path, json={**body, **common})
     if r.status_code != 200:
         raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:300]}")
-    choice = r.json()["choices"][0]
+    reply = r.json()
+    choice = reply["choices"][0]
     chosen, gaps = gaps_of_reply(choice)
     ids = choice.get("token_ids")
     if ids is None or len(ids) != len(chosen):
         raise RuntimeError(f"{path}: the reply's token_ids ({ids!r:.80}) do not match its logprobs")
-    return {"prompt": prompt, "output_token_ids": list(ids), "logprobs": chosen, "gaps": gaps}
+    usage = reply.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {
+        "prompt": prompt,
+        "output_token_ids": list(ids),
+        "logprobs": chosen,
+        "gaps": gaps,
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+        "cached_tokens": int(cached),
+    }
+
+
+def _unrelated(prompts: Sequence[Any]) -> Any:
+    """A prompt of the same kind that starts unlike every one of `prompts` (so that the prompt
+    checkpoints it leaves serve none of them): a chat text, or ids whose first differs from theirs."""
+    if isinstance(prompts[0], str):
+        return "Say hello."
+    firsts = {int(p[0]) for p in prompts if len(p)}
+    first = next(t for t in range(len(firsts) + 1) if t not in firsts)
+    return [first, *prompts[0][1:]]
 
 
 def collect(
@@ -143,8 +166,12 @@ def collect(
     top_logprobs: int = 5,
     timeout: float = 900.0,
 ) -> list[dict[str, Any]]:
-    """The prompts' greedy outputs from the server at `socket`, at each client count (records as in
-    the module docstring, in prompt order per client count).
+    """The prompts' greedy outputs from the server at `socket` (records as in the module docstring,
+    in prompt order per pass), in passes: the first at ``clients[0]`` (every prompt new to the
+    server: a cold prefill), the same again at ``clients[0]`` (``repeat``: the server has seen each
+    prompt, so its prompt checkpoints serve what they hold, `cached_tokens`), then at each other
+    count (repeats too). So a pass differs from the one it is compared with in one thing only: the
+    prompt's reuse, or the rounds' row count.
 
     Raises:
         RuntimeError: a request failed or its reply lacks token ids or logprobs.
@@ -157,10 +184,11 @@ def collect(
             transport=httpx.HTTPTransport(uds=socket), base_url="http://ignis", timeout=timeout
         )
 
-    with client() as c:  # one untimed request first (a served engine's first request warms it)
-        _request(c, prompts[0], min(max_tokens, 4), top_logprobs)
+    with client() as c:  # one untimed request first, sharing no prefix with the prompts
+        _request(c, _unrelated(prompts), min(max_tokens, 4), top_logprobs)
     out: list[dict[str, Any]] = []
-    for n in clients:
+    passes = [(clients[0], False), (clients[0], True), *((n, True) for n in clients[1:])]
+    for n, repeat in passes:
         local = [client() for _ in range(n)]
         try:
             with ThreadPoolExecutor(max_workers=n) as pool:
@@ -168,7 +196,7 @@ def collect(
                     pool.submit(_request, local[i % n], p, max_tokens, top_logprobs)
                     for i, p in enumerate(prompts)
                 ]
-                out += [{"label": label, "clients": n, **f.result()} for f in futures]
+                out += [{"label": label, "clients": n, "repeat": repeat, **f.result()} for f in futures]
         finally:
             for c in local:
                 c.close()
@@ -240,6 +268,7 @@ def _pair(
         "widest_divergent_gap": worst,
         "gap_delta": {"positions": len(gap_deltas), **_quantiles(gap_deltas, top=True)},
         "divergences": divergences,
+        "_got": got,
     }
 
 
@@ -252,30 +281,36 @@ def compare(
     Raises:
         ValueError: no records of `reference`.
     """
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    runs: dict[tuple[str, int, bool], list[dict[str, Any]]] = {}
     for r in records:
-        runs.setdefault((r["label"], int(r["clients"])), []).append(r)
-    ref_counts = sorted(n for label, n in runs if label == reference)
-    if not ref_counts:
+        runs.setdefault((r["label"], int(r["clients"]), bool(r.get("repeat", False))), []).append(r)
+    ref_keys = sorted(k for k in runs if k[0] == reference)
+    if not ref_keys:
         raise ValueError(
             f"no records of the reference {reference!r} (labels: {sorted({k[0] for k in runs})})"
         )
+    base = min(k[1] for k in ref_keys)
     rows = []
-    base = ref_counts[0]
-    for n in ref_counts[1:]:
-        rows.append(
-            _pair(
-                f"{reference} {n} vs {base} clients", runs[(reference, n)], runs[(reference, base)], threshold
-            )
-        )
-    for (label, n), got in sorted(runs.items()):
-        if label != reference and (reference, n) in runs:
-            rows.append(_pair(f"{label} vs {reference} at {n} clients", got, runs[(reference, n)], threshold))
+    for _, n, repeat in ref_keys:
+        if n == base and repeat and (reference, base, False) in runs:  # the prompt's reuse alone
+            name = f"{reference} repeat vs first at {n} clients"
+            rows.append(_pair(name, runs[(reference, n, True)], runs[(reference, n, False)], threshold))
+        elif n != base and (reference, base, repeat) in runs:  # the rounds' row count alone
+            name = f"{reference} {n} vs {base} clients{' (repeats)' if repeat else ''}"
+            rows.append(_pair(name, runs[(reference, n, repeat)], runs[(reference, base, repeat)], threshold))
+    for (label, n, repeat), got in sorted(runs.items()):
+        if label != reference and (reference, n, repeat) in runs:
+            name = f"{label} vs {reference} at {n} clients{' (repeats)' if repeat else ''}"
+            rows.append(_pair(name, got, runs[(reference, n, repeat)], threshold))
+    for row in rows:  # how much of the prompts the checkpoints served, on the pair's `got` side
+        got = row.pop("_got")
+        prompt = sum(int(r.get("prompt_tokens", 0)) for r in got)
+        row["cached_share"] = sum(int(r.get("cached_tokens", 0)) for r in got) / prompt if prompt else None
     gaps = {}
-    for n in ref_counts:
-        values = [g for r in runs[(reference, n)] for g in r["gaps"] if g is not None]
+    for _, n, repeat in ref_keys:
+        values = [g for r in runs[(reference, n, repeat)] for g in r["gaps"] if g is not None]
         below = sum(1 for g in values if g < threshold)
-        gaps[str(n)] = {
+        gaps[f"{n}{' repeat' if repeat else ''}"] = {
             **_quantiles(values),
             "positions": len(values),
             "below_threshold": below,
@@ -292,7 +327,10 @@ def print_report(rep: dict[str, Any]) -> None:
     print(
         f"\ngreedy outputs at the socket against {rep['reference']} (near-tie: gap < {rep['threshold']} nats)"
     )
-    print(f"{'pair':<34} {'equal':>7} {'divergent':>9} {'widest gap':>10} {'max |dgap|':>10}  verdict")
+    print(
+        f"{'pair':<44} {'equal':>7} {'divergent':>9} {'widest gap':>10} {'max |dgap|':>10} "
+        f"{'cached':>6}  verdict"
+    )
     for r in rep["rows"]:
         verdict = (
             "equal"
@@ -302,9 +340,10 @@ def print_report(rep: dict[str, Any]) -> None:
         ratio = f"{r['equal']}/{r['compared']}"
         cells = (
             f"{ratio:>7} {r['divergent']:>9} {_fmt(r['widest_divergent_gap']):>10} "
-            f"{_fmt(r['gap_delta']['max']):>10}"
+            f"{_fmt(r['gap_delta']['max']):>10} "
+            f"{'-' if r['cached_share'] is None else format(r['cached_share'], '.0%'):>6}"
         )
-        print(f"{r['pair']:<34} {cells}  {verdict}")
+        print(f"{r['pair']:<44} {cells}  {verdict}")
         for d in r["divergences"]:
             print(
                 f"    at token {d['position']:>4}: {rep['reference']} {d['reference_token']} (gap "
@@ -314,7 +353,7 @@ def print_report(rep: dict[str, Any]) -> None:
     print(f"{rep['reference']}'s top-1 minus top-2 logprob over every output position:")
     for n, g in rep["reference_gaps"].items():
         print(
-            f"  {n} client(s): {g['positions']} positions, min {_fmt(g['min'])} p1 {_fmt(g['p1'])} "
+            f"  {n}: {g['positions']} positions, min {_fmt(g['min'])} p1 {_fmt(g['p1'])} "
             f"p5 {_fmt(g['p5'])} p50 {_fmt(g['p50'])}; {g['below_threshold']} below the threshold, "
             f"{g['exact_ties']} exact ties"
         )
