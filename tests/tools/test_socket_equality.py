@@ -145,3 +145,14 @@ def test_the_warm_up_prompt_shares_no_prefix() -> None:
     warm = se._unrelated(prompts)
     assert warm[0] not in {p[0] for p in prompts} and len(warm) == 3
     assert isinstance(se._unrelated(["a prompt"]), str)
+
+
+def test_the_cli_refuses_with_a_message(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="off: ConnectError"):
+        se.main(
+            ["collect", "--socket", str(tmp_path / "none.sock"), "--label", "off", "--out", str(tmp_path)]
+        )
+    with pytest.raises(SystemExit, match="no records at"):
+        se.main(["report", "--out", str(tmp_path / "empty")])
+    with pytest.raises(SystemExit, match="--clients: expected"):
+        se.main(["collect", "--socket", "s", "--label", "x", "--clients", "1,a"])

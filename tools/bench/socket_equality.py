@@ -391,6 +391,15 @@ def write_report(out: Path, reference: str, threshold: float) -> dict[str, Any]:
     return rep
 
 
+def _collect_or_exit(
+    socket: str, label: str, prompts: list[Any], load: dict[str, Any]
+) -> list[dict[str, Any]]:
+    try:
+        return collect(socket, label, prompts, **load)
+    except (RuntimeError, ValueError, httpx.HTTPError) as exc:
+        raise SystemExit(f"{label}: {type(exc).__name__}: {exc}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m ignis.tools.bench.socket_equality",
@@ -405,7 +414,7 @@ def _parser() -> argparse.ArgumentParser:
     load = argparse.ArgumentParser(add_help=False)
     load.add_argument("--clients", default="1,8", help="requests in flight at once, comma-separated")
     load.add_argument("--prompts", choices=["chat", "ids"], default="chat")
-    load.add_argument("--num-prompts", type=int, default=8)
+    load.add_argument("--num-prompts", type=int, default=8, help="--prompts chat: at most 8")
     load.add_argument("--input-len", type=int, default=32, help="--prompts ids: ids per prompt")
     load.add_argument("--vocab-max", type=int, default=1000, help="--prompts ids: ids drawn below this")
     load.add_argument("--seed", type=int, default=0)
@@ -430,13 +439,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "report":
         write_report(a.out, a.reference, a.threshold)
         return 0
-    clients = [int(x) for x in a.clients.split(",") if x.strip()]
+    try:
+        clients = [int(x) for x in a.clients.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--clients: expected comma-separated integers, got {a.clients!r}") from None
+    if not clients or min(clients) < 1 or a.num_prompts < 1 or a.max_tokens < 1 or a.top_logprobs < 2:
+        raise SystemExit(
+            "need --clients >= 1 each, --num-prompts >= 1, --max-tokens >= 1, --top-logprobs >= 2"
+        )
     prompts = make_prompts(a.prompts, a.num_prompts, a.input_len, a.vocab_max, a.seed)
     load = {"clients": clients, "max_tokens": a.max_tokens, "top_logprobs": a.top_logprobs}
     if a.command == "collect":
         if not a.socket or not a.label:
             raise SystemExit("collect needs --socket and --label (or $IGNIS_SOCK and $IGNIS_BACKEND)")
-        append_records(a.out, collect(a.socket, a.label, prompts, **load))
+        append_records(a.out, _collect_or_exit(a.socket, a.label, prompts, load))
         print(f"collected {a.label} at {clients} client(s) into {a.out / RECORDS}")
         return 0
     from ignis.tools.bench.serve_overhead import BenchError, ServerProcess
@@ -455,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         except BenchError as exc:
             raise SystemExit(f"{backend}: {exc}") from None
         with server:
-            append_records(a.out, collect(server.socket, backend, prompts, **load))
+            append_records(a.out, _collect_or_exit(server.socket, backend, prompts, load))
         print(f"{backend}: collected (server ready after {server.ready_s:.1f} s)", flush=True)
     write_report(a.out, a.reference, a.threshold)
     return 0
