@@ -429,7 +429,7 @@ def run_command(opts: dict[str, Any]) -> None:
     "--graph-warmup-context",
     type=click.IntRange(min=1),
     metavar="TOKENS",
-    help="Hybrid families (qwen3_5, qwen3_next) with CUDA graphs: capture at load the round shapes of "
+    help="With CUDA graphs (llama, qwen2 and the hybrid families): capture at load the round shapes of "
     "every KV bucket up to this many tokens (a lane's past + the round's columns); rounds past it "
     "capture their shape on first use. Lower it to shorten the load. [default: the whole context]",
 )
