@@ -26,7 +26,12 @@ the host view straight into the slot on a side stream: no CPU memcpy, no wait on
 Where registration is refused (the reason is logged once; `--expert-cache-pin off`) each part goes
 host view -> a pinned staging buffer (a ring of them, allocated at the first such copy, each reused
 only after the event of its last upload has completed: a synchronous CPU memcpy on the engine thread)
--> the slot, as an asynchronous copy on the side stream. Either way the side stream first waits
+-> the slot, as an asynchronous copy on the side stream. With page-locked experts and slots that
+take the stored bytes as they are (no tiling or dequantizing), a group's misses are not torch
+copies at all: their raw host and device addresses, computed once at load
+(`ignis.runtime.expert_transfer.PartTable`), go to the CUDA driver as one batch
+(``cuMemcpyBatchAsync``, `ExpertCache`'s `copies`; ADR 0013), with one wait per distinct
+last-use event and one event for the whole batch. Either way the side stream first waits
 for the event recorded after the slot's previous occupant last ran (so an evicted expert is
 never overwritten while a kernel reads it), and the compute stream waits for the event recorded
 after an expert's own copy just before that expert runs.
@@ -86,12 +91,14 @@ import torch
 import torch.nn.functional as F
 
 from ignis.runtime.errors import ConfigError
+from ignis.runtime.expert_transfer import HostMemmove, PartTable, RoutingBuffers, driver_batch_copy
 from ignis.runtime.families.moe import SwiGLUWeights
 from ignis.runtime.host_pin import HostPin
 from ignis.runtime.kernels.q4_tiled import tiled_shapes
 from ignis.runtime.linear import ROW_MAJOR, TILED, Q4Weight, place_weight
 
 __all__ = [
+    "COPY_PATHS",
     "POLICIES",
     "CacheBudget",
     "ExpertCache",
@@ -115,6 +122,9 @@ _GIB = 1024**3
 #: Bytes a card keeps free beyond the planned buffers (the CUDA context, allocator fragmentation,
 #: cuBLAS workspaces, compiled modules' scratch): subtracted by the profile default.
 DEFAULT_HEADROOM_BYTES = 2 * _GIB
+
+#: `ExpertCache`'s `copies` values.
+COPY_PATHS = ("auto", "torch", "memmove")
 
 #: Pinned staging buffers of the CUDA copy path (each one expert's bytes).
 STAGING_BUFFERS = 16
@@ -334,6 +344,12 @@ class _Copier:
         self._next = 0
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
+        #: the batched copy of a group's misses by raw addresses (`ignis.runtime.expert_transfer`):
+        #: the CUDA driver's on CUDA when the experts are page-locked (set by `ExpertCache`), a
+        #: `HostMemmove` where a CPU caller asks for it; None: torch copies, one miss at a time
+        self.dma: Any = None
+        #: the MoE block's pinned routing buffers (one set per cache)
+        self.routing = RoutingBuffers(device)
 
     def scratch(self, key: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A device buffer for one expert part in transit (row-major, before tiling), one per key:
@@ -404,6 +420,36 @@ class _Copier:
             done = self._staging_done[self._next] = self.stream.record_event()
         self._next = (self._next + 1) % len(self._staging)
         return done
+
+    def copy_batch(
+        self, table: PartTable, misses: Sequence[tuple[int, int]], after: Sequence[Any]
+    ) -> Any:
+        """Copy every (expert, slot) of `misses` with one batched call over `table`'s precomputed
+        addresses (`self.dma`), after the events `after` (the slots' last uses; None entries
+        skipped); on CUDA asynchronously on the side stream. Returns one event that marks the whole
+        batch done (None on the CPU, where it is done on return)."""
+        dst, src, sizes = table.gather([e for e, _ in misses], [s for _, s in misses])
+        if self.stats is not None:
+            self.stats.direct_copies += len(misses)
+        if not self.cuda:
+            self.dma.copy(dst, src, sizes, None)
+            return None
+        seen: set[int] = set()
+        for event in after:
+            if event is not None and id(event) not in seen:
+                seen.add(id(event))
+                self.stream.wait_event(event)
+        self.dma.copy(dst, src, sizes, self.stream.cuda_stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+    def batches(self, table: PartTable | None) -> bool:
+        """Whether misses over `table` go as one batch now: a table, a batched copier, and on CUDA
+        the experts still page-locked (closing the pin sends later misses to the staging ring)."""
+        if table is None or self.dma is None:
+            return False
+        return not self.cuda or (self.pin is not None and self.pin.on)
 
     def wait(self, event: Any) -> None:
         """Make the compute stream wait for `event` (a copy's; no-op for None)."""
@@ -526,6 +572,28 @@ class ExpertSlots:
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self._free = list(range(num_slots))
         self._last_use: list[Any] = [None] * num_slots
+        self._table = self._part_table()
+
+    def _part_table(self) -> PartTable | None:
+        """The raw addresses of every expert's parts and every slot's (`PartTable`), for batched
+        misses: only when a miss is plain bytes into the slot (no layout conversion), the host parts
+        are contiguous CPU tensors and, on CUDA, all page-locked (a DMA reads them); else None."""
+        if self._layouts:
+            return None
+        leaves = [t for parts in self._host_leaves for t in parts]
+        if not all(t.device.type == "cpu" and t.is_contiguous() for t in leaves):
+            return None
+        if self.device.type == "cuda":
+            pin = self._copier.pin
+            if pin is None or not pin.on or not all(pin.covers(t) for t in leaves):
+                return None
+        dst = [[d(slot) for d in self._dst] for slot in range(self.num_slots)]
+        if not all(t.device == self.device or t.device.type == self.device.type for p in dst for t in p):
+            return None
+        try:
+            return PartTable(self._host_leaves, dst)
+        except ValueError:  # a slot view that is not contiguous: torch copies
+            return None
 
     def _build(self, slot: int) -> SwiGLUWeights:
         values: dict[str, Any] = {}
@@ -547,6 +615,16 @@ class ExpertSlots:
     def __getitem__(self, expert: int) -> SwiGLUWeights:
         """Expert `expert`'s host weights (not resident: run experts through `resident_groups`)."""
         return self._host[expert]
+
+    @property
+    def routing(self) -> RoutingBuffers:
+        """The cache's preallocated routing buffers (the grouped MoE block's host round trip)."""
+        return self._copier.routing
+
+    @property
+    def batched(self) -> bool:
+        """Whether this layer's misses go as one batched copy a group (`ignis.runtime.expert_transfer`)."""
+        return self._copier.batches(self._table)
 
     @property
     def resident(self) -> dict[int, int]:
@@ -594,8 +672,11 @@ class ExpertSlots:
         """
         with contextlib.closing(self._groups(experts, rows)) as groups:
             for entries in groups:
+                waited: set[int] = set()
                 for _expert, _slot, ready in entries:
-                    self._copier.wait(ready)
+                    if ready is not None and id(ready) not in waited:  # a batch: one event, one wait
+                        waited.add(id(ready))
+                        self._copier.wait(ready)
                 yield [(expert, slot) for expert, slot, _ready in entries]
 
     def stacks(self) -> tuple[Any, Any]:
@@ -634,25 +715,34 @@ class ExpertSlots:
         for start in range(0, len(experts), self.num_slots):
             group = experts[start : start + self.num_slots]
             pinned = set(group)
-            out: list[tuple[int, int, Any]] = []
+            placed: list[tuple[int, int]] = []
+            misses: list[tuple[int, int]] = []
             for expert in group:
                 slot = self._slot_of.get(expert)
-                ready = None
                 if slot is not None:
                     self._stats.hits += 1
                     self._slot_of.move_to_end(expert)
                 else:
                     slot = self._take_slot(pinned)
-                    ready = self._copier.copy(
+                    self._slot_of[expert] = slot
+                    self._stats.misses += 1
+                    self._stats.bytes_copied += self.expert_bytes
+                    misses.append((expert, slot))
+                placed.append((expert, slot))
+            ready: dict[int, Any] = {}  # expert -> the event of its copy
+            if misses and self._copier.batches(self._table):
+                assert self._table is not None
+                done = self._copier.copy_batch(self._table, misses, [self._last_use[s] for _, s in misses])
+                ready = {e: done for e, _ in misses}
+            else:
+                for expert, slot in misses:  # one torch copy each (layout conversions, staging, CPU)
+                    ready[expert] = self._copier.copy(
                         [dst(slot) for dst in self._dst],
                         self._host_leaves[expert],
                         self._last_use[slot],
                         then=self._convert_into(slot) if self._layouts else None,
                     )
-                    self._slot_of[expert] = slot
-                    self._stats.misses += 1
-                    self._stats.bytes_copied += self.expert_bytes
-                out.append((expert, slot, ready))
+            out = [(expert, slot, ready.get(expert)) for expert, slot in placed]
             try:
                 yield out
             finally:  # also when the caller stops early: the group's kernels may have been issued
@@ -678,8 +768,12 @@ class ExpertSlots:
         return run
 
     def _in_turn(self, entries: list[tuple[int, SwiGLUWeights, Any]]) -> Iterator[tuple[int, SwiGLUWeights]]:
+        waited: set[int] = set()
         for expert, weights, ready in entries:
-            self._copier.wait(ready)
+            if ready is None or id(ready) not in waited:  # a batch's event is waited for once
+                if ready is not None:
+                    waited.add(id(ready))
+                self._copier.wait(ready)
             yield expert, weights
 
     def flush(self) -> None:
@@ -708,9 +802,13 @@ class ExpertCache:
         budget: the plan the slots came from (reported; may be None in tests).
         pin: page-lock the layers' host experts on CUDA (`ignis.runtime.host_pin`): "auto" (fall
             back to the staging ring when refused), "on" (refuse to load instead) or "off".
+        copies: how misses are copied: "auto" (on CUDA with page-locked experts one batched driver
+            call a group of misses, `ignis.runtime.expert_transfer.DriverBatchCopy`; else torch
+            copies, one miss at a time), "torch" (always torch copies) or "memmove" (CPU only: the
+            batched path's address plan run by ``memmove``, `HostMemmove`).
 
     Raises:
-        ValueError: slots_per_layer < 1.
+        ValueError: slots_per_layer < 1, an unknown `copies` or "memmove" off the CPU.
         ConfigError: a bad `pin`, or "on" off CUDA (and later, from `make_layer`, refused).
     """
 
@@ -722,9 +820,15 @@ class ExpertCache:
         stats: ExpertCacheStats | None = None,
         budget: CacheBudget | None = None,
         pin: str = "auto",
+        copies: str = "auto",
     ) -> None:
         if slots_per_layer < 1:
             raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
+        if copies not in COPY_PATHS:
+            raise ValueError(f"copies must be one of {COPY_PATHS}, got {copies!r}")
+        if copies == "memmove" and torch.device(device).type != "cpu":
+            raise ValueError(f"copies='memmove' runs on host memory only, got device {device}")
+        self.copies = copies
         self.slots_per_layer = slots_per_layer
         self.device = torch.device(device)
         self.stats = stats if stats is not None else ExpertCacheStats()
@@ -759,6 +863,10 @@ class ExpertCache:
         host = self.pin.adopt_experts(host)  # page-locked views where registration works (or as given)
         if self._copier is None:
             self._copier = _Copier(self.device, expert_nbytes(host[0]), pin=self.pin, stats=self.stats)
+            if self.copies == "memmove":
+                self._copier.dma = HostMemmove()
+            elif self.copies == "auto" and self.device.type == "cuda" and self.pin.on:
+                self._copier.dma = driver_batch_copy()
         layouts: dict[str, str | torch.dtype] = {}
         for name in _FIELDS:
             part = getattr(host[0], name)

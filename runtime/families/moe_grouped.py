@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -170,33 +171,14 @@ def grouped_moe_block(
         ids = top_i.to(torch.int32)
         _run_pairs(x, ids, ids if not x.is_cuda else None, route_w, g, y, linear)
     else:
-        host = _to_host(top_i)
-        experts = sorted(set(host.reshape(-1).tolist()))
-        for group in g.slots.slot_groups(experts, rows=rows):
-            table = torch.full((len(g.slots),), -1, dtype=torch.int32)
-            table[torch.tensor([e for e, _ in group], dtype=torch.long)] = torch.tensor(
-                [s for _, s in group], dtype=torch.int32
-            )
-            sid_host = table[host]
-            sid = sid_host
-            if x.is_cuda:
-                sid = sid_host.pin_memory().to(x.device, non_blocking=True)
+        routing = g.slots.routing  # preallocated pinned buffers (`RoutingBuffers`)
+        host = routing.to_host(top_i)  # the layer's one host sync
+        experts = np.unique(host).tolist()
+        for i, group in enumerate(g.slots.slot_groups(experts, rows=rows)):
+            sid, sid_host = routing.slot_ids(i, len(g.slots), group, host)
             _run_pairs(x, sid, sid_host, route_w, g, y, linear)
     routed = y.sum(dim=1).to(x.dtype)
     return routed + shared_expert_output(x, w, linear=linear)
-
-
-def _to_host(ids: torch.Tensor) -> torch.Tensor:
-    """ids on the host (int64): on CUDA a non-blocking copy into pinned memory and one wait on its
-    event (the layer's one host sync); a CPU tensor as is."""
-    if not ids.is_cuda:
-        return ids.long()
-    buf = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-    buf.copy_(ids, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return buf.long()
 
 
 def _run_pairs(
