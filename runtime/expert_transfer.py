@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -292,6 +293,8 @@ class RoutingBuffers:
         self._tables_host: torch.Tensor | None = None  # pinned int32 [groups, capacity]
         self._tables_dev: torch.Tensor | None = None  # int32 [groups, capacity]
         self._event: Any = None
+        #: wall seconds the host spent waiting for the routed ids (every layer, since creation)
+        self.wait_seconds = 0.0
 
     def to_host(self, ids: torch.Tensor) -> np.ndarray:
         """`ids` (int64 [R, k], any device) as a host int64 array [R, k]: on CUDA one non-blocking copy
@@ -306,7 +309,9 @@ class RoutingBuffers:
         buf = self._ids_host[:n].view(ids.shape)
         buf.copy_(ids, non_blocking=True)
         self._event.record()
+        t0 = time.perf_counter()
         self._event.synchronize()
+        self.wait_seconds += time.perf_counter() - t0
         return buf.numpy()
 
     def slot_ids(

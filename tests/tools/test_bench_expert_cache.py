@@ -21,6 +21,8 @@ def test_tiny_run_writes_cases(tmp_path: Path, capsys) -> None:
     one = cases[("1slots", "off")]
     assert one["slots_per_layer"] == 1 and one["tokens"] >= 1 and one["MB_per_token"] > 0
     assert 0 <= one["hit_rate"] < 1
+    # host time a round is reported beside the wall time (CPU time of the engine thread)
+    assert 0 < one["host_ms"] and one["copies"] == "torch" and "sync_wait_ms" in one
     assert one["hit_rate_lru"] == one["hit_rate"] and one["hit_rate_belady"] >= one["hit_rate"]
     assert (
         cases[("1slots", "mtp")]["drafts_per_lane"] == 3 and cases[("1slots", "mtp")]["projected_tok_s"] > 0

@@ -32,7 +32,11 @@ the head's reserve comes out of the cache) and per mode:
 * off: speculation off; mtp: the MTP head, 3 drafts, row budget 8; mtp-rows3: 3 drafts, row budget 3;
 
 and per lane count: `--tokens` greedy tokens per lane through `SpeculativeEngine` (random prompts of
-32 tokens, prefill excluded from the timing): measured tok/s, the median step (verify round) time,
+32 tokens, prefill excluded from the timing): measured tok/s (wall time over every round), the median
+step (verify round) time, the median host time a round (`host_ms`: CPU time of the engine thread,
+`time.thread_time`, which counts spin-waiting at the MoE layers' host syncs; `sync_wait_ms`: the wall
+time of those waits a round, so host_ms - sync_wait_ms is the host's own work), the miss copy path
+(`copies`: the batched driver call or torch copies; `--copies torch` forces the latter),
 rounds, expert-cache hit rate, bytes copied per emitted token and per round, the routing's spread
 (distinct experts per layer forward and per layer over the decode) and the hit rates the decode's
 routing trace would get under LRU (a check: equal to the measured rate), LFU and Belady's offline
@@ -349,12 +353,17 @@ def run_case(
     before = dict(cache.stats.snapshot()) if cache is not None else {}
     emitted = 0
     times: list[float] = []
+    cpu: list[float] = []  # the engine thread's CPU time a round (time.thread_time)
+    routing = cache.layers[0].routing if cache is not None and cache.layers else None
+    waited0 = routing.wait_seconds if routing is not None else 0.0
     while engine.has_unfinished:
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         updates = engine.step()
+        c1 = time.thread_time()
         sync()
         times.append(time.perf_counter() - t0)
+        cpu.append(c1 - c0)
         emitted += sum(len(u.new_token_ids) for u in updates)
         if flush and cache is not None:
             cache.flush()
@@ -365,12 +374,22 @@ def run_case(
         "tokens": emitted,
         "tok_s": round(emitted / wall, 2) if wall else 0.0,
         "round_ms": round(statistics.median(times) * 1e3, 2) if times else 0.0,
+        "host_ms": round(statistics.median(cpu) * 1e3, 2) if cpu else 0.0,
     }
+    if routing is not None and times:
+        # wall time the engine thread waited in the MoE layers' host syncs (spin-waiting counts as CPU
+        # time in host_ms: host_ms - sync_wait_ms is the host's own work)
+        res["sync_wait_ms"] = round((routing.wait_seconds - waited0) / len(times) * 1e3, 2)
     if cache is not None:
         after = cache.stats.snapshot()
         res |= {
             "direct_copies": after["direct_copies"] - before["direct_copies"],
             "staged_copies": after["staged_copies"] - before["staged_copies"],
+            "copies": (
+                getattr(cache.layers[0]._copier.dma, "name", "torch")
+                if cache.layers and cache.layers[0].batched
+                else "torch"
+            ),
         }
         hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
         copied = after["bytes_copied"] - before["bytes_copied"]
@@ -426,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--mmap-dir", type=Path, default=Path("/dev/shm") if os.path.isdir("/dev/shm") else None,
         help="directory of the memory-mapped expert file (--host mmap) and of copier_rates' mapped file",
+    )  # fmt: skip
+    ap.add_argument(
+        "--copies", choices=("auto", "torch"), default="auto",
+        help="how the cache copies misses (`ExpertCache`'s copies): auto = one batched driver call a "
+        "group from page-locked experts; torch = one torch copy per part of each miss (the old path)",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args(argv)
@@ -531,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
                     # as the server does (`cache_for_artifact`, auto): every expert fits, no cache
                     print(f"{label}: every routed expert fits: resident, no expert cache", flush=True)
                 else:
-                    cache = ExpertCache(slots, device=dev, pin="off" if args.host == "pageable" else "auto")
+                    pin = "off" if args.host == "pageable" else "auto"
+                    cache = ExpertCache(slots, device=dev, pin=pin, copies=args.copies)
                     if card != -1:
                         cache.stats.trace = []  # every forward's routing (run_case replays it)
             run_weights = weights
@@ -608,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         expert_file.unlink(missing_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
-    cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "hit_rate")
+    cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "host_ms")
+    cols += ("sync_wait_ms", "hit_rate", "copies")
     cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
     cols += ("experts_per_forward", "experts_per_layer_run", "host", "direct_copies", "staged_copies")
     print(" | ".join(cols))
