@@ -50,7 +50,15 @@ import torch.nn.functional as F
 from ignis.runtime.families.moe import SparseMoeWeights, route_top_k, shared_expert_output
 from ignis.runtime.linear import LinearFn, Q4Weight, torch_linear
 
-__all__ = ["GroupedExperts", "grouped_moe_block", "load_expert_stacks", "stack_experts", "use_grouped"]
+__all__ = [
+    "GroupedExperts",
+    "combine_moe_output",
+    "grouped_moe_block",
+    "load_expert_stacks",
+    "run_cached_experts",
+    "stack_experts",
+    "use_grouped",
+]
 
 
 @dataclass(frozen=True)
@@ -171,14 +179,34 @@ def grouped_moe_block(
         ids = top_i.to(torch.int32)
         _run_pairs(x, ids, ids if not x.is_cuda else None, route_w, g, y, linear)
     else:
-        routing = g.slots.routing  # preallocated pinned buffers (`RoutingBuffers`)
-        host = routing.to_host(top_i)  # the layer's one host sync
-        experts = np.unique(host).tolist()
-        for i, group in enumerate(g.slots.slot_groups(experts, rows=rows)):
-            sid, sid_host = routing.slot_ids(i, len(g.slots), group, host)
-            _run_pairs(x, sid, sid_host, route_w, g, y, linear)
-    routed = y.sum(dim=1).to(x.dtype)
-    return routed + shared_expert_output(x, w, linear=linear)
+        host = g.slots.routing.to_host(top_i)  # the layer's one host sync (preallocated pinned buffer)
+        run_cached_experts(x, host, route_w, g, y, linear)
+    return combine_moe_output(y, shared_expert_output(x, w, linear=linear), x.dtype)
+
+
+def combine_moe_output(y: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The block's output from the weighted expert outputs y [R, k, H] float32 and the gated shared
+    expert's output [R, H]: the k outputs summed in float32, cast to `dtype` (x's), plus shared."""
+    return y.sum(dim=1).to(dtype) + shared
+
+
+def run_cached_experts(
+    x: torch.Tensor,
+    host_ids: np.ndarray,
+    route_w: torch.Tensor,
+    g: GroupedExperts,
+    y: torch.Tensor,
+    linear: LinearFn = F.linear,
+) -> None:
+    """The routed experts of a layer with an expert cache, into y [R, k, H] float32: the union of the
+    routed experts (host_ids [R, k] int64, on the host) made resident group by group
+    (`ExpertSlots.slot_groups`), and each group's pairs run with their slot ids (the others masked).
+    x [R, H] and route_w [R, k] float32 on the device; every pair runs exactly once."""
+    routing = g.slots.routing
+    experts = np.unique(host_ids).tolist()
+    for i, group in enumerate(g.slots.slot_groups(experts, rows=x.shape[0])):
+        sid, sid_host = routing.slot_ids(i, len(g.slots), group, host_ids)
+        _run_pairs(x, sid, sid_host, route_w, g, y, linear)
 
 
 def _run_pairs(

@@ -1,0 +1,91 @@
+"""Static rounds of a MoE hybrid with an expert cache split at the MoE syncs
+(`ignis.runtime.families.moe_piecewise`): on the CPU the split runs eagerly (the same pieces the CUDA
+graphs capture), and its rounds equal the resident static executor's bit for bit.
+
+CUDA (marked gpu, in tests/runtime/test_moe_grouped.py):
+`test_cuda_piecewise_cached_rounds_equal_eager_and_resident`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hf_tiny_hybrid import make_tiny_hybrid
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
+
+from ignis.runtime.expert_cache import ExpertCache, ExpertCacheStats
+from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights
+from ignis.runtime.families.moe_grouped import GroupedExperts
+from ignis.runtime.families.moe_piecewise import MoeRoundBuffers, PiecewiseMoe, piecewise_layers
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("num_slots", [1, 2])
+def test_split_static_rounds_equal_resident(family: str, num_slots: int, tmp_path) -> None:
+    """A prompt (chunked static rounds) then verify rounds of 3 lanes: every logit equal to the
+    resident static executor's, lane states equal after commit; each MoE layer of each static round
+    went through the split's host part."""
+    tiny = make_tiny_hybrid(family, tmp_path / family)
+    tensors = tiny.canonical_tensors()
+    kw = dict(max_lanes=4, max_context=256, chunked_prefill=32)
+    ref = StaticHybridExecutor(tiny.config, tensors, **kw)
+    cache = ExpertCache(num_slots, device="cpu")
+    ex = StaticHybridExecutor(tiny.config, tensors, expert_cache=cache, **kw)
+    assert ref._moe_pieces is None and ex._moe_pieces is not None and not ex.piecewise_graphs
+    calls = []
+    real = ex._moe_pieces.experts
+    ex._moe_pieces.experts = lambda w, rows: (calls.append(rows), real(w, rows))[1]  # type: ignore[method-assign]
+    moe_layers = sum(isinstance(layer.mlp, SparseMoeWeights) for layer in ex._layers)
+    g = torch.Generator().manual_seed(3)
+    lanes_ref = [ref.new_lane() for _ in range(3)]
+    lanes = [ex.new_lane() for _ in range(3)]
+    prompts = [torch.tensor([5, 17, 3, 99, 250, 7, 8, 41]), torch.arange(30, 50), torch.tensor([1, 2, 3])]
+    for record, cols in ((False, prompts), (True, None), (True, None), (True, None)):
+        if cols is None:
+            cols = [torch.randint(0, tiny.config.vocab_size, (4,), generator=g) for _ in lanes]
+        want = ref.forward(lanes_ref, cols, record=record)
+        got = ex.forward(lanes, cols, record=record)
+        for a, b in zip(got.logits, want.logits, strict=True):
+            assert torch.equal(a, b)
+        keep = [c.numel() for c in cols] if not record else [1, 4, 2]
+        ref.commit(lanes_ref, keep)
+        ex.commit(lanes, keep)
+    for a, b in zip(lanes, lanes_ref, strict=True):
+        assert a.num_tokens == b.num_tokens
+        for layer in range(tiny.config.num_hidden_layers):
+            if tiny.config.is_full_attention(layer):
+                assert all(torch.equal(x, y) for x, y in zip(a.kv(layer), b.kv(layer), strict=True))
+            else:
+                assert torch.equal(a.recurrent_state(layer), b.recurrent_state(layer))
+    # the prompts (8, 20 and 3 columns) in chunks of 8: 3 lanes x 8, then 1 x 8, then 1 x 4 (the
+    # width holding the last 4); then 3 verify rounds of 3 lanes x 4
+    assert calls == [24] * moe_layers + [8] * moe_layers + [4] * moe_layers + [12] * 3 * moe_layers
+    assert cache.stats.misses > len(cache.layers) * tiny.config.num_experts
+
+
+def test_piecewise_layers_needs_a_cache_on_every_moe_layer() -> None:
+    w = torch.zeros(2, 2)
+    dense = SwiGLUWeights(w, w, w)
+    moe = SparseMoeWeights(w, [dense, dense], dense, w)
+    cached = dataclasses.replace(moe, grouped=GroupedExperts(w, w, slots=object()))
+    resident = dataclasses.replace(moe, grouped=GroupedExperts(w, w))
+    assert piecewise_layers([dense, cached]) and piecewise_layers([cached, cached])
+    assert not piecewise_layers([dense, dense]) and not piecewise_layers([cached, resident])
+    assert not piecewise_layers([cached, moe])
+
+
+def test_quiet_puts_the_counters_back() -> None:
+    stats = ExpertCacheStats()
+    stats.trace = [(0, (1,))]
+    stats.hits, stats.misses = 3, 4
+    buffers = MoeRoundBuffers(2, 4, 1, device=torch.device("cpu"), dtype=torch.float32)
+    pieces = PiecewiseMoe(top_k=1, norm_topk_prob=True, linear=None, buffers=buffers, stats=stats)
+    with pieces.quiet():
+        stats.hits += 10
+        stats.misses += 10
+        stats.forwards += 1
+        stats.trace.append((1, (2,)))
+    assert (stats.hits, stats.misses, stats.forwards, stats.trace) == (3, 4, 0, [(0, (1,))])
