@@ -35,7 +35,8 @@ and per lane count: `--tokens` greedy tokens per lane through `SpeculativeEngine
 32 tokens, prefill excluded from the timing): measured tok/s (wall time over every round), the median
 step (verify round) time, the median host time a round (`host_ms`: CPU time of the engine thread,
 `time.thread_time`, which counts spin-waiting at the MoE layers' host syncs; `sync_wait_ms`: the wall
-time of those waits a round, so host_ms - sync_wait_ms is the host's own work), the miss copy path
+time of those waits a round, so host_ms - sync_wait_ms is the host's own work), tok/s without the
+rounds that captured CUDA graphs of a new round shape (`tok_s_steady`, when any did), the miss copy path
 (`copies`: the batched driver call or torch copies; `--copies torch` forces the latter),
 rounds, expert-cache hit rate, bytes copied per emitted token and per round, the routing's spread
 (distinct experts per layer forward and per layer over the decode) and the hit rates the decode's
@@ -351,20 +352,24 @@ def run_case(
     # decode from the state the real cache had: every earlier case's and this prefill's routing
     start = len(cache.stats.trace) if cache is not None and cache.stats.trace is not None else 0
     before = dict(cache.stats.snapshot()) if cache is not None else {}
-    emitted = 0
+    emitted = steady_tokens = 0
     times: list[float] = []
     cpu: list[float] = []  # the engine thread's CPU time a round (time.thread_time)
+    captured: list[bool] = []  # rounds that captured CUDA graphs (a new round shape)
     routing = cache.layers[0].routing if cache is not None and cache.layers else None
     waited0 = routing.wait_seconds if routing is not None else 0.0
     while engine.has_unfinished:
         sync()
+        graphs = getattr(ex, "num_captures", 0)
         t0, c0 = time.perf_counter(), time.thread_time()
         updates = engine.step()
         c1 = time.thread_time()
         sync()
         times.append(time.perf_counter() - t0)
         cpu.append(c1 - c0)
-        emitted += sum(len(u.new_token_ids) for u in updates)
+        captured.append(getattr(ex, "num_captures", 0) != graphs)
+        emitted += (got := sum(len(u.new_token_ids) for u in updates))
+        steady_tokens += 0 if captured[-1] else got
         if flush and cache is not None:
             cache.flush()
     wall = sum(times)
@@ -376,6 +381,10 @@ def run_case(
         "round_ms": round(statistics.median(times) * 1e3, 2) if times else 0.0,
         "host_ms": round(statistics.median(cpu) * 1e3, 2) if cpu else 0.0,
     }
+    steady = sum(t for t, c in zip(times, captured, strict=True) if not c)
+    if any(captured):  # rounds of a new shape captured their graphs: tok/s without them too
+        res["capture_rounds"] = sum(captured)
+        res["tok_s_steady"] = round(steady_tokens / steady, 2) if steady else 0.0
     if routing is not None and times:
         # wall time the engine thread waited in the MoE layers' host syncs (spin-waiting counts as CPU
         # time in host_ms: host_ms - sync_wait_ms is the host's own work)
@@ -437,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         help="static: StaticHybridExecutor with the bundle's fused kernels (the server's route on CUDA); "
         "eager: HybridExecutor [static]",
     )
+    ap.add_argument(
+        "--no-graphs", action="store_true",
+        help="static executor without CUDA graphs (whole rounds or pieces): its rounds run eagerly",
+    )  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (plumbing check)")
     ap.add_argument(
         "--host", choices=("pageable", "pinned", "mmap"), default="pageable",
@@ -563,15 +576,17 @@ def main(argv: list[str] | None = None) -> int:
             if cache is None:  # every expert resident
                 run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
             if args.executor == "static" and dev.type == "cuda":
-                # the server's route: pooled lanes, the bundle's fused kernels, CUDA graphs when every
-                # expert is resident (an expert cache syncs the host once a layer: eager)
+                # the server's route: pooled lanes, the bundle's fused kernels, CUDA graphs: whole
+                # rounds when every expert is resident, in pieces between the MoE layers' host syncs
+                # with an expert cache (moe_piecewise.py)
                 from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 
                 kernels = static_kernels(args.mods, dev)
                 ex = StaticHybridExecutor(
                     cfg, run_weights, device=dev, dtype=dtype, linear=linear, expert_cache=cache,
                     moe_module=moe_module, max_lanes=max(lanes_list), max_columns=max(8, rows),
-                    max_context=min(args.context, 4096), **kernels,
+                    max_context=min(args.context, 4096), cuda_graphs=False if args.no_graphs else None,
+                    **kernels,
                 )  # fmt: skip
             else:
                 ex = HybridExecutor(
@@ -633,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         expert_file.unlink(missing_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
-    cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "host_ms")
+    cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "tok_s_steady", "projected_tok_s")
+    cols += ("round_ms", "host_ms")
     cols += ("sync_wait_ms", "hit_rate", "copies")
     cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
     cols += ("experts_per_forward", "experts_per_layer_run", "host", "direct_copies", "staged_copies")
