@@ -221,6 +221,13 @@ class ExpertCacheStats:
         #: misses whose parts were copied by DMA from page-locked host memory, and through the ring
         self.direct_copies = 0
         self.staged_copies = 0
+        #: experts copied ahead of their layer's lookup by router lookahead (`ExpertSlots.prefetch`;
+        #: their bytes are in bytes_copied, a later lookup finding them counts a hit)
+        self.prefetches = 0
+        #: router lookahead's recall: experts a lookup needed that the prediction for it named, and
+        #: experts those lookups needed
+        self.lookahead_right = 0
+        self.lookahead_needed = 0
         self._cache: ExpertCache | None = None
         #: when a list: every lookup is appended as (layer index among the MoE layers, experts), the
         #: routing trace `simulate_policy` replays (benchmarks; None: not recorded)
@@ -252,6 +259,12 @@ class ExpertCacheStats:
         return self.hits / n if n else 0.0
 
     @property
+    def lookahead_recall(self) -> float:
+        """lookahead_right / lookahead_needed: the share of the experts lookups needed that router
+        lookahead had predicted (0.0 without lookahead)."""
+        return self.lookahead_right / self.lookahead_needed if self.lookahead_needed else 0.0
+
+    @property
     def bytes_per_row(self) -> float:
         """bytes_copied / rows (0.0 before any forward)."""
         return self.bytes_copied / self.rows if self.rows else 0.0
@@ -276,6 +289,8 @@ class ExpertCacheStats:
             "slots_total": self.slots_total,
             "direct_copies": self.direct_copies,
             "staged_copies": self.staged_copies,
+            "prefetches": self.prefetches,
+            "lookahead_recall": self.lookahead_recall,
             "pinned_host_bytes": self.pinned_host_bytes,
         }
 
@@ -305,6 +320,8 @@ class ExpertCacheStats:
             ("ignis_expert_cache_staged_copies_total", "counter",
              "Expert misses copied through the pinned staging ring (CPU memcpy first).",
              self.staged_copies),
+            ("ignis_expert_cache_prefetches_total", "counter",
+             "Routed experts copied ahead of their layer's lookup by router lookahead.", self.prefetches),
             ("ignis_expert_cache_pinned_host_bytes", "gauge",
              "Bytes of routed experts page-locked in host memory (0: misses use the staging ring).",
              self.pinned_host_bytes),
@@ -572,6 +589,9 @@ class ExpertSlots:
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self._free = list(range(num_slots))
         self._last_use: list[Any] = [None] * num_slots
+        # per slot: the event of a prefetch copy not yet waited for by a lookup (`prefetch`)
+        self._pending: list[Any] = [None] * num_slots
+        self._predicted: set[int] | None = None  # the last prefetch's prediction (recall)
         self._table = self._part_table()
 
     def _part_table(self) -> PartTable | None:
@@ -712,16 +732,23 @@ class ExpertSlots:
         experts = list(experts)
         if self._stats.trace is not None:
             self._stats.trace.append((self.index, tuple(experts)))
+        if self._predicted is not None:  # router lookahead's recall
+            self._stats.lookahead_right += len(self._predicted.intersection(experts))
+            self._stats.lookahead_needed += len(experts)
+            self._predicted = None
         for start in range(0, len(experts), self.num_slots):
             group = experts[start : start + self.num_slots]
             pinned = set(group)
             placed: list[tuple[int, int]] = []
             misses: list[tuple[int, int]] = []
+            ready: dict[int, Any] = {}  # expert -> the event of its copy
             for expert in group:
                 slot = self._slot_of.get(expert)
                 if slot is not None:
                     self._stats.hits += 1
                     self._slot_of.move_to_end(expert)
+                    if self._pending[slot] is not None:  # prefetched: its copy may still run
+                        ready[expert] = self._pending[slot]
                 else:
                     slot = self._take_slot(pinned)
                     self._slot_of[expert] = slot
@@ -729,26 +756,58 @@ class ExpertSlots:
                     self._stats.bytes_copied += self.expert_bytes
                     misses.append((expert, slot))
                 placed.append((expert, slot))
-            ready: dict[int, Any] = {}  # expert -> the event of its copy
-            if misses and self._copier.batches(self._table):
-                assert self._table is not None
-                done = self._copier.copy_batch(self._table, misses, [self._last_use[s] for _, s in misses])
-                ready = {e: done for e, _ in misses}
-            else:
-                for expert, slot in misses:  # one torch copy each (layout conversions, staging, CPU)
-                    ready[expert] = self._copier.copy(
-                        [dst(slot) for dst in self._dst],
-                        self._host_leaves[expert],
-                        self._last_use[slot],
-                        then=self._convert_into(slot) if self._layouts else None,
-                    )
+            ready |= self._copy_in(misses)
             out = [(expert, slot, ready.get(expert)) for expert, slot in placed]
             try:
                 yield out
             finally:  # also when the caller stops early: the group's kernels may have been issued
                 used = self._copier.used()
                 for expert in group:
-                    self._last_use[self._slot_of[expert]] = used
+                    slot = self._slot_of[expert]
+                    self._last_use[slot] = used
+                    self._pending[slot] = None
+
+    def _copy_in(self, misses: Sequence[tuple[int, int]]) -> dict[int, Any]:
+        """Copy each (expert, slot) of `misses` into its slot, after the slot's last use: one batch
+        (`PartTable`) where the copier batches, else one torch copy each (layout conversions, the
+        staging ring, CPU). Returns {expert: the event of its copy (None: done)}."""
+        if not misses:
+            return {}
+        for _, slot in misses:
+            self._pending[slot] = None  # a prefetch into the slot is superseded (same copy stream)
+        if self._copier.batches(self._table):
+            assert self._table is not None
+            done = self._copier.copy_batch(self._table, misses, [self._last_use[s] for _, s in misses])
+            return {e: done for e, _ in misses}
+        return {
+            expert: self._copier.copy(
+                [dst(slot) for dst in self._dst],
+                self._host_leaves[expert],
+                self._last_use[slot],
+                then=self._convert_into(slot) if self._layouts else None,
+            )
+            for expert, slot in misses
+        }
+
+    def prefetch(self, experts: Sequence[int]) -> int:
+        """Router lookahead: copy those of `experts` (distinct; predicted for this layer's next
+        lookup) that no slot holds into slots now, at most `num_slots`, evicting the least recently
+        used others, so that the copies overlap the work before that lookup. A later lookup finding
+        one counts a hit and waits for its copy; the copies count as `prefetches` and their bytes in
+        `bytes_copied`. Returns the experts copied."""
+        self._predicted = set(experts)
+        want = [e for e in experts if e not in self._slot_of][: self.num_slots]
+        pinned = set(want)
+        misses = []
+        for expert in want:
+            slot = self._take_slot(pinned)
+            self._slot_of[expert] = slot
+            misses.append((expert, slot))
+        for expert, event in self._copy_in(misses).items():
+            self._pending[self._slot_of[expert]] = event
+        self._stats.prefetches += len(misses)
+        self._stats.bytes_copied += len(misses) * self.expert_bytes
+        return len(misses)
 
     def _convert_into(self, slot: int) -> Callable[[], None]:
         """Convert every scratch (row-major q4 parts just copied) into `slot`: tiled or dequantized."""
@@ -781,6 +840,7 @@ class ExpertSlots:
         no-cache baseline of the benchmark: every expert copied on demand."""
         self._slot_of.clear()
         self._free = list(range(self.num_slots))
+        self._predicted = None
 
     def _take_slot(self, pinned: set[int]) -> int:
         if self._free:
@@ -802,6 +862,10 @@ class ExpertCache:
         budget: the plan the slots came from (reported; may be None in tests).
         pin: page-lock the layers' host experts on CUDA (`ignis.runtime.host_pin`): "auto" (fall
             back to the staging ring when refused), "on" (refuse to load instead) or "off".
+        lookahead: router lookahead prefetch in static rounds split at the MoE layers
+            (`ignis.runtime.families.moe_piecewise`): each MoE layer's routing also runs the next
+            MoE layer's router on its input and the predicted experts are copied into that layer's
+            slots while the layer computes (`ExpertSlots.prefetch`).
         copies: how misses are copied: "auto" (on CUDA with page-locked experts one batched driver
             call a group of misses, `ignis.runtime.expert_transfer.DriverBatchCopy`; else torch
             copies, one miss at a time), "torch" (always torch copies) or "memmove" (CPU only: the
@@ -821,6 +885,7 @@ class ExpertCache:
         budget: CacheBudget | None = None,
         pin: str = "auto",
         copies: str = "auto",
+        lookahead: bool = False,
     ) -> None:
         if slots_per_layer < 1:
             raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
@@ -829,6 +894,7 @@ class ExpertCache:
         if copies == "memmove" and torch.device(device).type != "cpu":
             raise ValueError(f"copies='memmove' runs on host memory only, got device {device}")
         self.copies = copies
+        self.lookahead = bool(lookahead)
         self.slots_per_layer = slots_per_layer
         self.device = torch.device(device)
         self.stats = stats if stats is not None else ExpertCacheStats()

@@ -120,6 +120,7 @@ round by torch); same rounding points. Long (eager) forwards keep the torch ops.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -418,19 +419,23 @@ class StaticHybridExecutor(HybridExecutor):
     def _make_moe_pieces(self) -> PiecewiseMoe:
         c = self.config
         assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
+        lookahead = bool(self.expert_cache is not None and self.expert_cache.lookahead)
         buffers = MoeRoundBuffers(
             self.max_lanes * self.max_columns,
             c.hidden_size,
             c.num_experts_per_tok,
             device=self.device,
             dtype=self.dtype,
+            lookahead=lookahead,
         )
+        moe = [layer.mlp for layer in self._layers if isinstance(layer.mlp, SparseMoeWeights)]
         return PiecewiseMoe(
             top_k=c.num_experts_per_tok,
             norm_topk_prob=c.norm_topk_prob,
             linear=self.linear,
             buffers=buffers,
             stats=self.expert_cache.stats if self.expert_cache is not None else None,
+            next_layer={id(a): b for a, b in itertools.pairwise(moe)} if lookahead else None,
         )
 
     @property

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ignis.runtime.families.moe import SparseMoeWeights, route_top_k, shared_expert_output
@@ -62,11 +63,22 @@ class MoeRoundBuffers:
     H] (model dtype), the routing weights [rows, k] float32, the routed ids [rows, k] int64 and the
     expert outputs y [rows, k, H] float32, on `device`."""
 
-    def __init__(self, rows: int, hidden: int, top_k: int, *, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        rows: int,
+        hidden: int,
+        top_k: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        lookahead: bool = False,
+    ):
         self.rows = rows
+        self.top_k = top_k
         self.x = torch.zeros(rows, hidden, dtype=dtype, device=device)
         self.weights = torch.zeros(rows, top_k, dtype=torch.float32, device=device)
-        self.ids = torch.zeros(rows, top_k, dtype=torch.int64, device=device)
+        #: [rows, k] routed ids; with lookahead [rows, 2 k]: then the next MoE layer's predicted ids
+        self.ids = torch.zeros(rows, 2 * top_k if lookahead else top_k, dtype=torch.int64, device=device)
         self.y = torch.zeros(rows, top_k, hidden, dtype=torch.float32, device=device)
 
 
@@ -84,11 +96,20 @@ class PiecewiseRound:
 class PiecewiseMoe:
     """The MoE layers of a static round split into device pieces and host parts (module docstring).
 
+    Router lookahead (`next_layer` given, buffers built with ``lookahead``): a MoE layer's device
+    part also runs the next MoE layer's router on this layer's input x (the residual stream changes
+    little from one layer to the next) and its top-k ids come to the host with this layer's; once
+    this layer's experts are issued, the next layer's slots prefetch the predicted experts
+    (`ExpertSlots.prefetch`) on the copy stream, overlapping this layer's experts and the next
+    piece. Values do not change (a slot's bytes are its expert's whoever copied them).
+
     Args:
         top_k, norm_topk_prob: the config's routing.
         linear: the executor's linear hook (router, shared expert; the torch path of the experts).
         buffers: fixed buffers for the largest round.
         stats: the expert cache's counters (a warm-up run before a capture is not counted), or None.
+        next_layer: {id(a MoE layer's weights): the next MoE layer's weights} for router lookahead;
+            None: no lookahead.
     """
 
     def __init__(
@@ -99,12 +120,16 @@ class PiecewiseMoe:
         linear: Any,
         buffers: MoeRoundBuffers,
         stats: Any = None,
+        next_layer: dict[int, SparseMoeWeights] | None = None,
     ) -> None:
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.linear = linear
         self.buffers = buffers
         self.stats = stats
+        if next_layer is not None and buffers.ids.shape[1] != 2 * top_k:
+            raise ValueError("router lookahead needs MoeRoundBuffers built with lookahead=True")
+        self.next_layer = next_layer
 
     # ---- the pieces ----
     def route(self, x: torch.Tensor, w: SparseMoeWeights) -> torch.Tensor:
@@ -115,18 +140,30 @@ class PiecewiseMoe:
         top_w, top_i = route_top_k(
             x, w.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, linear=self.linear
         )
+        k = self.top_k
         b.x[:rows].copy_(x)
         b.weights[:rows].copy_(top_w.float())
-        b.ids[:rows].copy_(top_i)
+        b.ids[:rows, :k].copy_(top_i)
+        nxt = self.next_layer.get(id(w)) if self.next_layer is not None else None
+        if nxt is not None:  # lookahead: the next MoE layer's router on this layer's input
+            _, next_i = route_top_k(
+                x, nxt.router, top_k=k, norm_topk_prob=self.norm_topk_prob, linear=self.linear
+            )
+            b.ids[:rows, k:].copy_(next_i)
         return shared_expert_output(x, w, linear=self.linear)
 
     def experts(self, w: SparseMoeWeights, rows: int) -> None:
         """Host part: the routed ids to the host (the sync), the experts made resident and run into
-        the fixed y [rows, k, H]."""
+        the fixed y [rows, k, H]; with lookahead, then the next MoE layer's predicted experts
+        prefetched into its slots."""
         b = self.buffers
         g = w.grouped
+        k = self.top_k
         host = g.slots.routing.to_host(b.ids[:rows])
-        run_cached_experts(b.x[:rows], host, b.weights[:rows], g, b.y[:rows], self.linear)
+        run_cached_experts(b.x[:rows], host[:, :k], b.weights[:rows], g, b.y[:rows], self.linear)
+        nxt = self.next_layer.get(id(w)) if self.next_layer is not None else None
+        if nxt is not None:
+            nxt.grouped.slots.prefetch(np.unique(host[:, k:]).tolist())
 
     def combine(self, shared: torch.Tensor) -> torch.Tensor:
         """Device part after the experts: y summed over k plus the shared expert's output."""
@@ -206,7 +243,8 @@ class PiecewiseMoe:
         if st is None:
             yield
             return
-        keys = ("hits", "misses", "bytes_copied", "forwards", "rows", "direct_copies", "staged_copies")
+        keys = ("hits", "misses", "bytes_copied", "forwards", "rows", "direct_copies", "staged_copies",
+                "prefetches", "lookahead_right", "lookahead_needed")  # fmt: skip
         saved = {k: getattr(st, k) for k in keys}
         trace = len(st.trace) if st.trace is not None else None
         try:
@@ -216,6 +254,8 @@ class PiecewiseMoe:
                 setattr(st, k, v)
             if trace is not None and st.trace is not None:
                 del st.trace[trace:]
+            for w in (self.next_layer or {}).values():  # a warm-up's predictions are not scored
+                w.grouped.slots._predicted = None
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 from hf_tiny_hybrid import make_tiny_hybrid
 from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
 
-from ignis.runtime.expert_cache import ExpertCache, ExpertCacheStats
+from ignis.runtime.expert_cache import ExpertCache, ExpertCacheStats, ExpertSlots
 from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights
 from ignis.runtime.families.moe_grouped import GroupedExperts
@@ -89,3 +89,60 @@ def test_quiet_puts_the_counters_back() -> None:
         stats.forwards += 1
         stats.trace.append((1, (2,)))
     assert (stats.hits, stats.misses, stats.forwards, stats.trace) == (3, 4, 0, [(0, (1,))])
+
+
+# ---------------------------------------------------------------------------------------------
+# router lookahead
+# ---------------------------------------------------------------------------------------------
+
+
+def test_prefetch_fills_slots_ahead_and_a_lookup_waits_for_it() -> None:
+    """`ExpertSlots.prefetch`: predicted experts copied into LRU slots (after the slots' last use);
+    the next lookup finds them (hits) and waits for the prefetch's copy; recall is scored."""
+    from test_expert_cache import _experts, _RecordingCopier
+
+    host = _experts(6, 32, 16, seed=21)
+    copier = _RecordingCopier()
+    stats = ExpertCacheStats()
+    slots = ExpertSlots(host, 2, device=torch.device("cpu"), copier=copier, stats=stats, first=True)
+    list(slots.slot_groups([0, 1], rows=1))  # copies 1, 2; used 3
+    copier.log.clear()
+    assert slots.prefetch([1, 4]) == 1  # 1 is resident already; 4 evicts 0 (LRU)
+    assert copier.log == [("copy", 4, ("used", 3))]
+    assert slots.resident == {1: 1, 4: 0}
+    copier.log.clear()
+    for group in slots.slot_groups([4, 5], rows=1):
+        assert sorted(e for e, _ in group) == [4, 5]
+    # 5 misses (evicts 1); 4 is a hit that waits for the prefetch copy
+    assert ("wait", ("copy", 4)) in copier.log and copier.log[0] == ("copy", 5, ("used", 3))
+    assert (stats.hits, stats.misses, stats.prefetches) == (1, 3, 1)
+    assert stats.bytes_copied == 4 * slots.expert_bytes
+    assert stats.lookahead_recall == 0.5  # predicted {1, 4}, needed {4, 5}
+    copier.log.clear()
+    list(slots.slot_groups([4], rows=1))  # the prefetch was waited for: no second wait on it
+    assert ("wait", ("copy", 4)) not in copier.log
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("copies", ["memmove", "torch"])
+def test_lookahead_rounds_equal_resident(family: str, copies: str, tmp_path) -> None:
+    """Router lookahead on (2 slots a layer): greedy output equals the resident static executor's;
+    experts were prefetched and lookups found some of them."""
+    from ignis.runtime.engine import SpeculativeEngine
+    from ignis.runtime.sampling import SamplingParams
+
+    tiny = make_tiny_hybrid(family, tmp_path / family)
+    tensors = tiny.canonical_tensors()
+    kw = dict(max_lanes=4, max_context=256, chunked_prefill=32)
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    prompts = [[5, 17, 3, 99, 250, 7, 8, 41], list(range(30, 60)), [1, 2, 3]]
+    ref = StaticHybridExecutor(tiny.config, tensors, **kw)
+    want = [o.output_token_ids for o in SpeculativeEngine(ref).generate(prompts, greedy)]
+    cache = ExpertCache(2, device="cpu", copies=copies, lookahead=True)
+    ex = StaticHybridExecutor(tiny.config, tensors, expert_cache=cache, **kw)
+    assert ex._moe_pieces is not None and ex._moe_pieces.next_layer
+    got = [o.output_token_ids for o in SpeculativeEngine(ex).generate(prompts, greedy)]
+    assert got == want
+    st = cache.stats
+    assert st.prefetches > 0 and st.lookahead_needed > 0 and 0 < st.lookahead_recall <= 1
+    assert st.bytes_copied == (st.misses + st.prefetches) * cache.layers[0].expert_bytes

@@ -53,3 +53,13 @@ def test_tiny_mmap_host_matches_pageable(tmp_path: Path) -> None:
         [c[k] for k in keys] for c in runs["pageable"]["cases"]
     ]
     assert not list(tmp_path.glob("ignis-bench-experts-*"))
+
+
+def test_tiny_lookahead_reports_prefetches_and_recall(tmp_path: Path) -> None:
+    """--lookahead (the static executor's split rounds, on the CPU too): prefetches and recall."""
+    argv = ["--tiny", "--lanes", "2", "--modes", "off", "--tokens", "4", "--lookahead"]
+    argv += ["--out", str(tmp_path)]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "bench_expert_cache.json").read_text())
+    four = next(c for c in res["cases"] if c["card"] == "4slots")
+    assert four["prefetches"] > 0 and 0 <= four["lookahead_recall"] <= 1

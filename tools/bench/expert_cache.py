@@ -37,7 +37,9 @@ step (verify round) time, the median host time a round (`host_ms`: CPU time of t
 `time.thread_time`, which counts spin-waiting at the MoE layers' host syncs; `sync_wait_ms`: the wall
 time of those waits a round, so host_ms - sync_wait_ms is the host's own work), tok/s without the
 rounds that captured CUDA graphs of a new round shape (`tok_s_steady`, when any did), the miss copy path
-(`copies`: the batched driver call or torch copies; `--copies torch` forces the latter),
+(`copies`: the batched driver call or torch copies; `--copies torch` forces the latter), with
+`--lookahead` the experts prefetched by router lookahead and its recall (the share of the experts a
+layer needed that the previous layer's prediction named),
 rounds, expert-cache hit rate, bytes copied per emitted token and per round, the routing's spread
 (distinct experts per layer forward and per layer over the decode) and the hit rates the decode's
 routing trace would get under LRU (a check: equal to the measured rate), LFU and Belady's offline
@@ -352,6 +354,7 @@ def run_case(
     # decode from the state the real cache had: every earlier case's and this prefill's routing
     start = len(cache.stats.trace) if cache is not None and cache.stats.trace is not None else 0
     before = dict(cache.stats.snapshot()) if cache is not None else {}
+    look0 = (cache.stats.lookahead_right, cache.stats.lookahead_needed) if cache is not None else (0, 0)
     emitted = steady_tokens = 0
     times: list[float] = []
     cpu: list[float] = []  # the engine thread's CPU time a round (time.thread_time)
@@ -391,6 +394,9 @@ def run_case(
         res["sync_wait_ms"] = round((routing.wait_seconds - waited0) / len(times) * 1e3, 2)
     if cache is not None:
         after = cache.stats.snapshot()
+        needed = cache.stats.lookahead_needed - look0[1]
+        if needed:  # router lookahead: the share of the needed experts it had predicted
+            res["lookahead_recall"] = round((cache.stats.lookahead_right - look0[0]) / needed, 4)
         res |= {
             "direct_copies": after["direct_copies"] - before["direct_copies"],
             "staged_copies": after["staged_copies"] - before["staged_copies"],
@@ -404,6 +410,7 @@ def run_case(
         copied = after["bytes_copied"] - before["bytes_copied"]
         res |= {
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            "prefetches": after["prefetches"] - before["prefetches"],
             "MB_per_token": round(copied / max(emitted, 1) / 1e6, 2),
             "MB_per_round": round(copied / max(len(times), 1) / 1e6, 2),
             "slots_in_use": after["slots_in_use"],
@@ -463,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         "--copies", choices=("auto", "torch"), default="auto",
         help="how the cache copies misses (`ExpertCache`'s copies): auto = one batched driver call a "
         "group from page-locked experts; torch = one torch copy per part of each miss (the old path)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--lookahead", action="store_true",
+        help="router lookahead prefetch (`ExpertCache`'s lookahead): each MoE layer's routing also "
+        "predicts the next layer's experts and copies them early; reports its recall",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args(argv)
@@ -569,13 +581,15 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{label}: every routed expert fits: resident, no expert cache", flush=True)
                 else:
                     pin = "off" if args.host == "pageable" else "auto"
-                    cache = ExpertCache(slots, device=dev, pin=pin, copies=args.copies)
+                    cache = ExpertCache(
+                        slots, device=dev, pin=pin, copies=args.copies, lookahead=args.lookahead
+                    )
                     if card != -1:
                         cache.stats.trace = []  # every forward's routing (run_case replays it)
             run_weights = weights
             if cache is None:  # every expert resident
                 run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
-            if args.executor == "static" and dev.type == "cuda":
+            if args.executor == "static" and (dev.type == "cuda" or args.lookahead):  # lookahead: static only
                 # the server's route: pooled lanes, the bundle's fused kernels, CUDA graphs: whole
                 # rounds when every expert is resident, in pieces between the MoE layers' host syncs
                 # with an expert cache (moe_piecewise.py)
@@ -650,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
     cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "tok_s_steady", "projected_tok_s")
     cols += ("round_ms", "host_ms")
-    cols += ("sync_wait_ms", "hit_rate", "copies")
+    cols += ("sync_wait_ms", "hit_rate", "prefetches", "lookahead_recall", "copies")
     cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
     cols += ("experts_per_forward", "experts_per_layer_run", "host", "direct_copies", "staged_copies")
     print(" | ".join(cols))
