@@ -37,8 +37,12 @@ never overwritten while a kernel reads it), and the compute stream waits for the
 after an expert's own copy just before that expert runs.
 All copies of a group are issued before its first expert runs, so within a layer an expert's compute
 overlaps the copies of the experts after it (hits run at once). Copies cannot start before the
-layer's router has run (the routing decides them); prefetching by router-score lookahead from the
-layers before is not done.
+layer's router has run (the routing decides them), unless router lookahead is on (`ExpertCache`'s
+`lookahead`, off by default until measured on a trained router): in static rounds split at the MoE
+layers (`ignis.runtime.families.moe_piecewise`) each MoE layer's routing also runs the next MoE
+layer's router on its input, and the predicted experts are copied into that layer's slots
+(`ExpertSlots.prefetch`) while this layer computes; a lookup finding one counts a hit and waits for
+its copy (counters `prefetches`, `lookahead_recall`).
 
 Grouped kernels: for `ignis.runtime.families.moe_grouped.grouped_moe_block` (the executors' MoE
 block off CUDA, and on CUDA with the compiled grouped expert kernels) the slots are built
@@ -48,9 +52,9 @@ block off CUDA, and on CUDA with the compiled grouped expert kernels) the slots 
 launches). Same lookups, same counters, same LRU.
 
 Eviction is LRU over the layer's experts (the order of last use; ties within a round by expert index).
-Frequency-based and router-lookahead policies are for later, to be chosen by measurement on the GPU
-(tools/bench/expert_cache.py reports the hit rate and bytes copied per token that such a comparison
-needs).
+A frequency-based policy replays no better on the benchmark's traces (`simulate_policy`: LRU = LFU
+there; Belady's optimum bounds any policy); tools/bench/expert_cache.py reports the hit rate and bytes
+copied per token such comparisons need (and, with `--lookahead`, the lookahead's recall).
 
 Layout: a q4 expert part whose shape the executor's linear hook places in the CUDA tiled layout
 (`LinearBackend.place`: the artifact's tiled functions serve it) is held tiled in its slots, as the
