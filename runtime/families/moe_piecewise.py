@@ -166,8 +166,10 @@ class PiecewiseMoe:
             nxt.grouped.slots.prefetch(np.unique(host[:, k:]).tolist())
 
     def combine(self, shared: torch.Tensor) -> torch.Tensor:
-        """Device part after the experts: y summed over k plus the shared expert's output."""
-        return combine_moe_output(self.buffers.y[: shared.shape[0]], shared, shared.dtype)
+        """Device part after the experts: y summed over k (cast to x's dtype) plus the shared
+        expert's output."""
+        b = self.buffers
+        return combine_moe_output(b.y[: shared.shape[0]], shared, b.x.dtype)
 
     def split(self, x: torch.Tensor, w: SparseMoeWeights) -> torch.Tensor:
         """The MoE block (`grouped_moe_block`'s value) run as route -> experts -> combine, eagerly."""
