@@ -289,8 +289,8 @@ def test_static_executor_with_cache_equals_resident(target: Target) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_cache_matches_resident(target: Target) -> None:
-    """On CUDA (pinned staging, side-stream copies ordered by events): greedy output with 1 and 2
-    slots a layer equals the resident executor's, in bf16 and with MTP."""
+    """On CUDA (page-locked experts, batched side-stream copies ordered by events): greedy output with
+    1 and 2 slots a layer equals the resident executor's, in bf16 and with MTP."""
     dev = torch.device("cuda")
     greedy = SamplingParams(temperature=0, max_tokens=14)
     ref = HybridExecutor(target.config, target.tensors, device=dev, dtype=torch.bfloat16)
@@ -315,6 +315,9 @@ def test_cuda_cache_matches_resident(target: Target) -> None:
         got_mtp = SpeculativeEngine(ex, drafter, draft_tokens=3).generate(list(PROMPTS), greedy)
         assert [o.output_token_ids for o in got_mtp] == [o.output_token_ids for o in want]
         assert cache.stats.misses > len(cache.layers) * target.config.num_experts
+        # page-locked experts: every miss went in a batched driver copy (ADR 0013)
+        assert all(layer.batched for layer in cache.layers), cache.describe_host()
+        assert cache.stats.direct_copies == cache.stats.misses and cache.stats.staged_copies == 0
 
 
 # ---------------------------------------------------------------------------------------------
