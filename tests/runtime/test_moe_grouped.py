@@ -499,13 +499,14 @@ def test_cuda_static_executor_graphs_moe_rounds(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-@pytest.mark.parametrize("num_slots", [1, 2])
+@pytest.mark.parametrize(("num_slots", "lookahead"), [(1, False), (2, False), (2, True)])
 def test_cuda_piecewise_cached_rounds_equal_eager_and_resident(
-    cuda_kernel: MoeExpertsKernel, family: str, num_slots: int, tmp_path: Path
+    cuda_kernel: MoeExpertsKernel, family: str, num_slots: int, lookahead: bool, tmp_path: Path
 ) -> None:
     """An expert cache of 1-2 slots a layer + the kernels: static rounds replayed in pieces between the
     MoE syncs (moe_piecewise.py) give every logit of the eager cached rounds bit for bit, and the
-    greedy output of the resident (whole-round graphed) executor; misses are batched driver copies."""
+    greedy output of the resident (whole-round graphed) executor; misses are batched driver copies;
+    with router lookahead too (experts prefetched on the copy stream)."""
     from ignis.runtime.engine import SpeculativeEngine
     from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
     from ignis.runtime.sampling import SamplingParams
@@ -516,7 +517,7 @@ def test_cuda_piecewise_cached_rounds_equal_eager_and_resident(
     kw = dict(device=dev, dtype=torch.bfloat16, linear=torch_linear, max_lanes=4, max_context=256)
     kw["chunked_prefill"] = 32
     resident = StaticHybridExecutor(tiny.config, tensors, moe_module=cuda_kernel, **kw)
-    caches = [ExpertCache(num_slots, device=dev) for _ in range(2)]
+    caches = [ExpertCache(num_slots, device=dev, lookahead=lookahead) for _ in range(2)]
     pieces = StaticHybridExecutor(tiny.config, tensors, moe_module=cuda_kernel, expert_cache=caches[0], **kw)
     eager = StaticHybridExecutor(
         tiny.config, tensors, moe_module=cuda_kernel, expert_cache=caches[1], cuda_graphs=False, **kw
@@ -550,7 +551,8 @@ def test_cuda_piecewise_cached_rounds_equal_eager_and_resident(
     assert outs[0] == outs[1] == outs[2]
     stats = caches[0].stats
     assert stats.misses > len(caches[0].layers) * tiny.config.num_experts
-    assert stats.direct_copies == stats.misses and stats.staged_copies == 0
+    assert stats.direct_copies == stats.misses + stats.prefetches and stats.staged_copies == 0
+    assert (stats.prefetches > 0) == lookahead
     # warm-up at load captures without counting lookups
     before = stats.snapshot()
     assert pieces.warm_up(context=64) > 0 and stats.snapshot() == before
