@@ -8,6 +8,7 @@ reused over several batches: bytes equal the host bytes), `test_cuda_cached_bloc
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import numpy as np
@@ -262,3 +263,27 @@ def test_cuda_cached_block_batched_equals_resident(num_slots: int) -> None:
         assert torch.equal(got, want)
     assert cache.stats.direct_copies == cache.stats.misses > EXPERTS
     cache.close()
+
+
+def test_driver_batch_falls_back_to_single_copies_when_the_batch_is_refused(caplog) -> None:
+    """A driver that refuses cuMemcpyBatchAsync as invalid: the batch is re-issued one copy each and
+    every later batch goes that way (logged once); another error is raised with its name."""
+    from ignis.runtime.expert_transfer import DriverBatchCopy
+
+    dma = DriverBatchCopy.__new__(DriverBatchCopy)  # no libcuda here: the driver calls are stand-ins
+    batches: list[int] = []
+    singles: list[tuple[int, int, int]] = []
+    dma._batch = lambda d, s, n, count, *rest: batches.append(count) or 1  # CUDA_ERROR_INVALID_VALUE
+    dma._one = lambda d, s, n, stream: singles.append((d, s, n)) or 0
+    dma.error_name = lambda code: f"E{code}"  # type: ignore[method-assign]
+    dma._attrs, dma._attr_idx, dma._fail_idx = ctypes.c_int(0), ctypes.c_size_t(0), ctypes.c_size_t(0)
+    dma.name = "cuMemcpyBatchAsync"
+    arr = [np.array(v, dtype=np.uint64) for v in ([10, 20], [1, 2], [4, 8])]
+    with caplog.at_level("WARNING"):
+        dma.copy(*arr, 7)
+        dma.copy(*arr, 7)
+    assert batches == [2] and singles == [(10, 1, 4), (20, 2, 8)] * 2
+    assert dma.name == "cuMemcpyHtoDAsync" and "refused a batch" in caplog.text
+    dma._one = lambda d, s, n, stream: 700
+    with pytest.raises(RuntimeError, match="E700"):
+        dma.copy(*arr, 7)
