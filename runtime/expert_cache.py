@@ -236,6 +236,9 @@ class ExpertCacheStats:
         #: when a list: every lookup is appended as (layer index among the MoE layers, experts), the
         #: routing trace `simulate_policy` replays (benchmarks; None: not recorded)
         self.trace: list[tuple[int, tuple[int, ...]]] | None = None
+        #: with a trace: every router-lookahead prefetch as (trace position it precedes, layer index,
+        #: predicted experts), which `simulate_policy` replays with the trace
+        self.prefetch_trace: list[tuple[int, int, tuple[int, ...]]] = []
 
     def attach(self, cache: ExpertCache) -> None:
         """Report the slots of `cache` (the current engine's) from now on."""
@@ -800,6 +803,8 @@ class ExpertSlots:
         one counts a hit and waits for its copy; the copies count as `prefetches` and their bytes in
         `bytes_copied`. Returns the experts copied."""
         self._predicted = set(experts)
+        if self._stats.trace is not None:
+            self._stats.prefetch_trace.append((len(self._stats.trace), self.index, tuple(experts)))
         want = [e for e in experts if e not in self._slot_of][: self.num_slots]
         pinned = set(want)
         misses = []
@@ -1366,7 +1371,12 @@ POLICIES = ("lru", "lfu", "belady")
 
 
 def simulate_policy(
-    trace: Sequence[tuple[int, Sequence[int]]], slots: int, policy: str = "lru", *, warmup: int = 0
+    trace: Sequence[tuple[int, Sequence[int]]],
+    slots: int,
+    policy: str = "lru",
+    *,
+    warmup: int = 0,
+    prefetch: Sequence[tuple[int, int, Sequence[int]]] = (),
 ) -> dict[str, int]:
     """Replay a routing trace (`ExpertCacheStats.trace`) through `slots` slots a layer under an
     eviction policy, with the cache's grouping (a lookup of more experts than slots is served in
@@ -1380,8 +1390,15 @@ def simulate_policy(
     The first `warmup` trace entries (e.g. a prefill's) are replayed through the policy but not
     counted, so that a decode's hits are compared from the cache state the real run had.
 
+    `prefetch` (`ExpertCacheStats.prefetch_trace`): router-lookahead prefetches, each (trace position
+    it precedes, layer, predicted experts), applied as `ExpertSlots.prefetch` does (the predicted
+    experts not resident, at most `slots`, put in, evicting by the policy others than them): a run
+    with lookahead replays to its own hits and misses under "lru", and without `prefetch` the same
+    routing gives what LRU alone would have got.
+
     Returns:
-        {"hits": ..., "misses": ...} over trace[warmup:].
+        {"hits": ..., "misses": ...} over trace[warmup:], and with `prefetch` "prefetches": the
+        experts the prefetches put in.
 
     Raises:
         ValueError: an unknown policy or slots < 1.
@@ -1402,8 +1419,32 @@ def simulate_policy(
     resident: dict[int, OrderedDict[int, None]] = {}
     counts: dict[tuple[int, int], int] = {}
     cursor: dict[tuple[int, int], int] = {}
-    hits = misses = 0
+    hits = misses = fetched = 0
+    ahead: dict[int, list[tuple[int, Sequence[int]]]] = {}
+    for pos, layer, experts in prefetch:
+        ahead.setdefault(pos, []).append((layer, experts))
+
+    def evict(cache: OrderedDict[int, None], layer: int, pinned: set[int]) -> None:
+        candidates = [x for x in cache if x not in pinned]
+        if policy == "lru":
+            victim = candidates[0]
+        elif policy == "lfu":  # the first minimum: least recently used on ties
+            scores = [counts.get((layer, x), 0) for x in candidates]
+            victim = candidates[scores.index(min(scores))]
+        else:  # the first maximum of the next use
+            later = [_next_use(uses, cursor, (layer, x)) for x in candidates]
+            victim = candidates[later.index(max(later))]
+        del cache[victim]
+
     for i, (layer, groups) in enumerate(flat):
+        for p_layer, predicted in ahead.get(i, ()):
+            cache = resident.setdefault(p_layer, OrderedDict())
+            want = [e for e in predicted if e not in cache][:slots]
+            for e in want:
+                if len(cache) >= slots:
+                    evict(cache, p_layer, set(want))
+                cache[e] = None
+            fetched += len(want) if i >= warmup else 0
         cache = resident.setdefault(layer, OrderedDict())
         counted = i >= warmup
         for group in groups:
@@ -1418,18 +1459,12 @@ def simulate_policy(
                     continue
                 misses += counted
                 if len(cache) >= slots:
-                    candidates = [x for x in cache if x not in pinned]
-                    if policy == "lru":
-                        victim = candidates[0]
-                    elif policy == "lfu":  # the first minimum: least recently used on ties
-                        scores = [counts[(layer, x)] for x in candidates]
-                        victim = candidates[scores.index(min(scores))]
-                    else:  # the first maximum of the next use
-                        later = [_next_use(uses, cursor, (layer, x)) for x in candidates]
-                        victim = candidates[later.index(max(later))]
-                    del cache[victim]
+                    evict(cache, layer, pinned)
                 cache[e] = None
-    return {"hits": hits, "misses": misses}
+    out = {"hits": hits, "misses": misses}
+    if prefetch:
+        out["prefetches"] = fetched
+    return out
 
 
 def _next_use(

@@ -249,6 +249,7 @@ class PiecewiseMoe:
                 "prefetches", "lookahead_right", "lookahead_needed")  # fmt: skip
         saved = {k: getattr(st, k) for k in keys}
         trace = len(st.trace) if st.trace is not None else None
+        fetched = len(st.prefetch_trace)
         try:
             yield
         finally:
@@ -256,6 +257,7 @@ class PiecewiseMoe:
                 setattr(st, k, v)
             if trace is not None and st.trace is not None:
                 del st.trace[trace:]
+            del st.prefetch_trace[fetched:]
             for w in (self.next_layer or {}).values():  # a warm-up's predictions are not scored
                 w.grouped.slots._predicted = None
 

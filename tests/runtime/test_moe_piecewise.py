@@ -88,7 +88,9 @@ def test_quiet_puts_the_counters_back() -> None:
         stats.misses += 10
         stats.forwards += 1
         stats.trace.append((1, (2,)))
+        stats.prefetch_trace.append((2, 1, (3,)))
     assert (stats.hits, stats.misses, stats.forwards, stats.trace) == (3, 4, 0, [(0, (1,))])
+    assert stats.prefetch_trace == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,3 +148,26 @@ def test_lookahead_rounds_equal_resident(family: str, copies: str, tmp_path) -> 
     st = cache.stats
     assert st.prefetches > 0 and st.lookahead_needed > 0 and 0 < st.lookahead_recall <= 1
     assert st.bytes_copied == (st.misses + st.prefetches) * cache.layers[0].expert_bytes
+
+
+def test_lookahead_replays_to_the_measured_hits(tmp_path) -> None:
+    """A run with lookahead records its prefetches beside the routing trace; `simulate_policy` with
+    them replays to the run's own hits and misses (so the same trace without them is what LRU alone
+    would have got: the A/B the benchmark reports)."""
+    from ignis.runtime.engine import SpeculativeEngine
+    from ignis.runtime.expert_cache import simulate_policy
+    from ignis.runtime.sampling import SamplingParams
+
+    tiny = make_tiny_hybrid("qwen3_5_moe", tmp_path / "t")
+    cache = ExpertCache(3, device="cpu", copies="memmove", lookahead=True)
+    cache.stats.trace = []
+    ex = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), max_lanes=4, max_context=256,
+                              expert_cache=cache)  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    SpeculativeEngine(ex).generate([[5, 17, 3, 99], list(range(30, 45)), [1, 2, 3]], greedy)
+    st = cache.stats
+    assert st.prefetch_trace and st.prefetches > 0
+    sim = simulate_policy(st.trace, 3, "lru", prefetch=st.prefetch_trace)
+    assert (sim["hits"], sim["misses"], sim["prefetches"]) == (st.hits, st.misses, st.prefetches)
+    plain = simulate_policy(st.trace, 3, "lru")
+    assert plain["hits"] + plain["misses"] == st.hits + st.misses and "prefetches" not in plain

@@ -63,3 +63,4 @@ def test_tiny_lookahead_reports_prefetches_and_recall(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "bench_expert_cache.json").read_text())
     four = next(c for c in res["cases"] if c["card"] == "4slots")
     assert four["prefetches"] > 0 and 0 <= four["lookahead_recall"] <= 1
+    assert four["hit_rate_lru_lookahead"] == four["hit_rate"]  # the replay with the prefetches
