@@ -1298,6 +1298,7 @@ def cache_for_artifact(
     mtp: bool,
     stats: ExpertCacheStats | None = None,
     pin: str = "auto",
+    lookahead: bool = False,
 ) -> ExpertCache | None:
     """The expert cache a served artifact runs with, or None (every expert resident); logs the split.
 
@@ -1306,6 +1307,7 @@ def cache_for_artifact(
             only on CUDA and only when the experts do not fit beside everything else), or a budget
             (bytes, or a size string for `parse_bytes`).
         pin: `--expert-cache-pin` (`ExpertCache`'s `pin`).
+        lookahead: `--expert-cache-lookahead` (`ExpertCache`'s `lookahead`).
         the rest: as `plan_for_artifact`.
 
     Raises:
@@ -1340,7 +1342,9 @@ def cache_for_artifact(
             "--spec-backend mtp: %s reserved from the expert cache for the MTP head",
             human_bytes(plan.mtp_reserve_bytes),
         )
-    cache = ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan, pin=pin)
+    cache = ExpertCache(
+        plan.slots_per_layer, device=device, stats=stats, budget=plan, pin=pin, lookahead=lookahead
+    )
     # the host's memory checked for the stored expert bytes before any layer is registered
     names = art.family.tensor_shapes(art.config)
     cache.pin.expect(sum(int(art.weights.info(n).length) for n in names if is_routed_expert(n)))

@@ -477,6 +477,12 @@ def test_served_budget_mtp_reserve_and_metrics(moe_artifact: Path, caplog: pytes
         engine = model.make_engine(2, SpeculativeMetrics())
     cache = engine.executor.expert_cache
     assert cache is not None and cache.slots_per_layer == 2 and cache.budget.source == "flag"
+    assert not cache.lookahead  # off unless asked (--expert-cache-lookahead)
+    on = ModelSettings(
+        spec=mtp, max_context=64, device="cpu", expert_cache=str(budget), expert_cache_lookahead=True
+    )
+    ahead = source.load(on).make_engine(2, SpeculativeMetrics())
+    assert ahead.executor.expert_cache.lookahead
     assert "expert cache (flag)" in caplog.text and "MTP reserve" in caplog.text
     assert "reserved from the expert cache for the MTP head" in caplog.text
     outs = engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8))
