@@ -188,8 +188,9 @@ class PiecewiseMoe:
         stream: Any,
     ) -> PiecewiseRound:
         """Capture `body` (a static round taking the MoE callback) in pieces on `stream`, drawing from
-        `pool`. The body first runs once eagerly on `stream` (warm-up: every module loaded, the
-        allocator's blocks cached; the cache's counters are restored after it).
+        `pool`. The pieces first run once eagerly on `stream` (warm-up: every module they launch
+        loaded once, outside a capture) without the host parts: no expert lookups or copies, so the
+        cache's state and counters are as before (the grouped expert kernels are never captured).
 
         Raises:
             ValueError: rows beyond the fixed buffers.
@@ -199,7 +200,7 @@ class PiecewiseMoe:
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)
         with self.quiet(), _on_stream(stream):
-            body(self.split)
+            body(lambda x, w: self.combine(self.route(x, w)))  # the pieces only (y as it is)
         current.wait_stream(stream)
         graphs: list[Any] = []
         layers: list[SparseMoeWeights] = []
