@@ -8,7 +8,9 @@ CUDA (marked gpu, in tests/runtime/test_moe_grouped.py):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import ClassVar
 
 import pytest
 import torch
@@ -171,3 +173,79 @@ def test_lookahead_replays_to_the_measured_hits(tmp_path) -> None:
     assert (sim["hits"], sim["misses"], sim["prefetches"]) == (st.hits, st.misses, st.prefetches)
     plain = simulate_policy(st.trace, 3, "lru")
     assert plain["hits"] + plain["misses"] == st.hits + st.misses and "prefetches" not in plain
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: logs capture_begin / capture_end / replay."""
+
+    log: ClassVar[list[tuple[str, int]]] = []
+    count = 0
+
+    def __init__(self) -> None:
+        _FakeGraph.count += 1
+        self.n = _FakeGraph.count
+
+    def capture_begin(self, pool=None) -> None:
+        _FakeGraph.log.append(("begin", self.n))
+
+    def capture_end(self) -> None:
+        _FakeGraph.log.append(("end", self.n))
+
+    def replay(self) -> None:
+        _FakeGraph.log.append(("replay", self.n))
+
+
+def test_capture_cuts_at_every_moe_layer_and_replay_interleaves_the_host_parts(monkeypatch) -> None:
+    """The capture's control flow without a GPU (graphs and streams stood in): one warm-up pass of
+    the pieces without host parts, then one graph per piece (cut where the body reaches a MoE
+    layer), captures properly nested; replay runs piece, host part, ..., last piece, in order; a
+    failing body ends the open capture and raises."""
+    import ignis.runtime.families.moe_piecewise as mp
+
+    class _Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    monkeypatch.setattr(mp.torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(mp.torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(mp, "_on_stream", lambda stream: contextlib.nullcontext())
+    _FakeGraph.log, _FakeGraph.count = [], 0
+    buffers = MoeRoundBuffers(4, 8, 2, device=torch.device("cpu"), dtype=torch.float32)
+    pieces = PiecewiseMoe(top_k=2, norm_topk_prob=True, linear=None, buffers=buffers)
+    layers = [object(), object(), object()]
+    calls: list[tuple[str, object]] = []
+    pieces.route = lambda x, w: calls.append(("route", w)) or x  # type: ignore[method-assign]
+    pieces.combine = lambda shared: calls.append(("combine", None)) or shared  # type: ignore[method-assign]
+    pieces.experts = lambda w, rows: _FakeGraph.log.append(("host", layers.index(w)))  # type: ignore[method-assign]
+
+    def body(moe):
+        x = torch.zeros(4, 8)
+        for w in layers:
+            x = x + moe(x, w)
+        return {"logits": x}
+
+    entry = pieces.capture(body, rows=4, device=torch.device("cpu"), pool=None, stream=_Stream())
+    assert calls == [("route", w) if i % 2 == 0 else ("combine", None)
+                     for w in layers for i in range(2)] * 2  # fmt: skip (warm-up, then the capture)
+    assert [g.n for g in entry.graphs] == [1, 2, 3, 4] and entry.layers == layers
+    assert _FakeGraph.log == [(op, n) for n in (1, 2, 3, 4) for op in ("begin", "end")]
+    _FakeGraph.log.clear()
+    assert pieces.replay(entry) is entry.outputs
+    assert _FakeGraph.log == [("replay", 1), ("host", 0), ("replay", 2), ("host", 1), ("replay", 3),
+                              ("host", 2), ("replay", 4)]  # fmt: skip
+    _FakeGraph.log.clear()
+
+    passes: list[int] = []
+
+    def broken(moe):  # the warm-up pass runs; the capture pass fails after its first cut
+        passes.append(1)
+        moe(torch.zeros(4, 8), layers[0])
+        if len(passes) == 2:
+            raise RuntimeError("capture refused")
+        return {}
+
+    with pytest.raises(RuntimeError, match="capture refused"):
+        pieces.capture(broken, rows=4, device=torch.device("cpu"), pool=None, stream=_Stream())
+    assert _FakeGraph.log == [("begin", 5), ("end", 5), ("begin", 6), ("end", 6)]  # the open one ended
+    with pytest.raises(ValueError, match="MoE buffers hold 4"):
+        pieces.capture(body, rows=5, device=torch.device("cpu"), pool=None, stream=_Stream())
