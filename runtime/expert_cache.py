@@ -743,6 +743,7 @@ class ExpertSlots:
             self._stats.lookahead_right += len(self._predicted.intersection(experts))
             self._stats.lookahead_needed += len(experts)
             self._predicted = None
+        slot_of, pending, last_use = self._slot_of, self._pending, self._last_use
         for start in range(0, len(experts), self.num_slots):
             group = experts[start : start + self.num_slots]
             pinned = set(group)
@@ -750,29 +751,29 @@ class ExpertSlots:
             misses: list[tuple[int, int]] = []
             ready: dict[int, Any] = {}  # expert -> the event of its copy
             for expert in group:
-                slot = self._slot_of.get(expert)
+                slot = slot_of.get(expert)
                 if slot is not None:
-                    self._stats.hits += 1
-                    self._slot_of.move_to_end(expert)
-                    if self._pending[slot] is not None:  # prefetched: its copy may still run
-                        ready[expert] = self._pending[slot]
+                    slot_of.move_to_end(expert)
+                    if pending[slot] is not None:  # prefetched: its copy may still run
+                        ready[expert] = pending[slot]
                 else:
                     slot = self._take_slot(pinned)
-                    self._slot_of[expert] = slot
-                    self._stats.misses += 1
-                    self._stats.bytes_copied += self.expert_bytes
+                    slot_of[expert] = slot
                     misses.append((expert, slot))
                 placed.append((expert, slot))
-            ready |= self._copy_in(misses)
+            self._stats.hits += len(group) - len(misses)
+            self._stats.misses += len(misses)
+            self._stats.bytes_copied += len(misses) * self.expert_bytes
+            if misses:
+                ready |= self._copy_in(misses)
             out = [(expert, slot, ready.get(expert)) for expert, slot in placed]
             try:
                 yield out
             finally:  # also when the caller stops early: the group's kernels may have been issued
                 used = self._copier.used()
-                for expert in group:
-                    slot = self._slot_of[expert]
-                    self._last_use[slot] = used
-                    self._pending[slot] = None
+                for _expert, slot in placed:
+                    last_use[slot] = used
+                    pending[slot] = None
 
     def _copy_in(self, misses: Sequence[tuple[int, int]]) -> dict[int, Any]:
         """Copy each (expert, slot) of `misses` into its slot, after the slot's last use: one batch
