@@ -57,7 +57,9 @@ expert copied on demand each round: the slots are flushed after every forward). 
 bandwidth is measured in the same run: one 1 GiB copy from pinned and from pageable memory, and the
 expert cache's own copier moving 1 GiB in one-expert parts through each of its paths (`copier_rates`:
 the staging ring from pageable memory, direct from pinned memory, direct from a registered memory map
-in `--mmap-dir`, with what registering that map cost per GiB).
+in `--mmap-dir`, with what registering that map cost per GiB; and for page-locked sources the
+batched driver copy, 32 parts a call: `copier_batched_*_GBps` and the host microseconds a call takes
+to issue).
 
 Linears: with `--mods` (a bundle from ``python -m ignis.tools.bench.build_gpu_modules --out DIR
 --shapes flash-next``, which serves every linear shape of this model) through its compiled tiled
@@ -272,6 +274,8 @@ def copier_rates(dev: torch.device, mmap_dir: Path, part: int = 5 * 2**20, size:
                 torch.cuda.synchronize()
                 best = min(best, time.perf_counter() - t0)
             out[f"copier_{how}_{kind}_GBps"] = round(n * part / best / 1e9, 2)
+            if how == "direct":  # the batched path (ADR 0013): 32 parts a driver call
+                out |= _batched_rate(kind, src, dst, dev)
             if kind == "mmap":
                 gib = n * part / GIB
                 out["mmap_populate_s_per_GiB"] = round(pin.populate_seconds / gib, 3)
@@ -283,6 +287,35 @@ def copier_rates(dev: torch.device, mmap_dir: Path, part: int = 5 * 2**20, size:
     finally:
         path.unlink(missing_ok=True)
     return out
+
+
+def _batched_rate(kind: str, src: list[torch.Tensor], dst: torch.Tensor, dev: torch.device) -> dict[str, Any]:
+    """GB/s of `src` (page-locked parts) into the rows of `dst` through the batched driver copy, 32
+    parts a call on a side stream (best of 3), and the host microseconds a call took to issue."""
+    from ignis.runtime.expert_transfer import PartTable, driver_batch_copy
+
+    dma = driver_batch_copy()
+    if dma is None:
+        return {}
+    table = PartTable([[t] for t in src], [[dst[i]] for i in range(len(src))])
+    stream = torch.cuda.Stream(device=dev)
+    idx = list(range(len(src)))
+    calls = [table.gather(idx[i : i + 32], idx[i : i + 32]) for i in range(0, len(idx), 32)]
+    best = issue = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for d, s_, z in calls:
+            dma.copy(d, s_, z, stream.cuda_stream)
+        t1 = time.perf_counter()
+        stream.synchronize()
+        best, issue = min(best, time.perf_counter() - t0), min(issue, t1 - t0)
+    total = sum(int(z.sum()) for _, _, z in calls)
+    return {
+        f"copier_batched_{kind}_GBps": round(total / best / 1e9, 2),
+        f"copier_batched_{kind}_issue_us_per_call": round(issue / len(calls) * 1e6, 1),
+        "copier_batched_call": dma.name,
+    }
 
 
 def host_experts_to(weights: dict[str, Any], host: str, mmap_dir: Path) -> tuple[Any, Path | None]:
