@@ -375,6 +375,7 @@ class ArtifactSource:
             mtp=spec.backend == "mtp",
             stats=stats,
             pin=settings.expert_cache_pin,
+            lookahead=settings.expert_cache_lookahead,
         )
         if cache is None and settings.expert_cache_pin == "on":
             log.warning("--expert-cache-pin on: no expert cache here (every routed expert on the device)")
