@@ -1,0 +1,352 @@
+"""DFlash2's static route (`ignis.runtime.drafters.dflash2_graphs`): pooled lane windows and one
+fixed-shape proposal forward, held to the eager drafter over multi-round runs (lanes joining and
+leaving, partial acceptance, wrapped windows, sampled lanes, prompt checkpoints), on the CPU without
+graphs; the CUDA graphs against the eager path on a GPU (`gpu` tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
+
+from ignis.runtime.drafters.base import CommittedSpan, DrafterError, DraftRequest
+from ignis.runtime.drafters.dflash2 import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    DFlash2Config,
+    DFlash2Drafter,
+)
+from ignis.runtime.drafters.dflash2_graphs import context_buckets, draw_race_noise
+from ignis.runtime.errors import ConfigError, StateError
+from ignis.runtime.sampling import SamplingParams
+from ignis.tools.make_test_drafter import random_dflash2_weights
+
+VOCAB = 320
+HIDDEN = 64
+TAPS = 2
+GREEDY = SamplingParams(temperature=0)
+HOT = SamplingParams(temperature=1.3)
+
+
+def _config(**kw) -> DFlash2Config:
+    base = dict(
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        block_size=8,
+        target_layer_ids=(0, 1),
+        mask_token_id=VOCAB - 1,
+        layer_types=(SLIDING_ATTENTION, SLIDING_ATTENTION),
+        sliding_window=6,
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=16,
+        rope_theta=10000.0,
+    )
+    base.update(kw)
+    return DFlash2Config(**base)
+
+
+def _drafter(config: DFlash2Config, device: str = "cpu", **kw) -> DFlash2Drafter:
+    gen = torch.Generator().manual_seed(5)
+    embed = torch.randn(VOCAB, HIDDEN, generator=gen)
+    head = torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN**0.5
+    return DFlash2Drafter(
+        config,
+        random_dflash2_weights(config, seed=3),
+        embed_tokens=embed,
+        lm_head=head,
+        device=device,
+        **kw,
+    )
+
+
+class _Lane:
+    def __init__(self, lane_id: int, rng: random.Random, params: SamplingParams) -> None:
+        self.lane_id, self.params = lane_id, params
+        self.tokens = [rng.randrange(VOCAB - 1) for _ in range(rng.randrange(1, 12))]
+        self.committed = 0  # positions committed to the drafters
+        self.rounds = 0
+
+
+def _taps(lane_id: int, start: int, n: int) -> torch.Tensor:
+    """Deterministic taps of positions start .. start + n - 1 of a lane (the same for every drafter)."""
+    rows = [
+        torch.randn(TAPS * HIDDEN, generator=torch.Generator().manual_seed(1000 * lane_id + p))
+        for p in range(start, start + n)
+    ]
+    return torch.stack(rows)
+
+
+def _span(lane: _Lane, n: int) -> CommittedSpan:
+    """The next n columns of the lane (its tokens are extended by random ones first when needed)."""
+    a = lane.committed
+    return CommittedSpan(
+        lane.lane_id,
+        a,
+        tuple(lane.tokens[a : a + n]),
+        tuple(lane.tokens[a + 1 : a + n + 1]),
+        taps=_taps(lane.lane_id, a, n),
+    )
+
+
+def _request(lane: _Lane, k: int, device: str) -> DraftRequest:
+    seed = 7919 * lane.lane_id + lane.rounds
+    return DraftRequest(
+        lane_id=lane.lane_id,
+        num_drafts=k,
+        token_ids=tuple(lane.tokens[: lane.committed + 1]),
+        num_prompt_tokens=1,
+        params=lane.params,
+        generator=torch.Generator(device=device).manual_seed(seed),
+    )
+
+
+def _same_proposals(a, b, *, atol: float = 1e-5) -> None:
+    assert len(a) == len(b)
+    for pa, pb in zip(a, b, strict=True):
+        assert pa.draft_token_ids.cpu().tolist() == pb.draft_token_ids.cpu().tolist()
+        assert (pa.draft_probs is None) == (pb.draft_probs is None)
+        if pa.draft_probs is not None:
+            assert pa.draft_probs.shape == pb.draft_probs.shape
+            torch.testing.assert_close(pa.draft_probs.cpu(), pb.draft_probs.cpu(), atol=atol, rtol=1e-4)
+
+
+def _same_context(a: DFlash2Drafter, b: DFlash2Drafter, lane_id: int, atol: float = 1e-5) -> None:
+    ca, cb = a.context(lane_id), b.context(lane_id)
+    assert ca.num_positions == cb.num_positions
+    for layer in range(a.config.num_hidden_layers):
+        (ka, va), (kb, vb) = ca.keys_values(layer), cb.keys_values(layer)
+        assert ka.shape == kb.shape
+        torch.testing.assert_close(ka.cpu(), kb.cpu(), atol=atol, rtol=1e-4)
+        torch.testing.assert_close(va.cpu(), vb.cpu(), atol=atol, rtol=1e-4)
+
+
+def _drive(drafters, *, rounds: int, seed: int, max_lanes: int, device: str = "cpu", sampled: bool = True):
+    """Multi-round run over every drafter in lockstep: lanes join (prompt spans, some in two chunks)
+    and leave, every round each lane drafts 7 (some fewer), a random number of its drafts is
+    accepted (the committed tokens are random), one lane is checkpointed and restored as a new lane.
+    Every drafter's proposals and contexts are compared with the first's."""
+    rng = random.Random(seed)
+    lanes: list[_Lane] = []
+    next_id = 0
+    checkpoint = None
+    for rnd in range(rounds):
+        # join: up to max_lanes lanes; prompts committed in one span or two chunks
+        while len(lanes) < max_lanes and (not lanes or rng.random() < 0.4):
+            params = HOT if sampled and rng.random() < 0.4 else GREEDY
+            lane = _Lane(next_id, rng, params)
+            next_id += 1
+            lanes.append(lane)
+            n = len(lane.tokens) - 1
+            cut = rng.randrange(1, n) if n > 1 and rng.random() < 0.5 else n
+            for d in drafters:
+                d.start_lane(lane.lane_id, lane.tokens)
+            for piece in (cut, n - cut):
+                if piece:
+                    span = _span(lane, piece)
+                    for d in drafters:
+                        d.commit([span])
+                    lane.committed += piece
+        asking = [lane for lane in lanes if rng.random() < 0.9]
+        if asking:
+            ks = [7 if rng.random() < 0.8 else rng.randrange(1, 7) for _ in asking]
+            props = [
+                d.propose([_request(lane, k, device) for lane, k in zip(asking, ks, strict=True)])
+                for d in drafters
+            ]
+            for other in props[1:]:
+                _same_proposals(props[0], other)
+        spans = []
+        for lane in lanes:
+            lane.rounds += 1
+            keep = 1 + min(rng.randrange(0, 9), 7)  # anchor + accepted drafts
+            lane.tokens += [rng.randrange(VOCAB - 1) for _ in range(keep)]
+            spans.append(_span(lane, keep))
+            lane.committed += keep
+        for d in drafters:
+            d.commit(spans)
+        for lane in lanes:
+            for d in drafters[1:]:
+                _same_context(drafters[0], d, lane.lane_id)
+        # prompt checkpoint: take one lane's state, restore it as a new lane later
+        if rnd == rounds // 3 and lanes:
+            src = lanes[0]
+            checkpoint = (src, [d.snapshot_lane(src.lane_id, src.committed) for d in drafters])
+        if rnd == rounds // 2 and checkpoint is not None and len(lanes) < max_lanes:
+            src, snaps = checkpoint
+            lane = _Lane(next_id, rng, src.params)
+            next_id += 1
+            lane.tokens = list(src.tokens[: snaps[0].num_tokens + 1])
+            lane.committed = snaps[0].num_tokens
+            for d, snap in zip(drafters, snaps, strict=True):
+                d.restore_lane(lane.lane_id, lane.tokens, snap)
+            for d in drafters[1:]:
+                _same_context(drafters[0], d, lane.lane_id)
+            lanes.append(lane)
+        # leave
+        for lane in list(lanes):
+            if rng.random() < 0.15:
+                lanes.remove(lane)
+                for d in drafters:
+                    d.end_lane(lane.lane_id)
+    return lanes
+
+
+CONFIGS = {
+    "sliding": _config(),
+    "long-window": _config(sliding_window=40),
+    "mixed-full": _config(layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)),
+    "causal-gqa4": _config(is_causal=True, num_attention_heads=8, num_key_value_heads=2, sliding_window=20),
+    "no-selector": _config(conv_kernel_size=0, selector_rank=0, selector_top_k=0, sliding_window=20),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_static_route_matches_eager(name: str) -> None:
+    """The pooled layout (no graphs, CPU) proposes what the eager drafter proposes, round after round,
+    and keeps the same context; several buckets and widths are met."""
+    config = CONFIGS[name]
+    eager = _drafter(config)
+    static = _drafter(config)
+    static.use_static(max_lanes=4, max_context=512, buckets=(2, 4, 16, 64), widths=(1, 2, 4))
+    st = static.static
+    assert st is not None and not st.cuda_graphs
+    shapes: set[tuple[int, int]] = set()
+    run = st.run
+    st.run = lambda w, b: (shapes.add((w, b)), run(w, b))[1]  # type: ignore[method-assign]
+    _drive([eager, static], rounds=24, seed=sum(map(ord, name)), max_lanes=4, sampled=name != "no-selector")
+    assert len({w for w, _ in shapes}) > 1 and len({b for _, b in shapes}) > 1  # several widths, buckets
+
+
+def test_static_route_snapshots_cross_paths() -> None:
+    """A checkpoint taken on one path restores on the other (same tensor names, shapes, order)."""
+    config = _config(sliding_window=10)
+    eager, static = _drafter(config), _drafter(config)
+    static.use_static(max_lanes=2)
+    lane = _Lane(0, random.Random(1), GREEDY)
+    lane.tokens = list(range(30))
+    for d in (eager, static):
+        d.start_lane(0, lane.tokens)
+        d.commit([_span(lane, 25)])
+    lane.committed = 25
+    snaps = [d.snapshot_lane(0, 25) for d in (eager, static)]
+    assert set(snaps[0].tensors) == set(snaps[1].tensors)
+    for name, t in snaps[0].tensors.items():
+        torch.testing.assert_close(t, snaps[1].tensors[name], atol=1e-5, rtol=1e-4)
+    e2, s2 = _drafter(config), _drafter(config)
+    s2.use_static(max_lanes=2)
+    e2.restore_lane(5, lane.tokens, snaps[1])
+    s2.restore_lane(5, lane.tokens, snaps[0])
+    _same_context(e2, s2, 5)
+    lane.lane_id = 5
+    _same_proposals(e2.propose([_request(lane, 7, "cpu")]), s2.propose([_request(lane, 7, "cpu")]))
+    with pytest.raises(StateError, match="context ends at 25"):
+        static.snapshot_lane(0, 24)
+
+
+def test_static_route_errors() -> None:
+    config = _config()
+    d = _drafter(config)
+    d.use_static(max_lanes=2)
+    lane = _Lane(0, random.Random(2), GREEDY)
+    d.start_lane(0, lane.tokens)
+    d.start_lane(1, lane.tokens)
+    with pytest.raises(DrafterError, match="no free lane slot"):
+        d.start_lane(2, lane.tokens)
+    with pytest.raises(StateError, match="use_static"):
+        d.use_static(max_lanes=4)
+    with pytest.raises(StateError, match="a commit was missed"):
+        d.propose([DraftRequest(0, 7, (1, 2, 3), 3, GREEDY, torch.Generator())])
+    with pytest.raises(StateError, match="not started"):
+        d.propose([DraftRequest(9, 7, (1,), 1, GREEDY, torch.Generator())])
+    with pytest.raises(DrafterError, match="without taps"):
+        d.commit([CommittedSpan(0, 0, (1,), (2,))])
+    with pytest.raises(DrafterError, match="taps have shape"):
+        d.commit([CommittedSpan(0, 0, (1,), (2,), taps=torch.zeros(1, 3))])
+    d.end_lane(1)
+    d.start_lane(2, lane.tokens)  # the freed slot is taken again
+    full = _config(layer_types=(FULL_ATTENTION, SLIDING_ATTENTION))
+    with pytest.raises(ConfigError, match="needs max_context"):
+        _drafter(full).use_static(max_lanes=2)
+    with pytest.raises(ConfigError, match="max_lanes"):
+        _drafter(config).use_static(max_lanes=0)
+
+
+def test_context_buckets() -> None:
+    assert context_buckets(2047) == (128, 256, 512, 1024, 2047)
+    assert context_buckets(5) == (5,)
+    assert context_buckets(256) == (128, 256)
+
+
+def test_race_noise_is_the_generator_stream() -> None:
+    """The noise is a function of the lane's seed (both paths draw it the same way) and Exp(1)."""
+    a = draw_race_noise(torch.Generator().manual_seed(3), 7, 16)
+    b = draw_race_noise(torch.Generator().manual_seed(3), 7, 16)
+    assert torch.equal(a, b) and a.shape == (7, 16) and a.dtype == torch.float32
+    big = draw_race_noise(torch.Generator().manual_seed(4), 4000, 16)
+    assert (big >= 0).all() and abs(float(big.mean()) - 1.0) < 0.02
+
+
+def test_static_sampled_drafts_follow_q() -> None:
+    """The static route's first sampled draft is distributed as its q (chi-square, fixed seeds)."""
+    from ignis.runtime.drafters.testing import chi2_pvalue
+
+    config = _config()
+    d = _drafter(config)
+    d.use_static(max_lanes=1)
+    lane = _Lane(0, random.Random(3), SamplingParams(temperature=2.0))
+    lane.tokens = list(range(1, 9))
+    d.start_lane(0, lane.tokens)
+    d.commit([_span(lane, 7)])
+    lane.committed = 7
+    first, q0 = [], None
+    for seed in range(1500):
+        req = dataclasses.replace(_request(lane, 1, "cpu"), generator=torch.Generator().manual_seed(seed))
+        p = d.propose([req])[0]
+        first.append(int(p.draft_token_ids[0]))
+        q0 = p.draft_probs[0] if q0 is None else q0
+    counts = torch.bincount(torch.tensor(first), minlength=VOCAB).double()
+    assert chi2_pvalue(counts, q0.double()) > 1e-4
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["sliding", "long-window", "mixed-full", "no-selector"])
+def test_graphed_matches_eager_cuda(name: str) -> None:
+    """CUDA graphs (captured at load, none on the request path) propose what the eager drafter
+    proposes on the same card, over a multi-round run with lanes joining and leaving."""
+    config = CONFIGS[name]
+    eager = _drafter(config, "cuda")
+    graphed = _drafter(config, "cuda")
+    captured = graphed.use_static(max_lanes=4, max_context=512, warmup_context=512)
+    st = graphed.static
+    assert st is not None and st.cuda_graphs and captured == len(st.widths) * len(st.buckets)
+    _drive([eager, graphed], rounds=24, seed=11, max_lanes=4, device="cuda", sampled=name != "no-selector")
+    assert st.num_captures == captured  # nothing captured on the request path
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_equals_ungraphed_bf16_cuda() -> None:
+    """In bf16 the graphs replay exactly the fixed-shape forward they captured: bit-equal drafts and q
+    with and without graphs."""
+    config = _config(sliding_window=40)
+    graphed = _drafter(config, "cuda", dtype=torch.bfloat16)
+    plain = _drafter(config, "cuda", dtype=torch.bfloat16)
+    graphed.use_static(max_lanes=4)
+    plain.use_static(max_lanes=4, cuda_graphs=False)
+    _drive([plain, graphed], rounds=16, seed=5, max_lanes=4, device="cuda")
