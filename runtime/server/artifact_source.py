@@ -14,8 +14,10 @@ DFlash2 drafter, MTP companion container) to what the server needs:
   "shortlist" uses the artifact's Q4 shortlist head: kept packed for the compiled modules, else
   dequantized to the drafter's dtype. On a CUDA device the DFlash2 drafter's selector walk takes the
   artifact's compiled top-k (`Artifact.topk_module()`) when the manifest lists one (else torch's
-  exact path). The MTP and draft-model drafters select by argmax or by sampling (whose top-k
-  filter only thresholds on the k-th value): no full-vocabulary top-k to route. Hybrid targets on
+  exact path), and the drafter runs its static route (`use_dflash2_static`: pooled lane windows, its
+  proposal replayed from CUDA graphs captured at load). The MTP and draft-model drafters select by
+  argmax or by sampling (whose top-k filter only thresholds on the k-th value): no full-vocabulary
+  top-k to route. Hybrid targets on
   CUDA get the artifact's fused GDN recurrence and row norms through `Artifact.make_executor`
   (`gdn_module()`, `norms_module()`) when the manifest lists them.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -96,6 +99,26 @@ def attach_topk(drafter: Any, art: Any, device: torch.device) -> Any:
     if device.type == "cuda":
         drafter.topk_module = art.topk_module()
     return drafter
+
+
+def use_dflash2_static(drafter: Any, executor: Any, settings: ModelSettings, max_lanes: int) -> None:
+    """Put a DFlash2 drafter on CUDA on its static route (`DFlash2Drafter.use_static`): lane windows
+    pooled in max_lanes slots, its proposal graphs captured now (with `settings.cuda_graphs`) up to
+    `settings.graph_warmup_context`; full-attention rings sized to the engine's context limit."""
+    t0 = time.perf_counter()
+    limit = settings.max_context or getattr(executor, "max_context", None)
+    captured = drafter.use_static(
+        max_lanes=max_lanes,
+        max_context=limit,
+        cuda_graphs=settings.cuda_graphs,
+        warmup_context=settings.graph_warmup_context,
+    )
+    log.info(
+        "dflash2: static route, %d lane slots, %d proposal graphs captured in %.2f s",
+        max_lanes,
+        captured,
+        time.perf_counter() - t0,
+    )
 
 
 class ArtifactSource:
@@ -279,6 +302,8 @@ class ArtifactSource:
             if expert_cache is not None:  # the host experts were registered as the layers were built
                 log.info("expert cache: %s", expert_cache.describe_host())
             drafter = None if spec.backend == "off" else make_drafter(executor)
+            if drafter is not None and drafter.name == "dflash2" and device.type == "cuda":
+                use_dflash2_static(drafter, executor, settings, max_lanes)
             verify = (spec.draft_tokens + 1,) if drafter is not None and spec.draft_tokens else ()
             # at load: the round shapes of the target (with the outputs the drafter asks every forward
             # for) and of a draft model's executor

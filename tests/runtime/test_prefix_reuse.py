@@ -56,6 +56,7 @@ CASES = [
     ("qwen2", "ngram"),
     ("qwen3_5", "off"),
     ("qwen3_5", "dflash2"),
+    ("qwen3_5", "dflash2-static"),  # DFlash2's static route (pooled rings; CUDA graphs on a GPU)
     ("qwen3_5", "mtp"),
     ("qwen3_5", "ngram"),
     ("qwen3_5", "draft-model"),
@@ -100,6 +101,13 @@ class Model:
             self.factories["dflash2"] = lambda: build_dflash2_drafter(
                 target_config=config, target_weights=tensors, checkpoint=base / "dflash2"
             )
+
+            def static_dflash2():
+                d = self.factories["dflash2"]()
+                d.use_static(max_lanes=4, buckets=(4,))  # rings of 7 rows: two buckets
+                return d
+
+            self.factories["dflash2-static"] = static_dflash2
         self.config, self.weights = config, weights
         make = get_family(config.model_type).make_executor
         self.ex = make(config, weights, "cpu", torch.float32)
