@@ -32,13 +32,17 @@ round. `StaticDFlash2` replaces the lane state and both hot calls with fixed sha
   buffers (D = block_size - 1). A drafter without a selector (DFlash v1) gets the head logits in a
   static buffer and chooses on them as the eager path does.
 * **CUDA graphs** (`warm_up`): that forward captured per (width, bucket) at load, widths 1 ..
-  max_lanes, buckets 128, 256, ... up to the largest ring; buckets of full-attention layers past
-  `warm_up`'s context are captured at first use (logged). The inputs (anchors, positions,
-  temperatures, greedy flags, noise) are copied into static buffers before a replay; nothing syncs
-  until the engine reads the drafts.
-* **Commit batched over lanes.** One `fc` + `hidden_norm` over every span's kept rows, one k/v
-  projection per layer, and one indexed write per layer into the rings; no per-lane loop of small
-  tensor ops.
+  max_lanes, buckets 128, 256, ... up to the largest ring, and the commit per row bucket; buckets
+  of full-attention layers past `warm_up`'s context are captured at first use (logged). The inputs
+  (anchors, positions, temperatures, greedy flags, noise) are copied into static buffers before a
+  replay; nothing syncs until the engine reads the drafts.
+* **Commit batched over lanes.** A round's committed columns (every lane's span no longer than the
+  smallest ring, all of them within max_lanes x block_size rows) are staged in static buffers
+  (taps, then position / slot / valid per row) padded to a row bucket (block_size, 2 x, ... up to
+  max_lanes x block_size) and replayed from that bucket's graph: one `fc` + `hidden_norm` over the
+  rows, one k/v projection per layer and one indexed write per layer into the rings (padded rows
+  write a scratch row past every ring). Longer spans (prompts) run the same ops unpadded, still one
+  call per layer for all lanes; no per-lane loop of small tensor ops either way.
 
 The pooled layout also runs on the CPU without graphs (tests hold it to the eager path there). Source
 of the pattern (read, not copied): SGLang's `EAGLEDraftCudaGraphRunner` and vLLM's drafter CUDA graphs
@@ -140,6 +144,10 @@ class StaticDFlash2:
         self.max_lanes = max_lanes
         self.caps = tuple(caps)
         self.max_cap = max(caps)
+        #: positions a full-attention ring holds (None: sliding layers only)
+        self.full_cap: int | None = None
+        if any(c.context_retention(i) is None for i in range(c.num_hidden_layers)):
+            self.full_cap = int(max_context)  # type: ignore[arg-type]  (checked above)
         self.sliding_cap = max(
             (cap for i, cap in enumerate(caps) if c.context_retention(i) is not None), default=0
         )
@@ -183,6 +191,16 @@ class StaticDFlash2:
             self._cand = torch.zeros(max_lanes, D, self.top_k, dtype=torch.long, device=dev)
         else:
             self._logits = torch.zeros(max_lanes, D, head_rows, dtype=torch.float32, device=dev)
+        # the fixed-shape commit: row buckets block_size, 2 x, ... up to max_lanes x block_size
+        rows_cap, r = max_lanes * L, L
+        commit_rows = []
+        while r < rows_cap:
+            commit_rows.append(r)
+            r *= 2
+        self.commit_rows = (*commit_rows, rows_cap)
+        self._commit_taps = torch.zeros(rows_cap, c.num_taps * c.hidden_size, device=dev, dtype=dt)
+        self._commit_meta = torch.zeros(rows_cap, 3, dtype=torch.long, device=dev)
+        self._commit_graphs: dict[int, Any] = {}
         self._graphs: dict[tuple[int, int], Any] = {}
         self._pool: Any = None
         self._side_stream: Any = None
@@ -348,13 +366,21 @@ class StaticDFlash2:
                     f"dflash2: lane {s.lane_id} taps have shape {tuple(s.taps.shape)}, "
                     f"expected [{m}, {width}]"
                 )
+            if self.full_cap is not None and s.start + m > self.full_cap:
+                raise DrafterError(
+                    f"dflash2: lane {s.lane_id} reaches position {s.start + m}, past the {self.full_cap} "
+                    "positions its full-attention rings hold (the engine's max_context)"
+                )
             r = min(m, self.max_cap)
             rows.append(s.taps[m - r :])
             slots.append(slot)
             positions.append((s.start + m - r, s.start + m))
             counts.append(r)
+        total = sum(counts)
         with torch.inference_mode():
-            if sum(counts):
+            if total and max(counts) <= min(self.caps) and total <= self.commit_rows[-1]:
+                self._commit_static(rows, slots, positions, total)
+            elif total:
                 feats = net.context_features(torch.cat([r.to(self.device) for r in rows]))
                 pos_h = torch.cat([torch.arange(a, b) for a, b in positions])
                 slot_h = torch.cat(
@@ -383,6 +409,43 @@ class StaticDFlash2:
                     self.values[li].index_put_((si, ring), v)
         for s, slot in zip(spans, slots, strict=True):
             self._positions[slot] += len(s.input_token_ids)
+
+    def _commit_static(
+        self, rows: list[torch.Tensor], slots: list[int], positions: list[tuple[int, int]], total: int
+    ) -> None:
+        """The fixed-shape commit: rows padded to a row bucket (padded rows write the scratch row
+        cap_l + block_size - 1 of slot 0, never a ring row), replayed from its graph with CUDA graphs."""
+        n_rows = next(r for r in self.commit_rows if r >= total)
+        meta = torch.zeros(n_rows, 3, dtype=torch.long)  # position, slot, valid
+        at = 0
+        for slot, (a, b) in zip(slots, positions, strict=True):
+            meta[at : at + b - a, 0] = torch.arange(a, b)
+            meta[at : at + b - a, 1] = slot
+            meta[at : at + b - a, 2] = 1
+            at += b - a
+        self._commit_meta[:n_rows].copy_(meta)
+        taps = rows[0] if len(rows) == 1 else torch.cat(rows)
+        self._commit_taps[:total].copy_(taps)
+        if not self.cuda_graphs:
+            self._commit_forward(n_rows)
+            return
+        graph = self._commit_graphs.get(n_rows)
+        if graph is None:
+            logger.info("dflash2: capturing the commit graph for %d rows on first use", n_rows)
+            graph = self._capture_commit(n_rows)
+        graph.replay()
+
+    def _commit_forward(self, n_rows: int) -> None:
+        """Context keys/values of the staged rows written into the rings (`_commit_static`)."""
+        net, L = self.network, self.config.block_size
+        feats = net.context_features(self._commit_taps[:n_rows])
+        meta = self._commit_meta[:n_rows]
+        pos, slot, valid = meta[:, 0], meta[:, 1], meta[:, 2].bool()
+        for li, cap in enumerate(self.caps):
+            k, v = net.context_keys_values(feats, pos, li)
+            ring = torch.where(valid, pos.remainder(cap), cap + L - 1)
+            self.keys[li].index_put_((slot, ring), k)
+            self.values[li].index_put_((slot, ring), v)
 
     # ------------------------------------------------------------------ proposals
 
@@ -473,7 +536,7 @@ class StaticDFlash2:
             graph = self._capture(width, bucket)
         graph.replay()
 
-    def _capture(self, width: int, bucket: int) -> Any:
+    def _capture_body(self, run: Any) -> Any:
         from ignis.runtime.families.static_rounds import capture_round
 
         if self._pool is None:
@@ -481,14 +544,24 @@ class StaticDFlash2:
             self._side_stream = torch.cuda.Stream(device=self.device)
 
         def body() -> dict[str, torch.Tensor]:
-            self._forward(width, bucket)
+            run()
             return {}
 
         with torch.inference_mode():
             entry = capture_round(body, device=self.device, pool=self._pool, stream=self._side_stream)
-        self._graphs[(width, bucket)] = entry.graph
         self.num_captures += 1
         return entry.graph
+
+    def _capture(self, width: int, bucket: int) -> Any:
+        graph = self._capture_body(lambda: self._forward(width, bucket))
+        self._graphs[(width, bucket)] = graph
+        return graph
+
+    def _capture_commit(self, n_rows: int) -> Any:
+        # the warm-up run writes the staged rows again (the same values) or, at load, scratch rows only
+        graph = self._capture_body(lambda: self._commit_forward(n_rows))
+        self._commit_graphs[n_rows] = graph
+        return graph
 
     def warm_up(self, context: int | None = None) -> int:
         """Capture, at load, every (width, bucket) graph a proposal over lanes holding up to `context`
@@ -510,6 +583,10 @@ class StaticDFlash2:
             for b in self.buckets:
                 if b <= top and (w, b) not in self._graphs:
                     self._capture(w, b)
+        self._commit_meta.zero_()  # every staged row invalid: the captures' warm-up runs write scratch rows
+        for n_rows in self.commit_rows:
+            if n_rows not in self._commit_graphs:
+                self._capture_commit(n_rows)
         torch.cuda.synchronize(self.device)
         return self.num_captures - before
 

@@ -104,15 +104,23 @@ def attach_topk(drafter: Any, art: Any, device: torch.device) -> Any:
 def use_dflash2_static(drafter: Any, executor: Any, settings: ModelSettings, max_lanes: int) -> None:
     """Put a DFlash2 drafter on CUDA on its static route (`DFlash2Drafter.use_static`): lane windows
     pooled in max_lanes slots, its proposal graphs captured now (with `settings.cuda_graphs`) up to
-    `settings.graph_warmup_context`; full-attention rings sized to the engine's context limit."""
+    `settings.graph_warmup_context`; full-attention rings sized to the engine's context limit. A
+    drafter the route cannot size (full-attention layers without a context limit) stays eager
+    (logged)."""
+    from ignis.runtime.errors import ConfigError
+
     t0 = time.perf_counter()
     limit = settings.max_context or getattr(executor, "max_context", None)
-    captured = drafter.use_static(
-        max_lanes=max_lanes,
-        max_context=limit,
-        cuda_graphs=settings.cuda_graphs,
-        warmup_context=settings.graph_warmup_context,
-    )
+    try:
+        captured = drafter.use_static(
+            max_lanes=max_lanes,
+            max_context=limit,
+            cuda_graphs=settings.cuda_graphs,
+            warmup_context=settings.graph_warmup_context,
+        )
+    except ConfigError as exc:
+        log.warning("dflash2: the static route does not apply (%s); the drafter runs eagerly", exc)
+        return
     log.info(
         "dflash2: static route, %d lane slots, %d proposal graphs captured in %.2f s",
         max_lanes,

@@ -281,6 +281,21 @@ def test_static_route_errors() -> None:
         _drafter(config).use_static(max_lanes=0)
 
 
+def test_full_attention_ring_refuses_past_max_context() -> None:
+    """A full-attention layer's ring holds max_context positions: a span past it is refused, not
+    wrapped into the kept context."""
+    d = _drafter(_config(layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)))
+    d.use_static(max_lanes=1, max_context=16)
+    assert d.static is not None and d.static.full_cap == 16 and d.static.commit_rows == (8,)
+    lane = _Lane(0, random.Random(4), GREEDY)
+    lane.tokens = list(range(40))
+    d.start_lane(0, lane.tokens)
+    d.commit([_span(lane, 16)])
+    lane.committed = 16
+    with pytest.raises(DrafterError, match="past the 16 positions"):
+        d.commit([_span(lane, 1)])
+
+
 def test_context_buckets() -> None:
     assert context_buckets(2047) == (128, 256, 512, 1024, 2047)
     assert context_buckets(5) == (5,)
@@ -334,7 +349,8 @@ def test_graphed_matches_eager_cuda(name: str) -> None:
     graphed = _drafter(config, "cuda")
     captured = graphed.use_static(max_lanes=4, max_context=512, warmup_context=512)
     st = graphed.static
-    assert st is not None and st.cuda_graphs and captured == len(st.widths) * len(st.buckets)
+    assert st is not None and st.cuda_graphs
+    assert captured == len(st.widths) * len(st.buckets) + len(st.commit_rows)
     _drive([eager, graphed], rounds=24, seed=11, max_lanes=4, device="cuda", sampled=name != "no-selector")
     assert st.num_captures == captured  # nothing captured on the request path
 
@@ -417,3 +433,20 @@ def test_engine_static_route_equals_eager(tmp_path) -> None:
     assert dict(ms.position_accepted_total) == dict(me.position_accepted_total)
     assert ms.rounds_total > 0
     assert static[0] == off[0] and static[2] == off[2]  # greedy lanes: speculation off's output
+
+
+def test_server_hook_sizes_the_route(caplog) -> None:
+    """`use_dflash2_static` (the server's load step on CUDA): slots = max_lanes, full-attention rings
+    sized to the context limit (the settings', else the executor's), eager kept when none is known."""
+    from types import SimpleNamespace
+
+    from ignis.runtime.server.artifact_source import use_dflash2_static
+
+    settings = SimpleNamespace(max_context=None, cuda_graphs=True, graph_warmup_context=None)
+    d = _drafter(_config(layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)))
+    use_dflash2_static(d, SimpleNamespace(max_context=96), settings, 3)
+    assert d.static is not None and d.static.max_lanes == 3 and d.static.full_cap == 96
+    eager = _drafter(_config(layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)))
+    with caplog.at_level("WARNING"):
+        use_dflash2_static(eager, SimpleNamespace(), settings, 3)
+    assert eager.static is None and "runs eagerly" in caplog.text
