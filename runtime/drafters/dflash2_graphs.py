@@ -175,9 +175,9 @@ class StaticDFlash2:
         self._free = list(range(max_lanes))
         self._positions = [0] * max_lanes  # committed positions per slot (its anchor's position)
         # static inputs
-        self._anchor = torch.zeros(max_lanes, dtype=torch.long, device=dev)
-        self._position = torch.zeros(max_lanes, dtype=torch.long, device=dev)
-        self._greedy = torch.ones(max_lanes, dtype=torch.bool, device=dev)
+        # per slot: anchor id, anchor position, greedy flag (one host->device copy a proposal)
+        self._inputs = torch.zeros(max_lanes, 3, dtype=torch.long, device=dev)
+        self._anchor, self._position, self._greedy_flag = self._inputs.unbind(1)
         self._temperature = torch.ones(max_lanes, dtype=torch.float32, device=dev)
         self._offsets = torch.arange(L, device=dev)
         self._mask_ids = torch.full((1, L - 1), c.mask_token_id, dtype=torch.long, device=dev)
@@ -495,10 +495,7 @@ class StaticDFlash2:
                 temps[slot] = float(r.params.temperature)
                 sampled.append(i)
         with torch.inference_mode():
-            ints = torch.tensor([anchors, positions, greedy], dtype=torch.long).to(self.device)
-            self._anchor[:w].copy_(ints[0])
-            self._position[:w].copy_(ints[1])
-            self._greedy[:w].copy_(ints[2].bool())
+            self._inputs[:w].copy_(torch.tensor([anchors, positions, greedy], dtype=torch.long).T)
             if c.has_selector and sampled:
                 self._temperature[:w].copy_(torch.tensor(temps, dtype=torch.float32))
                 for i in sampled:
@@ -691,7 +688,7 @@ class StaticDFlash2:
         cand = d._to_vocab(idx)
         proj = linear(hidden, net.selector_projection, None).float()  # [w, D, R]
         succ = net.successor_codebook[cand].float()  # [w, D, K, R]
-        greedy = self._greedy[:w]
+        greedy = self._greedy_flag[:w] != 0
         temperature = self._temperature[:w, None]
         prev = anchors
         for s in range(D):
