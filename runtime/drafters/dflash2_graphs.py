@@ -437,15 +437,20 @@ class StaticDFlash2:
 
     def _commit_forward(self, n_rows: int) -> None:
         """Context keys/values of the staged rows written into the rings (`_commit_static`)."""
-        net, L = self.network, self.config.block_size
+        c, net, L = self.config, self.network, self.config.block_size
+        nkv, hd, eps = c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         feats = net.context_features(self._commit_taps[:n_rows])
         meta = self._commit_meta[:n_rows]
         pos, slot, valid = meta[:, 0], meta[:, 1], meta[:, 2].bool()
-        for li, cap in enumerate(self.caps):
-            k, v = net.context_keys_values(feats, pos, li)
+        cos, sin = rope_cos_sin(pos, net.inv_freq, self.dtype)  # once for every layer
+        for cap, lw, keys, values in zip(self.caps, net.layers, self.keys, self.values, strict=True):
+            # `DFlash2Network.context_keys_values`, op for op
+            k = rms_norm(net.linear(feats, lw.k_proj, lw.k_bias).view(n_rows, nkv, hd), lw.k_norm, eps)
+            k = apply_rope(k, cos, sin)
+            v = net.linear(feats, lw.v_proj, lw.v_bias).view(n_rows, nkv, hd)
             ring = torch.where(valid, pos.remainder(cap), cap + L - 1)
-            self.keys[li].index_put_((slot, ring), k)
-            self.values[li].index_put_((slot, ring), v)
+            keys.index_put_((slot, ring), k)
+            values.index_put_((slot, ring), v)
 
     # ------------------------------------------------------------------ proposals
 
