@@ -1106,10 +1106,12 @@ class DFlash2Drafter(BaseDrafter):
         """
         if self._lanes or (self.static is not None and self.static._slot):
             raise StateError("dflash2: use_static must come before any lane starts")
-        self.static = StaticDFlash2(
+        static = StaticDFlash2(
             self, max_lanes=max_lanes, max_context=max_context, cuda_graphs=cuda_graphs, **kwargs
         )
-        return self.static.warm_up(warmup_context)
+        captured = static.warm_up(warmup_context)  # the drafter stays as it was if this raises
+        self.static = static
+        return captured
 
     # ---- lanes ----
 

@@ -105,8 +105,8 @@ def use_dflash2_static(drafter: Any, executor: Any, settings: ModelSettings, max
     """Put a DFlash2 drafter on CUDA on its static route (`DFlash2Drafter.use_static`): lane windows
     pooled in max_lanes slots, its proposal graphs captured now (with `settings.cuda_graphs`) up to
     `settings.graph_warmup_context`; full-attention rings sized to the engine's context limit. A
-    drafter the route cannot size (full-attention layers without a context limit) stays eager
-    (logged)."""
+    drafter the route cannot size (full-attention layers without a context limit) or capture (a
+    RuntimeError from torch) stays eager (logged)."""
     from ignis.runtime.errors import ConfigError
 
     t0 = time.perf_counter()
@@ -120,6 +120,10 @@ def use_dflash2_static(drafter: Any, executor: Any, settings: ModelSettings, max
         )
     except ConfigError as exc:
         log.warning("dflash2: the static route does not apply (%s); the drafter runs eagerly", exc)
+        return
+    except RuntimeError:  # a capture this device or torch refuses: serve, eagerly, and say why
+        drafter.static = None
+        log.exception("dflash2: capturing the static route failed; the drafter runs eagerly")
         return
     log.info(
         "dflash2: static route, %d lane slots, %d proposal graphs captured in %.2f s",

@@ -450,3 +450,24 @@ def test_server_hook_sizes_the_route(caplog) -> None:
     with caplog.at_level("WARNING"):
         use_dflash2_static(eager, SimpleNamespace(), settings, 3)
     assert eager.static is None and "runs eagerly" in caplog.text
+
+
+def test_server_hook_falls_back_when_capture_fails(caplog, monkeypatch) -> None:
+    """A capture torch refuses leaves the drafter eager (logged), not a server that fails to load."""
+    from types import SimpleNamespace
+
+    from ignis.runtime.drafters.dflash2_graphs import StaticDFlash2
+    from ignis.runtime.server.artifact_source import use_dflash2_static
+
+    def refuse(self, context=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StaticDFlash2, "warm_up", refuse)
+    d = _drafter(_config())
+    settings = SimpleNamespace(max_context=None, cuda_graphs=True, graph_warmup_context=None)
+    with caplog.at_level("WARNING"):
+        use_dflash2_static(d, SimpleNamespace(), settings, 2)
+    assert d.static is None and "runs eagerly" in caplog.text
+    lane = _Lane(0, random.Random(6), GREEDY)
+    d.start_lane(0, lane.tokens)  # the eager path serves
+    assert d.context(0).num_positions == 0
