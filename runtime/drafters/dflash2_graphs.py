@@ -91,9 +91,11 @@ def context_buckets(capacity: int, smallest: int = SMALLEST_BUCKET) -> tuple[int
 def draw_race_noise(generator: torch.Generator, num_drafts: int, num_candidates: int) -> torch.Tensor:
     """float32 [num_drafts, num_candidates] Exp(1) noise from a lane's generator, on its device: the
     sampled selector walk picks ``argmax(q / noise[s])`` at slot s (an exact draw from q). The eager
-    and the static paths both draw it here, so one seed gives one path."""
+    and the static paths both draw it here, so one seed gives one path. Draws of 0 (a uniform of
+    exactly 1) are raised to float32's smallest normal, so a candidate with q = 0 (0 / 0) can never
+    win."""
     out = torch.empty(num_drafts, num_candidates, dtype=torch.float32, device=generator.device)
-    return out.exponential_(generator=generator)
+    return out.exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 class StaticDFlash2:

@@ -308,7 +308,17 @@ def test_race_noise_is_the_generator_stream() -> None:
     b = draw_race_noise(torch.Generator().manual_seed(3), 7, 16)
     assert torch.equal(a, b) and a.shape == (7, 16) and a.dtype == torch.float32
     big = draw_race_noise(torch.Generator().manual_seed(4), 4000, 16)
-    assert (big >= 0).all() and abs(float(big.mean()) - 1.0) < 0.02
+    assert (big > 0).all() and abs(float(big.mean()) - 1.0) < 0.02
+
+
+def test_race_noise_never_zero(monkeypatch) -> None:
+    """A zero draw (possible from exponential_) would make a q = 0 candidate win (0 / 0 = NaN is
+    argmax's pick); it is raised to the smallest normal float."""
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, generator=None: self.zero_())
+    noise = draw_race_noise(torch.Generator().manual_seed(0), 2, 4)
+    assert (noise > 0).all()
+    q = torch.tensor([0.0, 0.7, 0.3, 0.0])
+    assert int((q / noise[0]).argmax()) == 1
 
 
 def test_static_sampled_drafts_follow_q() -> None:
