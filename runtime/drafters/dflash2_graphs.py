@@ -31,9 +31,10 @@ round. `StaticDFlash2` replaces the lane state and both hot calls with fixed sha
   tokens [max_lanes, D], q over the K candidates [max_lanes, D, K] and the candidates' ids, in static
   buffers (D = block_size - 1). A drafter without a selector (DFlash v1) gets the head logits in a
   static buffer and chooses on them as the eager path does.
-* **CUDA graphs** (`warm_up`): that forward captured per (width, bucket) at load, widths 1 ..
-  max_lanes, buckets 128, 256, ... up to the largest ring, and the commit per row bucket; buckets
-  of full-attention layers past `warm_up`'s context are captured at first use (logged). The inputs
+* **CUDA graphs** (`warm_up`): that forward captured per (width, bucket) at load, widths 1 .. 8
+  then 16, 32, ... and max_lanes (`default_widths`), buckets 128, 256, ... up to the largest ring,
+  and the commit per row bucket; buckets of full-attention layers past `warm_up`'s context are
+  captured at first use (logged). The inputs
   (anchors, positions, temperatures, greedy flags, noise) are copied into static buffers before a
   replay; nothing syncs until the engine reads the drafts.
 * **Commit batched over lanes.** A round's committed columns (every lane's span no longer than the
@@ -69,7 +70,7 @@ from ignis.runtime.kernels.topk import topk
 if TYPE_CHECKING:
     from ignis.runtime.drafters.dflash2 import DFlash2Drafter, LaneContext
 
-__all__ = ["SMALLEST_BUCKET", "StaticDFlash2", "context_buckets", "draw_race_noise"]
+__all__ = ["SMALLEST_BUCKET", "StaticDFlash2", "context_buckets", "default_widths", "draw_race_noise"]
 
 logger = logging.getLogger("ignis.runtime.draft_head")
 
@@ -85,6 +86,19 @@ def context_buckets(capacity: int, smallest: int = SMALLEST_BUCKET) -> tuple[int
         out.append(b)
         b *= 2
     out.append(capacity)
+    return tuple(out)
+
+
+def default_widths(max_lanes: int) -> tuple[int, ...]:
+    """Lane-slot widths proposals run at: every width up to 8, then 16, 32, ... below max_lanes, then
+    max_lanes (so many lanes do not multiply the graphs captured at load)."""
+    out = list(range(1, min(8, max_lanes) + 1))
+    w = 16
+    while w < max_lanes:
+        out.append(w)
+        w *= 2
+    if out[-1] != max_lanes:
+        out.append(max_lanes)
     return tuple(out)
 
 
@@ -110,8 +124,8 @@ class StaticDFlash2:
             without graphs.
         buckets: context buckets to use instead of `context_buckets(largest ring)` (tests); those
             past the largest ring are dropped and the largest ring is appended.
-        widths: lane-slot widths a proposal may run at (default 1 .. max_lanes); max_lanes is
-            appended when missing.
+        widths: lane-slot widths a proposal may run at (default `default_widths(max_lanes)`);
+            max_lanes is appended when missing.
 
     Raises:
         ConfigError: max_lanes < 1, a full-attention layer without max_context, a bucket < 1, a width
@@ -161,7 +175,7 @@ class StaticDFlash2:
             else list(context_buckets(self.max_cap))
         )
         self.buckets = tuple(bl)
-        wl = sorted({int(w) for w in widths} | {max_lanes}) if widths else list(range(1, max_lanes + 1))
+        wl = sorted({int(w) for w in widths} | {max_lanes}) if widths else list(default_widths(max_lanes))
         if wl[0] < 1 or wl[-1] > max_lanes:
             raise ConfigError(f"dflash2 static route: widths {wl} must lie in 1..{max_lanes}")
         self.widths = tuple(wl)

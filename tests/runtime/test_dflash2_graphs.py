@@ -19,7 +19,7 @@ from ignis.runtime.drafters.dflash2 import (
     DFlash2Config,
     DFlash2Drafter,
 )
-from ignis.runtime.drafters.dflash2_graphs import context_buckets, draw_race_noise
+from ignis.runtime.drafters.dflash2_graphs import context_buckets, default_widths, draw_race_noise
 from ignis.runtime.errors import ConfigError, StateError
 from ignis.runtime.sampling import SamplingParams
 from ignis.tools.make_test_drafter import random_dflash2_weights
@@ -294,6 +294,13 @@ def test_full_attention_ring_refuses_past_max_context() -> None:
     lane.committed = 16
     with pytest.raises(DrafterError, match="past the 16 positions"):
         d.commit([_span(lane, 1)])
+
+
+def test_default_widths() -> None:
+    assert default_widths(1) == (1,)
+    assert default_widths(8) == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert default_widths(40) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 40)
+    assert default_widths(32) == (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 
 
 def test_context_buckets() -> None:
