@@ -281,6 +281,11 @@ class ArtifactSource:
                 dtype=dtype,
                 linear=linear,
                 moe_module=art.moe_module(dtype) if keep_q4 and on_cuda else None,
+                # pooled like a static target's lanes and context (an eager target: the eager head)
+                static=None if getattr(executor, "max_context", None) else False,
+                max_lanes=getattr(executor, "max_lanes", None),
+                max_context=getattr(executor, "max_context", None),
+                cuda_graphs=None if settings.cuda_graphs else False,
             )
 
         eos = tuple(tokenizer.eos_token_ids)
@@ -325,6 +330,7 @@ class ArtifactSource:
             }
             warm_up_static(executor, columns=verify, context=settings.graph_warmup_context, **asks)
             warm_up_static(getattr(drafter, "executor", None), columns=verify)
+            warm_up_static(drafter, columns=verify, context=settings.graph_warmup_context)  # a static head
             engine = SpeculativeEngine(
                 executor,
                 drafter,

@@ -13,7 +13,7 @@ from ignis.tools.bench.expert_cache import drafts_per_lane, expected_tokens, mai
 
 def test_tiny_run_writes_cases(tmp_path: Path, capsys) -> None:
     assert (
-        main(["--tiny", "--lanes", "1", "--modes", "off,mtp", "--tokens", "3", "--out", str(tmp_path)]) == 0
+        main(["--tiny", "--lanes", "1", "--modes", "off,mtp", "--tokens", "6", "--out", str(tmp_path)]) == 0
     )
     res = json.loads((tmp_path / "bench_expert_cache.json").read_text())
     cases = {(c["card"], c["mode"]): c for c in res["cases"]}
@@ -25,6 +25,10 @@ def test_tiny_run_writes_cases(tmp_path: Path, capsys) -> None:
     assert (
         cases[("1slots", "mtp")]["drafts_per_lane"] == 3 and cases[("1slots", "mtp")]["projected_tok_s"] > 0
     )
+    mtp = cases[("1slots", "mtp")]  # the drafter's time a round, beside the round's
+    assert mtp["mtp_head"] == "StaticMTPDrafter" and mtp["mtp_graphs"] is False  # (no CUDA here)
+    assert 0 < mtp["drafter_ms"] < mtp["round_ms"] and mtp["propose_ms"] > 0 and mtp["commit_ms"] > 0
+    assert "drafter_ms" not in one
     assert res["bytes"]["expert"] * 16 * 4 == res["bytes"]["experts"]  # 16 experts x 4 MoE layers
     assert "card | mode | lanes" in capsys.readouterr().out
 

@@ -43,6 +43,13 @@ almost never accepted, so for MTP the table also gives the projected tok/s = lan
 lane-round] / median round time, with E from the documented acceptance (`--accept`, default 0.815:
 80-83 % of the first four drafts) and the drafts the row budget allows each lane.
 
+The MTP head (`--mtp-head`, default static): the pooled head the server builds on CUDA
+(`ignis.runtime.drafters.mtp_static.StaticMTPDrafter`: CUDA graphs when every routed expert of its
+MoE layer is resident and the grouped kernels run it), its graphs captured before the decode as at
+the server's load; `eager` builds `MTPDrafter`. Each MTP case reports the drafter's time a round
+(``drafter_ms``: its `propose` and `commit` calls, each synced before and after, so the round time
+includes those syncs; ``propose_ms`` and ``commit_ms`` apart) beside the round's.
+
 `--baselines`: the same decode with every expert resident (fits the H200) and with no cache (every
 expert copied on demand each round: the slots are flushed after every forward). The host-to-device
 bandwidth is measured in the same run: one 1 GiB copy from pinned and from pageable memory, and the
@@ -319,6 +326,23 @@ def drafts_per_lane(lanes: int, k: int, rows: int) -> int:
     return max(0, min(k, (rows or 8) // lanes - 1))
 
 
+def _time_drafter(drafter: Any, spent: dict[str, float], sync: Any) -> None:
+    """Wrap the drafter's `propose` and `commit` (on the instance) to add their wall time, each call
+    synced before and after, to spent["propose"] / spent["commit"] (seconds)."""
+    for name in ("propose", "commit"):
+        call = getattr(type(drafter), name)
+
+        def timed(arg: Any, _call: Any = call, _name: str = name) -> Any:
+            sync()
+            t0 = time.perf_counter()
+            out = _call(drafter, arg)
+            sync()
+            spent[_name] += time.perf_counter() - t0
+            return out
+
+        setattr(drafter, name, timed)
+
+
 def run_case(
     ex: HybridExecutor,
     drafter: Any,
@@ -340,6 +364,9 @@ def run_case(
     for p in prompts:
         engine.add_lane(p, params)
     sync = torch.cuda.synchronize if ex.device.type == "cuda" else (lambda: None)
+    spent = {"propose": 0.0, "commit": 0.0}
+    if drafter is not None:  # the drafter's time a round: its propose and commit calls, synced
+        _time_drafter(drafter, spent, sync)
     engine.step()  # the prefill (and first tokens)
     if flush and cache is not None:
         cache.flush()
@@ -349,12 +376,16 @@ def run_case(
     before = dict(cache.stats.snapshot()) if cache is not None else {}
     emitted = 0
     times: list[float] = []
+    drafter_parts: dict[str, list[float]] = {"propose": [], "commit": []}
     while engine.has_unfinished:
         sync()
+        spent["propose"] = spent["commit"] = 0.0
         t0 = time.perf_counter()
         updates = engine.step()
         sync()
         times.append(time.perf_counter() - t0)
+        for part in drafter_parts:
+            drafter_parts[part].append(spent[part])
         emitted += sum(len(u.new_token_ids) for u in updates)
         if flush and cache is not None:
             cache.flush()
@@ -366,6 +397,15 @@ def run_case(
         "tok_s": round(emitted / wall, 2) if wall else 0.0,
         "round_ms": round(statistics.median(times) * 1e3, 2) if times else 0.0,
     }
+    if drafter is not None and times:
+        per_round = [p + c for p, c in zip(drafter_parts["propose"], drafter_parts["commit"], strict=True)]
+        res |= {
+            "drafter_ms": round(statistics.median(per_round) * 1e3, 2),
+            "propose_ms": round(statistics.median(drafter_parts["propose"]) * 1e3, 2),
+            "commit_ms": round(statistics.median(drafter_parts["commit"]) * 1e3, 2),
+            "mtp_head": type(drafter).__name__,
+            "mtp_graphs": bool(getattr(drafter, "cuda_graphs", False)),
+        }
     if cache is not None:
         after = cache.stats.snapshot()
         res |= {
@@ -418,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         help="static: StaticHybridExecutor with the bundle's fused kernels (the server's route on CUDA); "
         "eager: HybridExecutor [static]",
     )
+    ap.add_argument(
+        "--mtp-head", choices=("static", "eager"), default="static",
+        help="static: the pooled head, CUDA-graphed when capturable (the server's on CUDA); eager: "
+        "MTPDrafter [static]",
+    )  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (plumbing check)")
     ap.add_argument(
         "--host", choices=("pageable", "pinned", "mmap"), default="pageable",
@@ -569,10 +614,18 @@ def main(argv: list[str] | None = None) -> int:
                     n: weights[n]
                     for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
                 }
+                static = args.mtp_head == "static"
                 drafter = build_mtp_drafter(
                     target_config=cfg, target_weights=shared, mtp_weights=mtp_weights, device=dev,
-                    dtype=dtype, linear=linear, moe_module=moe_module,
+                    dtype=dtype, linear=linear, moe_module=moe_module, static=static,
+                    max_lanes=max(lanes_list), max_context=min(args.context, 4096),
                 )  # fmt: skip
+                if static:  # the server's load: every shape these rounds meet captured now
+                    t0 = time.perf_counter()
+                    n = drafter.warm_up(columns=(k + 1,), context=32 + args.tokens + 8)  # type: ignore[attr-defined]
+                    graphed = getattr(drafter, "cuda_graphs", False)
+                    print(f"{label} {mode}: MTP head graphs captured at load: {n} in "
+                          f"{time.perf_counter() - t0:.1f} s (graphs {graphed})", flush=True)  # fmt: skip
             for lanes in lanes_list:
                 res = run_case(
                     ex, drafter, lanes=lanes, k=k, rows=rows, tokens=args.tokens, vocab=cfg.vocab_size,
@@ -608,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         expert_file.unlink(missing_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
-    cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "hit_rate")
+    cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "drafter_ms")
+    cols += ("propose_ms", "commit_ms", "mtp_graphs", "hit_rate")
     cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
     cols += ("experts_per_forward", "experts_per_layer_run", "host", "direct_copies", "staged_copies")
     print(" | ".join(cols))
