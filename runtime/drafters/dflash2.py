@@ -1083,22 +1083,18 @@ class DFlash2Drafter(BaseDrafter):
         *,
         max_lanes: int,
         max_context: int | None = None,
-        cuda_graphs: bool = True,
-        warmup_context: int | None = None,
+        cuda_graphs: bool | None = None,
         **kwargs: Any,
-    ) -> int:
+    ) -> None:
         """Switch to the static route (`ignis.runtime.drafters.dflash2_graphs.StaticDFlash2`): lane
         windows pooled in `max_lanes` slots, proposals as one fixed-shape forward, replayed from CUDA
-        graphs captured now (on CUDA with `cuda_graphs`) for every width and for the context buckets
-        up to `warmup_context` (`StaticDFlash2.warm_up`). Call before any lane starts.
+        graphs (on CUDA with `cuda_graphs`, None: on CUDA) that `warm_up` captures at load. Call
+        before any lane starts.
 
         Args:
             max_lanes: lanes at once (the engine's max_lanes).
             max_context: ring rows of full-attention layers (the engine's context limit).
             kwargs: `StaticDFlash2`'s `buckets` / `widths`.
-
-        Returns:
-            the graphs captured (0 without CUDA graphs).
 
         Raises:
             StateError: a lane has started already.
@@ -1106,12 +1102,30 @@ class DFlash2Drafter(BaseDrafter):
         """
         if self._lanes or (self.static is not None and self.static._slot):
             raise StateError("dflash2: use_static must come before any lane starts")
-        static = StaticDFlash2(
-            self, max_lanes=max_lanes, max_context=max_context, cuda_graphs=cuda_graphs, **kwargs
+        self.static = StaticDFlash2(
+            self,
+            max_lanes=max_lanes,
+            max_context=max_context,
+            cuda_graphs=self.device.type == "cuda" if cuda_graphs is None else cuda_graphs,
+            **kwargs,
         )
-        captured = static.warm_up(warmup_context)  # the drafter stays as it was if this raises
-        self.static = static
-        return captured
+
+    def warm_up(self, *, columns: Sequence[int] = (), context: int | None = None) -> int:
+        """Capture, at load, the static route's graphs (`StaticDFlash2.warm_up`): every proposal width
+        x the context buckets lanes holding up to `context` tokens meet (None: every bucket), and
+        every commit row bucket; the server calls it through `warm_up_static`. `columns` (the verify
+        width) changes nothing: a proposal always runs the whole block.
+
+        Returns:
+            graphs captured now (0 on the eager path or without CUDA graphs).
+
+        Raises:
+            ValueError: context < 1.
+            StateError: a lane has started.
+        """
+        if context is not None and context < 1:
+            raise ValueError(f"warm_up: context must be >= 1 tokens, got {context}")
+        return 0 if self.static is None else self.static.warm_up(context)
 
     # ---- lanes ----
 
@@ -1405,6 +1419,10 @@ def build_dflash2_drafter(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     linear: LinearFn | None = None,
+    static: bool | None = None,
+    max_lanes: int | None = None,
+    max_context: int | None = None,
+    cuda_graphs: bool | None = None,
 ) -> DFlash2Drafter:
     """The registered `dflash2` factory: a drafter for a target from a checkpoint folder or tensors.
 
@@ -1413,6 +1431,9 @@ def build_dflash2_drafter(
         target_weights: the target's canonical tensors (the embedding and head are taken from here).
         checkpoint: a drafter folder as published; or give `config` and `weights`.
         draft_head, shortlist_weight, shortlist_token_ids, device, dtype, linear: see `DFlash2Drafter`.
+        static: the static route (`DFlash2Drafter.use_static`; None: on CUDA) with `max_lanes` lane
+            slots (None: 8), full-attention rings of `max_context` rows (the engine's context limit)
+            and `cuda_graphs` (None: on CUDA); its graphs are captured by `warm_up`. False: eager.
 
     Raises:
         ConfigError: neither a checkpoint nor config+weights; plus everything `DFlash2Drafter` raises.
@@ -1422,7 +1443,7 @@ def build_dflash2_drafter(
     if config is None or weights is None:
         raise ConfigError("build_dflash2_drafter needs a checkpoint folder or config and weights")
     embed, head = _target_head(target_config, target_weights)
-    return DFlash2Drafter(
+    drafter = DFlash2Drafter(
         config,
         weights,
         embed_tokens=embed,
@@ -1435,6 +1456,11 @@ def build_dflash2_drafter(
         dtype=dtype,
         linear=linear,
     )
+    if static if static is not None else torch.device(device).type == "cuda":
+        drafter.use_static(
+            max_lanes=8 if max_lanes is None else max_lanes, max_context=max_context, cuda_graphs=cuda_graphs
+        )
+    return drafter
 
 
 if "dflash2" not in DRAFTERS:

@@ -14,11 +14,11 @@ DFlash2 drafter, MTP companion container) to what the server needs:
   "shortlist" uses the artifact's Q4 shortlist head: kept packed for the compiled modules, else
   dequantized to the drafter's dtype. On a CUDA device the DFlash2 drafter's selector walk takes the
   artifact's compiled top-k (`Artifact.topk_module()`) when the manifest lists one (else torch's
-  exact path), and the drafter runs its static route (`use_dflash2_static`: pooled lane windows, its
-  proposal replayed from CUDA graphs captured at load). The MTP and draft-model drafters select by
-  argmax or by sampling (whose top-k filter only thresholds on the k-th value): no full-vocabulary
-  top-k to route. Hybrid targets on
-  CUDA get the artifact's fused GDN recurrence and row norms through `Artifact.make_executor`
+  exact path), and beside a static target the drafter runs its static route (pooled lane windows,
+  its proposal and commit replayed from CUDA graphs captured at load: `dflash2_graphs`). The MTP
+  and draft-model drafters select by argmax or by sampling (whose top-k filter only thresholds on
+  the k-th value): no full-vocabulary top-k to route. Hybrid targets on CUDA get the artifact's
+  fused GDN recurrence and row norms through `Artifact.make_executor`
   (`gdn_module()`, `norms_module()`) when the manifest lists them.
 
 The artifact is validated when the source is opened (`load_artifact(verify=...)`): a corrupt or
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -99,38 +98,6 @@ def attach_topk(drafter: Any, art: Any, device: torch.device) -> Any:
     if device.type == "cuda":
         drafter.topk_module = art.topk_module()
     return drafter
-
-
-def use_dflash2_static(drafter: Any, executor: Any, settings: ModelSettings, max_lanes: int) -> None:
-    """Put a DFlash2 drafter on CUDA on its static route (`DFlash2Drafter.use_static`): lane windows
-    pooled in max_lanes slots, its proposal graphs captured now (with `settings.cuda_graphs`) up to
-    `settings.graph_warmup_context`; full-attention rings sized to the engine's context limit. A
-    drafter the route cannot size (full-attention layers without a context limit) or capture (a
-    RuntimeError from torch) stays eager (logged)."""
-    from ignis.runtime.errors import ConfigError
-
-    t0 = time.perf_counter()
-    limit = settings.max_context or getattr(executor, "max_context", None)
-    try:
-        captured = drafter.use_static(
-            max_lanes=max_lanes,
-            max_context=limit,
-            cuda_graphs=settings.cuda_graphs,
-            warmup_context=settings.graph_warmup_context,
-        )
-    except ConfigError as exc:
-        log.warning("dflash2: the static route does not apply (%s); the drafter runs eagerly", exc)
-        return
-    except RuntimeError:  # a capture this device or torch refuses: serve, eagerly, and say why
-        drafter.static = None
-        log.exception("dflash2: capturing the static route failed; the drafter runs eagerly")
-        return
-    log.info(
-        "dflash2: static route, %d lane slots, %d proposal graphs captured in %.2f s",
-        max_lanes,
-        captured,
-        time.perf_counter() - t0,
-    )
 
 
 class ArtifactSource:
@@ -267,6 +234,11 @@ class ArtifactSource:
                     device=device,
                     dtype=dtype,
                     linear=linear,
+                    # pooled like a static target's lanes and context (an eager target: eager)
+                    static=None if getattr(executor, "max_context", None) else False,
+                    max_lanes=getattr(executor, "max_lanes", None),
+                    max_context=getattr(executor, "max_context", None),
+                    cuda_graphs=None if settings.cuda_graphs else False,
                     **kwargs,
                 )
                 return attach_topk(drafter, art, device)
@@ -319,8 +291,6 @@ class ArtifactSource:
             if expert_cache is not None:  # the host experts were registered as the layers were built
                 log.info("expert cache: %s", expert_cache.describe_host())
             drafter = None if spec.backend == "off" else make_drafter(executor)
-            if drafter is not None and drafter.name == "dflash2" and device.type == "cuda":
-                use_dflash2_static(drafter, executor, settings, max_lanes)
             verify = (spec.draft_tokens + 1,) if drafter is not None and spec.draft_tokens else ()
             # at load: the round shapes of the target (with the outputs the drafter asks every forward
             # for) and of a draft model's executor

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -364,7 +365,8 @@ def test_graphed_matches_eager_cuda(name: str) -> None:
     config = CONFIGS[name]
     eager = _drafter(config, "cuda")
     graphed = _drafter(config, "cuda")
-    captured = graphed.use_static(max_lanes=4, max_context=512, warmup_context=512)
+    graphed.use_static(max_lanes=4, max_context=512)
+    captured = graphed.warm_up(columns=(8,), context=512)
     st = graphed.static
     assert st is not None and st.cuda_graphs
     assert captured == len(st.widths) * len(st.buckets) + len(st.commit_rows)
@@ -381,7 +383,9 @@ def test_graphed_equals_ungraphed_bf16_cuda() -> None:
     graphed = _drafter(config, "cuda", dtype=torch.bfloat16)
     plain = _drafter(config, "cuda", dtype=torch.bfloat16)
     graphed.use_static(max_lanes=4)
+    assert graphed.warm_up() > 0
     plain.use_static(max_lanes=4, cuda_graphs=False)
+    assert plain.warm_up() == 0
     _drive([plain, graphed], rounds=16, seed=5, max_lanes=4, device="cuda")
 
 
@@ -452,39 +456,26 @@ def test_engine_static_route_equals_eager(tmp_path) -> None:
     assert static[0] == off[0] and static[2] == off[2]  # greedy lanes: speculation off's output
 
 
-def test_server_hook_sizes_the_route(caplog) -> None:
-    """`use_dflash2_static` (the server's load step on CUDA): slots = max_lanes, full-attention rings
-    sized to the context limit (the settings', else the executor's), eager kept when none is known."""
-    from types import SimpleNamespace
+def test_factory_builds_the_route(tmp_path) -> None:
+    """`build_dflash2_drafter`'s static options (what the server passes beside a static target):
+    slots = max_lanes, full-attention rings of max_context; None means on CUDA (eager on the CPU);
+    `warm_up` (called by the server's `warm_up_static`) captures nothing without CUDA graphs."""
+    from ignis.runtime.drafters.dflash2 import build_dflash2_drafter
 
-    from ignis.runtime.server.artifact_source import use_dflash2_static
-
-    settings = SimpleNamespace(max_context=None, cuda_graphs=True, graph_warmup_context=None)
-    d = _drafter(_config(layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)))
-    use_dflash2_static(d, SimpleNamespace(max_context=96), settings, 3)
+    config = _config(layer_types=(FULL_ATTENTION, SLIDING_ATTENTION))
+    target = SimpleNamespace(
+        hidden_size=HIDDEN, num_hidden_layers=2, vocab_size=VOCAB, tie_word_embeddings=False
+    )
+    gen = torch.Generator().manual_seed(5)
+    tw = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen)}
+    tw["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen)
+    kw = dict(target_config=target, target_weights=tw, config=config, weights=random_dflash2_weights(config))
+    d = build_dflash2_drafter(**kw, static=True, max_lanes=3, max_context=96)
     assert d.static is not None and d.static.max_lanes == 3 and d.static.full_cap == 96
-    eager = _drafter(_config(layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)))
-    with caplog.at_level("WARNING"):
-        use_dflash2_static(eager, SimpleNamespace(), settings, 3)
-    assert eager.static is None and "runs eagerly" in caplog.text
-
-
-def test_server_hook_falls_back_when_capture_fails(caplog, monkeypatch) -> None:
-    """A capture torch refuses leaves the drafter eager (logged), not a server that fails to load."""
-    from types import SimpleNamespace
-
-    from ignis.runtime.drafters.dflash2_graphs import StaticDFlash2
-    from ignis.runtime.server.artifact_source import use_dflash2_static
-
-    def refuse(self, context=None):  # type: ignore[no-untyped-def]
-        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(StaticDFlash2, "warm_up", refuse)
-    d = _drafter(_config())
-    settings = SimpleNamespace(max_context=None, cuda_graphs=True, graph_warmup_context=None)
-    with caplog.at_level("WARNING"):
-        use_dflash2_static(d, SimpleNamespace(), settings, 2)
-    assert d.static is None and "runs eagerly" in caplog.text
-    lane = _Lane(0, random.Random(6), GREEDY)
-    d.start_lane(0, lane.tokens)  # the eager path serves
-    assert d.context(0).num_positions == 0
+    assert not d.static.cuda_graphs and d.warm_up(columns=(8,), context=64) == 0
+    with pytest.raises(ValueError, match="context"):
+        d.warm_up(context=0)
+    assert build_dflash2_drafter(**kw).static is None  # None: on CUDA only
+    assert build_dflash2_drafter(**kw, static=False).warm_up() == 0
+    with pytest.raises(ConfigError, match="needs max_context"):
+        build_dflash2_drafter(**kw, static=True)

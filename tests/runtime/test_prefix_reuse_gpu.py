@@ -57,8 +57,11 @@ class Target:
                 checkpoint=base / "dflash2",
                 device="cuda",
                 dtype=dtype,
+                static=True,  # what the server does beside a static target on CUDA (graphed)
+                max_lanes=4,
+                max_context=512,
             )
-            d.use_static(max_lanes=4, max_context=512)  # what the server does on CUDA (graphed)
+            assert d.warm_up() > 0
             return d
 
         self.drafter = drafter
