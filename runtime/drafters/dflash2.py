@@ -609,12 +609,13 @@ def grouped_dynamic_conv(
     n, length, h = x.shape
     groups = h // group_size
     xg = x.view(n, length, groups, group_size)
-    out = torch.zeros_like(xg)
+    out: torch.Tensor | None = None  # the first tap's term starts the sum (no zeros + term)
     for j in range(base.shape[0]):
         shifted = xg if j == 0 else F.pad(xg[:, :-j], (0, 0, 0, 0, j, 0))
         coeff = base[j].view(1, 1, groups, group_size).to(x.dtype) + dynamic[:, :, j, :, None].to(x.dtype)
-        out = out + coeff * shifted
-    return out.view(n, length, h)
+        out = coeff * shifted if out is None else out + coeff * shifted
+    assert out is not None
+    return out.reshape(n, length, h)
 
 
 def transform_head_logits(logits: torch.Tensor, config: DFlash2Config) -> torch.Tensor:
