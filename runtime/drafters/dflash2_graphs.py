@@ -605,7 +605,8 @@ class StaticDFlash2:
         for n_rows in self.commit_rows:
             if n_rows not in self._commit_graphs:
                 self._capture_commit(n_rows)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return self.num_captures - before
 
     # ------------------------------------------------------------------ the forward

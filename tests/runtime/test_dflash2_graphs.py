@@ -479,3 +479,36 @@ def test_factory_builds_the_route(tmp_path) -> None:
     assert build_dflash2_drafter(**kw, static=False).warm_up() == 0
     with pytest.raises(ConfigError, match="needs max_context"):
         build_dflash2_drafter(**kw, static=True)
+
+
+def test_warm_up_covers_every_shape_a_run_meets(monkeypatch) -> None:
+    """With graphs (stood in for on the CPU by replaying the captured body), `warm_up` at load
+    captures every (width, bucket) proposal and every commit row bucket a multi-lane run then
+    meets: nothing is captured on the request path, and the replayed route equals the eager one."""
+    from ignis.runtime.drafters.dflash2_graphs import StaticDFlash2
+
+    class Replayed:
+        def __init__(self, body) -> None:  # type: ignore[no-untyped-def]
+            self.body = body
+
+        def replay(self) -> None:
+            self.body()
+
+    def capture(self, run):  # type: ignore[no-untyped-def]
+        self.num_captures += 1
+        return Replayed(run)
+
+    monkeypatch.setattr(StaticDFlash2, "_capture_body", capture)
+    config = _config(sliding_window=40)
+    eager, graphed = _drafter(config), _drafter(config)
+    graphed.use_static(max_lanes=4, buckets=(8, 16))
+    st = graphed.static
+    assert st is not None
+    st.cuda_graphs = True  # the CPU stand-in above replays what would be captured
+    captured = graphed.warm_up(columns=(8,))
+    assert captured == len(st.widths) * len(st.buckets) + len(st.commit_rows) == 4 * 3 + 3
+    live = _drive([eager, graphed], rounds=20, seed=9, max_lanes=4)
+    assert st.num_captures == captured
+    assert live
+    with pytest.raises(StateError, match="before any lane"):
+        graphed.warm_up()
