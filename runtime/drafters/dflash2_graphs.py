@@ -332,20 +332,20 @@ class StaticDFlash2:
                     f"dflash2: snapshot layer {i} keys {tuple(k.shape)} / values {tuple(v.shape)} do not "
                     f"fit [n, {c.num_key_value_heads}, {c.head_dim}]"
                 )
-            if k.shape[0] > end:
+            if k.shape[0] != min(end, self.caps[i]):  # a ring row the mask sees must hold its key
                 raise CheckpointError(
-                    f"dflash2: snapshot layer {i} holds {k.shape[0]} rows for {end} positions"
+                    f"dflash2: snapshot layer {i} holds {k.shape[0]} rows for {end} positions; this "
+                    f"drafter keeps {min(end, self.caps[i])}"
                 )
         self.start_lane(lane_id)
         slot = self._slot[lane_id]
         with torch.inference_mode():
             for i in range(c.num_hidden_layers):
                 k, v = snapshot.tensors[f"layer.{i}.keys"], snapshot.tensors[f"layer.{i}.values"]
-                n = min(int(k.shape[0]), self.caps[i])
-                if n:
-                    rows = self._ring_rows(i, end, n)
-                    self.keys[i][slot, rows] = k[k.shape[0] - n :].to(self.keys[i])
-                    self.values[i][slot, rows] = v[v.shape[0] - n :].to(self.values[i])
+                if k.shape[0]:
+                    rows = self._ring_rows(i, end, int(k.shape[0]))
+                    self.keys[i][slot, rows] = k.to(self.keys[i])
+                    self.values[i][slot, rows] = v.to(self.values[i])
         self._positions[slot] = end
 
     # ------------------------------------------------------------------ commit

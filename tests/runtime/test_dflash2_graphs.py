@@ -252,6 +252,16 @@ def test_static_route_snapshots_cross_paths() -> None:
     _same_proposals(e2.propose([_request(lane, 7, "cpu")]), s2.propose([_request(lane, 7, "cpu")]))
     with pytest.raises(StateError, match="context ends at 25"):
         static.snapshot_lane(0, 24)
+    # a snapshot whose windows do not hold what this drafter keeps is refused (the engine prefills)
+    from ignis.runtime.checkpoints import CheckpointError, DrafterSnapshot
+
+    short = dict(snaps[0].tensors)
+    short["layer.1.keys"], short["layer.1.values"] = short["layer.1.keys"][2:], short["layer.1.values"][2:]
+    with pytest.raises(CheckpointError, match="holds 7 rows for 25 positions"):
+        s2.restore_lane(6, lane.tokens, DrafterSnapshot(num_tokens=25, tensors=short))
+    assert not s2.static.has_lane(6)
+    with pytest.raises(CheckpointError, match="lacks tensor"):
+        s2.restore_lane(6, lane.tokens, DrafterSnapshot(num_tokens=25, tensors={}))
 
 
 def test_static_route_errors() -> None:
