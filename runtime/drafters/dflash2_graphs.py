@@ -12,7 +12,8 @@ round. `StaticDFlash2` replaces the lane state and both hot calls with fixed sha
   ``context_retention(l)`` (sliding_window - 1) rows, or ``max_context`` rows for a full-attention
   layer. A lane at anchor position P keeps positions max(0, P - cap_l) .. P - 1, the rows the eager
   `_Window` keeps. The last `block_size` rows past a bucket take the block's own keys/values during a
-  proposal (below).
+  proposal (below). An engine that runs more lanes than max_lanes (one without a lane limit) makes
+  the slots double, rings kept, graphs captured again on use (logged).
 * **One forward per (width, bucket).** A proposal runs over lane slots 0 .. width - 1 (lanes get the
   lowest free slot; slots that are free or not drafting this round are computed and ignored) and
   reads the first ``C_l = min(bucket, cap_l)`` rows of each slot's ring, where `bucket` is the
@@ -157,7 +158,6 @@ class StaticDFlash2:
             caps.append(int(r))
         self.drafter, self.config, self.network = drafter, c, net
         self.device, self.dtype = net.device, net.dtype
-        self.max_lanes = max_lanes
         self.caps = tuple(caps)
         self.max_cap = max(caps)
         #: positions a full-attention ring holds (None: sliding layers only)
@@ -178,27 +178,53 @@ class StaticDFlash2:
         wl = sorted({int(w) for w in widths} | {max_lanes}) if widths else list(default_widths(max_lanes))
         if wl[0] < 1 or wl[-1] > max_lanes:
             raise ConfigError(f"dflash2 static route: widths {wl} must lie in 1..{max_lanes}")
-        self.widths = tuple(wl)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
 
+        self._explicit_widths = tuple(wl) if widths else None
+        self._offsets = torch.arange(c.block_size, device=self.device)
+        self._mask_ids = torch.full(
+            (1, c.block_size - 1), c.mask_token_id, dtype=torch.long, device=self.device
+        )
+        head_rows = int(drafter.head_weight.shape[0])
+        self.top_k = min(c.selector_top_k, head_rows) if c.has_selector else 0
+        self._head_rows = head_rows
+        # host bookkeeping
+        self._slot: dict[int, int] = {}
+        self._free: list[int] = []
+        self._positions: list[int] = []  # committed positions per slot (its anchor's position)
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._commit_graphs: dict[int, Any] = {}
+        self._pool: Any = None
+        self._side_stream: Any = None
+        self.num_captures = 0
+        self.max_lanes = 0
+        self._allocate(max_lanes)
+
+    def _allocate(self, max_lanes: int) -> None:
+        """(Re)allocate every buffer for `max_lanes` slots, keeping the rings' rows of the slots there
+        were; graphs captured for the old buffers are dropped."""
+        c = self.config
         L, D = c.block_size, c.max_drafts
         nkv, hd = c.num_key_value_heads, c.head_dim
         dev, dt = self.device, self.dtype
-        self.keys = [torch.zeros(max_lanes, cap + L, nkv, hd, device=dev, dtype=dt) for cap in caps]
-        self.values = [torch.zeros(max_lanes, cap + L, nkv, hd, device=dev, dtype=dt) for cap in caps]
-        # host bookkeeping
-        self._slot: dict[int, int] = {}
-        self._free = list(range(max_lanes))
-        self._positions = [0] * max_lanes  # committed positions per slot (its anchor's position)
-        # static inputs
-        # per slot: anchor id, anchor position, greedy flag (one host->device copy a proposal)
+        old = self.max_lanes
+        keys = [torch.zeros(max_lanes, cap + L, nkv, hd, device=dev, dtype=dt) for cap in self.caps]
+        values = [torch.zeros(max_lanes, cap + L, nkv, hd, device=dev, dtype=dt) for cap in self.caps]
+        if old:
+            for new, cur in zip(keys + values, self.keys + self.values, strict=True):
+                new[:old].copy_(cur)
+        self.keys, self.values = keys, values
+        self._free += list(range(old, max_lanes))
+        self._positions += [0] * (max_lanes - old)
+        self.max_lanes = max_lanes
+        if self._explicit_widths is not None:
+            self.widths = tuple(sorted(set(self._explicit_widths) | {max_lanes}))
+        else:
+            self.widths = default_widths(max_lanes)
+        # static inputs: per slot anchor id, anchor position, greedy flag (one host->device copy)
         self._inputs = torch.zeros(max_lanes, 3, dtype=torch.long, device=dev)
         self._anchor, self._position, self._greedy_flag = self._inputs.unbind(1)
         self._temperature = torch.ones(max_lanes, dtype=torch.float32, device=dev)
-        self._offsets = torch.arange(L, device=dev)
-        self._mask_ids = torch.full((1, L - 1), c.mask_token_id, dtype=torch.long, device=dev)
-        head_rows = int(drafter.head_weight.shape[0])
-        self.top_k = min(c.selector_top_k, head_rows) if c.has_selector else 0
         # static outputs
         self._drafts = torch.zeros(max_lanes, D, dtype=torch.long, device=dev)
         if c.has_selector:
@@ -206,7 +232,7 @@ class StaticDFlash2:
             self._q = torch.zeros(max_lanes, D, self.top_k, dtype=torch.float32, device=dev)
             self._cand = torch.zeros(max_lanes, D, self.top_k, dtype=torch.long, device=dev)
         else:
-            self._logits = torch.zeros(max_lanes, D, head_rows, dtype=torch.float32, device=dev)
+            self._logits = torch.zeros(max_lanes, D, self._head_rows, dtype=torch.float32, device=dev)
         # the fixed-shape commit: row buckets block_size, 2 x, ... up to max_lanes x block_size
         rows_cap, r = max_lanes * L, L
         commit_rows = []
@@ -216,27 +242,24 @@ class StaticDFlash2:
         self.commit_rows = (*commit_rows, rows_cap)
         self._commit_taps = torch.zeros(rows_cap, c.num_taps * c.hidden_size, device=dev, dtype=dt)
         self._commit_meta = torch.zeros(rows_cap, 3, dtype=torch.long, device=dev)
-        self._commit_graphs: dict[int, Any] = {}
-        self._graphs: dict[tuple[int, int], Any] = {}
-        self._pool: Any = None
-        self._side_stream: Any = None
-        self.num_captures = 0
+        self._graphs.clear()
+        self._commit_graphs.clear()
 
     # ------------------------------------------------------------------ lanes
 
     def start_lane(self, lane_id: int) -> None:
-        """Give the lane the lowest free slot, empty (position 0).
-
-        Raises:
-            DrafterError: every slot is taken (more lanes than max_lanes).
-        """
+        """Give the lane the lowest free slot, empty (position 0). With every slot taken (an engine
+        that runs more lanes than max_lanes) the slots double, keeping every lane's rings; the graphs
+        are then captured again as shapes are met (logged)."""
         if lane_id in self._slot:
             self.end_lane(lane_id)
-        if not self._free:
-            raise DrafterError(
-                f"dflash2: no free lane slot for lane {lane_id} (all {self.max_lanes} in use: the drafter's "
-                "static route was sized for fewer lanes than the engine runs)"
+        if not self._free:  # more lanes than sized for (an engine without max_lanes): twice the slots
+            logger.warning(
+                "dflash2: all %d lane slots in use; growing to %d (the graphs are captured again on use)",
+                self.max_lanes,
+                2 * self.max_lanes,
             )
+            self._allocate(2 * self.max_lanes)
         self._free.sort()
         slot = self._free.pop(0)
         self._slot[lane_id] = slot

@@ -271,8 +271,6 @@ def test_static_route_errors() -> None:
     lane = _Lane(0, random.Random(2), GREEDY)
     d.start_lane(0, lane.tokens)
     d.start_lane(1, lane.tokens)
-    with pytest.raises(DrafterError, match="no free lane slot"):
-        d.start_lane(2, lane.tokens)
     with pytest.raises(StateError, match="use_static"):
         d.use_static(max_lanes=4)
     with pytest.raises(StateError, match="a commit was missed"):
@@ -285,11 +283,25 @@ def test_static_route_errors() -> None:
         d.commit([CommittedSpan(0, 0, (1,), (2,), taps=torch.zeros(1, 3))])
     d.end_lane(1)
     d.start_lane(2, lane.tokens)  # the freed slot is taken again
+    assert d.static is not None and d.static._slot[2] == 1
     full = _config(layer_types=(FULL_ATTENTION, SLIDING_ATTENTION))
     with pytest.raises(ConfigError, match="needs max_context"):
         _drafter(full).use_static(max_lanes=2)
     with pytest.raises(ConfigError, match="max_lanes"):
         _drafter(config).use_static(max_lanes=0)
+
+
+def test_slots_grow_past_max_lanes(caplog) -> None:
+    """An engine running more lanes than the route was sized for (no max_lanes) gets twice the slots
+    each time, every lane's context kept: proposals still equal the eager path's."""
+    config = _config(sliding_window=20)
+    eager, static = _drafter(config), _drafter(config)
+    static.use_static(max_lanes=1)
+    with caplog.at_level("WARNING"):
+        _drive([eager, static], rounds=16, seed=21, max_lanes=4)
+    assert static.static is not None and static.static.max_lanes == 4
+    assert static.static.widths == (1, 2, 3, 4) and static.static.commit_rows == (8, 16, 32)
+    assert "growing to 2" in caplog.text and "growing to 4" in caplog.text
 
 
 def test_full_attention_ring_refuses_past_max_context() -> None:

@@ -376,7 +376,13 @@ def test_attention_only_reuses_block_aligned_prefix(models, family: str) -> None
 
 @pytest.mark.parametrize(
     ("family", "backend"),
-    [("qwen3_5", "dflash2"), ("qwen3_next", "mtp"), ("qwen2", "draft-model"), ("qwen3_next", "mtp-static")],
+    [
+        ("qwen3_5", "dflash2"),
+        ("qwen3_next", "mtp"),
+        ("qwen2", "draft-model"),
+        ("qwen3_next", "mtp-static"),
+        ("qwen3_5", "dflash2-static"),
+    ],
 )
 def test_lanes_joining_mid_way(models, family: str, backend: str) -> None:
     """Several lanes on one warm engine, some joining while others decode, each served from a
@@ -611,6 +617,7 @@ def test_a_checkpoint_that_does_not_fit_is_dropped_and_the_lane_prefills(models,
         ("qwen3_next", "mtp"),
         ("qwen3_5", "draft-model"),
         ("qwen3_5_moe", "mtp-static"),
+        ("qwen3_5", "dflash2-static"),
     ],
 )
 def test_reply_checkpoint_holds_committed_state_only(models, family: str, backend: str) -> None:
