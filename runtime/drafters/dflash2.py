@@ -24,7 +24,14 @@ arXiv:2602.06036, plus the DFlash2 additions):
   each transition predecessor -> candidate bilinearly:
   ``score[s, c] = unary[s, c] + <pred_codebook[prev] * hidden_projection(h_s), succ_codebook[c]>``,
   walking from the verified anchor: greedy (argmax) at temperature 0, sampled at T > 0 from
-  ``q = softmax(score / T)`` over the K candidates, q recorded (scattered to the full vocabulary).
+  ``q = softmax(score / T)`` over the K candidates by the exponential race (``argmax(q / E)``,
+  E ~ Exp(1) drawn from the lane's generator, `dflash2_graphs.draw_race_noise`), q recorded
+  (scattered to the full vocabulary).
+
+On CUDA the server switches the drafter to its static route (`use_static`,
+`ignis.runtime.drafters.dflash2_graphs`): pooled lane windows, one proposal forward per (lanes,
+context bucket) replayed from CUDA graphs captured at load, the commit batched over lanes; it
+proposes what this eager path proposes.
 
 The target's embedding and output head are shared (passed in; moved only if device/dtype differ),
 not copied into the drafter. Proposal head: `full` (the target's lm_head, default) or `shortlist`
@@ -100,6 +107,7 @@ from ignis.runtime.drafters.common import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from ignis.runtime.drafters.dflash2_graphs import StaticDFlash2, draw_race_noise
 from ignis.runtime.errors import ConfigError, StateError, TensorShapeError
 from ignis.runtime.families.attention import sdpa
 from ignis.runtime.families.base import FamilyConfig
@@ -601,12 +609,13 @@ def grouped_dynamic_conv(
     n, length, h = x.shape
     groups = h // group_size
     xg = x.view(n, length, groups, group_size)
-    out = torch.zeros_like(xg)
+    out: torch.Tensor | None = None  # the first tap's term starts the sum (no zeros + term)
     for j in range(base.shape[0]):
         shifted = xg if j == 0 else F.pad(xg[:, :-j], (0, 0, 0, 0, j, 0))
         coeff = base[j].view(1, 1, groups, group_size).to(x.dtype) + dynamic[:, :, j, :, None].to(x.dtype)
-        out = out + coeff * shifted
-    return out.view(n, length, h)
+        out = coeff * shifted if out is None else out + coeff * shifted
+    assert out is not None
+    return out.reshape(n, length, h)
 
 
 def transform_head_logits(logits: torch.Tensor, config: DFlash2Config) -> torch.Tensor:
@@ -1023,6 +1032,8 @@ class DFlash2Drafter(BaseDrafter):
             raise ConfigError(f"draft_head must be 'full' or 'shortlist', got {draft_head!r}")
         self.draft_head: DraftHead = draft_head
         self._lanes: dict[int, LaneContext] = {}
+        #: the static route (`use_static`); None: the eager path
+        self.static: StaticDFlash2 | None = None
         rows = self.head_weight.shape[0]
         logger.info(
             "dflash2 proposal head: %s (%s, %d tokens)",
@@ -1066,10 +1077,64 @@ class DFlash2Drafter(BaseDrafter):
             raise ConfigError("shortlist token ids must be unique")
         return self._head(weight), ids.to(self.device)
 
+    # ---- the static route ----
+
+    def use_static(
+        self,
+        *,
+        max_lanes: int,
+        max_context: int | None = None,
+        cuda_graphs: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Switch to the static route (`ignis.runtime.drafters.dflash2_graphs.StaticDFlash2`): lane
+        windows pooled in `max_lanes` slots, proposals as one fixed-shape forward, replayed from CUDA
+        graphs (on CUDA with `cuda_graphs`, None: on CUDA) that `warm_up` captures at load. Call
+        before any lane starts.
+
+        Args:
+            max_lanes: lanes at once (the engine's max_lanes).
+            max_context: ring rows of full-attention layers (the engine's context limit).
+            kwargs: `StaticDFlash2`'s `buckets` / `widths`.
+
+        Raises:
+            StateError: a lane has started already.
+            ConfigError: from `StaticDFlash2`.
+        """
+        if self._lanes or (self.static is not None and self.static._slot):
+            raise StateError("dflash2: use_static must come before any lane starts")
+        self.static = StaticDFlash2(
+            self,
+            max_lanes=max_lanes,
+            max_context=max_context,
+            cuda_graphs=self.device.type == "cuda" if cuda_graphs is None else cuda_graphs,
+            **kwargs,
+        )
+
+    def warm_up(self, *, columns: Sequence[int] = (), context: int | None = None) -> int:
+        """Capture, at load, the static route's graphs (`StaticDFlash2.warm_up`): every proposal width
+        x the context buckets lanes holding up to `context` tokens meet (None: every bucket), and
+        every commit row bucket; the server calls it through `warm_up_static`. `columns` (the verify
+        width) changes nothing: a proposal always runs the whole block.
+
+        Returns:
+            graphs captured now (0 on the eager path or without CUDA graphs).
+
+        Raises:
+            ValueError: context < 1.
+            StateError: a lane has started.
+        """
+        if context is not None and context < 1:
+            raise ValueError(f"warm_up: context must be >= 1 tokens, got {context}")
+        return 0 if self.static is None else self.static.warm_up(context)
+
     # ---- lanes ----
 
     def start_lane(self, lane_id: int, prompt_token_ids: Sequence[int]) -> None:
         """Open an empty context for the lane (its prompt span's `commit` fills it)."""
+        if self.static is not None:
+            self.static.start_lane(lane_id)
+            return
         c, net = self.config, self.network
         self._lanes[lane_id] = LaneContext(
             num_positions=0,
@@ -1081,6 +1146,9 @@ class DFlash2Drafter(BaseDrafter):
 
     def end_lane(self, lane_id: int) -> None:
         """Drop the lane's context."""
+        if self.static is not None:
+            self.static.end_lane(lane_id)
+            return
         self._lanes.pop(lane_id, None)
 
     supports_checkpoints = True
@@ -1092,6 +1160,8 @@ class DFlash2Drafter(BaseDrafter):
         Raises:
             StateError: unknown lane, or its context does not end at num_tokens.
         """
+        if self.static is not None:
+            return self.static.snapshot_lane(lane_id, num_tokens)
         lane = self._lane(lane_id)
         if lane.num_positions != num_tokens:
             raise StateError(
@@ -1112,6 +1182,9 @@ class DFlash2Drafter(BaseDrafter):
         """
         from ignis.runtime.checkpoints import CheckpointError
 
+        if self.static is not None:
+            self.static.restore_lane(lane_id, snapshot)
+            return
         c = self.config
         self.start_lane(lane_id, prompt_token_ids)
         lane = self._lanes[lane_id]
@@ -1140,7 +1213,10 @@ class DFlash2Drafter(BaseDrafter):
         lane.num_positions = int(snapshot.num_tokens)
 
     def context(self, lane_id: int) -> LaneContext:
-        """The lane's context (for tests and tools). Raises StateError for an unknown lane."""
+        """The lane's context (for tests and tools; copies on the static route). Raises StateError for
+        an unknown lane."""
+        if self.static is not None:
+            return self.static.lane_context(lane_id)
         return self._lane(lane_id)
 
     def _lane(self, lane_id: int) -> LaneContext:
@@ -1158,6 +1234,9 @@ class DFlash2Drafter(BaseDrafter):
             StateError: unknown lane, or a span that does not start where the lane's context ends.
             DrafterError: a span without taps, or taps of the wrong width / length.
         """
+        if self.static is not None:
+            self.static.commit(spans)
+            return
         if not spans:
             return
         c, net = self.config, self.network
@@ -1209,6 +1288,8 @@ class DFlash2Drafter(BaseDrafter):
             StateError: unknown lane, or a request whose anchor position is not where the lane's
                 context ends (a commit was missed).
         """
+        if self.static is not None:
+            return self.static.propose(requests)
         if not requests:
             return []
         c, net = self.config, self.network
@@ -1261,6 +1342,13 @@ class DFlash2Drafter(BaseDrafter):
         prev = anchors.clone()
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        # sampled lanes: Exp(1) noise per slot and candidate, drawn up front (the exponential race,
+        # `dflash2_graphs.draw_race_noise`: the static route draws the same)
+        noise = {
+            i: draw_race_noise(r.generator, ks[i], top_k).to(logits.device)
+            for i, r in enumerate(requests)
+            if ks[i] and not r.params.is_greedy
+        }
         for s in range(max(ks)):
             scores = net.selector_scores(hidden[:, s], cand[:, s], unary[:, s], prev)  # [N, K]
             choice = scores.argmax(dim=-1)
@@ -1268,8 +1356,7 @@ class DFlash2Drafter(BaseDrafter):
                 if s >= ks[i] or r.params.is_greedy:
                     continue
                 q = torch.softmax(scores[i] / r.params.temperature, dim=-1)
-                j = int(torch.multinomial(q.to(r.generator.device), 1, generator=r.generator).item())
-                choice[i] = j
+                choice[i] = (q / noise[i][s]).argmax()
                 probs[i].append(self._scatter_q(q, cand[i, s]))
             prev = cand[:, s].gather(1, choice[:, None])[:, 0]
             for i in range(len(requests)):
@@ -1333,6 +1420,10 @@ def build_dflash2_drafter(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     linear: LinearFn | None = None,
+    static: bool | None = None,
+    max_lanes: int | None = None,
+    max_context: int | None = None,
+    cuda_graphs: bool | None = None,
 ) -> DFlash2Drafter:
     """The registered `dflash2` factory: a drafter for a target from a checkpoint folder or tensors.
 
@@ -1341,6 +1432,9 @@ def build_dflash2_drafter(
         target_weights: the target's canonical tensors (the embedding and head are taken from here).
         checkpoint: a drafter folder as published; or give `config` and `weights`.
         draft_head, shortlist_weight, shortlist_token_ids, device, dtype, linear: see `DFlash2Drafter`.
+        static: the static route (`DFlash2Drafter.use_static`; None: on CUDA) with `max_lanes` lane
+            slots (None: 8), full-attention rings of `max_context` rows (the engine's context limit)
+            and `cuda_graphs` (None: on CUDA); its graphs are captured by `warm_up`. False: eager.
 
     Raises:
         ConfigError: neither a checkpoint nor config+weights; plus everything `DFlash2Drafter` raises.
@@ -1350,7 +1444,7 @@ def build_dflash2_drafter(
     if config is None or weights is None:
         raise ConfigError("build_dflash2_drafter needs a checkpoint folder or config and weights")
     embed, head = _target_head(target_config, target_weights)
-    return DFlash2Drafter(
+    drafter = DFlash2Drafter(
         config,
         weights,
         embed_tokens=embed,
@@ -1363,6 +1457,11 @@ def build_dflash2_drafter(
         dtype=dtype,
         linear=linear,
     )
+    if static if static is not None else torch.device(device).type == "cuda":
+        drafter.use_static(
+            max_lanes=8 if max_lanes is None else max_lanes, max_context=max_context, cuda_graphs=cuda_graphs
+        )
+    return drafter
 
 
 if "dflash2" not in DRAFTERS:

@@ -14,9 +14,11 @@ DFlash2 drafter, MTP companion container) to what the server needs:
   "shortlist" uses the artifact's Q4 shortlist head: kept packed for the compiled modules, else
   dequantized to the drafter's dtype. On a CUDA device the DFlash2 drafter's selector walk takes the
   artifact's compiled top-k (`Artifact.topk_module()`) when the manifest lists one (else torch's
-  exact path). The MTP and draft-model drafters select by argmax or by sampling (whose top-k
-  filter only thresholds on the k-th value): no full-vocabulary top-k to route. Hybrid targets on
-  CUDA get the artifact's fused GDN recurrence and row norms through `Artifact.make_executor`
+  exact path), and beside a static target the drafter runs its static route (pooled lane windows,
+  its proposal and commit replayed from CUDA graphs captured at load: `dflash2_graphs`). The MTP
+  and draft-model drafters select by argmax or by sampling (whose top-k filter only thresholds on
+  the k-th value): no full-vocabulary top-k to route. Hybrid targets on CUDA get the artifact's
+  fused GDN recurrence and row norms through `Artifact.make_executor`
   (`gdn_module()`, `norms_module()`) when the manifest lists them.
 
 The artifact is validated when the source is opened (`load_artifact(verify=...)`): a corrupt or
@@ -232,6 +234,11 @@ class ArtifactSource:
                     device=device,
                     dtype=dtype,
                     linear=linear,
+                    # pooled like a static target's lanes and context (an eager target: eager)
+                    static=None if getattr(executor, "max_context", None) else False,
+                    max_lanes=getattr(executor, "max_lanes", None),
+                    max_context=getattr(executor, "max_context", None),
+                    cuda_graphs=None if settings.cuda_graphs else False,
                     **kwargs,
                 )
                 return attach_topk(drafter, art, device)

@@ -56,6 +56,7 @@ CASES = [
     ("qwen2", "ngram"),
     ("qwen3_5", "off"),
     ("qwen3_5", "dflash2"),
+    ("qwen3_5", "dflash2-static"),  # DFlash2's static route (pooled rings; CUDA graphs on a GPU)
     ("qwen3_5", "mtp"),
     ("qwen3_5", "ngram"),
     ("qwen3_5", "draft-model"),
@@ -105,6 +106,13 @@ class Model:
             self.factories["dflash2"] = lambda: build_dflash2_drafter(
                 target_config=config, target_weights=tensors, checkpoint=base / "dflash2"
             )
+
+            def static_dflash2():
+                d = self.factories["dflash2"]()
+                d.use_static(max_lanes=4, buckets=(4,))  # rings of 7 rows: two buckets
+                return d
+
+            self.factories["dflash2-static"] = static_dflash2
         self.config, self.weights = config, weights
         make = get_family(config.model_type).make_executor
         self.ex = make(config, weights, "cpu", torch.float32)
@@ -368,7 +376,13 @@ def test_attention_only_reuses_block_aligned_prefix(models, family: str) -> None
 
 @pytest.mark.parametrize(
     ("family", "backend"),
-    [("qwen3_5", "dflash2"), ("qwen3_next", "mtp"), ("qwen2", "draft-model"), ("qwen3_next", "mtp-static")],
+    [
+        ("qwen3_5", "dflash2"),
+        ("qwen3_next", "mtp"),
+        ("qwen2", "draft-model"),
+        ("qwen3_next", "mtp-static"),
+        ("qwen3_5", "dflash2-static"),
+    ],
 )
 def test_lanes_joining_mid_way(models, family: str, backend: str) -> None:
     """Several lanes on one warm engine, some joining while others decode, each served from a
@@ -603,6 +617,7 @@ def test_a_checkpoint_that_does_not_fit_is_dropped_and_the_lane_prefills(models,
         ("qwen3_next", "mtp"),
         ("qwen3_5", "draft-model"),
         ("qwen3_5_moe", "mtp-static"),
+        ("qwen3_5", "dflash2-static"),
     ],
 )
 def test_reply_checkpoint_holds_committed_state_only(models, family: str, backend: str) -> None:

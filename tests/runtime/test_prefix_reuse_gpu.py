@@ -1,6 +1,8 @@
 """Prompt checkpoints on CUDA: the static (pooled, CUDA-graphed) hybrid executor and the DFlash2
 drafter on the device, the card tier on the device and the host tier in pinned memory.
 
+The drafter runs its static route (pooled rings, graphed proposals), as the server runs it on CUDA.
+
 1. A lane's state captured on the card, restored into another lane's pooled slot (directly, and via
    a pinned host copy), is bit for bit the original, and a verify round from it gives bit-identical
    logits (float32 and bf16).
@@ -47,13 +49,22 @@ class Target:
             self.config, self.tensors, device="cuda", dtype=dtype, max_lanes=4, max_context=512
         )
         assert self.ex.cuda_graphs
-        self.drafter = lambda: build_dflash2_drafter(
-            target_config=self.config,
-            target_weights=self.tensors,
-            checkpoint=base / "dflash2",
-            device="cuda",
-            dtype=dtype,
-        )
+
+        def drafter():  # type: ignore[no-untyped-def]
+            d = build_dflash2_drafter(
+                target_config=self.config,
+                target_weights=self.tensors,
+                checkpoint=base / "dflash2",
+                device="cuda",
+                dtype=dtype,
+                static=True,  # what the server does beside a static target on CUDA (graphed)
+                max_lanes=4,
+                max_context=512,
+            )
+            assert d.warm_up() > 0
+            return d
+
+        self.drafter = drafter
         g = torch.Generator().manual_seed(5)
         self.parts = {
             k: tuple(torch.randint(3, self.config.vocab_size, (n,), generator=g).tolist())
