@@ -11,6 +11,7 @@ torch's current stream (and to be captured by CUDA graphs).
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib.util
 import os
 import threading
@@ -25,6 +26,7 @@ __all__ = [
     "TvmRuntimeError",
     "capture",
     "find_runtime_lib_dir",
+    "gc_paused",
     "load_module",
     "load_tvm_runtime",
     "torch_stream",
@@ -144,21 +146,68 @@ def torch_stream(context: Any = None) -> Iterator[None]:
 
 
 @contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block (back to its previous state after,
+    also on an exception).
+
+    A CUDA graph capture needs it: a collection that runs while a stream captures (any allocation of
+    a Python object can start one) finalizes unreachable objects then, and destroying a dead
+    ``torch.cuda.CUDAGraph`` (of an engine dropped before, its executor in a reference cycle) calls
+    ``cudaGraphExecDestroy``, which CUDA forbids during a capture: the call fails ("operation not
+    permitted when stream is capturing") and invalidates the capture in progress
+    (cudaErrorStreamCaptureInvalidated at its end). Unreachable cycles are collected after the block.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextmanager
 def capture(graph: Any, *, pool: Any = None) -> Iterator[None]:
     """Capture a CUDA graph with tvm-ffi calls launched on the capture stream.
 
     ``graph``: a ``torch.cuda.CUDAGraph``; ``pool``: a ``torch.cuda.graph_pool_handle()`` to share
     (None: the graph's own). Without the ``tvm_ffi`` package (no compiled modules can run then) this
-    is plain ``torch.cuda.graph``.
+    is plain ``torch.cuda.graph``. Python's cyclic garbage collector is paused for the capture
+    (`gc_paused`: a dead graph finalized mid-capture would invalidate it). A capture that fails
+    leaves torch's caching allocator as it was before it (`_stop_allocating_to_pool`), so that the
+    process can go on without graphs.
     """
     import torch
 
-    context = torch.cuda.graph(graph, pool=pool)
-    try:
-        import tvm_ffi
-    except ImportError:
-        with context:
-            yield
+    with gc_paused():
+        try:
+            context = torch.cuda.graph(graph, pool=pool)
+            try:
+                import tvm_ffi
+            except ImportError:
+                with context:
+                    yield
+                return
+            with tvm_ffi.use_torch_stream(context):
+                yield
+        except BaseException:
+            _stop_allocating_to_pool(pool)
+            raise
+
+
+def _stop_allocating_to_pool(pool: Any) -> None:
+    """After a failed capture into `pool`: take the pool out of the caching allocator's captures
+    underway, where it stays when ``cudaStreamEndCapture`` fails (torch's ``capture_end`` raises
+    before its ``endAllocateToPool``). Left there, every later allocation of the process checks the
+    capture's stream, and blocks freed after a use on another stream are never reclaimed (their
+    events wait for the end of a capture). No-op when the capture's end already took it out, for
+    ``pool=None`` (the graph's own pool, unknown after a failure) and without CUDA."""
+    import torch
+
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if pool is None or end is None or not torch.cuda.is_available():
         return
-    with tvm_ffi.use_torch_stream(context):
-        yield
+    try:
+        end(torch.cuda.current_device(), pool)
+    except RuntimeError:  # "not currently recording to mempool_id": nothing left to undo
+        pass

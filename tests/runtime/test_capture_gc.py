@@ -1,0 +1,255 @@
+"""No Python garbage collection while a CUDA graph is captured (`ignis.runtime.kernels.tvm_runtime.capture`).
+
+A dead engine whose executor sits in a reference cycle keeps its `torch.cuda.CUDAGraph` objects until
+the cyclic collector runs. Any allocation of a Python object can start a collection; one that ran
+while another graph was being captured destroyed those graphs mid-capture (``cudaGraphExecDestroy``
+is forbidden then) and invalidated the capture: the server's MTP head, loaded after an engine of
+the same test was dropped, logged 24 "operation not permitted when stream is capturing (function
+reset)" warnings and turned its graphs off (H200, issue 22 / 25). On the CPU the CUDA calls are
+replaced by stand-ins that record whether a graph object was finalized while a capture was open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hf_tiny_hybrid import make_tiny_hybrid  # tests/ is on pytest's pythonpath
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
+
+from ignis.runtime.kernels import tvm_runtime
+from ignis.runtime.kernels.tvm_runtime import capture, gc_paused
+
+
+class _Capturing:
+    """Shared record of the stand-ins: whether a capture is open, what was finalized during one."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.captures = 0
+        self.dropped_while_capturing: list[str] = []
+        self.dropped: list[str] = []
+
+
+class _FakeGraph:
+    """A stand-in for `torch.cuda.CUDAGraph`: destroying one during a capture is what CUDA refuses."""
+
+    def __init__(self, rec: _Capturing, name: str = "graph") -> None:
+        self.rec, self.name = rec, name
+
+    def replay(self) -> None:
+        pass
+
+    def __del__(self) -> None:
+        self.rec.dropped.append(self.name)
+        if self.rec.open:
+            self.rec.dropped_while_capturing.append(self.name)
+
+
+class _DeadEngine:
+    """An unreachable reference cycle holding graphs (as a dropped engine's executor does)."""
+
+    def __init__(self, rec: _Capturing, n: int) -> None:
+        self.me = self
+        self.graphs = {i: _FakeGraph(rec, f"dead{i}") for i in range(n)}
+
+
+def _fake_graph_context(rec: _Capturing, garbage_per_capture: int = 3):
+    """A stand-in for `torch.cuda.graph(graph, pool=...)`: marks the capture open; on entry a dead
+    engine's cycle becomes garbage (pending for the collector, as when the capture starts)."""
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None) -> Iterator[None]:
+        assert isinstance(cuda_graph, _FakeGraph)
+        was_enabled = gc.isenabled()
+        gc.disable()  # built in one go, so the cycle is in the young generation when it dies
+        _DeadEngine(rec, garbage_per_capture)  # unreachable at once: a cycle the collector must find
+        rec.open = True
+        if was_enabled:
+            gc.enable()
+        rec.captures += 1
+        try:
+            yield
+        finally:
+            rec.open = False
+
+    return graph
+
+
+@pytest.fixture
+def eager_collector():
+    """Python's collector enabled with a threshold of one allocation (any allocation collects the young
+    generation), restored after."""
+    was, thresholds = gc.isenabled(), gc.get_threshold()
+    gc.enable()
+    gc.collect()
+    gc.set_threshold(1, 1, 1)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if not was:
+            gc.disable()
+
+
+@pytest.fixture
+def no_tvm_ffi(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`capture` takes its plain torch path (tvm_ffi's stream context needs a real CUDA stream)."""
+    monkeypatch.setitem(sys.modules, "tvm_ffi", None)
+
+
+def _allocate_python_objects() -> None:
+    junk = [[i] for i in range(2000)]  # enough container allocations to start collections
+    del junk
+
+
+def test_capture_pauses_the_collector_and_restores_it(monkeypatch, no_tvm_ffi) -> None:
+    """Inside `capture` the cyclic collector is off; after it (also after an exception in the block)
+    it is back as it was, on or off."""
+    rec = _Capturing()
+    monkeypatch.setattr(torch.cuda, "graph", _fake_graph_context(rec, 0))
+    seen = []
+    assert gc.isenabled()
+    with capture(_FakeGraph(rec), pool=None):
+        seen.append(gc.isenabled())
+    assert seen == [False] and gc.isenabled() and rec.captures == 1
+    with pytest.raises(RuntimeError, match="boom"), capture(_FakeGraph(rec)):
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # it was off before: left off
+    finally:
+        gc.enable()
+
+
+def test_no_graph_is_finalized_during_a_capture(monkeypatch, no_tvm_ffi, eager_collector) -> None:
+    """Garbage cycles holding graphs, pending when a capture starts, are not collected while it runs
+    (allocations in the captured block would collect them), and are collected after it."""
+    rec = _Capturing()
+    monkeypatch.setattr(torch.cuda, "graph", _fake_graph_context(rec, 3))
+    graph = _FakeGraph(rec, "new")
+    with capture(graph, pool=None):
+        _allocate_python_objects()
+    assert rec.captures == 1 and rec.dropped_while_capturing == []
+    gc.collect()
+    assert sorted(rec.dropped) == ["dead0", "dead1", "dead2"]  # collected once the capture closed
+
+
+def test_the_stand_in_sees_a_collection_during_an_unguarded_capture(monkeypatch, eager_collector) -> None:
+    """The stand-ins do detect the failure: the same capture without the pause (torch's context
+    alone) finalizes the dead graphs while it is open."""
+    rec = _Capturing()
+    graph = _FakeGraph(rec, "new")
+    with _fake_graph_context(rec, 3)(graph):
+        _allocate_python_objects()
+    assert sorted(rec.dropped_while_capturing) == ["dead0", "dead1", "dead2"]
+
+
+def _failing_graph_context(rec: _Capturing, message: str):
+    """A stand-in for `torch.cuda.graph` whose end fails as ``capture_end`` does on an invalidated
+    capture (after ``cudaStreamEndCapture``, before torch's ``endAllocateToPool``)."""
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None) -> Iterator[None]:
+        rec.open = True
+        rec.captures += 1
+        yield
+        rec.open = False
+        raise RuntimeError(message)
+
+    return graph
+
+
+def test_a_failed_capture_takes_its_pool_out_of_the_allocators_captures(
+    monkeypatch: pytest.MonkeyPatch, no_tvm_ffi
+) -> None:
+    """A capture whose end fails leaves the caching allocator as before it (`endAllocateToPool` for
+    its pool, on the current device) and raises the capture's error; a capture that ends well, or a
+    pool the failed end already released, calls nothing / swallows the allocator's refusal."""
+    ended: list[tuple] = []
+    pool = (0, 7)
+
+    def end(device: int, mempool_id: tuple) -> None:
+        ended.append((device, mempool_id))
+        if mempool_id != pool:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    rec = _Capturing()
+    graph = _FakeGraph(rec)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_graph_context(rec, 0))
+    with capture(graph, pool=pool):
+        pass
+    assert ended == []
+    monkeypatch.setattr(torch.cuda, "graph", _failing_graph_context(rec, "cudaErrorStreamCaptureInvalidated"))
+    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureInvalidated"), capture(graph, pool=pool):
+        pass
+    assert ended == [(3, pool)] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="Invalidated"), capture(graph, pool=(0, 8)):
+        pass  # the allocator's refusal (nothing to end) is swallowed; the capture's error stays
+    assert ended == [(3, pool), (3, (0, 8))]
+
+
+def _tiny_static_head(root: Path):
+    from ignis.runtime.drafters.mtp import build_mtp_drafter, load_mtp_checkpoint
+    from ignis.runtime.drafters.mtp_static import StaticMTPDrafter
+    from ignis.tools.make_test_drafter import make_mtp_drafter
+
+    tiny = make_tiny_hybrid("qwen3_5", root / "target")
+    make_mtp_drafter(tiny.folder, root / "with_mtp", seed=5)
+    config, tensors = load_mtp_checkpoint(root / "with_mtp")
+    d = build_mtp_drafter(
+        target_config=config, target_weights=tensors, static=True, max_lanes=2, max_context=16
+    )
+    assert isinstance(d, StaticMTPDrafter)
+    return d
+
+
+class _FakeStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def test_mtp_head_warm_up_finalizes_no_graph_while_capturing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_tvm_ffi, eager_collector
+) -> None:
+    """The static MTP head's load-time warm-up (`StaticMTPDrafter.warm_up`, through `capture_round`
+    and `capture`, every CUDA call a stand-in) with dead engines' graphs pending for the collector
+    at every capture: each of its captures completes with no graph finalized during it, and the
+    dead graphs are collected afterwards."""
+    d = _tiny_static_head(tmp_path)
+    rec = _Capturing()
+    monkeypatch.setattr(torch.cuda, "graph", _fake_graph_context(rec, 2))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: _FakeGraph(rec, "new"))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    d.cuda_graphs = True  # the graphed path, its CUDA calls replaced
+    n = d.warm_up(columns=(4,))
+    assert n > 0 and d.cuda_graphs and rec.captures == n == d.num_captures
+    assert rec.dropped_while_capturing == []
+    gc.collect()
+    assert sum(name.startswith("dead") for name in rec.dropped) == 2 * n
+
+
+def test_capture_is_the_one_capture_path() -> None:
+    """Every runtime capture goes through `capture` (so the pause covers them all): no module of the
+    runtime enters ``torch.cuda.graph`` itself."""
+    root = Path(tvm_runtime.__file__).resolve().parents[1]
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if "torch.cuda.graph(" in p.read_text() and p.name != "tvm_runtime.py"
+    ]
+    assert offenders == []
