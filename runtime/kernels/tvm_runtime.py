@@ -174,38 +174,51 @@ def capture(graph: Any, *, pool: Any = None) -> Iterator[None]:
     (None: the graph's own). Without the ``tvm_ffi`` package (no compiled modules can run then) this
     is plain ``torch.cuda.graph``. Python's cyclic garbage collector is paused for the capture
     (`gc_paused`: a dead graph finalized mid-capture would invalidate it). A capture that fails
-    leaves torch's caching allocator as it was before it (`_stop_allocating_to_pool`), so that the
-    process can go on without graphs.
+    leaves the thread's current stream and torch's caching allocator as they were before it
+    (`_undo_failed_capture`), so that the process can go on without graphs.
     """
     import torch
 
+    try:
+        import tvm_ffi
+    except ImportError:
+        tvm_ffi = None
     with gc_paused():
+        before = torch.cuda.current_stream() if torch.cuda.is_available() else None
         try:
-            context = torch.cuda.graph(graph, pool=pool)
-            try:
-                import tvm_ffi
-            except ImportError:
-                with context:
+            with torch.cuda.graph(graph, pool=pool):
+                if tvm_ffi is None:
                     yield
-                return
-            with tvm_ffi.use_torch_stream(context):
-                yield
+                else:
+                    # tvm-ffi's stream follows torch's (the capture stream) inside the graph's context
+                    # and is restored before the capture ends (an end that fails cannot skip it)
+                    with tvm_ffi.use_torch_stream():
+                        yield
         except BaseException:
-            _stop_allocating_to_pool(pool)
+            _undo_failed_capture(pool, before)
             raise
 
 
-def _stop_allocating_to_pool(pool: Any) -> None:
-    """After a failed capture into `pool`: take the pool out of the caching allocator's captures
-    underway, where it stays when ``cudaStreamEndCapture`` fails (torch's ``capture_end`` raises
-    before its ``endAllocateToPool``). Left there, every later allocation of the process checks the
-    capture's stream, and blocks freed after a use on another stream are never reclaimed (their
-    events wait for the end of a capture). No-op when the capture's end already took it out, for
-    ``pool=None`` (the graph's own pool, unknown after a failure) and without CUDA."""
+def _undo_failed_capture(pool: Any, stream: Any) -> None:
+    """After a failed capture into `pool`, what torch's ``capture_end`` leaves behind when
+    ``cudaStreamEndCapture`` fails (it raises before its own clean-up):
+
+    * the thread's current stream: still torch's capture stream (``torch.cuda.graph.__exit__`` never
+      exits its stream context): set back to `stream`, the one current before the capture;
+    * the caching allocator: the pool stays among its captures underway (``endAllocateToPool`` not
+      called), so every later allocation of the process checks the capture's stream and blocks freed
+      after a use on another stream are never reclaimed (their events wait for the end of a capture):
+      taken out. No-op when the capture's end already did it, and for ``pool=None`` (the graph's own
+      pool, unknown after a failure).
+
+    Nothing without CUDA (`stream` None)."""
     import torch
 
+    if stream is None:
+        return
+    torch.cuda.set_stream(stream)
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if pool is None or end is None or not torch.cuda.is_available():
+    if pool is None or end is None:
         return
     try:
         end(torch.cuda.current_device(), pool)

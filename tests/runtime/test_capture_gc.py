@@ -168,12 +168,40 @@ def _failing_graph_context(rec: _Capturing, message: str):
     return graph
 
 
+class _FakeFfi:
+    """The ``tvm_ffi`` package's `use_torch_stream` as it behaves: enter the torch context given (if
+    any), then point tvm-ffi's stream at torch's current one; on exit, the torch context's exit
+    first, then tvm-ffi's stream back (skipped when the torch exit raises)."""
+
+    def __init__(self, current: list[str]) -> None:
+        self.current, self.stream = current, "default"
+
+    def use_torch_stream(self, context=None):
+        ffi = self
+
+        class _Context:
+            def __enter__(self) -> None:
+                if context is not None:
+                    context.__enter__()
+                self.prev, ffi.stream = ffi.stream, ffi.current[0]
+
+            def __exit__(self, *exc) -> None:
+                if context is not None:
+                    context.__exit__(*exc)
+                ffi.stream = self.prev
+
+        return _Context()
+
+
+@pytest.mark.parametrize("ffi", [False, True], ids=["torch", "tvm_ffi"])
 def test_a_failed_capture_takes_its_pool_out_of_the_allocators_captures(
-    monkeypatch: pytest.MonkeyPatch, no_tvm_ffi
+    monkeypatch: pytest.MonkeyPatch, ffi: bool
 ) -> None:
-    """A capture whose end fails leaves the caching allocator as before it (`endAllocateToPool` for
-    its pool, on the current device) and raises the capture's error; a capture that ends well, or a
-    pool the failed end already released, calls nothing / swallows the allocator's refusal."""
+    """A capture whose end fails leaves the thread's current stream (torch's, and tvm-ffi's when the
+    compiled modules' package is there) and the caching allocator as before it (`endAllocateToPool`
+    for its pool, on the current device) and raises the capture's error; a capture that ends well
+    calls nothing, and the allocator's refusal (a pool the failed end already released) is
+    swallowed. Inside a capture tvm-ffi launches on the capture stream."""
     ended: list[tuple] = []
     pool = (0, 7)
 
@@ -182,19 +210,37 @@ def test_a_failed_capture_takes_its_pool_out_of_the_allocators_captures(
         if mempool_id != pool:
             raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
 
+    current = ["default"]
+
+    def enter_capture_stream(graph_context):
+        @contextlib.contextmanager
+        def graph(cuda_graph, pool=None) -> Iterator[None]:
+            current[0] = "capture"  # torch.cuda.graph's stream context, not exited when its end fails
+            with graph_context(cuda_graph, pool):
+                yield
+            current[0] = "default"
+
+        return graph
+
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
+    fake_ffi = _FakeFfi(current)
+    monkeypatch.setitem(sys.modules, "tvm_ffi", fake_ffi if ffi else None)
     rec = _Capturing()
     graph = _FakeGraph(rec)
-    monkeypatch.setattr(torch.cuda, "graph", _fake_graph_context(rec, 0))
+    monkeypatch.setattr(torch.cuda, "graph", enter_capture_stream(_fake_graph_context(rec, 0)))
     with capture(graph, pool=pool):
-        pass
-    assert ended == []
-    monkeypatch.setattr(torch.cuda, "graph", _failing_graph_context(rec, "cudaErrorStreamCaptureInvalidated"))
+        assert fake_ffi.stream == ("capture" if ffi else "default")
+    assert ended == [] and current == ["default"] and fake_ffi.stream == "default"
+    failing = _failing_graph_context(rec, "cudaErrorStreamCaptureInvalidated")
+    monkeypatch.setattr(torch.cuda, "graph", enter_capture_stream(failing))
     with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureInvalidated"), capture(graph, pool=pool):
         pass
     assert ended == [(3, pool)] and gc.isenabled()
+    assert current == ["default"] and fake_ffi.stream == "default"  # the streams before the capture
     with pytest.raises(RuntimeError, match="Invalidated"), capture(graph, pool=(0, 8)):
         pass  # the allocator's refusal (nothing to end) is swallowed; the capture's error stays
     assert ended == [(3, pool), (3, (0, 8))]
