@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -299,3 +300,52 @@ def test_capture_is_the_one_capture_path() -> None:
         if "torch.cuda.graph(" in p.read_text() and p.name != "tvm_runtime.py"
     ]
     assert offenders == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_capture_with_a_dead_engines_graphs_pending() -> None:
+    """On CUDA: real graphs in an unreachable cycle (a dropped engine's) become garbage while another
+    graph is captured, and the captured block allocates enough Python objects to start collections:
+    none of the dead graphs is destroyed during the capture (CUDA forbids it; the capture would be
+    invalidated), the capture succeeds and replays, and the dead graphs go at the next collection."""
+    x = torch.zeros(4096, device="cuda")
+    pool = torch.cuda.graph_pool_handle()
+    capturing = [False]
+    destroyed: list[bool] = []  # per dead graph: destroyed while a capture was open
+
+    class Engine:
+        def __init__(self) -> None:
+            self.me, self.graphs = self, []
+
+    holder = [Engine()]
+    for _ in range(4):
+        g = torch.cuda.CUDAGraph()
+        with capture(g, pool=pool):
+            x.add_(1)
+        weakref.finalize(g, lambda: destroyed.append(capturing[0]))
+        holder[0].graphs.append(g)
+    del g
+    torch.cuda.synchronize()
+    thresholds = gc.get_threshold()
+    gc.collect()  # the next collections find the engine young (allocated since)
+    holder.append(Engine())  # fresh cycle in the young generation, holding the old one's graphs
+    holder[1].graphs, holder[0].graphs = holder[0].graphs, []
+    new = torch.cuda.CUDAGraph()
+    try:
+        with capture(new, pool=pool):
+            capturing[0] = True
+            holder.clear()  # the engines are unreachable now
+            gc.set_threshold(1, 1, 1)
+            _allocate_python_objects()
+            x.mul_(2)
+            capturing[0] = False
+    finally:
+        capturing[0] = False
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    assert destroyed == [False] * 4
+    x.fill_(3.0)
+    new.replay()
+    torch.cuda.synchronize()
+    assert torch.all(x == 6.0)  # the captured block's one kernel
