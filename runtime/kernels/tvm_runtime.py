@@ -208,8 +208,11 @@ def _undo_failed_capture(pool: Any, stream: Any) -> None:
     * the caching allocator: the pool stays among its captures underway (``endAllocateToPool`` not
       called), so every later allocation of the process checks the capture's stream and blocks freed
       after a use on another stream are never reclaimed (their events wait for the end of a capture):
-      taken out. No-op when the capture's end already did it, and for ``pool=None`` (the graph's own
-      pool, unknown after a failure).
+      taken out; and the use the capture took of the pool is never given back (the graph releases
+      its pool only after a capture that ended), so the pool's memory would stay reserved after
+      every other graph of it is gone: released. Neither when the capture's end already took the
+      pool out (its graph then releases it), nor for ``pool=None`` (the graph's own pool, unknown
+      after a failure).
 
     Nothing without CUDA (`stream` None)."""
     import torch
@@ -218,9 +221,13 @@ def _undo_failed_capture(pool: Any, stream: Any) -> None:
         return
     torch.cuda.set_stream(stream)
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
     if pool is None or end is None:
         return
+    device = torch.cuda.current_device()
     try:
-        end(torch.cuda.current_device(), pool)
-    except RuntimeError:  # "not currently recording to mempool_id": nothing left to undo
-        pass
+        end(device, pool)
+    except RuntimeError:  # "not currently recording to mempool_id": the capture's end did it
+        return
+    if release is not None:
+        release(device, pool)

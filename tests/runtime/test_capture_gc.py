@@ -200,11 +200,14 @@ def test_a_failed_capture_takes_its_pool_out_of_the_allocators_captures(
 ) -> None:
     """A capture whose end fails leaves the thread's current stream (torch's, and tvm-ffi's when the
     compiled modules' package is there) and the caching allocator as before it (`endAllocateToPool`
-    for its pool, on the current device) and raises the capture's error; a capture that ends well
-    calls nothing, and the allocator's refusal (a pool the failed end already released) is
-    swallowed. Inside a capture tvm-ffi launches on the capture stream."""
+    and `releasePool` for its pool, on the current device) and raises the capture's error; a capture
+    that ends well calls nothing, and when the allocator refuses the end (the capture's own end took
+    the pool out) the pool is not released (its graph does that). Inside a capture tvm-ffi launches
+    on the capture stream."""
     ended: list[tuple] = []
     pool = (0, 7)
+
+    released: list[tuple] = []
 
     def end(device: int, mempool_id: tuple) -> None:
         ended.append((device, mempool_id))
@@ -224,6 +227,7 @@ def test_a_failed_capture_takes_its_pool_out_of_the_allocators_captures(
         return graph
 
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, p: released.append((d, p)), raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
@@ -240,11 +244,11 @@ def test_a_failed_capture_takes_its_pool_out_of_the_allocators_captures(
     monkeypatch.setattr(torch.cuda, "graph", enter_capture_stream(failing))
     with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureInvalidated"), capture(graph, pool=pool):
         pass
-    assert ended == [(3, pool)] and gc.isenabled()
+    assert ended == [(3, pool)] and released == [(3, pool)] and gc.isenabled()
     assert current == ["default"] and fake_ffi.stream == "default"  # the streams before the capture
     with pytest.raises(RuntimeError, match="Invalidated"), capture(graph, pool=(0, 8)):
         pass  # the allocator's refusal (nothing to end) is swallowed; the capture's error stays
-    assert ended == [(3, pool), (3, (0, 8))]
+    assert ended == [(3, pool), (3, (0, 8))] and released == [(3, pool)]  # its graph releases (0, 8)
 
 
 def _tiny_static_head(root: Path):
