@@ -206,13 +206,13 @@ def _undo_failed_capture(pool: Any, stream: Any) -> None:
     * the thread's current stream: still torch's capture stream (``torch.cuda.graph.__exit__`` never
       exits its stream context): set back to `stream`, the one current before the capture;
     * the caching allocator: the pool stays among its captures underway (``endAllocateToPool`` not
-      called), so every later allocation of the process checks the capture's stream and blocks freed
-      after a use on another stream are never reclaimed (their events wait for the end of a capture):
-      taken out; and the use the capture took of the pool is never given back (the graph releases
-      its pool only after a capture that ended), so the pool's memory would stay reserved after
-      every other graph of it is gone: released. Neither when the capture's end already took the
-      pool out (its graph then releases it), nor for ``pool=None`` (the graph's own pool, unknown
-      after a failure).
+      called), so every later capture into the pool is refused ("already recording to mempool_id"),
+      every later allocation of the process checks the capture's stream and blocks freed after a use
+      on another stream are never reclaimed (their events wait for the end of a capture): taken out;
+      and the use the capture took of the pool is never given back (a graph releases its pool only
+      after a capture that ended), so the pool's memory would stay reserved after every other graph
+      of it is gone: released. Neither when the capture's end already took the pool out (its graph
+      then releases it), nor for ``pool=None`` (the graph's own pool, unknown after a failure).
 
     Nothing without CUDA (`stream` None)."""
     import torch
