@@ -353,3 +353,27 @@ def test_cuda_capture_with_a_dead_engines_graphs_pending() -> None:
     new.replay()
     torch.cuda.synchronize()
     assert torch.all(x == 6.0)  # the captured block's one kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_a_failed_capture_leaves_the_stream_and_the_pool_usable() -> None:
+    """On CUDA: a capture invalidated by a forbidden call (a device synchronize) raises; after it the
+    thread launches on the stream it used before, and the next capture into the same pool (refused
+    with "already recording to mempool_id" while the failed one stayed among the allocator's
+    captures) succeeds and replays."""
+    x = torch.zeros(1024, device="cuda")
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.current_stream()
+    bad = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="captur"), capture(bad, pool=pool):
+        x.add_(1)
+        torch.cuda.synchronize()  # not permitted while capturing: the capture is invalidated
+    assert torch.cuda.current_stream() == stream
+    good = torch.cuda.CUDAGraph()
+    with capture(good, pool=pool):
+        x.add_(2)
+    x.zero_()
+    good.replay()
+    torch.cuda.synchronize()
+    assert torch.all(x == 2)
