@@ -271,24 +271,58 @@ class _FakeStream:
         pass
 
 
-def test_mtp_head_warm_up_finalizes_no_graph_while_capturing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_tvm_ffi, eager_collector
-) -> None:
+@pytest.fixture
+def cuda_stand_ins(monkeypatch: pytest.MonkeyPatch, no_tvm_ffi, eager_collector):
+    """A callable that replaces every CUDA call of a capture (`capture_round`, `capture`) by a
+    stand-in and returns the record; each capture then finds two dead graphs pending for the
+    collector (`_fake_graph_context`). Install it after building the model (its imports read
+    ``torch.cuda`` types)."""
+
+    def install() -> _Capturing:
+        rec = _Capturing()
+
+        class NewGraph(_FakeGraph):
+            def __init__(self) -> None:
+                super().__init__(rec, "new")
+
+        monkeypatch.setattr(torch.cuda, "graph", _fake_graph_context(rec, 2))
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", NewGraph)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        return rec
+
+    return install
+
+
+def test_mtp_head_warm_up_finalizes_no_graph_while_capturing(tmp_path: Path, cuda_stand_ins) -> None:
     """The static MTP head's load-time warm-up (`StaticMTPDrafter.warm_up`, through `capture_round`
-    and `capture`, every CUDA call a stand-in) with dead engines' graphs pending for the collector
-    at every capture: each of its captures completes with no graph finalized during it, and the
-    dead graphs are collected afterwards."""
+    and `capture`) with dead engines' graphs pending for the collector at every capture: each of its
+    captures completes with no graph finalized during it, and the dead graphs are collected
+    afterwards."""
     d = _tiny_static_head(tmp_path)
-    rec = _Capturing()
-    monkeypatch.setattr(torch.cuda, "graph", _fake_graph_context(rec, 2))
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: _FakeGraph(rec, "new"))
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    rec = cuda_stand_ins()
     d.cuda_graphs = True  # the graphed path, its CUDA calls replaced
     n = d.warm_up(columns=(4,))
     assert n > 0 and d.cuda_graphs and rec.captures == n == d.num_captures
+    assert rec.dropped_while_capturing == []
+    gc.collect()
+    assert sum(name.startswith("dead") for name in rec.dropped) == 2 * n
+
+
+def test_hybrid_target_warm_up_finalizes_no_graph_while_capturing(tmp_path: Path, cuda_stand_ins) -> None:
+    """The same for the hybrid target's load-time warm-up (`StaticHybridExecutor.warm_up`): every
+    round shape captured, no graph finalized during a capture."""
+    from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+
+    tiny = make_tiny_hybrid("qwen3_5", tmp_path / "target")
+    kw = {"max_lanes": 2, "max_context": 16, "kv_bucket": 16}
+    ex = StaticHybridExecutor(tiny.config, tiny.canonical_tensors(), **kw)
+    rec = cuda_stand_ins()
+    ex.cuda_graphs = True  # the graphed path, its CUDA calls replaced
+    n = ex.warm_up(columns=(4,))
+    assert n == 2 * 4 * 2 == ex.num_captures == rec.captures  # lanes 1, 2 x widths 1, 2, 4, 8 x KV 16, 24
     assert rec.dropped_while_capturing == []
     gc.collect()
     assert sum(name.startswith("dead") for name in rec.dropped) == 2 * n
