@@ -5,8 +5,10 @@ the cyclic collector runs. Any allocation of a Python object can start a collect
 while another graph was being captured destroyed those graphs mid-capture (``cudaGraphExecDestroy``
 is forbidden then) and invalidated the capture: the server's MTP head, loaded after an engine of
 the same test was dropped, logged 24 "operation not permitted when stream is capturing (function
-reset)" warnings and turned its graphs off (H200, issue 22 / 25). On the CPU the CUDA calls are
-replaced by stand-ins that record whether a graph object was finalized while a capture was open.
+reset)" warnings and turned its graphs off (H200, issue 22 / 25). A capture that fails must also
+leave the thread's streams and the caching allocator as they were (torch's ``capture_end`` raises
+before its own clean-up). On the CPU the CUDA calls are replaced by stand-ins that record whether a
+graph object was finalized while a capture was open; the GPU tests (marked gpu) use real graphs.
 """
 
 from __future__ import annotations
