@@ -11,6 +11,7 @@ torch's current stream (and to be captured by CUDA graphs).
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib.util
 import os
 import threading
@@ -25,6 +26,7 @@ __all__ = [
     "TvmRuntimeError",
     "capture",
     "find_runtime_lib_dir",
+    "gc_paused",
     "load_module",
     "load_tvm_runtime",
     "torch_stream",
@@ -144,21 +146,88 @@ def torch_stream(context: Any = None) -> Iterator[None]:
 
 
 @contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block (back to its previous state after,
+    also on an exception).
+
+    A CUDA graph capture needs it: a collection that runs while a stream captures (any allocation of
+    a Python object can start one) finalizes unreachable objects then, and destroying a dead
+    ``torch.cuda.CUDAGraph`` (of an engine dropped before, its executor in a reference cycle) calls
+    ``cudaGraphExecDestroy``, which CUDA forbids during a capture: the call fails ("operation not
+    permitted when stream is capturing") and invalidates the capture in progress
+    (cudaErrorStreamCaptureInvalidated at its end). Unreachable cycles are collected after the block.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextmanager
 def capture(graph: Any, *, pool: Any = None) -> Iterator[None]:
     """Capture a CUDA graph with tvm-ffi calls launched on the capture stream.
 
     ``graph``: a ``torch.cuda.CUDAGraph``; ``pool``: a ``torch.cuda.graph_pool_handle()`` to share
     (None: the graph's own). Without the ``tvm_ffi`` package (no compiled modules can run then) this
-    is plain ``torch.cuda.graph``.
+    is plain ``torch.cuda.graph``. Python's cyclic garbage collector is paused for the capture
+    (`gc_paused`: a dead graph finalized mid-capture would invalidate it). A capture that fails
+    leaves the thread's current stream and torch's caching allocator as they were before it
+    (`_undo_failed_capture`), so that the process can go on without graphs.
     """
     import torch
 
-    context = torch.cuda.graph(graph, pool=pool)
     try:
         import tvm_ffi
     except ImportError:
-        with context:
-            yield
+        tvm_ffi = None
+    with gc_paused():
+        before = torch.cuda.current_stream() if torch.cuda.is_available() else None
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                if tvm_ffi is None:
+                    yield
+                else:
+                    # tvm-ffi's stream follows torch's (the capture stream) inside the graph's context
+                    # and is restored before the capture ends (an end that fails cannot skip it)
+                    with tvm_ffi.use_torch_stream():
+                        yield
+        except BaseException:
+            _undo_failed_capture(pool, before)
+            raise
+
+
+def _undo_failed_capture(pool: Any, stream: Any) -> None:
+    """After a failed capture into `pool`, what torch's ``capture_end`` leaves behind when
+    ``cudaStreamEndCapture`` fails (it raises before its own clean-up):
+
+    * the thread's current stream: still torch's capture stream (``torch.cuda.graph.__exit__`` never
+      exits its stream context): set back to `stream`, the one current before the capture;
+    * the caching allocator: the pool stays among its captures underway (``endAllocateToPool`` not
+      called), so every later capture into the pool is refused ("already recording to mempool_id"),
+      every later allocation of the process checks the capture's stream and blocks freed after a use
+      on another stream are never reclaimed (their events wait for the end of a capture): taken out;
+      and the use the capture took of the pool is never given back (a graph releases its pool only
+      after a capture that ended), so the pool's memory would stay reserved after every other graph
+      of it is gone: released. Neither when the capture's end already took the pool out (its graph
+      then releases it), nor for ``pool=None`` (the graph's own pool, unknown after a failure).
+
+    Nothing without CUDA (`stream` None)."""
+    import torch
+
+    if stream is None:
         return
-    with tvm_ffi.use_torch_stream(context):
-        yield
+    torch.cuda.set_stream(stream)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if pool is None or end is None:
+        return
+    device = torch.cuda.current_device()
+    try:
+        end(device, pool)
+    except RuntimeError:  # "not currently recording to mempool_id": the capture's end did it
+        return
+    if release is not None:
+        release(device, pool)
