@@ -450,7 +450,10 @@ def _child_main(
     with contextlib.suppress(OSError):
         send(_pack([_STOPPED, side.num_cut]))
     events.close()
-    reader.join(5.0)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # everything is saved and closed: skip the interpreter's teardown (torch's takes seconds)
 
 
 # --------------------------------------------------------------------------- the server process
@@ -513,7 +516,12 @@ class ProcessLaneLoop:
         self._num_inflight = 0
         self._stopping = False
         self._restarting = False
-        self._reader: threading.Thread | None = None
+        self._started = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop reading the events pipe
+        self._loop_thread: int | None = None
+        self._stop_called = False
+        self._exited = threading.Event()  # the last engine process ended and nothing restarts it
+        self._clean_exit = False  # the current child said it stopped
         self._deaths: deque[float] = deque()
         self.fatal_status: int | None = None  # the exit status once the server gave up on its engine
         self.fatal_error: str | None = None
@@ -593,15 +601,16 @@ class ProcessLaneLoop:
 
     @property
     def is_alive(self) -> bool:
-        """True while the reader and the engine process run and the loop is not stopping or restarting."""
+        """True while the engine process runs, its events are read and the loop is not stopping or
+        restarting."""
+        proc = self._proc
         return (
-            self._reader is not None
-            and self._reader.is_alive()
+            self._started
             and not self._stopping
             and not self._restarting
             and self.fatal_status is None
-            and self._proc is not None
-            and self._proc.is_alive()
+            and proc is not None
+            and proc.is_alive()
         )
 
     @property
@@ -633,10 +642,18 @@ class ProcessLaneLoop:
         return _ShippedCollector(self)
 
     def start(self) -> None:
-        """Start the reader thread (idempotent)."""
-        if self._reader is None:
-            self._reader = threading.Thread(target=self._read, name="ignis-engine-reader", daemon=True)
-            self._reader.start()
+        """Start reading the engine's events (idempotent): on the running event loop when there is one
+        (an asyncio reader on the pipe: the events are decoded and queued on the loop's own thread,
+        one wake-up a step, no thread hop), else in a reader thread."""
+        if self._started:
+            return
+        self._started = True
+        try:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
+        except RuntimeError:
+            self._loop = None
+        self._attach()
 
     def submit(
         self,
@@ -660,7 +677,7 @@ class ProcessLaneLoop:
                     "the engine process is being restarted after a failure; retry in a moment",
                     headers={"Retry-After": str(max(self.retry_after, 1))},
                 )
-            if self._stopping or self.fatal_status is not None or self._reader is None:
+            if self._stopping or self.fatal_status is not None or not self._started:
                 raise ServerUnavailableError("the server is shutting down; no new requests are taken")
             if self._num_inflight >= self.max_lanes + self.queue_size:
                 raise busy_error(self.max_lanes, self.queue_size, self.retry_after)
@@ -692,31 +709,39 @@ class ProcessLaneLoop:
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Abort every request in flight, stop the engine process (it writes the prompt checkpoints
-        and closes the model) and the reader (idempotent)."""
+        and closes the model) and the reading of its events (idempotent; waits up to `timeout` s for
+        the process, then kills it)."""
         with self._lock:
-            self._stopping = True
+            first = not self._stop_called
+            self._stop_called = self._stopping = True
             conn = self._commands
-        self._send(conn, [_STOP])
-        reader = self._reader
-        if reader is None:  # never started: read the child's last messages here
-            self._reader = threading.current_thread()
-            self._pump()
-        elif reader is not threading.current_thread():
-            reader.join(timeout)
-        proc = self._proc
-        if proc is not None:
-            proc.join(timeout)
-            if proc.is_alive():
+        if first:
+            self._send(conn, [_STOP])
+            if not self._started:  # nobody reads the events yet: a reader thread for the last ones
+                self._started = True
+                self._attach()
+            elif self._on_loop_thread():  # the loop cannot run its reader while we wait: read here
+                events = self._events
+                if events is not None:
+                    self._detach(events)
+                    while self._on_readable(events, detach=False):
+                        if not events.poll(timeout):
+                            break
+        if not self._exited.wait(timeout):
+            proc = self._proc
+            if proc is not None and proc.is_alive():
                 logger.warning("the engine process did not stop within %s s; killing it", timeout)
                 proc.kill()
                 proc.join(5.0)
+            self._exited.wait(5.0)
         if self._finalizer is not None:
             self._finalizer()
         left = self._take_all()  # anything the child did not answer (it was killed)
         self._cut_base += len(left)
         for handle in left:
             self._release(handle, "abort")
-            handle._push(TokenEvent((), "abort"))
+        if left:
+            _deliver([(h, TokenEvent((), "abort")) for h in left])
 
     def _send(self, conn: Connection | None, msg: list[Any]) -> None:
         if conn is None:
@@ -725,10 +750,80 @@ class ProcessLaneLoop:
         with self._send_lock:
             try:
                 conn.send_bytes(data)
-            except (OSError, ValueError):  # the child is gone: the reader fails what it held
+            except (OSError, ValueError):  # the child is gone: its end-of-file fails what it held
                 pass
 
-    # ------------------------------------------------------------------ the reader thread
+    # ------------------------------------------------------------------ reading the events
+
+    def _on_loop_thread(self) -> bool:
+        return self._loop is not None and threading.get_ident() == self._loop_thread
+
+    def _attach(self) -> None:
+        """Read the current child's events: an asyncio reader on the loop, or a thread."""
+        events = self._events
+        assert events is not None
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.add_reader(events.fileno(), self._on_readable, events)
+        else:
+            threading.Thread(
+                target=self._read_thread, args=(events,), name="ignis-engine-reader", daemon=True
+            ).start()
+
+    def _detach(self, events: Connection) -> None:
+        if self._loop is not None and not self._loop.is_closed() and not events.closed:
+            with contextlib.suppress(ValueError, OSError, RuntimeError):
+                self._loop.remove_reader(events.fileno())
+
+    def _read_thread(self, events: Connection) -> None:
+        while True:
+            try:
+                events.poll(None)  # also true at end of file
+            except (OSError, ValueError):
+                pass
+            if not self._on_readable(events, detach=False):
+                return
+
+    def _on_readable(self, events: Connection, detach: bool = True) -> bool:
+        """Read and apply every message waiting on the events pipe, then deliver their events at once.
+        Returns False at end of file (the child exited), after handing over to `_after_exit`."""
+        items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]] = []
+        eof = False
+        try:
+            while True:
+                self._on_message(_unpack(events.recv_bytes()), items)
+                if not events.poll(0):
+                    break
+        except (EOFError, OSError):
+            eof = True
+        if items:
+            if self._on_loop_thread():
+                loop = self._loop
+                for handle, event in items:
+                    if isinstance(event, ErrorEvent) or event.finish_reason is not None:
+                        handle.is_done = True
+                    if handle._loop is loop:
+                        handle._queue.put_nowait(event)
+                    else:
+                        _deliver([(handle, event)])
+            else:
+                _deliver(items)
+        if eof:
+            if detach:
+                self._detach(events)
+            threading.Thread(target=self._after_exit, name="ignis-engine-supervisor", daemon=True).start()
+        return not eof
+
+    def _on_message(self, msg: list[Any], items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> None:
+        kind = msg[0]
+        if kind == _STEP:
+            self._on_step(msg, items)
+        elif kind == _REFUSED:
+            self._on_events(time.monotonic(), [[msg[1], msg[2]]], items)
+        elif kind == _STOPPED:
+            self._child_cut = int(msg[1])
+            self._clean_exit = True
+
+    # ------------------------------------------------------------------ the supervisor
 
     def _release(self, handle: RequestHandle, finish_reason: str | None) -> None:
         if self.metrics is not None and finish_reason is not None:
@@ -741,58 +836,68 @@ class ProcessLaneLoop:
             self._num_inflight -= len(handles)
         return handles
 
-    def _read(self) -> None:
-        while True:
-            clean = self._pump()
-            proc = self._proc
-            proc.join(5.0 if clean else 30.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
-            if clean or self._stopping:
-                return
-            code = proc.exitcode
-            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
-            logger.error("the engine process %s %s", self.child_pid, how)
-            with self._lock:
-                self._restarting = True
-                handles = list(self._handles.values())
-                self._handles.clear()
-                self._num_inflight -= len(handles)
-            err = EngineFailedError(
-                f"the engine process {how} while serving this request; the server is restarting it"
-            )
-            for handle in handles:
-                self._release(handle, "error")
-            _deliver([(h, ErrorEvent(err)) for h in handles])
-            for conn in (self._commands, self._events):
-                with contextlib.suppress(OSError):
-                    conn.close()  # type: ignore[union-attr]
-            self._restarts_base += self._child_restarts + 1
-            self._cut_base += self._child_cut
-            self._spec_base = _spec_totals(self.snapshot.spec_samples)
-            now = time.monotonic()
-            self._deaths.append(now)
-            while self._deaths and now - self._deaths[0] > RESTART_WINDOW_S:
-                self._deaths.popleft()
-            if code == _EXIT_ARTIFACT_CHANGED:
-                self._give_up(code, "the artifact was modified in place (see the engine process's log)")
-                return
-            if len(self._deaths) > MAX_RESTARTS:
-                self._give_up(
-                    1, f"the engine process died {len(self._deaths)} times in {RESTART_WINDOW_S:.0f} s"
-                )
-                return
+    def _after_exit(self) -> None:
+        """The child's events ended: wait for it; if it did not stop on request, fail its requests and
+        start another (module docstring)."""
+        proc = self._proc
+        clean = self._clean_exit
+        for conn in (self._commands, self._events):
+            with contextlib.suppress(OSError):
+                conn.close()  # type: ignore[union-attr]
+        proc.join(5.0 if clean else 30.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+        if clean or self._stopping:
+            self._exited.set()
+            return
+        code = proc.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
+        logger.error("the engine process %s %s", self.child_pid, how)
+        with self._lock:
+            self._restarting = True
+            handles = list(self._handles.values())
+            self._handles.clear()
+            self._num_inflight -= len(handles)
+        err = EngineFailedError(
+            f"the engine process {how} while serving this request; the server restarts it"
+        )
+        for handle in handles:
+            self._release(handle, "error")
+        _deliver([(h, ErrorEvent(err)) for h in handles])
+        self._restarts_base += self._child_restarts + 1
+        self._cut_base += self._child_cut
+        self._spec_base = _spec_totals(self.snapshot.spec_samples)
+        now = time.monotonic()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > RESTART_WINDOW_S:
+            self._deaths.popleft()
+        if code == _EXIT_ARTIFACT_CHANGED:
+            self._give_up(code, "the artifact was modified in place (see the engine process's log)")
+            return
+        if len(self._deaths) > MAX_RESTARTS:
+            self._give_up(1, f"the engine process died {len(self._deaths)} times in {RESTART_WINDOW_S:.0f} s")
+            return
+        try:
+            self._spawn()
+        except BaseException as exc:
+            self._give_up(1, f"the engine process could not be started again: {exc}")
+            return
+        self._clean_exit = False
+        with self._lock:
+            self._restarting = False
+            stopping = self._stopping
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
             try:
-                self._spawn()
-            except BaseException as exc:
-                self._give_up(1, f"the engine process could not be started again: {exc}")
-                return
-            with self._lock:
-                self._restarting = False
-                stopping = self._stopping
-            if stopping:  # stop() came while the new child loaded
-                self._send(self._commands, [_STOP])
+                loop.call_soon_threadsafe(self._attach)
+            except RuntimeError:  # the loop closed meanwhile: read in a thread
+                self._loop = None
+                self._attach()
+        else:
+            self._attach()
+        if stopping:  # stop() came while the new child loaded
+            self._send(self._commands, [_STOP])
 
     def _give_up(self, status: int, why: str) -> None:
         logger.critical("giving up on the engine process: %s; the server shuts down", why)
@@ -800,38 +905,9 @@ class ProcessLaneLoop:
         self.fatal_status = status
         with self._lock:
             self._restarting = False
+        self._exited.set()
         if self.on_fatal is not None:
             self.on_fatal()
-
-    def _pump(self) -> bool:
-        """Read the child's messages until end of file; True when it said it stopped."""
-        conn = self._events
-        assert conn is not None
-        stopped = False
-        while True:
-            try:
-                data = conn.recv_bytes()
-            except (EOFError, OSError):
-                return stopped
-            items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]] = []
-            while True:  # every message already there, delivered in one wake-up
-                msg = _unpack(data)
-                kind = msg[0]
-                if kind == _STEP:
-                    self._on_step(msg, items)
-                elif kind == _REFUSED:
-                    self._on_events(time.monotonic(), [[msg[1], msg[2]]], items, [])
-                elif kind == _STOPPED:
-                    self._child_cut = int(msg[1])
-                    stopped = True
-                if not conn.poll(0):
-                    break
-                try:
-                    data = conn.recv_bytes()
-                except (EOFError, OSError):
-                    break
-            if items:
-                _deliver(items)
 
     def _on_step(self, msg: list[Any], items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> None:
         _, now, active, spec, restarts, cut, admitted, events, extras = msg
@@ -840,7 +916,7 @@ class ProcessLaneLoop:
                 handle = self._handles.get(wire)
                 if handle is not None:
                     self.metrics.request_admitted(handle)
-        self._on_events(now, events, items, admitted)
+        self._on_events(now, events, items)
         self._child_restarts, self._child_cut = restarts, cut
         if extras is not None:
             self._extras, self._gpu = extras
@@ -852,11 +928,7 @@ class ProcessLaneLoop:
         self.snapshot = LaneSnapshot(num_active=active, num_waiting=waiting, spec_samples=spec_samples)
 
     def _on_events(
-        self,
-        now: float,
-        events: list[list[Any]],
-        items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]],
-        admitted: list[int],
+        self, now: float, events: list[list[Any]], items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]]
     ) -> None:
         emitted: list[tuple[RequestHandle, int]] = []
         finished: list[tuple[RequestHandle, str | None]] = []
