@@ -57,6 +57,7 @@ import logging
 import os
 import pickle
 import signal
+import struct
 import sys
 import threading
 import time
@@ -107,6 +108,7 @@ logger = logging.getLogger("ignis.runtime.server")
 EXTRAS_INTERVAL_S = 0.25  # the engine's other series are shipped at least this often while it steps
 MAX_RESTARTS = 3  # engine process deaths tolerated within RESTART_WINDOW_S before the server gives up
 RESTART_WINDOW_S = 300.0
+_FRAME = struct.Struct("!i")  # multiprocessing.connection's frame header: the payload's length
 _EXIT_ARTIFACT_CHANGED = 75  # ignis.runtime.artifact_guard.EXIT_ARTIFACT_CHANGED (not imported: no fcntl)
 _LOAD_FAILED = 2  # the child's exit status when the model could not be loaded
 
@@ -538,6 +540,7 @@ class ProcessLaneLoop:
         self._commands: Connection | None = None
         self._events: Connection | None = None
         self._finalizer: Finalize | None = None
+        self._buf = bytearray()  # the events pipe's bytes not yet parsed (a partial frame)
         self._spawn()
 
     # ------------------------------------------------------------------ the child
@@ -759,10 +762,13 @@ class ProcessLaneLoop:
         return self._loop is not None and threading.get_ident() == self._loop_thread
 
     def _attach(self) -> None:
-        """Read the current child's events: an asyncio reader on the loop, or a thread."""
+        """Read the current child's events: an asyncio reader on the loop (the pipe non-blocking), or a
+        thread."""
         events = self._events
         assert events is not None
+        self._buf = bytearray()
         if self._loop is not None and not self._loop.is_closed():
+            os.set_blocking(events.fileno(), False)
             self._loop.add_reader(events.fileno(), self._on_readable, events)
         else:
             threading.Thread(
@@ -775,26 +781,38 @@ class ProcessLaneLoop:
                 self._loop.remove_reader(events.fileno())
 
     def _read_thread(self, events: Connection) -> None:
-        while True:
-            try:
-                events.poll(None)  # also true at end of file
-            except (OSError, ValueError):
-                pass
-            if not self._on_readable(events, detach=False):
-                return
+        while self._on_readable(events, detach=False):  # blocking reads
+            pass
 
     def _on_readable(self, events: Connection, detach: bool = True) -> bool:
-        """Read and apply every message waiting on the events pipe, then deliver their events at once.
-        Returns False at end of file (the child exited), after handing over to `_after_exit`."""
+        """Read what the events pipe holds (one `read`), apply every whole message in it and deliver
+        their events at once. Returns False at end of file (the child exited), after handing over to
+        `_after_exit`.
+
+        The pipe carries `Connection.send_bytes` frames (a 4-byte big-endian length, then the bytes);
+        they are parsed here, so that one system call drains every step waiting (no `poll` per
+        message)."""
         items: list[tuple[RequestHandle, TokenEvent | ErrorEvent]] = []
         eof = False
         try:
-            while True:
-                self._on_message(_unpack(events.recv_bytes()), items)
-                if not events.poll(0):
-                    break
-        except (EOFError, OSError):
+            chunk = os.read(events.fileno(), 1 << 20)
+        except BlockingIOError:
+            return True
+        except (OSError, ValueError):
+            chunk = b""
+        if not chunk:
             eof = True
+        buf = self._buf
+        buf += chunk
+        pos, end = 0, len(buf)
+        while end - pos >= 4:
+            (size,) = _FRAME.unpack_from(buf, pos)
+            if end - pos - 4 < size:
+                break
+            self._on_message(_unpack(bytes(buf[pos + 4 : pos + 4 + size])), items)
+            pos += 4 + size
+        if pos:
+            del buf[:pos]
         if items:
             if self._on_loop_thread():
                 loop = self._loop
