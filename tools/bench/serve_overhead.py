@@ -686,7 +686,8 @@ def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     default="off",
     show_default=True,
     help="Serve with ignis-run --engine-process (on), without (off: --no-engine-process), or both: two "
-    "servers at once, their runs interleaved with the in-process ones, a table each.",
+    "servers up at once, their runs alternating (and interleaved with the in-process ones with "
+    "--interleave), a table each.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Prompt seed.")
 @click.option(
@@ -790,8 +791,6 @@ def _bench(
     if interleave is None:
         interleave = synthetic
     modes = {"off": ["thread"], "on": ["process"], "both": ["thread", "process"]}[engine_process]
-    if len(modes) > 1 and not interleave:
-        raise click.UsageError("--engine-process both serves twice at once: it needs --interleave")
     runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {
         (side, c): [] for side in ("in", *modes) for c in lanes
     }
