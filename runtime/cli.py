@@ -82,11 +82,19 @@ def _checked_device(value: Any) -> str | None:
     return str(value)
 
 
+ENGINE_PROCESS_ON_CUDA = False
+"""Whether `--engine-process` is on by default for a model served on CUDA. Off until measured better on
+a GPU host: on the 2-vCPU build box the two modes measured the same within the noise (docs/perf/log,
+session 14), the engine process needing a core of its own that a box shared by five has not."""
+
+
 def _engine_process(value: bool | None, source: Any, settings: Any) -> bool:
-    """`--engine-process` resolved: as given, else on when the model is served on CUDA (an explicit
-    CUDA `--device`, or a source that says it would load there)."""
+    """`--engine-process` resolved: as given, else `ENGINE_PROCESS_ON_CUDA` when the model is served on
+    CUDA (an explicit CUDA `--device`, or a source that says it would load there), else off."""
     if value is not None:
         return bool(value)
+    if not ENGINE_PROCESS_ON_CUDA:
+        return False
     if settings.device is not None:
         return str(settings.device).startswith("cuda")
     on_cuda = getattr(source, "serves_on_cuda", None)
@@ -449,8 +457,7 @@ def run_command(opts: dict[str, Any]) -> None:
     help="Run the model and its engine in a child process of their own, the HTTP side (tokenizer, chat "
     "template, tools, grammars) in this one, so that the two do not share one Python interpreter lock: "
     "a small, host-bound model keeps its in-process speed at the socket. A child that dies fails the "
-    "requests it held (500) and is started again; shutdown stops both. [default: on when the model "
-    "is served on CUDA]",
+    "requests it held (500) and is started again; shutdown stops both. [default: off]",
 )
 @click.option(
     "--graph-warmup-context",

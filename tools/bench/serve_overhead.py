@@ -273,6 +273,8 @@ class Figures:
         server_cpu_s_per_token: the server process's CPU seconds (all threads) per output token served.
         server_loop_cpu_s_per_token: of which the main thread's, the event loop's (Linux: utime + stime
             of /proc/PID/task/PID/stat, clock ticks; 0.0 where unreadable).
+        engine_process_cpu_s_per_token: of which the server's child processes' (the engine process
+            with --engine-process; 0.0 without).
         in_process_runs, served_runs: every run's tok/s (the best of them is the figure least
             disturbed by other work on a shared machine).
     """
@@ -284,6 +286,7 @@ class Figures:
     in_process_cpu_s_per_token: float = 0.0
     server_cpu_s_per_token: float = 0.0
     server_loop_cpu_s_per_token: float = 0.0
+    engine_process_cpu_s_per_token: float = 0.0
     in_process_runs: list[float] = field(default_factory=list)
     served_runs: list[float] = field(default_factory=list)
 
@@ -550,19 +553,20 @@ def _tree_cpu_s(pids: Sequence[int]) -> float:
 
 def run_served(
     server: ServerProcess, prompts: list[list[int]], max_tokens: int
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     """Serve `prompts` concurrently once; returns (tok/s, the server's CPU seconds per token (its
     process and its children: the engine process with --engine-process), its main thread's CPU
-    seconds per token).
+    seconds per token, its children's).
 
     Raises:
         BenchError: a wrong reply.
     """
     pid = server.proc.pid
-    pids = [pid, *_descendants(pid)]
-    cpu0, loop0 = _tree_cpu_s(pids), _thread_cpu_s(pid, pid)
+    kids = _descendants(pid)
+    own0, kids0, loop0 = _tree_cpu_s([pid]), _tree_cpu_s(kids), _thread_cpu_s(pid, pid)
     wall, n = asyncio.run(_served_once(server.socket, prompts, max_tokens))
-    return n / wall, (_tree_cpu_s(pids) - cpu0) / n, (_thread_cpu_s(pid, pid) - loop0) / n
+    own, child = _tree_cpu_s([pid]) - own0, _tree_cpu_s(kids) - kids0
+    return n / wall, (own + child) / n, (_thread_cpu_s(pid, pid) - loop0) / n, child / n
 
 
 def format_table(rows: list[Figures], title: str) -> str:
@@ -571,14 +575,14 @@ def format_table(rows: list[Figures], title: str) -> str:
         title,
         "",
         "| lanes | in-process tok/s | served tok/s | served / in-process | in-process CPU µs/token "
-        "| server CPU µs/token | of which the event loop's |",
-        "|---|---|---|---|---|---|---|",
+        "| server CPU µs/token | of which the event loop's | of which the engine process's |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for f in rows:
         out.append(
             f"| {f.lanes} | {f.in_process_tok_s:,.0f} | {f.served_tok_s:,.0f} | {f.ratio:.3f} "
             f"| {f.in_process_cpu_s_per_token * 1e6:,.0f} | {f.server_cpu_s_per_token * 1e6:,.0f} "
-            f"| {f.server_loop_cpu_s_per_token * 1e6:,.0f} |"
+            f"| {f.server_loop_cpu_s_per_token * 1e6:,.0f} | {f.engine_process_cpu_s_per_token * 1e6:,.0f} |"
         )
     return "\n".join(out)
 
@@ -791,7 +795,7 @@ def _bench(
     if interleave is None:
         interleave = synthetic
     modes = {"off": ["thread"], "on": ["process"], "both": ["thread", "process"]}[engine_process]
-    runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {
+    runs: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {
         (side, c): [] for side in ("in", *modes) for c in lanes
     }
     first_ids: dict[int, list[int]] = {}
@@ -803,7 +807,7 @@ def _bench(
 
     def in_process(c: int) -> None:
         rate, cpu, first_ids[c] = engine.run(prompts[:c], max_tokens)
-        runs[("in", c)].append((rate, cpu, 0.0))
+        runs[("in", c)].append((rate, cpu, 0.0, 0.0))
 
     if not interleave:  # every in-process run, the model closed, then every served run
         for _ in range(repeat):
@@ -839,14 +843,15 @@ def _bench(
     for mode in modes:
         figures = {c: Figures(lanes=c) for c in lanes}
         for c, f in figures.items():
-            f.in_process_runs = [r for r, _, _ in runs[("in", c)]]
-            f.served_runs = [r for r, _, _ in runs[(mode, c)]]
+            f.in_process_runs = [r[0] for r in runs[("in", c)]]
+            f.served_runs = [r[0] for r in runs[(mode, c)]]
             f.in_process_tok_s = statistics.median(f.in_process_runs)
             f.served_tok_s = statistics.median(f.served_runs)
             f.ratio = f.served_tok_s / f.in_process_tok_s
-            f.in_process_cpu_s_per_token = statistics.median(x for _, x, _ in runs[("in", c)])
-            f.server_cpu_s_per_token = statistics.median(x for _, x, _ in runs[(mode, c)])
-            f.server_loop_cpu_s_per_token = statistics.median(x for _, _, x in runs[(mode, c)])
+            f.in_process_cpu_s_per_token = statistics.median(r[1] for r in runs[("in", c)])
+            f.server_cpu_s_per_token = statistics.median(r[1] for r in runs[(mode, c)])
+            f.server_loop_cpu_s_per_token = statistics.median(r[2] for r in runs[(mode, c)])
+            f.engine_process_cpu_s_per_token = statistics.median(r[3] for r in runs[(mode, c)])
         by_mode[mode] = [figures[c] for c in lanes]
         served = "engine in its own process" if mode == "process" else "engine in a thread of the server"
         title = (

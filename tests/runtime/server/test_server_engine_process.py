@@ -327,3 +327,22 @@ def test_the_cli_flag_and_its_default(captured, tmp_path: Path) -> None:  # type
     finally:
         for s in captured:
             s.lanes.stop()
+
+
+def test_the_default_follows_the_device_once_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ENGINE_PROCESS_ON_CUDA` (off) turns the default on for a model served on CUDA only; the flag wins."""
+    from ignis.runtime import cli
+
+    class OnCuda:
+        def serves_on_cuda(self, settings: object) -> bool:
+            return True
+
+    cuda, cpu, unset = (ModelSettings(spec=SpecDefaults("off"), device=d) for d in ("cuda", "cpu", None))
+    assert not cli._engine_process(None, OnCuda(), cuda)  # off by default
+    assert cli._engine_process(True, ToySource(), cpu)
+    monkeypatch.setattr(cli, "ENGINE_PROCESS_ON_CUDA", True)
+    assert cli._engine_process(None, ToySource(), cuda)
+    assert not cli._engine_process(None, OnCuda(), cpu)
+    assert cli._engine_process(None, OnCuda(), unset)
+    assert not cli._engine_process(None, ToySource(), unset)  # a source that cannot say: off
+    assert not cli._engine_process(False, OnCuda(), cuda)
