@@ -771,6 +771,7 @@ class ProcessLaneLoop:
             os.set_blocking(events.fileno(), False)
             self._loop.add_reader(events.fileno(), self._on_readable, events)
         else:
+            os.set_blocking(events.fileno(), True)  # (non-blocking if an event loop read it before)
             threading.Thread(
                 target=self._read_thread, args=(events,), name="ignis-engine-reader", daemon=True
             ).start()

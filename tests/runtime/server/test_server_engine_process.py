@@ -346,3 +346,66 @@ def test_the_default_follows_the_device_once_switched_on(monkeypatch: pytest.Mon
     assert cli._engine_process(None, OnCuda(), unset)
     assert not cli._engine_process(None, ToySource(), unset)  # a source that cannot say: off
     assert not cli._engine_process(False, OnCuda(), cuda)
+
+
+def test_run_exits_with_status_1_when_it_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`IgnisServer.run` (what ignis-run runs, signal handlers included) returns 1 once the server gave
+    up on its engine process, having shut itself down."""
+    from ignis.runtime.server import IgnisServer, ServerOptions
+
+    monkeypatch.setattr(engine_process, "MAX_RESTARTS", 0)
+    source, settings = ToySource(), ModelSettings(spec=SpecDefaults("off"))
+    options = ServerOptions(socket=str(short_tmpdir() / "s.sock"), lanes=1, log_level="warning")
+    server = IgnisServer(source.load(settings), options, engine=EngineSpec(source, settings))
+    lanes = server.lanes
+    assert isinstance(lanes, ProcessLaneLoop) and lanes.child_pid is not None
+
+    def kill_when_started() -> None:
+        if server.started.wait(30):
+            os.kill(lanes.child_pid, signal.SIGKILL)  # type: ignore[arg-type]
+
+    threading.Thread(target=kill_when_started, daemon=True).start()
+    assert server.run() == 1
+    assert lanes.fatal_status == 1 and not _alive(lanes.child_pid)  # type: ignore[arg-type]
+
+
+def test_a_request_the_engine_refuses_comes_back_typed_and_others_go_on() -> None:
+    """A prompt the engine refuses (`LaneRequestError`, past the server's checks) is a 400 event from the
+    engine process; a request beside it is served; grammars cross as their source."""
+    import asyncio
+
+    from ignis.runtime.grammar import Grammar
+    from ignis.runtime.sampling import SamplingParams
+    from ignis.runtime.server.agents import grammar_tokenizer
+    from ignis.runtime.server.errors import InvalidRequestError
+    from ignis.runtime.server.lanes import ErrorEvent
+
+    settings = ModelSettings(spec=SpecDefaults("off"))
+    model = ToySource().load(settings)
+    lanes = ProcessLaneLoop(EngineSpec(ToySource(), settings), max_lanes=2, queue_size=0)
+
+    async def run(handle):  # type: ignore[no-untyped-def]
+        ids: list[int] = []
+        while True:
+            event = await asyncio.wait_for(handle.next_event(), 30)
+            if isinstance(event, ErrorEvent):
+                return event
+            ids += event.token_ids
+            if event.finish_reason is not None:
+                return ids
+
+    async def main() -> None:
+        lanes.start()
+        try:
+            bad = lanes.submit([1, 10_000], SamplingParams(max_tokens=3))
+            regex = Grammar.regex(grammar_tokenizer(model.tokenizer, lanes.vocab_size), "ab{2,4}")
+            good = lanes.submit([3, 4], SamplingParams(temperature=0, max_tokens=8, grammar=regex))
+            refused, ids = await run(bad), await run(good)
+            assert isinstance(refused, ErrorEvent) and isinstance(refused.error, InvalidRequestError)
+            assert refused.error.status_code == 400 and "outside the vocabulary" in refused.error.message
+            assert model.tokenizer.decode(ids, skip_special_tokens=True) in ("abb", "abbb", "abbbb")
+        finally:
+            await asyncio.to_thread(lanes.stop)
+
+    asyncio.run(main())
+    assert lanes.num_inflight == 0
