@@ -409,3 +409,25 @@ def test_a_request_the_engine_refuses_comes_back_typed_and_others_go_on() -> Non
 
     asyncio.run(main())
     assert lanes.num_inflight == 0
+
+
+def test_an_artifact_is_mapped_in_the_engine_process_only(tmp_path: Path) -> None:
+    """An `ArtifactSource` crosses as its path (`load_text` here: the tokenizer, then the mapping
+    closed); the engine process maps the weights; greedy replies equal the default mode's."""
+    from server_helpers import build_tiny_hybrid_artifact
+
+    from ignis.runtime.server.artifact_source import ArtifactSource
+
+    art = build_tiny_hybrid_artifact(tmp_path)
+    weights = str(next(art.glob("*.ninfer")).resolve())
+    spec = SpecDefaults("dflash2", 3)
+    body = {"prompt": [5, 6, 7], "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+    with serve(ArtifactSource(art), spec, engine_process=True) as running, running.client() as c:
+        got = c.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+        child = running.server.lanes.child_pid  # type: ignore[union-attr]
+        assert weights in Path(f"/proc/{child}/maps").read_text()
+        assert weights not in Path("/proc/self/maps").read_text()  # (first: a threaded server maps it)
+        assert c.get("/v1/models").json()["data"][0]["id"] == "tiny-hybrid"
+    with serve(ArtifactSource(art), spec) as threaded, threaded.client() as c:
+        want = c.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    assert got == want and len(got) == 10
