@@ -431,3 +431,63 @@ def test_an_artifact_is_mapped_in_the_engine_process_only(tmp_path: Path) -> Non
     with serve(ArtifactSource(art), spec) as threaded, threaded.client() as c:
         want = c.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
     assert got == want and len(got) == 10
+
+
+class _OnDevice:
+    """An `ArtifactSource` loaded on a given device (it pickles: the inner source as its path)."""
+
+    def __init__(self, artifact: Path, device: str) -> None:
+        from ignis.runtime.server.artifact_source import ArtifactSource
+
+        self.inner = ArtifactSource(artifact)
+        self.device = device
+        for name in ("name", "aliases", "spec_kinds", "profile"):
+            setattr(self, name, getattr(self.inner, name))
+
+    def missing_backend_reason(self, backend: str) -> str:
+        return self.inner.missing_backend_reason(backend)
+
+    def load(self, settings):  # type: ignore[no-untyped-def]
+        import dataclasses
+
+        return self.inner.load(dataclasses.replace(settings, device=self.device))
+
+    def load_text(self, settings):  # type: ignore[no-untyped-def]
+        return self.inner.load_text(settings)
+
+
+def served_both_ways(artifact: Path, device: str) -> tuple[list[list[int]], list[list[int]], dict]:  # type: ignore[type-arg]
+    """Greedy replies to the same requests from the engine process and from the default mode (in that
+    order), and the engine process's `/status`."""
+    spec = SpecDefaults("dflash2", 3)
+    bodies = [
+        {"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        for p in ([5, 6, 7], list(range(3, 40)))
+    ]
+    replies = []
+    status: dict = {}  # type: ignore[type-arg]
+    for ep in (True, False):
+        with serve(_OnDevice(artifact, device), spec, max_context=512, engine_process=ep) as running:
+            with running.client() as c:
+                replies.append(
+                    [c.post("/v1/completions", json=b).json()["choices"][0]["token_ids"] for b in bodies]
+                )
+                if ep:
+                    status = c.get("/status").json()
+    return replies[0], replies[1], status
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_engine_process_serves_like_the_default_mode(tmp_path: Path) -> None:
+    """On CUDA (spawned child, CUDA graphs, the warm-up request at load): greedy replies equal the
+    default mode's, and `/status` reports the engine process's device memory."""
+    import sys
+
+    if str(HERE.parent) not in sys.path:  # tests/runtime: only on the path when a test there was collected
+        sys.path.insert(0, str(HERE.parent))
+    from test_hybrid_warmup import _tiny_hybrid_artifact
+
+    got, want, status = served_both_ways(_tiny_hybrid_artifact(tmp_path), "cuda")
+    assert got == want and all(len(ids) == 24 for ids in got)
+    assert status["gpu"] is not None and status["gpu"]["allocated_bytes"] > 0
