@@ -551,6 +551,13 @@ class ProcessLaneLoop:
         Raises:
             the child's load exception (rebuilt), or IgnisRuntimeError: it died while loading.
         """
+        try:
+            pickle.dumps(self.spec)
+        except Exception as exc:
+            raise IgnisRuntimeError(
+                f"the model source {type(self.spec.source).__name__} cannot be sent to an engine process: "
+                f"it does not pickle ({exc}); serve it without --engine-process"
+            ) from exc
         cmd_r, cmd_w = self._ctx.Pipe(duplex=False)
         ev_r, ev_w = self._ctx.Pipe(duplex=False)
         torch = sys.modules.get("torch")
@@ -578,13 +585,9 @@ class ProcessLaneLoop:
                     if msg is not None and msg[0] == _LOAD_FAILED_MSG:
                         raise _rebuild(msg[1], msg[2], msg[3])
                     proc.join(10.0)
-                    raise IgnisRuntimeError(
-                        f"the engine process exited with status {proc.exitcode} while loading the model"
-                    )
+                    raise IgnisRuntimeError(_died_loading(proc.exitcode))
                 if not proc.is_alive():
-                    raise IgnisRuntimeError(
-                        f"the engine process exited with status {proc.exitcode} while loading the model"
-                    )
+                    raise IgnisRuntimeError(_died_loading(proc.exitcode))
         except BaseException:
             finalizer()
             ev_r.close()
@@ -992,6 +995,14 @@ def _spec_samples(spec: list[Any], base: dict[Any, int]) -> tuple[tuple[str, dic
         if key not in seen:
             out.append((key[0], dict(key[1]), value))
     return tuple(out)
+
+
+def _died_loading(code: int | None) -> str:
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
+    return (
+        f"the engine process {how} before its model was loaded (its traceback, if any, is in the log "
+        "above; a model source must be importable by name and unpickle in a new process)"
+    )
 
 
 def _rebuild(kind: str, message: str, blob: bytes) -> BaseException:

@@ -246,6 +246,16 @@ def test_a_load_error_in_the_engine_process_reaches_the_caller_typed() -> None:
         ProcessLaneLoop(spec, max_lanes=1, queue_size=0)
 
 
+def test_a_source_that_cannot_cross_is_refused_before_a_process_starts() -> None:
+    from ignis.runtime.errors import IgnisRuntimeError
+
+    source = ToySource()
+    source.hook = lambda: None  # type: ignore[attr-defined]  # a lambda does not pickle
+    spec = EngineSpec(source, ModelSettings(spec=SpecDefaults("off")))
+    with pytest.raises(IgnisRuntimeError, match="ToySource cannot be sent to an engine process"):
+        ProcessLaneLoop(spec, max_lanes=1, queue_size=0)
+
+
 # ---------------------------------------------------------------- ignis-run --engine-process
 
 
