@@ -13,16 +13,18 @@ the same way (its EngineCore process beside the API server).
 num_inflight, num_cut, num_engine_restarts, snapshot, max_context, vocab_size, max_prefill_tokens,
 metrics), so the app does not know which it talks to.
 
-**IPC.** Two one-way `multiprocessing` pipes carry msgpack messages. Server -> engine: `add` (wire id,
-prompt ids, sampling parameters as plain fields, a grammar as its llguidance source, checkpoint
-positions), `abort`, `abort_all`, `stop`. Engine -> server: `ready` (context, vocabulary, prefill
-budget), `load_failed` (the pickled exception), one **step** message per `_publish` of the child's
-lane loop (every lane's events of that step, the admitted requests, the lane gauges, the
-speculative counters when they changed, the engine's other series when due), and `stopped`. One
-reader thread in the server process decodes the step messages, updates the request metrics (time to
-first token, inter-token latency and the rest are computed from the engine's step time: both processes
-read the same `CLOCK_MONOTONIC`) and hands the events to the requests' event loops with one
-`call_soon_threadsafe` per batch of messages (one wake-up a step, fewer when it falls behind).
+**IPC.** Two one-way `multiprocessing` pipes carry msgpack messages in `Connection.send_bytes` frames.
+Server -> engine: `add` (wire id, prompt ids, sampling parameters as plain fields, a grammar as its
+llguidance source, compiled again in the child and cached by source; checkpoint positions), `abort`,
+`abort_all`, `stop`. Engine -> server: `ready` (context, vocabulary, prefill budget), `load_failed`
+(the pickled exception), one **step** message per `_publish` of the child's lane loop (every lane's
+events of that step, the admitted requests, the lane gauges, the speculative counters when they
+changed, the engine's other series when due), and `stopped`. The server process reads them on its
+event loop (an asyncio reader on the pipe: one non-blocking read a wake-up drains every message
+waiting, no thread hop; a thread reads instead where no loop runs), updates the request metrics
+(time to first token, inter-token latency and the rest are computed from the engine's step time:
+both processes read the same `CLOCK_MONOTONIC`), then queues the events for their requests: one
+wake-up a step, fewer when the loop falls behind.
 
 The engine's other Prometheus series (the prompt checkpoint pool's, the expert cache's) are collected
 in the child and shipped with a step message that finishes or admits a request, or every
@@ -35,7 +37,7 @@ exception out of a step fails the requests in flight with 500 and the child rebu
 `LaneLoop` does. The child dying (killed, out of memory, a crash in native code) fails every request
 in flight with 500 ("the engine process exited ...") and the server starts a new child (the model is
 loaded again; `/health` answers 503 and new requests get 503 with Retry-After meanwhile). After
-`MAX_RESTARTS` deaths within `RESTART_WINDOW_S` seconds, a failed reload, or a child that exits
+more than `MAX_RESTARTS` deaths within `RESTART_WINDOW_S` seconds, a failed reload, or a child that exits
 because its artifact was modified in place (`ignis.runtime.artifact_guard`, status 75), the server
 stops restarting and shuts down with a non-zero exit status (`fatal_status`: 75 for the artifact, else
 1), for a supervisor to act on.
