@@ -116,7 +116,7 @@ _LOAD_FAILED = 2  # the child's exit status when the model could not be loaded
 
 # message kinds (the first element of every message)
 _ADD, _ABORT, _ABORT_ALL, _STOP = "a", "b", "c", "q"
-_READY, _LOAD_FAILED_MSG, _STEP, _REFUSED, _STOPPED = "r", "f", "s", "e", "x"
+_READY, _LOAD_FAILED_MSG, _STEP, _STOPPED = "r", "f", "s", "x"
 _ERRORS: dict[str, type[APIError]] = {
     "InvalidRequestError": InvalidRequestError,
     "EngineFailedError": EngineFailedError,
@@ -271,9 +271,19 @@ class _EngineSide(LaneLoop):
 
     # -- the command reader thread
 
-    def take(self, wire_id: int, prompt: Sequence[int], params: SamplingParams, at: Sequence[int]) -> None:
+    def take(
+        self,
+        wire_id: int,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        at: Sequence[int],
+        refusal: APIError | None = None,
+    ) -> None:
+        """Queue a request for the lane thread (`refusal`: answer it with this error instead: only the
+        lane thread writes to the event pipe, so this thread always drains the commands)."""
         handle = RequestHandle(prompt, params, self._dead_loop, at)
         handle.wire_id = wire_id  # type: ignore[attr-defined]
+        handle.refusal = refusal  # type: ignore[attr-defined]
         self._by_wire[wire_id] = handle
         with self._cond:
             self._num_inflight += 1
@@ -310,6 +320,11 @@ class _EngineSide(LaneLoop):
     # -- the lane thread (the child's main thread)
 
     def _add(self, handle: RequestHandle) -> None:
+        refusal = getattr(handle, "refusal", None)
+        if refusal is not None:
+            self._release(handle, None)
+            self._send(handle, ErrorEvent(refusal))
+            return
         super()._add(handle)
         if handle.lane_id is not None:
             self._admitted.append(handle.wire_id)  # type: ignore[attr-defined]
@@ -359,9 +374,7 @@ def _gpu_memory() -> Any:
         return None
 
 
-def _read_commands(
-    conn: Connection, ready: threading.Event, holder: list[_EngineSide], send: Callable[[bytes], None]
-) -> None:
+def _read_commands(conn: Connection, ready: threading.Event, holder: list[_EngineSide]) -> None:
     """The child's command reader: applies the server's commands; end of file without `stop` means
     the server process is gone, and the child exits at once (no orphan)."""
     while True:
@@ -378,16 +391,15 @@ def _read_commands(
         kind = msg[0]
         if kind == _ADD:
             _, wire, prompt, fields, at = msg
+            refusal = None
             try:
                 grammar = fields.pop("grammar", None)
                 if grammar is not None:
                     fields["grammar"] = side.grammar(grammar[0], grammar[1])
                 params = SamplingParams(**fields)
             except (SamplingParamsError, IgnisRuntimeError, TypeError, ValueError) as exc:
-                err = InvalidRequestError(str(exc))
-                send(_pack([_REFUSED, wire, _encode_event(ErrorEvent(err), None)]))
-                continue
-            side.take(wire, prompt, params, at)
+                refusal, params = InvalidRequestError(str(exc)), SamplingParams()
+            side.take(wire, prompt, params, at, refusal)
         elif kind == _ABORT:
             side.abort_wire(msg[1])
         elif kind == _ABORT_ALL:
@@ -416,7 +428,7 @@ def _child_main(
     ready = threading.Event()
     holder: list[_EngineSide] = []
     reader = threading.Thread(
-        target=_read_commands, args=(commands, ready, holder, send), name="ignis-engine-commands", daemon=True
+        target=_read_commands, args=(commands, ready, holder), name="ignis-engine-commands", daemon=True
     )
     reader.start()  # before the load: a server process that dies meanwhile ends this one too
     try:
@@ -461,6 +473,17 @@ def _child_main(
 
 
 # --------------------------------------------------------------------------- the server process
+
+
+def _grow_pipe(fd: int) -> None:
+    """Ask for a 1 MiB pipe buffer (Linux `F_SETPIPE_SZ`; the default is 64 KiB): a long prompt's add,
+    or the steps of an event loop busy for a moment, then fit without blocking the writer. Best effort."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError):
+        pass
 
 
 def _kill_child(proc: Any, conn: Connection | None) -> None:
@@ -562,6 +585,8 @@ class ProcessLaneLoop:
             ) from exc
         cmd_r, cmd_w = self._ctx.Pipe(duplex=False)
         ev_r, ev_w = self._ctx.Pipe(duplex=False)
+        for conn in (cmd_w, ev_r):
+            _grow_pipe(conn.fileno())
         torch = sys.modules.get("torch")
         threads = int(torch.get_num_threads()) if torch is not None else 0
         level = logging.getLogger().getEffectiveLevel()
@@ -841,8 +866,6 @@ class ProcessLaneLoop:
         kind = msg[0]
         if kind == _STEP:
             self._on_step(msg, items)
-        elif kind == _REFUSED:
-            self._on_events(time.monotonic(), [[msg[1], msg[2]]], items)
         elif kind == _STOPPED:
             self._child_cut = int(msg[1])
             self._clean_exit = True

@@ -379,6 +379,13 @@ def test_run_exits_with_status_1_when_it_gives_up(monkeypatch: pytest.MonkeyPatc
     assert lanes.fatal_status == 1 and not _alive(lanes.child_pid)  # type: ignore[arg-type]
 
 
+class _SourceOnly:
+    """What of a `Grammar` crosses to the engine process: its source and description."""
+
+    def __init__(self, source: str, description: str) -> None:
+        self.source, self.description = source, description
+
+
 def test_a_request_the_engine_refuses_comes_back_typed_and_others_go_on() -> None:
     """A prompt the engine refuses (`LaneRequestError`, past the server's checks) is a 400 event from the
     engine process; a request beside it is served; grammars cross as their source."""
@@ -392,7 +399,7 @@ def test_a_request_the_engine_refuses_comes_back_typed_and_others_go_on() -> Non
 
     settings = ModelSettings(spec=SpecDefaults("off"))
     model = ToySource().load(settings)
-    lanes = ProcessLaneLoop(EngineSpec(ToySource(), settings), max_lanes=2, queue_size=0)
+    lanes = ProcessLaneLoop(EngineSpec(ToySource(), settings), max_lanes=2, queue_size=1)
 
     async def run(handle):  # type: ignore[no-untyped-def]
         ids: list[int] = []
@@ -410,9 +417,13 @@ def test_a_request_the_engine_refuses_comes_back_typed_and_others_go_on() -> Non
             bad = lanes.submit([1, 10_000], SamplingParams(max_tokens=3))
             regex = Grammar.regex(grammar_tokenizer(model.tokenizer, lanes.vocab_size), "ab{2,4}")
             good = lanes.submit([3, 4], SamplingParams(temperature=0, max_tokens=8, grammar=regex))
-            refused, ids = await run(bad), await run(good)
+            unknown = SamplingParams(max_tokens=3, grammar=_SourceOnly('{"grammars": 7}', "a broken grammar"))
+            broken = lanes.submit([3, 4], unknown)  # refused as the child compiles it
+            refused, ids, uncompiled = await run(bad), await run(good), await run(broken)
             assert isinstance(refused, ErrorEvent) and isinstance(refused.error, InvalidRequestError)
             assert refused.error.status_code == 400 and "outside the vocabulary" in refused.error.message
+            assert isinstance(uncompiled, ErrorEvent) and isinstance(uncompiled.error, InvalidRequestError)
+            assert "a broken grammar cannot be compiled" in uncompiled.error.message
             assert model.tokenizer.decode(ids, skip_special_tokens=True) in ("abb", "abbb", "abbbb")
         finally:
             await asyncio.to_thread(lanes.stop)
