@@ -268,6 +268,9 @@ class _EngineSide(LaneLoop):
         self._dead_loop = asyncio.new_event_loop()  # the child's handles never reach an event loop
         self._dead_loop.close()
         self._grammars: OrderedDict[str, Any] = OrderedDict()
+        torch = sys.modules.get("torch")  # the engine is built: CUDA is initialized if it runs there
+        self._on_cuda = torch is not None and bool(torch.cuda.is_initialized())
+        self._packer = msgpack.Packer(use_bin_type=True)  # one for every step (lane thread only)
 
     # -- the command reader thread
 
@@ -351,18 +354,14 @@ class _EngineSide(LaneLoop):
             events.append([wire, enc])
         now = time.monotonic()
         extras = None
-        if self._collectors or self._engine_on_cuda():
+        if self._collectors or self._on_cuda:
             if finished or self._admitted or now - self._extras_at >= EXTRAS_INTERVAL_S:
                 extras = [_collect(self._collectors), _gpu_memory()]
                 self._extras_at = now
         msg = [_STEP, now, snap.num_active, spec, *state[1:], self._admitted, events, extras]
         self._admitted = []
         self._sent_spec, self._sent_state = snap.spec_samples, state
-        self._send_bytes(_pack(msg))
-
-    def _engine_on_cuda(self) -> bool:
-        torch = sys.modules.get("torch")
-        return torch is not None and torch.cuda.is_initialized()
+        self._send_bytes(self._packer.pack(msg))
 
 
 def _gpu_memory() -> Any:
