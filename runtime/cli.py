@@ -84,8 +84,8 @@ def _checked_device(value: Any) -> str | None:
 
 ENGINE_PROCESS_ON_CUDA = False
 """Whether `--engine-process` is on by default for a model served on CUDA. Off until measured better on
-a GPU host: on the 2-vCPU build box the two modes measured the same within the noise (docs/perf/log,
-session 14), the engine process needing a core of its own that a box shared by five has not."""
+a GPU host: on the 2-vCPU build box it won at 8 lanes of a host-bound engine with a core to spare and
+lost at 1 ms rounds (docs/perf/log, session 14); it needs a core for each process."""
 
 
 def _engine_process(value: bool | None, source: Any, settings: Any) -> bool:
