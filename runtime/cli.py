@@ -33,6 +33,7 @@ _DEFAULTS: dict[str, Any] = {
     "cuda_graphs": True,
     "max_prefill_tokens": DEFAULT_MAX_PREFILL_TOKENS,
     "expert_cache_pin": "auto",
+    "expert_cache_lookahead": False,
 }
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -238,6 +239,7 @@ def run_command(opts: dict[str, Any]) -> None:
         checkpoint_dir=pick("checkpoint_dir"),
         expert_cache=pick("expert_cache_bytes"),
         expert_cache_pin=pick("expert_cache_pin"),
+        expert_cache_lookahead=bool(pick("expert_cache_lookahead")),
     )
     engine = None
     if _engine_process(pick("engine_process"), source, settings):
@@ -463,7 +465,7 @@ def run_command(opts: dict[str, Any]) -> None:
     "--graph-warmup-context",
     type=click.IntRange(min=1),
     metavar="TOKENS",
-    help="Hybrid families (qwen3_5, qwen3_next) with CUDA graphs: capture at load the round shapes of "
+    help="With CUDA graphs (llama, qwen2 and the hybrid families): capture at load the round shapes of "
     "every KV bucket up to this many tokens (a lane's past + the round's columns); rounds past it "
     "capture their shape on first use. Lower it to shorten the load. [default: the whole context]",
 )
@@ -484,6 +486,14 @@ def run_command(opts: dict[str, Any]) -> None:
     "DMA into its slot. auto: fall back to the pinned staging ring (a CPU memcpy first, at the "
     "pageable rate) when registration is refused, logging why; on: refuse to start instead; off: "
     "always the staging ring. [default: auto]",
+)
+@click.option(
+    "--expert-cache-lookahead/--no-expert-cache-lookahead",
+    default=None,
+    help="MoE models with an expert cache: router lookahead prefetch (each MoE layer also runs the "
+    "next MoE layer's router on its input and copies the predicted experts into that layer's slots "
+    "while it computes; verify rounds on CUDA graphs in pieces). Off until measured on a trained "
+    "router (tools/bench/expert_cache.py --lookahead reports its recall and hit rate). [default: off]",
 )
 @click.option(
     "--log-level",

@@ -12,6 +12,7 @@ The format (YAML shown; TOML has the same keys, `[spec]`, `[spec.NAME]`, ...)::
     checkpoint_dir: /var/lib/ignis/checkpoints   # snapshot directory for a warm restart
     expert_cache_bytes: 24GiB           # MoE: routed-expert cache on the card (auto, off, or a size)
     expert_cache_pin: auto              # MoE: page-lock the host experts (auto, on, off)
+    expert_cache_lookahead: false       # MoE: router lookahead prefetch into the expert cache
     spec:                               # speculative settings for every model ...
       backend: dflash2
       draft_tokens: 7
@@ -76,6 +77,7 @@ SERVER_KEYS: dict[str, type] = {
     "max_request_bytes": int,
     "expert_cache_bytes": str,  # a size ("24GiB"), a byte count, "auto" or "off"
     "expert_cache_pin": str,  # "auto", "on" or "off"
+    "expert_cache_lookahead": bool,
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.

@@ -26,14 +26,23 @@ the host view straight into the slot on a side stream: no CPU memcpy, no wait on
 Where registration is refused (the reason is logged once; `--expert-cache-pin off`) each part goes
 host view -> a pinned staging buffer (a ring of them, allocated at the first such copy, each reused
 only after the event of its last upload has completed: a synchronous CPU memcpy on the engine thread)
--> the slot, as an asynchronous copy on the side stream. Either way the side stream first waits
+-> the slot, as an asynchronous copy on the side stream. With page-locked experts and slots that
+take the stored bytes as they are (no tiling or dequantizing), a group's misses are not torch
+copies at all: their raw host and device addresses, computed once at load
+(`ignis.runtime.expert_transfer.PartTable`), go to the CUDA driver as one batch
+(``cuMemcpyBatchAsync``, `ExpertCache`'s `copies`; ADR 0013), with one wait per distinct
+last-use event and one event for the whole batch. Either way the side stream first waits
 for the event recorded after the slot's previous occupant last ran (so an evicted expert is
 never overwritten while a kernel reads it), and the compute stream waits for the event recorded
 after an expert's own copy just before that expert runs.
 All copies of a group are issued before its first expert runs, so within a layer an expert's compute
 overlaps the copies of the experts after it (hits run at once). Copies cannot start before the
-layer's router has run (the routing decides them); prefetching by router-score lookahead from the
-layers before is not done.
+layer's router has run (the routing decides them), unless router lookahead is on (`ExpertCache`'s
+`lookahead`, off by default until measured on a trained router): in static rounds split at the MoE
+layers (`ignis.runtime.families.moe_piecewise`) each MoE layer's routing also runs the next MoE
+layer's router on its input, and the predicted experts are copied into that layer's slots
+(`ExpertSlots.prefetch`) while this layer computes; a lookup finding one counts a hit and waits for
+its copy (counters `prefetches`, `lookahead_recall`).
 
 Grouped kernels: for `ignis.runtime.families.moe_grouped.grouped_moe_block` (the executors' MoE
 block off CUDA, and on CUDA with the compiled grouped expert kernels) the slots are built
@@ -43,9 +52,9 @@ block off CUDA, and on CUDA with the compiled grouped expert kernels) the slots 
 launches). Same lookups, same counters, same LRU.
 
 Eviction is LRU over the layer's experts (the order of last use; ties within a round by expert index).
-Frequency-based and router-lookahead policies are for later, to be chosen by measurement on the GPU
-(tools/bench/expert_cache.py reports the hit rate and bytes copied per token that such a comparison
-needs).
+A frequency-based policy replays no better on the benchmark's traces (`simulate_policy`: LRU = LFU
+there; Belady's optimum bounds any policy); tools/bench/expert_cache.py reports the hit rate and bytes
+copied per token such comparisons need (and, with `--lookahead`, the lookahead's recall).
 
 Layout: a q4 expert part whose shape the executor's linear hook places in the CUDA tiled layout
 (`LinearBackend.place`: the artifact's tiled functions serve it) is held tiled in its slots, as the
@@ -86,12 +95,14 @@ import torch
 import torch.nn.functional as F
 
 from ignis.runtime.errors import ConfigError
+from ignis.runtime.expert_transfer import HostMemmove, PartTable, RoutingBuffers, driver_batch_copy
 from ignis.runtime.families.moe import SwiGLUWeights
 from ignis.runtime.host_pin import HostPin
 from ignis.runtime.kernels.q4_tiled import tiled_shapes
 from ignis.runtime.linear import ROW_MAJOR, TILED, Q4Weight, place_weight
 
 __all__ = [
+    "COPY_PATHS",
     "POLICIES",
     "CacheBudget",
     "ExpertCache",
@@ -115,6 +126,9 @@ _GIB = 1024**3
 #: Bytes a card keeps free beyond the planned buffers (the CUDA context, allocator fragmentation,
 #: cuBLAS workspaces, compiled modules' scratch): subtracted by the profile default.
 DEFAULT_HEADROOM_BYTES = 2 * _GIB
+
+#: `ExpertCache`'s `copies` values.
+COPY_PATHS = ("auto", "torch", "memmove")
 
 #: Pinned staging buffers of the CUDA copy path (each one expert's bytes).
 STAGING_BUFFERS = 16
@@ -211,10 +225,20 @@ class ExpertCacheStats:
         #: misses whose parts were copied by DMA from page-locked host memory, and through the ring
         self.direct_copies = 0
         self.staged_copies = 0
+        #: experts copied ahead of their layer's lookup by router lookahead (`ExpertSlots.prefetch`;
+        #: their bytes are in bytes_copied, a later lookup finding them counts a hit)
+        self.prefetches = 0
+        #: router lookahead's recall: experts a lookup needed that the prediction for it named, and
+        #: experts those lookups needed
+        self.lookahead_right = 0
+        self.lookahead_needed = 0
         self._cache: ExpertCache | None = None
         #: when a list: every lookup is appended as (layer index among the MoE layers, experts), the
         #: routing trace `simulate_policy` replays (benchmarks; None: not recorded)
         self.trace: list[tuple[int, tuple[int, ...]]] | None = None
+        #: with a trace: every router-lookahead prefetch as (trace position it precedes, layer index,
+        #: predicted experts), which `simulate_policy` replays with the trace
+        self.prefetch_trace: list[tuple[int, int, tuple[int, ...]]] = []
 
     def attach(self, cache: ExpertCache) -> None:
         """Report the slots of `cache` (the current engine's) from now on."""
@@ -242,6 +266,12 @@ class ExpertCacheStats:
         return self.hits / n if n else 0.0
 
     @property
+    def lookahead_recall(self) -> float:
+        """lookahead_right / lookahead_needed: the share of the experts lookups needed that router
+        lookahead had predicted (0.0 without lookahead)."""
+        return self.lookahead_right / self.lookahead_needed if self.lookahead_needed else 0.0
+
+    @property
     def bytes_per_row(self) -> float:
         """bytes_copied / rows (0.0 before any forward)."""
         return self.bytes_copied / self.rows if self.rows else 0.0
@@ -266,6 +296,8 @@ class ExpertCacheStats:
             "slots_total": self.slots_total,
             "direct_copies": self.direct_copies,
             "staged_copies": self.staged_copies,
+            "prefetches": self.prefetches,
+            "lookahead_recall": self.lookahead_recall,
             "pinned_host_bytes": self.pinned_host_bytes,
         }
 
@@ -295,6 +327,8 @@ class ExpertCacheStats:
             ("ignis_expert_cache_staged_copies_total", "counter",
              "Expert misses copied through the pinned staging ring (CPU memcpy first).",
              self.staged_copies),
+            ("ignis_expert_cache_prefetches_total", "counter",
+             "Routed experts copied ahead of their layer's lookup by router lookahead.", self.prefetches),
             ("ignis_expert_cache_pinned_host_bytes", "gauge",
              "Bytes of routed experts page-locked in host memory (0: misses use the staging ring).",
              self.pinned_host_bytes),
@@ -334,6 +368,12 @@ class _Copier:
         self._next = 0
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
+        #: the batched copy of a group's misses by raw addresses (`ignis.runtime.expert_transfer`):
+        #: the CUDA driver's on CUDA when the experts are page-locked (set by `ExpertCache`), a
+        #: `HostMemmove` where a CPU caller asks for it; None: torch copies, one miss at a time
+        self.dma: Any = None
+        #: the MoE block's pinned routing buffers (one set per cache)
+        self.routing = RoutingBuffers(device)
 
     def scratch(self, key: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A device buffer for one expert part in transit (row-major, before tiling), one per key:
@@ -404,6 +444,36 @@ class _Copier:
             done = self._staging_done[self._next] = self.stream.record_event()
         self._next = (self._next + 1) % len(self._staging)
         return done
+
+    def copy_batch(
+        self, table: PartTable, misses: Sequence[tuple[int, int]], after: Sequence[Any]
+    ) -> Any:
+        """Copy every (expert, slot) of `misses` with one batched call over `table`'s precomputed
+        addresses (`self.dma`), after the events `after` (the slots' last uses; None entries
+        skipped); on CUDA asynchronously on the side stream. Returns one event that marks the whole
+        batch done (None on the CPU, where it is done on return)."""
+        dst, src, sizes = table.gather([e for e, _ in misses], [s for _, s in misses])
+        if self.stats is not None:
+            self.stats.direct_copies += len(misses)
+        if not self.cuda:
+            self.dma.copy(dst, src, sizes, None)
+            return None
+        seen: set[int] = set()
+        for event in after:
+            if event is not None and id(event) not in seen:
+                seen.add(id(event))
+                self.stream.wait_event(event)
+        self.dma.copy(dst, src, sizes, self.stream.cuda_stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+    def batches(self, table: PartTable | None) -> bool:
+        """Whether misses over `table` go as one batch now: a table, a batched copier, and on CUDA
+        the experts still page-locked (closing the pin sends later misses to the staging ring)."""
+        if table is None or self.dma is None:
+            return False
+        return not self.cuda or (self.pin is not None and self.pin.on)
 
     def wait(self, event: Any) -> None:
         """Make the compute stream wait for `event` (a copy's; no-op for None)."""
@@ -526,6 +596,31 @@ class ExpertSlots:
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self._free = list(range(num_slots))
         self._last_use: list[Any] = [None] * num_slots
+        # per slot: the event of a prefetch copy not yet waited for by a lookup (`prefetch`)
+        self._pending: list[Any] = [None] * num_slots
+        self._predicted: set[int] | None = None  # the last prefetch's prediction (recall)
+        self._table = self._part_table()
+
+    def _part_table(self) -> PartTable | None:
+        """The raw addresses of every expert's parts and every slot's (`PartTable`), for batched
+        misses: only when a miss is plain bytes into the slot (no layout conversion), the host parts
+        are contiguous CPU tensors and, on CUDA, all page-locked (a DMA reads them); else None."""
+        if self._layouts:
+            return None
+        leaves = [t for parts in self._host_leaves for t in parts]
+        if not all(t.device.type == "cpu" and t.is_contiguous() for t in leaves):
+            return None
+        if self.device.type == "cuda":
+            pin = self._copier.pin
+            if pin is None or not pin.on or not all(pin.covers(t) for t in leaves):
+                return None
+        dst = [[d(slot) for d in self._dst] for slot in range(self.num_slots)]
+        if not all(t.device == self.device or t.device.type == self.device.type for p in dst for t in p):
+            return None
+        try:
+            return PartTable(self._host_leaves, dst)
+        except ValueError:  # a slot view that is not contiguous: torch copies
+            return None
 
     def _build(self, slot: int) -> SwiGLUWeights:
         values: dict[str, Any] = {}
@@ -547,6 +642,16 @@ class ExpertSlots:
     def __getitem__(self, expert: int) -> SwiGLUWeights:
         """Expert `expert`'s host weights (not resident: run experts through `resident_groups`)."""
         return self._host[expert]
+
+    @property
+    def routing(self) -> RoutingBuffers:
+        """The cache's preallocated routing buffers (the grouped MoE block's host round trip)."""
+        return self._copier.routing
+
+    @property
+    def batched(self) -> bool:
+        """Whether this layer's misses go as one batched copy a group (`ignis.runtime.expert_transfer`)."""
+        return self._copier.batches(self._table)
 
     @property
     def resident(self) -> dict[int, int]:
@@ -594,8 +699,11 @@ class ExpertSlots:
         """
         with contextlib.closing(self._groups(experts, rows)) as groups:
             for entries in groups:
+                waited: set[int] = set()
                 for _expert, _slot, ready in entries:
-                    self._copier.wait(ready)
+                    if ready is not None and id(ready) not in waited:  # a batch: one event, one wait
+                        waited.add(id(ready))
+                        self._copier.wait(ready)
                 yield [(expert, slot) for expert, slot, _ready in entries]
 
     def stacks(self) -> tuple[Any, Any]:
@@ -631,34 +739,85 @@ class ExpertSlots:
         experts = list(experts)
         if self._stats.trace is not None:
             self._stats.trace.append((self.index, tuple(experts)))
+        if self._predicted is not None:  # router lookahead's recall
+            self._stats.lookahead_right += len(self._predicted.intersection(experts))
+            self._stats.lookahead_needed += len(experts)
+            self._predicted = None
+        slot_of, pending, last_use = self._slot_of, self._pending, self._last_use
         for start in range(0, len(experts), self.num_slots):
             group = experts[start : start + self.num_slots]
             pinned = set(group)
-            out: list[tuple[int, int, Any]] = []
+            placed: list[tuple[int, int]] = []
+            misses: list[tuple[int, int]] = []
+            ready: dict[int, Any] = {}  # expert -> the event of its copy
             for expert in group:
-                slot = self._slot_of.get(expert)
-                ready = None
+                slot = slot_of.get(expert)
                 if slot is not None:
-                    self._stats.hits += 1
-                    self._slot_of.move_to_end(expert)
+                    slot_of.move_to_end(expert)
+                    if pending[slot] is not None:  # prefetched: its copy may still run
+                        ready[expert] = pending[slot]
                 else:
                     slot = self._take_slot(pinned)
-                    ready = self._copier.copy(
-                        [dst(slot) for dst in self._dst],
-                        self._host_leaves[expert],
-                        self._last_use[slot],
-                        then=self._convert_into(slot) if self._layouts else None,
-                    )
-                    self._slot_of[expert] = slot
-                    self._stats.misses += 1
-                    self._stats.bytes_copied += self.expert_bytes
-                out.append((expert, slot, ready))
+                    slot_of[expert] = slot
+                    misses.append((expert, slot))
+                placed.append((expert, slot))
+            self._stats.hits += len(group) - len(misses)
+            self._stats.misses += len(misses)
+            self._stats.bytes_copied += len(misses) * self.expert_bytes
+            if misses:
+                ready |= self._copy_in(misses)
+            out = [(expert, slot, ready.get(expert)) for expert, slot in placed]
             try:
                 yield out
             finally:  # also when the caller stops early: the group's kernels may have been issued
                 used = self._copier.used()
-                for expert in group:
-                    self._last_use[self._slot_of[expert]] = used
+                for _expert, slot in placed:
+                    last_use[slot] = used
+                    pending[slot] = None
+
+    def _copy_in(self, misses: Sequence[tuple[int, int]]) -> dict[int, Any]:
+        """Copy each (expert, slot) of `misses` into its slot, after the slot's last use: one batch
+        (`PartTable`) where the copier batches, else one torch copy each (layout conversions, the
+        staging ring, CPU). Returns {expert: the event of its copy (None: done)}."""
+        if not misses:
+            return {}
+        for _, slot in misses:
+            self._pending[slot] = None  # a prefetch into the slot is superseded (same copy stream)
+        if self._copier.batches(self._table):
+            assert self._table is not None
+            done = self._copier.copy_batch(self._table, misses, [self._last_use[s] for _, s in misses])
+            return {e: done for e, _ in misses}
+        return {
+            expert: self._copier.copy(
+                [dst(slot) for dst in self._dst],
+                self._host_leaves[expert],
+                self._last_use[slot],
+                then=self._convert_into(slot) if self._layouts else None,
+            )
+            for expert, slot in misses
+        }
+
+    def prefetch(self, experts: Sequence[int]) -> int:
+        """Router lookahead: copy those of `experts` (distinct; predicted for this layer's next
+        lookup) that no slot holds into slots now, at most `num_slots`, evicting the least recently
+        used others, so that the copies overlap the work before that lookup. A later lookup finding
+        one counts a hit and waits for its copy; the copies count as `prefetches` and their bytes in
+        `bytes_copied`. Returns the experts copied."""
+        self._predicted = set(experts)
+        if self._stats.trace is not None:
+            self._stats.prefetch_trace.append((len(self._stats.trace), self.index, tuple(experts)))
+        want = [e for e in experts if e not in self._slot_of][: self.num_slots]
+        pinned = set(want)
+        misses = []
+        for expert in want:
+            slot = self._take_slot(pinned)
+            self._slot_of[expert] = slot
+            misses.append((expert, slot))
+        for expert, event in self._copy_in(misses).items():
+            self._pending[self._slot_of[expert]] = event
+        self._stats.prefetches += len(misses)
+        self._stats.bytes_copied += len(misses) * self.expert_bytes
+        return len(misses)
 
     def _convert_into(self, slot: int) -> Callable[[], None]:
         """Convert every scratch (row-major q4 parts just copied) into `slot`: tiled or dequantized."""
@@ -678,8 +837,12 @@ class ExpertSlots:
         return run
 
     def _in_turn(self, entries: list[tuple[int, SwiGLUWeights, Any]]) -> Iterator[tuple[int, SwiGLUWeights]]:
+        waited: set[int] = set()
         for expert, weights, ready in entries:
-            self._copier.wait(ready)
+            if ready is None or id(ready) not in waited:  # a batch's event is waited for once
+                if ready is not None:
+                    waited.add(id(ready))
+                self._copier.wait(ready)
             yield expert, weights
 
     def flush(self) -> None:
@@ -687,6 +850,7 @@ class ExpertSlots:
         no-cache baseline of the benchmark: every expert copied on demand."""
         self._slot_of.clear()
         self._free = list(range(self.num_slots))
+        self._predicted = None
 
     def _take_slot(self, pinned: set[int]) -> int:
         if self._free:
@@ -708,9 +872,17 @@ class ExpertCache:
         budget: the plan the slots came from (reported; may be None in tests).
         pin: page-lock the layers' host experts on CUDA (`ignis.runtime.host_pin`): "auto" (fall
             back to the staging ring when refused), "on" (refuse to load instead) or "off".
+        lookahead: router lookahead prefetch in static rounds split at the MoE layers
+            (`ignis.runtime.families.moe_piecewise`): each MoE layer's routing also runs the next
+            MoE layer's router on its input and the predicted experts are copied into that layer's
+            slots while the layer computes (`ExpertSlots.prefetch`).
+        copies: how misses are copied: "auto" (on CUDA with page-locked experts one batched driver
+            call a group of misses, `ignis.runtime.expert_transfer.DriverBatchCopy`; else torch
+            copies, one miss at a time), "torch" (always torch copies) or "memmove" (CPU only: the
+            batched path's address plan run by ``memmove``, `HostMemmove`).
 
     Raises:
-        ValueError: slots_per_layer < 1.
+        ValueError: slots_per_layer < 1, an unknown `copies` or "memmove" off the CPU.
         ConfigError: a bad `pin`, or "on" off CUDA (and later, from `make_layer`, refused).
     """
 
@@ -722,9 +894,17 @@ class ExpertCache:
         stats: ExpertCacheStats | None = None,
         budget: CacheBudget | None = None,
         pin: str = "auto",
+        copies: str = "auto",
+        lookahead: bool = False,
     ) -> None:
         if slots_per_layer < 1:
             raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
+        if copies not in COPY_PATHS:
+            raise ValueError(f"copies must be one of {COPY_PATHS}, got {copies!r}")
+        if copies == "memmove" and torch.device(device).type != "cpu":
+            raise ValueError(f"copies='memmove' runs on host memory only, got device {device}")
+        self.copies = copies
+        self.lookahead = bool(lookahead)
         self.slots_per_layer = slots_per_layer
         self.device = torch.device(device)
         self.stats = stats if stats is not None else ExpertCacheStats()
@@ -759,6 +939,10 @@ class ExpertCache:
         host = self.pin.adopt_experts(host)  # page-locked views where registration works (or as given)
         if self._copier is None:
             self._copier = _Copier(self.device, expert_nbytes(host[0]), pin=self.pin, stats=self.stats)
+            if self.copies == "memmove":
+                self._copier.dma = HostMemmove()
+            elif self.copies == "auto" and self.device.type == "cuda" and self.pin.on:
+                self._copier.dma = driver_batch_copy()
         layouts: dict[str, str | torch.dtype] = {}
         for name in _FIELDS:
             part = getattr(host[0], name)
@@ -1115,6 +1299,7 @@ def cache_for_artifact(
     mtp: bool,
     stats: ExpertCacheStats | None = None,
     pin: str = "auto",
+    lookahead: bool = False,
 ) -> ExpertCache | None:
     """The expert cache a served artifact runs with, or None (every expert resident); logs the split.
 
@@ -1123,6 +1308,7 @@ def cache_for_artifact(
             only on CUDA and only when the experts do not fit beside everything else), or a budget
             (bytes, or a size string for `parse_bytes`).
         pin: `--expert-cache-pin` (`ExpertCache`'s `pin`).
+        lookahead: `--expert-cache-lookahead` (`ExpertCache`'s `lookahead`).
         the rest: as `plan_for_artifact`.
 
     Raises:
@@ -1157,7 +1343,9 @@ def cache_for_artifact(
             "--spec-backend mtp: %s reserved from the expert cache for the MTP head",
             human_bytes(plan.mtp_reserve_bytes),
         )
-    cache = ExpertCache(plan.slots_per_layer, device=device, stats=stats, budget=plan, pin=pin)
+    cache = ExpertCache(
+        plan.slots_per_layer, device=device, stats=stats, budget=plan, pin=pin, lookahead=lookahead
+    )
     # the host's memory checked for the stored expert bytes before any layer is registered
     names = art.family.tensor_shapes(art.config)
     cache.pin.expect(sum(int(art.weights.info(n).length) for n in names if is_routed_expert(n)))
@@ -1188,7 +1376,12 @@ POLICIES = ("lru", "lfu", "belady")
 
 
 def simulate_policy(
-    trace: Sequence[tuple[int, Sequence[int]]], slots: int, policy: str = "lru", *, warmup: int = 0
+    trace: Sequence[tuple[int, Sequence[int]]],
+    slots: int,
+    policy: str = "lru",
+    *,
+    warmup: int = 0,
+    prefetch: Sequence[tuple[int, int, Sequence[int]]] = (),
 ) -> dict[str, int]:
     """Replay a routing trace (`ExpertCacheStats.trace`) through `slots` slots a layer under an
     eviction policy, with the cache's grouping (a lookup of more experts than slots is served in
@@ -1202,8 +1395,15 @@ def simulate_policy(
     The first `warmup` trace entries (e.g. a prefill's) are replayed through the policy but not
     counted, so that a decode's hits are compared from the cache state the real run had.
 
+    `prefetch` (`ExpertCacheStats.prefetch_trace`): router-lookahead prefetches, each (trace position
+    it precedes, layer, predicted experts), applied as `ExpertSlots.prefetch` does (the predicted
+    experts not resident, at most `slots`, put in, evicting by the policy others than them): a run
+    with lookahead replays to its own hits and misses under "lru", and without `prefetch` the same
+    routing gives what LRU alone would have got.
+
     Returns:
-        {"hits": ..., "misses": ...} over trace[warmup:].
+        {"hits": ..., "misses": ...} over trace[warmup:], and with `prefetch` "prefetches": the
+        experts the prefetches put in.
 
     Raises:
         ValueError: an unknown policy or slots < 1.
@@ -1224,8 +1424,32 @@ def simulate_policy(
     resident: dict[int, OrderedDict[int, None]] = {}
     counts: dict[tuple[int, int], int] = {}
     cursor: dict[tuple[int, int], int] = {}
-    hits = misses = 0
+    hits = misses = fetched = 0
+    ahead: dict[int, list[tuple[int, Sequence[int]]]] = {}
+    for pos, layer, experts in prefetch:
+        ahead.setdefault(pos, []).append((layer, experts))
+
+    def evict(cache: OrderedDict[int, None], layer: int, pinned: set[int]) -> None:
+        candidates = [x for x in cache if x not in pinned]
+        if policy == "lru":
+            victim = candidates[0]
+        elif policy == "lfu":  # the first minimum: least recently used on ties
+            scores = [counts.get((layer, x), 0) for x in candidates]
+            victim = candidates[scores.index(min(scores))]
+        else:  # the first maximum of the next use
+            later = [_next_use(uses, cursor, (layer, x)) for x in candidates]
+            victim = candidates[later.index(max(later))]
+        del cache[victim]
+
     for i, (layer, groups) in enumerate(flat):
+        for p_layer, predicted in ahead.get(i, ()):
+            cache = resident.setdefault(p_layer, OrderedDict())
+            want = [e for e in predicted if e not in cache][:slots]
+            for e in want:
+                if len(cache) >= slots:
+                    evict(cache, p_layer, set(want))
+                cache[e] = None
+            fetched += len(want) if i >= warmup else 0
         cache = resident.setdefault(layer, OrderedDict())
         counted = i >= warmup
         for group in groups:
@@ -1240,18 +1464,12 @@ def simulate_policy(
                     continue
                 misses += counted
                 if len(cache) >= slots:
-                    candidates = [x for x in cache if x not in pinned]
-                    if policy == "lru":
-                        victim = candidates[0]
-                    elif policy == "lfu":  # the first minimum: least recently used on ties
-                        scores = [counts[(layer, x)] for x in candidates]
-                        victim = candidates[scores.index(min(scores))]
-                    else:  # the first maximum of the next use
-                        later = [_next_use(uses, cursor, (layer, x)) for x in candidates]
-                        victim = candidates[later.index(max(later))]
-                    del cache[victim]
+                    evict(cache, layer, pinned)
                 cache[e] = None
-    return {"hits": hits, "misses": misses}
+    out = {"hits": hits, "misses": misses}
+    if prefetch:
+        out["prefetches"] = fetched
+    return out
 
 
 def _next_use(

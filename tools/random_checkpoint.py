@@ -71,8 +71,11 @@ __all__ = [
     "INIT_STD",
     "MODELS",
     "PUBLIC_27B_DFLASH2",
+    "Confident",
+    "confident_permutation",
     "init_tensor",
     "random_tokenizer_json",
+    "sublayer_output_rms",
     "write_random_checkpoint",
     "write_random_dflash2",
 ]
@@ -199,8 +202,11 @@ def _seed_of(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _fill(name: str, out: torch.Tensor, gen: torch.Generator, *, drafter: bool) -> None:
-    """Draw `out` (a float32 block of tensor `name`) in place by the init rules (module docstring)."""
+def _fill(
+    name: str, out: torch.Tensor, gen: torch.Generator, *, drafter: bool, std: float = INIT_STD
+) -> None:
+    """Draw `out` (a float32 block of tensor `name`) in place by the init rules (module docstring);
+    `std` is the matrices' standard deviation (`Confident.out_std` for a confident output projection)."""
     if drafter:
         if name.endswith("base_kernel"):  # near identity: tap 0 ~ 1, later taps ~ 0.15
             out.normal_(0.15, 0.05, generator=gen)
@@ -223,7 +229,7 @@ def _fill(name: str, out: torch.Tensor, gen: torch.Generator, *, drafter: bool) 
     elif out.dim() == 1:  # (1 + w) RMSNorms (stored zero-centred) and biases
         out.zero_()
     else:  # linears, embeddings, the conv1d
-        out.normal_(0.0, INIT_STD, generator=gen)
+        out.normal_(0.0, std, generator=gen)
 
 
 def _blocks(shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -234,18 +240,153 @@ def _blocks(shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
 
 
+# --- the confident variant ------------------------------------------------------------------------------
+
+#: Tensor names the confident variant changes.
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _gauss_mean(f: Callable[[Any], Any], s: float) -> float:
+    """E[f(x)] for x ~ N(0, s^2), by 96-point Gauss-Hermite quadrature."""
+    import numpy as np
+
+    x, w = np.polynomial.hermite_e.hermegauss(96)
+    return float(np.sum(w * f(s * x)) / np.sqrt(2 * np.pi))
+
+
+def sublayer_output_rms(config: HybridConfig) -> list[float]:
+    """Estimated rms (per element) of what each sublayer adds to the residual stream at the default
+    init, in layer order (mixer, then MLP, per layer).
+
+    A sublayer's input is RMS-normalized (rms 1, the (1 + w) weight 1), so an input projection's
+    outputs are ~N(0, s^2) with s = INIT_STD * sqrt(hidden), and an output projection of fan-in K
+    scales its input's rms a by INIT_STD * sqrt(K):
+
+    - MLP: a = rms(silu(g) * u) = s * sqrt(E[silu(g)^2]), K = intermediate;
+    - Gated DeltaNet: the gated norm gives rms(norm(o) * silu(z)) = sqrt(E[silu(z)^2]), K = value dim;
+    - gated attention: at most one key's value times the gate, a = s * sqrt(E[sigmoid(g)^2]) (more keys
+      average it down: an upper bound), K = heads * head_dim.
+    """
+    import numpy as np
+
+    s = INIT_STD * math.sqrt(config.hidden_size)
+    silu2 = _gauss_mean(lambda x: (x / (1 + np.exp(-x))) ** 2, s)
+    sig2 = _gauss_mean(lambda x: (1 / (1 + np.exp(-x))) ** 2, s)
+    out = []
+    for i in range(config.num_hidden_layers):
+        if config.is_full_attention(i):
+            k_attn = config.num_attention_heads * config.head_dim
+            out.append(INIT_STD * math.sqrt(k_attn) * s * math.sqrt(sig2))
+        else:
+            out.append(INIT_STD * math.sqrt(config.linear_value_dim) * math.sqrt(silu2))
+        k_mlp = config.dense_intermediate_size(i)
+        out.append(INIT_STD * math.sqrt(k_mlp) * s * math.sqrt(silu2))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Confident:
+    """The confident variant's values (`--confident`): the default init except for two tensors.
+
+    - The embedding is drawn N(0, `embed_std`) with embed_std = R / rho, R the root sum of squares of
+      `sublayer_output_rms`: the layers together add about rho times the embedding's rms to the
+      residual stream, so the last hidden state h = e_t + r keeps the input token's embedding e_t with
+      |r| ~ rho |e_t| (r is what the context contributes). The same as scaling every output
+      projection (o_proj, out_proj, down_proj) down by the same factor: every sublayer sees an
+      RMS-normalized input, so the two differ only by RMSNorm's eps.
+    - lm_head row pi(t) = e_t * INIT_STD / embed_std (std INIT_STD like the default head), pi a fixed
+      random permutation of the vocabulary (`confident_permutation`).
+
+    The margin: the final norm maps h to u = h sqrt(H) / |h| (H the hidden size, |e_t|^2 ~ H embed_std^2).
+    Token pi(t)'s logit is INIT_STD/embed_std * e_t . u = INIT_STD * H / sqrt(1 + rho^2) (to first
+    order, r ~ orthogonal to e_t); every other row is an independent draw, so its logit is
+    ~N(0, INIT_STD^2 H) and the largest of V - 1 of them ~ INIT_STD sqrt(2 H ln V). The greedy choice
+    is pi(t) with a margin of about INIT_STD (H / sqrt(1 + rho^2) - sqrt(2 H ln V)): ~65 nats at the
+    27B (H 5120, V 248,320, rho 1), ~2.4 at `tiny` (H 256, V 1024); a trained model's confident
+    tokens have a few nats. `sublayer_output_rms` over-estimates the attention layers (an upper
+    bound), so the actual rho is below the asked one and the margin a little wider (measured figures:
+    docs/perf/README.md). Greedy output walks the permutation: t, pi(t), pi(pi(t)), ... The other
+    logits depend on the context through r (a corrupted state moves them, not the argmax).
+
+    Attributes:
+        rho: the layers' share of the residual stream, relative to the embedding.
+        embed_std: the embedding's standard deviation.
+    """
+
+    rho: float
+    embed_std: float
+
+    @classmethod
+    def for_config(cls, config: HybridConfig, rho: float = 1.0) -> Confident:
+        if not rho > 0:
+            raise ConfigError(f"--confident-rho must be > 0, got {rho}")
+        total = math.sqrt(sum(r * r for r in sublayer_output_rms(config)))
+        return cls(rho=rho, embed_std=total / rho)
+
+
+def _head_sources(shape: tuple[int, ...], seed: int) -> list[tuple[int, torch.Tensor]]:
+    """Per row block k of lm_head (`_blocks`): (the embedding block it copies, the row order).
+
+    lm_head block k's row j is row perm_k[j] of embedding block src[k]: the full blocks are permuted
+    among themselves, a last partial block stays in place; each perm_k is a random order of its rows.
+    Both are drawn from generators seeded by (seed, purpose, block), like the values.
+    """
+    blocks = _blocks(shape)
+    full = [i for i, (lo, hi) in enumerate(blocks) if hi - lo == blocks[0][1] - blocks[0][0]]
+    gen = torch.Generator().manual_seed(_seed_of(seed, "confident:blocks", len(blocks)))
+    order = torch.randperm(len(full), generator=gen).tolist()
+    src = list(range(len(blocks)))
+    for k, j in zip(full, order, strict=True):
+        src[k] = full[j]
+    out = []
+    for k, (lo, hi) in enumerate(blocks):
+        g = torch.Generator().manual_seed(_seed_of(seed, "confident:rows", k))
+        out.append((src[k], torch.randperm(hi - lo, generator=g)))
+    return out
+
+
+def confident_permutation(vocab_size: int, hidden_size: int, seed: int = 0) -> torch.Tensor:
+    """pi of the confident checkpoint written with `seed`: int64 [vocab_size], pi[t] = the lm_head row
+    that holds token t's embedding (the greedy successor of t)."""
+    shape = (vocab_size, hidden_size)
+    blocks = _blocks(shape)
+    pi = torch.empty(vocab_size, dtype=torch.int64)
+    for k, (src, perm) in enumerate(_head_sources(shape, seed)):
+        lo, hi = blocks[k]
+        pi[blocks[src][0] + perm] = torch.arange(lo, hi)
+    return pi
+
+
 def _block_jobs(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, *, seed: int, drafter: bool
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    seed: int,
+    drafter: bool,
+    confident: Confident | None = None,
 ) -> tuple[torch.Tensor, list[Callable[[], None]]]:
-    """The empty tensor and one job per row block that draws it (`init_tensor`)."""
+    """The empty tensor and one job per row block that draws it (`init_tensor`; `Confident`)."""
     out = torch.empty(shape, dtype=dtype)
     blocks = [(0, shape[0])] if (not shape or name.endswith("base_kernel")) else _blocks(shape)
+    embed_std = confident.embed_std if confident is not None and not drafter else None
+    sources = _head_sources(shape, seed) if embed_std is not None and name == HEAD else None
 
     def draw(i: int) -> None:
         lo, hi = blocks[i]
+        if sources is not None:  # a block of embedding rows, permuted and rescaled (`Confident`)
+            src, perm = sources[i]
+            slo, shi = blocks[src]
+            gen = torch.Generator().manual_seed(_seed_of(seed, EMBED, src))
+            scratch = torch.empty((shi - slo, *shape[1:]), dtype=torch.float32)
+            assert embed_std is not None
+            scratch.normal_(0.0, embed_std, generator=gen)
+            out[lo:hi].copy_(scratch[perm].mul_(INIT_STD / embed_std))
+            return
         gen = torch.Generator().manual_seed(_seed_of(seed, name, i))
         scratch = torch.empty((hi - lo, *shape[1:]) if shape else (), dtype=torch.float32)
-        _fill(name, scratch, gen, drafter=drafter)
+        std = embed_std if (embed_std is not None and name == EMBED) else INIT_STD
+        _fill(name, scratch, gen, drafter=drafter, std=std)
         if shape:
             out[lo:hi].copy_(scratch)
         else:
@@ -262,6 +403,7 @@ def init_tensor(
     seed: int,
     drafter: bool = False,
     pool: ThreadPoolExecutor | None = None,
+    confident: Confident | None = None,
 ) -> torch.Tensor:
     """One random tensor by the init rules (module docstring), drawn in row blocks.
 
@@ -272,7 +414,7 @@ def init_tensor(
     Returns:
         A CPU tensor of `shape` and `dtype`.
     """
-    out, jobs = _block_jobs(name, shape, dtype, seed=seed, drafter=drafter)
+    out, jobs = _block_jobs(name, shape, dtype, seed=seed, drafter=drafter, confident=confident)
     if pool is None or len(jobs) == 1:
         for job in jobs:
             job()
@@ -310,6 +452,7 @@ def _write_tensors(
     threads: int,
     stem: str,
     echo: Callable[[str], None],
+    confident: Confident | None = None,
 ) -> int:
     """Sharded safetensors (+ index when more than one shard); returns the bytes of tensor data."""
     from safetensors.torch import save_file
@@ -344,7 +487,9 @@ def _write_tensors(
             tensors: dict[str, torch.Tensor] = {}
             futures = []
             for n in names:
-                tensors[n], jobs = _block_jobs(n, tuple(shapes[n]), dtype, seed=seed, drafter=drafter)
+                tensors[n], jobs = _block_jobs(
+                    n, tuple(shapes[n]), dtype, seed=seed, drafter=drafter, confident=confident
+                )
                 futures += [pool.submit(job) for job in jobs]
             for f in futures:
                 f.result()
@@ -449,17 +594,22 @@ def write_random_checkpoint(
     num_layers: int | None = None,
     force: bool = False,
     echo: Callable[[str], None] = lambda _line: None,
+    confident: bool = False,
+    confident_rho: float = 1.0,
 ) -> HybridConfig:
     """Write the random checkpoint folder of preset `model` into `out` (module docstring).
 
     `num_layers` overrides the depth (the preset's full-attention interval kept): a few layers of the
-    full width make a quick full-size smoke test.
+    full width make a quick full-size smoke test. `confident` writes the `Confident` variant (the
+    same shapes and compute; greedy choices with wide margins) with the layers' share `confident_rho`;
+    config.json then records it under "ignis_random": {"confident": true, "rho", "embed_std", "seed"}.
 
     Returns:
         The parsed family config.
 
     Raises:
-        ConfigError: an unknown model or dtype, or a non-empty `out` without force.
+        ConfigError: an unknown model or dtype, a non-empty `out` without force, a confident checkpoint
+            of a tied-head config or a rho <= 0.
     """
     if model not in MODELS:
         raise ConfigError(f"unknown --model {model!r}; choose one of {sorted(MODELS)}")
@@ -478,6 +628,12 @@ def write_random_checkpoint(
         raw["mtp_num_hidden_layers"] = 1
     config = config_from_hf(raw)
     assert isinstance(config, HybridConfig)
+    conf = None
+    if confident:
+        if config.tie_word_embeddings:
+            raise ConfigError("--confident needs an untied lm_head (the head is a permuted embedding)")
+        conf = Confident.for_config(config, confident_rho)
+        raw["ignis_random"] = {"confident": True, "rho": conf.rho, "embed_std": conf.embed_std, "seed": seed}
     shapes = dict(tensor_shapes(config))
     shapes |= mtp_tensor_shapes(config)
     folder = Path(out)
@@ -486,6 +642,8 @@ def write_random_checkpoint(
     _write_tokenizer(folder, config.vocab_size)
     params = sum(math.prod(s) for s in shapes.values())
     echo(f"{model}: {params / 1e9:.2f} B parameters, {len(shapes)} tensors -> {folder}")
+    if conf is not None:
+        echo(f"confident: rho {conf.rho:g}, embedding std {conf.embed_std:.4g}, lm_head a permuted embedding")
     _write_tensors(
         folder,
         shapes,
@@ -496,6 +654,7 @@ def write_random_checkpoint(
         threads=_threads(threads),
         stem="model",
         echo=echo,
+        confident=conf,
     )
     return config
 
@@ -589,6 +748,19 @@ def write_random_dflash2(
 @click.option("--mtp", is_flag=True, help="Include the MTP head (mtp_num_hidden_layers 1, as published).")
 @click.option("--num-layers", type=click.IntRange(1), default=None, help="Override the depth (smoke tests).")
 @click.option("--force", is_flag=True, help="Replace non-empty output folders.")
+@click.option(
+    "--confident",
+    is_flag=True,
+    help="Weights whose greedy choice has wide margins (the same shapes and compute): the embedding "
+    "dominates the residual stream and lm_head is a permuted embedding (see `Confident`).",
+)
+@click.option(
+    "--confident-rho",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="With --confident: the layers' share of the residual stream relative to the embedding.",
+)
 def main(
     model: str,
     out: Path,
@@ -600,6 +772,8 @@ def main(
     mtp: bool,
     num_layers: int | None,
     force: bool,
+    confident: bool,
+    confident_rho: float,
 ) -> None:
     """Write a random-weight checkpoint (and optionally a DFlash2 drafter) of a public model shape."""
 
@@ -619,6 +793,8 @@ def main(
             num_layers=num_layers,
             force=force,
             echo=echo,
+            confident=confident,
+            confident_rho=confident_rho,
         )
         echo(f"checkpoint written in {time.perf_counter() - t0:.1f} s")
         if drafter is not None:

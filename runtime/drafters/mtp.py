@@ -19,6 +19,10 @@ at t with the embedding of the token committed at t+1), plus o of the last commi
 appends exactly the committed columns' rows; the rows `propose` runs for draft 2..k are written past
 the committed length and never counted, so a rejected draft leaves no trace.
 
+On CUDA the factory (`build_mtp_drafter`) builds `ignis.runtime.drafters.mtp_static.StaticMTPDrafter`:
+this head over pooled lane slots, its verify-round commits and whole greedy proposals replayed from
+CUDA graphs; `MTPDrafter` stays the CPU head and the reference the static one is tested against.
+
 Sources (read to learn, not copied): vLLM `model_executor/models/qwen3_next_mtp.py`
 (`Qwen3NextMultiTokenPredictor.forward`: cat([pre_fc_norm_embedding(embeds),
 pre_fc_norm_hidden(hidden)]) -> fc -> `Qwen3NextDecoderLayer(layer_type="full_attention")` -> norm;
@@ -633,25 +637,21 @@ class MTPDrafter(BaseDrafter):
             lane.last_token = int(s.next_token_ids[-1])
             lane.last_trunk_hidden = s.hidden_states[-1].to(device=self.device, dtype=self.dtype).clone()  # type: ignore[index]
 
-    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
-        """Chain the head num_drafts times per lane (all lanes stepped together).
-
-        Greedy lanes draft the argmax (draft_probs None); sampled lanes draw from the lane's
-        distribution of the head's logits with their own generator and return it (float32 [k, vocab]).
+    def _check_requests(self, requests: Sequence[DraftRequest]) -> list[MTPLaneState]:
+        """The requests' lanes, in order (a lane restored from a checkpoint has its pending row run
+        first: its anchor is the token after that row).
 
         Raises:
             StateError: unknown lane, or a request whose anchor is not the lane's last committed token
-                or whose position is not where the head state ends (a commit was missed).
+                or whose position is not where the head state ends.
         """
-        if not requests:
-            return []
         restored = [
             (lane, r.anchor_token_id)
             for r in requests
             if (lane := self.state(r.lane_id)).pending_hidden is not None
             and r.position == lane.num_tokens + 1
         ]
-        if restored:  # restored with the whole prompt: the anchor is the token after the pending row
+        if restored:
             self._run_pending([lane for lane, _ in restored], [tok for _, tok in restored])
         lanes = []
         for r in requests:
@@ -667,6 +667,21 @@ class MTPDrafter(BaseDrafter):
                     f"(anchor {lane.last_token}): a commit was missed"
                 )
             lanes.append(lane)
+        return lanes
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
+        """Chain the head num_drafts times per lane (all lanes stepped together).
+
+        Greedy lanes draft the argmax (draft_probs None); sampled lanes draw from the lane's
+        distribution of the head's logits with their own generator and return it (float32 [k, vocab]).
+
+        Raises:
+            StateError: unknown lane, or a request whose anchor is not the lane's last committed token
+                or whose position is not where the head state ends (a commit was missed).
+        """
+        if not requests:
+            return []
+        lanes = self._check_requests(requests)
         ks = [max(0, r.num_drafts) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
@@ -726,10 +741,19 @@ def build_mtp_drafter(
     dtype: torch.dtype = torch.float32,
     linear: LinearFn | None = None,
     moe_module: Any = None,
+    static: bool | None = None,
+    max_lanes: int | None = None,
+    max_context: int | None = None,
+    cuda_graphs: bool | None = None,
 ) -> MTPDrafter:
     """The registered `mtp` factory: the head from `mtp_weights` (default: the `mtp.*` tensors among
     `target_weights`), sharing the target's embedding, lm_head and final norm; `linear` is the
     head's linear hook, `moe_module` the grouped expert kernels of a MoE head (see `MTPDrafter`).
+
+    `static` (None: on CUDA) builds the pooled, CUDA-graphed head
+    (`ignis.runtime.drafters.mtp_static.StaticMTPDrafter`) with `max_lanes` lane slots (None: 8),
+    `max_context` rows a lane (None: its default) and `cuda_graphs` (None: when capturable); else the
+    eager `MTPDrafter` (those three are then ignored).
 
     Raises:
         ConfigError: target weights lack the embedding or the final norm; plus `MTPDrafter`'s errors.
@@ -741,9 +765,7 @@ def build_mtp_drafter(
     embed = tw["model.embed_tokens.weight"]
     head = embed if target_config.tie_word_embeddings or "lm_head.weight" not in tw else tw["lm_head.weight"]
     weights: Mapping[str, Any] = mtp_weights if mtp_weights is not None else tw
-    return MTPDrafter(
-        target_config,
-        weights,
+    kw: dict[str, Any] = dict(
         embed_tokens=embed,
         lm_head=head,
         final_norm=tw["model.norm.weight"],
@@ -752,6 +774,18 @@ def build_mtp_drafter(
         linear=linear,
         moe_module=moe_module,
     )
+    if static if static is not None else torch.device(device).type == "cuda":
+        from ignis.runtime.drafters.mtp_static import StaticMTPDrafter
+
+        return StaticMTPDrafter(
+            target_config,
+            weights,
+            max_lanes=8 if max_lanes is None else max_lanes,
+            max_context=max_context,
+            cuda_graphs=cuda_graphs,
+            **kw,
+        )
+    return MTPDrafter(target_config, weights, **kw)
 
 
 if "mtp" not in DRAFTERS:

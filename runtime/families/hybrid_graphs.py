@@ -53,11 +53,15 @@ only the largest shape's intermediates (for the 27B's vocabulary of 248,320 at 8
 in all, instead of 4 bytes x vocab x rows of every captured shape: 536 MB per KV bucket over lanes 1..8
 x widths 1, 2, 4, 8). A replay's outputs are copied out (one clone per output), so returned logits
 survive the next round. Graphs are off (the static path runs eagerly, still batched
-over lanes) for configs with MoE layers whose routing syncs the host: `sparse_moe_block`'s reference
-loop (``torch.unique`` + ``.tolist()``) and an expert cache (one copy of the routed ids a layer),
-which a capture cannot contain. With every expert resident and the compiled grouped expert kernels
-(``moe_module``; `ignis.runtime.families.moe_grouped`) a MoE layer stays on the device and rounds are
-graphed as for the dense families.
+over lanes) for configs with MoE layers whose routing syncs the host through `sparse_moe_block`'s
+reference loop (``torch.unique`` + ``.tolist()``), which a capture cannot contain. With every expert
+resident and the compiled grouped expert kernels (``moe_module``; `ignis.runtime.families.moe_grouped`)
+a MoE layer stays on the device and rounds are graphed as for the dense families. With an expert
+cache on the grouped block (one copy of the routed ids to the host a layer) a static round is split
+at its MoE layers (`ignis.runtime.families.moe_piecewise`): on CUDA each piece between two host
+syncs is its own graph (`piecewise_graphs`: 1 + MoE layers graphs a round shape, captured at load
+by `warm_up` as the whole-round graphs are), the expert lookups, copies and grouped launches run on
+the host between them; elsewhere the same split runs eagerly.
 
 Chunked prefill (``chunked_prefill``): a ``record=False`` forward (a prompt) whose longest lane has
 more than max_columns but at most ``chunked_prefill`` columns runs as consecutive static rounds of
@@ -115,6 +119,8 @@ round by torch); same rounding points. Long (eager) forwards keep the torch ops.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -138,6 +144,7 @@ from ignis.runtime.families.hybrid_executor import (
 )
 from ignis.runtime.families.llama_graphs import default_column_widths
 from ignis.runtime.families.moe import SparseMoeWeights, SwiGLUWeights, sparse_moe_block, swiglu_mlp
+from ignis.runtime.families.moe_piecewise import MoeRoundBuffers, PiecewiseMoe, piecewise_layers
 from ignis.runtime.families.qwen3_5 import HybridConfig, Qwen3_5MoeConfig, Qwen3NextConfig
 from ignis.runtime.families.static_rounds import (
     CapturedRound,
@@ -236,8 +243,9 @@ class StaticHybridExecutor(HybridExecutor):
             max_position_embeddings, `DEFAULT_MAX_CONTEXT`). `SpeculativeEngine` caps its context to it.
         max_columns: most columns per lane of a static (graphed) round, >= 1 (8 = anchor + 7 drafts).
         cuda_graphs: capture and replay static rounds (default: on CUDA, unless the config has MoE
-            layers that sync the host, see the module docstring). True on a CPU device raises
-            ValueError.
+            layers that sync the host, see the module docstring; with an expert cache on the grouped
+            block: in pieces, `piecewise_graphs`). True on a CPU device raises ValueError; False
+            turns piecewise graphs off too.
         chunked_prefill: most columns per lane of a ``record=False`` forward run as chunks of
             max_columns static rounds (module docstring); None: ``CHUNKED_PREFILL_ROUNDS x
             max_columns`` when cuda_graphs, else 0 (off). Also settable later as the attribute.
@@ -269,8 +277,8 @@ class StaticHybridExecutor(HybridExecutor):
 
     Raises:
         ValueError: max_lanes, max_columns, kv_bucket, max_context or a column width out of range;
-            cuda_graphs=True off CUDA or with MoE layers; a gdn_module off CUDA or for GDN shapes it
-            does not take; a norms_module or mixers_module off CUDA.
+            cuda_graphs=True off CUDA or with MoE layers on the reference loop; a gdn_module off CUDA
+            or for GDN shapes it does not take; a norms_module or mixers_module off CUDA.
             Otherwise as `HybridExecutor`.
         TvmRuntimeError: a gdn_module, norms_module or mixers_module path that cannot be loaded.
     """
@@ -325,14 +333,21 @@ class StaticHybridExecutor(HybridExecutor):
             for layer in self._layers
         )
         on_cuda = self.device.type == "cuda"
+        # an expert cache on the grouped block: static rounds split at the MoE syncs (moe_piecewise.py),
+        # graphed in pieces on CUDA
+        pieces = piecewise_layers([layer.mlp for layer in self._layers])
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got {self.device}")
-        if cuda_graphs and has_moe:
+        if cuda_graphs and has_moe and not pieces:
             raise ValueError(
-                f"{c.model_type}: cuda_graphs=True with MoE layers whose routing syncs the host (an "
-                "expert cache, or no compiled grouped expert kernels)"
+                f"{c.model_type}: cuda_graphs=True with MoE layers whose routing syncs the host (no "
+                "compiled grouped expert kernels)"
             )
-        self.cuda_graphs = bool(on_cuda and not has_moe if cuda_graphs is None else cuda_graphs)
+        #: static rounds replayed from whole-round CUDA graphs
+        whole = on_cuda and not has_moe if cuda_graphs is None else cuda_graphs and not pieces
+        self.cuda_graphs = bool(whole)
+        #: static rounds replayed in pieces between the MoE layers' host syncs (an expert cache)
+        self.piecewise_graphs = bool(on_cuda and pieces and cuda_graphs is not False)
         self.max_lanes, self.max_columns, self.max_context = max_lanes, max_columns, max_context
         self.capacity = max_context + max_columns
         widths = default_column_widths(max_columns) if column_widths is None else tuple(column_widths)
@@ -368,7 +383,7 @@ class StaticHybridExecutor(HybridExecutor):
         self._inputs = torch.zeros(2 * rows + max_lanes, dtype=torch.long, device=dev)
         self._free: list[int] = list(range(max_lanes))
         self._round_open: set[int] = set()  # id() of lanes whose pending forward lives in the round buffer
-        self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
+        self._graphs: dict[tuple[Any, ...], Any] = {}  # CapturedRound, or PiecewiseRound (pieces)
         self._pool: Any = None
         # graphs: the static buffers every captured round writes its outputs into (sliced per shape),
         # and the side stream of the captures' warm-up runs
@@ -397,6 +412,31 @@ class StaticHybridExecutor(HybridExecutor):
         self.norms_module = norms_module
         self._mixers_kernel: FusedMixersKernel | None = None
         self.mixers_module = mixers_module
+        self._moe_pieces: PiecewiseMoe | None = None
+        if pieces:
+            self._moe_pieces = self._make_moe_pieces()
+
+    def _make_moe_pieces(self) -> PiecewiseMoe:
+        c = self.config
+        assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
+        lookahead = bool(self.expert_cache is not None and self.expert_cache.lookahead)
+        buffers = MoeRoundBuffers(
+            self.max_lanes * self.max_columns,
+            c.hidden_size,
+            c.num_experts_per_tok,
+            device=self.device,
+            dtype=self.dtype,
+            lookahead=lookahead,
+        )
+        moe = [layer.mlp for layer in self._layers if isinstance(layer.mlp, SparseMoeWeights)]
+        return PiecewiseMoe(
+            top_k=c.num_experts_per_tok,
+            norm_topk_prob=c.norm_topk_prob,
+            linear=self.linear,
+            buffers=buffers,
+            stats=self.expert_cache.stats if self.expert_cache is not None else None,
+            next_layer={id(a): b for a, b in itertools.pairwise(moe)} if lookahead else None,
+        )
 
     @property
     def gdn_module(self) -> GdnRecurrentKernel | None:
@@ -531,6 +571,8 @@ class StaticHybridExecutor(HybridExecutor):
         self._pool = None
         self._free += list(range(old, new))
         self.max_lanes = new
+        if self._moe_pieces is not None:  # the MoE buffers for the wider rounds
+            self._moe_pieces = self._make_moe_pieces()
 
     def release_lane(self, state: StaticLaneState) -> None:
         """Give the lane's slot back (its state is gone; a pending forward is dropped). Idempotent.
@@ -753,7 +795,7 @@ class StaticHybridExecutor(HybridExecutor):
         self._inputs[rows : 2 * rows + lanes].copy_(host.to(dev, non_blocking=True))
         round_out = self._run_round(lanes, n, bucket, want_hidden, taps)
         out: dict[str, Any] = dict(round_out)
-        if self.cuda_graphs:  # the graphs' shared output buffers: copied out (the next round overwrites)
+        if self.cuda_graphs or self.piecewise_graphs:  # the graphs' shared output buffers: copied out
             out = {k: v.clone() for k, v in round_out.items()}
         out["rows"] = "all"
         out["width"] = n
@@ -770,8 +812,12 @@ class StaticHybridExecutor(HybridExecutor):
         ids = self._inputs[:rows]
         pos = self._inputs[rows : 2 * rows].view(lanes, n)
         slots = self._inputs[2 * rows : 2 * rows + lanes]
+        pieces = self._moe_pieces
+        if self.piecewise_graphs and pieces is not None:
+            return self._run_pieces(pieces, lanes, n, bucket, want_hidden, taps)
         if not self.cuda_graphs:
-            return self._body(ids, pos, slots, bucket, want_hidden=want_hidden, taps=taps)
+            moe = pieces.split if pieces is not None else None
+            return self._body(ids, pos, slots, bucket, want_hidden=want_hidden, taps=taps, moe=moe)
         key = (lanes, n, bucket, bool(want_hidden), taps)
         entry = self._graphs.get(key)
         if entry is None:
@@ -783,6 +829,46 @@ class StaticHybridExecutor(HybridExecutor):
         entry.graph.replay()
         self.num_replays += 1
         return entry.outputs
+
+    def _run_pieces(
+        self, pieces: PiecewiseMoe, lanes: int, n: int, bucket: int, want_hidden: bool, taps: tuple[int, ...]
+    ) -> dict[str, torch.Tensor]:
+        """`_run_round` with an expert cache on CUDA: the round replayed in pieces between its MoE
+        layers' host parts (`ignis.runtime.families.moe_piecewise`), captured first when new."""
+        rows = lanes * n
+        key = ("pieces", lanes, n, bucket, bool(want_hidden), taps)
+        entry = self._graphs.get(key)
+        if entry is None:
+            ids = self._inputs[:rows]
+            pos = self._inputs[rows : 2 * rows].view(lanes, n)
+            slots = self._inputs[2 * rows : 2 * rows + lanes]
+            dst = self._round_outputs(rows, want_hidden, len(taps))
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=self.device)
+            try:
+                entry = pieces.capture(
+                    lambda moe: self._body(
+                        ids, pos, slots, bucket, want_hidden=want_hidden, taps=taps, out=dst, moe=moe
+                    ),
+                    rows=rows,
+                    device=self.device,
+                    pool=self._pool,
+                    stream=self._side_stream,
+                )
+            except RuntimeError:  # a capture the driver refused: the same pieces run eagerly from now on
+                log.warning("capturing a cached MoE round in pieces failed: static rounds run eagerly",
+                            exc_info=True)  # fmt: skip
+                self.piecewise_graphs = False
+                torch.cuda.synchronize(self.device)
+                moe = pieces.split
+                return self._body(ids, pos, slots, bucket, want_hidden=want_hidden, taps=taps, moe=moe)
+            self._graphs[key] = entry
+            self.num_captures += len(entry.graphs)
+        out = pieces.replay(entry)
+        self.num_replays += 1
+        return out
 
     def _round_outputs(self, rows: int, want_hidden: bool, num_taps: int) -> dict[str, torch.Tensor]:
         """The first `rows` rows of the static output buffers a captured round writes into: logits
@@ -899,7 +985,7 @@ class StaticHybridExecutor(HybridExecutor):
             if not 0 <= t < layers:
                 raise ValueError(f"warm_up: tap layer {t} outside 0..{layers - 1}")
         self.column_widths = tuple(sorted(set(self.column_widths) | {int(n) for n in columns}))
-        if not self.cuda_graphs:
+        if not (self.cuda_graphs or self.piecewise_graphs):
             return 0
         if self._round_open:
             raise StateError("warm_up: a static round is pending; commit it first")
@@ -912,13 +998,16 @@ class StaticHybridExecutor(HybridExecutor):
         free = sorted(self._free)
         self._gdn_buffers()
         before = self.num_captures
-        with torch.no_grad():
+        quiet = self._moe_pieces.quiet() if self._moe_pieces is not None else contextlib.nullcontext()
+        with torch.no_grad(), quiet:  # warm-up rounds' expert lookups are not counted
             for lanes in range(1, self.max_lanes + 1):
                 slots = torch.tensor([free[i % len(free)] for i in range(lanes)], dtype=torch.long)
                 for n in self.column_widths:
                     rows = lanes * n
                     for bucket in sorted({self._bucket(max(b, n)) for b in base}):
-                        if (lanes, n, bucket, hidden, taps) in self._graphs:
+                        if (lanes, n, bucket, hidden, taps) in self._graphs or (
+                            "pieces", lanes, n, bucket, hidden, taps
+                        ) in self._graphs:
                             continue
                         pos = torch.arange(n, dtype=torch.long).repeat(lanes)
                         host = torch.cat([torch.zeros(rows, dtype=torch.long), pos, slots])
@@ -983,12 +1072,15 @@ class StaticHybridExecutor(HybridExecutor):
         eager: tuple[list[int], bool, torch.Tensor, list[_StaticPending]] | None = None,
         logit_rows: torch.Tensor | None = None,
         out: dict[str, torch.Tensor] | None = None,
+        moe: Callable[[torch.Tensor, SparseMoeWeights], torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """One forward over static shapes: ids [L*n] int64, pos [L, n] int64 (past + column), slots
         [L] int64, bucket = KV length read. `eager` = (lens, record, valid rows, pendings) for a long
-        (non-static) forward. No host syncs, no host->device copies (capture-safe). Returns logits
-        float32 [rows, vocab], and hidden [rows, H] / taps [rows, len(taps) * H] (model dtype) when
-        asked; `out`: tensors of those shapes to write them into (and return) instead of new ones."""
+        (non-static) forward. No host syncs, no host->device copies (capture-safe) except what `moe`
+        does. Returns logits float32 [rows, vocab], and hidden [rows, H] / taps [rows, len(taps) * H]
+        (model dtype) when asked; `out`: tensors of those shapes to write them into (and return)
+        instead of new ones. `moe`: runs the MoE layers' blocks instead of `sparse_moe_block` (the
+        pieces of `ignis.runtime.families.moe_piecewise`)."""
         c = self.config
         lanes, n = pos.shape
         h = F.embedding(ids, self._embed)
@@ -1020,7 +1112,9 @@ class StaticHybridExecutor(HybridExecutor):
             else:
                 h = h + mixed
                 x = self._norm(h, layer.post_norm)
-            if isinstance(layer.mlp, SparseMoeWeights):
+            if isinstance(layer.mlp, SparseMoeWeights) and moe is not None:
+                h = h + moe(x, layer.mlp)
+            elif isinstance(layer.mlp, SparseMoeWeights):
                 assert isinstance(c, Qwen3_5MoeConfig | Qwen3NextConfig)
                 h = h + sparse_moe_block(
                     x,

@@ -654,36 +654,45 @@ class StaticLlamaExecutor(LlamaExecutor):
 
     # ---- load ----
 
-    def warm_up(self, *, columns: Sequence[int] = (), buckets: int = 1) -> int:
-        """Capture, at load, the graphs of every round shape the pools can meet in their first `buckets`
-        KV buckets: lane counts 1 .. max_lanes (as `lane_width` pads them) x `column_widths`. The
+    def warm_up(self, *, columns: Sequence[int] = (), context: int | None = None) -> int:
+        """Capture, at load, the graphs of every round shape that rounds over lanes holding up to
+        `context` tokens can meet: lane counts 1 .. max_lanes (as `lane_width` pads them) x
+        `column_widths` x the KV buckets up to the one holding `context` (the hybrid's
+        `StaticHybridExecutor.warm_up` rule; the server passes ``--graph-warmup-context`` to both). The
         rounds run in the scratch slot (no lane is touched).
 
         Args:
             columns: column counts to add to `column_widths` first (e.g. draft_tokens + 1: verify
                 rounds of that many columns then run unpadded), each 1..max_columns; they apply with
                 or without CUDA graphs.
-            buckets: KV buckets to capture, from the smallest.
+            context: tokens a round reads (a lane's past + the round's columns) up to which every KV
+                bucket is captured, >= 1; None: the capacity (every bucket). Longer rounds capture
+                their bucket on first use.
 
         Returns:
             graphs captured now (0 without CUDA graphs; shapes captured before are kept).
 
         Raises:
-            ValueError: a column count outside 1..max_columns.
+            ValueError: a column count outside 1..max_columns, or context < 1.
         """
         for n in columns:
             if not 1 <= int(n) <= self.max_columns:
                 raise ValueError(f"warm_up: column count {n} outside 1..max_columns {self.max_columns}")
+        if context is not None and context < 1:
+            raise ValueError(f"warm_up: context must be >= 1 tokens, got {context}")
         self.column_widths = tuple(sorted(set(self.column_widths) | {int(n) for n in columns}))
         if not self.cuda_graphs:
             return 0
+        reach = self.capacity if context is None else min(context, self.capacity)
+        base = [kv_bucket(1, self.kv_bucket, self.capacity)]
+        while base[-1] < reach:
+            base.append(kv_bucket(2 * base[-1], self.kv_bucket, self.capacity))
         lane_widths = sorted({lane_width(n) for n in range(1, self.max_lanes + 1)})
         before = self.num_captures
         with torch.no_grad():
-            for b in range(buckets):
-                for lp in lane_widths:
-                    for n in self.column_widths:
-                        bucket = kv_bucket(max(self.kv_bucket << b, n), self.kv_bucket, self.capacity)
+            for lp in lane_widths:
+                for n in self.column_widths:
+                    for bucket in sorted({kv_bucket(max(b, n), self.kv_bucket, self.capacity) for b in base}):
                         if (lp, n, bucket, False, ()) in self._graphs:
                             continue
                         rows = lp * n
@@ -692,4 +701,5 @@ class StaticLlamaExecutor(LlamaExecutor):
                         buf[rows : 2 * rows].copy_(torch.arange(n, device=self.device).repeat(lp))
                         buf[2 * rows :].fill_(self._scratch)
                         self._run_round(lp, n, bucket, False, ())
+        log.debug("warm_up: lanes %s x columns %s x KV buckets %s", lane_widths, self.column_widths, base)
         return self.num_captures - before

@@ -43,13 +43,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ignis.runtime.families.moe import SparseMoeWeights, route_top_k, shared_expert_output
 from ignis.runtime.linear import LinearFn, Q4Weight, torch_linear
 
-__all__ = ["GroupedExperts", "grouped_moe_block", "load_expert_stacks", "stack_experts", "use_grouped"]
+__all__ = [
+    "GroupedExperts",
+    "combine_moe_output",
+    "grouped_moe_block",
+    "load_expert_stacks",
+    "run_cached_experts",
+    "stack_experts",
+    "use_grouped",
+]
 
 
 @dataclass(frozen=True)
@@ -170,33 +179,34 @@ def grouped_moe_block(
         ids = top_i.to(torch.int32)
         _run_pairs(x, ids, ids if not x.is_cuda else None, route_w, g, y, linear)
     else:
-        host = _to_host(top_i)
-        experts = sorted(set(host.reshape(-1).tolist()))
-        for group in g.slots.slot_groups(experts, rows=rows):
-            table = torch.full((len(g.slots),), -1, dtype=torch.int32)
-            table[torch.tensor([e for e, _ in group], dtype=torch.long)] = torch.tensor(
-                [s for _, s in group], dtype=torch.int32
-            )
-            sid_host = table[host]
-            sid = sid_host
-            if x.is_cuda:
-                sid = sid_host.pin_memory().to(x.device, non_blocking=True)
-            _run_pairs(x, sid, sid_host, route_w, g, y, linear)
-    routed = y.sum(dim=1).to(x.dtype)
-    return routed + shared_expert_output(x, w, linear=linear)
+        host = g.slots.routing.to_host(top_i)  # the layer's one host sync (preallocated pinned buffer)
+        run_cached_experts(x, host, route_w, g, y, linear)
+    return combine_moe_output(y, shared_expert_output(x, w, linear=linear), x.dtype)
 
 
-def _to_host(ids: torch.Tensor) -> torch.Tensor:
-    """ids on the host (int64): on CUDA a non-blocking copy into pinned memory and one wait on its
-    event (the layer's one host sync); a CPU tensor as is."""
-    if not ids.is_cuda:
-        return ids.long()
-    buf = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-    buf.copy_(ids, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return buf.long()
+def combine_moe_output(y: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The block's output from the weighted expert outputs y [R, k, H] float32 and the gated shared
+    expert's output [R, H]: the k outputs summed in float32, cast to `dtype` (x's), plus shared."""
+    return y.sum(dim=1).to(dtype) + shared
+
+
+def run_cached_experts(
+    x: torch.Tensor,
+    host_ids: np.ndarray,
+    route_w: torch.Tensor,
+    g: GroupedExperts,
+    y: torch.Tensor,
+    linear: LinearFn = F.linear,
+) -> None:
+    """The routed experts of a layer with an expert cache, into y [R, k, H] float32: the union of the
+    routed experts (host_ids [R, k] int64, on the host) made resident group by group
+    (`ExpertSlots.slot_groups`), and each group's pairs run with their slot ids (the others masked).
+    x [R, H] and route_w [R, k] float32 on the device; every pair runs exactly once."""
+    routing = g.slots.routing
+    experts = np.unique(host_ids).tolist()
+    for i, group in enumerate(g.slots.slot_groups(experts, rows=x.shape[0])):
+        sid, sid_host = routing.slot_ids(i, len(g.slots), group, host_ids)
+        _run_pairs(x, sid, sid_host, route_w, g, y, linear)
 
 
 def _run_pairs(

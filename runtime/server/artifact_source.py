@@ -285,6 +285,11 @@ class ArtifactSource:
                 dtype=dtype,
                 linear=linear,
                 moe_module=art.moe_module(dtype) if keep_q4 and on_cuda else None,
+                # pooled like a static target's lanes and context (an eager target: the eager head)
+                static=None if getattr(executor, "max_context", None) else False,
+                max_lanes=getattr(executor, "max_lanes", None),
+                max_context=getattr(executor, "max_context", None),
+                cuda_graphs=None if settings.cuda_graphs else False,
             )
 
         eos = tuple(tokenizer.eos_token_ids)
@@ -327,6 +332,7 @@ class ArtifactSource:
             }
             warm_up_static(executor, columns=verify, context=settings.graph_warmup_context, **asks)
             warm_up_static(getattr(drafter, "executor", None), columns=verify)
+            warm_up_static(drafter, columns=verify, context=settings.graph_warmup_context)  # a static head
             engine = SpeculativeEngine(
                 executor,
                 drafter,
@@ -408,6 +414,7 @@ class ArtifactSource:
             mtp=spec.backend == "mtp",
             stats=stats,
             pin=settings.expert_cache_pin,
+            lookahead=settings.expert_cache_lookahead,
         )
         if cache is None and settings.expert_cache_pin == "on":
             log.warning("--expert-cache-pin on: no expert cache here (every routed expert on the device)")

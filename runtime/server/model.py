@@ -113,6 +113,8 @@ class ModelSettings:
             "auto" (the card profile's default: `ignis.runtime.expert_cache.cache_for_artifact`).
         expert_cache_pin: "auto", "on" or "off": page-lock the routed experts in host memory so that
             cache misses are DMAs (`ignis.runtime.host_pin`); auto falls back to the staging ring.
+        expert_cache_lookahead: router lookahead prefetch into the expert cache
+            (`ignis.runtime.expert_cache.ExpertCache`'s lookahead).
 
     Raises:
         ConfigError: max_prefill_tokens is not an integer >= 0, a bad expert cache size, an
@@ -129,6 +131,7 @@ class ModelSettings:
     checkpoint_dir: str | None = None
     expert_cache: str | int | None = None
     expert_cache_pin: str = "auto"
+    expert_cache_lookahead: bool = False
     graph_warmup_context: int | None = None
 
     def __post_init__(self) -> None:

@@ -289,8 +289,8 @@ def test_static_executor_with_cache_equals_resident(target: Target) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_cache_matches_resident(target: Target) -> None:
-    """On CUDA (pinned staging, side-stream copies ordered by events): greedy output with 1 and 2
-    slots a layer equals the resident executor's, in bf16 and with MTP."""
+    """On CUDA (page-locked experts, batched side-stream copies ordered by events): greedy output with
+    1 and 2 slots a layer equals the resident executor's, in bf16 and with MTP."""
     dev = torch.device("cuda")
     greedy = SamplingParams(temperature=0, max_tokens=14)
     ref = HybridExecutor(target.config, target.tensors, device=dev, dtype=torch.bfloat16)
@@ -315,6 +315,9 @@ def test_cuda_cache_matches_resident(target: Target) -> None:
         got_mtp = SpeculativeEngine(ex, drafter, draft_tokens=3).generate(list(PROMPTS), greedy)
         assert [o.output_token_ids for o in got_mtp] == [o.output_token_ids for o in want]
         assert cache.stats.misses > len(cache.layers) * target.config.num_experts
+        # page-locked experts: every miss went in a batched driver copy (ADR 0013)
+        assert all(layer.batched for layer in cache.layers), cache.describe_host()
+        assert cache.stats.direct_copies == cache.stats.misses and cache.stats.staged_copies == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,6 +477,12 @@ def test_served_budget_mtp_reserve_and_metrics(moe_artifact: Path, caplog: pytes
         engine = model.make_engine(2, SpeculativeMetrics())
     cache = engine.executor.expert_cache
     assert cache is not None and cache.slots_per_layer == 2 and cache.budget.source == "flag"
+    assert not cache.lookahead  # off unless asked (--expert-cache-lookahead)
+    on = ModelSettings(
+        spec=mtp, max_context=64, device="cpu", expert_cache=str(budget), expert_cache_lookahead=True
+    )
+    ahead = source.load(on).make_engine(2, SpeculativeMetrics())
+    assert ahead.executor.expert_cache.lookahead
     assert "expert cache (flag)" in caplog.text and "MTP reserve" in caplog.text
     assert "reserved from the expert cache for the MTP head" in caplog.text
     outs = engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8))

@@ -373,7 +373,8 @@ def test_the_server_load_warms_the_target_with_the_drafters_outputs(
 ) -> None:
     """The server's engine factory calls `warm_up_static` on the target with the verify width, the
     settings' graph_warmup_context and the output set its drafter asks every forward for (DFlash2:
-    its tap layers), and on a draft model's executor (none here) without them."""
+    its tap layers), on a draft model's executor (none here) without them, and on the drafter itself
+    (a static MTP head captures its shapes there) with the verify width and the context."""
     import ignis.runtime.server.artifact_source as src
     from ignis.runtime.metrics import SpeculativeMetrics
     from ignis.runtime.profiles import SpecDefaults
@@ -387,13 +388,14 @@ def test_the_server_load_warms_the_target_with_the_drafters_outputs(
     )
     try:
         engine = model.make_engine(2, SpeculativeMetrics())
-        (target, target_kw), (draft, draft_kw) = calls
-        assert target == (engine.executor,) and draft == (None,)
+        (target, target_kw), (draft, draft_kw), (head, head_kw) = calls
+        assert target == (engine.executor,) and draft == (None,) and head == (engine.drafter,)
         taps = () if backend == "off" else tuple(engine.drafter.tap_layers)
         assert backend == "off" or taps
         verify = () if backend == "off" else (4,)
         assert target_kw == {"columns": verify, "context": 300, "hidden": False, "taps": taps}
         assert draft_kw == {"columns": verify}
+        assert head_kw == {"columns": verify, "context": 300}
     finally:
         model.close()
 

@@ -420,7 +420,7 @@ def test_graph_bookkeeping_with_a_stand_in_graph(
     assert (st.num_captures, st.num_replays) == (5, 7)
     before = [[t.clone() for t in s.kv(layer)] for s in lanes for layer in range(2)]
     # lanes 1-3 x columns 1, 2, 3, 4, 8 at bucket 16, less the two chunk shapes captured already
-    assert st.warm_up(columns=(3,)) == 3 * 5 - 2
+    assert st.warm_up(columns=(3,), context=16) == 3 * 5 - 2
     after = [list(s.kv(layer)) for s in lanes for layer in range(2)]
     for old, new in zip(before, after, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
@@ -431,6 +431,13 @@ def test_graph_bookkeeping_with_a_stand_in_graph(
     lanes = [feed_alone(st, q) for q in seqs]
     run_both(ref, st, refs, lanes, [tokens(n, 200 + n) for n in (3, 1, 2)], [3, 1, 2])
     assert st.num_captures == 5 + 13  # every shape since came from the warm-up
+    # --graph-warmup-context as the hybrid takes it: every KV bucket up to the one holding `context`
+    # (16, 32, 64: the 32 one less its 3 shapes captured above), then None: up to the capacity (208)
+    assert st.warm_up(context=40) == (15 - 3) + 15
+    assert st.warm_up() == 2 * 15  # buckets 128 and 208
+    assert st.warm_up(context=200) == 0
+    with pytest.raises(ValueError, match="context must be >= 1"):
+        st.warm_up(context=0)
 
 
 # ---- through the engine ---------------------------------------------------------------------------
@@ -654,7 +661,7 @@ def test_cuda_graphs_replay_like_the_eager_executor(tiny: Tiny, dtype: torch.dty
 def test_first_request_is_as_fast_as_the_tenth(tmp_path: Path) -> None:
     """A small random llama built as an artifact, its executor from `make_executor` on CUDA (the
     static, graphed route) and warmed up as the server's load does (`warm_up`: the load-time
-    capture of every round shape of the first KV bucket, which belongs to load, not to a request):
+    capture of every round shape of every KV bucket, which belongs to load, not to a request):
     the first generate of a shape takes at most 1.5x the tenth of the same shape."""
     from ignis.runtime.artifact import load_artifact
 

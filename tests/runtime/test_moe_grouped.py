@@ -495,3 +495,64 @@ def test_cuda_static_executor_graphs_moe_rounds(
         for ex in (graphed, eager)
     ]
     assert outs[0] == outs[1] and graphed.num_replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize(("num_slots", "lookahead"), [(1, False), (2, False), (2, True)])
+def test_cuda_piecewise_cached_rounds_equal_eager_and_resident(
+    cuda_kernel: MoeExpertsKernel, family: str, num_slots: int, lookahead: bool, tmp_path: Path
+) -> None:
+    """An expert cache of 1-2 slots a layer + the kernels: static rounds replayed in pieces between the
+    MoE syncs (moe_piecewise.py) give every logit of the eager cached rounds bit for bit, and the
+    greedy output of the resident (whole-round graphed) executor; misses are batched driver copies;
+    with router lookahead too (experts prefetched on the copy stream)."""
+    from ignis.runtime.engine import SpeculativeEngine
+    from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+    from ignis.runtime.sampling import SamplingParams
+
+    tiny = make_tiny_hybrid(family, tmp_path / family)
+    tensors = _q4_experts(tiny.canonical_tensors())
+    dev = torch.device("cuda")
+    kw = dict(device=dev, dtype=torch.bfloat16, linear=torch_linear, max_lanes=4, max_context=256)
+    kw["chunked_prefill"] = 32
+    resident = StaticHybridExecutor(tiny.config, tensors, moe_module=cuda_kernel, **kw)
+    caches = [ExpertCache(num_slots, device=dev, lookahead=lookahead) for _ in range(2)]
+    pieces = StaticHybridExecutor(tiny.config, tensors, moe_module=cuda_kernel, expert_cache=caches[0], **kw)
+    eager = StaticHybridExecutor(
+        tiny.config, tensors, moe_module=cuda_kernel, expert_cache=caches[1], cuda_graphs=False, **kw
+    )
+    assert resident.cuda_graphs and pieces.piecewise_graphs and not pieces.cuda_graphs
+    assert not eager.piecewise_graphs and eager._moe_pieces is not None
+    assert all(layer.batched for layer in caches[0].layers), caches[0].describe_host()
+    # verify rounds of 3 lanes, logits bit for bit
+    g = torch.Generator().manual_seed(12)
+    lanes = {id(ex): [ex.new_lane() for _ in range(3)] for ex in (pieces, eager)}
+    prompts = [torch.tensor([5, 17, 3, 99, 250, 7, 8, 41]), torch.arange(30, 50), torch.tensor([1, 2, 3])]
+    for record, cols in ((False, prompts), (True, None), (True, None), (True, None)):
+        if cols is None:
+            cols = [torch.randint(0, tiny.config.vocab_size, (4,), generator=g) for _ in range(3)]
+        outs = [ex.forward(lanes[id(ex)], cols, record=record).logits for ex in (pieces, eager)]
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b)
+        keep = [c.numel() for c in cols] if not record else [1, 4, 2]
+        for ex in (pieces, eager):
+            ex.commit(lanes[id(ex)], keep)
+    for ex in (pieces, eager):
+        for lane in lanes[id(ex)]:
+            ex.release_lane(lane)
+    assert pieces.num_replays > 0 and pieces.num_captures > 0
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    text = [[5, 17, 3, 99, 250, 7, 8, 41], list(range(30, 60))]
+    outs = [
+        [o.output_token_ids for o in SpeculativeEngine(ex, None).generate(text, greedy)]
+        for ex in (resident, pieces, eager)
+    ]
+    assert outs[0] == outs[1] == outs[2]
+    stats = caches[0].stats
+    assert stats.misses > len(caches[0].layers) * tiny.config.num_experts
+    assert stats.direct_copies == stats.misses + stats.prefetches and stats.staged_copies == 0
+    assert (stats.prefetches > 0) == lookahead
+    # warm-up at load captures without counting lookups
+    before = stats.snapshot()
+    assert pieces.warm_up(context=64) > 0 and stats.snapshot() == before

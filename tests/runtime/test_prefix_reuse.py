@@ -63,6 +63,8 @@ CASES = [
     ("qwen3_5_moe", "dflash2"),
     ("qwen3_next", "mtp"),
     ("qwen3_next", "dflash2"),
+    ("qwen3_5", "mtp-static"),  # the pooled head CUDA serves with (its static shapes run eagerly here)
+    ("qwen3_5_moe", "mtp-static"),
 ]
 
 
@@ -97,6 +99,9 @@ class Model:
             config, tensors = load_mtp_checkpoint(base / "with_mtp")
             weights = canonicalize_moe_tensors(config, tensors)
             self.factories["mtp"] = lambda: build_mtp_drafter(target_config=config, target_weights=tensors)
+            self.factories["mtp-static"] = lambda: build_mtp_drafter(
+                target_config=config, target_weights=tensors, static=True, max_lanes=2
+            )
             self.factories["dflash2"] = lambda: build_dflash2_drafter(
                 target_config=config, target_weights=tensors, checkpoint=base / "dflash2"
             )
@@ -362,7 +367,8 @@ def test_attention_only_reuses_block_aligned_prefix(models, family: str) -> None
 
 
 @pytest.mark.parametrize(
-    ("family", "backend"), [("qwen3_5", "dflash2"), ("qwen3_next", "mtp"), ("qwen2", "draft-model")]
+    ("family", "backend"),
+    [("qwen3_5", "dflash2"), ("qwen3_next", "mtp"), ("qwen2", "draft-model"), ("qwen3_next", "mtp-static")],
 )
 def test_lanes_joining_mid_way(models, family: str, backend: str) -> None:
     """Several lanes on one warm engine, some joining while others decode, each served from a
@@ -591,7 +597,13 @@ def test_a_checkpoint_that_does_not_fit_is_dropped_and_the_lane_prefills(models,
 
 
 @pytest.mark.parametrize(
-    ("family", "backend"), [("qwen3_5", "dflash2"), ("qwen3_next", "mtp"), ("qwen3_5", "draft-model")]
+    ("family", "backend"),
+    [
+        ("qwen3_5", "dflash2"),
+        ("qwen3_next", "mtp"),
+        ("qwen3_5", "draft-model"),
+        ("qwen3_5_moe", "mtp-static"),
+    ],
 )
 def test_reply_checkpoint_holds_committed_state_only(models, family: str, backend: str) -> None:
     """The reply checkpoint, taken after verify rounds that rejected drafts, equals the state of a

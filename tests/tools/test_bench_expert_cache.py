@@ -13,7 +13,7 @@ from ignis.tools.bench.expert_cache import drafts_per_lane, expected_tokens, mai
 
 def test_tiny_run_writes_cases(tmp_path: Path, capsys) -> None:
     assert (
-        main(["--tiny", "--lanes", "1", "--modes", "off,mtp", "--tokens", "3", "--out", str(tmp_path)]) == 0
+        main(["--tiny", "--lanes", "1", "--modes", "off,mtp", "--tokens", "6", "--out", str(tmp_path)]) == 0
     )
     res = json.loads((tmp_path / "bench_expert_cache.json").read_text())
     cases = {(c["card"], c["mode"]): c for c in res["cases"]}
@@ -21,10 +21,16 @@ def test_tiny_run_writes_cases(tmp_path: Path, capsys) -> None:
     one = cases[("1slots", "off")]
     assert one["slots_per_layer"] == 1 and one["tokens"] >= 1 and one["MB_per_token"] > 0
     assert 0 <= one["hit_rate"] < 1
+    # host time a round is reported beside the wall time (CPU time of the engine thread)
+    assert 0 < one["host_ms"] and one["copies"] == "torch" and "sync_wait_ms" in one
     assert one["hit_rate_lru"] == one["hit_rate"] and one["hit_rate_belady"] >= one["hit_rate"]
     assert (
         cases[("1slots", "mtp")]["drafts_per_lane"] == 3 and cases[("1slots", "mtp")]["projected_tok_s"] > 0
     )
+    mtp = cases[("1slots", "mtp")]  # the drafter's time a round, beside the round's
+    assert mtp["mtp_head"] == "StaticMTPDrafter" and mtp["mtp_graphs"] is False  # (no CUDA here)
+    assert 0 < mtp["drafter_ms"] < mtp["round_ms"] and mtp["propose_ms"] > 0 and mtp["commit_ms"] > 0
+    assert "drafter_ms" not in one
     assert res["bytes"]["expert"] * 16 * 4 == res["bytes"]["experts"]  # 16 experts x 4 MoE layers
     assert "card | mode | lanes" in capsys.readouterr().out
 
@@ -51,3 +57,14 @@ def test_tiny_mmap_host_matches_pageable(tmp_path: Path) -> None:
         [c[k] for k in keys] for c in runs["pageable"]["cases"]
     ]
     assert not list(tmp_path.glob("ignis-bench-experts-*"))
+
+
+def test_tiny_lookahead_reports_prefetches_and_recall(tmp_path: Path) -> None:
+    """--lookahead (the static executor's split rounds, on the CPU too): prefetches and recall."""
+    argv = ["--tiny", "--lanes", "2", "--modes", "off", "--tokens", "4", "--lookahead"]
+    argv += ["--out", str(tmp_path)]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "bench_expert_cache.json").read_text())
+    four = next(c for c in res["cases"] if c["card"] == "4slots")
+    assert four["prefetches"] > 0 and 0 <= four["lookahead_recall"] <= 1
+    assert four["hit_rate_lru_lookahead"] == four["hit_rate"]  # the replay with the prefetches

@@ -11,6 +11,7 @@ and the public drafter's are checked without writing them.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from pathlib import Path
@@ -171,3 +172,82 @@ def test_the_27b_drafter_fits_a_shallower_smoke_target(
     d = rc.write_random_dflash2(tmp_path / "t", tmp_path / "d", model="qwen3_5-27b")
     assert d.target_layer_ids == (0, 1, 2, 3) and d.num_target_layers == 4
     assert shapes["fc.weight"] == (5120, 4 * 5120) and d.intermediate_size == 17408
+
+
+def test_confident_head_is_the_permuted_embedding_in_every_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # small blocks: several full ones permuted among themselves and a partial last one (1024 = 7 * 136 + 72)
+    monkeypatch.setattr(rc, "BLOCK_ELEMENTS", 136 * 256)
+    cfg = rc.write_random_checkpoint(tmp_path / "a", model="tiny", seed=5, confident=True, threads=2)
+    raw = json.loads((tmp_path / "a" / "config.json").read_text())
+    conf = rc.Confident.for_config(cfg)
+    assert raw["ignis_random"] == {"confident": True, "rho": 1.0, "embed_std": conf.embed_std, "seed": 5}
+    t = _tensors(tmp_path / "a")
+    emb, head = t[rc.EMBED].float(), t[rc.HEAD].float()
+    assert abs(emb.std().item() / conf.embed_std - 1) < 0.02
+    assert abs(head.std().item() / rc.INIT_STD - 1) < 0.02
+    pi = rc.confident_permutation(cfg.vocab_size, cfg.hidden_size, seed=5)
+    assert sorted(pi.tolist()) == list(range(cfg.vocab_size))
+    assert len(rc._blocks(tuple(head.shape))) == 8
+    moved = pi // 136 != torch.arange(cfg.vocab_size) // 136
+    assert moved[:952].float().mean() > 0.5  # the full blocks trade places
+    assert torch.all(pi[952:] >= 952)  # the partial one keeps its place
+    torch.testing.assert_close(head[pi], emb * (rc.INIT_STD / conf.embed_std), rtol=1e-2, atol=1e-5)
+    # the rest is the default init, drawn from the same streams
+    plain = rc.write_random_checkpoint(tmp_path / "b", model="tiny", seed=5, threads=1)
+    assert plain == cfg
+    other = _tensors(tmp_path / "b")
+    assert all(torch.equal(other[n], t[n]) for n in t if n not in (rc.EMBED, rc.HEAD))
+    assert torch.allclose(other[rc.EMBED].float() * (conf.embed_std / rc.INIT_STD), emb, rtol=1e-2)
+    with pytest.raises(Exception, match="rho must be > 0"):
+        rc.Confident.for_config(cfg, 0.0)
+
+
+def test_confident_greedy_is_wide_margined_and_the_same_at_any_row_count(tmp_path: Path) -> None:
+    """The tiny confident checkpoint (with its DFlash2 drafter grafted): greedy outputs at one row a
+    round (one lane), at six lanes, and with the drafter's 8-column rounds are the same; the top-2
+    logprob gap is >= 2 nats at every token (`Confident`'s margin estimate at tiny: ~2.4; the default
+    init's median gap is ~0.05) and each token is pi of the one before."""
+    build = pytest.importorskip("ignis.compiler.build")
+    from ignis.runtime.metrics import SpeculativeMetrics
+    from ignis.runtime.profiles import SpecDefaults
+    from ignis.runtime.sampling import SamplingParams
+    from ignis.runtime.server.artifact_source import ArtifactSource
+    from ignis.runtime.server.model import ModelSettings
+
+    ckpt = tmp_path / "ckpt"
+    cfg = rc.write_random_checkpoint(ckpt, model="tiny", confident=True)
+    rc.write_random_dflash2(ckpt, tmp_path / "d", model="tiny")
+    (tmp_path / "r.toml").write_text('name = "tiny"\n[modules]\nwidths = []\n')
+    res = build.build_artifact(
+        card="cpu",
+        model=ckpt,
+        drafter=tmp_path / "d",
+        recipe=tmp_path / "r.toml",
+        out=tmp_path / "art",
+        progress=False,
+        echo=lambda _l: None,
+    )
+    prompts = [[(7 * i + 3 * j) % 1000 + 5 for j in range(6 + i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+    def generate(spec: SpecDefaults, batch: list[list[int]]) -> tuple[list[list[int]], list[float]]:
+        model = ArtifactSource(res.out).load(ModelSettings(spec, device="cpu"))
+        try:
+            out = model.make_engine(len(batch), SpeculativeMetrics()).generate(batch, params)
+        finally:
+            if model.close is not None:
+                model.close()
+        gaps = [lp.top[0][1] - lp.top[1][1] for r in out for lp in r.logprobs]
+        return [list(r.output_token_ids) for r in out], gaps
+
+    many, gaps = generate(SpecDefaults("off"), prompts)
+    one = [generate(SpecDefaults("off"), [p])[0][0] for p in prompts[:3]]
+    drafted, _ = generate(SpecDefaults("dflash2", 7), prompts)
+    assert one == many[:3] and drafted == many
+    assert min(gaps) > 2.0, min(gaps)
+    pi = rc.confident_permutation(cfg.vocab_size, cfg.hidden_size)
+    for p, o in zip(prompts, many, strict=True):
+        walk = [p[-1], *o]
+        assert all(int(pi[a]) == b for a, b in itertools.pairwise(walk))

@@ -32,7 +32,16 @@ the head's reserve comes out of the cache) and per mode:
 * off: speculation off; mtp: the MTP head, 3 drafts, row budget 8; mtp-rows3: 3 drafts, row budget 3;
 
 and per lane count: `--tokens` greedy tokens per lane through `SpeculativeEngine` (random prompts of
-32 tokens, prefill excluded from the timing): measured tok/s, the median step (verify round) time,
+32 tokens, prefill excluded from the timing): measured tok/s (wall time over every round), the median
+step (verify round) time, the median host time a round (`host_ms`: CPU time of the engine thread,
+`time.thread_time`, which counts spin-waiting at the MoE layers' host syncs; `sync_wait_ms`: the wall
+time of those waits a round, so host_ms - sync_wait_ms is the host's own work), tok/s without the
+rounds that captured CUDA graphs of a new round shape (`tok_s_steady`, when any did), the miss copy path
+(`copies`: the batched driver call or torch copies; `--copies torch` forces the latter), with
+`--lookahead` the experts prefetched by router lookahead, its recall (the share of the experts a
+layer needed that the previous layer's prediction named) and `hit_rate_lru_lookahead` (the trace
+replayed with the recorded prefetches: equal to the measured rate, while `hit_rate_lru` is then what
+LRU without lookahead gets on the same routing),
 rounds, expert-cache hit rate, bytes copied per emitted token and per round, the routing's spread
 (distinct experts per layer forward and per layer over the decode) and the hit rates the decode's
 routing trace would get under LRU (a check: equal to the measured rate), LFU and Belady's offline
@@ -43,12 +52,21 @@ almost never accepted, so for MTP the table also gives the projected tok/s = lan
 lane-round] / median round time, with E from the documented acceptance (`--accept`, default 0.815:
 80-83 % of the first four drafts) and the drafts the row budget allows each lane.
 
+The MTP head (`--mtp-head`, default static): the pooled head the server builds on CUDA
+(`ignis.runtime.drafters.mtp_static.StaticMTPDrafter`: CUDA graphs when every routed expert of its
+MoE layer is resident and the grouped kernels run it), its graphs captured before the decode as at
+the server's load; `eager` builds `MTPDrafter`. Each MTP case reports the drafter's time a round
+(``drafter_ms``: its `propose` and `commit` calls, each synced before and after, so the round time
+includes those syncs; ``propose_ms`` and ``commit_ms`` apart) beside the round's.
+
 `--baselines`: the same decode with every expert resident (fits the H200) and with no cache (every
 expert copied on demand each round: the slots are flushed after every forward). The host-to-device
 bandwidth is measured in the same run: one 1 GiB copy from pinned and from pageable memory, and the
 expert cache's own copier moving 1 GiB in one-expert parts through each of its paths (`copier_rates`:
 the staging ring from pageable memory, direct from pinned memory, direct from a registered memory map
-in `--mmap-dir`, with what registering that map cost per GiB).
+in `--mmap-dir`, with what registering that map cost per GiB; and for page-locked sources the
+batched driver copy, 32 parts a call: `copier_batched_*_GBps` and the host microseconds a call takes
+to issue).
 
 Linears: with `--mods` (a bundle from ``python -m ignis.tools.bench.build_gpu_modules --out DIR
 --shapes flash-next``, which serves every linear shape of this model) through its compiled tiled
@@ -263,6 +281,8 @@ def copier_rates(dev: torch.device, mmap_dir: Path, part: int = 5 * 2**20, size:
                 torch.cuda.synchronize()
                 best = min(best, time.perf_counter() - t0)
             out[f"copier_{how}_{kind}_GBps"] = round(n * part / best / 1e9, 2)
+            if how == "direct":  # the batched path (ADR 0013): 32 parts a driver call
+                out |= _batched_rate(kind, src, dst, dev)
             if kind == "mmap":
                 gib = n * part / GIB
                 out["mmap_populate_s_per_GiB"] = round(pin.populate_seconds / gib, 3)
@@ -274,6 +294,35 @@ def copier_rates(dev: torch.device, mmap_dir: Path, part: int = 5 * 2**20, size:
     finally:
         path.unlink(missing_ok=True)
     return out
+
+
+def _batched_rate(kind: str, src: list[torch.Tensor], dst: torch.Tensor, dev: torch.device) -> dict[str, Any]:
+    """GB/s of `src` (page-locked parts) into the rows of `dst` through the batched driver copy, 32
+    parts a call on a side stream (best of 3), and the host microseconds a call took to issue."""
+    from ignis.runtime.expert_transfer import PartTable, driver_batch_copy
+
+    dma = driver_batch_copy()
+    if dma is None:
+        return {}
+    table = PartTable([[t] for t in src], [[dst[i]] for i in range(len(src))])
+    stream = torch.cuda.Stream(device=dev)
+    idx = list(range(len(src)))
+    calls = [table.gather(idx[i : i + 32], idx[i : i + 32]) for i in range(0, len(idx), 32)]
+    best = issue = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for d, s_, z in calls:
+            dma.copy(d, s_, z, stream.cuda_stream)
+        t1 = time.perf_counter()
+        stream.synchronize()
+        best, issue = min(best, time.perf_counter() - t0), min(issue, t1 - t0)
+    total = sum(int(z.sum()) for _, _, z in calls)
+    return {
+        f"copier_batched_{kind}_GBps": round(total / best / 1e9, 2),
+        f"copier_batched_{kind}_issue_us_per_call": round(issue / len(calls) * 1e6, 1),
+        "copier_batched_call": dma.name,
+    }
 
 
 def host_experts_to(weights: dict[str, Any], host: str, mmap_dir: Path) -> tuple[Any, Path | None]:
@@ -319,6 +368,23 @@ def drafts_per_lane(lanes: int, k: int, rows: int) -> int:
     return max(0, min(k, (rows or 8) // lanes - 1))
 
 
+def _time_drafter(drafter: Any, spent: dict[str, float], sync: Any) -> None:
+    """Wrap the drafter's `propose` and `commit` (on the instance) to add their wall time, each call
+    synced before and after, to spent["propose"] / spent["commit"] (seconds)."""
+    for name in ("propose", "commit"):
+        call = getattr(type(drafter), name)
+
+        def timed(arg: Any, _call: Any = call, _name: str = name) -> Any:
+            sync()
+            t0 = time.perf_counter()
+            out = _call(drafter, arg)
+            sync()
+            spent[_name] += time.perf_counter() - t0
+            return out
+
+        setattr(drafter, name, timed)
+
+
 def run_case(
     ex: HybridExecutor,
     drafter: Any,
@@ -340,6 +406,9 @@ def run_case(
     for p in prompts:
         engine.add_lane(p, params)
     sync = torch.cuda.synchronize if ex.device.type == "cuda" else (lambda: None)
+    spent = {"propose": 0.0, "commit": 0.0}
+    if drafter is not None:  # the drafter's time a round: its propose and commit calls, synced
+        _time_drafter(drafter, spent, sync)
     engine.step()  # the prefill (and first tokens)
     if flush and cache is not None:
         cache.flush()
@@ -347,15 +416,29 @@ def run_case(
     # decode from the state the real cache had: every earlier case's and this prefill's routing
     start = len(cache.stats.trace) if cache is not None and cache.stats.trace is not None else 0
     before = dict(cache.stats.snapshot()) if cache is not None else {}
-    emitted = 0
+    look0 = (cache.stats.lookahead_right, cache.stats.lookahead_needed) if cache is not None else (0, 0)
+    emitted = steady_tokens = 0
     times: list[float] = []
+    drafter_parts: dict[str, list[float]] = {"propose": [], "commit": []}
+    cpu: list[float] = []  # the engine thread's CPU time a round (time.thread_time)
+    captured: list[bool] = []  # rounds that captured CUDA graphs (a new round shape)
+    routing = cache.layers[0].routing if cache is not None and cache.layers else None
+    waited0 = routing.wait_seconds if routing is not None else 0.0
     while engine.has_unfinished:
         sync()
-        t0 = time.perf_counter()
+        graphs = getattr(ex, "num_captures", 0)
+        spent["propose"] = spent["commit"] = 0.0
+        t0, c0 = time.perf_counter(), time.thread_time()
         updates = engine.step()
+        c1 = time.thread_time()
         sync()
         times.append(time.perf_counter() - t0)
-        emitted += sum(len(u.new_token_ids) for u in updates)
+        for part in drafter_parts:
+            drafter_parts[part].append(spent[part])
+        cpu.append(c1 - c0)
+        captured.append(getattr(ex, "num_captures", 0) != graphs)
+        emitted += (got := sum(len(u.new_token_ids) for u in updates))
+        steady_tokens += 0 if captured[-1] else got
         if flush and cache is not None:
             cache.flush()
     wall = sum(times)
@@ -365,17 +448,44 @@ def run_case(
         "tokens": emitted,
         "tok_s": round(emitted / wall, 2) if wall else 0.0,
         "round_ms": round(statistics.median(times) * 1e3, 2) if times else 0.0,
+        "host_ms": round(statistics.median(cpu) * 1e3, 2) if cpu else 0.0,
     }
+    if drafter is not None and times:
+        per_round = [p + c for p, c in zip(drafter_parts["propose"], drafter_parts["commit"], strict=True)]
+        res |= {
+            "drafter_ms": round(statistics.median(per_round) * 1e3, 2),
+            "propose_ms": round(statistics.median(drafter_parts["propose"]) * 1e3, 2),
+            "commit_ms": round(statistics.median(drafter_parts["commit"]) * 1e3, 2),
+            "mtp_head": type(drafter).__name__,
+            "mtp_graphs": bool(getattr(drafter, "cuda_graphs", False)),
+        }
+    steady = sum(t for t, c in zip(times, captured, strict=True) if not c)
+    if any(captured):  # rounds of a new shape captured their graphs: tok/s without them too
+        res["capture_rounds"] = sum(captured)
+        res["tok_s_steady"] = round(steady_tokens / steady, 2) if steady else 0.0
+    if routing is not None and times:
+        # wall time the engine thread waited in the MoE layers' host syncs (spin-waiting counts as CPU
+        # time in host_ms: host_ms - sync_wait_ms is the host's own work)
+        res["sync_wait_ms"] = round((routing.wait_seconds - waited0) / len(times) * 1e3, 2)
     if cache is not None:
         after = cache.stats.snapshot()
+        needed = cache.stats.lookahead_needed - look0[1]
+        if needed:  # router lookahead: the share of the needed experts it had predicted
+            res["lookahead_recall"] = round((cache.stats.lookahead_right - look0[0]) / needed, 4)
         res |= {
             "direct_copies": after["direct_copies"] - before["direct_copies"],
             "staged_copies": after["staged_copies"] - before["staged_copies"],
+            "copies": (
+                getattr(cache.layers[0]._copier.dma, "name", "torch")
+                if cache.layers and cache.layers[0].batched
+                else "torch"
+            ),
         }
         hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
         copied = after["bytes_copied"] - before["bytes_copied"]
         res |= {
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            "prefetches": after["prefetches"] - before["prefetches"],
             "MB_per_token": round(copied / max(emitted, 1) / 1e6, 2),
             "MB_per_round": round(copied / max(len(times), 1) / 1e6, 2),
             "slots_in_use": after["slots_in_use"],
@@ -392,6 +502,14 @@ def run_case(
                 sim = simulate_policy(cache.stats.trace, cache.slots_per_layer, policy, warmup=start)
                 total = sim["hits"] + sim["misses"]
                 res[f"hit_rate_{policy}"] = round(sim["hits"] / total, 4) if total else 0.0
+            if cache.stats.prefetch_trace:  # lookahead on: hit_rate_lru is what LRU alone would get;
+                # replayed with the prefetches it is the run's own rate (a check)
+                sim = simulate_policy(
+                    cache.stats.trace, cache.slots_per_layer, "lru", warmup=start,
+                    prefetch=cache.stats.prefetch_trace,
+                )  # fmt: skip
+                total = sim["hits"] + sim["misses"]
+                res["hit_rate_lru_lookahead"] = round(sim["hits"] / total, 4) if total else 0.0
     return res
 
 
@@ -418,6 +536,15 @@ def main(argv: list[str] | None = None) -> int:
         help="static: StaticHybridExecutor with the bundle's fused kernels (the server's route on CUDA); "
         "eager: HybridExecutor [static]",
     )
+    ap.add_argument(
+        "--mtp-head", choices=("static", "eager"), default="static",
+        help="static: the pooled head, CUDA-graphed when capturable (the server's on CUDA); eager: "
+        "MTPDrafter [static]",
+    )  # fmt: skip
+    ap.add_argument(
+        "--no-graphs", action="store_true",
+        help="static executor without CUDA graphs (whole rounds or pieces): its rounds run eagerly",
+    )  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (plumbing check)")
     ap.add_argument(
         "--host", choices=("pageable", "pinned", "mmap"), default="pageable",
@@ -426,6 +553,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--mmap-dir", type=Path, default=Path("/dev/shm") if os.path.isdir("/dev/shm") else None,
         help="directory of the memory-mapped expert file (--host mmap) and of copier_rates' mapped file",
+    )  # fmt: skip
+    ap.add_argument(
+        "--copies", choices=("auto", "torch"), default="auto",
+        help="how the cache copies misses (`ExpertCache`'s copies): auto = one batched driver call a "
+        "group from page-locked experts; torch = one torch copy per part of each miss (the old path)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--lookahead", action="store_true",
+        help="router lookahead prefetch (`ExpertCache`'s lookahead): each MoE layer's routing also "
+        "predicts the next layer's experts and copies them early; reports its recall",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = ap.parse_args(argv)
@@ -531,22 +668,27 @@ def main(argv: list[str] | None = None) -> int:
                     # as the server does (`cache_for_artifact`, auto): every expert fits, no cache
                     print(f"{label}: every routed expert fits: resident, no expert cache", flush=True)
                 else:
-                    cache = ExpertCache(slots, device=dev, pin="off" if args.host == "pageable" else "auto")
+                    pin = "off" if args.host == "pageable" else "auto"
+                    cache = ExpertCache(
+                        slots, device=dev, pin=pin, copies=args.copies, lookahead=args.lookahead
+                    )
                     if card != -1:
                         cache.stats.trace = []  # every forward's routing (run_case replays it)
             run_weights = weights
             if cache is None:  # every expert resident
                 run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
-            if args.executor == "static" and dev.type == "cuda":
-                # the server's route: pooled lanes, the bundle's fused kernels, CUDA graphs when every
-                # expert is resident (an expert cache syncs the host once a layer: eager)
+            if args.executor == "static" and (dev.type == "cuda" or args.lookahead):  # lookahead: static only
+                # the server's route: pooled lanes, the bundle's fused kernels, CUDA graphs: whole
+                # rounds when every expert is resident, in pieces between the MoE layers' host syncs
+                # with an expert cache (moe_piecewise.py)
                 from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 
                 kernels = static_kernels(args.mods, dev)
                 ex = StaticHybridExecutor(
                     cfg, run_weights, device=dev, dtype=dtype, linear=linear, expert_cache=cache,
                     moe_module=moe_module, max_lanes=max(lanes_list), max_columns=max(8, rows),
-                    max_context=min(args.context, 4096), **kernels,
+                    max_context=min(args.context, 4096), cuda_graphs=False if args.no_graphs else None,
+                    **kernels,
                 )  # fmt: skip
             else:
                 ex = HybridExecutor(
@@ -569,10 +711,18 @@ def main(argv: list[str] | None = None) -> int:
                     n: weights[n]
                     for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
                 }
+                static = args.mtp_head == "static"
                 drafter = build_mtp_drafter(
                     target_config=cfg, target_weights=shared, mtp_weights=mtp_weights, device=dev,
-                    dtype=dtype, linear=linear, moe_module=moe_module,
+                    dtype=dtype, linear=linear, moe_module=moe_module, static=static,
+                    max_lanes=max(lanes_list), max_context=min(args.context, 4096),
                 )  # fmt: skip
+                if static:  # the server's load: every shape these rounds meet captured now
+                    t0 = time.perf_counter()
+                    n = drafter.warm_up(columns=(k + 1,), context=32 + args.tokens + 8)  # type: ignore[attr-defined]
+                    graphed = getattr(drafter, "cuda_graphs", False)
+                    print(f"{label} {mode}: MTP head graphs captured at load: {n} in "
+                          f"{time.perf_counter() - t0:.1f} s (graphs {graphed})", flush=True)  # fmt: skip
             for lanes in lanes_list:
                 res = run_case(
                     ex, drafter, lanes=lanes, k=k, rows=rows, tokens=args.tokens, vocab=cfg.vocab_size,
@@ -608,7 +758,9 @@ def main(argv: list[str] | None = None) -> int:
         expert_file.unlink(missing_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
-    cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "projected_tok_s", "round_ms", "hit_rate")
+    cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "tok_s_steady", "projected_tok_s")
+    cols += ("round_ms", "host_ms", "drafter_ms", "propose_ms", "commit_ms", "mtp_graphs")
+    cols += ("sync_wait_ms", "hit_rate", "prefetches", "lookahead_recall", "hit_rate_lru_lookahead", "copies")
     cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
     cols += ("experts_per_forward", "experts_per_layer_run", "host", "direct_copies", "staged_copies")
     print(" | ".join(cols))

@@ -7,7 +7,12 @@ Phases, in order (each can be its own command; state lives under --ckpt-root / -
 by `place` on the first command and kept in --state for the next ones):
 
 - `write`: a random checkpoint of the public Qwen3.5-27B text config and a DFlash2 drafter of the
-  public 27B drafter's shape (`ignis.tools.random_checkpoint`; ~54 + ~3.5 GB in bf16) into
+  public 27B drafter's shape (`ignis.tools.random_checkpoint`; ~54 + ~3.5 GB in bf16), by default
+  with `--weights confident` (`random_checkpoint.Confident`: the same shapes and compute, so the
+  same throughput, but greedy choices with margins of ~65 nats instead of near-flat logits: greedy
+  outputs do not depend on the verify round's row count, so the replay drafter keeps its recording at
+  8 clients and every backend's outputs can be compared with speculation off's; `--weights random`
+  (or IGNIS_FULLSIZE_WEIGHTS=random) writes the plain init) into
   --ckpt-root: /dev/shm (RAM) when it has room, else /tmp with the artifact in /dev/shm (the GPU
   host's 64 GB disk cannot hold the checkpoint and the ~19 GB artifact together).
 - `rate` (optional, after `write`, before `build` deletes the checkpoint): the weight step's
@@ -15,19 +20,27 @@ by `place` on the first command and kept in --state for the next ones):
   (`ignis.tools.bench.convert_rate`), written to `rate.json`.
 - `build`: `ignis-build --card CARD --drafter ...` into --art-root (disk), the whole vocabulary as
   the shortlist (random weights have no token frequencies); the checkpoint in /dev/shm is then
-  deleted (RAM for serving) unless --keep-checkpoint.
+  deleted (RAM for serving) unless --keep-checkpoint. The artifact root records which weights it was
+  built from (`weights`); the serving phases refuse an artifact of the other kind.
 - `off`, `dflash2`, `replay`: one `ignis-run` each (--lanes, the backend; dflash2 and replay at
   --draft-tokens 7; replay at --accept 0.885 over the outputs `off` recorded) driven by `ignis-bench`
   at --concurrency 1,8 over its Unix socket: --num-requests token-id prompts of --input-len tokens,
   --max-tokens each, greedy, EOS ignored. Each writes `<backend>.json` (the bench report),
   `<backend>.outputs.jsonl` (prompt ids -> generated ids) and `server-<backend>.log` under --out.
-  `off` must run before `replay` (its outputs are the replay file, kept in --art-root).
+  `off` must run before `replay` (its outputs are the replay file, kept in --art-root). Then, on the
+  same server, `socket_equality.collect`: --equality-prompts token-id prompts (0: skipped) of
+  --input-len ids, --equality-tokens each, at the same client counts, with top logprobs, into
+  `socket_equality.jsonl` under --out (a backend's earlier records there are replaced); off's
+  outputs of its first (cold) pass are added to the replay file.
 - `table`: prints the comparison of every backend measured so far and writes `fullsize_27b.json`:
   per backend and concurrency the output tok/s (all lanes), the median per-request decode tok/s,
   TTFT p50, time per output token, tokens per round and the first draft position's acceptance, the
   round time (time per output token x tokens per round), the issue's target, and how many outputs
   equal speculation off's. The DFlash2 drafter's cost per round is estimated as its round time minus
-  the replay drafter's (both verify 1 + 7 columns; replay drafts cost nothing).
+  the replay drafter's (both verify 1 + 7 columns; replay drafts cost nothing). Then the
+  `socket_equality` report of what was collected (off's repeated prompts against its cold ones, off
+  at 8 vs 1 clients, each backend against off: equal, or equal up to near-ties with off's top-2
+  logprob gap at each divergence), written to `socket_equality.json`.
 - `all`: every phase in order (hosts without a per-command time limit).
 
 `--model tiny --card cpu` runs the same phases on the toy model (the CPU dry run, tests).
@@ -161,9 +174,9 @@ class _Ctx:
 def phase_write(c: _Ctx) -> None:
     from ignis.tools.random_checkpoint import write_random_checkpoint, write_random_dflash2
 
-    done = c.ckpt_root / ".complete"
-    if done.exists() and done.read_text().strip() == c.a.model:
-        _say(f"write: {c.ckpt_root} already holds the {c.a.model} checkpoint and drafter")
+    done, kind = c.ckpt_root / ".complete", f"{c.a.model} {c.a.weights}"
+    if done.exists() and done.read_text().strip() == kind:
+        _say(f"write: {c.ckpt_root} already holds the {kind} checkpoint and drafter")
         return
     need, free = _checkpoint_bytes(c.a.model), _free(c.ckpt_root)
     _say(f"write: {need / 2**30:.1f} GiB into {c.ckpt_root} ({free / 2**30:.1f} GiB free)")
@@ -173,15 +186,18 @@ def phase_write(c: _Ctx) -> None:
             f"{need / 2**30:.1f} GiB: pass --ckpt-root"
         )
     t0 = time.perf_counter()
-    write_random_checkpoint(c.ckpt, model=c.a.model, seed=0, force=True, echo=_say)
+    write_random_checkpoint(
+        c.ckpt, model=c.a.model, seed=0, force=True, echo=_say, confident=c.a.weights == "confident"
+    )
     t1 = time.perf_counter()
     write_random_dflash2(c.ckpt, c.drafter, model=c.a.model, seed=0, force=True, echo=_say)
     t2 = time.perf_counter()
-    done.write_text(c.a.model)
+    done.write_text(kind)
     c.record(
         "write.json",
         {
             "model": c.a.model,
+            "weights": c.a.weights,
             "root": str(c.ckpt_root),
             "bytes": need,
             "checkpoint_s": t1 - t0,
@@ -214,9 +230,15 @@ def phase_build(c: _Ctx) -> None:
     from ignis.runtime.families.base import config_from_hf
     from ignis.tools.random_checkpoint import MODELS
 
-    if not (c.ckpt_root / ".complete").exists():
+    done, kind = c.ckpt_root / ".complete", f"{c.a.model} {c.a.weights}"
+    if not done.exists():
         raise SystemExit(
             f"build: no checkpoint in {c.ckpt_root}: run the write phase first (same --ckpt-root)"
+        )
+    if done.read_text().strip() != kind:
+        raise SystemExit(
+            f"build: {c.ckpt_root} holds a {done.read_text().strip()!r} checkpoint, not {kind!r}: "
+            "run the write phase with the same --weights"
         )
     vocab = int(config_from_hf(MODELS[c.a.model]).vocab_size)
     c.art_root.mkdir(parents=True, exist_ok=True)
@@ -251,9 +273,14 @@ def phase_build(c: _Ctx) -> None:
     tail = (c.out / "build.log").read_text().splitlines()[-8:]
     for line in tail:
         _say("build| " + line)
-    c.record("build.json", {"rc": rc, "seconds": seconds, "card": c.a.card, "log_tail": tail})
+    c.record(
+        "build.json",
+        {"rc": rc, "seconds": seconds, "card": c.a.card, "weights": c.a.weights, "log_tail": tail},
+    )
     if rc != 0:
         raise SystemExit(f"build: ignis-build failed (rc {rc}); see {c.out / 'build.log'}")
+    (c.art_root / "weights").write_text(c.a.weights + "\n")
+    c.ref.unlink(missing_ok=True)  # outputs recorded from another artifact are no reference
     _say(f"build: {seconds:.0f} s; artifact {c.art}")
     if str(c.ckpt_root).startswith("/dev/shm") and not c.a.keep_checkpoint:
         shutil.rmtree(c.ckpt_root, ignore_errors=True)  # RAM back for serving
@@ -263,6 +290,13 @@ def phase_build(c: _Ctx) -> None:
 def phase_serve(c: _Ctx, backend: str) -> None:
     if not (c.art / "manifest.json").exists():
         raise SystemExit(f"{backend}: no artifact at {c.art}: run the build phase first (same --art-root)")
+    marker = c.art_root / "weights"
+    built = marker.read_text().strip() if marker.exists() else "random"  # built before the marker existed
+    if built != c.a.weights:
+        raise SystemExit(
+            f"{backend}: the artifact at {c.art} was built from {built} weights, not {c.a.weights}: "
+            f"pass --weights {built} or run write and build again"
+        )
     spec = ["--spec-backend", backend]
     if backend in ("dflash2", "replay"):
         spec += ["--spec-draft-tokens", str(c.a.draft_tokens)]
@@ -321,6 +355,14 @@ def phase_serve(c: _Ctx, backend: str) -> None:
         report.write_text(json.dumps(data, indent=1) + "\n")
         if backend == "off":
             shutil.copyfile(outputs, c.ref)
+        if c.a.equality_prompts > 0:
+            records = _collect_equality(c, str(sock), backend)
+            if backend == "off":  # the replay drafter gets these prompts' recordings too
+                with c.ref.open("a") as f:
+                    for r in records:
+                        if not r["repeat"]:  # the cold pass (the others repeat its outputs or differ at ties)
+                            row = {"prompt_token_ids": r["prompt"], "output_token_ids": r["output_token_ids"]}
+                            f.write(json.dumps(row) + "\n")
         if c.a.after_bench:  # e.g. issue 24's agent measurements on the same loaded server
             env = {**os.environ, "IGNIS_SOCK": str(sock), "IGNIS_BACKEND": backend}
             _say(f"{backend}: after-bench: {c.a.after_bench}")
@@ -328,6 +370,23 @@ def phase_serve(c: _Ctx, backend: str) -> None:
             (c.out / f"after-{backend}.log").write_text(after.stdout + after.stderr)
             print(after.stdout[-6000:], flush=True)
             _say(f"{backend}: after-bench rc {after.returncode}")
+
+
+def _collect_equality(c: _Ctx, sock: str, backend: str) -> list[dict[str, Any]]:
+    """Greedy outputs with top logprobs from the running server (`socket_equality.collect`), kept
+    under --out (replacing the backend's earlier ones) and returned."""
+    from ignis.tools.bench import socket_equality as se
+
+    prompts = se.make_prompts("ids", c.a.equality_prompts, c.a.input_len, 1000, 1)
+    clients = [int(x) for x in c.a.concurrency.split(",") if x.strip()]
+    t0 = time.perf_counter()
+    records = se.collect(sock, backend, prompts, clients=clients, max_tokens=c.a.equality_tokens)
+    path = c.out / se.RECORDS
+    kept = [r for r in (se.read_records(c.out) if path.exists() else []) if r["label"] != backend]
+    path.unlink(missing_ok=True)
+    se.append_records(c.out, [*kept, *records])
+    _say(f"{backend}: equality records at {clients} client(s) in {time.perf_counter() - t0:.0f} s")
+    return records
 
 
 def _outputs(path: Path) -> dict[tuple[int, ...], set[tuple[int, ...]]]:
@@ -400,7 +459,10 @@ def phase_table(c: _Ctx) -> None:
     for name in ("write.json", "rate.json", "build.json"):
         if (c.out / name).exists():
             meta[name.removesuffix(".json")] = json.loads((c.out / name).read_text())
-    c.record("fullsize_27b.json", {"model": c.a.model, "card": c.a.card, "rows": rows, **meta})
+    c.record(
+        "fullsize_27b.json",
+        {"model": c.a.model, "card": c.a.card, "weights": c.a.weights, "rows": rows, **meta},
+    )
     head = (
         f"{'backend':<8} {'lanes':>5} {'tok/s':>8} {'target':>6} {'lane p50':>8} {'TTFT ms':>8} "
         f"{'ms/tok':>7} {'tok/rnd':>7} {'acc@1':>6} {'ms/rnd':>7} {'drafter':>8} {'=off':>6}"
@@ -410,7 +472,7 @@ def phase_table(c: _Ctx) -> None:
         r0 = rows[0]
         prompt = r0["prompt_tokens_mean"] or 0.0
         shape = f"; {r0['requests']} requests of {prompt:.0f} + {r0['max_tokens']} tokens, greedy"
-    print(f"\n27B-shaped qwen3_5 at the socket ({c.a.model}, card {c.a.card}{shape})")
+    print(f"\n27B-shaped qwen3_5 at the socket ({c.a.model}, {c.a.weights} weights, card {c.a.card}{shape})")
     if "write" in meta:
         w = meta["write"]
         print(
@@ -442,6 +504,13 @@ def phase_table(c: _Ctx) -> None:
         ]
         print(" ".join(cells))
     print(f"(written to {c.out / 'fullsize_27b.json'})")
+    from ignis.tools.bench import socket_equality as se
+
+    if (c.out / se.RECORDS).exists():
+        try:
+            se.write_report(c.out, "off", c.a.equality_threshold)
+        except SystemExit as exc:  # no off records yet
+            _say(f"table: no equality report: {exc}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -459,6 +528,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="qwen3_5-27b", choices=["qwen3_5-27b", "tiny"])
     p.add_argument("--card", default="h200")
+    p.add_argument(
+        "--weights",
+        default=os.environ.get("IGNIS_FULLSIZE_WEIGHTS") or "confident",
+        choices=["confident", "random"],
+        help="the checkpoint's values: confident (wide greedy margins, `random_checkpoint.Confident`) "
+        "or random (the plain init); default $IGNIS_FULLSIZE_WEIGHTS or confident",
+    )
     p.add_argument("--ckpt-root", default=None, help="default: /dev/shm when it has room (`place`)")
     p.add_argument("--art-root", default=None, help="default: /tmp (`place`)")
     p.add_argument(
@@ -479,6 +555,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", type=int, default=7)
     p.add_argument("--accept", type=float, default=0.885)
     p.add_argument("--ready-timeout", type=float, default=420.0)
+    p.add_argument(
+        "--equality-prompts",
+        type=int,
+        default=8,
+        help="token-id prompts sent with top logprobs after each bench (socket_equality; 0: none)",
+    )
+    p.add_argument("--equality-tokens", type=int, default=128, help="tokens per equality prompt")
+    p.add_argument(
+        "--equality-threshold",
+        type=float,
+        default=0.25,
+        help="near-tie gap in nats (socket_equality.DEFAULT_THRESHOLD)",
+    )
     p.add_argument("--rate-params", type=float, default=3e9, help="rate: parameters converted per run")
     p.add_argument(
         "--server-arg", action="append", default=[], help="an extra ignis-run argument (repeatable)"

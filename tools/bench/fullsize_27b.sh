@@ -18,6 +18,12 @@
 # Extra arguments go to the Python driver (e.g. --num-requests 32, --lanes 8; --model tiny --card cpu
 # --widths '' for a CPU dry run).
 #
+# Weights: confident by default (tools/random_checkpoint.py --confident: the same shapes and compute,
+# so the same throughput, but greedy choices with ~65-nat margins, so outputs do not depend on the
+# verify round's row count and the replay drafter keeps its recording at 8 clients);
+# IGNIS_FULLSIZE_WEIGHTS=random (or --weights random) writes the plain std-0.02 init. write and build
+# must be run again to switch: the serving phases refuse an artifact of the other kind.
+#
 # Environment, as .device/env.sh does: the wheels in .whl/ installed into /tmp/site (no network),
 # the checkout linked as the `ignis` namespace in /tmp/ns, TVM's runtime libraries from
 # .device/q4/tvm_lib (IGNIS_TVM_LIB_DIR; the build itself needs no TVM: every 27B linear takes the

@@ -16,7 +16,7 @@ heads of 64). bf16 weights, torch linears (cuBLAS). With ``--llama-artifact`` / 
 Routes: ``llama eager`` (`LlamaExecutor`), ``llama graphed`` (`StaticLlamaExecutor`) and ``qwen3_5
 graphed`` (`StaticHybridExecutor`). The static executors are warmed up as the server's load does
 (`ignis.runtime.families.static_rounds.warm_up_static`; its time is printed as ``load_warmup_s``):
-llama's shapes of the first KV bucket, the hybrid's of every KV bucket up to the context.
+both capture the shapes of every KV bucket up to the context (``--graph-warmup-context``'s default).
 
 Per route and lane count (1 and 8): greedy generation through `SpeculativeEngine`, speculation off
 (and with ``--spec``: 7 drafts from the test drafter right with p = 0.885, or ngram),

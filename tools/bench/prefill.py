@@ -42,6 +42,7 @@ from ignis.runtime.kernels.q4_tiled import tile_q4
 from ignis.runtime.kernels.tvm_runtime import load_module
 from ignis.runtime.linear import LinearBackend, Q4Weight, find_dequant, place_weight, row_splits_of
 from ignis.tools.bench import e2e_gpu
+from ignis.tools.bench.build_gpu_modules import bundle_library
 
 
 def _sync() -> None:
@@ -82,7 +83,9 @@ def time_routes(backend: LinearBackend, dev: torch.device) -> list[dict[str, Any
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mods", type=Path, required=True, help="a build_gpu_modules bundle (sm_90)")
+    ap.add_argument(
+        "--mods", type=Path, required=True, help="a build_gpu_modules bundle for the device's arch"
+    )
     ap.add_argument("--lens", default="2048,8192,32768")
     ap.add_argument("--chunks", default="2048,8192")
     ap.add_argument("--rounds", type=int, default=20)
@@ -107,11 +110,14 @@ def main() -> int:
     }
     lens = [int(x) for x in args.lens.split(",")]
     chunks = [int(x) for x in args.chunks.split(",")]
-    m = args.mods
+
+    def lib(stem: str) -> Path:
+        return bundle_library(args.mods, stem, dev)
+
     ex = StaticHybridExecutor(
         cfg, weights, device=dev, dtype=torch.bfloat16, linear=backend, max_lanes=1, max_columns=8,
-        max_context=max(lens) + args.rounds + 8, gdn_module=m / "gdn_recurrent_sm90.so",
-        norms_module=m / "fused_norms_sm90.so", mixers_module=m / "fused_mixers_sm90.so",
+        max_context=max(lens) + args.rounds + 8, gdn_module=lib("gdn_recurrent"),
+        norms_module=lib("fused_norms"), mixers_module=lib("fused_mixers"),
     )  # fmt: skip
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

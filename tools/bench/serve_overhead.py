@@ -72,6 +72,12 @@ from ignis.runtime.profiles import SpecDefaults
 from ignis.runtime.sampling import SamplingParams
 from ignis.runtime.server.model import ModelSettings, ModelSource, ServedModel
 from ignis.runtime.tokenizer import Tokenizer, TokenizerSpec
+from ignis.tools.bench.serve.options import (
+    concurrency_option,
+    json_out_option,
+    max_tokens_option,
+    seed_option,
+)
 
 __all__ = [
     "SyntheticConfig",
@@ -590,16 +596,6 @@ def format_table(rows: list[Figures], title: str) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
-def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
-    try:
-        out = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
-    if not out or any(v < 1 for v in out):
-        raise click.BadParameter(f"every value must be >= 1, got {value!r}")
-    return out
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--artifact", type=click.Path(exists=True, file_okay=False), help="An ignis-build artifact.")
 @click.option("--synthetic", is_flag=True, help="The synthetic fixed-logit model (module docstring).")
@@ -617,12 +613,10 @@ def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     show_default=True,
     help="Synthetic: tokenizer vocabulary size.",
 )
-@click.option(
+@concurrency_option(
     "--lanes",
     "lanes",
     default="1,8",
-    show_default=True,
-    callback=_lanes,
     help="Concurrent requests, comma-separated (the server runs with --lanes the largest).",
 )
 @click.option(
@@ -632,13 +626,7 @@ def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     show_default=True,
     help="Prompt tokens per request.",
 )
-@click.option(
-    "--max-tokens",
-    type=click.IntRange(min=2),
-    default=256,
-    show_default=True,
-    help="Output tokens per request (ignore_eos).",
-)
+@max_tokens_option(default=256, minimum=2, help="Output tokens per request (ignore_eos).")
 @click.option(
     "--repeat",
     type=click.IntRange(min=1),
@@ -693,7 +681,7 @@ def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     "servers up at once, their runs alternating (and interleaved with the in-process ones with "
     "--interleave), a table each.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Prompt seed.")
+@seed_option(help="Prompt seed.")
 @click.option(
     "--start-timeout",
     type=float,
@@ -707,7 +695,7 @@ def _lanes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     help="Print, instead of refusing, served token ids that leave the in-process ones (bf16 on a GPU: "
     "rounds of other shapes round differently and a near-tie may flip).",
 )
-@click.option("--json-out", type=click.Path(dir_okay=False), help="Write the figures as JSON here.")
+@json_out_option(help="Write the figures as JSON here.")
 def main(**opts: Any) -> None:
     """Served tok/s against in-process tok/s of the same model, at each concurrency (module docstring)."""
     from ignis.formats import FormatError
@@ -740,7 +728,7 @@ def _bench(
     seed: int,
     start_timeout: float,
     allow_divergence: bool,
-    json_out: str | None,
+    json_out: Path | None,
 ) -> None:
     """The benchmark; the arguments are `main`'s options by name."""
     from ignis.runtime.profiles import profile_max_prefill_tokens

@@ -11,7 +11,8 @@ another, after one untimed request) and 8 clients at once. Reports tok/s (comple
 wall time) for both, how many texts equal speculation off's (1 and 8 clients) and the backend's own
 1 vs 8 clients, the server's start time, and the speculative counters of `/metrics` (drafted and
 accepted per position). Prints a table last; writes ``served_backends.json`` (rows and texts) into
-``--out`` (default $OUT or .).
+``--out`` (default $OUT or .). Where texts differ, `python -m ignis.tools.bench.socket_equality serve
+ARTIFACT` tells whether at near-ties: the same prompts with top logprobs, off's gap at each divergence.
 """
 
 from __future__ import annotations

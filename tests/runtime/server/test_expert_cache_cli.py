@@ -131,3 +131,18 @@ def test_pin_flag_and_config_key_reach_the_model_settings(captured, seen, tmp_pa
         assert seen[-1].expert_cache_pin == want, args
     result = _invoke("--socket", str(sock), "--expert-cache-pin", "sometimes")
     assert result.exit_code == 2 and "sometimes" in result.output
+
+
+def test_lookahead_flag_and_config_key_reach_the_model_settings(captured, seen, tmp_path: Path) -> None:
+    sock = short_tmpdir() / "s.sock"
+    cfg = tmp_path / "ignis.yaml"
+    cfg.write_text(f"socket: {sock}\nexpert_cache_lookahead: true\n")
+    for args, want in (
+        (["--socket", str(sock)], False),
+        (["--socket", str(sock), "--expert-cache-lookahead"], True),
+        (["--config", str(cfg)], True),
+        (["--config", str(cfg), "--no-expert-cache-lookahead"], False),
+    ):
+        result = _invoke(*args)
+        assert result.exit_code == 0, result.output
+        assert seen[-1].expert_cache_lookahead is want, args

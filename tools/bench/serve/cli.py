@@ -28,6 +28,13 @@ from typing import Any
 import click
 
 from ignis.tools.bench.serve.client import BenchClient, ServerError, Target
+from ignis.tools.bench.serve.options import (
+    concurrency_option,
+    int_list,
+    json_out_option,
+    max_tokens_option,
+    seed_option,
+)
 from ignis.tools.bench.serve.report import format_report, format_sweep
 from ignis.tools.bench.serve.run import BenchConfig, MultiTurnConfig, run_load, run_multi_turn
 from ignis.tools.bench.serve.stats import RequestResult
@@ -57,18 +64,6 @@ def write_outputs(path: Path, results: list[RequestResult]) -> int:
         for prompt, output in seen:
             f.write(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": list(output)}) + "\n")
     return len(seen)
-
-
-def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        out = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
-    if not out or any(v < 1 for v in out):
-        raise click.BadParameter(f"every value must be >= 1, got {value!r}")
-    return out
 
 
 def _range(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, int]:
@@ -161,7 +156,7 @@ def _flags(names: list[str]) -> str:
 )
 @click.option(
     "--input-len",
-    callback=_int_list,
+    callback=int_list,
     metavar="N[,N...]",
     help="Random token-id prompts of these lengths (cycled) instead of a dataset (completions endpoint).",
 )
@@ -188,9 +183,8 @@ def _flags(names: list[str]) -> str:
 @click.option(
     "--num-requests", type=click.IntRange(min=1), help="Requests to send. [default: the prompts, or 16]"
 )
-@click.option(
-    "--max-tokens",
-    type=click.IntRange(min=1),
+@max_tokens_option(
+    default=None,
     help="Output tokens per request (per reply with --multi-turn). [default: 256; 200 with --multi-turn]",
 )
 @click.option(
@@ -199,14 +193,11 @@ def _flags(names: list[str]) -> str:
     show_default=True,
     help="Generate exactly --max-tokens (as llama-bench), or let EOS end a request.",
 )
-@click.option(
+@concurrency_option(
     "--concurrency",
     "--max-concurrency",
     "concurrency",
     default="8",
-    show_default=True,
-    callback=_int_list,
-    metavar="N[,N...]",
     help="Requests in flight at most; several values run one after the other (a sweep, compared last).",
 )
 @click.option(
@@ -229,13 +220,7 @@ def _flags(names: list[str]) -> str:
     "--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass. [default: the server's]"
 )
 @click.option("--top-k", type=click.IntRange(min=1), help="Top-k. [default: the server's]")
-@click.option(
-    "--seed",
-    type=int,
-    default=0,
-    show_default=True,
-    help="Seeds arrivals, random prompts and sessions; a sampled request i sends seed + i.",
-)
+@seed_option(help="Seeds arrivals, random prompts and sessions; a sampled request i sends seed + i.")
 @click.option(
     "--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Requests before measuring."
 )
@@ -246,9 +231,7 @@ def _flags(names: list[str]) -> str:
     callback=_percentiles,
     help="Percentiles of the latency distributions.",
 )
-@click.option(
-    "--json-out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report as JSON."
-)
+@json_out_option(help="Write the full report as JSON.")
 @click.option(
     "--save-outputs",
     type=click.Path(dir_okay=False, path_type=Path),
