@@ -73,6 +73,7 @@ def spec_server(request: pytest.FixtureRequest) -> Iterator[Running]:
     """test_server_stream_bytes's servers, their engines in a child process."""
     spec = SpecDefaults(backend="dflash2", draft_tokens=3) if request.param != "off" else SpecDefaults("off")
     with serve(spec=spec, lanes=4, engine_process=True) as running:
+        assert isinstance(running.server.lanes, ProcessLaneLoop)
         yield running
 
 
