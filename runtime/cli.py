@@ -83,6 +83,25 @@ def _checked_device(value: Any) -> str | None:
     return str(value)
 
 
+ENGINE_PROCESS_ON_CUDA = False
+"""Whether `--engine-process` is on by default for a model served on CUDA. Off until measured better on
+a GPU host: on the 2-vCPU build box it won at 8 lanes of a host-bound engine with a core to spare and
+lost at 1 ms rounds (docs/perf/log, session 14); it needs a core for each process."""
+
+
+def _engine_process(value: bool | None, source: Any, settings: Any) -> bool:
+    """`--engine-process` resolved: as given, else `ENGINE_PROCESS_ON_CUDA` when the model is served on
+    CUDA (an explicit CUDA `--device`, or a source that says it would load there), else off."""
+    if value is not None:
+        return bool(value)
+    if not ENGINE_PROCESS_ON_CUDA:
+        return False
+    if settings.device is not None:
+        return str(settings.device).startswith("cuda")
+    on_cuda = getattr(source, "serves_on_cuda", None)
+    return bool(on_cuda(settings)) if on_cuda is not None else False
+
+
 def run_command(opts: dict[str, Any]) -> None:
     """Resolve, load and serve (the body of `ignis-run`; `opts` are its options by parameter name).
 
@@ -208,26 +227,33 @@ def run_command(opts: dict[str, Any]) -> None:
     )
     logger.info("prompt checkpoints: card %d bytes, host %d bytes", card_bytes, host_bytes)
     logger.info("loading %s (context %s)", served_name, max_context or "the model's own")
-    model = source.load(
-        ModelSettings(
-            spec=resolved.spec,
-            max_context=max_context,
-            device=device,
-            cuda_graphs=bool(pick("cuda_graphs")),
-            graph_warmup_context=pick("graph_warmup_context"),
-            max_prefill_tokens=int(pick("max_prefill_tokens")),
-            checkpoint_card_bytes=card_bytes,
-            checkpoint_host_bytes=host_bytes,
-            checkpoint_dir=pick("checkpoint_dir"),
-            expert_cache=pick("expert_cache_bytes"),
-            expert_cache_pin=pick("expert_cache_pin"),
-            expert_cache_lookahead=bool(pick("expert_cache_lookahead")),
-        )
+    settings = ModelSettings(
+        spec=resolved.spec,
+        max_context=max_context,
+        device=device,
+        cuda_graphs=bool(pick("cuda_graphs")),
+        graph_warmup_context=pick("graph_warmup_context"),
+        max_prefill_tokens=int(pick("max_prefill_tokens")),
+        checkpoint_card_bytes=card_bytes,
+        checkpoint_host_bytes=host_bytes,
+        checkpoint_dir=pick("checkpoint_dir"),
+        expert_cache=pick("expert_cache_bytes"),
+        expert_cache_pin=pick("expert_cache_pin"),
+        expert_cache_lookahead=bool(pick("expert_cache_lookahead")),
     )
+    engine = None
+    if _engine_process(pick("engine_process"), source, settings):
+        from ignis.runtime.server.engine_process import EngineSpec, FactorySource, load_text_model
+
+        engine = EngineSpec(FactorySource(factory) if factory is not None else source, settings)
+        model = load_text_model(source, settings)
+        logger.info("the engine runs in its own process (--engine-process)")
+    else:
+        model = source.load(settings)
     if served_name != model.name:
         model.aliases = (*model.aliases, model.name)
         model.name = served_name
-    server = IgnisServer(model, server_options)
+    server = IgnisServer(model, server_options, engine=engine)
     budget, built = int(pick("max_prefill_tokens")), server.lanes.max_prefill_tokens
     if built is not None and built != budget:  # a --model-factory source that does not pass it on
         logger.warning(
@@ -426,6 +452,14 @@ def run_command(opts: dict[str, Any]) -> None:
     help="On CUDA, run verify rounds of every family (llama, qwen2, qwen3_5, qwen3_next) from CUDA "
     "graphs over fixed-capacity lane buffers sized by --lanes and --model-max-context (8192 tokens "
     "when neither is set and the model allows more), captured at load. [default: on]",
+)
+@click.option(
+    "--engine-process/--no-engine-process",
+    default=None,
+    help="Run the model and its engine in a child process of their own, the HTTP side (tokenizer, chat "
+    "template, tools, grammars) in this one, so that the two do not share one Python interpreter lock: "
+    "a small, host-bound model keeps its in-process speed at the socket. A child that dies fails the "
+    "requests it held (500) and is started again; shutdown stops both. [default: off]",
 )
 @click.option(
     "--graph-warmup-context",

@@ -67,6 +67,7 @@ SERVER_KEYS: dict[str, type] = {
     "log_level": str,
     "model_max_context": int,
     "cuda_graphs": bool,
+    "engine_process": bool,
     "graph_warmup_context": int,
     "max_prefill_tokens": int,
     "checkpoint_card_memory": str,

@@ -187,6 +187,16 @@ class Grammar:
         return Grammar(tokenizer, source, description, prototype)
 
     @classmethod
+    def from_source(cls, tokenizer: GrammarTokenizer, source: str, description: str) -> Grammar:
+        """Compile llguidance grammar JSON (`Grammar.source` of a grammar built by the constructors
+        below): how a grammar crosses a process boundary (`ignis.runtime.server.engine_process`).
+
+        Raises:
+            GrammarError: llguidance cannot compile it.
+        """
+        return cls._compile(tokenizer, source, description)
+
+    @classmethod
     def json_schema(
         cls, tokenizer: GrammarTokenizer, schema: Mapping[str, Any] | bool, *, name: str | None = None
     ) -> Grammar:

@@ -100,6 +100,11 @@ def attach_topk(drafter: Any, art: Any, device: torch.device) -> Any:
     return drafter
 
 
+def _reopen(path: str, draft_model: Path | None, replay: ReplayOptions | None) -> ArtifactSource:
+    """An unpickled `ArtifactSource` (`ArtifactSource.__reduce__`)."""
+    return ArtifactSource(path, verify="none", draft_model=draft_model, replay=replay)
+
+
 class ArtifactSource:
     """An artifact directory, opened and validated (weights memory-mapped, nothing on the card yet).
 
@@ -143,6 +148,40 @@ class ArtifactSource:
             kinds.append("replay")
         self.spec_kinds: tuple[str, ...] = tuple(kinds)
         self.profile: CardProfile | None = art.profile
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its path and options (for the engine process, `ignis.runtime.server.engine_process`):
+        the copy opens the directory again without re-checking the checksums this one checked."""
+        return (_reopen, (str(self.path), self.draft_model, self.replay))
+
+    def load_text(self, settings: ModelSettings) -> ServedModel:
+        """The server process's side of the model when the engine runs in its own process: the
+        tokenizer, names and speculative settings; the artifact is unmapped here (the engine process
+        maps its own) and the engine factory refuses to be called.
+
+        Raises:
+            TokenizerError: the artifact carries no tokenizer.
+        """
+        art = self.artifact
+        tokenizer = art.tokenizer()
+        if tokenizer is None:
+            raise TokenizerError(f"{self.path}: the artifact has no tokenizer; the server needs one")
+        art.close()
+
+        def no_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
+            raise RuntimeError("this model's engine runs in the engine process (load_text)")
+
+        return ServedModel(
+            name=self.name,
+            tokenizer=tokenizer,
+            make_engine=no_engine,
+            spec=settings.spec,
+            aliases=self.aliases,
+        )
+
+    def serves_on_cuda(self, settings: ModelSettings) -> bool:
+        """Whether `load(settings)` would put the model on a CUDA device."""
+        return self._device(settings).type == "cuda"
 
     def missing_backend_reason(self, backend: str) -> str:
         """Why the artifact cannot run `backend`."""

@@ -54,7 +54,7 @@ from ignis.runtime.server.errors import (
 if TYPE_CHECKING:
     from ignis.runtime.server.metrics import ServerMetrics
 
-__all__ = ["ErrorEvent", "LaneLoop", "LaneSnapshot", "RequestHandle", "TokenEvent"]
+__all__ = ["ErrorEvent", "LaneLoop", "LaneSnapshot", "RequestHandle", "TokenEvent", "busy_error"]
 
 logger = logging.getLogger("ignis.runtime.server")
 
@@ -170,6 +170,17 @@ def _deliver(items: Sequence[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> 
             pass
 
 
+def busy_error(max_lanes: int, queue_size: int, retry_after: int) -> ServerBusyError:
+    """The 503 of a request past max_lanes + queue_size in flight (with Retry-After)."""
+    lanes = "the lane is" if max_lanes == 1 else f"all {max_lanes} lanes are"
+    waiting = "1 request is" if queue_size == 1 else f"{queue_size} requests are"
+    return ServerBusyError(
+        f"{lanes} busy and {waiting} already waiting; retry after {retry_after} s",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
 class LaneLoop:
     """The engine thread (module docstring).
 
@@ -268,13 +279,7 @@ class LaneLoop:
             if self._stopping or self._thread is None or not self._thread.is_alive():
                 raise ServerUnavailableError("the server is shutting down; no new requests are taken")
             if self._num_inflight >= self.max_lanes + self.queue_size:
-                lanes = "the lane is" if self.max_lanes == 1 else f"all {self.max_lanes} lanes are"
-                waiting = "1 request is" if self.queue_size == 1 else f"{self.queue_size} requests are"
-                raise ServerBusyError(
-                    f"{lanes} busy and {waiting} already waiting; retry after {self.retry_after} s",
-                    code="queue_full",
-                    headers={"Retry-After": str(self.retry_after)},
-                )
+                raise busy_error(self.max_lanes, self.queue_size, self.retry_after)
             self._num_inflight += 1
             self._ops.append(("add", handle))
             self._cond.notify()
@@ -428,6 +433,11 @@ class LaneLoop:
             num_active=active, num_waiting=self._num_inflight - active, spec_samples=self._spec_samples
         )
         outbox, self._outbox = self._outbox, []
+        self._emit(outbox)
+
+    def _emit(self, outbox: list[tuple[RequestHandle, TokenEvent | ErrorEvent]]) -> None:
+        """Send the events of one `_publish` (after `self.snapshot` was set) to their requests: here to
+        their event loops; the engine process sends them over its pipe (`engine_process`)."""
         if outbox:
             _deliver(outbox)
 

@@ -1,6 +1,8 @@
 """Run the server: bind the sockets, serve the app with uvicorn (HTTP/1.1, h11), shut down cleanly.
 
-`IgnisServer(model, options)` wires a `ServedModel` to a `LaneLoop`, its metrics and the app.
+`IgnisServer(model, options)` wires a `ServedModel` to a `LaneLoop`, its metrics and the app; with
+`engine=EngineSpec(...)` the engine runs in a child process instead (`ProcessLaneLoop`,
+`ignis.runtime.server.engine_process`), which exits non-zero if that process cannot be kept running.
 `run()` serves in the main thread until SIGTERM or SIGINT; `serve()` is the coroutine behind it (tests
 run it in a thread and stop it with `request_exit()`).
 
@@ -26,6 +28,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -43,6 +46,9 @@ from ignis.runtime.server.sockets import (
     bind_unix_socket,
     remove_unix_socket,
 )
+
+if TYPE_CHECKING:
+    from ignis.runtime.server.engine_process import EngineSpec, ProcessLaneLoop
 
 __all__ = ["IgnisServer", "ServerOptions"]
 
@@ -159,27 +165,45 @@ class IgnisServer:
     """The server over one model (module docstring).
 
     Args:
-        model: the loaded model.
+        model: the loaded model (in engine-process mode its text side: `load_text_model`).
         options: listeners, lanes and queue.
+        engine: run the engine in a child process that loads this (`ignis-run --engine-process`,
+            `ignis.runtime.server.engine_process`); None: in a thread of this process.
 
     Raises:
         IgnisRuntimeError: the model's engine cannot be built.
     """
 
-    def __init__(self, model: ServedModel, options: ServerOptions) -> None:
+    def __init__(
+        self, model: ServedModel, options: ServerOptions, *, engine: EngineSpec | None = None
+    ) -> None:
         self.model = model
         self.options = options
-        self.lanes = LaneLoop(
-            model.make_engine,
-            max_lanes=options.lanes,
-            queue_size=options.queue_size,
-            retry_after=options.retry_after,
-            spec_metrics=SpeculativeMetrics(),
-        )
+        self.lanes: LaneLoop | ProcessLaneLoop
+        if engine is not None:  # the engine in its own process (engine_process.py)
+            from ignis.runtime.server.engine_process import ProcessLaneLoop
+
+            self.lanes = ProcessLaneLoop(
+                engine,
+                max_lanes=options.lanes,
+                queue_size=options.queue_size,
+                retry_after=options.retry_after,
+                on_fatal=self.request_exit,
+            )
+        else:
+            self.lanes = LaneLoop(
+                model.make_engine,
+                max_lanes=options.lanes,
+                queue_size=options.queue_size,
+                retry_after=options.retry_after,
+                spec_metrics=SpeculativeMetrics(),
+            )
         self.metrics = ServerMetrics(lambda: self.lanes.snapshot, options.lanes)
-        if model.prefix_cache is not None:  # the prompt checkpoint pool's counters and gauges
+        if engine is not None:  # the engine process's series (prompt checkpoints, expert cache)
+            self.metrics.registry.register(self.lanes.collector())  # type: ignore[union-attr]
+        elif model.prefix_cache is not None:  # the prompt checkpoint pool's counters and gauges
             self.metrics.registry.register(PromptCheckpointCollector(model.prefix_cache))
-        for collector in model.collectors:  # the model's own series (e.g. the expert cache's)
+        for collector in model.collectors if engine is None else ():  # the model's own (expert cache)
             self.metrics.registry.register(collector)
         self.lanes.metrics = self.metrics
         self.app = create_app(
@@ -267,7 +291,8 @@ class IgnisServer:
         finally:
             self.lanes.stop()
             self._release_sockets()
-            if self.model.save_checkpoints is not None:  # the snapshot directory, for a warm restart
+            in_process = not hasattr(self.lanes, "child_pid")  # else the engine process saved them
+            if in_process and self.model.save_checkpoints is not None:  # the snapshot dir, for a warm restart
                 try:
                     self.model.save_checkpoints()
                 except Exception:
@@ -314,6 +339,10 @@ class IgnisServer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        fatal = getattr(self.lanes, "fatal_status", None)
+        if fatal:  # the engine process could not be kept running (engine_process.py)
+            logger.error("exiting with status %d: %s", fatal, getattr(self.lanes, "fatal_error", ""))
+            return int(fatal)
         if self.lanes.num_cut:
             logger.warning("exiting with status 1: %d request(s) were cut at shutdown", self.lanes.num_cut)
             return 1

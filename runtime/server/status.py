@@ -11,7 +11,8 @@ The object (every figure is read at request time; nothing is cached):
   `queue_size` (`--queue-size`), `engine_restarts` (engines rebuilt after a failure).
 - `started`: Unix seconds the app was built; `uptime_s`: seconds since (monotonic clock).
 - `version`: the installed ignis version (null when not installed as a distribution).
-- `gpu`: null unless this process holds CUDA memory; else, for the device it holds most on, `index`,
+- `gpu`: null unless this process (with `--engine-process`: the engine process, as last shipped)
+  holds CUDA memory; else, for the device it holds most on, `index`,
   `name`, `total_bytes`,
   `used_bytes` (the whole device, other processes included: total minus `cudaMemGetInfo`'s free),
   `allocated_bytes` and `reserved_bytes` (this process's tensors and its caching allocator's pool),
@@ -152,7 +153,7 @@ def status_router(model: ServedModel, lanes: LaneLoop) -> APIRouter:
             "started": started,
             "uptime_s": time.monotonic() - started_mono,
             "version": version,
-            "gpu": gpu_memory(),
+            "gpu": getattr(lanes, "gpu_memory", gpu_memory)(),  # an engine process's, as shipped
         }
 
     return router

@@ -76,3 +76,20 @@ def test_bench_needs_exactly_one_model() -> None:
         [sys.executable, "-m", "ignis.tools.bench.serve_overhead"], capture_output=True, text=True, cwd=REPO
     )
     assert proc.returncode == 2 and "exactly one of --artifact DIR and --synthetic" in proc.stderr
+
+
+def test_bench_serves_with_and_without_the_engine_process(tmp_path: Path) -> None:
+    """`--engine-process both`: two servers, one table each; the engine process's CPU is counted."""
+    out = tmp_path / "ovh.json"
+    cmd = [sys.executable, "-m", "ignis.tools.bench.serve_overhead", "--synthetic", "--round-ms", "0.5"]
+    cmd += ["--lanes", "2", "--max-tokens", "24", "--input-len", "5", "--repeat", "1", "--json-out", str(out)]
+    cmd += ["--engine-process", "both", "--no-interleave"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["engine_process"] == "both" and sorted(doc["modes"]) == ["process", "thread"]
+    for rows in doc["modes"].values():
+        (row,) = rows
+        assert row["lanes"] == 2 and row["served_tok_s"] > 0 and row["server_cpu_s_per_token"] > 0
+    assert doc["rows"] == doc["modes"]["thread"]
+    assert "engine in its own process" in proc.stdout and "engine in a thread" in proc.stdout

@@ -4,6 +4,7 @@ its Unix socket, at 1 and 8 concurrent lanes (issue 25, item 3).
     python -m ignis.tools.bench.serve_overhead --synthetic --round-ms 1 --lanes 1,8
     python -m ignis.tools.bench.serve_overhead --synthetic --round-ms 0.2 --json-out overhead.json
     python -m ignis.tools.bench.serve_overhead --artifact DIR --device cuda --lanes 1,8 --max-tokens 256
+    python -m ignis.tools.bench.serve_overhead --synthetic --round-ms 0.2 --engine-process both
 
 For each concurrency c the benchmark
 
@@ -14,9 +15,11 @@ For each concurrency c the benchmark
    the largest concurrency, prompt checkpoints off on both sides) on a fresh Unix socket: it first
    checks that one streamed request gives the in-process token ids (`return_token_ids`), then sends c
    concurrent streamed `/v1/completions` requests: served tok/s = output tokens (the usage the server
-   reports) / the seconds from the first request sent to the last `[DONE]`, and the server process's
-   CPU seconds (all its threads: the process CPU-time clock) per token, and its main thread's (the
-   event loop's).
+   reports) / the seconds from the first request sent to the last `[DONE]`, and the server's CPU
+   seconds (all threads of its process and of its children, the engine process with
+   `--engine-process`: the process CPU-time clocks) per token, and its main thread's (the event
+   loop's). `--engine-process on` serves with `ignis-run --engine-process`, `off` (the default)
+   with `--no-engine-process`, `both` starts both servers and interleaves their runs.
 
 With `--interleave` (the default with `--synthetic`) both sides hold the model at once and their runs
 alternate, so that other work on a shared machine weighs on both alike; without it (the default with
@@ -43,6 +46,7 @@ IGNIS_SYNTH_* environment variables).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -275,6 +279,8 @@ class Figures:
         server_cpu_s_per_token: the server process's CPU seconds (all threads) per output token served.
         server_loop_cpu_s_per_token: of which the main thread's, the event loop's (Linux: utime + stime
             of /proc/PID/task/PID/stat, clock ticks; 0.0 where unreadable).
+        engine_process_cpu_s_per_token: of which the server's child processes' (the engine process
+            with --engine-process; 0.0 without).
         in_process_runs, served_runs: every run's tok/s (the best of them is the figure least
             disturbed by other work on a shared machine).
     """
@@ -286,6 +292,7 @@ class Figures:
     in_process_cpu_s_per_token: float = 0.0
     server_cpu_s_per_token: float = 0.0
     server_loop_cpu_s_per_token: float = 0.0
+    engine_process_cpu_s_per_token: float = 0.0
     in_process_runs: list[float] = field(default_factory=list)
     served_runs: list[float] = field(default_factory=list)
 
@@ -520,19 +527,52 @@ def check_served(
         raise BenchError(msg)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The process ids of a process's children and theirs (Linux /proc; [] where unreadable)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                kids = [int(k) for k in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
+def _tree_cpu_s(pids: Sequence[int]) -> float:
+    total = 0.0
+    for p in pids:
+        try:
+            total += _proc_cpu_s(p)
+        except (OSError, IndexError):
+            pass
+    return total
+
+
 def run_served(
     server: ServerProcess, prompts: list[list[int]], max_tokens: int
-) -> tuple[float, float, float]:
-    """Serve `prompts` concurrently once; returns (tok/s, the server's CPU seconds per token, its main
-    thread's CPU seconds per token).
+) -> tuple[float, float, float, float]:
+    """Serve `prompts` concurrently once; returns (tok/s, the server's CPU seconds per token (its
+    process and its children: the engine process with --engine-process), its main thread's CPU
+    seconds per token, its children's).
 
     Raises:
         BenchError: a wrong reply.
     """
     pid = server.proc.pid
-    cpu0, loop0 = _proc_cpu_s(pid), _thread_cpu_s(pid, pid)
+    kids = _descendants(pid)
+    own0, kids0, loop0 = _tree_cpu_s([pid]), _tree_cpu_s(kids), _thread_cpu_s(pid, pid)
     wall, n = asyncio.run(_served_once(server.socket, prompts, max_tokens))
-    return n / wall, (_proc_cpu_s(pid) - cpu0) / n, (_thread_cpu_s(pid, pid) - loop0) / n
+    own, child = _tree_cpu_s([pid]) - own0, _tree_cpu_s(kids) - kids0
+    return n / wall, (own + child) / n, (_thread_cpu_s(pid, pid) - loop0) / n, child / n
 
 
 def format_table(rows: list[Figures], title: str) -> str:
@@ -541,14 +581,14 @@ def format_table(rows: list[Figures], title: str) -> str:
         title,
         "",
         "| lanes | in-process tok/s | served tok/s | served / in-process | in-process CPU µs/token "
-        "| server CPU µs/token | of which the event loop's |",
-        "|---|---|---|---|---|---|---|",
+        "| server CPU µs/token | of which the event loop's | of which the engine process's |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for f in rows:
         out.append(
             f"| {f.lanes} | {f.in_process_tok_s:,.0f} | {f.served_tok_s:,.0f} | {f.ratio:.3f} "
             f"| {f.in_process_cpu_s_per_token * 1e6:,.0f} | {f.server_cpu_s_per_token * 1e6:,.0f} "
-            f"| {f.server_loop_cpu_s_per_token * 1e6:,.0f} |"
+            f"| {f.server_loop_cpu_s_per_token * 1e6:,.0f} | {f.engine_process_cpu_s_per_token * 1e6:,.0f} |"
         )
     return "\n".join(out)
 
@@ -632,6 +672,15 @@ def format_table(rows: list[Figures], title: str) -> str:
     help="Run the in-process engine in a worker thread, as the server's lane thread runs it (isolates the "
     "cost of stepping from a thread from the server's own).",
 )
+@click.option(
+    "--engine-process",
+    type=click.Choice(["off", "on", "both"]),
+    default="off",
+    show_default=True,
+    help="Serve with ignis-run --engine-process (on), without (off: --no-engine-process), or both: two "
+    "servers up at once, their runs alternating (and interleaved with the in-process ones with "
+    "--interleave), a table each.",
+)
 @seed_option(help="Prompt seed.")
 @click.option(
     "--start-timeout",
@@ -675,6 +724,7 @@ def _bench(
     max_prefill_tokens: int | None,
     interleave: bool | None,
     in_process_thread: bool,
+    engine_process: str,
     seed: int,
     start_timeout: float,
     allow_divergence: bool,
@@ -732,8 +782,9 @@ def _bench(
     ]  # fmt: skip
     if interleave is None:
         interleave = synthetic
-    runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {
-        (side, c): [] for side in ("in", "served") for c in lanes
+    modes = {"off": ["thread"], "on": ["process"], "both": ["thread", "process"]}[engine_process]
+    runs: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {
+        (side, c): [] for side in ("in", *modes) for c in lanes
     }
     first_ids: dict[int, list[int]] = {}
 
@@ -744,7 +795,7 @@ def _bench(
 
     def in_process(c: int) -> None:
         rate, cpu, first_ids[c] = engine.run(prompts[:c], max_tokens)
-        runs[("in", c)].append((rate, cpu, 0.0))
+        runs[("in", c)].append((rate, cpu, 0.0, 0.0))
 
     if not interleave:  # every in-process run, the model closed, then every served run
         for _ in range(repeat):
@@ -754,36 +805,50 @@ def _bench(
         if model.close is not None:
             model.close()
         del model, engine
-    click.echo("starting ignis-run", err=True)
-    with ServerProcess(args, env, start_timeout) as server:
+    click.echo(f"starting ignis-run ({', '.join(modes)})", err=True)
+    flags = {"thread": "--no-engine-process", "process": "--engine-process"}
+    with contextlib.ExitStack() as stack:
+        servers = {
+            m: stack.enter_context(ServerProcess([*args, flags[m]], env, start_timeout)) for m in modes
+        }
         for rep in range(repeat):
             for c in lanes:
                 if interleave:
                     in_process(c)
-                if rep == 0:
-                    check_served(
-                        server, prompts[0], max_tokens, first_ids[c], allow_divergence=allow_divergence
-                    )
-                runs[("served", c)].append(run_served(server, prompts[:c], max_tokens))
+                for mode, server in servers.items():
+                    if rep == 0:
+                        check_served(
+                            server, prompts[0], max_tokens, first_ids[c], allow_divergence=allow_divergence
+                        )
+                    runs[(mode, c)].append(run_served(server, prompts[:c], max_tokens))
     if interleave:
         engine.close()
 
-    figures = {c: Figures(lanes=c) for c in lanes}
-    for c, f in figures.items():
-        f.in_process_runs = [r for r, _, _ in runs[("in", c)]]
-        f.served_runs = [r for r, _, _ in runs[("served", c)]]
-        f.in_process_tok_s = statistics.median(f.in_process_runs)
-        f.served_tok_s = statistics.median(f.served_runs)
-        f.ratio = f.served_tok_s / f.in_process_tok_s
-        f.in_process_cpu_s_per_token = statistics.median(x for _, x, _ in runs[("in", c)])
-        f.server_cpu_s_per_token = statistics.median(x for _, x, _ in runs[("served", c)])
-        f.server_loop_cpu_s_per_token = statistics.median(x for _, _, x in runs[("served", c)])
-    rows = [figures[c] for c in lanes]
     order = "interleaved" if interleave else "in-process first"
     if in_process_thread:
         order += "; in-process engine in a worker thread"
-    title = f"{what}; prompt {input_len} tokens, {max_tokens} out, greedy; median of {repeat} ({order})"
-    click.echo(format_table(rows, title))
+    by_mode: dict[str, list[Figures]] = {}
+    for mode in modes:
+        figures = {c: Figures(lanes=c) for c in lanes}
+        for c, f in figures.items():
+            f.in_process_runs = [r[0] for r in runs[("in", c)]]
+            f.served_runs = [r[0] for r in runs[(mode, c)]]
+            f.in_process_tok_s = statistics.median(f.in_process_runs)
+            f.served_tok_s = statistics.median(f.served_runs)
+            f.ratio = f.served_tok_s / f.in_process_tok_s
+            f.in_process_cpu_s_per_token = statistics.median(r[1] for r in runs[("in", c)])
+            f.server_cpu_s_per_token = statistics.median(r[1] for r in runs[(mode, c)])
+            f.server_loop_cpu_s_per_token = statistics.median(r[2] for r in runs[(mode, c)])
+            f.engine_process_cpu_s_per_token = statistics.median(r[3] for r in runs[(mode, c)])
+        by_mode[mode] = [figures[c] for c in lanes]
+        served = "engine in its own process" if mode == "process" else "engine in a thread of the server"
+        title = (
+            f"{what}; served with the {served}; prompt {input_len} tokens, {max_tokens} out, greedy; "
+            f"median of {repeat} ({order})"
+        )
+        click.echo(format_table(by_mode[mode], title))
+        click.echo("")
+    rows = by_mode[modes[0]]
     if json_out:
         doc = {
             "model": what,
@@ -797,6 +862,8 @@ def _bench(
             "python": sys.version.split()[0],
             "cpu_count": os.cpu_count(),
             "rows": [asdict(f) for f in rows],
+            "engine_process": engine_process,
+            "modes": {m: [asdict(f) for f in r] for m, r in by_mode.items()},
         }
         Path(json_out).write_text(json.dumps(doc, indent=2) + "\n")
 

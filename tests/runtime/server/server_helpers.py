@@ -67,15 +67,25 @@ def serve(
     spec: SpecDefaults | None = None,
     *,
     max_context: int | None = None,
+    engine_process: bool = False,
     **options: object,
 ) -> Iterator[Running]:
     """Start the real server on a temporary Unix socket (the toy model unless `source` is given); stop it
-    (and check the socket is gone) after."""
+    (and check the socket is gone) after. With `engine_process` the engine runs in a child process
+    (`ignis-run --engine-process`), which must be gone after."""
     source = source or ToySource()
     spec = spec or SpecDefaults(backend="dflash2", draft_tokens=3)
     folder = short_tmpdir()
     path = folder / "ignis.sock"
-    model = source.load(ModelSettings(spec=spec, max_context=max_context))
+    settings = ModelSettings(spec=spec, max_context=max_context)
+    engine = None
+    if engine_process:
+        from ignis.runtime.server.engine_process import EngineSpec, load_text_model
+
+        engine = EngineSpec(source, settings)
+        model = load_text_model(source, settings)
+    else:
+        model = source.load(settings)
     opts = {
         "socket": str(path),
         "log_level": "warning",
@@ -83,7 +93,7 @@ def serve(
         "shutdown_timeout": 5.0,
         **options,
     }
-    server = IgnisServer(model, ServerOptions(**opts))  # type: ignore[arg-type]
+    server = IgnisServer(model, ServerOptions(**opts), engine=engine)  # type: ignore[arg-type]
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -104,6 +114,8 @@ def serve(
         assert not thread.is_alive(), "server did not stop"
         assert not errors, errors
         assert not os.path.lexists(path), "socket file left behind"
+        proc = getattr(server.lanes, "_proc", None)
+        assert proc is None or not proc.is_alive(), "engine process left behind"
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -67,6 +67,8 @@ class _CachedSource:
         self.inner, self.budget = inner, budget
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name == "inner":  # not set yet (unpickling, for an engine process)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def load(self, settings):  # type: ignore[no-untyped-def]
@@ -75,7 +77,8 @@ class _CachedSource:
         return self.inner.load(dataclasses.replace(settings, expert_cache=self.budget, device="cpu"))
 
 
-def test_metrics_report_the_expert_cache(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_metrics_report_the_expert_cache(tmp_path: Path, engine_process: bool) -> None:
     """A served MoE artifact with a small expert cache: its greedy output equals the resident one's
     and /metrics carries the cache's series (misses counted)."""
     import hf_tiny
@@ -98,7 +101,7 @@ def test_metrics_report_the_expert_cache(tmp_path: Path) -> None:
     body["return_token_ids"] = True
     outs, texts = [], []
     for source in (ArtifactSource(res.out), _CachedSource(ArtifactSource(res.out), "100KiB")):
-        with serve(source, off) as running, running.client() as c:
+        with serve(source, off, engine_process=engine_process) as running, running.client() as c:
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             outs.append(r.json()["choices"][0]["token_ids"])

@@ -80,7 +80,8 @@ def _conversation(running) -> list[tuple[str, dict]]:  # type: ignore[no-untyped
     return out
 
 
-def test_conversation_reuses_checkpoints_over_http(artifact: Path) -> None:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_conversation_reuses_checkpoints_over_http(artifact: Path, engine_process: bool) -> None:
     spec = SpecDefaults("dflash2", 3)
     with serve(WithCheckpoints(artifact, checkpoint_card_bytes=0, checkpoint_host_bytes=0), spec) as off:
         want = _conversation(off)
@@ -88,7 +89,9 @@ def test_conversation_reuses_checkpoints_over_http(artifact: Path) -> None:
             assert "ignis_prompt_checkpoint" not in c.get("/metrics").text
     assert [u["prompt_tokens_details"]["cached_tokens"] for _, u in want] == [0, 0, 0]
     with serve(
-        WithCheckpoints(artifact, checkpoint_card_bytes=1 << 30, checkpoint_host_bytes=1 << 30), spec
+        WithCheckpoints(artifact, checkpoint_card_bytes=1 << 30, checkpoint_host_bytes=1 << 30),
+        spec,
+        engine_process=engine_process,
     ) as on:
         got = _conversation(on)
         with on.client() as c:
@@ -108,14 +111,15 @@ def test_conversation_reuses_checkpoints_over_http(artifact: Path) -> None:
     assert 'ignis_prompt_checkpoint_budget_bytes{tier="card"} 1.073741824e+09' in metrics
 
 
-def test_restart_with_a_snapshot_directory_starts_warm(artifact: Path) -> None:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_restart_with_a_snapshot_directory_starts_warm(artifact: Path, engine_process: bool) -> None:
     spec = SpecDefaults("dflash2", 3)
     folder = short_tmpdir() / "ckpt"
     settings = {"checkpoint_card_bytes": 1 << 30, "checkpoint_host_bytes": 0, "checkpoint_dir": str(folder)}
-    with serve(WithCheckpoints(artifact, **settings), spec) as first:
+    with serve(WithCheckpoints(artifact, **settings), spec, engine_process=engine_process) as first:
         want = _conversation(first)
     assert list(folder.glob("*.snapshot.ninfer"))  # written at shutdown
-    with serve(WithCheckpoints(artifact, **settings), spec) as second:
+    with serve(WithCheckpoints(artifact, **settings), spec, engine_process=engine_process) as second:
         got = _conversation(second)
     assert [t for t, _ in got] == [t for t, _ in want]
     # every turn of the replayed conversation now starts from a checkpoint of the first server

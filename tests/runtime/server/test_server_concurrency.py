@@ -104,8 +104,14 @@ async def _stream(
     [SpecDefaults("dflash2", 3), SpecDefaults("mtp", 3, 16), SpecDefaults("off")],
     ids=["dflash2", "mtp", "off"],
 )
-def test_eight_concurrent_streams_equal_each_alone(spec: SpecDefaults) -> None:
-    with serve(ToySource(drafter_seed=0 if spec.backend != "mtp" else 1), spec, lanes=8) as running:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_eight_concurrent_streams_equal_each_alone(spec: SpecDefaults, engine_process: bool) -> None:
+    with serve(
+        ToySource(drafter_seed=0 if spec.backend != "mtp" else 1),
+        spec,
+        lanes=8,
+        engine_process=engine_process,
+    ) as running:
 
         async def main() -> None:
             async with running.async_client() as client:
@@ -144,9 +150,12 @@ def _metric(client: httpx.Client, name: str) -> float:
     return 0.0
 
 
-def test_client_killed_mid_stream_frees_its_lane() -> None:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_client_killed_mid_stream_frees_its_lane(engine_process: bool) -> None:
     # One lane, 20 ms a forward: the killed request alone would hold the lane for ~4 s.
-    with serve(ToySource(step_delay=0.02), SpecDefaults("off"), lanes=1, queue_size=4) as running:
+    with serve(
+        ToySource(step_delay=0.02), SpecDefaults("off"), lanes=1, queue_size=4, engine_process=engine_process
+    ) as running:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(str(running.socket))
         sock.sendall(
@@ -171,8 +180,11 @@ def test_client_killed_mid_stream_frees_its_lane() -> None:
             assert client.get("/health").json()["lanes_active"] == 0
 
 
-def test_non_streaming_client_that_disconnects_frees_its_lane() -> None:
-    with serve(ToySource(step_delay=0.02), SpecDefaults("off"), lanes=1, queue_size=4) as running:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_non_streaming_client_that_disconnects_frees_its_lane(engine_process: bool) -> None:
+    with serve(
+        ToySource(step_delay=0.02), SpecDefaults("off"), lanes=1, queue_size=4, engine_process=engine_process
+    ) as running:
         payload = json.dumps({"prompt": [1, 2], "max_tokens": 200, "ignore_eos": True}).encode()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(str(running.socket))
@@ -191,9 +203,15 @@ def test_non_streaming_client_that_disconnects_frees_its_lane() -> None:
         assert running.server.lanes.num_inflight == 0
 
 
-def test_full_queue_gets_503_with_retry_after_and_waiters_are_served() -> None:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_full_queue_gets_503_with_retry_after_and_waiters_are_served(engine_process: bool) -> None:
     with serve(
-        ToySource(step_delay=0.01), SpecDefaults("off"), lanes=1, queue_size=1, retry_after=7
+        ToySource(step_delay=0.01),
+        SpecDefaults("off"),
+        lanes=1,
+        queue_size=1,
+        retry_after=7,
+        engine_process=engine_process,
     ) as running:
 
         async def main() -> None:
@@ -225,9 +243,12 @@ def test_full_queue_gets_503_with_retry_after_and_waiters_are_served() -> None:
             assert _metric(client, 'ignis_requests_total{endpoint="/v1/completions",status="503"}') == 1
 
 
-def test_engine_failure_fails_the_requests_in_flight_and_the_server_recovers() -> None:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_engine_failure_fails_the_requests_in_flight_and_the_server_recovers(engine_process: bool) -> None:
     with (
-        serve(ToySource(fail_after_steps=3), SpecDefaults("off"), lanes=2) as running,
+        serve(
+            ToySource(fail_after_steps=3), SpecDefaults("off"), lanes=2, engine_process=engine_process
+        ) as running,
         running.client() as client,
     ):
         r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 50, "ignore_eos": True})
