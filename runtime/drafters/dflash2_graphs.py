@@ -472,6 +472,9 @@ class StaticDFlash2:
         if graph is None:
             logger.info("dflash2: capturing the commit graph for %d rows on first use", n_rows)
             graph = self._capture_commit(n_rows)
+        if graph is None:  # the capture failed: graphs are off, this commit runs directly
+            self._commit_forward(n_rows)
+            return
         graph.replay()
 
     def _commit_forward(self, n_rows: int) -> None:
@@ -575,6 +578,9 @@ class StaticDFlash2:
                 "dflash2: capturing the proposal graph for %d slots, bucket %d on first use", width, bucket
             )
             graph = self._capture(width, bucket)
+        if graph is None:  # the capture failed: graphs are off, this forward runs directly
+            self._forward(width, bucket)
+            return
         graph.replay()
 
     def _capture_body(self, run: Any) -> Any:
@@ -594,15 +600,36 @@ class StaticDFlash2:
         return entry.graph
 
     def _capture(self, width: int, bucket: int) -> Any:
-        graph = self._capture_body(lambda: self._forward(width, bucket))
-        self._graphs[(width, bucket)] = graph
+        graph = self._capture_guarded(
+            f"proposal ({width} slots, bucket {bucket})", lambda: self._forward(width, bucket)
+        )
+        if graph is not None:
+            self._graphs[(width, bucket)] = graph
         return graph
 
     def _capture_commit(self, n_rows: int) -> Any:
         # the warm-up run writes the staged rows again (the same values) or, at load, scratch rows only
-        graph = self._capture_body(lambda: self._commit_forward(n_rows))
-        self._commit_graphs[n_rows] = graph
+        graph = self._capture_guarded(f"commit ({n_rows} rows)", lambda: self._commit_forward(n_rows))
+        if graph is not None:
+            self._commit_graphs[n_rows] = graph
         return graph
+
+    def _capture_guarded(self, what: str, run: Any) -> Any:
+        """`_capture_body(run)`, or None when the capture raises a RuntimeError (an op the capture
+        cannot hold): CUDA graphs are then turned off for this drafter (logged) and every shape runs
+        the same static code directly, as the MTP head's static route does."""
+        try:
+            return self._capture_body(run)
+        except RuntimeError as exc:
+            logger.warning(
+                "dflash2: capturing the %s graph failed (%s); graphs off, the static route runs eagerly",
+                what,
+                exc,
+            )
+            self.cuda_graphs = False
+            self._graphs.clear()
+            self._commit_graphs.clear()
+            return None
 
     def warm_up(self, context: int | None = None) -> int:
         """Capture, at load, every (width, bucket) graph a proposal over lanes holding up to `context`
@@ -622,11 +649,11 @@ class StaticDFlash2:
         before = self.num_captures
         for w in self.widths:
             for b in self.buckets:
-                if b <= top and (w, b) not in self._graphs:
+                if self.cuda_graphs and b <= top and (w, b) not in self._graphs:
                     self._capture(w, b)
         self._commit_meta.zero_()  # every staged row invalid: the captures' warm-up runs write scratch rows
         for n_rows in self.commit_rows:
-            if n_rows not in self._commit_graphs:
+            if self.cuda_graphs and n_rows not in self._commit_graphs:
                 self._capture_commit(n_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -534,3 +534,30 @@ def test_warm_up_covers_every_shape_a_run_meets(monkeypatch) -> None:
     assert live
     with pytest.raises(StateError, match="before any lane"):
         graphed.warm_up()
+
+
+def test_a_failed_capture_turns_graphs_off_and_runs_the_static_route(monkeypatch, caplog) -> None:
+    """A capture that raises (an op the CUDA graph cannot hold) at load turns the drafter's graphs
+    off (logged) instead of failing the server's load; every shape then runs the same static code
+    directly, and the proposals still equal the eager drafter's."""
+    from ignis.runtime.drafters.dflash2_graphs import StaticDFlash2
+
+    calls = []
+
+    def capture(self, run):  # type: ignore[no-untyped-def]
+        calls.append(run)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StaticDFlash2, "_capture_body", capture)
+    config = _config(sliding_window=40)
+    eager, graphed = _drafter(config), _drafter(config)
+    graphed.use_static(max_lanes=4, buckets=(8, 16))
+    st = graphed.static
+    assert st is not None
+    st.cuda_graphs = True
+    with caplog.at_level("WARNING"):
+        assert graphed.warm_up(columns=(8,)) == 0
+    assert len(calls) == 1 and not st.cuda_graphs
+    assert "graphs off" in caplog.text
+    assert _drive([eager, graphed], rounds=12, seed=3, max_lanes=4)
+    assert len(calls) == 1  # nothing tried again on the request path
