@@ -210,7 +210,10 @@ def test_a_killed_engine_process_fails_its_requests_and_is_restarted() -> None:
         assert len(errors) == 1, lines[-3:]
         error = errors[0]
         assert error["type"] == "server_error" and "engine process was killed by signal 9" in error["message"]
-        # meanwhile the health check says so; then a new engine process serves
+        # meanwhile the health check says so (a new process takes seconds to load); then it serves
+        health = c.get("/health")
+        assert health.status_code == 503
+        assert health.json()["error"]["message"] == "the engine process is being restarted after a failure"
         assert _wait(lambda: c.get("/health").status_code == 200, 60)
         assert lanes.child_pid != pid and not _alive(pid)
         r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5, "temperature": 0})
