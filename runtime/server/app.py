@@ -758,7 +758,8 @@ def create_app(
         """200 while the lane loop runs; 503 when it stopped (shutdown, or an engine that cannot restart)."""
         snap = lanes.snapshot
         if not lanes.is_alive:
-            return JSONResponse(error_body("the lane loop is not running", "service_unavailable_error"), 503)
+            why = getattr(lanes, "unavailable_reason", None) or "the lane loop is not running"
+            return JSONResponse(error_body(why, "service_unavailable_error"), 503)
         return HealthResponse(lanes_active=snap.num_active, requests_waiting=snap.num_waiting)
 
     @app.get(

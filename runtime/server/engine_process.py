@@ -646,6 +646,17 @@ class ProcessLaneLoop:
         )
 
     @property
+    def unavailable_reason(self) -> str | None:
+        """Why `is_alive` is false, in a client's words (`/health`'s 503), or None."""
+        if self.fatal_status is not None:
+            return f"the engine process could not be kept running: {self.fatal_error}"
+        if self._restarting:
+            return "the engine process is being restarted after a failure"
+        if self._stopping:
+            return "the server is shutting down"
+        return None if self.is_alive else "the engine process is not running"
+
+    @property
     def num_inflight(self) -> int:
         """Requests submitted and not finished (decoding or waiting)."""
         return self._num_inflight
