@@ -154,16 +154,24 @@ class PiecewiseMoe:
 
     def experts(self, w: SparseMoeWeights, rows: int) -> None:
         """Host part: the routed ids to the host (the sync), the experts made resident and run into
-        the fixed y [rows, k, H]; with lookahead, then the next MoE layer's predicted experts
-        prefetched into its slots."""
+        the fixed y [rows, k, H]; with lookahead, the next MoE layer's predicted experts prefetched
+        into its slots once this layer's copies are issued, before its expert kernels are launched
+        (`run_cached_experts`' `issued`). Marks the cache's host breakdown when one is attached
+        (`ignis.runtime.host_breakdown`)."""
         b = self.buffers
         g = w.grouped
         k = self.top_k
-        host = g.slots.routing.to_host(b.ids[:rows])
-        run_cached_experts(b.x[:rows], host[:, :k], b.weights[:rows], g, b.y[:rows], self.linear)
+        host = g.slots.routing.to_host(b.ids[:rows])  # (marks the breakdown's layer and piece)
         nxt = self.next_layer.get(id(w)) if self.next_layer is not None else None
-        if nxt is not None:
-            nxt.grouped.slots.prefetch(np.unique(host[:, k:]).tolist())
+        issued = None
+        if nxt is not None:  # the prefetch queued behind this layer's copies, before its kernels
+
+            def issued() -> None:
+                nxt.grouped.slots.prefetch(np.unique(host[:, k:]).tolist())
+
+        run_cached_experts(
+            b.x[:rows], host[:, :k], b.weights[:rows], g, b.y[:rows], self.linear, issued=issued
+        )
 
     def combine(self, shared: torch.Tensor) -> torch.Tensor:
         """Device part after the experts: y summed over k (cast to x's dtype) plus the shared
@@ -232,10 +240,15 @@ class PiecewiseMoe:
     def replay(self, entry: PiecewiseRound) -> dict[str, torch.Tensor]:
         """Replay a captured round: each piece, then its MoE layer's host part; the last piece.
         Returns the round's outputs (overwritten by the next replay)."""
+        timer = getattr(self.stats, "breakdown", None)  # the cache's host breakdown, when attached
+        if timer is not None:
+            timer.lap("engine")
         for graph, w in zip(entry.graphs, entry.layers, strict=False):
             graph.replay()
             self.experts(w, entry.rows)
         entry.graphs[-1].replay()
+        if timer is not None:
+            timer.lap("piece")
         return entry.outputs
 
     @contextlib.contextmanager
