@@ -33,6 +33,7 @@ import torch
 
 __all__ = [
     "IDS_WAITS",
+    "SOURCE_ORDERS",
     "AddressBuffers",
     "DriverBatchCopy",
     "HostMemmove",
@@ -48,6 +49,9 @@ IDS_WAITS = ("spin", "block", "hybrid")
 
 # CUDA driver API constants (cuda.h)
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+_CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
+#: `DriverBatchCopy.set_source_order` values -> CUmemcpySrcAccessOrder
+SOURCE_ORDERS = {"stream": _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, "any": _CU_MEMCPY_SRC_ACCESS_ORDER_ANY}
 _CUDA_ERROR_INVALID_VALUE = 1
 _CUDA_ERROR_NOT_SUPPORTED = 801
 _CU_GET_PROC_ADDRESS_DEFAULT = 0
@@ -236,10 +240,25 @@ class DriverBatchCopy:
         lib.cuGetErrorName.restype = ctypes.c_int
         self._batch = self._lookup_batch(lib)
         self._attrs = _MemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        self.source_order = "stream"
         self._attr_idx = ctypes.c_size_t(0)
         self._fail_idx = ctypes.c_size_t(0)
         self._marshal()
         self.name = "cuMemcpyBatchAsync" if self._batch is not None else "cuMemcpyHtoDAsync"
+
+    def set_source_order(self, order: str) -> None:
+        """The batch's source access order: "stream" (the default: sources read in stream order) or
+        "any" (``CU_MEMCPY_SRC_ACCESS_ORDER_ANY``: the driver may read a source out of stream order,
+        also after the call returns; valid for the routed experts, read-only artifact bytes that no
+        stream work writes). Process-wide (one `DriverBatchCopy` a process).
+
+        Raises:
+            ValueError: an unknown order.
+        """
+        if order not in SOURCE_ORDERS:
+            raise ValueError(f"source order must be one of {sorted(SOURCE_ORDERS)}, got {order!r}")
+        self._attrs.srcAccessOrder = SOURCE_ORDERS[order]
+        self.source_order = order
 
     def _marshal(self) -> None:
         """The batch call's constant arguments as raw addresses, computed once (not per call)."""

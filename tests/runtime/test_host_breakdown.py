@@ -231,3 +231,18 @@ def test_cuda_ids_wait_modes_return_the_ids(mode: str) -> None:
         torch.cuda._sleep(1_000_000)  # the copy queued behind ~1 ms of work: the wait really waits
         assert r.to_host(ids).tolist() == ids.cpu().tolist()
     assert r.wait_seconds > 0
+
+
+def test_driver_batch_source_order() -> None:
+    """The batched copy's source access order is one attribute the driver call reads: "stream" by
+    default, "any" on request (the bench's --source-order); others are refused."""
+    from ignis.runtime.expert_transfer import DriverBatchCopy, _MemcpyAttributes
+
+    dma = DriverBatchCopy.__new__(DriverBatchCopy)  # no libcuda here: only the attribute block
+    dma._attrs = _MemcpyAttributes(srcAccessOrder=1)
+    dma.set_source_order("any")
+    assert dma._attrs.srcAccessOrder == 3 and dma.source_order == "any"
+    dma.set_source_order("stream")
+    assert dma._attrs.srcAccessOrder == 1
+    with pytest.raises(ValueError, match="source order"):
+        dma.set_source_order("never")

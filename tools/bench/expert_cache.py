@@ -579,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
         "each case's JSON gets `breakdown` (ms a round, us a MoE layer per section) and it is printed",
     )  # fmt: skip
     ap.add_argument(
+        "--source-order", choices=("stream", "any"), default="stream",
+        help="the batched driver copy's source access order (`DriverBatchCopy.set_source_order`)",
+    )  # fmt: skip
+    ap.add_argument(
         "--ids-wait", choices=("spin", "block", "hybrid"), default="spin",
         help="how the host waits for each MoE layer's routed ids (`ExpertCache`'s ids_wait)",
     )  # fmt: skip
@@ -595,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--host pinned needs CUDA (pinned memory is CUDA's)")
     if args.copies == "memmove" and dev.type != "cpu":
         ap.error("--copies memmove runs on host memory only (the CPU)")
+    if args.source_order != "stream" and dev.type == "cuda":
+        from ignis.runtime.expert_transfer import driver_batch_copy
+
+        dma = driver_batch_copy()
+        if dma is not None:
+            dma.set_source_order(args.source_order)
     if args.executor is None:
         args.executor = "static" if dev.type == "cuda" or args.lookahead else "eager"
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -764,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
                     "mode": mode,
                     "host": args.host,
                     "slots_per_layer": cache.slots_per_layer if cache else None,
+                    "ids_wait": args.ids_wait,
+                    "source_order": args.source_order,
                     **pinned,
                 }
                 if mtp_on and res["round_ms"]:
