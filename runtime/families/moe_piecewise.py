@@ -5,9 +5,10 @@ decides which experts are copied into which slots. A round cannot then be one CU
 eagerly it pays the launch and bookkeeping cost of every op of every layer. `PiecewiseMoe` splits a
 static round (`ignis.runtime.families.hybrid_graphs.StaticHybridExecutor._body`) at its MoE layers:
 
-    piece 0:  embedding, layer 0's norms and mixer (GDN / attention), the MoE layer's router, top-k,
-              renormalized weights and gated shared expert; x, the routing weights and the routed ids
-              copied into fixed buffers
+    piece 0:  embedding, layer 0's norms and mixer (GDN / attention), the MoE layer's gated shared
+              expert, then its router, top-k and renormalized weights; x, the routing weights and
+              the routed ids copied into fixed buffers (the ids last: nothing after them delays
+              their copy to the host)
     host:     the ids to the host (one sync), the experts looked up / copied into slots (misses as
               one batched copy), the slot-id table uploaded, the two grouped expert launches into the
               fixed output buffer y [R, k, H] float32
@@ -134,9 +135,14 @@ class PiecewiseMoe:
     # ---- the pieces ----
     def route(self, x: torch.Tensor, w: SparseMoeWeights) -> torch.Tensor:
         """Device part before the sync: the routing of x [R, H] written into the fixed buffers (x, the
-        float32 weights, the ids); returns the gated shared expert's output [R, H] (x's dtype)."""
+        float32 weights, the ids); returns the gated shared expert's output [R, H] (x's dtype).
+
+        The shared expert runs first, the routing last: the piece ends with the ids written, so the
+        ids' copy to the host (queued after the piece) waits for nothing else of the layer. (Its
+        value does not depend on the order: the same ops on the same x.)"""
         rows = x.shape[0]
         b = self.buffers
+        shared = shared_expert_output(x, w, linear=self.linear)
         top_w, top_i = route_top_k(
             x, w.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, linear=self.linear
         )
@@ -150,7 +156,7 @@ class PiecewiseMoe:
                 x, nxt.router, top_k=k, norm_topk_prob=self.norm_topk_prob, linear=self.linear
             )
             b.ids[:rows, k:].copy_(next_i)
-        return shared_expert_output(x, w, linear=self.linear)
+        return shared
 
     def experts(self, w: SparseMoeWeights, rows: int) -> None:
         """Host part: the routed ids to the host (the sync), the experts made resident and run into

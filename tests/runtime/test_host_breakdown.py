@@ -22,6 +22,7 @@ from ignis.runtime.expert_cache import ExpertCache
 from ignis.runtime.expert_transfer import AddressBuffers, PartTable, RoutingBuffers
 from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 from ignis.runtime.host_breakdown import SECTIONS, HostBreakdown
+from ignis.runtime.linear import torch_linear
 from ignis.runtime.sampling import SamplingParams
 
 
@@ -246,3 +247,28 @@ def test_driver_batch_source_order() -> None:
     assert dma._attrs.srcAccessOrder == 1
     with pytest.raises(ValueError, match="source order"):
         dma.set_source_order("never")
+
+
+def test_piece_runs_the_shared_expert_before_the_routing(monkeypatch) -> None:
+    """A piece's device part ends with the routing (the ids written last), so the ids' copy to the
+    host queued after it does not wait for the shared expert; the values are the same."""
+    import ignis.runtime.families.moe_piecewise as mp
+    from ignis.runtime.families.moe_piecewise import MoeRoundBuffers, PiecewiseMoe
+
+    order: list[str] = []
+    real_route, real_shared = mp.route_top_k, mp.shared_expert_output
+    monkeypatch.setattr(mp, "route_top_k", lambda *a, **k: order.append("route") or real_route(*a, **k))
+    monkeypatch.setattr(
+        mp, "shared_expert_output", lambda *a, **k: order.append("shared") or real_shared(*a, **k)
+    )
+    from test_expert_transfer import _block
+
+    w = _block(3)
+    buffers = MoeRoundBuffers(4, w.router.shape[1], 3, device=torch.device("cpu"), dtype=torch.float32)
+    pieces = PiecewiseMoe(top_k=3, norm_topk_prob=True, linear=torch_linear, buffers=buffers)
+    x = torch.randn(2, w.router.shape[1])
+    shared = pieces.route(x, w)
+    assert order == ["shared", "route"]
+    assert torch.equal(shared, real_shared(x, w, linear=torch_linear))
+    want_w, want_i = real_route(x, w.router, top_k=3, norm_topk_prob=True, linear=torch_linear)
+    assert torch.equal(buffers.ids[:2], want_i) and torch.equal(buffers.weights[:2], want_w.float())
