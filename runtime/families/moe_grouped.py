@@ -210,16 +210,19 @@ def run_cached_experts(
     routing = g.slots.routing
     timer = g.slots.timer
     experts = np.unique(host_ids).tolist()
-    last = (len(experts) - 1) // g.slots.num_slots  # the index of the last group
+    last = max(len(experts) - 1, 0) // g.slots.num_slots  # the index of the last group
     for i, group in enumerate(g.slots.slot_groups(experts, rows=x.shape[0])):
         if i == last and issued is not None:
             issued()
+            issued = None
             if timer is not None:
                 timer.lap("prefetch")
         sid, sid_host = routing.slot_ids(i, len(g.slots), group, host_ids)
         _run_pairs(x, sid, sid_host, route_w, g, y, linear)
         if timer is not None:
             timer.lap("launch")
+    if issued is not None:  # no group ran (no rows)
+        issued()
 
 
 def _run_pairs(
