@@ -4,7 +4,9 @@ with the timer on, the reused address and table buffers, the lookahead prefetch 
 layer's launches, and one stream switch for the two grouped launches.
 
 CUDA (marked gpu): `test_cuda_ids_wait_modes_return_the_ids` (the ids' spin / blocking / hybrid
-waits)."""
+waits), `test_cuda_graphed_pieces_timed_equal_untimed` (graphed pieces with the timer, each ids wait
+and source order of the batched driver copy: tokens equal resident; needs the compiled grouped
+kernels as `test_moe_grouped`'s GPU tests do: IGNIS_MOE_MODULE or nvcc)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from hf_tiny_hybrid import make_tiny_hybrid
+from test_moe_grouped import cuda_kernel  # noqa: F401 (the compiled grouped kernels' fixture, GPU tests)
 from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
 
 from ignis.runtime.engine import SpeculativeEngine
@@ -272,3 +275,49 @@ def test_piece_runs_the_shared_expert_before_the_routing(monkeypatch) -> None:
     assert torch.equal(shared, real_shared(x, w, linear=torch_linear))
     want_w, want_i = real_route(x, w.router, top_k=3, norm_topk_prob=True, linear=torch_linear)
     assert torch.equal(buffers.ids[:2], want_i) and torch.equal(buffers.weights[:2], want_w.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("ids_wait", "order"), [("spin", "stream"), ("hybrid", "any"), ("block", "stream")])
+def test_cuda_graphed_pieces_timed_equal_untimed(ids_wait: str, order: str, cuda_kernel, tmp_path) -> None:  # noqa: F811
+    """The graphed piecewise rounds on CUDA (1 slot a layer, batched driver copies, the compiled
+    grouped kernels) with the breakdown attached, under each ids wait and source order: greedy tokens
+    equal the resident executor's, and the driver path's sections (deps, issue, event) are marked."""
+    import test_moe_grouped as tmg
+
+    from ignis.runtime.expert_transfer import driver_batch_copy
+
+    kernel = cuda_kernel
+    tiny = make_tiny_hybrid("qwen3_5_moe", tmp_path / "t")
+    tensors = tmg._q4_experts(tiny.canonical_tensors())
+    dev = torch.device("cuda")
+    kw = dict(device=dev, dtype=torch.bfloat16, linear=torch_linear, max_lanes=4, max_context=256)
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    text = [[5, 17, 3, 99, 250, 7, 8, 41], list(range(30, 60))]
+    resident = StaticHybridExecutor(tiny.config, tensors, moe_module=kernel, **kw)
+    want = [o.output_token_ids for o in SpeculativeEngine(resident).generate(text, greedy)]
+    dma = driver_batch_copy()
+    assert dma is not None
+    try:
+        dma.set_source_order(order)
+        cache = ExpertCache(1, device=dev, ids_wait=ids_wait)
+        timer = HostBreakdown()
+        cache.set_breakdown(timer)
+        ex = StaticHybridExecutor(tiny.config, tensors, moe_module=kernel, expert_cache=cache, **kw)
+        assert ex.piecewise_graphs and all(layer.batched for layer in cache.layers)
+        engine = SpeculativeEngine(ex)
+        tokens: dict[int, list[int]] = {engine.add_lane(p, greedy): [] for p in text}
+        while engine.has_unfinished:
+            timer.begin_round()
+            for u in engine.step():
+                tokens[u.lane_id] += u.new_token_ids
+            timer.end_round()
+        assert list(tokens.values()) == want
+        rep = timer.report()
+        assert {"piece", "ids_copy", "ids_wait", "miss_issue", "miss_event", "launch"} <= set(
+            rep["ms_per_round"]
+        )
+        cache.close()
+    finally:
+        dma.set_source_order("stream")
