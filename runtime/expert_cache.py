@@ -95,7 +95,14 @@ import torch
 import torch.nn.functional as F
 
 from ignis.runtime.errors import ConfigError
-from ignis.runtime.expert_transfer import HostMemmove, PartTable, RoutingBuffers, driver_batch_copy
+from ignis.runtime.expert_transfer import (
+    IDS_WAITS,
+    AddressBuffers,
+    HostMemmove,
+    PartTable,
+    RoutingBuffers,
+    driver_batch_copy,
+)
 from ignis.runtime.families.moe import SwiGLUWeights
 from ignis.runtime.host_pin import HostPin
 from ignis.runtime.kernels.q4_tiled import tiled_shapes
@@ -245,6 +252,11 @@ class ExpertCacheStats:
         self._cache = cache
 
     @property
+    def breakdown(self) -> Any:
+        """The attached cache's host-time breakdown (`ExpertCache.set_breakdown`), or None."""
+        return self._cache.breakdown if self._cache is not None else None
+
+    @property
     def slots_total(self) -> int:
         """Slots of every layer together (0 before a cache is attached)."""
         return self._cache.slots_total if self._cache is not None else 0
@@ -355,6 +367,7 @@ class _Copier:
         staging_buffers: int = STAGING_BUFFERS,
         pin: HostPin | None = None,
         stats: ExpertCacheStats | None = None,
+        ids_wait: str = "spin",
     ):
         self.device = device
         self.cuda = device.type == "cuda"
@@ -368,12 +381,16 @@ class _Copier:
         self._next = 0
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
+            self._stream_handle = self.stream.cuda_stream
         #: the batched copy of a group's misses by raw addresses (`ignis.runtime.expert_transfer`):
         #: the CUDA driver's on CUDA when the experts are page-locked (set by `ExpertCache`), a
         #: `HostMemmove` where a CPU caller asks for it; None: torch copies, one miss at a time
         self.dma: Any = None
         #: the MoE block's pinned routing buffers (one set per cache)
-        self.routing = RoutingBuffers(device)
+        self.routing = RoutingBuffers(device, ids_wait=ids_wait)
+        self._addr = AddressBuffers()  # a batch's operand arrays, reused
+        #: the cache's `ignis.runtime.host_breakdown.HostBreakdown`, or None (off)
+        self.timer: Any = None
 
     def scratch(self, key: tuple[Any, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A device buffer for one expert part in transit (row-major, before tiling), one per key:
@@ -445,27 +462,37 @@ class _Copier:
         self._next = (self._next + 1) % len(self._staging)
         return done
 
-    def copy_batch(
-        self, table: PartTable, misses: Sequence[tuple[int, int]], after: Sequence[Any]
-    ) -> Any:
+    def copy_batch(self, table: PartTable, misses: Sequence[tuple[int, int]], after: Sequence[Any]) -> Any:
         """Copy every (expert, slot) of `misses` with one batched call over `table`'s precomputed
         addresses (`self.dma`), after the events `after` (the slots' last uses; None entries
         skipped); on CUDA asynchronously on the side stream. Returns one event that marks the whole
         batch done (None on the CPU, where it is done on return)."""
-        dst, src, sizes = table.gather([e for e, _ in misses], [s for _, s in misses])
+        timer, buf = self.timer, self._addr
+        n = table.gather_into([e for e, _ in misses], [s for _, s in misses], buf)
         if self.stats is not None:
             self.stats.direct_copies += len(misses)
+        if timer is not None:
+            timer.lap("miss_gather")
         if not self.cuda:
-            self.dma.copy(dst, src, sizes, None)
+            self.dma.copy(buf.dst[:n], buf.src[:n], buf.sizes[:n], None)
+            if timer is not None:
+                timer.lap("miss_issue")
             return None
         seen: set[int] = set()
         for event in after:
             if event is not None and id(event) not in seen:
                 seen.add(id(event))
                 self.stream.wait_event(event)
-        self.dma.copy(dst, src, sizes, self.stream.cuda_stream)
+        if timer is not None:
+            timer.lap("miss_deps")
+        ptrs = (buf.dst_ptr, buf.src_ptr, buf.sizes_ptr)
+        self.dma.copy(buf.dst[:n], buf.src[:n], buf.sizes[:n], self._stream_handle, ptrs)
+        if timer is not None:
+            timer.lap("miss_issue")
         done = torch.cuda.Event()
         done.record(self.stream)
+        if timer is not None:
+            timer.lap("miss_event")
         return done
 
     def batches(self, table: PartTable | None) -> bool:
@@ -649,6 +676,11 @@ class ExpertSlots:
         return self._copier.routing
 
     @property
+    def timer(self) -> Any:
+        """The cache's host-time breakdown (`ignis.runtime.host_breakdown.HostBreakdown`), or None."""
+        return self._copier.timer
+
+    @property
     def batched(self) -> bool:
         """Whether this layer's misses go as one batched copy a group (`ignis.runtime.expert_transfer`)."""
         return self._copier.batches(self._table)
@@ -704,6 +736,8 @@ class ExpertSlots:
                     if ready is not None and id(ready) not in waited:  # a batch: one event, one wait
                         waited.add(id(ready))
                         self._copier.wait(ready)
+                if self._copier.timer is not None:
+                    self._copier.timer.lap("copy_wait")
                 yield [(expert, slot) for expert, slot, _ready in entries]
 
     def stacks(self) -> tuple[Any, Any]:
@@ -764,6 +798,9 @@ class ExpertSlots:
             self._stats.hits += len(group) - len(misses)
             self._stats.misses += len(misses)
             self._stats.bytes_copied += len(misses) * self.expert_bytes
+            timer = self._copier.timer
+            if timer is not None:
+                timer.lap("lookup")
             if misses:
                 ready |= self._copy_in(misses)
             out = [(expert, slot, ready.get(expert)) for expert, slot in placed]
@@ -774,6 +811,8 @@ class ExpertSlots:
                 for _expert, slot in placed:
                     last_use[slot] = used
                     pending[slot] = None
+                if timer is not None:
+                    timer.lap("last_use")
 
     def _copy_in(self, misses: Sequence[tuple[int, int]]) -> dict[int, Any]:
         """Copy each (expert, slot) of `misses` into its slot, after the slot's last use: one batch
@@ -787,7 +826,7 @@ class ExpertSlots:
             assert self._table is not None
             done = self._copier.copy_batch(self._table, misses, [self._last_use[s] for _, s in misses])
             return {e: done for e, _ in misses}
-        return {
+        events = {
             expert: self._copier.copy(
                 [dst(slot) for dst in self._dst],
                 self._host_leaves[expert],
@@ -796,6 +835,9 @@ class ExpertSlots:
             )
             for expert, slot in misses
         }
+        if self._copier.timer is not None:
+            self._copier.timer.lap("miss_torch")
+        return events
 
     def prefetch(self, experts: Sequence[int]) -> int:
         """Router lookahead: copy those of `experts` (distinct; predicted for this layer's next
@@ -880,9 +922,13 @@ class ExpertCache:
             call a group of misses, `ignis.runtime.expert_transfer.DriverBatchCopy`; else torch
             copies, one miss at a time), "torch" (always torch copies) or "memmove" (CPU only: the
             batched path's address plan run by ``memmove``, `HostMemmove`).
+        ids_wait: how the host waits for each MoE layer's routed ids on CUDA: "spin" (the default),
+            "block" or "hybrid" (`ignis.runtime.expert_transfer.RoutingBuffers`).
+
+    The host path can be timed section by section (`set_breakdown`, off by default).
 
     Raises:
-        ValueError: slots_per_layer < 1, an unknown `copies` or "memmove" off the CPU.
+        ValueError: slots_per_layer < 1, an unknown `copies` or `ids_wait`, or "memmove" off the CPU.
         ConfigError: a bad `pin`, or "on" off CUDA (and later, from `make_layer`, refused).
     """
 
@@ -896,6 +942,7 @@ class ExpertCache:
         pin: str = "auto",
         copies: str = "auto",
         lookahead: bool = False,
+        ids_wait: str = "spin",
     ) -> None:
         if slots_per_layer < 1:
             raise ValueError(f"slots_per_layer must be >= 1, got {slots_per_layer}")
@@ -903,6 +950,10 @@ class ExpertCache:
             raise ValueError(f"copies must be one of {COPY_PATHS}, got {copies!r}")
         if copies == "memmove" and torch.device(device).type != "cpu":
             raise ValueError(f"copies='memmove' runs on host memory only, got device {device}")
+        if ids_wait not in IDS_WAITS:
+            raise ValueError(f"ids_wait must be one of {IDS_WAITS}, got {ids_wait!r}")
+        self.ids_wait = ids_wait
+        self.breakdown: Any = None
         self.copies = copies
         self.lookahead = bool(lookahead)
         self.slots_per_layer = slots_per_layer
@@ -938,7 +989,10 @@ class ExpertCache:
         """
         host = self.pin.adopt_experts(host)  # page-locked views where registration works (or as given)
         if self._copier is None:
-            self._copier = _Copier(self.device, expert_nbytes(host[0]), pin=self.pin, stats=self.stats)
+            self._copier = _Copier(
+                self.device, expert_nbytes(host[0]), pin=self.pin, stats=self.stats, ids_wait=self.ids_wait
+            )
+            self._copier.timer = self._copier.routing.timer = self.breakdown
             if self.copies == "memmove":
                 self._copier.dma = HostMemmove()
             elif self.copies == "auto" and self.device.type == "cuda" and self.pin.on:
@@ -969,6 +1023,13 @@ class ExpertCache:
         )
         self.layers.append(layer)
         return layer
+
+    def set_breakdown(self, timer: Any) -> None:
+        """Time the host path of every layer's lookups, copies and launches into `timer` (an
+        `ignis.runtime.host_breakdown.HostBreakdown`; None: off, the default)."""
+        self.breakdown = timer
+        if self._copier is not None:
+            self._copier.timer = self._copier.routing.timer = timer
 
     def flush(self) -> None:
         """`ExpertSlots.flush` on every layer."""

@@ -31,12 +31,27 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["DriverBatchCopy", "HostMemmove", "PartTable", "RoutingBuffers", "driver_batch_copy"]
+__all__ = [
+    "IDS_WAITS",
+    "SOURCE_ORDERS",
+    "AddressBuffers",
+    "DriverBatchCopy",
+    "HostMemmove",
+    "PartTable",
+    "RoutingBuffers",
+    "driver_batch_copy",
+]
 
 log = logging.getLogger("ignis.runtime.expert_transfer")
 
+#: `RoutingBuffers`' ways of waiting for the routed ids.
+IDS_WAITS = ("spin", "block", "hybrid")
+
 # CUDA driver API constants (cuda.h)
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+_CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
+#: `DriverBatchCopy.set_source_order` values -> CUmemcpySrcAccessOrder
+SOURCE_ORDERS = {"stream": _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, "any": _CU_MEMCPY_SRC_ACCESS_ORDER_ANY}
 _CUDA_ERROR_INVALID_VALUE = 1
 _CUDA_ERROR_NOT_SUPPORTED = 801
 _CU_GET_PROC_ADDRESS_DEFAULT = 0
@@ -104,6 +119,19 @@ class PartTable:
         """Copies a miss takes (after merging)."""
         return int(self.sizes.shape[0])
 
+    def gather_into(self, experts: Sequence[int], slots: Sequence[int], out: AddressBuffers) -> int:
+        """`gather` written into `out`'s fixed arrays (grown when short) instead of new ones; returns
+        the copies written (len(experts) * P): out.dst[:n], out.src[:n], out.sizes[:n]."""
+        parts = self.num_parts
+        n = len(experts) * parts
+        out.reserve(n)
+        e = np.fromiter(experts, dtype=np.intp, count=len(experts))
+        s = np.fromiter(slots, dtype=np.intp, count=len(slots))
+        np.take(self.host_addr, e, axis=0, out=out.src[:n].reshape(len(experts), parts))
+        np.take(self.slot_addr, s, axis=0, out=out.dst[:n].reshape(len(experts), parts))
+        out.sizes[:n].reshape(len(experts), parts)[:] = self.sizes
+        return n
+
     def gather(
         self, experts: Sequence[int], slots: Sequence[int]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -117,13 +145,39 @@ class PartTable:
         return dst, src, sizes
 
 
+class AddressBuffers:
+    """Fixed host arrays for one batched copy's operands (destination and source addresses, sizes:
+    uint64 [capacity] each) and their raw addresses, reused call after call (a batch's arrays are
+    read by the driver during the call), so no batch allocates arrays or builds ctypes views."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.dst = self.src = self.sizes = np.zeros(0, dtype=np.uint64)
+        self.dst_ptr = self.src_ptr = self.sizes_ptr = 0
+        self.reserve(capacity)
+
+    def reserve(self, n: int) -> None:
+        """Room for at least `n` copies (the arrays replaced by larger ones when short)."""
+        if n <= self.dst.shape[0]:
+            return
+        cap = max(n, 2 * self.dst.shape[0], 64)
+        self.dst, self.src, self.sizes = (np.zeros(cap, dtype=np.uint64) for _ in range(3))
+        self.dst_ptr, self.src_ptr, self.sizes_ptr = (a.ctypes.data for a in (self.dst, self.src, self.sizes))
+
+
 class HostMemmove:
     """`DriverBatchCopy`'s interface over host memory: each copy is a ``memmove`` (the stream is
     ignored; done on return). For CPU slots (tests, and CPU executors that ask for it)."""
 
     name = "memmove"
 
-    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int | None) -> None:
+    def copy(
+        self,
+        dst: np.ndarray,
+        src: np.ndarray,
+        sizes: np.ndarray,
+        stream: int | None,
+        ptrs: tuple[int, int, int] | None = None,
+    ) -> None:
         for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
             ctypes.memmove(d, s, n)
 
@@ -186,9 +240,32 @@ class DriverBatchCopy:
         lib.cuGetErrorName.restype = ctypes.c_int
         self._batch = self._lookup_batch(lib)
         self._attrs = _MemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        self.source_order = "stream"
         self._attr_idx = ctypes.c_size_t(0)
         self._fail_idx = ctypes.c_size_t(0)
+        self._marshal()
         self.name = "cuMemcpyBatchAsync" if self._batch is not None else "cuMemcpyHtoDAsync"
+
+    def set_source_order(self, order: str) -> None:
+        """The batch's source access order: "stream" (the default: sources read in stream order) or
+        "any" (``CU_MEMCPY_SRC_ACCESS_ORDER_ANY``: the driver may read a source out of stream order,
+        also after the call returns; valid for the routed experts, read-only artifact bytes that no
+        stream work writes). Process-wide (one `DriverBatchCopy` a process).
+
+        Raises:
+            ValueError: an unknown order.
+        """
+        if order not in SOURCE_ORDERS:
+            raise ValueError(f"source order must be one of {sorted(SOURCE_ORDERS)}, got {order!r}")
+        self._attrs.srcAccessOrder = SOURCE_ORDERS[order]
+        self.source_order = order
+
+    def _marshal(self) -> None:
+        """The batch call's constant arguments as raw addresses, computed once (not per call)."""
+        self._attrs_ptr = ctypes.addressof(self._attrs)
+        self._attr_idx_ptr = ctypes.addressof(self._attr_idx)
+        self._fail_idx_ptr = ctypes.addressof(self._fail_idx)
+        self._handles: dict[int, ctypes.c_void_p] = {}
 
     @staticmethod
     def _lookup_batch(lib: Any) -> Any:
@@ -224,9 +301,17 @@ class DriverBatchCopy:
             return name.value.decode()
         return f"CUresult {code}"
 
-    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int | None) -> None:
+    def copy(
+        self,
+        dst: np.ndarray,
+        src: np.ndarray,
+        sizes: np.ndarray,
+        stream: int | None,
+        ptrs: tuple[int, int, int] | None = None,
+    ) -> None:
         """Enqueue copies src[i] -> dst[i] of sizes[i] bytes (uint64 arrays, C-contiguous) on
-        `stream` (a CUstream handle; 0 or None: the legacy default stream).
+        `stream` (a CUstream handle; 0 or None: the legacy default stream). `ptrs`: the three
+        arrays' addresses when the caller has them (`AddressBuffers`), else read from the arrays.
 
         Raises:
             RuntimeError: the driver refused a copy (its error name).
@@ -234,12 +319,14 @@ class DriverBatchCopy:
         count = int(sizes.shape[0])
         if not count:
             return
-        handle = ctypes.c_void_p(stream or 0)
+        handle = self._handles.get(stream or 0)
+        if handle is None:
+            handle = self._handles[stream or 0] = ctypes.c_void_p(stream or 0)
         if self._batch is not None:
+            d, s, z = ptrs if ptrs is not None else (dst.ctypes.data, src.ctypes.data, sizes.ctypes.data)
             rc = self._batch(
-                dst.ctypes.data, src.ctypes.data, sizes.ctypes.data, count, ctypes.addressof(self._attrs),
-                ctypes.addressof(self._attr_idx), 1, ctypes.addressof(self._fail_idx), handle,
-            )  # fmt: skip
+                d, s, z, count, self._attrs_ptr, self._attr_idx_ptr, 1, self._fail_idx_ptr, handle
+            )
             if rc == 0:
                 return
             if rc not in (_CUDA_ERROR_INVALID_VALUE, _CUDA_ERROR_NOT_SUPPORTED):
@@ -284,34 +371,66 @@ class RoutingBuffers:
     Reuse is safe without events of its own: a layer's ids copy waits (host) for everything queued
     before it on the compute stream, so the previous layer's table uploads have run before any
     buffer is written again; within a layer each group writes its own region.
+
+    How the host waits for the ids (`ids_wait`, `IDS_WAITS`): "spin" (CUDA's default for a context
+    with fewer active contexts than cores: the thread polls, the lowest wake-up latency, one core
+    busy for the whole wait), "block" (the event made with ``cudaEventBlockingSync``: the thread
+    sleeps until the driver wakes it, no core spent, a wake-up latency added to each layer) or
+    "hybrid" (``cudaEventQuery`` polled for `spin_us`, then the blocking wait: short waits as
+    "spin", long ones, e.g. a wide round's copies, without burning the core).
+
+    Raises (constructor):
+        ValueError: an unknown `ids_wait`.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, ids_wait: str = "spin", spin_us: float = 100.0) -> None:
+        if ids_wait not in IDS_WAITS:
+            raise ValueError(f"ids_wait must be one of {IDS_WAITS}, got {ids_wait!r}")
         self.device = device
         self.cuda = device.type == "cuda"
+        self.ids_wait = ids_wait
+        self.spin_ns = int(spin_us * 1e3)
         self._ids_host: torch.Tensor | None = None  # pinned int64 [capacity]
         self._tables_host: torch.Tensor | None = None  # pinned int32 [groups, capacity]
         self._tables_dev: torch.Tensor | None = None  # int32 [groups, capacity]
         self._event: Any = None
+        self._table: np.ndarray | None = None  # int32 [experts]: expert -> slot of the current group
         #: wall seconds the host spent waiting for the routed ids (every layer, since creation)
         self.wait_seconds = 0.0
+        #: the cache's `ignis.runtime.host_breakdown.HostBreakdown`, or None (off)
+        self.timer: Any = None
 
     def to_host(self, ids: torch.Tensor) -> np.ndarray:
         """`ids` (int64 [R, k], any device) as a host int64 array [R, k]: on CUDA one non-blocking copy
         into the pinned buffer and one host wait on its event (the layer's host sync). The array is
         valid until the next call."""
+        timer = self.timer
+        if timer is not None:  # a MoE layer's host part starts here: what ran before was its piece
+            timer.layer()
+            timer.lap("piece")
         if not ids.is_cuda:
-            return ids.to(torch.int64).numpy()
+            out = ids.to(torch.int64).numpy()
+            if timer is not None:
+                timer.lap("ids_copy")
+            return out
         n = ids.numel()
         if self._ids_host is None or self._ids_host.numel() < n:
             self._ids_host = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event(blocking=self.ids_wait != "spin")
         buf = self._ids_host[:n].view(ids.shape)
         buf.copy_(ids, non_blocking=True)
         self._event.record()
-        t0 = time.perf_counter()
+        if timer is not None:
+            timer.lap("ids_copy")
+        t0 = time.perf_counter_ns()
+        if self.ids_wait == "hybrid":
+            event = self._event
+            while not event.query() and time.perf_counter_ns() - t0 < self.spin_ns:
+                pass
         self._event.synchronize()
-        self.wait_seconds += time.perf_counter() - t0
+        self.wait_seconds += (time.perf_counter_ns() - t0) * 1e-9
+        if timer is not None:
+            timer.lap("ids_wait")
         return buf.numpy()
 
     def slot_ids(
@@ -321,22 +440,28 @@ class RoutingBuffers:
         -1 for pairs whose expert is not in `pairs` ((expert, slot) of the group). On CUDA the table
         is written into the group's pinned region and uploaded with one non-blocking copy into a
         fixed device buffer (valid until the next layer's call for the same group)."""
-        table = np.full(num_experts, -1, dtype=np.int32)
-        if pairs:
-            e, s = zip(*pairs, strict=True)
-            table[list(e)] = s
-        if not self.cuda:
-            host = torch.from_numpy(table[host_ids])
-            return host, host
-        n = host_ids.size
-        self._reserve(group + 1, n)
-        assert self._tables_host is not None and self._tables_dev is not None
-        region = self._tables_host[group, :n]
-        np.take(table, host_ids.reshape(-1), out=region.numpy())
-        dev = self._tables_dev[group, :n]
-        dev.copy_(region, non_blocking=True)
-        shape = host_ids.shape
-        return dev.view(shape), region.view(shape)
+        table = self._table
+        if table is None or table.shape[0] != num_experts:
+            table = self._table = np.full(num_experts, -1, dtype=np.int32)
+        e = np.fromiter((p[0] for p in pairs), dtype=np.intp, count=len(pairs))
+        table[e] = np.fromiter((p[1] for p in pairs), dtype=np.int32, count=len(pairs))
+        try:
+            if not self.cuda:
+                host = torch.from_numpy(table[host_ids])
+                return host, host
+            n = host_ids.size
+            self._reserve(group + 1, n)
+            assert self._tables_host is not None and self._tables_dev is not None
+            region = self._tables_host[group, :n]
+            np.take(table, host_ids.reshape(-1), out=region.numpy())
+            dev = self._tables_dev[group, :n]
+            dev.copy_(region, non_blocking=True)
+            shape = host_ids.shape
+            return dev.view(shape), region.view(shape)
+        finally:
+            table[e] = -1  # back to all -1 for the next group
+            if self.timer is not None:
+                self.timer.lap("table")
 
     def _reserve(self, groups: int, n: int) -> None:
         held = self._tables_host

@@ -39,7 +39,7 @@ in choice order (the reference adds them in x's dtype in expert-index order).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,16 +197,32 @@ def run_cached_experts(
     g: GroupedExperts,
     y: torch.Tensor,
     linear: LinearFn = F.linear,
+    issued: Callable[[], None] | None = None,
 ) -> None:
     """The routed experts of a layer with an expert cache, into y [R, k, H] float32: the union of the
     routed experts (host_ids [R, k] int64, on the host) made resident group by group
     (`ExpertSlots.slot_groups`), and each group's pairs run with their slot ids (the others masked).
-    x [R, H] and route_w [R, k] float32 on the device; every pair runs exactly once."""
+    x [R, H] and route_w [R, k] float32 on the device; every pair runs exactly once.
+
+    `issued`: called once the copies of the layer's last group are issued and before that group's
+    launches (router lookahead queues the next layer's prefetch there: behind this layer's copies
+    on the copy stream, ahead of this layer's kernels on the host)."""
     routing = g.slots.routing
+    timer = g.slots.timer
     experts = np.unique(host_ids).tolist()
+    last = max(len(experts) - 1, 0) // g.slots.num_slots  # the index of the last group
     for i, group in enumerate(g.slots.slot_groups(experts, rows=x.shape[0])):
+        if i == last and issued is not None:
+            issued()
+            issued = None
+            if timer is not None:
+                timer.lap("prefetch")
         sid, sid_host = routing.slot_ids(i, len(g.slots), group, host_ids)
         _run_pairs(x, sid, sid_host, route_w, g, y, linear)
+        if timer is not None:
+            timer.lap("launch")
+    if issued is not None:  # no group ran (no rows)
+        issued()
 
 
 def _run_pairs(
@@ -226,8 +242,7 @@ def _run_pairs(
     executor's hook: an artifact's compiled CPU functions serve the experts' shapes; `F.linear`
     is replaced by `torch_linear` for q4 stacks), as the reference loop runs them."""
     if g.uses_kernel and g.kernel.takes(x, g.gate_up) and g.kernel.takes(x, g.down):
-        h = g.kernel.gate_up(x, ids, g.gate_up)
-        g.kernel.down(h, ids, g.down, route_w, y)
+        g.kernel.swiglu_experts(x, ids, g.gate_up, g.down, route_w, y)
         return
     if linear is F.linear:
         linear = torch_linear

@@ -5,9 +5,10 @@ decides which experts are copied into which slots. A round cannot then be one CU
 eagerly it pays the launch and bookkeeping cost of every op of every layer. `PiecewiseMoe` splits a
 static round (`ignis.runtime.families.hybrid_graphs.StaticHybridExecutor._body`) at its MoE layers:
 
-    piece 0:  embedding, layer 0's norms and mixer (GDN / attention), the MoE layer's router, top-k,
-              renormalized weights and gated shared expert; x, the routing weights and the routed ids
-              copied into fixed buffers
+    piece 0:  embedding, layer 0's norms and mixer (GDN / attention), the MoE layer's gated shared
+              expert, then its router, top-k and renormalized weights; x, the routing weights and
+              the routed ids copied into fixed buffers (the ids last: nothing after them delays
+              their copy to the host)
     host:     the ids to the host (one sync), the experts looked up / copied into slots (misses as
               one batched copy), the slot-id table uploaded, the two grouped expert launches into the
               fixed output buffer y [R, k, H] float32
@@ -134,9 +135,14 @@ class PiecewiseMoe:
     # ---- the pieces ----
     def route(self, x: torch.Tensor, w: SparseMoeWeights) -> torch.Tensor:
         """Device part before the sync: the routing of x [R, H] written into the fixed buffers (x, the
-        float32 weights, the ids); returns the gated shared expert's output [R, H] (x's dtype)."""
+        float32 weights, the ids); returns the gated shared expert's output [R, H] (x's dtype).
+
+        The shared expert runs first, the routing last: the piece ends with the ids written, so the
+        ids' copy to the host (queued after the piece) waits for nothing else of the layer. (Its
+        value does not depend on the order: the same ops on the same x.)"""
         rows = x.shape[0]
         b = self.buffers
+        shared = shared_expert_output(x, w, linear=self.linear)
         top_w, top_i = route_top_k(
             x, w.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, linear=self.linear
         )
@@ -150,20 +156,28 @@ class PiecewiseMoe:
                 x, nxt.router, top_k=k, norm_topk_prob=self.norm_topk_prob, linear=self.linear
             )
             b.ids[:rows, k:].copy_(next_i)
-        return shared_expert_output(x, w, linear=self.linear)
+        return shared
 
     def experts(self, w: SparseMoeWeights, rows: int) -> None:
         """Host part: the routed ids to the host (the sync), the experts made resident and run into
-        the fixed y [rows, k, H]; with lookahead, then the next MoE layer's predicted experts
-        prefetched into its slots."""
+        the fixed y [rows, k, H]; with lookahead, the next MoE layer's predicted experts prefetched
+        into its slots once this layer's copies are issued, before its expert kernels are launched
+        (`run_cached_experts`' `issued`). Marks the cache's host breakdown when one is attached
+        (`ignis.runtime.host_breakdown`)."""
         b = self.buffers
         g = w.grouped
         k = self.top_k
-        host = g.slots.routing.to_host(b.ids[:rows])
-        run_cached_experts(b.x[:rows], host[:, :k], b.weights[:rows], g, b.y[:rows], self.linear)
+        host = g.slots.routing.to_host(b.ids[:rows])  # (marks the breakdown's layer and piece)
         nxt = self.next_layer.get(id(w)) if self.next_layer is not None else None
-        if nxt is not None:
-            nxt.grouped.slots.prefetch(np.unique(host[:, k:]).tolist())
+        issued = None
+        if nxt is not None:  # the prefetch queued behind this layer's copies, before its kernels
+
+            def issued() -> None:
+                nxt.grouped.slots.prefetch(np.unique(host[:, k:]).tolist())
+
+        run_cached_experts(
+            b.x[:rows], host[:, :k], b.weights[:rows], g, b.y[:rows], self.linear, issued=issued
+        )
 
     def combine(self, shared: torch.Tensor) -> torch.Tensor:
         """Device part after the experts: y summed over k (cast to x's dtype) plus the shared
@@ -232,10 +246,15 @@ class PiecewiseMoe:
     def replay(self, entry: PiecewiseRound) -> dict[str, torch.Tensor]:
         """Replay a captured round: each piece, then its MoE layer's host part; the last piece.
         Returns the round's outputs (overwritten by the next replay)."""
+        timer = getattr(self.stats, "breakdown", None)  # the cache's host breakdown, when attached
+        if timer is not None:
+            timer.lap("engine")
         for graph, w in zip(entry.graphs, entry.layers, strict=False):
             graph.replay()
             self.experts(w, entry.rows)
         entry.graphs[-1].replay()
+        if timer is not None:
+            timer.lap("piece")
         return entry.outputs
 
     @contextlib.contextmanager

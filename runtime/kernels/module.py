@@ -10,6 +10,8 @@ a stream context).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 __all__ = ["ModuleFunctions", "optional_export"]
@@ -54,11 +56,30 @@ class ModuleFunctions:
             except (KeyError, AttributeError):  # a dict / a tvm_ffi.Module without it
                 pass
 
+    #: set while `_stream` holds tvm-ffi's stream on torch's current one: calls inside skip their own
+    _on_stream: bool = False
+
     def _call(self, name: str, args: tuple[Any, ...], cuda: bool) -> None:
-        if not cuda:  # a CPU stand-in (tests: the kernels' CPU models)
+        if not cuda or self._on_stream:  # a CPU stand-in (tests), or inside `_stream` already
             self.funcs[name](*args)
             return
         from ignis.runtime.kernels.tvm_runtime import torch_stream
 
         with torch_stream():
             self.funcs[name](*args)
+
+    @contextmanager
+    def _stream(self) -> Iterator[None]:
+        """Several CUDA calls under one switch of tvm-ffi's stream to torch's current one (the calls
+        inside must not change torch's current stream)."""
+        if self._on_stream:
+            yield
+            return
+        from ignis.runtime.kernels.tvm_runtime import torch_stream
+
+        with torch_stream():
+            self._on_stream = True
+            try:
+                yield
+            finally:
+                self._on_stream = False

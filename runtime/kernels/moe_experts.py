@@ -146,6 +146,9 @@ class MoeExpertsKernel(ModuleFunctions):
         rows, top_k = ids.shape
         y = x.new_empty((rows, top_k, stack.out_features))
         step = max(1, MAX_PAIRS // top_k)
+        if rows <= step:  # one launch: the tensors as they are (no views to build)
+            self._call("moe_q4_gate_up", (x, ids, stack.packed, stack.scales, y), x.is_cuda)
+            return y
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             args = (x[r0:r1], ids[r0:r1], stack.packed, stack.scales, y[r0:r1])
@@ -165,11 +168,31 @@ class MoeExpertsKernel(ModuleFunctions):
         pairs keep their values); returns `out`. h, route_w and out contiguous."""
         rows, top_k = ids.shape
         step = max(1, MAX_PAIRS // top_k)
+        if rows <= step:
+            self._call("moe_q4_down", (h, ids, stack.packed, stack.scales, route_w, out), h.is_cuda)
+            return out
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             args = (h[r0:r1], ids[r0:r1], stack.packed, stack.scales, route_w[r0:r1], out[r0:r1])
             self._call("moe_q4_down", args, h.is_cuda)
         return out
+
+    def swiglu_experts(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        gate_up: Any,
+        down: Any,
+        route_w: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """`gate_up` then `down` (the SwiGLU experts of every pair: h = gate_up(x), out = route_w *
+        down(silu(gate(h)) * up(h))) with both launches under one stream context (one
+        ``torch.cuda.current_stream`` query and one tvm-ffi stream switch for the two)."""
+        if not x.is_cuda:
+            return self.down(self.gate_up(x, ids, gate_up), ids, down, route_w, out)
+        with self._stream():
+            return self.down(self.gate_up(x, ids, gate_up), ids, down, route_w, out)
 
 
 def reference_module() -> dict[str, Any]:

@@ -277,6 +277,7 @@ def test_driver_batch_falls_back_to_single_copies_when_the_batch_is_refused(capl
     dma._one = lambda d, s, n, stream: singles.append((d, s, n)) or 0
     dma.error_name = lambda code: f"E{code}"  # type: ignore[method-assign]
     dma._attrs, dma._attr_idx, dma._fail_idx = ctypes.c_int(0), ctypes.c_size_t(0), ctypes.c_size_t(0)
+    dma._marshal()
     dma.name = "cuMemcpyBatchAsync"
     arr = [np.array(v, dtype=np.uint64) for v in ([10, 20], [1, 2], [4, 8])]
     with caplog.at_level("WARNING"):

@@ -68,3 +68,32 @@ def test_tiny_lookahead_reports_prefetches_and_recall(tmp_path: Path) -> None:
     four = next(c for c in res["cases"] if c["card"] == "4slots")
     assert four["prefetches"] > 0 and 0 <= four["lookahead_recall"] <= 1
     assert four["hit_rate_lru_lookahead"] == four["hit_rate"]  # the replay with the prefetches
+
+
+def test_tiny_breakdown_reports_the_host_sections(tmp_path: Path, capsys) -> None:
+    """--breakdown (the static executor's split rounds on the CPU, misses by memmove): each cached
+    case's JSON has the per-section host time of its rounds, printed too."""
+    argv = ["--tiny", "--lanes", "1", "--modes", "off", "--tokens", "3", "--breakdown", "--copies", "memmove"]
+    assert main([*argv, "--executor", "static", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "bench_expert_cache.json").read_text())
+    for case in res["cases"]:
+        bd = case["breakdown"]
+        assert case["copies"] == "memmove" and bd["rounds"] >= 1 and bd["moe_layers_per_round"] == 4
+        assert {"piece", "ids_copy", "lookup", "table", "launch", "engine"} <= set(bd["ms_per_round"])
+        assert abs(sum(bd["ms_per_round"].values()) - bd["round_ms"]) < 0.05
+    assert "host breakdown:" in capsys.readouterr().out
+
+
+def test_host_path_probe(tmp_path: Path) -> None:
+    """`expert_host_path`: the cache's host path alone at a routing shape, every section timed."""
+    from ignis.tools.bench.expert_host_path import main as probe
+
+    argv = ["--layers", "3", "--experts", "16", "--top-k", "4", "--slots", "6", "--rows", "1,3"]
+    assert probe([*argv, "--rounds", "6", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "bench_expert_host_path.json").read_text())
+    assert [c["rows"] for c in res["cases"]] == [1, 3]
+    for case in res["cases"]:
+        assert case["rounds"] == 3 and case["moe_layers_per_round"] == 3 and 0 <= case["hit_rate"] < 1
+        assert {"ids_copy", "lookup", "miss_gather", "miss_issue", "table", "launch"} <= set(
+            case["us_per_layer"]
+        )

@@ -117,6 +117,7 @@ from ignis.runtime.expert_cache import (
 )
 from ignis.runtime.families.hybrid_executor import HybridExecutor
 from ignis.runtime.families.qwen3_5 import Qwen3_5MoeTextConfig, mtp_tensor_shapes, tensor_shapes
+from ignis.runtime.host_breakdown import HostBreakdown
 from ignis.runtime.host_pin import HostPin
 from ignis.runtime.linear import Q4Weight
 from ignis.runtime.sampling import SamplingParams
@@ -424,13 +425,20 @@ def run_case(
     captured: list[bool] = []  # rounds that captured CUDA graphs (a new round shape)
     routing = cache.layers[0].routing if cache is not None and cache.layers else None
     waited0 = routing.wait_seconds if routing is not None else 0.0
+    timer = cache.breakdown if cache is not None else None
+    if timer is not None:
+        timer.reset()
     while engine.has_unfinished:
         sync()
         graphs = getattr(ex, "num_captures", 0)
         spent["propose"] = spent["commit"] = 0.0
+        if timer is not None:
+            timer.begin_round()
         t0, c0 = time.perf_counter(), time.thread_time()
         updates = engine.step()
         c1 = time.thread_time()
+        if timer is not None:  # rounds that captured graphs are left out, as from tok_s_steady
+            timer.end_round() if getattr(ex, "num_captures", 0) == graphs else timer.drop_round()
         sync()
         times.append(time.perf_counter() - t0)
         for part in drafter_parts:
@@ -467,6 +475,8 @@ def run_case(
         # wall time the engine thread waited in the MoE layers' host syncs (spin-waiting counts as CPU
         # time in host_ms: host_ms - sync_wait_ms is the host's own work)
         res["sync_wait_ms"] = round((routing.wait_seconds - waited0) / len(times) * 1e3, 2)
+    if timer is not None:
+        res["breakdown"] = timer.report()
     if cache is not None:
         after = cache.stats.snapshot()
         needed = cache.stats.lookahead_needed - look0[1]
@@ -510,6 +520,8 @@ def run_case(
                 )  # fmt: skip
                 total = sim["hits"] + sim["misses"]
                 res["hit_rate_lru_lookahead"] = round(sim["hits"] / total, 4) if total else 0.0
+                # what the lookahead adds to LRU's hit rate on the same routing
+                res["lookahead_hit_gain"] = round(res["hit_rate_lru_lookahead"] - res["hit_rate_lru"], 4)
     return res
 
 
@@ -519,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lanes", default="1,2,3,4,8")
     ap.add_argument("--modes", default="off,mtp,mtp-rows3")
     ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per lane")
-    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--layers", type=int, default=None, help="layers (default 48; --tiny: 4)")
     ap.add_argument("--context", type=int, default=8192, help="context per lane the KV is planned for")
     ap.add_argument("--accept", type=float, default=0.815, help="MTP per-draft acceptance for projections")
     ap.add_argument("--baselines", action="store_true", help="also every expert resident, and no cache")
@@ -532,9 +544,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--executor",
         choices=("static", "eager"),
-        default="static",
-        help="static: StaticHybridExecutor with the bundle's fused kernels (the server's route on CUDA); "
-        "eager: HybridExecutor [static]",
+        default=None,
+        help="static: StaticHybridExecutor with the bundle's fused kernels (the server's route on CUDA; "
+        "on the CPU its rounds split at the MoE layers run eagerly); eager: HybridExecutor "
+        "[static on CUDA and with --lookahead, else eager]",
     )
     ap.add_argument(
         "--mtp-head", choices=("static", "eager"), default="static",
@@ -555,9 +568,23 @@ def main(argv: list[str] | None = None) -> int:
         help="directory of the memory-mapped expert file (--host mmap) and of copier_rates' mapped file",
     )  # fmt: skip
     ap.add_argument(
-        "--copies", choices=("auto", "torch"), default="auto",
+        "--copies", choices=("auto", "torch", "memmove"), default="auto",
         help="how the cache copies misses (`ExpertCache`'s copies): auto = one batched driver call a "
-        "group from page-locked experts; torch = one torch copy per part of each miss (the old path)",
+        "group from page-locked experts; torch = one torch copy per part of each miss (the old path); "
+        "memmove = the batched path's plan by memmove (CPU only)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--breakdown", action="store_true",
+        help="time the cached rounds' host path section by section (`ignis.runtime.host_breakdown`): "
+        "each case's JSON gets `breakdown` (ms a round, us a MoE layer per section) and it is printed",
+    )  # fmt: skip
+    ap.add_argument(
+        "--source-order", choices=("stream", "any"), default="stream",
+        help="the batched driver copy's source access order (`DriverBatchCopy.set_source_order`)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ids-wait", choices=("spin", "block", "hybrid"), default="spin",
+        help="how the host waits for each MoE layer's routed ids (`ExpertCache`'s ids_wait)",
     )  # fmt: skip
     ap.add_argument(
         "--lookahead", action="store_true",
@@ -570,8 +597,19 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if args.host == "pinned" and dev.type != "cuda":
         ap.error("--host pinned needs CUDA (pinned memory is CUDA's)")
+    if args.copies == "memmove" and dev.type != "cpu":
+        ap.error("--copies memmove runs on host memory only (the CPU)")
+    if args.source_order != "stream" and dev.type == "cuda":
+        from ignis.runtime.expert_transfer import driver_batch_copy
+
+        dma = driver_batch_copy()
+        if dma is not None:
+            dma.set_source_order(args.source_order)
+    if args.executor is None:
+        args.executor = "static" if dev.type == "cuda" or args.lookahead else "eager"
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = issue_config(4 if args.tiny else args.layers, tiny=args.tiny)
+    # --tiny: 4 layers unless --layers is given (many tiny layers: the host path's per-layer cost)
+    cfg = issue_config(args.layers or (4 if args.tiny else 48), tiny=args.tiny)
     t0 = time.perf_counter()
     weights = make_weights(tensor_shapes(cfg), dev, seed=0)
     mtp_weights = make_weights(mtp_tensor_shapes(cfg), dev, seed=1)
@@ -670,14 +708,17 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     pin = "off" if args.host == "pageable" else "auto"
                     cache = ExpertCache(
-                        slots, device=dev, pin=pin, copies=args.copies, lookahead=args.lookahead
-                    )
+                        slots, device=dev, pin=pin, copies=args.copies, lookahead=args.lookahead,
+                        ids_wait=args.ids_wait,
+                    )  # fmt: skip
+                    if args.breakdown:
+                        cache.set_breakdown(HostBreakdown())
                     if card != -1:
                         cache.stats.trace = []  # every forward's routing (run_case replays it)
             run_weights = weights
             if cache is None:  # every expert resident
                 run_weights = {n: (w.to(dev) if is_routed_expert(n) else w) for n, w in weights.items()}
-            if args.executor == "static" and (dev.type == "cuda" or args.lookahead):  # lookahead: static only
+            if args.executor == "static":
                 # the server's route: pooled lanes, the bundle's fused kernels, CUDA graphs: whole
                 # rounds when every expert is resident, in pieces between the MoE layers' host syncs
                 # with an expert cache (moe_piecewise.py)
@@ -733,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
                     "mode": mode,
                     "host": args.host,
                     "slots_per_layer": cache.slots_per_layer if cache else None,
+                    "ids_wait": args.ids_wait,
+                    "source_order": args.source_order,
                     **pinned,
                 }
                 if mtp_on and res["round_ms"]:
@@ -742,6 +785,10 @@ def main(argv: list[str] | None = None) -> int:
                         lanes * expected_tokens(d, args.accept) / res["round_ms"] * 1e3, 2
                     )
                 print(json.dumps(res), flush=True)
+                if res.get("breakdown"):
+                    print(
+                        f"{label} {mode} {lanes} lanes: " + HostBreakdown.format(res["breakdown"]), flush=True
+                    )
                 results["cases"].append(res)
             if cache is not None:
                 cache.close()
@@ -760,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
     cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "tok_s_steady", "projected_tok_s")
     cols += ("round_ms", "host_ms", "drafter_ms", "propose_ms", "commit_ms", "mtp_graphs")
-    cols += ("sync_wait_ms", "hit_rate", "prefetches", "lookahead_recall", "hit_rate_lru_lookahead", "copies")
+    cols += ("sync_wait_ms", "hit_rate", "prefetches", "lookahead_recall", "hit_rate_lru_lookahead")
+    cols += ("lookahead_hit_gain", "copies")
     cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
     cols += ("experts_per_forward", "experts_per_layer_run", "host", "direct_copies", "staged_copies")
     print(" | ".join(cols))
