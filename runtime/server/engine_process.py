@@ -905,6 +905,8 @@ class ProcessLaneLoop:
             handles = list(self._handles.values())
             self._handles.clear()
             self._num_inflight -= len(handles)
+            # the dead child's lanes are free: its last step's gauges must not outlive it
+            self.snapshot = LaneSnapshot(0, self._num_inflight, self.snapshot.spec_samples)
         err = EngineFailedError(
             f"the engine process {how} while serving this request; the server restarts it"
         )

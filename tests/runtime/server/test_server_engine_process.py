@@ -513,3 +513,35 @@ def test_a_cuda_engine_process_serves_like_the_default_mode(tmp_path: Path) -> N
     got, want, status = served_both_ways(_tiny_hybrid_artifact(tmp_path), "cuda")
     assert got == want and all(len(ids) == 24 for ids in got)
     assert status["gpu"] is not None and status["gpu"]["allocated_bytes"] > 0
+
+
+def test_the_lane_gauges_drop_to_zero_when_the_engine_process_dies() -> None:
+    """The lanes a dead engine process held are free once its requests failed: /health, /status and
+    ignis_lanes_active say 0 while the new process loads and after it, before any new request."""
+    source = ToySource(step_delay=0.02)
+    with serve(source, SpecDefaults("off"), lanes=2, engine_process=True) as running, running.client() as c:
+        lanes = running.server.lanes
+        assert isinstance(lanes, ProcessLaneLoop)
+        pid = lanes.child_pid
+        assert pid is not None
+        done: list[int] = []
+
+        def request() -> None:
+            r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 200, "ignore_eos": True})
+            done.append(r.status_code)
+
+        threads = [threading.Thread(target=request, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        assert _wait(lambda: c.get("/status").json()["lanes"]["active"] == 2, 20)
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+        assert done == [500, 500]
+        assert c.get("/status").json()["lanes"]["active"] == 0
+        assert _metric(c, "ignis_lanes_active") == 0
+        assert _wait(lambda: c.get("/health").status_code == 200, 60)
+        assert c.get("/health").json()["lanes_active"] == 0
+        assert c.get("/status").json()["lanes"]["active"] == 0
+        assert _metric(c, "ignis_lanes_active") == 0
+        assert _metric(c, "ignis_requests_waiting") == 0
