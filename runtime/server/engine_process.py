@@ -485,6 +485,28 @@ def _grow_pipe(fd: int) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _child_environment() -> Iterator[None]:
+    """The environment an engine process starts with: OMP_WAIT_POLICY=PASSIVE unless the environment
+    sets an OpenMP wait policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT); the server's own is restored after.
+
+    The engine process runs torch's CPU ops from its main thread (the OpenMP initial thread), whose
+    team spins actively at every parallel region's barrier when the process has no more OpenMP
+    threads than cores (GNU libgomp); on a host whose cores other processes share, each barrier then
+    waits for a descheduled spinner, and a CPU engine ran ~5-10x slower than in the default mode's
+    lane thread (whose extra team puts libgomp in its throttled spin). Passive waiting sleeps on a
+    futex instead. libgomp reads the variable when it is loaded, so it must be in the child's
+    environment at exec (multiprocessing's spawn passes this process's environment)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+
+
 def _kill_child(proc: Any, conn: Connection | None) -> None:
     """Finalizer: close the command pipe (the child exits on end of file), then make sure."""
     if conn is not None:
@@ -594,7 +616,8 @@ class ProcessLaneLoop:
             args=(self.spec, self.max_lanes, cmd_r, ev_w, level, threads),
             name="ignis-engine",
         )
-        proc.start()
+        with _child_environment():
+            proc.start()
         cmd_r.close()
         ev_w.close()
         finalizer = Finalize(self, _kill_child, args=(proc, cmd_w), exitpriority=10)

@@ -11,6 +11,7 @@ shutdown by signal and no orphan process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -545,3 +546,38 @@ def test_the_lane_gauges_drop_to_zero_when_the_engine_process_dies() -> None:
         assert c.get("/status").json()["lanes"]["active"] == 0
         assert _metric(c, "ignis_lanes_active") == 0
         assert _metric(c, "ignis_requests_waiting") == 0
+
+
+class _WaitPolicySource(ToySource):
+    """The toy source whose engine's context limit tells the engine process's OMP_WAIT_POLICY."""
+
+    def load(self, settings):  # type: ignore[no-untyped-def]
+        context = _CONTEXT_OF_POLICY.get(os.environ.get("OMP_WAIT_POLICY"), 100)
+        return super().load(dataclasses.replace(settings, max_context=context))
+
+
+_CONTEXT_OF_POLICY = {"PASSIVE": 111, "ACTIVE": 122}
+
+
+@pytest.mark.parametrize("outer", [None, "ACTIVE"])
+def test_the_engine_process_waits_passively_in_openmp(
+    monkeypatch: pytest.MonkeyPatch, outer: str | None
+) -> None:
+    """The engine process runs torch's CPU ops from its main thread, where GNU OpenMP's active
+    spin-waiting at every parallel region's barrier stalls the engine on a host whose cores are shared
+    (measured ~5-10x slower than the default mode on the 2-core build box): it starts with
+    OMP_WAIT_POLICY=PASSIVE unless the environment already sets a policy, and the server process's own
+    environment is left as it was."""
+    if outer is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", outer)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    lanes = ProcessLaneLoop(
+        EngineSpec(_WaitPolicySource(), ModelSettings(spec=SpecDefaults("off"))), max_lanes=1, queue_size=0
+    )
+    try:
+        assert lanes.max_context == _CONTEXT_OF_POLICY[outer or "PASSIVE"]
+    finally:
+        lanes.stop(10)
+    assert os.environ.get("OMP_WAIT_POLICY") == outer
