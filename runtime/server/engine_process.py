@@ -373,6 +373,10 @@ def _gpu_memory() -> Any:
         return None
 
 
+#: set in an engine process whose load failed (its command pipe then ends with no server gone)
+_load_failed = threading.Event()
+
+
 def _read_commands(conn: Connection, ready: threading.Event, holder: list[_EngineSide]) -> None:
     """The child's command reader: applies the server's commands; end of file without `stop` means
     the server process is gone, and the child exits at once (no orphan)."""
@@ -380,8 +384,8 @@ def _read_commands(conn: Connection, ready: threading.Event, holder: list[_Engin
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
-            if holder and holder[0].stop_requested:
-                return
+            if (holder and holder[0].stop_requested) or _load_failed.is_set():
+                return  # a load that failed: the main thread exits with its status
             logger.warning("engine process: the server process is gone; exiting")
             os._exit(0)
         ready.wait()
@@ -434,7 +438,11 @@ def _child_main(
         model = spec.source.load(spec.settings)
         side = _EngineSide(model, max_lanes, send)
     except BaseException as exc:
-        logger.exception("engine process: the model could not be loaded")
+        _load_failed.set()
+        if isinstance(exc, IgnisRuntimeError):  # a typed refusal: its message says it all
+            logger.error("engine process: the model could not be loaded: %s", exc)
+        else:
+            logger.exception("engine process: the model could not be loaded")
         try:
             blob = pickle.dumps(exc)
         except Exception:

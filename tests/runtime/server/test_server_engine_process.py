@@ -581,3 +581,15 @@ def test_the_engine_process_waits_passively_in_openmp(
     finally:
         lanes.stop(10)
     assert os.environ.get("OMP_WAIT_POLICY") == outer
+
+
+def test_a_refused_load_in_the_engine_process_logs_no_traceback(capfd: pytest.CaptureFixture[str]) -> None:
+    """A load the model refuses with a typed error (a bad --expert-cache-bytes, a missing drafter: an
+    IgnisRuntimeError) reaches the server as that error, and the engine process's log says it in one
+    line, as the default mode does: no traceback, and no claim that the server process is gone."""
+    spec = EngineSpec(_FailingSource(), ModelSettings(spec=SpecDefaults("off")))
+    with pytest.raises(ConfigError, match="a test's refusal"):
+        ProcessLaneLoop(spec, max_lanes=1, queue_size=0)
+    time.sleep(0.5)  # the engine process's last lines
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "server process is gone" not in err, err
