@@ -336,6 +336,11 @@ class ArtifactSource:
                         "--cuda-graphs); this engine runs its rounds eagerly (device %s)",
                         device,
                     )
+            elif settings.expert_cache_lookahead:
+                log.warning(
+                    "--expert-cache-lookahead has no effect here: no expert cache (not a MoE model, or "
+                    "every routed expert resident on the device)"
+                )
             drafter = None if spec.backend == "off" else make_drafter(executor)
             verify = (spec.draft_tokens + 1,) if drafter is not None and spec.draft_tokens else ()
             # at load: the round shapes of the target (with the outputs the drafter asks every forward

@@ -188,3 +188,12 @@ def test_lookahead_where_the_rounds_run_eagerly_says_it_does_nothing(tmp_path: P
             assert "no effect" in said[0].getMessage() and "CUDA graphs" in said[0].getMessage()
         else:
             assert not said
+    # every expert resident (--expert-cache-bytes off): there is no cache to prefetch into
+    caplog.clear()
+    settings = ModelSettings(
+        spec=SpecDefaults(backend="off"), device="cpu", expert_cache="off", expert_cache_lookahead=True
+    )
+    with caplog.at_level(logging.INFO, logger="ignis.runtime.server"):
+        source.load(settings).make_engine(1, SpeculativeMetrics())
+    said = [r for r in caplog.records if "--expert-cache-lookahead" in r.getMessage()]
+    assert len(said) == 1 and "no expert cache" in said[0].getMessage(), [r.getMessage() for r in said]
