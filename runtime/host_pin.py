@@ -396,6 +396,8 @@ class HostPin:
 
     def describe(self) -> str:
         """One line: which copy path the cache's misses take, and what registration cost."""
+        if self.device.type != "cuda":
+            return f"routed experts in host memory ({self.reason}): misses are copied into their slots"
         if not self.active or not self.pinned_bytes:
             return (
                 f"routed experts not page-locked ({self.reason or 'nothing adopted'}): misses copy "

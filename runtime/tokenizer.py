@@ -181,10 +181,11 @@ class Tokenizer:
 
         Raises:
             ValueError: max_length < 1.
+            TokenizerError: text is not valid Unicode (a lone UTF-16 surrogate, which a JSON body can
+                spell as `"\\ud800"`).
         """
         tok = self._tok if max_length is None else self._truncating(max_length)
-        batch = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: no offsets
-        return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        return _backend_ids(tok, text, add_special_tokens)
 
     def _truncating(self, max_length: int) -> _HFTokenizer:
         """A copy of the backend that truncates to max_length ids (cached; the backend's truncation
@@ -436,8 +437,7 @@ class Tokenizer:
                 self._plain = _HFTokenizer.from_str(self._tok.to_str())
                 self._plain.encode_special_tokens = True
             tok = self._plain
-        batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        return list(batch([text], add_special_tokens=False)[0].ids)
+        return _backend_ids(tok, text, False)
 
     @functools.cached_property
     def _special_texts(self) -> tuple[str, ...]:
@@ -666,3 +666,26 @@ def _plain(value: Any) -> Any:
 
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "ChatPrompt", "IncrementalDetokenizer", "Tokenizer", "TokenizerSpec"]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _backend_ids(tok: _HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Ids of one text through the backend's batch call (`encode_batch_fast` where it exists: no offsets).
+
+    Raises:
+        TokenizerError: text holds a lone UTF-16 surrogate (U+D800..U+DFFF: not Unicode scalar values,
+            so `tokenizers` refuses the str with a TypeError); the message names the first one.
+    """
+    batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    try:
+        return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
+    except TypeError:
+        found = _SURROGATE.search(text)
+        if found is None:
+            raise
+        raise TokenizerError(
+            f"the text is not valid Unicode: it holds a lone UTF-16 surrogate U+{ord(found.group()):04X} "
+            f"at character {found.start()}"
+        ) from None

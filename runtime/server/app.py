@@ -494,7 +494,7 @@ class _Service:
             ids = list(self.model.tokenizer.encode_chat_prompt(prompt, max_length=self.lanes.max_context))
         except IgnisRuntimeError as exc:
             raise InvalidRequestError(
-                "the rendered messages could not be tokenized", param="messages"
+                f"the rendered messages could not be tokenized: {exc}", param="messages"
             ) from exc
         self.refuse_truncated(ids, prompt.text, param="messages")
         return ids
@@ -532,7 +532,9 @@ class _Service:
                     )
                 )
             except IgnisRuntimeError as exc:
-                raise InvalidRequestError("the prompt could not be tokenized", param="prompt") from exc
+                raise InvalidRequestError(
+                    f"the prompt could not be tokenized: {exc}", param="prompt"
+                ) from exc
             self.refuse_truncated(ids, prompt, param="prompt")
             return ids
         return [int(t) for t in prompt]

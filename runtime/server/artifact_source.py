@@ -329,6 +329,18 @@ class ArtifactSource:
             )
             if expert_cache is not None:  # the host experts were registered as the layers were built
                 log.info("expert cache: %s", expert_cache.describe_host())
+                if expert_cache.lookahead and not getattr(executor, "piecewise_graphs", False):
+                    log.warning(
+                        "--expert-cache-lookahead has no effect here: router lookahead runs only in "
+                        "verify rounds replayed from CUDA graphs in pieces (a CUDA device with "
+                        "--cuda-graphs); this engine runs its rounds eagerly (device %s)",
+                        device,
+                    )
+            elif settings.expert_cache_lookahead:
+                log.warning(
+                    "--expert-cache-lookahead has no effect here: no expert cache (not a MoE model, or "
+                    "every routed expert resident on the device)"
+                )
             drafter = None if spec.backend == "off" else make_drafter(executor)
             verify = (spec.draft_tokens + 1,) if drafter is not None and spec.draft_tokens else ()
             # at load: the round shapes of the target (with the outputs the drafter asks every forward

@@ -373,6 +373,10 @@ def _gpu_memory() -> Any:
         return None
 
 
+#: set in an engine process whose load failed (its command pipe then ends with no server gone)
+_load_failed = threading.Event()
+
+
 def _read_commands(conn: Connection, ready: threading.Event, holder: list[_EngineSide]) -> None:
     """The child's command reader: applies the server's commands; end of file without `stop` means
     the server process is gone, and the child exits at once (no orphan)."""
@@ -380,8 +384,8 @@ def _read_commands(conn: Connection, ready: threading.Event, holder: list[_Engin
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
-            if holder and holder[0].stop_requested:
-                return
+            if (holder and holder[0].stop_requested) or _load_failed.is_set():
+                return  # a load that failed: the main thread exits with its status
             logger.warning("engine process: the server process is gone; exiting")
             os._exit(0)
         ready.wait()
@@ -434,7 +438,11 @@ def _child_main(
         model = spec.source.load(spec.settings)
         side = _EngineSide(model, max_lanes, send)
     except BaseException as exc:
-        logger.exception("engine process: the model could not be loaded")
+        _load_failed.set()
+        if isinstance(exc, IgnisRuntimeError):  # a typed refusal: its message says it all
+            logger.error("engine process: the model could not be loaded: %s", exc)
+        else:
+            logger.exception("engine process: the model could not be loaded")
         try:
             blob = pickle.dumps(exc)
         except Exception:
@@ -483,6 +491,28 @@ def _grow_pipe(fd: int) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
     except (ImportError, OSError):
         pass
+
+
+@contextlib.contextmanager
+def _child_environment() -> Iterator[None]:
+    """The environment an engine process starts with: OMP_WAIT_POLICY=PASSIVE unless the environment
+    sets an OpenMP wait policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT); the server's own is restored after.
+
+    The engine process runs torch's CPU ops from its main thread (the OpenMP initial thread), whose
+    team spins actively at every parallel region's barrier when the process has no more OpenMP
+    threads than cores (GNU libgomp); on a host whose cores other processes share, each barrier then
+    waits for a descheduled spinner, and a CPU engine ran ~5-10x slower than in the default mode's
+    lane thread (whose extra team puts libgomp in its throttled spin). Passive waiting sleeps on a
+    futex instead. libgomp reads the variable when it is loaded, so it must be in the child's
+    environment at exec (multiprocessing's spawn passes this process's environment)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def _kill_child(proc: Any, conn: Connection | None) -> None:
@@ -594,7 +624,8 @@ class ProcessLaneLoop:
             args=(self.spec, self.max_lanes, cmd_r, ev_w, level, threads),
             name="ignis-engine",
         )
-        proc.start()
+        with _child_environment():
+            proc.start()
         cmd_r.close()
         ev_w.close()
         finalizer = Finalize(self, _kill_child, args=(proc, cmd_w), exitpriority=10)
@@ -916,6 +947,8 @@ class ProcessLaneLoop:
             handles = list(self._handles.values())
             self._handles.clear()
             self._num_inflight -= len(handles)
+            # the dead child's lanes are free: its last step's gauges must not outlive it
+            self.snapshot = LaneSnapshot(0, self._num_inflight, self.snapshot.spec_samples)
         err = EngineFailedError(
             f"the engine process {how} while serving this request; the server restarts it"
         )

@@ -559,3 +559,11 @@ def test_copy_path_series_are_exported() -> None:
     cache.stats.direct_copies, cache.stats.staged_copies = 5, 2
     snap = cache.stats.snapshot()
     assert (snap["direct_copies"], snap["staged_copies"], snap["pinned_host_bytes"]) == (5, 2, 0)
+
+
+def test_describe_on_a_cpu_device_names_no_staging_ring() -> None:
+    """Off CUDA there is no staging ring and no DMA (the slots are host tensors too): the load's line
+    says the misses are plain tensor copies, as the metrics show (no direct, no staged copies)."""
+    line = HostPin("cpu", "auto").describe()
+    assert "plain tensor copies" in line
+    assert "staging ring" not in line and "DMA" not in line, line

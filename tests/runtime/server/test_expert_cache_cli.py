@@ -146,3 +146,54 @@ def test_lookahead_flag_and_config_key_reach_the_model_settings(captured, seen, 
         result = _invoke(*args)
         assert result.exit_code == 0, result.output
         assert seen[-1].expert_cache_lookahead is want, args
+
+
+def test_lookahead_where_the_rounds_run_eagerly_says_it_does_nothing(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """--expert-cache-lookahead acts only in verify rounds replayed from CUDA graphs in pieces; on the
+    CPU (or with --no-cuda-graphs) the engine runs eagerly and never prefetches: the load says so
+    instead of ignoring the flag silently."""
+    import logging
+
+    import hf_tiny
+    from hf_tiny_hybrid import make_tiny_hybrid
+
+    from ignis.compiler.build import build_artifact
+    from ignis.runtime.metrics import SpeculativeMetrics
+    from ignis.runtime.profiles import SpecDefaults
+    from ignis.runtime.server.artifact_source import ArtifactSource
+    from ignis.runtime.server.model import ModelSettings
+
+    make_tiny_hybrid("qwen3_5_moe", tmp_path / "ckpt")
+    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "r.toml").write_text('name = "tiny-moe"\n[modules]\nwidths = []\n')
+    res = build_artifact(
+        card="cpu", model=tmp_path / "ckpt", recipe=tmp_path / "r.toml", out=tmp_path / "art", progress=False,
+        echo=lambda _l: None,
+    )  # fmt: skip
+    source = ArtifactSource(res.out)
+    for lookahead in (False, True):
+        caplog.clear()
+        settings = ModelSettings(
+            spec=SpecDefaults(backend="off"),
+            device="cpu",
+            expert_cache="100KiB",
+            expert_cache_lookahead=lookahead,
+        )
+        with caplog.at_level(logging.INFO, logger="ignis.runtime.server"):
+            engine = source.load(settings).make_engine(1, SpeculativeMetrics())
+        assert engine is not None
+        said = [r for r in caplog.records if "--expert-cache-lookahead" in r.getMessage()]
+        if lookahead:
+            assert len(said) == 1 and said[0].levelno == logging.WARNING
+            assert "no effect" in said[0].getMessage() and "CUDA graphs" in said[0].getMessage()
+        else:
+            assert not said
+    # every expert resident (--expert-cache-bytes off): there is no cache to prefetch into
+    caplog.clear()
+    settings = ModelSettings(
+        spec=SpecDefaults(backend="off"), device="cpu", expert_cache="off", expert_cache_lookahead=True
+    )
+    with caplog.at_level(logging.INFO, logger="ignis.runtime.server"):
+        source.load(settings).make_engine(1, SpeculativeMetrics())
+    said = [r for r in caplog.records if "--expert-cache-lookahead" in r.getMessage()]
+    assert len(said) == 1 and "no expert cache" in said[0].getMessage(), [r.getMessage() for r in said]

@@ -11,6 +11,7 @@ shutdown by signal and no orphan process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -545,3 +546,82 @@ def test_a_cuda_engine_process_serves_like_the_default_mode(tmp_path: Path) -> N
     got, want, status = served_both_ways(_tiny_hybrid_artifact(tmp_path), "cuda")
     assert got == want and all(len(ids) == 24 for ids in got)
     assert status["gpu"] is not None and status["gpu"]["allocated_bytes"] > 0
+
+
+def test_the_lane_gauges_drop_to_zero_when_the_engine_process_dies() -> None:
+    """The lanes a dead engine process held are free once its requests failed: /health, /status and
+    ignis_lanes_active say 0 while the new process loads and after it, before any new request."""
+    source = ToySource(step_delay=0.02)
+    with serve(source, SpecDefaults("off"), lanes=2, engine_process=True) as running, running.client() as c:
+        lanes = running.server.lanes
+        assert isinstance(lanes, ProcessLaneLoop)
+        pid = lanes.child_pid
+        assert pid is not None
+        done: list[int] = []
+
+        def request() -> None:
+            r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 200, "ignore_eos": True})
+            done.append(r.status_code)
+
+        threads = [threading.Thread(target=request, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        assert _wait(lambda: c.get("/status").json()["lanes"]["active"] == 2, 20)
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+        assert done == [500, 500]
+        assert c.get("/status").json()["lanes"]["active"] == 0
+        assert _metric(c, "ignis_lanes_active") == 0
+        assert _wait(lambda: c.get("/health").status_code == 200, 60)
+        assert c.get("/health").json()["lanes_active"] == 0
+        assert c.get("/status").json()["lanes"]["active"] == 0
+        assert _metric(c, "ignis_lanes_active") == 0
+        assert _metric(c, "ignis_requests_waiting") == 0
+
+
+class _WaitPolicySource(ToySource):
+    """The toy source whose engine's context limit tells the engine process's OMP_WAIT_POLICY."""
+
+    def load(self, settings):  # type: ignore[no-untyped-def]
+        context = _CONTEXT_OF_POLICY.get(os.environ.get("OMP_WAIT_POLICY"), 100)
+        return super().load(dataclasses.replace(settings, max_context=context))
+
+
+_CONTEXT_OF_POLICY = {"PASSIVE": 111, "ACTIVE": 122}
+
+
+@pytest.mark.parametrize("outer", [None, "ACTIVE"])
+def test_the_engine_process_waits_passively_in_openmp(
+    monkeypatch: pytest.MonkeyPatch, outer: str | None
+) -> None:
+    """The engine process runs torch's CPU ops from its main thread, where GNU OpenMP's active
+    spin-waiting at every parallel region's barrier stalls the engine on a host whose cores are shared
+    (measured ~5-10x slower than the default mode on the 2-core build box): it starts with
+    OMP_WAIT_POLICY=PASSIVE unless the environment already sets a policy, and the server process's own
+    environment is left as it was."""
+    if outer is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", outer)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    lanes = ProcessLaneLoop(
+        EngineSpec(_WaitPolicySource(), ModelSettings(spec=SpecDefaults("off"))), max_lanes=1, queue_size=0
+    )
+    try:
+        assert lanes.max_context == _CONTEXT_OF_POLICY[outer or "PASSIVE"]
+    finally:
+        lanes.stop(10)
+    assert os.environ.get("OMP_WAIT_POLICY") == outer
+
+
+def test_a_refused_load_in_the_engine_process_logs_no_traceback(capfd: pytest.CaptureFixture[str]) -> None:
+    """A load the model refuses with a typed error (a bad --expert-cache-bytes, a missing drafter: an
+    IgnisRuntimeError) reaches the server as that error, and the engine process's log says it in one
+    line, as the default mode does: no traceback, and no claim that the server process is gone."""
+    spec = EngineSpec(_FailingSource(), ModelSettings(spec=SpecDefaults("off")))
+    with pytest.raises(ConfigError, match="a test's refusal"):
+        ProcessLaneLoop(spec, max_lanes=1, queue_size=0)
+    time.sleep(0.5)  # the engine process's last lines
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "server process is gone" not in err, err
