@@ -457,9 +457,9 @@ def run_command(opts: dict[str, Any]) -> None:
     "--engine-process/--no-engine-process",
     default=None,
     help="Run the model and its engine in a child process of their own, the HTTP side (tokenizer, chat "
-    "template, tools, grammars) in this one, so that the two do not share one Python interpreter lock: "
-    "a small, host-bound model keeps its in-process speed at the socket. A child that dies fails the "
-    "requests it held (500) and is started again; shutdown stops both. [default: off]",
+    "template, tools, grammars) in this one, so that the two do not share one Python interpreter lock "
+    "(it pays where the engine is host-bound and a core is free for each process). A child that dies "
+    "fails the requests it held (500) and is started again; shutdown stops both. [default: off]",
 )
 @click.option(
     "--graph-warmup-context",
