@@ -73,7 +73,7 @@ from ignis.runtime.grammar import GrammarMatcher, mask_first_logits, mask_round_
 from ignis.runtime.logits_processors import LanePenalties, TokenLogprob, token_logprobs
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.prefix_cache import PrefixCache
-from ignis.runtime.round_batch import LaneTokens, RoundColumns, round_host_ids
+from ignis.runtime.round_batch import LaneTokens, RoundColumns, device_ids, round_host_ids
 from ignis.runtime.sampling import LaneRandom, SamplingParams, logits_to_probs, sample_token
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, MAX_DRAFT_TOKENS, LaneScheduler
 from ignis.runtime.stops import Detokenize, StopChecker
@@ -439,15 +439,19 @@ class SpeculativeEngine:
                 )
         return updates
 
-    def _choose_first(self, lane: _Lane, logits: torch.Tensor) -> int:  # logits: float [vocab]
+    def _choose_first(self, lane: _Lane, logits: torch.Tensor, token: int | None = None) -> int:
+        """The lane's first output token from its last prompt position's logits float [vocab];
+        `token`: its argmax already on the host (a greedy lane without penalties or grammar)."""
         raw = logits
-        if lane.params.processes_logits:  # penalties / min_tokens (`ignis.runtime.logits_processors`)
-            logits = self._process(lane, logits[None], [])[0]
-        logits = mask_first_logits(lane.grammar, logits)
-        if lane.params.is_greedy:
-            token = int(logits.argmax().item())
-        else:
-            token = sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
+        if token is None:
+            if lane.params.processes_logits:  # penalties / min_tokens (`ignis.runtime.logits_processors`)
+                logits = self._process(lane, logits[None], [])[0]
+            logits = mask_first_logits(lane.grammar, logits)
+            if lane.params.is_greedy:
+                token = int(logits.argmax().item())
+            else:
+                gen = lane.random.generator(logits.device)
+                token = sample_token(logits_to_probs(logits, lane.params), gen)
         if lane.grammar is not None:
             lane.grammar.consume([token])
         self._record_logprobs(lane, raw[None], [token])
@@ -474,6 +478,8 @@ class SpeculativeEngine:
         (`LaneScheduler.plan_prefill`): the lanes being prefilled first, then the waiting lanes that may
         join (`max_lanes`). A waiting lane the budget does not reach keeps waiting."""
         waiting = self._waiting
+        if not waiting and not self._prefilling:
+            return []
         if self.checkpoints.is_enabled:  # lanes waiting for an opener another lane is prefilling
             waiting = self.checkpoints.admissible(waiting)
         num_admit = self.scheduler.num_to_admit(len(self._active) + len(self._prefilling), len(waiting))
@@ -493,12 +499,27 @@ class SpeculativeEngine:
                 lane.state = ex.new_lane()
         states = [lane.state for lane in lanes]
         bounds = [(lane.num_prefilled, lane.num_prefilled + n) for lane, n in chunks]
-        columns = [
-            torch.tensor(lane.prompt[a:b], dtype=torch.int64, device=self.device)
-            for lane, (a, b) in zip(lanes, bounds, strict=True)
-        ]
+        # Every chunk in one host-to-device copy; each lane's columns are a view of it.
+        sizes = [n for _, n in chunks]
+        ids = device_ids(
+            [t for lane, (a, b) in zip(lanes, bounds, strict=True) for t in lane.prompt[a:b]], self.device
+        )
+        columns = [ids] if len(sizes) == 1 else list(ids.split(sizes))
         out = ex.forward(states, columns, logits="last", record=False, **self._fwd_kwargs)
-        ex.commit(states, [n for _, n in chunks])
+        ex.commit(states, sizes)
+        # The first tokens of plain greedy lanes whose prompt ends here: one device-to-host copy.
+        plain = [
+            i
+            for i, (lane, (_, b)) in enumerate(zip(lanes, bounds, strict=True))
+            if b == len(lane.prompt)
+            and lane.params.is_greedy
+            and not lane.params.processes_logits
+            and lane.grammar is None
+        ]
+        firsts: dict[int, int] = {}
+        if plain:
+            rows, _ = round_host_ids([out.logits[i][-1:] for i in plain], range(len(plain)))
+            firsts = {i: rows[j][0] for j, i in enumerate(plain)}
         finished, spans = [], []
         for i, (lane, (a, b)) in enumerate(zip(lanes, bounds, strict=True)):
             lane.num_prefilled = b
@@ -506,7 +527,7 @@ class SpeculativeEngine:
                 following: tuple[int, ...] = lane.prompt[a + 1 : b + 1]
             else:
                 self._prefilling.remove(lane)
-                token = self._choose_first(lane, out.logits[i][-1])
+                token = self._choose_first(lane, out.logits[i][-1], firsts.get(i))
                 lane.stops.extend([token])
                 emitted[lane.lane_id] = [token]
                 following = (*lane.prompt[a + 1 :], token)
@@ -632,20 +653,31 @@ class SpeculativeEngine:
             logits = mask_round_logits(logits, masks)  # penalised rows, with grammar masks applied
         # Every greedy lane's argmax and every device draft reach the host in ONE transfer (no
         # per-lane sync); each greedy run is then found on the host (`greedy_accept_ids`).
-        greedy = [i for i, lane in enumerate(lanes) if lane.params.is_greedy]
-        targets, device_host = round_host_ids(logits, greedy, batch.device_drafts)
+        # Sampled lanes: rejection sampling on the device (on the clamped column drafts; the check
+        # below comes before anything is committed); their runs join the one transfer.
+        greedy, sampled = [], {}
+        for i, lane in enumerate(lanes):
+            if lane.params.is_greedy:
+                greedy.append(i)
+            else:
+                sampled[i] = self._accept(lane, proposals[i], columns[i][1:], logits[i])
+        dev = batch.device_drafts
+        targets, host = round_host_ids(
+            logits, greedy, [ids for _, ids in dev] + [r.output_token_ids for r in sampled.values()]
+        )
+        device_host = {i: ids for (i, _), ids in zip(dev, host, strict=False)}
+        sampled_runs = dict(zip(sampled, host[len(dev) :], strict=True))
         self._check_device_drafts(lanes, device_host)
         host_drafts = batch.host_drafts
         runs: list[list[int]] = []
         keeps: list[int] = []
         round_stats: list[tuple[int, int, int]] = []  # (drafted, accepted, emitted) per speculative lane
-        for i, (lane, prop) in enumerate(zip(lanes, proposals, strict=True)):
+        for i, lane in enumerate(lanes):
             if i in targets:
                 d = host_drafts[i]
                 run, num_accepted = greedy_accept_ids(device_host[i] if d is None else d, targets[i])
             else:
-                res = self._accept(lane, prop, columns[i][1:], logits[i])
-                run, num_accepted = res.output_token_ids.tolist(), res.num_accepted
+                run, num_accepted = sampled_runs[i], sampled[i].num_accepted
             num_emitted = lane.stops.extend(run)
             if num_emitted < len(run):
                 run = run[:num_emitted]

@@ -10,10 +10,11 @@ A round moves token ids across the host/device boundary twice, each time in ONE 
    on CUDA) are copied into the flat tensor on the device, clamped into [0, vocab) so that the
    forward can never index outside the embedding, and checked after the forward, in copy 2: there is
    no host sync between the drafter's proposal and the verify forward.
-2. **Results out** (`round_host_ids`): the argmax of every greedy lane's rows and the device drafts of
-   every lane, in one device->host copy after the forward. When the lanes' logits are row blocks of
-   one buffer (the static, graphed executors return views of their round's output buffer) a single
-   argmax runs over the rows they span instead of one per lane.
+2. **Results out** (`round_host_ids`): the argmax of every greedy lane's rows, the device drafts and
+   the sampled lanes' runs, in one device->host copy after the forward. When the lanes' logits are
+   row blocks of one buffer (the static, graphed executors return views of their round's output
+   buffer) a single argmax runs over the rows they span instead of one per lane. A prefill's first
+   tokens (greedy lanes without penalties or a grammar) come the same way.
 
 `LaneTokens` gives a drafter a lane's prompt + output without copying the context every round.
 """
@@ -183,18 +184,18 @@ def _shared_row_span(logits: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list
 def round_host_ids(
     logits: Sequence[torch.Tensor],
     greedy: Sequence[int],
-    device_drafts: Sequence[tuple[int, torch.Tensor]],
-) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """The greedy lanes' argmax rows and the device drafts on the host, in one device->host copy
-    (module docstring, 2).
+    tensors: Sequence[torch.Tensor] = (),
+) -> tuple[dict[int, list[int]], list[list[int]]]:
+    """The greedy lanes' argmax rows and some integer tensors (device drafts, sampled runs) on the
+    host, in one device->host copy (module docstring, 2).
 
     Args:
         logits: per lane of the round float [k_i + 1, vocab] (as the acceptance sees them).
         greedy: indices of the lanes accepted greedily.
-        device_drafts: `RoundColumns.device_drafts`.
+        tensors: integer tensors of any shape, on the logits' device, each wanted as a flat list.
 
     Returns:
-        (lane index -> argmax of each of its rows, lane index -> its drafts as returned).
+        (lane index -> argmax of each of its rows, each of `tensors` flattened, in order).
     """
     parts: list[torch.Tensor] = []
     span = _shared_row_span([logits[i] for i in greedy]) if len(greedy) > 1 else None
@@ -203,9 +204,9 @@ def round_host_ids(
         parts.append(view.argmax(dim=-1))
     else:
         parts.extend(logits[i].argmax(dim=-1) for i in greedy)
-    parts.extend(ids.reshape(-1) for _, ids in device_drafts)
+    parts.extend(t.reshape(-1) for t in tensors)
     if not parts:
-        return {}, {}
+        return {}, []
     flat = (torch.cat([p.to(torch.int64) for p in parts]) if len(parts) > 1 else parts[0]).tolist()
     targets: dict[int, list[int]] = {}
     pos = 0
@@ -218,9 +219,9 @@ def round_host_ids(
             n = int(logits[i].shape[0])
             targets[i] = flat[pos : pos + n]
             pos += n
-    drafts: dict[int, list[int]] = {}
-    for i, ids in device_drafts:
-        n = ids.numel()
-        drafts[i] = flat[pos : pos + n]
+    out: list[list[int]] = []
+    for t in tensors:
+        n = t.numel()
+        out.append(flat[pos : pos + n])
         pos += n
-    return targets, drafts
+    return targets, out

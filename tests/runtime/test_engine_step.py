@@ -112,9 +112,9 @@ def test_round_host_ids_shared_buffer_equals_per_lane() -> None:
     t_copies, _ = round_host_ids(copies, greedy, [])
     expect = {i: views[i].argmax(-1).tolist() for i in greedy}
     assert t_views == expect and t_copies == expect
-    drafts = [(1, torch.tensor([9, -1], dtype=torch.int32))]
-    t, d = round_host_ids(views, greedy, drafts)
-    assert t == expect and d == {1: [9, -1]}
+    t, d = round_host_ids(views, greedy, [torch.tensor([9, -1], dtype=torch.int32), torch.tensor([[3], [4]])])
+    assert t == expect and d == [[9, -1], [3, 4]]
+    assert round_host_ids(views, [], []) == ({}, [])
 
 
 # ---------------------------------------------------------------- stops and metrics
