@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from ignis.runtime.acceptance import AcceptanceResult, greedy_accept_ids, rejection_sample
+from ignis.runtime.acceptance import PendingAcceptance, greedy_accept_ids, rejection_sample_on_device
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.engine_checkpoints import EngineCheckpoints
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
@@ -663,7 +663,7 @@ class SpeculativeEngine:
                 sampled[i] = self._accept(lane, proposals[i], columns[i][1:], logits[i])
         dev = batch.device_drafts
         targets, host = round_host_ids(
-            logits, greedy, [ids for _, ids in dev] + [r.output_token_ids for r in sampled.values()]
+            logits, greedy, [ids for _, ids in dev] + [r.host_tensor() for r in sampled.values()]
         )
         device_host = {i: ids for (i, _), ids in zip(dev, host, strict=False)}
         sampled_runs = dict(zip(sampled, host[len(dev) :], strict=True))
@@ -677,7 +677,7 @@ class SpeculativeEngine:
                 d = host_drafts[i]
                 run, num_accepted = greedy_accept_ids(device_host[i] if d is None else d, targets[i])
             else:
-                run, num_accepted = sampled_runs[i], sampled[i].num_accepted
+                run, num_accepted = sampled[i].resolve(sampled_runs[i])
             num_emitted = lane.stops.extend(run)
             if num_emitted < len(run):
                 run = run[:num_emitted]
@@ -732,14 +732,14 @@ class SpeculativeEngine:
 
     def _accept(
         self, lane: _Lane, prop: DraftProposal, drafts: torch.Tensor, logits: torch.Tensor
-    ) -> AcceptanceResult:
+    ) -> PendingAcceptance:
         # A sampled lane (greedy lanes are accepted on the host, batched, in `_round`).
         # drafts: int64 [k] (the column's, on the device); logits: float [k+1, vocab], row i predicts
         # the token after column i.
         drafts = drafts.to(device=logits.device)
         target_probs = logits_to_probs(logits, lane.params)  # [k+1, vocab]
         q = None if prop.draft_probs is None else prop.draft_probs.to(logits.device)  # [k, vocab]
-        return rejection_sample(drafts, target_probs, q, lane.random.generator(logits.device))
+        return rejection_sample_on_device(drafts, target_probs, q, lane.random.generator(logits.device))
 
     def _finish(self, lane: _Lane) -> None:
         release = getattr(self.executor, "release_lane", None)

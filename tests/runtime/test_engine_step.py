@@ -226,3 +226,50 @@ def test_device_drafts_outside_the_vocabulary_raise_after_a_clamped_forward() ->
         while eng.has_unfinished:
             eng.step()
     torch.cuda.synchronize()  # the device is still usable: no out-of-range embedding lookup ran
+
+
+# ---------------------------------------------------------------- rejection sampling without a sync
+
+
+def _reference_rejection_sample(drafts, p, q, gen):  # type: ignore[no-untyped-def]
+    """The host-synchronising algorithm `rejection_sample_on_device` replaces, step by step."""
+    p = p.double()
+    k = drafts.numel()
+    n = k
+    if k:
+        rows = torch.arange(k)
+        p_d = p[rows, drafts]
+        q_d = torch.ones_like(p_d) if q is None else q.double()[rows, drafts]
+        u = torch.rand(k, generator=gen, dtype=torch.float64)
+        n = int(torch.cumprod((u * q_d < p_d).to(torch.int64), dim=0).sum().item())
+    if n < k:
+        if q is None:
+            q_n = torch.zeros_like(p[n])
+            q_n[drafts[n]] = 1.0
+        else:
+            q_n = q[n].double()
+        residual = (p[n] - q_n).clamp_min(0.0)
+        dist = residual if float(residual.sum().item()) > 0.0 else p[n]
+    else:
+        dist = p[k]
+    last = torch.multinomial(dist, 1, generator=gen)
+    return [*drafts[:n].tolist(), int(last.item())], n
+
+
+def test_rejection_sampling_on_device_draws_as_the_host_algorithm() -> None:
+    from ignis.runtime.acceptance import rejection_sample_on_device
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 6
+    for trial in range(300):
+        k = trial % 5
+        p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 2, dim=-1)
+        p[:, trial % vocab] = 0.0 if trial % 3 == 0 else p[:, trial % vocab]  # zeros in the support
+        p = p / p.sum(-1, keepdim=True)
+        q = None if trial % 2 else torch.softmax(torch.randn(k, vocab, generator=g), dim=-1)
+        drafts = torch.randint(0, vocab, (k,), generator=g)
+        seed = 1000 + trial
+        ref = _reference_rejection_sample(drafts, p, q, torch.Generator().manual_seed(seed))
+        pending = rejection_sample_on_device(drafts, p, q, torch.Generator().manual_seed(seed))
+        assert pending.resolve() == ref, trial
+        assert pending.resolve(pending.host_tensor().tolist()) == ref
