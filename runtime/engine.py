@@ -24,10 +24,13 @@ optional `Drafter` (None = backend `off`, plain decode rounds). Each `step()`:
       proposed whose token could not be emitted (max_tokens, context end);
    b. the drafter proposes for lanes with >= 1 draft;
    c. ONE `executor.forward` over every lane's columns [anchor, d_1..d_k] (lanes of different lengths
-      and draft counts together; `record=True` whenever some lane drafts);
+      and draft counts together; `record=True` whenever some lane drafts), sent to the device in one
+      copy with no host sync since the proposal (`ignis.runtime.round_batch`);
    d. acceptance per lane: greedy (temperature 0) or rejection sampling (`ignis.runtime.acceptance`),
       on logits masked by the lane's grammar when it has one (`ignis.runtime.grammar`: row j's mask is
-      the grammar state after drafts d_1..d_j, computed on the host while the forward runs);
+      the grammar state after drafts d_1..d_j, computed on the host while the forward runs); every
+      greedy lane's argmax, every sampled lane's run and drafts the drafter left on the device come to
+      the host in ONE copy (the round's only host sync);
    e. the committed run is stop-checked token by token (`ignis.runtime.stops`) and cut at a stop;
    f. `executor.commit` keeps exactly the columns whose next token was emitted;
    g. the drafter is told the committed columns (its context advances by them only);
