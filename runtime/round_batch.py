@@ -35,8 +35,10 @@ __all__ = ["LaneTokens", "RoundColumns", "device_ids", "round_host_ids"]
 
 class LaneTokens(Sequence[int]):
     """A read-only view of a lane's context: its prompt (a tuple) followed by its output (the engine's
-    list, which grows between rounds). Indexing, slicing (a list), `len` and iteration read both
-    without building the concatenation (`DraftRequest.token_ids`; O(1) to make, O(slice) to slice)."""
+    list, which grows between rounds). Indexing, slicing (a tuple, as slicing the concatenation would
+    give), `len`, iteration and `==` (against any sequence of the same ids) read both without building
+    the concatenation (`DraftRequest.token_ids`: O(1) to make, O(slice) to slice). It follows the lane:
+    a caller keeping the context past the call copies it (`tuple(view)`)."""
 
     __slots__ = ("_out", "_prompt")
 
@@ -51,22 +53,22 @@ class LaneTokens(Sequence[int]):
     def __getitem__(self, index: int) -> int: ...
 
     @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
 
-    def __getitem__(self, index: int | slice) -> int | list[int]:
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
         p = self._prompt
         n = len(p)
         if isinstance(index, slice):
             start, stop, step = index.indices(n + len(self._out))
             if step != 1:
-                return [self[i] for i in range(start, stop, step)]
+                return tuple(self[i] for i in range(start, stop, step))
             if stop <= start:
-                return []
+                return ()
             if start >= n:
-                return self._out[start - n : stop - n]
+                return tuple(self._out[start - n : stop - n])
             if stop <= n:
-                return list(p[start:stop])
-            return [*p[start:], *self._out[: stop - n]]
+                return p[start:stop]
+            return (*p[start:], *self._out[: stop - n])
         i = index.__index__()
         if i < 0:
             i += n + len(self._out)
@@ -77,6 +79,13 @@ class LaneTokens(Sequence[int]):
     def __iter__(self) -> Iterator[int]:
         yield from self._prompt
         yield from self._out
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LaneTokens | tuple | list):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # it changes as the lane's output grows
 
     def __repr__(self) -> str:
         return f"LaneTokens({len(self._prompt)} prompt + {len(self._out)} output tokens)"

@@ -71,12 +71,14 @@ def test_lane_tokens_reads_as_the_concatenation() -> None:
     output.append(10)  # the view follows the lane's output list
     full = [5, 6, 7, 8, 9, 10]
     assert len(view) == 6 and list(view) == full
+    assert view == full and view == tuple(full) and view != full[:5] and view != [5, 6, 7, 8, 9, 11]
     for i in range(-6, 6):
         assert view[i] == full[i]
     for a in range(-7, 8):
         for b in range(-7, 8):
-            assert view[a:b] == full[a:b], (a, b)
-    assert view[::2] == full[::2] and view[::-1] == full[::-1]
+            assert view[a:b] == tuple(full[a:b]), (a, b)
+            assert isinstance(view[a:b], tuple)
+    assert view[::2] == tuple(full[::2]) and view[::-1] == tuple(full[::-1])
     with pytest.raises(IndexError):
         view[6]
     with pytest.raises(IndexError):
