@@ -442,9 +442,34 @@ class SpeculativeEngine:
                 )
         return updates
 
+    def _plain_first_tokens(
+        self, lanes: list[_Lane], bounds: list[tuple[int, int]], logits: Sequence[torch.Tensor]
+    ) -> dict[int, int]:
+        """The first tokens of the lanes whose prompt ends in this chunk and that have no penalties
+        and no grammar (lane index -> token), in one device-to-host copy: the greedy lanes' argmax,
+        the sampled lanes' draw from p with their own stream (what `_choose_first` draws)."""
+        greedy, draws, sampled = [], [], []
+        for i, (lane, (_, b)) in enumerate(zip(lanes, bounds, strict=True)):
+            params = lane.params
+            if b != len(lane.prompt) or params.processes_logits or lane.grammar is not None:
+                continue
+            row = logits[i][-1]  # [vocab]
+            if params.is_greedy:
+                greedy.append(i)
+            else:
+                gen = lane.random.generator(row.device)
+                draws.append(torch.multinomial(logits_to_probs(row, params), 1, generator=gen))
+                sampled.append(i)
+        if not greedy and not sampled:
+            return {}
+        rows, drawn = round_host_ids([logits[i][-1:] for i in greedy], range(len(greedy)), draws)
+        firsts = {i: rows[j][0] for j, i in enumerate(greedy)}
+        firsts.update((i, d[0]) for i, d in zip(sampled, drawn, strict=True))
+        return firsts
+
     def _choose_first(self, lane: _Lane, logits: torch.Tensor, token: int | None = None) -> int:
         """The lane's first output token from its last prompt position's logits float [vocab];
-        `token`: its argmax already on the host (a greedy lane without penalties or grammar)."""
+        `token`: already chosen on the host (`_plain_first_tokens`)."""
         raw = logits
         if token is None:
             if lane.params.processes_logits:  # penalties / min_tokens (`ignis.runtime.logits_processors`)
@@ -510,19 +535,7 @@ class SpeculativeEngine:
         columns = [ids] if len(sizes) == 1 else list(ids.split(sizes))
         out = ex.forward(states, columns, logits="last", record=False, **self._fwd_kwargs)
         ex.commit(states, sizes)
-        # The first tokens of plain greedy lanes whose prompt ends here: one device-to-host copy.
-        plain = [
-            i
-            for i, (lane, (_, b)) in enumerate(zip(lanes, bounds, strict=True))
-            if b == len(lane.prompt)
-            and lane.params.is_greedy
-            and not lane.params.processes_logits
-            and lane.grammar is None
-        ]
-        firsts: dict[int, int] = {}
-        if plain:
-            rows, _ = round_host_ids([out.logits[i][-1:] for i in plain], range(len(plain)))
-            firsts = {i: rows[j][0] for j, i in enumerate(plain)}
+        firsts = self._plain_first_tokens(lanes, bounds, out.logits)
         finished, spans = [], []
         for i, (lane, (a, b)) in enumerate(zip(lanes, bounds, strict=True)):
             lane.num_prefilled = b

@@ -14,7 +14,7 @@ A round moves token ids across the host/device boundary twice, each time in ONE 
    the sampled lanes' runs, in one device->host copy after the forward. When the lanes' logits are
    row blocks of one buffer (the static, graphed executors return views of their round's output
    buffer) a single argmax runs over the rows they span instead of one per lane. A prefill's first
-   tokens (greedy lanes without penalties or a grammar) come the same way.
+   tokens (lanes without penalties or a grammar, greedy or sampled) come the same way.
 
 `LaneTokens` gives a drafter a lane's prompt + output without copying the context every round.
 """

@@ -39,7 +39,9 @@ def _hybrid(device: str = "cpu"):  # type: ignore[no-untyped-def]
         _EX["ex"] = (tiny.config, tiny.tensors)
     config, tensors = _EX["ex"]  # type: ignore[misc]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    return StaticHybridExecutor(config, tensors, device=device, dtype=dtype, max_lanes=4, max_columns=8)
+    return StaticHybridExecutor(
+        config, tensors, device=device, dtype=dtype, max_lanes=4, max_columns=8, max_context=256
+    )
 
 
 # ---------------------------------------------------------------- the engine <-> checkpoints cycle
