@@ -667,10 +667,10 @@ class SpeculativeEngine:
             for i in processing:
                 logits[i] = self._process(lanes[i], logits[i], self._drafts_of(batch, i))
             logits = mask_round_logits(logits, masks)  # penalised rows, with grammar masks applied
-        # Every greedy lane's argmax and every device draft reach the host in ONE transfer (no
-        # per-lane sync); each greedy run is then found on the host (`greedy_accept_ids`).
-        # Sampled lanes: rejection sampling on the device (on the clamped column drafts; the check
-        # below comes before anything is committed); their runs join the one transfer.
+        # Sampled lanes: rejection sampling on the device (on the clamped column drafts; the drafts'
+        # check below comes before anything is committed). Then every greedy lane's argmax, every
+        # device draft and every sampled run reach the host in ONE transfer (no per-lane sync); each
+        # greedy run is found on the host (`greedy_accept_ids`).
         greedy, sampled = [], {}
         for i, lane in enumerate(lanes):
             if lane.params.is_greedy:
