@@ -35,7 +35,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AcceptanceResult", "greedy_accept", "greedy_accept_ids", "rejection_sample"]
+__all__ = [
+    "AcceptanceResult",
+    "PendingAcceptance",
+    "greedy_accept",
+    "greedy_accept_ids",
+    "rejection_sample",
+    "rejection_sample_on_device",
+]
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,81 @@ def greedy_accept_ids(
     return list(target_token_ids[: n + 1]), n
 
 
+@dataclass(frozen=True)
+class PendingAcceptance:
+    """`rejection_sample_on_device`'s outcome, still on the device (nothing read back yet).
+
+    Attributes:
+        padded_run: int64 [k+1]: the accepted drafts d_1..d_n, the bonus (or recovered) token at index
+            n, then the remaining drafts (ignored).
+        num_accepted: int64 0-dim tensor, n.
+    """
+
+    padded_run: torch.Tensor
+    num_accepted: torch.Tensor
+
+    def resolve(self, host: Sequence[int] | None = None) -> tuple[list[int], int]:
+        """(the committed run, n) on the host. `host`: `[n, *padded_run]` already read back (the
+        engine reads every lane's in one copy); None reads them here (one sync)."""
+        if host is None:
+            host = torch.cat([self.num_accepted.view(1), self.padded_run]).tolist()
+        n = int(host[0])
+        return [int(t) for t in host[1 : n + 2]], n
+
+    def host_tensor(self) -> torch.Tensor:
+        """int64 [k+2]: n then the padded run (what `resolve` reads)."""
+        return torch.cat([self.num_accepted.view(1), self.padded_run])
+
+
+def rejection_sample_on_device(
+    draft_token_ids: torch.Tensor,  # int64 [k]: d_1..d_k
+    target_probs: torch.Tensor,  # float [k+1, vocab]: p at rows 0..k
+    draft_probs: torch.Tensor | None,  # float [k, vocab]: q for each draft, or None for a point mass at d_i
+    generator: torch.Generator,
+) -> PendingAcceptance:
+    """`rejection_sample` without a host sync: the same draws from `generator` in the same order (k
+    uniforms, then one `torch.multinomial` over the same distribution), so the same outcome for the
+    same stream; n and the run stay on the device (`PendingAcceptance`).
+
+    Raises:
+        ValueError: shapes disagree.
+    """
+    if target_probs.dim() != 2:
+        raise ValueError(f"target_probs must be [k+1, vocab], got shape {tuple(target_probs.shape)}")
+    k = _check_drafts(draft_token_ids, target_probs.shape[0], "target_probs")
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_probs.shape[1]):
+        raise ValueError(
+            f"draft_probs must be [k, vocab] = {(k, target_probs.shape[1])}, got {tuple(draft_probs.shape)}"
+        )
+    device = target_probs.device
+    p = target_probs.double()
+    if k == 0:
+        last = torch.multinomial(p[0], 1, generator=generator)  # [1]
+        return PendingAcceptance(last, torch.zeros((), dtype=torch.int64, device=device))
+    rows = torch.arange(k, device=device)
+    drafts = draft_token_ids.to(device=device, dtype=torch.int64)
+    p_d = p[rows, drafts]  # [k]
+    q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.double()[rows, drafts]  # [k]
+    u = torch.rand(k, generator=generator, device=device, dtype=torch.float64)  # [k]
+    accepted = u * q_d < p_d  # [k]
+    n = torch.cumprod(accepted.to(torch.int64), dim=0).sum()  # 0-dim, 0..k
+    r = n.clamp(max=k - 1).view(1)  # the rejected row when n < k
+    p_r = p.index_select(0, r)[0]  # [vocab]
+    if draft_probs is None:
+        residual = p_r.clone()
+        d_r = drafts.index_select(0, r)
+        residual.scatter_(0, d_r, (residual.gather(0, d_r) - 1.0).clamp_min(0.0))
+    else:
+        residual = (p_r - draft_probs.double().index_select(0, r)[0]).clamp_min(0.0)  # [vocab]
+    # After a rejection: the residual (p itself if rounding left it no mass); all accepted: p_k.
+    rejected = torch.where(residual.sum() > 0.0, residual, p_r)
+    dist = torch.where(n < k, rejected, p[k])
+    last = torch.multinomial(dist, 1, generator=generator)  # [1]
+    run = torch.cat([drafts, last])  # [k+1]
+    run = run.scatter(0, n.view(1), last)  # the token at index n; drafts after it are ignored
+    return PendingAcceptance(run, n)
+
+
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # int64 [k]: d_1..d_k
     target_probs: torch.Tensor,  # float [k+1, vocab]: p at rows 0..k
@@ -130,34 +212,6 @@ def rejection_sample(
     Raises:
         ValueError: shapes disagree.
     """
-    if target_probs.dim() != 2:
-        raise ValueError(f"target_probs must be [k+1, vocab], got shape {tuple(target_probs.shape)}")
-    k = _check_drafts(draft_token_ids, target_probs.shape[0], "target_probs")
-    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_probs.shape[1]):
-        raise ValueError(
-            f"draft_probs must be [k, vocab] = {(k, target_probs.shape[1])}, got {tuple(draft_probs.shape)}"
-        )
-    device = target_probs.device
-    p = target_probs.double()
-    n = k
-    if k:
-        rows = torch.arange(k, device=device)
-        drafts = draft_token_ids.to(device=device, dtype=torch.int64)
-        p_d = p[rows, drafts]  # [k]
-        q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.double()[rows, drafts]  # [k]
-        u = torch.rand(k, generator=generator, device=device, dtype=torch.float64)  # [k]
-        accepted = u * q_d < p_d  # [k]
-        n = int(torch.cumprod(accepted.to(torch.int64), dim=0).sum().item())
-    if n < k:
-        if draft_probs is None:
-            q_n = torch.zeros_like(p[n])
-            q_n[drafts[n]] = 1.0
-        else:
-            q_n = draft_probs[n].double()
-        residual = (p[n] - q_n).clamp_min(0.0)  # [vocab]
-        dist = residual if float(residual.sum().item()) > 0.0 else p[n]
-    else:
-        dist = p[k]
-    last = torch.multinomial(dist, 1, generator=generator)  # [1]
-    run = torch.cat([draft_token_ids[:n].to(device=device, dtype=torch.int64), last])
-    return AcceptanceResult(output_token_ids=run, num_accepted=n)
+    pending = rejection_sample_on_device(draft_token_ids, target_probs, draft_probs, generator)
+    n = int(pending.num_accepted.item())
+    return AcceptanceResult(output_token_ids=pending.padded_run[: n + 1].clone(), num_accepted=n)

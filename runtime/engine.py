@@ -24,10 +24,13 @@ optional `Drafter` (None = backend `off`, plain decode rounds). Each `step()`:
       proposed whose token could not be emitted (max_tokens, context end);
    b. the drafter proposes for lanes with >= 1 draft;
    c. ONE `executor.forward` over every lane's columns [anchor, d_1..d_k] (lanes of different lengths
-      and draft counts together; `record=True` whenever some lane drafts);
+      and draft counts together; `record=True` whenever some lane drafts), sent to the device in one
+      copy with no host sync since the proposal (`ignis.runtime.round_batch`);
    d. acceptance per lane: greedy (temperature 0) or rejection sampling (`ignis.runtime.acceptance`),
       on logits masked by the lane's grammar when it has one (`ignis.runtime.grammar`: row j's mask is
-      the grammar state after drafts d_1..d_j, computed on the host while the forward runs);
+      the grammar state after drafts d_1..d_j, computed on the host while the forward runs); every
+      greedy lane's argmax, every sampled lane's run and drafts the drafter left on the device come to
+      the host in ONE copy (the round's only host sync);
    e. the committed run is stop-checked token by token (`ignis.runtime.stops`) and cut at a stop;
    f. `executor.commit` keeps exactly the columns whose next token was emitted;
    g. the drafter is told the committed columns (its context advances by them only);
@@ -64,7 +67,7 @@ from typing import Any
 
 import torch
 
-from ignis.runtime.acceptance import AcceptanceResult, greedy_accept_ids, rejection_sample
+from ignis.runtime.acceptance import PendingAcceptance, greedy_accept_ids, rejection_sample_on_device
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.engine_checkpoints import EngineCheckpoints
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
@@ -73,6 +76,7 @@ from ignis.runtime.grammar import GrammarMatcher, mask_first_logits, mask_round_
 from ignis.runtime.logits_processors import LanePenalties, TokenLogprob, token_logprobs
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.prefix_cache import PrefixCache
+from ignis.runtime.round_batch import LaneTokens, RoundColumns, device_ids, round_host_ids
 from ignis.runtime.sampling import LaneRandom, SamplingParams, logits_to_probs, sample_token
 from ignis.runtime.scheduler import DEFAULT_MAX_PREFILL_TOKENS, MAX_DRAFT_TOKENS, LaneScheduler
 from ignis.runtime.stops import Detokenize, StopChecker
@@ -256,6 +260,14 @@ class SpeculativeEngine:
         self._active: list[_Lane] = []  # decoding
         self._results: dict[int, LaneResult] = {}
         self.checkpoints = EngineCheckpoints.create(self, prefix_cache)
+        # Made once: the executor's forward options for the drafter, the proposal of a lane without drafts.
+        self._fwd_kwargs: dict[str, Any] = {}
+        if drafter is not None:
+            self._fwd_kwargs = {
+                "output_hidden_states": bool(drafter.needs_hidden_states),
+                "tap_layers": tuple(drafter.tap_layers),
+            }
+        self._no_drafts = DraftProposal(torch.empty(0, dtype=torch.int64, device=self.device))
         self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # lane -> this step's logprobs
 
     # ------------------------------------------------------------------ lanes
@@ -430,21 +442,44 @@ class SpeculativeEngine:
                 )
         return updates
 
-    def _forward_kwargs(self) -> dict[str, Any]:
-        d = self.drafter
-        if d is None:
+    def _plain_first_tokens(
+        self, lanes: list[_Lane], bounds: list[tuple[int, int]], logits: Sequence[torch.Tensor]
+    ) -> dict[int, int]:
+        """The first tokens of the lanes whose prompt ends in this chunk and that have no penalties
+        and no grammar (lane index -> token), in one device-to-host copy: the greedy lanes' argmax,
+        the sampled lanes' draw from p with their own stream (what `_choose_first` draws)."""
+        greedy, draws, sampled = [], [], []
+        for i, (lane, (_, b)) in enumerate(zip(lanes, bounds, strict=True)):
+            params = lane.params
+            if b != len(lane.prompt) or params.processes_logits or lane.grammar is not None:
+                continue
+            row = logits[i][-1]  # [vocab]
+            if params.is_greedy:
+                greedy.append(i)
+            else:
+                gen = lane.random.generator(row.device)
+                draws.append(torch.multinomial(logits_to_probs(row, params), 1, generator=gen))
+                sampled.append(i)
+        if not greedy and not sampled:
             return {}
-        return {"output_hidden_states": bool(d.needs_hidden_states), "tap_layers": tuple(d.tap_layers)}
+        rows, drawn = round_host_ids([logits[i][-1:] for i in greedy], range(len(greedy)), draws)
+        firsts = {i: rows[j][0] for j, i in enumerate(greedy)}
+        firsts.update((i, d[0]) for i, d in zip(sampled, drawn, strict=True))
+        return firsts
 
-    def _choose_first(self, lane: _Lane, logits: torch.Tensor) -> int:  # logits: float [vocab]
+    def _choose_first(self, lane: _Lane, logits: torch.Tensor, token: int | None = None) -> int:
+        """The lane's first output token from its last prompt position's logits float [vocab];
+        `token`: already chosen on the host (`_plain_first_tokens`)."""
         raw = logits
-        if lane.params.processes_logits:  # penalties / min_tokens (`ignis.runtime.logits_processors`)
-            logits = self._process(lane, logits[None], [])[0]
-        logits = mask_first_logits(lane.grammar, logits)
-        if lane.params.is_greedy:
-            token = int(logits.argmax().item())
-        else:
-            token = sample_token(logits_to_probs(logits, lane.params), lane.random.generator(logits.device))
+        if token is None:
+            if lane.params.processes_logits:  # penalties / min_tokens (`ignis.runtime.logits_processors`)
+                logits = self._process(lane, logits[None], [])[0]
+            logits = mask_first_logits(lane.grammar, logits)
+            if lane.params.is_greedy:
+                token = int(logits.argmax().item())
+            else:
+                gen = lane.random.generator(logits.device)
+                token = sample_token(logits_to_probs(logits, lane.params), gen)
         if lane.grammar is not None:
             lane.grammar.consume([token])
         self._record_logprobs(lane, raw[None], [token])
@@ -471,6 +506,8 @@ class SpeculativeEngine:
         (`LaneScheduler.plan_prefill`): the lanes being prefilled first, then the waiting lanes that may
         join (`max_lanes`). A waiting lane the budget does not reach keeps waiting."""
         waiting = self._waiting
+        if not waiting and not self._prefilling:
+            return []
         if self.checkpoints.is_enabled:  # lanes waiting for an opener another lane is prefilling
             waiting = self.checkpoints.admissible(waiting)
         num_admit = self.scheduler.num_to_admit(len(self._active) + len(self._prefilling), len(waiting))
@@ -490,12 +527,15 @@ class SpeculativeEngine:
                 lane.state = ex.new_lane()
         states = [lane.state for lane in lanes]
         bounds = [(lane.num_prefilled, lane.num_prefilled + n) for lane, n in chunks]
-        columns = [
-            torch.tensor(lane.prompt[a:b], dtype=torch.int64, device=self.device)
-            for lane, (a, b) in zip(lanes, bounds, strict=True)
-        ]
-        out = ex.forward(states, columns, logits="last", record=False, **self._forward_kwargs())
-        ex.commit(states, [n for _, n in chunks])
+        # Every chunk in one host-to-device copy; each lane's columns are a view of it.
+        sizes = [n for _, n in chunks]
+        ids = device_ids(
+            [t for lane, (a, b) in zip(lanes, bounds, strict=True) for t in lane.prompt[a:b]], self.device
+        )
+        columns = [ids] if len(sizes) == 1 else list(ids.split(sizes))
+        out = ex.forward(states, columns, logits="last", record=False, **self._fwd_kwargs)
+        ex.commit(states, sizes)
+        firsts = self._plain_first_tokens(lanes, bounds, out.logits)
         finished, spans = [], []
         for i, (lane, (a, b)) in enumerate(zip(lanes, bounds, strict=True)):
             lane.num_prefilled = b
@@ -503,7 +543,7 @@ class SpeculativeEngine:
                 following: tuple[int, ...] = lane.prompt[a + 1 : b + 1]
             else:
                 self._prefilling.remove(lane)
-                token = self._choose_first(lane, out.logits[i][-1])
+                token = self._choose_first(lane, out.logits[i][-1], firsts.get(i))
                 lane.stops.extend([token])
                 emitted[lane.lane_id] = [token]
                 following = (*lane.prompt[a + 1 :], token)
@@ -539,7 +579,7 @@ class SpeculativeEngine:
         return finished
 
     def _propose(self, lanes: list[_Lane], num_drafts: list[int]) -> list[DraftProposal]:
-        proposals = [DraftProposal(torch.empty(0, dtype=torch.int64, device=self.device))] * len(lanes)
+        proposals = [self._no_drafts] * len(lanes)
         asked = [i for i, k in enumerate(num_drafts) if k > 0]
         if not asked or self.drafter is None:
             return proposals
@@ -547,7 +587,7 @@ class SpeculativeEngine:
             DraftRequest(
                 lane_id=lanes[i].lane_id,
                 num_drafts=num_drafts[i],
-                token_ids=(*lanes[i].prompt, *lanes[i].output),
+                token_ids=LaneTokens(lanes[i].prompt, lanes[i].output),
                 num_prompt_tokens=len(lanes[i].prompt),
                 params=lanes[i].params,
                 generator=lanes[i].random.generator(self.device),
@@ -565,21 +605,14 @@ class SpeculativeEngine:
         return proposals
 
     def _check_proposal(self, req: DraftRequest, prop: DraftProposal) -> None:
+        """Shapes and dtypes (no device access). The ids' range is checked where the ids are on the
+        host: at once for host drafts, after the forward for device drafts (`ignis.runtime.round_batch`)."""
         name = self.drafter.name if self.drafter is not None else "?"
         ids = prop.draft_token_ids
         if ids.dim() != 1 or ids.numel() > req.num_drafts or ids.dtype not in (torch.int64, torch.int32):
             raise DrafterError(
                 f"drafter {name!r}, lane {req.lane_id}: draft_token_ids must be int64 [<= "
                 f"{req.num_drafts}], got {ids.dtype} {tuple(ids.shape)}"
-            )
-        if (
-            ids.numel()
-            and self.vocab_size is not None
-            and not (0 <= int(ids.min().item()) and int(ids.max().item()) < self.vocab_size)
-        ):
-            raise DrafterError(
-                f"drafter {name!r}, lane {req.lane_id}: draft ids {ids.tolist()} outside "
-                f"[0, {self.vocab_size})"
             )
         q = prop.draft_probs
         if q is not None and (
@@ -592,6 +625,16 @@ class SpeculativeEngine:
                 f"got {tuple(q.shape)}"
             )
 
+    def _check_device_drafts(self, lanes: list[_Lane], host: dict[int, list[int]]) -> None:
+        """Device drafts, now on the host, in [0, vocab) (the forward saw them clamped)."""
+        v = self.vocab_size
+        for i, ids in host.items():
+            if v is not None and ids and (min(ids) < 0 or max(ids) >= v):
+                name = self.drafter.name if self.drafter is not None else "?"
+                raise DrafterError(
+                    f"drafter {name!r}, lane {lanes[i].lane_id}: draft ids {ids} outside [0, {v})"
+                )
+
     def _round(self, emitted: dict[int, list[int]]) -> list[_Lane]:
         lanes = list(self._active)
         caps = []
@@ -599,70 +642,78 @@ class SpeculativeEngine:
             left = lane.stops.num_tokens_left
             caps.append(MAX_DRAFT_TOKENS if left is None else left - 1)
         proposals = self._propose(lanes, self.scheduler.plan(caps))
-        # One host-to-device copy for every anchor; each lane's column is [anchor, d_1..d_k].
+        # One host-to-device copy for every lane's column [anchor, d_1..d_k] (`round_batch`).
         anchor_ids = [lane.output[-1] for lane in lanes]
-        anchors = torch.tensor(anchor_ids, dtype=torch.int64, device=self.device)
-        drafts = [prop.draft_token_ids.to(device=self.device, dtype=torch.int64) for prop in proposals]
-        columns = [torch.cat([anchors[i : i + 1], d]) for i, d in enumerate(drafts)]
+        batch = RoundColumns.build(
+            anchor_ids,
+            proposals,
+            self.device,
+            self.vocab_size,
+            lane_ids=[lane.lane_id for lane in lanes],
+            drafter_name=self.drafter.name if self.drafter is not None else "?",
+        )
+        columns = batch.columns
         states = [lane.state for lane in lanes]
         record = any(c.numel() > 1 for c in columns)
         # Grammar masks of constrained lanes, computed on the host while the forward runs.
-        masks = start_round_masks([lane.grammar for lane in lanes], drafts)
-        out = self.executor.forward(states, columns, logits="all", record=record, **self._forward_kwargs())
-        # Penalties / min_tokens: row j judged as if d_1..d_j were committed (`logits_processors`).
-        rows = {
-            i: self._process(lane, out.logits[i], drafts[i].tolist())
-            for i, lane in enumerate(lanes)
-            if lane.params.processes_logits
-        }
-        processed = [rows.get(i, row) for i, row in enumerate(out.logits)]
-        logits = mask_round_logits(processed, masks)  # penalised rows, with grammar masks applied
-        # Greedy lanes: every lane's argmax and drafts reach the host in ONE transfer (no per-lane sync),
-        # then each run is found on the host (`greedy_accept_ids`, the rule of `greedy_accept`).
-        greedy = [i for i, lane in enumerate(lanes) if lane.params.is_greedy]
-        host_runs: dict[int, tuple[list[int], int]] = {}
-        if greedy:
-            parts = [logits[i].argmax(dim=-1) for i in greedy] + [drafts[i] for i in greedy]
-            flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).tolist()
-            pos = 0
-            targets: list[list[int]] = []
-            for i in greedy:
-                n_rows = int(logits[i].shape[0])
-                targets.append(flat[pos : pos + n_rows])
-                pos += n_rows
-            for i, target in zip(greedy, targets, strict=True):
-                k = drafts[i].numel()
-                host_runs[i] = greedy_accept_ids(flat[pos : pos + k], target)
-                pos += k
+        masks = None
+        if any(lane.grammar is not None for lane in lanes):
+            masks = start_round_masks([lane.grammar for lane in lanes], [c[1:] for c in columns])
+        out = self.executor.forward(states, columns, logits="all", record=record, **self._fwd_kwargs)
+        logits = list(out.logits)
+        processing = [i for i, lane in enumerate(lanes) if lane.params.processes_logits]
+        if processing or masks is not None:
+            # Penalties / min_tokens: row j judged as if d_1..d_j were committed (`logits_processors`).
+            for i in processing:
+                logits[i] = self._process(lanes[i], logits[i], self._drafts_of(batch, i))
+            logits = mask_round_logits(logits, masks)  # penalised rows, with grammar masks applied
+        # Sampled lanes: rejection sampling on the device (on the clamped column drafts; the drafts'
+        # check below comes before anything is committed). Then every greedy lane's argmax, every
+        # device draft and every sampled run reach the host in ONE transfer (no per-lane sync); each
+        # greedy run is found on the host (`greedy_accept_ids`).
+        greedy, sampled = [], {}
+        for i, lane in enumerate(lanes):
+            if lane.params.is_greedy:
+                greedy.append(i)
+            else:
+                sampled[i] = self._accept(lane, proposals[i], columns[i][1:], logits[i])
+        dev = batch.device_drafts
+        targets, host = round_host_ids(
+            logits, greedy, [ids for _, ids in dev] + [r.host_tensor() for r in sampled.values()]
+        )
+        device_host = {i: ids for (i, _), ids in zip(dev, host, strict=False)}
+        sampled_runs = dict(zip(sampled, host[len(dev) :], strict=True))
+        self._check_device_drafts(lanes, device_host)
+        host_drafts = batch.host_drafts
         runs: list[list[int]] = []
         keeps: list[int] = []
-        inputs: list[list[int]] = []  # each lane's column on the host (for the drafter's spans)
-        for i, (lane, prop) in enumerate(zip(lanes, proposals, strict=True)):
-            if i in host_runs:
-                run, num_accepted = host_runs[i]
+        round_stats: list[tuple[int, int, int]] = []  # (drafted, accepted, emitted) per speculative lane
+        for i, lane in enumerate(lanes):
+            if i in targets:
+                d = host_drafts[i]
+                run, num_accepted = greedy_accept_ids(device_host[i] if d is None else d, targets[i])
             else:
-                res = self._accept(lane, prop, logits[i])
-                run, num_accepted = res.output_token_ids.tolist(), res.num_accepted
+                run, num_accepted = sampled[i].resolve(sampled_runs[i])
             num_emitted = lane.stops.extend(run)
+            if num_emitted < len(run):
+                run = run[:num_emitted]
             if lane.grammar is not None:
-                lane.grammar.consume(run[:num_emitted])
-            self._record_logprobs(lane, out.logits[i], run[:num_emitted])
-            k = prop.draft_token_ids.numel()
+                lane.grammar.consume(run)
+            if lane.params.logprobs is not None:
+                self._record_logprobs(lane, out.logits[i], run)
+            k = columns[i].numel() - 1
             if k:
-                self.metrics.record_round(
-                    num_drafted=k, num_accepted=min(num_accepted, num_emitted), num_emitted=num_emitted
-                )
+                round_stats.append((k, min(num_accepted, num_emitted), num_emitted))
             lane.num_rounds += 1
-            runs.append(run[:num_emitted])
+            runs.append(run)
             keeps.append(num_emitted)
-            # The committed columns are the anchor and the accepted drafts, i.e. the anchor then the
-            # run's first keep - 1 tokens (a run starts with the accepted drafts).
-            inputs.append([anchor_ids[i], *run[: max(num_emitted - 1, 0)]])
-            emitted.setdefault(lane.lane_id, []).extend(run[:num_emitted])
+            emitted.setdefault(lane.lane_id, []).extend(run)
+        if round_stats:
+            self.metrics.record_rounds(round_stats)
         self.executor.commit(states, keeps)
         finished, spans = [], []
         records_replies = self.checkpoints.records_replies
-        for i, (lane, inp, run, keep) in enumerate(zip(lanes, inputs, runs, keeps, strict=True)):
+        for i, (lane, run, keep) in enumerate(zip(lanes, runs, keeps, strict=True)):
             if lane.stops.is_finished:
                 finished.append(lane)
                 self._active.remove(lane)
@@ -671,11 +722,13 @@ class SpeculativeEngine:
                         self.drafter.end_lane(lane.lane_id)
                     continue
             if self.drafter is not None:
+                # The committed columns are the anchor and the accepted drafts, i.e. the anchor then
+                # the run's first keep - 1 tokens (a run starts with the accepted drafts).
                 spans.append(
                     CommittedSpan(
                         lane_id=lane.lane_id,
                         start=lane.num_committed - keep,
-                        input_token_ids=tuple(inp[:keep]),
+                        input_token_ids=(anchor_ids[i], *run[: keep - 1]) if keep else (),
                         next_token_ids=tuple(run),
                         hidden_states=None if out.hidden_states is None else out.hidden_states[i][:keep],
                         taps=None if out.taps is None else out.taps[i][:keep],
@@ -687,13 +740,22 @@ class SpeculativeEngine:
             self.checkpoints.record_replies(finished)
         return finished
 
-    def _accept(self, lane: _Lane, prop: DraftProposal, logits: torch.Tensor) -> AcceptanceResult:
+    def _drafts_of(self, batch: RoundColumns, i: int) -> list[int]:
+        """Lane i's drafts on the host (a device lane's read from its column: a sync, taken only by
+        lanes with penalties)."""
+        d = batch.host_drafts[i]
+        return batch.columns[i][1:].tolist() if d is None else d
+
+    def _accept(
+        self, lane: _Lane, prop: DraftProposal, drafts: torch.Tensor, logits: torch.Tensor
+    ) -> PendingAcceptance:
         # A sampled lane (greedy lanes are accepted on the host, batched, in `_round`).
-        # logits: float [k+1, vocab], row i predicts the token after column i.
-        drafts = prop.draft_token_ids.to(device=logits.device, dtype=torch.int64)  # [k]
+        # drafts: int64 [k] (the column's, on the device); logits: float [k+1, vocab], row i predicts
+        # the token after column i.
+        drafts = drafts.to(device=logits.device)
         target_probs = logits_to_probs(logits, lane.params)  # [k+1, vocab]
         q = None if prop.draft_probs is None else prop.draft_probs.to(logits.device)  # [k, vocab]
-        return rejection_sample(drafts, target_probs, q, lane.random.generator(logits.device))
+        return rejection_sample_on_device(drafts, target_probs, q, lane.random.generator(logits.device))
 
     def _finish(self, lane: _Lane) -> None:
         release = getattr(self.executor, "release_lane", None)

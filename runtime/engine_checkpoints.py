@@ -40,6 +40,7 @@ host when the card tier is full. Recording costs one copy of the lane's state pe
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -66,9 +67,24 @@ class EngineCheckpoints:
     """
 
     def __init__(self, engine: SpeculativeEngine, cache: PrefixCache | None, *, is_enabled: bool) -> None:
-        self.engine = engine
+        # A weak reference: the engine owns this object, and a strong one back would make a cycle that
+        # keeps a dropped engine (its executor's device memory, its CUDA graphs) until the cycle
+        # collector runs.
+        self._engine = weakref.ref(engine)
         self.cache = cache
         self.is_enabled = is_enabled
+
+    @property
+    def engine(self) -> SpeculativeEngine:
+        """The engine this belongs to.
+
+        Raises:
+            ReferenceError: the engine was dropped.
+        """
+        eng = self._engine()
+        if eng is None:
+            raise ReferenceError("the engine of these prompt checkpoints was dropped")
+        return eng
 
     @classmethod
     def create(cls, engine: SpeculativeEngine, cache: PrefixCache | None) -> EngineCheckpoints:

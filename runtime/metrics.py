@@ -29,6 +29,7 @@ bonus token was emitted), and the latter equals rounds_total unless a stop fell 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 __all__ = ["SpeculativeMetrics"]
 
@@ -63,6 +64,38 @@ class SpeculativeMetrics:
         Raises:
             ValueError: the numbers are inconsistent.
         """
+        self._check(num_drafted, num_accepted, num_emitted)
+        self.rounds_total += 1
+        self.drafted_tokens_total += num_drafted
+        self.accepted_tokens_total += num_emitted
+        for i in range(num_drafted):
+            self.position_drafted_total[i] += 1
+        for i in range(num_accepted):
+            self.position_accepted_total[i] += 1
+
+    def record_rounds(self, rounds: Iterable[tuple[int, int, int]]) -> None:
+        """Count several speculative lane-rounds at once (a step's): each (num_drafted, num_accepted,
+        num_emitted) as `record_round`'s arguments. Every tuple is checked before any counter moves.
+
+        Raises:
+            ValueError: as `record_round`, for the first inconsistent tuple (no counter changed).
+        """
+        rounds = list(rounds)
+        for k, acc, em in rounds:
+            if k < 1 or not 0 <= acc <= k or em not in (acc, acc + 1) or em < 1:
+                self._check(k, acc, em)  # raises with `record_round`'s message
+        pos_d, pos_a = self.position_drafted_total, self.position_accepted_total
+        for k, acc, em in rounds:
+            self.drafted_tokens_total += k
+            self.accepted_tokens_total += em
+            for i in range(k):
+                pos_d[i] += 1
+            for i in range(acc):
+                pos_a[i] += 1
+        self.rounds_total += len(rounds)
+
+    @staticmethod
+    def _check(num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         if num_drafted < 1:
             raise ValueError(f"a speculative round has >= 1 draft, got num_drafted={num_drafted}")
         if not 0 <= num_accepted <= num_drafted:
@@ -72,13 +105,6 @@ class SpeculativeMetrics:
                 f"num_emitted={num_emitted} must be num_accepted or num_accepted + 1 and >= 1 "
                 f"(num_accepted={num_accepted})"
             )
-        self.rounds_total += 1
-        self.drafted_tokens_total += num_drafted
-        self.accepted_tokens_total += num_emitted
-        for i in range(num_drafted):
-            self.position_drafted_total[i] += 1
-        for i in range(num_accepted):
-            self.position_accepted_total[i] += 1
 
     @property
     def tokens_per_round(self) -> float:

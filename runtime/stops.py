@@ -108,6 +108,7 @@ class StopChecker:
         self.max_context = max_context
         self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self._stop_ids = frozenset(params.stop_token_ids)
+        self._stop_any = self._stop_ids | self._eos  # every token id that stops the lane
         self._detokenize = detokenize
         self.output_token_ids: list[int] = []
         self.text = ""
@@ -193,12 +194,32 @@ class StopChecker:
         """
         if self.is_finished:
             raise StateError(f"run appended after the lane finished ({self.finish_reason})")
+        if not self.params.stop and len(self.output_token_ids) >= self.params.min_tokens:
+            return self._extend_ids(token_ids)
         num = 0
         for t in token_ids:
             num += 1
             if self.append(t):
                 break
         return num
+
+    def _extend_ids(self, token_ids: Iterable[int]) -> int:
+        """`extend` without stop strings and past min_tokens: the run cut at the first stop token or at
+        the length limit with list operations (the same checks, in `append`'s order, as one pass)."""
+        run = [int(t) for t in token_ids]
+        left = self.num_tokens_left
+        n = len(run) if left is None else min(len(run), left)
+        stops = self._stop_any
+        if stops and not stops.isdisjoint(run[:n]):
+            for j in range(n):
+                t = run[j]
+                if t in stops:  # a stop token is checked before the length (`append`)
+                    self.output_token_ids.extend(run[: j + 1])
+                    self._finish(FINISH_STOP, t if t in self._stop_ids else None)
+                    return j + 1
+        self.output_token_ids.extend(run[:n])
+        self._check_length()
+        return n
 
     def abort(self) -> None:
         """Finish the lane as cancelled (no-op when already finished)."""

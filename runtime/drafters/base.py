@@ -62,7 +62,8 @@ class DraftRequest:
     Attributes:
         lane_id: the lane.
         num_drafts: k, the most drafts wanted (>= 1); fewer may be returned.
-        token_ids: the lane's prompt + output so far (read-only); the last one is the anchor.
+        token_ids: the lane's prompt + output so far (read-only; the engine passes a view of the lane,
+            valid during the call: copy it to keep it); the last one is the anchor.
         num_prompt_tokens: how many of token_ids are the prompt.
         params: the lane's sampling parameters (a stochastic drafter may sample at its temperature).
         generator: the lane's random stream, on the engine's device (use it for reproducible seeds).
