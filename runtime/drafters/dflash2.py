@@ -634,7 +634,10 @@ class DFlash2Network:
 
     Two entry points, both batched over lanes: `context_keys_values` turns tapped target hidden states
     into every layer's context keys/values, and `block_hidden` runs the [anchor, mask...] blocks
-    against given contexts. No per-lane state lives here (see `DFlash2Drafter`).
+    against given contexts. Their steps (`embed_ids`, `context_key_value`, a layer's `attention_in`
+    and `layer_out` around the attention call) are public so that the static route
+    (`ignis.runtime.drafters.dflash2_graphs.StaticDFlash2`) runs the same ops in the same order over
+    its pooled buffers. No per-lane state lives here (see `DFlash2Drafter`).
 
     Args:
         config: the drafter's config.
