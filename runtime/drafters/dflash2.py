@@ -558,6 +558,42 @@ def check_dflash2_fits(config: DFlash2Config, target: Any, *, embed_rows: int | 
         )
 
 
+def check_span_taps(span: CommittedSpan, width: int, tap_layers: Sequence[int]) -> None:
+    """Refuse a committed span whose taps are missing or not [len(input_token_ids), width] (width =
+    num_taps * hidden_size); shared by the eager and the static commit.
+
+    Raises:
+        DrafterError: no taps (the engine did not run the target with `tap_layers`), or the wrong shape.
+    """
+    m = len(span.input_token_ids)
+    if span.taps is None:
+        raise DrafterError(
+            f"dflash2: lane {span.lane_id} committed without taps; the engine must run the target with "
+            f"tap_layers={list(tap_layers)}"
+        )
+    if span.taps.dim() != 2 or span.taps.shape != (m, width):
+        raise DrafterError(
+            f"dflash2: lane {span.lane_id} taps have shape {tuple(span.taps.shape)}, expected [{m}, {width}]"
+        )
+
+
+def check_snapshot_layer(config: DFlash2Config, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Refuse a snapshot layer whose keys and values differ in shape or are not [n, nkv, head_dim];
+    shared by the eager and the static restore.
+
+    Raises:
+        CheckpointError: the shapes do not fit the config.
+    """
+    from ignis.runtime.checkpoints import CheckpointError
+
+    c = config
+    if keys.shape != values.shape or tuple(keys.shape[1:]) != (c.num_key_value_heads, c.head_dim):
+        raise CheckpointError(
+            f"dflash2: snapshot layer {layer} keys {tuple(keys.shape)} / values {tuple(values.shape)} do not "
+            f"fit [n, {c.num_key_value_heads}, {c.head_dim}]"
+        )
+
+
 # ------------------------------------------------------------------------------------ network
 
 
@@ -1247,11 +1283,7 @@ class DFlash2Drafter(BaseDrafter):
         try:
             for i, window in enumerate(lane.windows):
                 k, v = snapshot.tensors[f"layer.{i}.keys"], snapshot.tensors[f"layer.{i}.values"]
-                if k.shape != v.shape or tuple(k.shape[1:]) != (c.num_key_value_heads, c.head_dim):
-                    raise CheckpointError(
-                        f"dflash2: snapshot layer {i} keys {tuple(k.shape)} / values {tuple(v.shape)} do not "
-                        f"fit [n, {c.num_key_value_heads}, {c.head_dim}]"
-                    )
+                check_snapshot_layer(c, i, k, v)
                 if k.shape[0]:
                     window.append(k.to(window.keys), v.to(window.values))
             extra = sorted(
@@ -1307,17 +1339,8 @@ class DFlash2Drafter(BaseDrafter):
                     f"dflash2: lane {s.lane_id} span starts at position {s.start}, its context ends at "
                     f"{lane.num_positions}"
                 )
+            check_span_taps(s, width, self.tap_layers)
             m = len(s.input_token_ids)
-            if s.taps is None:
-                raise DrafterError(
-                    f"dflash2: lane {s.lane_id} committed without taps; the engine must run the target with "
-                    f"tap_layers={list(self.tap_layers)}"
-                )
-            if s.taps.dim() != 2 or s.taps.shape != (m, width):
-                raise DrafterError(
-                    f"dflash2: lane {s.lane_id} taps have shape {tuple(s.taps.shape)}, "
-                    f"expected [{m}, {width}]"
-                )
             r = m if need is None else min(m, need)
             lanes.append(lane)
             rows.append(s.taps[m - r :])

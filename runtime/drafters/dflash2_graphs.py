@@ -336,6 +336,7 @@ class StaticDFlash2:
                 started then).
         """
         from ignis.runtime.checkpoints import CheckpointError
+        from ignis.runtime.drafters.dflash2 import check_snapshot_layer
 
         c = self.config
         names = {f"layer.{i}.{w}" for i in range(c.num_hidden_layers) for w in ("keys", "values")}
@@ -348,11 +349,7 @@ class StaticDFlash2:
         end = int(snapshot.num_tokens)
         for i in range(c.num_hidden_layers):
             k, v = snapshot.tensors[f"layer.{i}.keys"], snapshot.tensors[f"layer.{i}.values"]
-            if k.shape != v.shape or tuple(k.shape[1:]) != (c.num_key_value_heads, c.head_dim):
-                raise CheckpointError(
-                    f"dflash2: snapshot layer {i} keys {tuple(k.shape)} / values {tuple(v.shape)} do not "
-                    f"fit [n, {c.num_key_value_heads}, {c.head_dim}]"
-                )
+            check_snapshot_layer(c, i, k, v)
             if k.shape[0] != min(end, self.caps[i]):  # a ring row the mask sees must hold its key
                 raise CheckpointError(
                     f"dflash2: snapshot layer {i} holds {k.shape[0]} rows for {end} positions; this "
@@ -378,6 +375,8 @@ class StaticDFlash2:
             StateError: unknown lane, or a span that does not start where the lane's context ends.
             DrafterError: a span without taps, or taps of the wrong width / length.
         """
+        from ignis.runtime.drafters.dflash2 import check_span_taps
+
         if not spans:
             return
         c, net = self.config, self.network
@@ -392,17 +391,8 @@ class StaticDFlash2:
                     f"{self._positions[slot]}"
                 )
             seen.add(slot)
+            check_span_taps(s, width, self.drafter.tap_layers)
             m = len(s.input_token_ids)
-            if s.taps is None:
-                raise DrafterError(
-                    f"dflash2: lane {s.lane_id} committed without taps; the engine must run the target with "
-                    f"tap_layers={list(self.drafter.tap_layers)}"
-                )
-            if s.taps.dim() != 2 or s.taps.shape != (m, width):
-                raise DrafterError(
-                    f"dflash2: lane {s.lane_id} taps have shape {tuple(s.taps.shape)}, "
-                    f"expected [{m}, {width}]"
-                )
             if self.full_cap is not None and s.start + m > self.full_cap:
                 raise DrafterError(
                     f"dflash2: lane {s.lane_id} reaches position {s.start + m}, past the {self.full_cap} "
