@@ -558,6 +558,42 @@ def check_dflash2_fits(config: DFlash2Config, target: Any, *, embed_rows: int | 
         )
 
 
+def check_span_taps(span: CommittedSpan, width: int, tap_layers: Sequence[int]) -> None:
+    """Refuse a committed span whose taps are missing or not [len(input_token_ids), width] (width =
+    num_taps * hidden_size); shared by the eager and the static commit.
+
+    Raises:
+        DrafterError: no taps (the engine did not run the target with `tap_layers`), or the wrong shape.
+    """
+    m = len(span.input_token_ids)
+    if span.taps is None:
+        raise DrafterError(
+            f"dflash2: lane {span.lane_id} committed without taps; the engine must run the target with "
+            f"tap_layers={list(tap_layers)}"
+        )
+    if span.taps.dim() != 2 or span.taps.shape != (m, width):
+        raise DrafterError(
+            f"dflash2: lane {span.lane_id} taps have shape {tuple(span.taps.shape)}, expected [{m}, {width}]"
+        )
+
+
+def check_snapshot_layer(config: DFlash2Config, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Refuse a snapshot layer whose keys and values differ in shape or are not [n, nkv, head_dim];
+    shared by the eager and the static restore.
+
+    Raises:
+        CheckpointError: the shapes do not fit the config.
+    """
+    from ignis.runtime.checkpoints import CheckpointError
+
+    c = config
+    if keys.shape != values.shape or tuple(keys.shape[1:]) != (c.num_key_value_heads, c.head_dim):
+        raise CheckpointError(
+            f"dflash2: snapshot layer {layer} keys {tuple(keys.shape)} / values {tuple(values.shape)} do not "
+            f"fit [n, {c.num_key_value_heads}, {c.head_dim}]"
+        )
+
+
 # ------------------------------------------------------------------------------------ network
 
 
@@ -634,7 +670,10 @@ class DFlash2Network:
 
     Two entry points, both batched over lanes: `context_keys_values` turns tapped target hidden states
     into every layer's context keys/values, and `block_hidden` runs the [anchor, mask...] blocks
-    against given contexts. No per-lane state lives here (see `DFlash2Drafter`).
+    against given contexts. Their steps (`embed_ids`, `context_key_value`, a layer's `attention_in`
+    and `layer_out` around the attention call) are public so that the static route
+    (`ignis.runtime.drafters.dflash2_graphs.StaticDFlash2`) runs the same ops in the same order over
+    its pooled buffers. No per-lane state lives here (see `DFlash2Drafter`).
 
     Args:
         config: the drafter's config.
@@ -733,12 +772,27 @@ class DFlash2Network:
         Returns:
             (keys, values), each [n, num_key_value_heads, head_dim] in the network dtype.
         """
-        c, lw = self.config, self.layers[layer]
-        n = features.shape[0]
-        k = self.linear(features, lw.k_proj, lw.k_bias).view(n, c.num_key_value_heads, c.head_dim)
-        k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
-        v = self.linear(features, lw.v_proj, lw.v_bias).view(n, c.num_key_value_heads, c.head_dim)
+        return self.context_key_value(features, self.layers[layer], cos, sin)
+
+    def context_key_value(
+        self, features: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's context keys and values: k_proj, k_norm, RoPE; v_proj (shared by the eager
+        `context_keys_values` and the static commit of `StaticDFlash2`).
+
+        Args:
+            features: [n, H] from `context_features`.
+            lw: the layer's weights (an entry of `layers`).
+            cos, sin: [n, head_dim] from `rope_cos_sin` at the rows' positions.
+
+        Returns:
+            (keys, values), each [n, num_key_value_heads, head_dim] in the network dtype.
+        """
+        c = self.config
+        nkv, hd = c.num_key_value_heads, c.head_dim
+        k = rms_norm(self.linear(features, lw.k_proj, lw.k_bias).view(-1, nkv, hd), lw.k_norm, c.rms_norm_eps)
+        v = self.linear(features, lw.v_proj, lw.v_bias).view(-1, nkv, hd)
         return apply_rope(k, cos, sin), v
 
     # ---- block ----
@@ -749,6 +803,12 @@ class DFlash2Network:
         shape = (anchor_ids.shape[0], c.block_size)
         ids = torch.full(shape, c.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = anchor_ids.to(self.device)
+        return self.embed_ids(ids, embed_tokens)
+
+    def embed_ids(self, ids: torch.Tensor, embed_tokens: torch.Tensor) -> torch.Tensor:
+        """int64 [N, L] token ids -> [N, L, H] embeddings in the network dtype, times
+        `input_embedding_scale` when it is not 1."""
+        c = self.config
         x = F.embedding(ids, embed_tokens).to(self.dtype)
         return x * c.input_embedding_scale if c.input_embedding_scale != 1.0 else x
 
@@ -784,27 +844,13 @@ class DFlash2Network:
             [N, L, H] final-normed hidden states (row 0 is the anchor's, rows 1.. the mask slots').
         """
         c = self.config
-        n_blocks, length, h = x.shape
+        n_blocks, length, _ = x.shape
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         offsets = torch.arange(length, device=self.device)
         pos = (positions.to(self.device)[:, None] + offsets[None, :]).reshape(-1)
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
-        eps = c.rms_norm_eps
-        groups = c.num_conv_groups if c.has_conv else 0
-        linear = self.linear
         for li, lw in enumerate(self.layers):
-            a = rms_norm(x, lw.input_norm, eps)
-            att_dyn = None
-            if lw.attention_conv is not None:
-                att_dyn = linear(a, lw.attention_conv.projection, None).view(
-                    n_blocks, length, 2, c.conv_kernel_size, groups
-                )
-                a = grouped_dynamic_conv(a, att_dyn[:, :, 0], lw.attention_conv.base[0], c.conv_group_size)
-            rows = a.reshape(n_blocks * length, h)
-            q = rms_norm(linear(rows, lw.q_proj, lw.q_bias).view(-1, nh, hd), lw.q_norm, eps)
-            k = rms_norm(linear(rows, lw.k_proj, lw.k_bias).view(-1, nkv, hd), lw.k_norm, eps)
-            v = linear(rows, lw.v_proj, lw.v_bias).view(-1, nkv, hd)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v, att_dyn = self.attention_in(x, lw, cos, sin)
             out = torch.empty_like(q)
             for b in range(n_blocks):
                 sl = slice(b * length, (b + 1) * length)
@@ -820,26 +866,72 @@ class DFlash2Network:
                     enable_gqa=nh != nkv,
                 )
                 out[sl] = o[0].transpose(0, 1)
-            attn = linear(out.reshape(n_blocks, length, nh * hd), lw.o_proj, lw.o_bias)
-            if lw.attention_conv is not None:
-                assert att_dyn is not None
-                attn = grouped_dynamic_conv(
-                    attn, att_dyn[:, :, 1], lw.attention_conv.base[1], c.conv_group_size
-                )
-            x = x + attn
-            m = rms_norm(x, lw.post_norm, eps)
-            mlp_dyn = None
-            if lw.mlp_conv is not None:
-                mlp_dyn = linear(m, lw.mlp_conv.projection, None).view(
-                    n_blocks, length, 2, c.conv_kernel_size, groups
-                )
-                m = grouped_dynamic_conv(m, mlp_dyn[:, :, 0], lw.mlp_conv.base[0], c.conv_group_size)
-            y = swiglu_mlp(m, lw.mlp, linear=linear)
-            if lw.mlp_conv is not None:
-                assert mlp_dyn is not None
-                y = grouped_dynamic_conv(y, mlp_dyn[:, :, 1], lw.mlp_conv.base[1], c.conv_group_size)
-            x = x + y
-        return rms_norm(x, self.norm, eps)
+            x = self.layer_out(x, out.reshape(n_blocks, length, nh * hd), lw, att_dyn)
+        return rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def _conv_in(self, x: torch.Tensor, conv: _Conv | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A sublayer's input side of its dynamic conv: (x convolved, the dynamic coefficients
+        [N, L, 2, taps, groups] for both sides); (x, None) without a conv. x: [N, L, H]."""
+        if conv is None:
+            return x, None
+        c = self.config
+        dyn = self.linear(x, conv.projection, None).view(
+            x.shape[0], x.shape[1], 2, c.conv_kernel_size, c.num_conv_groups
+        )
+        return grouped_dynamic_conv(x, dyn[:, :, 0], conv.base[0], c.conv_group_size), dyn
+
+    def _conv_out(self, y: torch.Tensor, conv: _Conv | None, dyn: torch.Tensor | None) -> torch.Tensor:
+        """A sublayer's output side of its dynamic conv (dyn from `_conv_in`); y unchanged without one."""
+        if conv is None:
+            return y
+        assert dyn is not None
+        return grouped_dynamic_conv(y, dyn[:, :, 1], conv.base[1], self.config.conv_group_size)
+
+    def attention_in(
+        self, x: torch.Tensor, lw: _Layer, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A layer's attention prologue over block rows: input norm, the attention conv's input side,
+        q/k/v projections, q_norm/k_norm, RoPE (shared by `block_hidden` and `StaticDFlash2`).
+
+        Args:
+            x: [N, L, H] the residual stream.
+            lw: the layer's weights (an entry of `layers`).
+            cos, sin: [N * L, head_dim] at the rows' positions (block-major).
+
+        Returns:
+            (q [N * L, nh, hd], k [N * L, nkv, hd], v [N * L, nkv, hd], the attention conv's dynamic
+            coefficients for `layer_out`, None without a conv).
+        """
+        c = self.config
+        nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        a, att_dyn = self._conv_in(rms_norm(x, lw.input_norm, eps), lw.attention_conv)
+        rows = a.reshape(x.shape[0] * x.shape[1], x.shape[2])
+        linear = self.linear
+        q = rms_norm(linear(rows, lw.q_proj, lw.q_bias).view(-1, nh, hd), lw.q_norm, eps)
+        k = rms_norm(linear(rows, lw.k_proj, lw.k_bias).view(-1, nkv, hd), lw.k_norm, eps)
+        v = linear(rows, lw.v_proj, lw.v_bias).view(-1, nkv, hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, att_dyn
+
+    def layer_out(
+        self, x: torch.Tensor, attn_out: torch.Tensor, lw: _Layer, att_dyn: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A layer's rest after attention: o_proj, the attention conv's output side, the residual add,
+        post norm, the MLP conv's input side, SwiGLU, its output side, the residual add.
+
+        Args:
+            x: [N, L, H] the layer's input residual stream.
+            attn_out: [N, L, nh * hd] the attention output (heads concatenated).
+            lw: the layer's weights.
+            att_dyn: from `attention_in`.
+
+        Returns:
+            [N, L, H] the layer's output residual stream.
+        """
+        attn = self._conv_out(self.linear(attn_out, lw.o_proj, lw.o_bias), lw.attention_conv, att_dyn)
+        x = x + attn
+        m, mlp_dyn = self._conv_in(rms_norm(x, lw.post_norm, self.config.rms_norm_eps), lw.mlp_conv)
+        y = self._conv_out(swiglu_mlp(m, lw.mlp, linear=self.linear), lw.mlp_conv, mlp_dyn)
+        return x + y
 
     def head_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """`transform_head_logits` with this network's config."""
@@ -1191,11 +1283,7 @@ class DFlash2Drafter(BaseDrafter):
         try:
             for i, window in enumerate(lane.windows):
                 k, v = snapshot.tensors[f"layer.{i}.keys"], snapshot.tensors[f"layer.{i}.values"]
-                if k.shape != v.shape or tuple(k.shape[1:]) != (c.num_key_value_heads, c.head_dim):
-                    raise CheckpointError(
-                        f"dflash2: snapshot layer {i} keys {tuple(k.shape)} / values {tuple(v.shape)} do not "
-                        f"fit [n, {c.num_key_value_heads}, {c.head_dim}]"
-                    )
+                check_snapshot_layer(c, i, k, v)
                 if k.shape[0]:
                     window.append(k.to(window.keys), v.to(window.values))
             extra = sorted(
@@ -1251,17 +1339,8 @@ class DFlash2Drafter(BaseDrafter):
                     f"dflash2: lane {s.lane_id} span starts at position {s.start}, its context ends at "
                     f"{lane.num_positions}"
                 )
+            check_span_taps(s, width, self.tap_layers)
             m = len(s.input_token_ids)
-            if s.taps is None:
-                raise DrafterError(
-                    f"dflash2: lane {s.lane_id} committed without taps; the engine must run the target with "
-                    f"tap_layers={list(self.tap_layers)}"
-                )
-            if s.taps.dim() != 2 or s.taps.shape != (m, width):
-                raise DrafterError(
-                    f"dflash2: lane {s.lane_id} taps have shape {tuple(s.taps.shape)}, "
-                    f"expected [{m}, {width}]"
-                )
             r = m if need is None else min(m, need)
             lanes.append(lane)
             rows.append(s.taps[m - r :])

@@ -58,14 +58,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from ignis.runtime.checkpoints import DrafterSnapshot
 from ignis.runtime.drafters.base import CommittedSpan, DrafterError, DraftProposal, DraftRequest
-from ignis.runtime.drafters.common import apply_rope, rms_norm, rope_cos_sin
+from ignis.runtime.drafters.common import rms_norm, rope_cos_sin
 from ignis.runtime.errors import ConfigError, StateError
 from ignis.runtime.families.attention import sdpa
-from ignis.runtime.families.moe import swiglu_mlp
 from ignis.runtime.kernels.topk import topk
 
 if TYPE_CHECKING:
@@ -338,6 +336,7 @@ class StaticDFlash2:
                 started then).
         """
         from ignis.runtime.checkpoints import CheckpointError
+        from ignis.runtime.drafters.dflash2 import check_snapshot_layer
 
         c = self.config
         names = {f"layer.{i}.{w}" for i in range(c.num_hidden_layers) for w in ("keys", "values")}
@@ -350,11 +349,7 @@ class StaticDFlash2:
         end = int(snapshot.num_tokens)
         for i in range(c.num_hidden_layers):
             k, v = snapshot.tensors[f"layer.{i}.keys"], snapshot.tensors[f"layer.{i}.values"]
-            if k.shape != v.shape or tuple(k.shape[1:]) != (c.num_key_value_heads, c.head_dim):
-                raise CheckpointError(
-                    f"dflash2: snapshot layer {i} keys {tuple(k.shape)} / values {tuple(v.shape)} do not "
-                    f"fit [n, {c.num_key_value_heads}, {c.head_dim}]"
-                )
+            check_snapshot_layer(c, i, k, v)
             if k.shape[0] != min(end, self.caps[i]):  # a ring row the mask sees must hold its key
                 raise CheckpointError(
                     f"dflash2: snapshot layer {i} holds {k.shape[0]} rows for {end} positions; this "
@@ -380,6 +375,8 @@ class StaticDFlash2:
             StateError: unknown lane, or a span that does not start where the lane's context ends.
             DrafterError: a span without taps, or taps of the wrong width / length.
         """
+        from ignis.runtime.drafters.dflash2 import check_span_taps
+
         if not spans:
             return
         c, net = self.config, self.network
@@ -394,17 +391,8 @@ class StaticDFlash2:
                     f"{self._positions[slot]}"
                 )
             seen.add(slot)
+            check_span_taps(s, width, self.drafter.tap_layers)
             m = len(s.input_token_ids)
-            if s.taps is None:
-                raise DrafterError(
-                    f"dflash2: lane {s.lane_id} committed without taps; the engine must run the target with "
-                    f"tap_layers={list(self.drafter.tap_layers)}"
-                )
-            if s.taps.dim() != 2 or s.taps.shape != (m, width):
-                raise DrafterError(
-                    f"dflash2: lane {s.lane_id} taps have shape {tuple(s.taps.shape)}, "
-                    f"expected [{m}, {width}]"
-                )
             if self.full_cap is not None and s.start + m > self.full_cap:
                 raise DrafterError(
                     f"dflash2: lane {s.lane_id} reaches position {s.start + m}, past the {self.full_cap} "
@@ -479,17 +467,13 @@ class StaticDFlash2:
 
     def _commit_forward(self, n_rows: int) -> None:
         """Context keys/values of the staged rows written into the rings (`_commit_static`)."""
-        c, net, L = self.config, self.network, self.config.block_size
-        nkv, hd, eps = c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        net, L = self.network, self.config.block_size
         feats = net.context_features(self._commit_taps[:n_rows])
         meta = self._commit_meta[:n_rows]
         pos, slot, valid = meta[:, 0], meta[:, 1], meta[:, 2].bool()
         cos, sin = rope_cos_sin(pos, net.inv_freq, self.dtype)  # once for every layer
         for cap, lw, keys, values in zip(self.caps, net.layers, self.keys, self.values, strict=True):
-            # `DFlash2Network.context_keys_values`, op for op
-            k = rms_norm(net.linear(feats, lw.k_proj, lw.k_bias).view(n_rows, nkv, hd), lw.k_norm, eps)
-            k = apply_rope(k, cos, sin)
-            v = net.linear(feats, lw.v_proj, lw.v_bias).view(n_rows, nkv, hd)
+            k, v = net.context_key_value(feats, lw, cos, sin)
             ring = torch.where(valid, pos.remainder(cap), cap + L - 1)
             keys.index_put_((slot, ring), k)
             values.index_put_((slot, ring), v)
@@ -685,22 +669,19 @@ class StaticDFlash2:
 
     def _forward(self, width: int, bucket: int) -> None:
         """The proposal over slots 0 .. width - 1 (module docstring); writes the static outputs."""
-        from ignis.runtime.drafters.dflash2 import SLIDING_ATTENTION, grouped_dynamic_conv
+        from ignis.runtime.drafters.dflash2 import SLIDING_ATTENTION
 
         c, net, d = self.config, self.network, self.drafter
         L, D, w = c.block_size, c.max_drafts, width
-        h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         g = nh // nkv
         eps = c.rms_norm_eps
         linear = net.linear
         anchors = self._anchor[:w]
         ids = torch.cat([anchors[:, None], self._mask_ids.expand(w, L - 1)], dim=1)
-        x = F.embedding(ids, d.embed_tokens).to(self.dtype)
-        if c.input_embedding_scale != 1.0:
-            x = x * c.input_embedding_scale
+        x = net.embed_ids(ids, d.embed_tokens)
         pos = (self._position[:w, None] + self._offsets[None, :]).reshape(-1)
         cos, sin = rope_cos_sin(pos, net.inv_freq, self.dtype)
-        groups = c.num_conv_groups if c.has_conv else 0
         masks: dict[tuple[int, int, bool], torch.Tensor] = {}
         for li, lw in enumerate(net.layers):
             cap = self.caps[li]
@@ -708,18 +689,7 @@ class StaticDFlash2:
             sliding = c.layer_types[li] == SLIDING_ATTENTION
             if (ctx, cap, sliding) not in masks:
                 masks[(ctx, cap, sliding)] = self._mask(w, ctx, cap, sliding)
-            a = rms_norm(x, lw.input_norm, eps)
-            att_dyn = None
-            if lw.attention_conv is not None:
-                att_dyn = linear(a, lw.attention_conv.projection, None).view(
-                    w, L, 2, c.conv_kernel_size, groups
-                )
-                a = grouped_dynamic_conv(a, att_dyn[:, :, 0], lw.attention_conv.base[0], c.conv_group_size)
-            rows = a.reshape(w * L, h)
-            q = rms_norm(linear(rows, lw.q_proj, lw.q_bias).view(-1, nh, hd), lw.q_norm, eps)
-            k = rms_norm(linear(rows, lw.k_proj, lw.k_bias).view(-1, nkv, hd), lw.k_norm, eps)
-            v = linear(rows, lw.v_proj, lw.v_bias).view(-1, nkv, hd)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v, att_dyn = net.attention_in(x, lw, cos, sin)
             kp, vp = self.keys[li], self.values[li]
             kp[:w, ctx : ctx + L] = k.view(w, L, nkv, hd)
             vp[:w, ctx : ctx + L] = v.view(w, L, nkv, hd)
@@ -732,23 +702,7 @@ class StaticDFlash2:
                 scale=hd**-0.5,
             )  # [w, nkv, g * L, hd]
             out = o.view(w, nkv, g, L, hd).permute(0, 3, 1, 2, 4).reshape(w, L, nh * hd)
-            attn = linear(out, lw.o_proj, lw.o_bias)
-            if lw.attention_conv is not None:
-                assert att_dyn is not None
-                attn = grouped_dynamic_conv(
-                    attn, att_dyn[:, :, 1], lw.attention_conv.base[1], c.conv_group_size
-                )
-            x = x + attn
-            m = rms_norm(x, lw.post_norm, eps)
-            mlp_dyn = None
-            if lw.mlp_conv is not None:
-                mlp_dyn = linear(m, lw.mlp_conv.projection, None).view(w, L, 2, c.conv_kernel_size, groups)
-                m = grouped_dynamic_conv(m, mlp_dyn[:, :, 0], lw.mlp_conv.base[0], c.conv_group_size)
-            y = swiglu_mlp(m, lw.mlp, linear=linear)
-            if lw.mlp_conv is not None:
-                assert mlp_dyn is not None
-                y = grouped_dynamic_conv(y, mlp_dyn[:, :, 1], lw.mlp_conv.base[1], c.conv_group_size)
-            x = x + y
+            x = net.layer_out(x, out, lw, att_dyn)
         hidden = rms_norm(x, net.norm, eps)[:, 1 : 1 + D]  # [w, D, H]
         logits = net.head_logits(d.linear(hidden, d.head_weight, None).float())  # [w, D, rows]
         if not c.has_selector:

@@ -594,7 +594,6 @@ class MTPDrafter(BaseDrafter):
         """
         if not spans:
             return
-        h = self.config.hidden_size
         lanes, hidden, tokens, counts = [], [], [], []
         restored = [
             (lane, int(s.input_token_ids[0]))
@@ -605,22 +604,9 @@ class MTPDrafter(BaseDrafter):
             self._run_pending([lane for lane, _ in restored], [tok for _, tok in restored])
         for s in spans:
             lane = self.state(s.lane_id)
-            if s.start != lane.num_tokens:
-                raise StateError(
-                    f"mtp: lane {s.lane_id} span starts at position {s.start}, its head state ends at "
-                    f"{lane.num_tokens}"
-                )
+            self._check_span(s, lane)
             m = len(s.next_token_ids)
-            if s.hidden_states is None:
-                raise DrafterError(
-                    f"mtp: lane {s.lane_id} committed without hidden states; the engine must request them "
-                    "(needs_hidden_states)"
-                )
-            if tuple(s.hidden_states.shape) != (m, h):
-                raise DrafterError(
-                    f"mtp: lane {s.lane_id} hidden states have shape {tuple(s.hidden_states.shape)}, "
-                    f"expected [{m}, {h}]"
-                )
+            assert s.hidden_states is not None
             lanes.append(lane)
             hidden.append(s.hidden_states.to(device=self.device, dtype=self.dtype))
             tokens.append(torch.tensor(s.next_token_ids, dtype=torch.long))
@@ -636,6 +622,31 @@ class MTPDrafter(BaseDrafter):
             lane.last_hidden = out[end - 1].clone()
             lane.last_token = int(s.next_token_ids[-1])
             lane.last_trunk_hidden = s.hidden_states[-1].to(device=self.device, dtype=self.dtype).clone()  # type: ignore[index]
+
+    def _check_span(self, s: CommittedSpan, lane: MTPLaneState) -> None:
+        """Refuse a span that does not start where the lane's head state ends, or whose hidden states
+        are missing or not [len(next_token_ids), hidden_size].
+
+        Raises:
+            StateError: the span's start is not the lane's `num_tokens`.
+            DrafterError: no hidden states (the engine did not request them), or the wrong shape.
+        """
+        if s.start != lane.num_tokens:
+            raise StateError(
+                f"mtp: lane {s.lane_id} span starts at position {s.start}, its head state ends at "
+                f"{lane.num_tokens}"
+            )
+        if s.hidden_states is None:
+            raise DrafterError(
+                f"mtp: lane {s.lane_id} committed without hidden states; the engine must request them "
+                "(needs_hidden_states)"
+            )
+        m, h = len(s.next_token_ids), self.config.hidden_size
+        if tuple(s.hidden_states.shape) != (m, h):
+            raise DrafterError(
+                f"mtp: lane {s.lane_id} hidden states have shape {tuple(s.hidden_states.shape)}, "
+                f"expected [{m}, {h}]"
+            )
 
     def _check_requests(self, requests: Sequence[DraftRequest]) -> list[MTPLaneState]:
         """The requests' lanes, in order (a lane restored from a checkpoint has its pending row run

@@ -354,17 +354,8 @@ class StaticMTPDrafter(MTPDrafter):
         ):
             super().commit(spans)
             return
-        h = self.config.hidden_size
         for s, lane in zip(spans, lanes, strict=True):
-            if s.start != lane.num_tokens:
-                raise StateError(
-                    f"mtp: lane {s.lane_id} span starts at position {s.start}, its head state ends at "
-                    f"{lane.num_tokens}"
-                )
-            m = len(s.next_token_ids)
-            if s.hidden_states is None or tuple(s.hidden_states.shape) != (m, h):
-                super().commit(spans)  # raises the protocol error with its message
-                return
+            self._check_span(s, lane)
         counts = [len(s.next_token_ids) for s in spans]
         L = len(spans)
         n = next(w for w in self.column_widths if w >= max(counts))

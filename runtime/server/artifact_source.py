@@ -49,6 +49,7 @@ from ignis.runtime.server.warmup import warm_up_engine
 
 if TYPE_CHECKING:
     from ignis.runtime.drafters.replay import ReplayOptions
+    from ignis.runtime.tokenizer import Tokenizer
 
 __all__ = ["ArtifactSource", "attach_topk"]
 
@@ -154,6 +155,17 @@ class ArtifactSource:
         the copy opens the directory again without re-checking the checksums this one checked."""
         return (_reopen, (str(self.path), self.draft_model, self.replay))
 
+    def _tokenizer(self) -> Tokenizer:
+        """The artifact's tokenizer (`load` and `load_text`).
+
+        Raises:
+            TokenizerError: the artifact carries no tokenizer.
+        """
+        tokenizer = self.artifact.tokenizer()
+        if tokenizer is None:
+            raise TokenizerError(f"{self.path}: the artifact has no tokenizer; the server needs one")
+        return tokenizer
+
     def load_text(self, settings: ModelSettings) -> ServedModel:
         """The server process's side of the model when the engine runs in its own process: the
         tokenizer, names and speculative settings; the artifact is unmapped here (the engine process
@@ -163,9 +175,7 @@ class ArtifactSource:
             TokenizerError: the artifact carries no tokenizer.
         """
         art = self.artifact
-        tokenizer = art.tokenizer()
-        if tokenizer is None:
-            raise TokenizerError(f"{self.path}: the artifact has no tokenizer; the server needs one")
+        tokenizer = self._tokenizer()
         art.close()
 
         def no_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
@@ -213,9 +223,7 @@ class ArtifactSource:
             TokenizerError: the artifact carries no tokenizer.
         """
         art = self.artifact
-        tokenizer = art.tokenizer()
-        if tokenizer is None:
-            raise TokenizerError(f"{self.path}: the artifact has no tokenizer; the server needs one")
+        tokenizer = self._tokenizer()
         device = self._device(settings)
         dtype = art.default_dtype() if device.type != "cpu" else torch.float32
         spec = settings.spec

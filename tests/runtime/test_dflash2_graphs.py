@@ -264,6 +264,35 @@ def test_static_route_snapshots_cross_paths() -> None:
         s2.restore_lane(6, lane.tokens, DrafterSnapshot(num_tokens=25, tensors={}))
 
 
+def test_both_routes_refuse_a_snapshot_layer_of_the_wrong_shape() -> None:
+    """Keys and values that differ in shape, or are not [n, nkv, head_dim], are a CheckpointError with
+    the same message on the eager and the static restore, and no lane is left behind."""
+    from ignis.runtime.checkpoints import CheckpointError, DrafterSnapshot
+
+    config = _config(sliding_window=10)
+    source = _drafter(config)
+    lane = _Lane(0, random.Random(3), GREEDY)
+    lane.tokens = list(range(12))
+    source.start_lane(0, lane.tokens)
+    source.commit([_span(lane, 8)])
+    snap = source.snapshot_lane(0, 8)
+    eager, static = _drafter(config), _drafter(config)
+    static.use_static(max_lanes=2)
+    k, v = snap.tensors["layer.1.keys"], snap.tensors["layer.1.values"]
+    for bad, match in (
+        ({"layer.1.values": v[:-1]}, r"layer 1 keys \(\d+, \d+, \d+\) / values .* do not fit"),
+        ({"layer.1.keys": k[..., :-1], "layer.1.values": v[..., :-1]}, r"layer 1 keys .* do not fit \[n, "),
+    ):
+        broken = DrafterSnapshot(num_tokens=8, tensors={**snap.tensors, **bad})
+        messages = []
+        for d in (eager, static):
+            with pytest.raises(CheckpointError, match=match) as err:
+                d.restore_lane(4, lane.tokens, broken)
+            messages.append(str(err.value))
+        assert messages[0] == messages[1]
+        assert 4 not in eager._lanes and static.static is not None and not static.static.has_lane(4)
+
+
 def test_static_route_errors() -> None:
     config = _config()
     d = _drafter(config)

@@ -494,3 +494,31 @@ def test_server_builds_the_graphed_head_and_captures_it_at_load(tmp_path: Path) 
     assert isinstance(drafter, StaticMTPDrafter) and drafter.cuda_graphs
     assert drafter.max_lanes == 3 and drafter.max_context == 256 and drafter.num_captures > 0
     assert on == off
+
+
+def test_static_commit_refuses_bad_spans_like_the_eager_head(target: Target) -> None:
+    """A round-sized span (the static commit shape) that starts at the wrong position, lacks hidden
+    states or has them in the wrong shape gets the eager head's error, and the lane's state is kept:
+    the next good commit leaves the same state as the eager head's."""
+    from ignis.runtime.drafters.base import DrafterError
+
+    seq = random_tokens(7, seed=11, vocab=VOCAB)
+    h = _hidden(target.ex, seq)
+    eager, static = _eager(target), _static(target)
+    for d in (eager, static):
+        _commit_all(d, 0, seq[:5], h)
+    bad = [
+        (StateError, "starts at position 2", CommittedSpan(0, 2, (1,), (2,), hidden_states=h[:1])),
+        (DrafterError, "without hidden states", CommittedSpan(0, 4, (seq[4],), (seq[5],))),
+        (
+            DrafterError,
+            r"shape \(1, \d+\), expected \[2,",
+            CommittedSpan(0, 4, (1, 2), (2, 3), hidden_states=h[:1]),
+        ),
+    ]
+    for d in (eager, static):
+        for err, match, span in bad:
+            with pytest.raises(err, match=match):
+                d.commit([span])
+        d.commit([CommittedSpan(0, 4, tuple(seq[4:6]), tuple(seq[5:7]), hidden_states=h[4:6])])
+    _assert_same_state(eager, static, 0)

@@ -154,3 +154,21 @@ def test_cli_refuses_draft_model_without_its_artifact(artifact: Path, captured) 
     )
     assert result.exit_code == 1 and "--spec-draft-model" in result.output
     assert not captured and not sock.exists()
+
+
+@pytest.mark.parametrize("entry", ["load", "load_text"])
+def test_source_without_a_tokenizer_refuses_to_load(artifact: Path, entry: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Both loads (in process, and the server side of an engine process) refuse an artifact that
+    carries no tokenizer with a TokenizerError naming the directory."""
+    from ignis.runtime.errors import TokenizerError
+    from ignis.runtime.server.artifact_source import ArtifactSource
+    from ignis.runtime.server.model import ModelSettings
+
+    fresh = ArtifactSource(artifact)  # its own mapping: a load closes or keeps it
+    try:
+        monkeypatch.setattr(fresh.artifact, "tokenizer", lambda: None)
+        with pytest.raises(TokenizerError, match="has no tokenizer") as err:
+            getattr(fresh, entry)(ModelSettings(spec=SpecDefaults("off"), device="cpu"))
+        assert str(artifact) in str(err.value)
+    finally:
+        fresh.artifact.close()
