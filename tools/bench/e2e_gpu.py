@@ -193,20 +193,38 @@ def make_weights(cfg: Any, dev: torch.device, seed: int) -> tuple[dict[str, Any]
             out[name] = Q4Weight(packed, scales)
             q4_bytes += packed.numel() * 4 + scales.numel() * 2
             continue
-        if name.endswith("A_log"):
-            t = torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=gen).log_()
-        elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
-            t = torch.ones(shape, device=dev)
-        elif name.endswith("conv1d.weight"):
-            t = torch.randn(shape, generator=gen, device=dev) * 0.3
-        elif name.endswith("embed_tokens.weight"):
-            t = torch.randn(shape, generator=gen, device=dev)
-        elif len(shape) == 1:  # (1 + w) RMSNorms
-            t = torch.zeros(shape, device=dev)
-        else:
-            t = torch.randn(shape, generator=gen, device=dev) / math.sqrt(shape[-1])
-        out[name] = t.to(torch.bfloat16)
+        out[name] = random_dense(name, shape, dev, gen)
     return out, q4_bytes
+
+
+def random_dense(
+    name: str,
+    shape: tuple[int, ...],
+    dev: torch.device,
+    gen: torch.Generator,
+    *,
+    one_plus_norms: bool = True,
+    bias_std: float | None = None,
+) -> torch.Tensor:
+    """One random bf16 tensor of a hybrid / llama checkpoint that is not quantized, on `dev`, drawn
+    from `gen`: GDN A_log log U(1, 16), dt_bias and the GDN output norm 1, conv N(0, 0.3^2),
+    embeddings N(0, 1), 1-D biases N(0, bias_std^2) when `bias_std` is given, other 1-D tensors (the
+    RMSNorms) 0 for (1 + w) norms (`one_plus_norms`) else 1, matrices N(0, 1/fan_in)."""
+    if name.endswith("A_log"):
+        t = torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=gen).log_()
+    elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+        t = torch.ones(shape, device=dev)
+    elif name.endswith("conv1d.weight"):
+        t = torch.randn(shape, generator=gen, device=dev) * 0.3
+    elif name.endswith("embed_tokens.weight"):
+        t = torch.randn(shape, generator=gen, device=dev)
+    elif len(shape) == 1 and bias_std is not None and name.endswith("bias"):
+        t = torch.randn(shape, generator=gen, device=dev) * bias_std
+    elif len(shape) == 1:
+        t = torch.zeros(shape, device=dev) if one_plus_norms else torch.ones(shape, device=dev)
+    else:
+        t = torch.randn(shape, generator=gen, device=dev) / math.sqrt(shape[-1])
+    return t.to(torch.bfloat16)
 
 
 def dense_from_q4(weights: dict[str, Any]) -> dict[str, torch.Tensor]:

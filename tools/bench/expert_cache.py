@@ -121,6 +121,7 @@ from ignis.runtime.host_breakdown import HostBreakdown
 from ignis.runtime.host_pin import HostPin
 from ignis.runtime.linear import Q4Weight
 from ignis.runtime.sampling import SamplingParams
+from ignis.tools.bench.e2e_gpu import random_dense
 
 GIB = 1024**3
 _PRECISE = re.compile(r"(in_proj_(a|b|ba)\.weight|mlp\.gate\.weight|shared_expert_gate\.weight)$")
@@ -171,19 +172,7 @@ def make_weights(shapes: dict[str, tuple[int, ...]], dev: torch.device, seed: in
             w = _q4(shape, dev, gen)
             out[name] = w.to("cpu") if is_routed_expert(name) else w
             continue
-        if name.endswith("A_log"):
-            t = torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=gen).log_()
-        elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
-            t = torch.ones(shape, device=dev)
-        elif name.endswith("conv1d.weight"):
-            t = torch.randn(shape, generator=gen, device=dev) * 0.3
-        elif name.endswith("embed_tokens.weight"):
-            t = torch.randn(shape, generator=gen, device=dev)
-        elif len(shape) == 1:
-            t = torch.zeros(shape, device=dev)
-        else:
-            t = torch.randn(shape, generator=gen, device=dev) / math.sqrt(shape[-1])
-        out[name] = t.to(torch.bfloat16)
+        out[name] = random_dense(name, shape, dev, gen)
     return out
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
@@ -102,27 +101,15 @@ def random_weights(config: Any, dev: torch.device, seed: int) -> dict[str, torch
     matrices N(0, 1/fan_in), embeddings N(0, 1), norms 1 (llama) or 0 ((1 + w) norms of qwen3_5),
     GDN A_log log U(1, 16), dt_bias 1, conv N(0, 0.3^2)."""
     from ignis.runtime.families import get_family
+    from ignis.tools.bench.e2e_gpu import random_dense
 
     gen = torch.Generator(device=dev).manual_seed(seed)
     one_plus = config.model_type != "llama"
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in get_family(config.model_type).tensor_shapes(config).items():
-        if name.endswith("A_log"):
-            t = torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=gen).log_()
-        elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
-            t = torch.ones(shape, device=dev)
-        elif name.endswith("conv1d.weight"):
-            t = torch.randn(shape, generator=gen, device=dev) * 0.3
-        elif name.endswith("embed_tokens.weight"):
-            t = torch.randn(shape, generator=gen, device=dev)
-        elif len(shape) == 1 and name.endswith("bias"):
-            t = torch.randn(shape, generator=gen, device=dev) * 0.1
-        elif len(shape) == 1:
-            t = torch.zeros(shape, device=dev) if one_plus else torch.ones(shape, device=dev)
-        else:
-            t = torch.randn(shape, generator=gen, device=dev) / math.sqrt(shape[-1])
-        out[name] = t.to(torch.bfloat16)
-    return out
+    shapes = get_family(config.model_type).tensor_shapes(config)
+    return {
+        name: random_dense(name, shape, dev, gen, one_plus_norms=one_plus, bias_std=0.1)
+        for name, shape in shapes.items()
+    }
 
 
 def executors(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
