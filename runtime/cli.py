@@ -83,10 +83,12 @@ def _checked_device(value: Any) -> str | None:
     return str(value)
 
 
-ENGINE_PROCESS_ON_CUDA = False
-"""Whether `--engine-process` is on by default for a model served on CUDA. Off until measured better on
-a GPU host: on the 2-vCPU build box it won at 8 lanes of a host-bound engine with a core to spare and
-lost at 1 ms rounds (docs/perf/log, session 14); it needs a core for each process."""
+ENGINE_PROCESS_ON_CUDA = True
+"""Whether `--engine-process` is on by default for a model served on CUDA. On since the H200 run of
+session 15 (a tiny graphed hybrid, 256 tokens, served against in-process: 1.04x / 0.99x at 1 / 8 lanes
+in its own process against 0.94x / 0.72x in a thread; docs/perf/README.md). Off on the CPU: there the
+engine's own work is the host's and the 2-vCPU build box lost at 1 ms rounds (session 14); it needs a
+core for each process."""
 
 
 def _engine_process(value: bool | None, source: Any, settings: Any) -> bool:
@@ -459,7 +461,8 @@ def run_command(opts: dict[str, Any]) -> None:
     help="Run the model and its engine in a child process of their own, the HTTP side (tokenizer, chat "
     "template, tools, grammars) in this one, so that the two do not share one Python interpreter lock "
     "(it pays where the engine is host-bound and a core is free for each process). A child that dies "
-    "fails the requests it held (500) and is started again; shutdown stops both. [default: off]",
+    "fails the requests it held (500) and is started again; shutdown stops both. [default: on for a "
+    "model served on CUDA, off on the CPU]",
 )
 @click.option(
     "--graph-warmup-context",

@@ -578,8 +578,12 @@ class StaticDFlash2:
             run()
             return {}
 
-        with torch.inference_mode():
-            entry = capture_round(body, device=self.device, pool=self._pool, stream=self._side_stream)
+        try:
+            with torch.inference_mode():
+                entry = capture_round(body, device=self.device, pool=self._pool, stream=self._side_stream)
+        except BaseException:
+            self._pool = None  # a failed capture's pool may stay refused (`tvm_runtime.capture`)
+            raise
         self.num_captures += 1
         return entry.graph
 

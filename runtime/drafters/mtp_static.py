@@ -584,6 +584,7 @@ class StaticMTPDrafter(MTPDrafter):
                 log.warning("mtp: capturing the head's %s shape failed (%s); graphs off", key[0], exc)
                 self.cuda_graphs = False
                 self._graphs.clear()
+                self._pool = None  # a failed capture's pool may stay refused (`tvm_runtime.capture`)
                 torch.cuda.synchronize(self.device)
                 body()
                 return

@@ -935,7 +935,11 @@ class StaticHybridExecutor(HybridExecutor):
         if self._side_stream is None and self.device.type == "cuda":
             # one for every capture: their warm-up runs share the allocator's cached blocks
             self._side_stream = torch.cuda.Stream(device=self.device)
-        entry = capture_round(body, device=self.device, pool=self._pool, stream=self._side_stream)
+        try:
+            entry = capture_round(body, device=self.device, pool=self._pool, stream=self._side_stream)
+        except BaseException:
+            self._pool = None  # a failed capture's pool may stay refused (`tvm_runtime.capture`)
+            raise
         self.num_captures += 1
         return entry
 

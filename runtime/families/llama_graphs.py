@@ -515,7 +515,11 @@ class StaticLlamaExecutor(LlamaExecutor):
     def _capture(self, body: Callable[[], dict[str, torch.Tensor]]) -> CapturedRound:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        entry = capture_round(body, device=self.device, pool=self._pool)
+        try:
+            entry = capture_round(body, device=self.device, pool=self._pool)
+        except BaseException:
+            self._pool = None  # a failed capture's pool may stay refused (`tvm_runtime.capture`)
+            raise
         self.num_captures += 1
         return entry
 

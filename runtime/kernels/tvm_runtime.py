@@ -175,7 +175,10 @@ def capture(graph: Any, *, pool: Any = None) -> Iterator[None]:
     is plain ``torch.cuda.graph``. Python's cyclic garbage collector is paused for the capture
     (`gc_paused`: a dead graph finalized mid-capture would invalidate it). A capture that fails
     leaves the thread's current stream and torch's caching allocator as they were before it
-    (`_undo_failed_capture`), so that the process can go on without graphs.
+    (`_undo_failed_capture`), so that the process can go on, without graphs or with graphs in a fresh
+    pool: on torch 2.11 (H200, session 15) the next capture into the failed one's `pool` was still
+    refused ("already recording to mempool_id") after the allocator's own record of it was ended, so
+    the executors and drafters drop a pool whose capture failed and take a new one.
     """
     import torch
 

@@ -393,11 +393,11 @@ def test_cuda_capture_with_a_dead_engines_graphs_pending() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_a_failed_capture_leaves_the_stream_and_the_pool_usable() -> None:
+def test_cuda_a_failed_capture_leaves_the_stream_usable_and_a_fresh_pool_captures() -> None:
     """On CUDA: a capture invalidated by a forbidden call (a device synchronize) raises; after it the
-    thread launches on the stream it used before, and the next capture into the same pool (refused
-    with "already recording to mempool_id" while the failed one stayed among the allocator's
-    captures) succeeds and replays."""
+    thread launches on the stream it used before, and the next capture, into a fresh pool (as the
+    executors take after a failure: torch 2.11 still refused the failed one's pool with "already
+    recording to mempool_id"), succeeds and replays."""
     x = torch.zeros(1024, device="cuda")
     pool = torch.cuda.graph_pool_handle()
     stream = torch.cuda.current_stream()
@@ -407,9 +407,39 @@ def test_cuda_a_failed_capture_leaves_the_stream_and_the_pool_usable() -> None:
         torch.cuda.synchronize()  # not permitted while capturing: the capture is invalidated
     assert torch.cuda.current_stream() == stream
     good = torch.cuda.CUDAGraph()
-    with capture(good, pool=pool):
+    with capture(good, pool=torch.cuda.graph_pool_handle()):
         x.add_(2)
     x.zero_()
     good.replay()
     torch.cuda.synchronize()
     assert torch.all(x == 2)
+
+
+@pytest.mark.parametrize("family", ["hybrid", "llama"])
+def test_a_static_executor_drops_the_pool_of_a_failed_capture(family: str, monkeypatch) -> None:
+    """A static executor whose capture raised takes a fresh graph pool for its next capture (the
+    failed one's may stay refused by torch's allocator: `tvm_runtime.capture`); one that succeeded
+    keeps sharing its pool."""
+    import ignis.runtime.families.hybrid_graphs as hg
+    import ignis.runtime.families.llama_graphs as lg
+
+    module, cls = (hg, hg.StaticHybridExecutor) if family == "hybrid" else (lg, lg.StaticLlamaExecutor)
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    seen: list[object] = []
+
+    def capture_round(body, *, device, pool, stream=None):
+        seen.append(pool)
+        if body == "fail":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return "entry"
+
+    monkeypatch.setattr(module, "capture_round", capture_round)
+    ex = cls.__new__(cls)
+    ex._pool, ex._side_stream, ex.device, ex.num_captures = None, "stream", torch.device("cpu"), 0
+    assert ex._capture("ok") == "entry" and ex._capture("ok") == "entry"
+    with pytest.raises(RuntimeError, match="capturing"):
+        ex._capture("fail")
+    assert ex._pool is None
+    assert ex._capture("ok") == "entry"
+    assert seen == [(0, 0), (0, 0), (0, 0), (0, 1)] and ex.num_captures == 3

@@ -296,7 +296,7 @@ def test_cuda_graphed_pieces_timed_equal_untimed(ids_wait: str, order: str, cuda
     greedy = SamplingParams(temperature=0, max_tokens=10)
     text = [[5, 17, 3, 99, 250, 7, 8, 41], list(range(30, 60))]
     resident = StaticHybridExecutor(tiny.config, tensors, moe_module=kernel, **kw)
-    want = [o.output_token_ids for o in SpeculativeEngine(resident).generate(text, greedy)]
+    want = [list(o.output_token_ids) for o in SpeculativeEngine(resident).generate(text, greedy)]
     dma = driver_batch_copy()
     assert dma is not None
     try:

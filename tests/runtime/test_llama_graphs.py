@@ -729,8 +729,12 @@ def test_served_engine_captures_its_rounds_at_load(tmp_path: Path) -> None:
         try:
             engine = model.make_engine(4, SpeculativeMetrics())
             ex = engine.executor
-            # lanes 1-4 x columns 1, 2, 4, 8 (draft_tokens + 1 = 4 among them)
-            assert isinstance(ex, StaticLlamaExecutor) and ex.num_captures == 4 * 4
+            # lanes 1-4 x columns 1, 2, 4, 8 (draft_tokens + 1 = 4 among them), each over the KV
+            # buckets up to --graph-warmup-context (the same buckets for every shape)
+            assert isinstance(ex, StaticLlamaExecutor) and ex.num_captures == len(ex._graphs)
+            shapes = {(key[0], key[1]) for key in ex._graphs}
+            buckets = {key[2] for key in ex._graphs}
+            assert len(shapes) == 4 * 4 and ex.num_captures == len(shapes) * len(buckets)
             executors = [ex]
             if spec.backend == "draft-model":
                 executors.append(engine.drafter.executor)

@@ -374,7 +374,7 @@ def test_the_cli_flag_and_its_default(captured, tmp_path: Path) -> None:  # type
 
 
 def test_the_default_follows_the_device_once_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ENGINE_PROCESS_ON_CUDA` (off) turns the default on for a model served on CUDA only; the flag wins."""
+    """`ENGINE_PROCESS_ON_CUDA` turns the default on for a model served on CUDA only; the flag wins."""
     from ignis.runtime import cli
 
     class OnCuda:
@@ -382,8 +382,10 @@ def test_the_default_follows_the_device_once_switched_on(monkeypatch: pytest.Mon
             return True
 
     cuda, cpu, unset = (ModelSettings(spec=SpecDefaults("off"), device=d) for d in ("cuda", "cpu", None))
-    assert not cli._engine_process(None, OnCuda(), cuda)  # off by default
+    assert cli.ENGINE_PROCESS_ON_CUDA  # on by default since session 15's H200 run
     assert cli._engine_process(True, ToySource(), cpu)
+    monkeypatch.setattr(cli, "ENGINE_PROCESS_ON_CUDA", False)
+    assert not cli._engine_process(None, OnCuda(), cuda)
     monkeypatch.setattr(cli, "ENGINE_PROCESS_ON_CUDA", True)
     assert cli._engine_process(None, ToySource(), cuda)
     assert not cli._engine_process(None, OnCuda(), cpu)
