@@ -21,6 +21,7 @@ A round moves token ids across the host/device boundary twice, each time in ONE 
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -110,12 +111,26 @@ def device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
+class HostKnownColumns(list):  # type: ignore[type-arg]
+    """A round's columns (per lane an int64 [1 + k_i] tensor on the device) that also carry their
+    values on the host: `host` per lane [anchor, d_1..d_k] as ints, equal to the device tensors'
+    values (the engine laid them out from those ints). A static executor checks token ids on `host`
+    (`static_rounds.host_columns`) instead of reading the device: no sync before the round."""
+
+    host: list[list[int]]
+
+    def __init__(self, columns: Sequence[torch.Tensor], host: list[list[int]]) -> None:
+        super().__init__(columns)
+        self.host = host
+
+
 @dataclass
 class RoundColumns:
     """Every lane's verify columns for one round (module docstring, 1).
 
     Attributes:
-        columns: per lane int64 [1 + k_i] on the device: [anchor, d_1..d_k] (views of one tensor).
+        columns: per lane int64 [1 + k_i] on the device: [anchor, d_1..d_k] (views of one tensor); a
+            `HostKnownColumns` when every draft came from the host.
         host_drafts: per lane its drafts on the host, or None for drafts left on the device (not
             checked yet: `device_drafts`).
         device_drafts: (lane index, the drafter's tensor [k] as returned) for drafts on the device;
@@ -173,7 +188,11 @@ class RoundColumns:
             t[a : a + ids.numel()] = ids  # device to device, no sync
         if on_device and vocab_size is not None:
             t.clamp_(0, vocab_size - 1)  # the forward never indexes outside the vocabulary
-        columns = [t] if len(sizes) == 1 else list(t.split(sizes))
+        columns: list[torch.Tensor] = [t] if len(sizes) == 1 else list(t.split(sizes))
+        if not on_device:  # every value known here: the executor's checks need not read the device
+            starts = itertools.accumulate(sizes, initial=0)
+            host_ids = [flat[a : a + n] for a, n in zip(starts, sizes, strict=False)]
+            columns = HostKnownColumns(columns, host_ids)
         return cls(columns, host, on_device)
 
 

@@ -121,12 +121,23 @@ def capture_round(
 
 
 def host_columns(columns: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The columns on the host in one device->host copy when there are several integer 1-D tensors on
-    one device and dtype (instead of one sync per lane); otherwise the list unchanged."""
+    """The columns' values on the host, for a forward's token-id checks, with at most one device->host
+    copy (instead of one sync per lane, or two for a min and a max on the device):
+
+    * columns that carry their host values (`ignis.runtime.round_batch.HostKnownColumns`: the engine's
+      round built from host ids): those values as int64 CPU tensors, with no copy and no sync;
+    * integer 1-D tensors on one device and dtype, several of them or one off the CPU: one copy of
+      their concatenation, split per lane;
+    * otherwise the list unchanged (the caller's checks reject what is malformed).
+    """
+    host = getattr(columns, "host", None)
+    if host is not None:
+        return [torch.tensor(ids, dtype=torch.int64) for ids in host]
     if (
-        len(columns) > 1
+        columns
         and all(isinstance(c, torch.Tensor) and c.dim() == 1 and not c.is_floating_point() for c in columns)
         and len({(c.device, c.dtype) for c in columns}) == 1
+        and (len(columns) > 1 or columns[0].device.type != "cpu")
     ):
         return list(torch.cat(columns).cpu().split([c.numel() for c in columns]))
     return columns

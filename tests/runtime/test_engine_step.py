@@ -22,7 +22,7 @@ from ignis.runtime.drafters.base import BaseDrafter, DrafterError, DraftProposal
 from ignis.runtime.engine import SpeculativeEngine
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.prefix_cache import PrefixCache
-from ignis.runtime.round_batch import LaneTokens, RoundColumns, round_host_ids
+from ignis.runtime.round_batch import HostKnownColumns, LaneTokens, RoundColumns, round_host_ids
 from ignis.runtime.sampling import SamplingParams
 from ignis.runtime.stops import StopChecker
 
@@ -103,6 +103,26 @@ def test_round_columns_one_tensor_and_host_checks() -> None:
     bad = [DraftProposal(torch.tensor([3, 10]))]
     with pytest.raises(DrafterError, match=r"lane 42: draft ids \[3, 10\] outside \[0, 10\)"):
         RoundColumns.build([1], bad, torch.device("cpu"), 10, lane_ids=[42], drafter_name="x")
+
+
+def test_round_columns_carry_their_host_values_and_the_checks_read_them() -> None:
+    """Columns laid out from host ids carry them (`HostKnownColumns`), so a static executor's token-id
+    checks (`host_columns`) read those and never the device: here the tensors are made to disagree
+    with the carried values to show which ones are read."""
+    from ignis.runtime.families.static_rounds import host_columns
+
+    props = [DraftProposal(torch.tensor([4, 5])), DraftProposal(torch.empty(0, dtype=torch.int64))]
+    b = RoundColumns.build([1, 2], props, torch.device("cpu"), 10, lane_ids=[0, 1], drafter_name="x")
+    assert isinstance(b.columns, HostKnownColumns) and b.columns.host == [[1, 4, 5], [2]]
+    assert [c.tolist() for c in b.columns] == b.columns.host
+    one = RoundColumns.build([7], [props[1]], torch.device("cpu"), 10, lane_ids=[0], drafter_name="x")
+    assert isinstance(one.columns, HostKnownColumns) and one.columns.host == [[7]]
+    carried = HostKnownColumns([torch.tensor([9, 9]), torch.tensor([9])], [[1, 2], [3]])
+    got = host_columns(carried)
+    assert [g.tolist() for g in got] == [[1, 2], [3]] and all(g.dtype == torch.int64 for g in got)
+    plain = [torch.tensor([1, 2])]
+    assert host_columns(plain) is plain  # one CPU column: nothing to copy
+    assert [g.tolist() for g in host_columns([torch.tensor([1, 2]), torch.tensor([3])])] == [[1, 2], [3]]
 
 
 def test_round_host_ids_shared_buffer_equals_per_lane() -> None:
@@ -277,3 +297,18 @@ def test_rejection_sampling_on_device_draws_as_the_host_algorithm() -> None:
         pending = rejection_sample_on_device(drafts, p, q, torch.Generator().manual_seed(seed))
         assert pending.resolve() == ref, trial
         assert pending.resolve(pending.host_tensor().tolist()) == ref
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_host_columns_of_one_cuda_lane_is_one_copy() -> None:
+    """One lane's CUDA column reaches the host in one copy (not a min and a max read on the device),
+    and device drafts keep the columns a plain list (their values are not on the host)."""
+    from ignis.runtime.families.static_rounds import host_columns
+
+    col = torch.tensor([5, 6, 7], device="cuda")
+    got = host_columns([col])
+    assert len(got) == 1 and got[0].device.type == "cpu" and got[0].tolist() == [5, 6, 7]
+    dev = [DraftProposal(torch.tensor([3, 4], device="cuda"))]
+    b = RoundColumns.build([1], dev, torch.device("cuda"), 10, lane_ids=[0], drafter_name="x")
+    assert not isinstance(b.columns, HostKnownColumns) and b.columns[0].tolist() == [1, 3, 4]
