@@ -94,7 +94,9 @@ __all__ = [
     "grouped_attention",
     "lane_width",
     "pick_sdpa_backend",
+    "rope_qk",
     "round_mask",
+    "signed_sin",
 ]
 
 log = logging.getLogger("ignis.runtime.llama_graphs")
@@ -143,6 +145,23 @@ def grouped_attention(
     qq = q.permute(0, 2, 3, 1, 4).reshape(lanes, nkv, rep * n, hd)  # the group's query heads as rows
     o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=scale)
     return o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(lanes * n, nkv * rep * hd)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The RoPE sine table [..., hd] with its first half negated, for `rope_qk`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope_qk(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding (``x * cos + rotate_half(x) * sin``, `LlamaExecutor._apply_rope`) of
+    x [R, heads, hd] (any heads: q and k of a round side by side), with cos [R, 1, hd] and
+    ``signed_sin(sin)``. rotate_half's negation is carried by the sine table instead of the
+    activations: (-a) * s and a * (-s) are the same float in IEEE arithmetic, so the result is
+    bit-identical to `_apply_rope`, in 4 kernels where rotating q and k apart takes 10 (the
+    negation and the concatenation per tensor, then the two products and the sum per tensor)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
 
 
 def pick_sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> SDPBackend:
@@ -620,6 +639,7 @@ class StaticLlamaExecutor(LlamaExecutor):
         x = F.embedding(ids, self.embed)  # [R, H]
         pos_rows = pos.reshape(-1)
         cos, sin = self._rope(pos_rows)  # [R, 1, hd]
+        sin_signed = signed_sin(sin)
         mask = round_mask(pos, bucket, rep)
         slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
         if valid is not None:
@@ -630,8 +650,9 @@ class StaticLlamaExecutor(LlamaExecutor):
         for li, layer in enumerate(self.layers):
             h = self._norm(x, layer.norm_in)
             qkv = linear(h, layer.w_qkv, layer.b_qkv)  # [R, (nh + 2 nkv) hd]
-            q = self._apply_rope(qkv[:, : nh * hd].view(rows, nh, hd), cos, sin)
-            k = self._apply_rope(qkv[:, nh * hd : (nh + nkv) * hd].view(rows, nkv, hd), cos, sin)
+            # q and k rotated together: one set of kernels for both (`rope_qk`)
+            qk = rope_qk(qkv[:, : (nh + nkv) * hd].view(rows, nh + nkv, hd), cos, sin_signed)
+            q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + nkv) * hd :].view(rows, nkv, hd)
             kc, vc = self._keys[li], self._values[li]  # [S, cap, nkv, hd]
             if valid is not None:
