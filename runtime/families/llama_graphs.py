@@ -65,6 +65,7 @@ lane over its exact length. Float32 logits agree to ~1e-5 (tests: 1e-4).
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,7 +80,6 @@ from ignis.runtime.families.static_rounds import (
     CapturedRound,
     PooledLaneState,
     capture_round,
-    host_columns,
     kv_bucket,
     run_chunks,
 )
@@ -145,6 +145,16 @@ def grouped_attention(
     qq = q.permute(0, 2, 3, 1, 4).reshape(lanes, nkv, rep * n, hd)  # the group's query heads as rows
     o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=scale)
     return o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(lanes * n, nkv * rep * hd)
+
+
+def _host_ids(columns: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Integer 1-D columns (any device, any integer dtype) on the host: per lane an int64 CPU tensor
+    (views of one tensor) and all their ids lane after lane as one list, from one device->host copy."""
+    if len({c.device for c in columns}) > 1:
+        columns = [c.cpu() for c in columns]
+    flat = (columns[0] if len(columns) == 1 else torch.cat(list(columns))).to("cpu", torch.int64)
+    host = [flat] if len(columns) == 1 else list(flat.split([int(c.numel()) for c in columns]))
+    return host, flat.tolist()
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -393,14 +403,14 @@ class StaticLlamaExecutor(LlamaExecutor):
             ValueError: logits not "all" / "last".
         """
         states, columns = list(states), list(columns)
-        host = self._check_forward(states, columns, logits, tap_layers)
+        host, flat = self._check_forward(states, columns, logits, tap_layers)
         lens = [int(c.numel()) for c in host]
         taps = tuple(int(t) for t in tap_layers)
         n = max(lens)
         if self.max_columns < n <= self.chunked_prefill:
             return self._chunked_forward(states, host, lens, record, logits, output_hidden_states, taps)
         if n <= self.max_columns:
-            out = self._static_forward(states, host, lens, output_hidden_states, taps)
+            out = self._static_forward(states, flat, lens, output_hidden_states, taps)
         else:
             out = self._eager_forward(states, host, lens, logits, output_hidden_states, taps)
         for s, n_i in zip(states, lens, strict=True):
@@ -413,9 +423,11 @@ class StaticLlamaExecutor(LlamaExecutor):
         columns: list[torch.Tensor],
         logits: str,
         tap_layers: Sequence[int],
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], list[int]]:
         """`LlamaExecutor.forward`'s checks (same errors) plus released lanes and max_context, on one
-        host copy of the columns (returned, int64 on the CPU)."""
+        host copy of the columns. Returns the columns on the host (int64 views of one CPU tensor, lane
+        by lane) and every lane's ids in one flat list (lane after lane). The torch calls do not
+        grow with the lanes: one concatenation, one copy to the host, one split (`_host_ids`)."""
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         if len(states) != len(columns) or not states:
@@ -427,10 +439,8 @@ class StaticLlamaExecutor(LlamaExecutor):
         for t in tap_layers:
             if not 0 <= int(t) < cfg.num_hidden_layers:
                 raise StateError(f"tap layer {t} outside 0..{cfg.num_hidden_layers - 1}")
-        host = host_columns(columns)
         seen: set[int] = set()
-        out: list[torch.Tensor] = []
-        for i, (s, col) in enumerate(zip(states, host, strict=True)):
+        for i, (s, col) in enumerate(zip(states, columns, strict=True)):
             if not isinstance(s, StaticLlamaLaneState) or s._owner is not self:
                 raise StateError(f"lane {i} was not created by this executor")
             if s._released:
@@ -451,19 +461,25 @@ class StaticLlamaExecutor(LlamaExecutor):
                     f"lane {i}: {s.num_tokens} + {n} tokens would pass this executor's max_context "
                     f"{self.max_context}"
                 )
-            col = col.cpu()
-            lo, hi = int(col.min()), int(col.max())
-            if lo < 0 or hi >= cfg.vocab_size:
-                raise StateError(f"lane {i}: token id {lo if lo < 0 else hi} outside 0..{cfg.vocab_size - 1}")
-            out.append(col.to(torch.long))
-        return out
+        host, flat = _host_ids(columns)
+        if min(flat) < 0 or max(flat) >= cfg.vocab_size:  # name the first lane holding a bad id
+            at = 0
+            for i, col in enumerate(host):
+                ids = flat[at : at + int(col.numel())]
+                at += len(ids)
+                lo, hi = min(ids), max(ids)
+                if lo < 0 or hi >= cfg.vocab_size:
+                    bad = lo if lo < 0 else hi
+                    raise StateError(f"lane {i}: token id {bad} outside 0..{cfg.vocab_size - 1}")
+        return host, flat
 
     def _split(self, out: dict[str, torch.Tensor], lens: list[int], logits: str) -> ForwardOutput:
         """Per-lane views of a round's outputs ([lanes, n', ...] rows, or [lanes, vocab] for "last")."""
         if out["logits"].dim() == 2:  # "last": one row per lane
             per = list(out["logits"].split(1))
         else:
-            per = [out["logits"][i, :n_i] for i, n_i in enumerate(lens)]
+            n = int(out["logits"].shape[1])
+            per = [p if n_i == n else p[:n_i] for p, n_i in zip(out["logits"].unbind(0), lens, strict=True)]
             if logits == "last":
                 per = [p[-1:] for p in per]
         hidden = [out["hidden"][i, :n_i] for i, n_i in enumerate(lens)] if "hidden" in out else None
@@ -479,28 +495,49 @@ class StaticLlamaExecutor(LlamaExecutor):
     def _static_forward(
         self,
         states: list[StaticLlamaLaneState],
-        host: list[torch.Tensor],
+        flat: list[int],
         lens: list[int],
         want_hidden: bool,
         taps: tuple[int, ...],
     ) -> dict[str, torch.Tensor]:
+        """A static round: its inputs (token ids [L' * n'] with dummy columns 0, positions [L', n']:
+        past + column, a padding lane's 0..n'-1, slots [L']: the padding lanes' the scratch slot)
+        laid out in one host list and copied into the static input buffer at once
+        (`_copy_inputs`), the round run, the real lanes' rows copied out: [lanes, n', ...]."""
         lanes = len(states)
         lp, n = self._round_shape(lanes, max(lens))
-        rows = lp * n
-        ids = torch.zeros(lp, n, dtype=torch.long)
-        for i, col in enumerate(host):
-            ids[i, : lens[i]] = col
-        pos = torch.arange(n, dtype=torch.long)[None, :].repeat(lp, 1)
-        pos[:lanes] += torch.tensor([s.num_tokens for s in states], dtype=torch.long)[:, None]
-        slots = torch.full((lp,), self._scratch, dtype=torch.long)
-        slots[:lanes] = torch.tensor([s.slot for s in states], dtype=torch.long)
+        ids: list[int] = []
+        pos: list[int] = []
+        at = 0
+        for s, n_i in zip(states, lens, strict=True):
+            ids += flat[at : at + n_i]
+            at += n_i
+            if n_i < n:
+                ids += [0] * (n - n_i)
+            past = s.num_tokens
+            pos += range(past, past + n)
+        pad = lp - lanes
+        if pad:
+            ids += [0] * (pad * n)
+            pos += list(range(n)) * pad
+        slots = [s.slot for s in states] + [self._scratch] * pad
         bucket = kv_bucket(max(s.num_tokens for s in states) + n, self.kv_bucket, self.capacity)
-        self._inputs[: 2 * rows + lp].copy_(
-            torch.cat([ids.view(-1), pos.view(-1), slots]).to(self.device, non_blocking=True)
-        )
+        self._copy_inputs(ids + pos + slots)
         out = self._run_round(lp, n, bucket, want_hidden, taps)
         # the real lanes' rows, copied out of the round's (static) buffers: [lanes, n', ...]
         return {k: v.view(lp, n, -1)[:lanes].clone() for k, v in out.items()}
+
+    def _copy_inputs(self, values: list[int]) -> None:
+        """Write `values` into the front of the static input buffer: one host->device copy, from
+        page-locked memory without waiting for it on CUDA (the replay that reads the buffer is ordered
+        after it on the stream; torch's caching host allocator keeps the page-locked block until the
+        copy is done), a plain copy on the CPU."""
+        host = torch.frombuffer(array("q", values), dtype=torch.int64)
+        dst = self._inputs[: len(values)]
+        if dst.device.type == "cuda":
+            dst.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            dst.copy_(host)
 
     def _run_round(
         self, lp: int, n: int, bucket: int, want_hidden: bool, taps: tuple[int, ...]

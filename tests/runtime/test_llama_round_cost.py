@@ -58,14 +58,15 @@ class KernelCount(TorchDispatchMode):
     """Counts the aten ops that launch a kernel, by name; `paused` stops counting (an op counted as
     one kernel runs its decomposition inside)."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: frozenset[str] = _NO_KERNEL) -> None:
         super().__init__()
+        self.skip = skip  # op names not counted
         self.ops: Counter[str] = Counter()
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = str(func.overloadpacket)
-        if not self.paused and name not in _NO_KERNEL:
+        if not self.paused and name not in self.skip:
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -154,3 +155,46 @@ def test_a_decoder_layer_launches_at_most_its_budget(
     assert sum(per_layer.values()) <= 21 + casts, dict(per_layer)
     assert per_layer["aten.neg"] == 0  # rotate_half's negation lives in the sine table
     assert per_layer["aten.cat"] == 1
+
+
+def _host_ops(ex: StaticLlamaExecutor, lanes: int, columns: int) -> int:
+    """torch calls (views included) of one `forward` + `commit` of `lanes` lanes, outside the body."""
+    states = [ex.new_lane() for _ in range(lanes)]
+    prompt = [torch.arange(1, 6) + i for i in range(lanes)]
+    ex.forward(states, prompt, logits="last", record=False)
+    ex.commit(states, [5] * lanes)
+    count = KernelCount(skip=frozenset())  # every torch call, views included
+    inner = ex._body
+
+    def body(*args, **kwargs):  # type: ignore[no-untyped-def]
+        count.paused = True
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            count.paused = False
+
+    ex._body = body  # type: ignore[method-assign]
+    cols = [torch.arange(2, 2 + columns) + i for i in range(lanes)]
+    try:
+        with torch.no_grad(), count:
+            ex.forward(states, cols)
+            ex.commit(states, [columns] * lanes)
+    finally:
+        del ex._body
+        for s in states:
+            ex.release_lane(s)
+    return count.total
+
+
+@pytest.mark.parametrize("columns", [1, 4])
+def test_host_work_of_a_round_does_not_grow_with_the_lanes(tiny, columns: int) -> None:  # type: ignore[no-untyped-def]
+    """Around the body, a static round's inputs are laid out in one host list and copied once, and
+    its outputs split into lanes by one call: the torch calls (each a dispatch on the host, and on
+    CUDA a launch or a copy) are the same for 2 and 8 lanes (they grew by 8 a lane: a copy,
+    a min, a max and a cast per lane to check the ids, an index copy to lay them out, a select and a
+    slice to split the logits)."""
+    config, weights = tiny
+    ex = StaticLlamaExecutor(config, weights, max_lanes=8, max_context=64, kv_bucket=16)
+    one, two, eight = (_host_ops(ex, n, columns) for n in (1, 2, 8))
+    assert eight == two, (two, eight)
+    assert one <= two <= 13, (one, two)
