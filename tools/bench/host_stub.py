@@ -16,10 +16,11 @@ which this CPU's argmax over [lanes, vocab] (a kernel on CUDA, timed apart), and
 round outside the body (each a dispatch here, a launch or a copy on CUDA).
 
 ``--serve``: `ignis-run --model-factory ignis.tools.bench.host_stub:source_from_env` (engine in a
-thread, ``--lanes`` the largest lane count) on a fresh Unix socket; 8 chat prompts (`served_backends`'
-prompts, greedy, ``ignore_eos``) from 1 client, then from 8 at once, whole or ``--stream``ed; reports
-tok/s and each server thread's CPU µs a token (Linux `/proc/PID/task/*/stat`): the event loop (the
-main thread) and the others (the lane thread, the AnyIO workers).
+thread, or in its own process with ``--engine-process``; ``--lanes`` the largest lane count) on a
+fresh Unix socket; 8 chat prompts (`served_backends`' prompts, greedy, ``ignore_eos``) from 1
+client, then from 8 at once, whole or ``--stream``ed; reports tok/s and the server's CPU µs a token
+(Linux `/proc/PID/task/*/stat`): the event loop (the main thread), its other threads (the lane
+thread, the AnyIO workers) and its child processes (the engine process).
 """
 
 from __future__ import annotations
@@ -186,19 +187,36 @@ def source_from_env() -> StubSource:
 
 
 def _thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of the server process's main thread (the event loop), its other threads, and its
+    child processes (the engine process) with their threads."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
+
+    def add(p: int, key: str | None) -> None:
+        for tid in os.listdir(f"/proc/{p}/task"):
+            try:
+                fields = Path(f"/proc/{p}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            k = key or ("event_loop" if tid == str(p) else "other_threads")
+            out[k] = out.get(k, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+
+    add(pid, None)
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
         try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            add(int(child), "engine_process")
         except OSError:
             continue
-        key = "event_loop" if tid == str(pid) else "other_threads"
-        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
-def serve(artifact: str, *, tokens: int, stream: bool, lanes: int) -> list[dict[str, Any]]:
+def serve(
+    artifact: str, *, tokens: int, stream: bool, lanes: int, engine_process: bool = False
+) -> list[dict[str, Any]]:
     """The `--serve` figures (module docstring)."""
     import httpx
 
@@ -214,7 +232,8 @@ def serve(artifact: str, *, tokens: int, stream: bool, lanes: int) -> list[dict[
         "--model-factory",
         "ignis.tools.bench.host_stub:source_from_env",
     ]
-    cmd += ["--socket", str(sock), "--lanes", str(lanes), "--no-engine-process"]
+    cmd += ["--socket", str(sock), "--lanes", str(lanes)]
+    cmd += ["--engine-process" if engine_process else "--no-engine-process"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
     try:
@@ -302,11 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--engine-process", action="store_true", help="--serve: the engine in its own process")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     counts = [int(x) for x in a.lanes.split(",") if x]
     if a.serve:
-        for row in serve(a.artifact, tokens=a.tokens, stream=a.stream, lanes=max(counts)):
+        rows = serve(
+            a.artifact, tokens=a.tokens, stream=a.stream, lanes=max(counts), engine_process=a.engine_process
+        )
+        for row in rows:
             print(json.dumps(row), flush=True)
         return 0
     from ignis.runtime.artifact import load_artifact
