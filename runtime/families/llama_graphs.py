@@ -14,8 +14,10 @@ State (allocated at construction; grown only by `new_lane` when every slot is ta
   scratch slot that the padding lanes of a round write into. A lane (`new_lane`) takes a free slot;
   `release_lane` (or dropping the state object) gives it back. With every slot taken, `new_lane`
   doubles the pools (copying them; the graphs are recaptured).
-* KV: keys and values, each ``[layers, max_lanes + 1, capacity, kv_heads, head_dim]`` in the executor's
-  dtype (keys after RoPE). Positions past a lane's committed length hold stale data that the next
+* KV: one pool ``[layers, max_lanes + 1, capacity, 2 x kv_heads, head_dim]`` in the executor's dtype,
+  a position's keys (after RoPE) then its values; ``_keys`` and ``_values`` are its two halves (views
+  ``[layers, max_lanes + 1, capacity, kv_heads, head_dim]``), so a round gathers both with one
+  `index_select` a layer. Positions past a lane's committed length hold stale data that the next
   forward overwrites; attention never reads them (the causal mask is built from the positions).
 
 A *static round* is a forward whose lanes have n_i <= max_columns columns. Its shape is padded to a key
@@ -178,16 +180,16 @@ def pick_sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -
     """The one SDPA backend a static executor runs (module docstring, "Attention route").
 
     CUDA: the memory-efficient kernel when a probe shaped like a round (`grouped_attention` of two
-    lanes, two KV heads of two query heads each, three columns, 20 keys read through a strided view,
-    the mask broadcast over the KV heads) runs with it alone and agrees with the math kernel, else the
-    math kernel. CPU: the math kernel.
+    lanes, two KV heads of two query heads each, three columns, 20 keys and values read through
+    strided views of one gathered pool, the mask broadcast over the KV heads) runs with it alone and
+    agrees with the math kernel, else the math kernel. CPU: the math kernel.
     """
     if device.type != "cuda":
         return SDPBackend.MATH
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(2, 3, 2, 2, head_dim, device=device, generator=gen).to(dtype)
-    kv = torch.randn(2, 2, 20, 2, head_dim, device=device, generator=gen).to(dtype)  # [2, L, T, nkv, hd]
-    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    kv = torch.randn(2, 20, 4, head_dim, device=device, generator=gen).to(dtype)  # [L, T, 2 nkv, hd]
+    keys, values = kv[:, :, :2].transpose(1, 2), kv[:, :, 2:].transpose(1, 2)
     mask = round_mask(torch.tensor([[4, 5, 6], [17, 18, 19]], device=device), 20, 2)
     try:
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
@@ -312,12 +314,14 @@ class StaticLlamaExecutor(LlamaExecutor):
         """Pools for `lanes` lane slots plus the scratch slot (the old pools' lanes copied over), the
         static input buffer and (with graphs) the static logits buffer; graphs dropped."""
         c, dev = self.config, self.device
-        shape = (c.num_hidden_layers, lanes + 1, self.capacity, self._nkv, self._hd)
+        nkv = self._nkv
+        shape = (c.num_hidden_layers, lanes + 1, self.capacity, 2 * nkv, self._hd)
         rows = lane_width(lanes) * self.max_columns
         # normal tensors even when built under inference mode (checkpoint restores write them outside it)
         with torch.inference_mode(False):
-            keys = torch.zeros(shape, dtype=self.dtype, device=dev)
-            values = torch.zeros_like(keys)
+            # one pool: a position's keys then its values (one gather a layer reads both)
+            kv = torch.zeros(shape, dtype=self.dtype, device=dev)
+            keys, values = kv[..., :nkv, :], kv[..., nkv:, :]
             if old is not None:
                 used = old[0].shape[1] - 1  # the old pools' lane slots (their scratch slot is not kept)
                 keys[:, :used].copy_(old[0][:, :used])
@@ -327,7 +331,7 @@ class StaticLlamaExecutor(LlamaExecutor):
             self._logits_out = (
                 torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=dev) if self.cuda_graphs else None
             )
-        self._keys, self._values = keys, values
+        self._kv, self._keys, self._values = kv, keys, values
         self._scratch = lanes
         self._graphs.clear()
         self._pool = None
@@ -691,13 +695,14 @@ class StaticLlamaExecutor(LlamaExecutor):
             qk = rope_qk(qkv[:, : (nh + nkv) * hd].view(rows, nh + nkv, hd), cos, sin_signed)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + nkv) * hd :].view(rows, nkv, hd)
-            kc, vc = self._keys[li], self._values[li]  # [S, cap, nkv, hd]
+            kc, vc = self._keys[li], self._values[li]  # [S, cap, nkv, hd], views of the pool
             if valid is not None:
                 k, v = k[valid], v[valid]
             kc[slot_rows, key_rows] = k
             vc[slot_rows, key_rows] = v
-            keys = kc[:, :bucket].index_select(0, slots).transpose(1, 2)  # [L, nkv, T, hd]
-            values = vc[:, :bucket].index_select(0, slots).transpose(1, 2)
+            lanes_kv = self._kv[li, :, :bucket].index_select(0, slots)  # [L, T, 2 nkv, hd]: one gather
+            keys = lanes_kv[:, :, :nkv].transpose(1, 2)  # [L, nkv, T, hd]
+            values = lanes_kv[:, :, nkv:].transpose(1, 2)
             with sdpa_kernel([self.sdpa_backend]):
                 o = grouped_attention(q.view(lanes, n, nkv, rep, hd), keys, values, mask, self._scale)
             x = x + linear(o, layer.w_o, layer.b_o)
