@@ -14,8 +14,10 @@ State (allocated at construction; grown only by `new_lane` when every slot is ta
   scratch slot that the padding lanes of a round write into. A lane (`new_lane`) takes a free slot;
   `release_lane` (or dropping the state object) gives it back. With every slot taken, `new_lane`
   doubles the pools (copying them; the graphs are recaptured).
-* KV: keys and values, each ``[layers, max_lanes + 1, capacity, kv_heads, head_dim]`` in the executor's
-  dtype (keys after RoPE). Positions past a lane's committed length hold stale data that the next
+* KV: one pool ``[layers, max_lanes + 1, capacity, 2 x kv_heads, head_dim]`` in the executor's dtype,
+  a position's keys (after RoPE) then its values; ``_keys`` and ``_values`` are its two halves (views
+  ``[layers, max_lanes + 1, capacity, kv_heads, head_dim]``), so a round gathers both with one
+  `index_select` a layer. Positions past a lane's committed length hold stale data that the next
   forward overwrites; attention never reads them (the causal mask is built from the positions).
 
 A *static round* is a forward whose lanes have n_i <= max_columns columns. Its shape is padded to a key
@@ -65,6 +67,7 @@ lane over its exact length. Float32 logits agree to ~1e-5 (tests: 1e-4).
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,7 +82,6 @@ from ignis.runtime.families.static_rounds import (
     CapturedRound,
     PooledLaneState,
     capture_round,
-    host_columns,
     kv_bucket,
     run_chunks,
 )
@@ -94,7 +96,9 @@ __all__ = [
     "grouped_attention",
     "lane_width",
     "pick_sdpa_backend",
+    "rope_qk",
     "round_mask",
+    "signed_sin",
 ]
 
 log = logging.getLogger("ignis.runtime.llama_graphs")
@@ -145,20 +149,47 @@ def grouped_attention(
     return o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(lanes * n, nkv * rep * hd)
 
 
+def _host_ids(columns: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Integer 1-D columns (any device, any integer dtype) on the host: per lane an int64 CPU tensor
+    (views of one tensor) and all their ids lane after lane as one list, from one device->host copy."""
+    if len({c.device for c in columns}) > 1:
+        columns = [c.cpu() for c in columns]
+    flat = (columns[0] if len(columns) == 1 else torch.cat(list(columns))).to("cpu", torch.int64)
+    host = [flat] if len(columns) == 1 else list(flat.split([int(c.numel()) for c in columns]))
+    return host, flat.tolist()
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """The RoPE sine table [..., hd] with its first half negated, for `rope_qk`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope_qk(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding (``x * cos + rotate_half(x) * sin``, `LlamaExecutor._apply_rope`) of
+    x [R, heads, hd] (any heads: q and k of a round side by side), with cos [R, 1, hd] and
+    ``signed_sin(sin)``. rotate_half's negation is carried by the sine table instead of the
+    activations: (-a) * s and a * (-s) are the same float in IEEE arithmetic, so the result is
+    bit-identical to `_apply_rope`, in 4 kernels where rotating q and k apart takes 10 (the
+    negation and the concatenation per tensor, then the two products and the sum per tensor)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
+
+
 def pick_sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> SDPBackend:
     """The one SDPA backend a static executor runs (module docstring, "Attention route").
 
     CUDA: the memory-efficient kernel when a probe shaped like a round (`grouped_attention` of two
-    lanes, two KV heads of two query heads each, three columns, 20 keys read through a strided view,
-    the mask broadcast over the KV heads) runs with it alone and agrees with the math kernel, else the
-    math kernel. CPU: the math kernel.
+    lanes, two KV heads of two query heads each, three columns, 20 keys and values read through
+    strided views of one gathered pool, the mask broadcast over the KV heads) runs with it alone and
+    agrees with the math kernel, else the math kernel. CPU: the math kernel.
     """
     if device.type != "cuda":
         return SDPBackend.MATH
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(2, 3, 2, 2, head_dim, device=device, generator=gen).to(dtype)
-    kv = torch.randn(2, 2, 20, 2, head_dim, device=device, generator=gen).to(dtype)  # [2, L, T, nkv, hd]
-    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    kv = torch.randn(2, 20, 4, head_dim, device=device, generator=gen).to(dtype)  # [L, T, 2 nkv, hd]
+    keys, values = kv[:, :, :2].transpose(1, 2), kv[:, :, 2:].transpose(1, 2)
     mask = round_mask(torch.tensor([[4, 5, 6], [17, 18, 19]], device=device), 20, 2)
     try:
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
@@ -283,12 +314,14 @@ class StaticLlamaExecutor(LlamaExecutor):
         """Pools for `lanes` lane slots plus the scratch slot (the old pools' lanes copied over), the
         static input buffer and (with graphs) the static logits buffer; graphs dropped."""
         c, dev = self.config, self.device
-        shape = (c.num_hidden_layers, lanes + 1, self.capacity, self._nkv, self._hd)
+        nkv = self._nkv
+        shape = (c.num_hidden_layers, lanes + 1, self.capacity, 2 * nkv, self._hd)
         rows = lane_width(lanes) * self.max_columns
         # normal tensors even when built under inference mode (checkpoint restores write them outside it)
         with torch.inference_mode(False):
-            keys = torch.zeros(shape, dtype=self.dtype, device=dev)
-            values = torch.zeros_like(keys)
+            # one pool: a position's keys then its values (one gather a layer reads both)
+            kv = torch.zeros(shape, dtype=self.dtype, device=dev)
+            keys, values = kv[..., :nkv, :], kv[..., nkv:, :]
             if old is not None:
                 used = old[0].shape[1] - 1  # the old pools' lane slots (their scratch slot is not kept)
                 keys[:, :used].copy_(old[0][:, :used])
@@ -298,7 +331,7 @@ class StaticLlamaExecutor(LlamaExecutor):
             self._logits_out = (
                 torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=dev) if self.cuda_graphs else None
             )
-        self._keys, self._values = keys, values
+        self._kv, self._keys, self._values = kv, keys, values
         self._scratch = lanes
         self._graphs.clear()
         self._pool = None
@@ -374,14 +407,14 @@ class StaticLlamaExecutor(LlamaExecutor):
             ValueError: logits not "all" / "last".
         """
         states, columns = list(states), list(columns)
-        host = self._check_forward(states, columns, logits, tap_layers)
+        host, flat = self._check_forward(states, columns, logits, tap_layers)
         lens = [int(c.numel()) for c in host]
         taps = tuple(int(t) for t in tap_layers)
         n = max(lens)
         if self.max_columns < n <= self.chunked_prefill:
             return self._chunked_forward(states, host, lens, record, logits, output_hidden_states, taps)
         if n <= self.max_columns:
-            out = self._static_forward(states, host, lens, output_hidden_states, taps)
+            out = self._static_forward(states, flat, lens, output_hidden_states, taps)
         else:
             out = self._eager_forward(states, host, lens, logits, output_hidden_states, taps)
         for s, n_i in zip(states, lens, strict=True):
@@ -394,9 +427,11 @@ class StaticLlamaExecutor(LlamaExecutor):
         columns: list[torch.Tensor],
         logits: str,
         tap_layers: Sequence[int],
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], list[int]]:
         """`LlamaExecutor.forward`'s checks (same errors) plus released lanes and max_context, on one
-        host copy of the columns (returned, int64 on the CPU)."""
+        host copy of the columns. Returns the columns on the host (int64 views of one CPU tensor, lane
+        by lane) and every lane's ids in one flat list (lane after lane). The torch calls do not
+        grow with the lanes: one concatenation, one copy to the host, one split (`_host_ids`)."""
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         if len(states) != len(columns) or not states:
@@ -408,10 +443,8 @@ class StaticLlamaExecutor(LlamaExecutor):
         for t in tap_layers:
             if not 0 <= int(t) < cfg.num_hidden_layers:
                 raise StateError(f"tap layer {t} outside 0..{cfg.num_hidden_layers - 1}")
-        host = host_columns(columns)
         seen: set[int] = set()
-        out: list[torch.Tensor] = []
-        for i, (s, col) in enumerate(zip(states, host, strict=True)):
+        for i, (s, col) in enumerate(zip(states, columns, strict=True)):
             if not isinstance(s, StaticLlamaLaneState) or s._owner is not self:
                 raise StateError(f"lane {i} was not created by this executor")
             if s._released:
@@ -432,19 +465,25 @@ class StaticLlamaExecutor(LlamaExecutor):
                     f"lane {i}: {s.num_tokens} + {n} tokens would pass this executor's max_context "
                     f"{self.max_context}"
                 )
-            col = col.cpu()
-            lo, hi = int(col.min()), int(col.max())
-            if lo < 0 or hi >= cfg.vocab_size:
-                raise StateError(f"lane {i}: token id {lo if lo < 0 else hi} outside 0..{cfg.vocab_size - 1}")
-            out.append(col.to(torch.long))
-        return out
+        host, flat = _host_ids(columns)
+        if min(flat) < 0 or max(flat) >= cfg.vocab_size:  # name the first lane holding a bad id
+            at = 0
+            for i, col in enumerate(host):
+                ids = flat[at : at + int(col.numel())]
+                at += len(ids)
+                lo, hi = min(ids), max(ids)
+                if lo < 0 or hi >= cfg.vocab_size:
+                    bad = lo if lo < 0 else hi
+                    raise StateError(f"lane {i}: token id {bad} outside 0..{cfg.vocab_size - 1}")
+        return host, flat
 
     def _split(self, out: dict[str, torch.Tensor], lens: list[int], logits: str) -> ForwardOutput:
         """Per-lane views of a round's outputs ([lanes, n', ...] rows, or [lanes, vocab] for "last")."""
         if out["logits"].dim() == 2:  # "last": one row per lane
             per = list(out["logits"].split(1))
         else:
-            per = [out["logits"][i, :n_i] for i, n_i in enumerate(lens)]
+            n = int(out["logits"].shape[1])
+            per = [p if n_i == n else p[:n_i] for p, n_i in zip(out["logits"].unbind(0), lens, strict=True)]
             if logits == "last":
                 per = [p[-1:] for p in per]
         hidden = [out["hidden"][i, :n_i] for i, n_i in enumerate(lens)] if "hidden" in out else None
@@ -460,28 +499,49 @@ class StaticLlamaExecutor(LlamaExecutor):
     def _static_forward(
         self,
         states: list[StaticLlamaLaneState],
-        host: list[torch.Tensor],
+        flat: list[int],
         lens: list[int],
         want_hidden: bool,
         taps: tuple[int, ...],
     ) -> dict[str, torch.Tensor]:
+        """A static round: its inputs (token ids [L' * n'] with dummy columns 0, positions [L', n']:
+        past + column, a padding lane's 0..n'-1, slots [L']: the padding lanes' the scratch slot)
+        laid out in one host list and copied into the static input buffer at once
+        (`_copy_inputs`), the round run, the real lanes' rows copied out: [lanes, n', ...]."""
         lanes = len(states)
         lp, n = self._round_shape(lanes, max(lens))
-        rows = lp * n
-        ids = torch.zeros(lp, n, dtype=torch.long)
-        for i, col in enumerate(host):
-            ids[i, : lens[i]] = col
-        pos = torch.arange(n, dtype=torch.long)[None, :].repeat(lp, 1)
-        pos[:lanes] += torch.tensor([s.num_tokens for s in states], dtype=torch.long)[:, None]
-        slots = torch.full((lp,), self._scratch, dtype=torch.long)
-        slots[:lanes] = torch.tensor([s.slot for s in states], dtype=torch.long)
+        ids: list[int] = []
+        pos: list[int] = []
+        at = 0
+        for s, n_i in zip(states, lens, strict=True):
+            ids += flat[at : at + n_i]
+            at += n_i
+            if n_i < n:
+                ids += [0] * (n - n_i)
+            past = s.num_tokens
+            pos += range(past, past + n)
+        pad = lp - lanes
+        if pad:
+            ids += [0] * (pad * n)
+            pos += list(range(n)) * pad
+        slots = [s.slot for s in states] + [self._scratch] * pad
         bucket = kv_bucket(max(s.num_tokens for s in states) + n, self.kv_bucket, self.capacity)
-        self._inputs[: 2 * rows + lp].copy_(
-            torch.cat([ids.view(-1), pos.view(-1), slots]).to(self.device, non_blocking=True)
-        )
+        self._copy_inputs(ids + pos + slots)
         out = self._run_round(lp, n, bucket, want_hidden, taps)
         # the real lanes' rows, copied out of the round's (static) buffers: [lanes, n', ...]
         return {k: v.view(lp, n, -1)[:lanes].clone() for k, v in out.items()}
+
+    def _copy_inputs(self, values: list[int]) -> None:
+        """Write `values` into the front of the static input buffer: one host->device copy, from
+        page-locked memory without waiting for it on CUDA (the replay that reads the buffer is ordered
+        after it on the stream; torch's caching host allocator keeps the page-locked block until the
+        copy is done), a plain copy on the CPU."""
+        host = torch.frombuffer(array("q", values), dtype=torch.int64)
+        dst = self._inputs[: len(values)]
+        if dst.device.type == "cuda":
+            dst.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            dst.copy_(host)
 
     def _run_round(
         self, lp: int, n: int, bucket: int, want_hidden: bool, taps: tuple[int, ...]
@@ -620,6 +680,7 @@ class StaticLlamaExecutor(LlamaExecutor):
         x = F.embedding(ids, self.embed)  # [R, H]
         pos_rows = pos.reshape(-1)
         cos, sin = self._rope(pos_rows)  # [R, 1, hd]
+        sin_signed = signed_sin(sin)
         mask = round_mask(pos, bucket, rep)
         slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
         if valid is not None:
@@ -630,16 +691,18 @@ class StaticLlamaExecutor(LlamaExecutor):
         for li, layer in enumerate(self.layers):
             h = self._norm(x, layer.norm_in)
             qkv = linear(h, layer.w_qkv, layer.b_qkv)  # [R, (nh + 2 nkv) hd]
-            q = self._apply_rope(qkv[:, : nh * hd].view(rows, nh, hd), cos, sin)
-            k = self._apply_rope(qkv[:, nh * hd : (nh + nkv) * hd].view(rows, nkv, hd), cos, sin)
+            # q and k rotated together: one set of kernels for both (`rope_qk`)
+            qk = rope_qk(qkv[:, : (nh + nkv) * hd].view(rows, nh + nkv, hd), cos, sin_signed)
+            q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, (nh + nkv) * hd :].view(rows, nkv, hd)
-            kc, vc = self._keys[li], self._values[li]  # [S, cap, nkv, hd]
+            kc, vc = self._keys[li], self._values[li]  # [S, cap, nkv, hd], views of the pool
             if valid is not None:
                 k, v = k[valid], v[valid]
             kc[slot_rows, key_rows] = k
             vc[slot_rows, key_rows] = v
-            keys = kc[:, :bucket].index_select(0, slots).transpose(1, 2)  # [L, nkv, T, hd]
-            values = vc[:, :bucket].index_select(0, slots).transpose(1, 2)
+            lanes_kv = self._kv[li, :, :bucket].index_select(0, slots)  # [L, T, 2 nkv, hd]: one gather
+            keys = lanes_kv[:, :, :nkv].transpose(1, 2)  # [L, nkv, T, hd]
+            values = lanes_kv[:, :, nkv:].transpose(1, 2)
             with sdpa_kernel([self.sdpa_backend]):
                 o = grouped_attention(q.view(lanes, n, nkv, rep, hd), keys, values, mask, self._scale)
             x = x + linear(o, layer.w_o, layer.b_o)

@@ -82,6 +82,7 @@ from ignis.runtime.server.protocol import (
     ModelList,
 )
 from ignis.runtime.server.sse import SSE_DONE, ChunkTemplate, sse
+from ignis.runtime.server.warmup import warm_up_text
 from ignis.runtime.stops import FINISH_STOP, stop_string_holdback
 
 __all__ = ["MAX_BODY_BYTES", "MAX_NESTING", "MIN_TEMPERATURE", "create_app", "default_max_body_bytes"]
@@ -666,6 +667,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lanes.start()
         try:
+            await run_in_threadpool(warm_up_text, model.tokenizer, lanes.max_context)  # not the 1st request
             yield
         finally:
             await run_in_threadpool(lanes.stop)

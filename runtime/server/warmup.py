@@ -11,6 +11,13 @@ end of sequence ignored, a few rounds with speculation) and then leaves no trace
 metrics object and the prompt-checkpoint cache's counters are swapped out for the run, and the
 checkpoints it took are dropped. vLLM (a dummy run at start) and llama.cpp (a warm-up decode) do
 the same.
+
+The text side has one-time costs of its own, paid by the first chat request unless the server pays
+them at start (`warm_up_text`, from the app's lifespan): the chat template's compilation (jinja2 and
+its import), the truncating copy of the tokenizer the prompt is encoded with (`Tokenizer.encode`
+with max_length: a copy of the backend rebuilt from its JSON) and the longest token's byte count
+(`Tokenizer.min_tokens`). For SmolLM2's 49,152-token tokenizer on the 2-vCPU build box: 98, 104 and
+27 ms, about 0.23 s added to the first chat request's time to first token.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from ignis.runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["warm_up_engine"]
+__all__ = ["warm_up_engine", "warm_up_text"]
 
 
 def warm_up_engine(engine: Any, *, tokens: int = 4) -> float:
@@ -60,4 +67,24 @@ def warm_up_engine(engine: Any, *, tokens: int = 4) -> float:
             cache.metrics = saved_cache_metrics
     seconds = time.perf_counter() - t0
     log.info("warm-up request at load: %.2f s", seconds)
+    return seconds
+
+
+def warm_up_text(tokenizer: Any, max_context: int | None) -> float:
+    """Pay the text side's one-time costs now (module docstring): render a one-message conversation
+    with `tokenizer`'s chat template, bound its tokens (`min_tokens`) and encode it truncated to
+    `max_context` tokens, as a chat request's prompt is (`_Service.chat_prompt`). Returns its seconds.
+
+    Never raises for the model's sake: a tokenizer without these methods, or a template that refuses
+    the conversation, leaves the rest for the first request (logged at debug level).
+    """
+    t0 = time.perf_counter()
+    try:
+        prompt = tokenizer.render_chat([{"role": "user", "content": "warm-up"}], add_generation_prompt=True)
+        tokenizer.min_tokens(prompt.text)
+        tokenizer.encode_chat_prompt(prompt, max_length=max_context)
+    except Exception as exc:  # a template's raise_exception, a tokenizer of another kind
+        log.debug("text warm-up stopped early: %s", exc)
+    seconds = time.perf_counter() - t0
+    log.info("text warm-up at start: %.2f s", seconds)
     return seconds

@@ -67,3 +67,37 @@ def test_warm_up_request_refuses_an_engine_with_lanes() -> None:
     engine.add_lane([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2))
     with pytest.raises(StateError, match="at load"):
         warm_up_engine(engine)
+
+
+def test_the_server_warms_the_text_side_at_start() -> None:
+    """At start, before any request: the chat template compiled, the tokenizer's truncating copy for the
+    context built and the longest token's bytes counted (each a one-time cost of the first chat
+    request otherwise); the first chat request's prompt is then encoded with that same copy."""
+    from server_helpers import serve
+    from toy_model import ToySource
+
+    source = ToySource()
+    with serve(source, max_context=96) as running:
+        tok = running.server.model.tokenizer
+        assert 96 in tok._truncating_by_length  # built at start
+        assert "max_token_bytes" in vars(tok)  # the cached_property computed
+        copy = tok._truncating_by_length[96]
+        with running.client() as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            r = c.post(
+                "/v1/chat/completions",
+                json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
+            assert r.status_code == 200, r.text
+        assert tok._truncating_by_length[96] is copy
+
+
+def test_warm_up_text_never_raises_for_a_template_that_refuses() -> None:
+    from ignis.runtime.server.warmup import warm_up_text
+
+    class Refusing:
+        def render_chat(self, *a, **k):  # type: ignore[no-untyped-def]
+            raise RuntimeError("this template needs a system message")
+
+    assert warm_up_text(Refusing(), 64) >= 0.0
+    assert warm_up_text(object(), None) >= 0.0

@@ -1,0 +1,201 @@
+"""What a static llama round costs besides its math: the kernels its body launches a decoder layer
+(each one a node of the CUDA graph replayed every round) and the host work of `StaticLlamaExecutor`
+around the body (torch calls a round, outside the body).
+
+On the CPU the body runs eagerly: the aten ops it dispatches are the kernels the CUDA graph holds
+(views excluded; SDPA and RMSNorm counted as the one kernel each launches on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import hf_tiny  # tests/ is on pytest's pythonpath
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
+
+from ignis.runtime.families import llama_graphs
+from ignis.runtime.families.llama import LlamaExecutor
+from ignis.runtime.families.llama_graphs import StaticLlamaExecutor, rope_qk, signed_sin
+
+#: aten ops that launch nothing on a device (views, metadata, allocations).
+_NO_KERNEL = frozenset(
+    {
+        "aten.view",
+        "aten._unsafe_view",
+        "aten.slice",
+        "aten.select",
+        "aten.expand",
+        "aten.transpose",
+        "aten.permute",
+        "aten.unsqueeze",
+        "aten.squeeze",
+        "aten.split",
+        "aten.split_with_sizes",
+        "aten.t",
+        "aten.alias",
+        "aten.detach",
+        "aten.as_strided",
+        "aten.empty",
+        "aten.new_empty",
+        "aten.empty_strided",
+        "aten.unbind",
+        "aten.chunk",
+        "aten.lift_fresh",
+    }
+)
+
+
+#: torch functions that launch one kernel on CUDA (the memory-efficient SDPA, torch's fused RMSNorm):
+#: counted as one, their CPU decomposition not counted.
+FUSED_ON_CUDA = ("scaled_dot_product_attention", "rms_norm")
+
+
+class KernelCount(TorchDispatchMode):
+    """Counts the aten ops that launch a kernel, by name; `paused` stops counting (an op counted as
+    one kernel runs its decomposition inside)."""
+
+    def __init__(self, skip: frozenset[str] = _NO_KERNEL) -> None:
+        super().__init__()
+        self.skip = skip  # op names not counted
+        self.ops: Counter[str] = Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func.overloadpacket)
+        if not self.paused and name not in self.skip:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from ignis.compiler.importers import load_checkpoint
+
+    folder = hf_tiny.save_tiny(hf_tiny.tiny_model("llama", seed=0), tmp_path_factory.mktemp("llama") / "c")
+    ckpt = load_checkpoint(folder)
+    return ckpt.config, ckpt.tensors.load_all()
+
+
+def _body_kernels(ex: StaticLlamaExecutor, monkeypatch: pytest.MonkeyPatch, layers: int) -> KernelCount:
+    """Kernels of one static decode round of 2 lanes through the first `layers` decoder layers."""
+    count = KernelCount()
+
+    def one_kernel(fn):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            count.ops[fn.__name__] += 1
+            count.paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                count.paused = False
+
+        return run
+
+    for name in FUSED_ON_CUDA:
+        monkeypatch.setattr(llama_graphs.F, name, one_kernel(getattr(F, name)))
+    all_layers = ex.layers
+    ex.layers = all_layers[:layers]
+    try:
+        ids = torch.tensor([3, 5])
+        pos = torch.tensor([[4], [9]])
+        slots = torch.tensor([0, 1])
+        with torch.no_grad(), count:
+            ex._body(ids, pos, slots, 16, want_hidden=False, taps=())
+    finally:
+        ex.layers = all_layers
+        monkeypatch.undo()
+    return count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_qk_is_bit_identical_to_rotating_q_and_k_apart(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows, nh, nkv, hd = 7, 6, 2, 16
+    x = (torch.randn(rows, nh + nkv, hd, generator=gen) * 3).to(dtype)
+    x[0, 0, :4] = 0.0  # zeros: signs of zero must agree too
+    x[1, 1, hd // 2 : hd // 2 + 4] = -0.0
+    angles = torch.randn(rows, 1, hd, generator=gen) * 10
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got = rope_qk(x, cos, signed_sin(sin))
+    q = LlamaExecutor._apply_rope(x[:, :nh], cos, sin)
+    k = LlamaExecutor._apply_rope(x[:, nh:], cos, sin)
+    want = torch.cat((q, k), dim=1)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)
+    assert torch.equal(
+        got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        want.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoder_layer_launches_at_most_its_budget(
+    tiny, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:  # type: ignore[no-untyped-def]
+    """Kernels a decoder layer adds to a round (the CUDA graph's nodes): RoPE of q and k together (4
+    kernels, was 10 rotating them apart) and keys and values gathered from their one pool at once (1,
+    was 2). The budget: norm 2 + qkv linear 1 + RoPE 4 + KV writes 2 + KV gather 1 + SDPA 1 + o linear
+    and residual 2 + norm 2 + gate|up linear, silu, product, down linear and residual 5 = 20, with 2
+    casts a norm in 16-bit dtypes (27 before)."""
+    config, weights = tiny
+    ex = StaticLlamaExecutor(config, weights, dtype=dtype, max_lanes=2, max_context=64, kv_bucket=16)
+    assert config.num_hidden_layers >= 2
+    one = _body_kernels(ex, monkeypatch, 1)
+    two = _body_kernels(ex, monkeypatch, 2)
+    per_layer = two.ops - one.ops
+    casts = 4 if dtype != torch.float32 else 0  # x.float() and .to(dtype) in both norms
+    assert sum(per_layer.values()) <= 20 + casts, dict(per_layer)
+    assert per_layer["aten.neg"] == 0  # rotate_half's negation lives in the sine table
+    assert per_layer["aten.cat"] == 1
+    assert per_layer["aten.index_select"] == 1  # keys and values in one gather
+
+
+def _host_ops(ex: StaticLlamaExecutor, lanes: int, columns: int) -> int:
+    """torch calls (views included) of one `forward` + `commit` of `lanes` lanes, outside the body."""
+    states = [ex.new_lane() for _ in range(lanes)]
+    prompt = [torch.arange(1, 6) + i for i in range(lanes)]
+    ex.forward(states, prompt, logits="last", record=False)
+    ex.commit(states, [5] * lanes)
+    count = KernelCount(skip=frozenset())  # every torch call, views included
+    inner = ex._body
+
+    def body(*args, **kwargs):  # type: ignore[no-untyped-def]
+        count.paused = True
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            count.paused = False
+
+    ex._body = body  # type: ignore[method-assign]
+    cols = [torch.arange(2, 2 + columns) + i for i in range(lanes)]
+    try:
+        with torch.no_grad(), count:
+            ex.forward(states, cols)
+            ex.commit(states, [columns] * lanes)
+    finally:
+        del ex._body
+        for s in states:
+            ex.release_lane(s)
+    return count.total
+
+
+@pytest.mark.parametrize("columns", [1, 4])
+def test_host_work_of_a_round_does_not_grow_with_the_lanes(tiny, columns: int) -> None:  # type: ignore[no-untyped-def]
+    """Around the body, a static round's inputs are laid out in one host list and copied once, and
+    its outputs split into lanes by one call: the torch calls (each a dispatch on the host, and on
+    CUDA a launch or a copy) are the same for 2 and 8 lanes (they grew by 8 a lane: a copy,
+    a min, a max and a cast per lane to check the ids, an index copy to lay them out, a select and a
+    slice to split the logits)."""
+    config, weights = tiny
+    ex = StaticLlamaExecutor(config, weights, max_lanes=8, max_context=64, kv_bucket=16)
+    one, two, eight = (_host_ops(ex, n, columns) for n in (1, 2, 8))
+    assert eight == two, (two, eight)
+    assert one <= two <= 13, (one, two)
