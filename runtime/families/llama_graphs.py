@@ -151,7 +151,13 @@ def grouped_attention(
 
 def _host_ids(columns: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
     """Integer 1-D columns (any device, any integer dtype) on the host: per lane an int64 CPU tensor
-    (views of one tensor) and all their ids lane after lane as one list, from one device->host copy."""
+    (views of one tensor) and all their ids lane after lane as one list, from one device->host copy,
+    or from no copy when the columns carry their host values (`round_batch.HostKnownColumns`)."""
+    known = getattr(columns, "host", None)
+    if known is not None:
+        ids = [i for lane in known for i in lane]
+        t = torch.tensor(ids, dtype=torch.int64)
+        return ([t] if len(known) == 1 else list(t.split([len(lane) for lane in known]))), ids
     if len({c.device for c in columns}) > 1:
         columns = [c.cpu() for c in columns]
     flat = (columns[0] if len(columns) == 1 else torch.cat(list(columns))).to("cpu", torch.int64)

@@ -120,6 +120,10 @@ def test_round_columns_carry_their_host_values_and_the_checks_read_them() -> Non
     carried = HostKnownColumns([torch.tensor([9, 9]), torch.tensor([9])], [[1, 2], [3]])
     got = host_columns(carried)
     assert [g.tolist() for g in got] == [[1, 2], [3]] and all(g.dtype == torch.int64 for g in got)
+    from ignis.runtime.families.llama_graphs import _host_ids
+
+    lanes, flat = _host_ids(carried)  # the static llama executor's checks read the same values
+    assert [t.tolist() for t in lanes] == [[1, 2], [3]] and flat == [1, 2, 3]
     plain = [torch.tensor([1, 2])]
     assert host_columns(plain) is plain  # one CPU column: nothing to copy
     assert [g.tolist() for g in host_columns([torch.tensor([1, 2]), torch.tensor([3])])] == [[1, 2], [3]]
