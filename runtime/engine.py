@@ -68,6 +68,7 @@ from typing import Any
 import torch
 
 from ignis.runtime.acceptance import PendingAcceptance, greedy_accept_ids, rejection_sample_on_device
+from ignis.runtime.async_rounds import AsyncRounds
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.engine_checkpoints import EngineCheckpoints
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
@@ -195,6 +196,9 @@ class SpeculativeEngine:
             restores the longest usable one and prefills only the rest; the state at the end of
             each prompt, at the lane's `checkpoint_at` positions and at the end of each reply is
             recorded (`ignis.runtime.engine_checkpoints`). None: every prompt is prefilled whole.
+        async_rounds: issue each round from the device's argmax of the previous one before the host
+            reads it (`ignis.runtime.async_rounds`): only with no drafter and greedy lanes without
+            logits processing; other steps run as usual. Same tokens; updates come a step later.
 
     Raises:
         ConfigError: draft_tokens missing or outside 1..7 with a drafter, draft_rows outside 0..32,
@@ -217,6 +221,7 @@ class SpeculativeEngine:
         device: torch.device | str | None = None,
         metrics: SpeculativeMetrics | None = None,
         prefix_cache: PrefixCache | None = None,
+        async_rounds: bool = False,
     ) -> None:
         if drafter is not None and draft_tokens is None:
             raise ConfigError(f"drafter {drafter.name!r} needs draft_tokens (1..{MAX_DRAFT_TOKENS})")
@@ -269,6 +274,7 @@ class SpeculativeEngine:
             }
         self._no_drafts = DraftProposal(torch.empty(0, dtype=torch.int64, device=self.device))
         self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # lane -> this step's logprobs
+        self._async = AsyncRounds(self) if async_rounds and drafter is None else None
 
     # ------------------------------------------------------------------ lanes
 
@@ -337,7 +343,10 @@ class SpeculativeEngine:
                     lane.stops.abort()
                     if lane.drafter_started and self.drafter is not None:
                         self.drafter.end_lane(lane_id)
-                    self._finish(lane)  # gives a pooled executor its slot back (a lane mid-prefill too)
+                    held = self._async is not None and self._async.holds(lane)  # a column in flight
+                    self._finish(lane, release=not held)  # a pooled executor's slot back (mid-prefill too)
+                    if held:
+                        self._async.lane_aborted(lane)  # type: ignore[union-attr]
                     return
         if lane_id not in self._results:
             raise LaneRequestError(f"unknown lane id {lane_id}")
@@ -364,8 +373,10 @@ class SpeculativeEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        """True while some lane waits, is being prefilled or decodes."""
-        return bool(self._waiting or self._prefilling or self._active)
+        """True while some lane waits, is being prefilled or decodes (or, with async rounds, a round of
+        finished lanes is still to be committed: step until it is False)."""
+        busy = self._async is not None and self._async.is_busy
+        return bool(self._waiting or self._prefilling or self._active or busy)
 
     def result(self, lane_id: int) -> LaneResult | None:
         """A finished lane's result (kept until `pop_result`), or None while it runs."""
@@ -415,14 +426,20 @@ class SpeculativeEngine:
         """
         emitted: dict[int, list[int]] = {}
         self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # lane -> this step's (when asked)
-        finished = self.checkpoints.restore_waiting(emitted) if self.checkpoints.is_enabled else []
+        a = self._async
+        finished = a.before_step(emitted) if a is not None else []  # drains before prefill work
+        finished += self.checkpoints.restore_waiting(emitted) if self.checkpoints.is_enabled else []
         chunks = self._plan_prefill()
         finished += self._prefill(chunks, emitted) if chunks else []
-        if self._active:
+        if a is not None and (a.is_busy or self._active) and a.takes_round():
+            finished += a.round(emitted)
+        elif a is not None and a.is_busy:
+            finished += a.drain(emitted)  # every lane of the round in flight finished or aborted
+        elif self._active:
             finished += self._round(emitted)
         updates = []
         for lane in finished:
-            self._finish(lane)
+            self._finish(lane, release=a is None or not a.holds(lane))
         done = {lane.lane_id: lane for lane in finished}
         for lane_id, tokens in emitted.items():
             lane_done = done.get(lane_id)
@@ -757,11 +774,17 @@ class SpeculativeEngine:
         q = None if prop.draft_probs is None else prop.draft_probs.to(logits.device)  # [k, vocab]
         return rejection_sample_on_device(drafts, target_probs, q, lane.random.generator(logits.device))
 
-    def _finish(self, lane: _Lane) -> None:
+    def _release_state(self, lane: _Lane) -> None:
         release = getattr(self.executor, "release_lane", None)
         if lane.state is not None and release is not None:
             release(lane.state)  # executors with pooled lane slots take the slot back now
         lane.state = None
+
+    def _finish(self, lane: _Lane, *, release: bool = True) -> None:
+        """The lane's result; its state released unless `release` is False (async rounds: a column in
+        flight is committed first)."""
+        if release:
+            self._release_state(lane)
         s = lane.stops
         assert s.finish_reason is not None
         self._results[lane.lane_id] = LaneResult(

@@ -31,7 +31,7 @@ import torch
 
 from ignis.runtime.drafters.base import DrafterError, DraftProposal
 
-__all__ = ["LaneTokens", "RoundColumns", "device_ids", "round_host_ids"]
+__all__ = ["HostKnownColumns", "InRangeColumns", "LaneTokens", "RoundColumns", "device_ids", "round_host_ids"]
 
 
 class LaneTokens(Sequence[int]):
@@ -122,6 +122,15 @@ class HostKnownColumns(list):  # type: ignore[type-arg]
     def __init__(self, columns: Sequence[torch.Tensor], host: list[list[int]]) -> None:
         super().__init__(columns)
         self.host = host
+
+
+class InRangeColumns(list):  # type: ignore[type-arg]
+    """A round's columns (per lane an int64 [n_i] tensor on the device) whose ids lie in [0, vocab) by
+    construction: the argmax rows of the same executor's logits (`ignis.runtime.async_rounds`). An
+    executor skips their token-id range check (`static_rounds.host_columns` returns them as they are),
+    so the forward reads nothing from the device."""
+
+    in_range = True
 
 
 @dataclass

@@ -493,7 +493,7 @@ class HybridExecutor:
             ValueError: malformed columns (not 1-D integer, empty, token id outside the vocabulary),
                 an unknown `logits` mode, or a tap layer outside 0..num_hidden_layers-1.
         """
-        states, columns = list(states), list(columns)
+        states, columns = list(states), columns if isinstance(columns, list) else list(columns)
         taps_wanted = self._check_forward(states, columns, logits, tap_layers)
         c = self.config
         lens = [int(col.numel()) for col in columns]
@@ -621,6 +621,7 @@ class HybridExecutor:
             )
         if len({id(s) for s in states}) != len(states):
             raise StateError("forward got the same lane more than once")
+        in_range = getattr(columns, "in_range", False)  # `round_batch.InRangeColumns`: no device read
         for i, (state, col) in enumerate(zip(states, columns, strict=True)):
             self._check_owner(state, i)
             if state._pending is not None:
@@ -632,9 +633,10 @@ class HybridExecutor:
                 or col.is_floating_point()
             ):
                 raise ValueError(f"lane {i}: columns must be a non-empty 1-D integer tensor")
-            lo, hi = int(col.min()), int(col.max())
-            if lo < 0 or hi >= c.vocab_size:
-                raise ValueError(f"lane {i}: token id outside 0..{c.vocab_size - 1} (min {lo}, max {hi})")
+            if not in_range:
+                lo, hi = int(col.min()), int(col.max())
+                if lo < 0 or hi >= c.vocab_size:
+                    raise ValueError(f"lane {i}: token id outside 0..{c.vocab_size - 1} (min {lo}, max {hi})")
             if state.num_tokens + col.numel() > c.max_position_embeddings:
                 raise StateError(
                     f"lane {i}: {state.num_tokens} + {col.numel()} tokens would pass "

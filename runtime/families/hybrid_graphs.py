@@ -624,7 +624,9 @@ class StaticHybridExecutor(HybridExecutor):
                 or a static round while the previous static round is not committed.
             ValueError: as `HybridExecutor.forward`.
         """
-        states, columns = list(states), list(columns)
+        # a list subclass stays as it is: `HostKnownColumns` / `InRangeColumns` tell the checks what
+        # they need not read from the device
+        states, columns = list(states), columns if isinstance(columns, list) else list(columns)
         self._check_forward(states, columns, logits, tap_layers)  # type: ignore[arg-type]
         lens = [int(col.numel()) for col in columns]
         for i, (state, n_i) in enumerate(zip(states, lens, strict=True)):

@@ -128,8 +128,12 @@ def host_columns(columns: list[torch.Tensor]) -> list[torch.Tensor]:
       round built from host ids): those values as int64 CPU tensors, with no copy and no sync;
     * integer 1-D tensors on one device and dtype, several of them or one off the CPU: one copy of
       their concatenation, split per lane;
+    * columns in range by construction (`ignis.runtime.round_batch.InRangeColumns`): unchanged, with
+      no copy (the caller skips their range check);
     * otherwise the list unchanged (the caller's checks reject what is malformed).
     """
+    if getattr(columns, "in_range", False):
+        return columns
     host = getattr(columns, "host", None)
     if host is not None:
         return [torch.tensor(ids, dtype=torch.int64) for ids in host]

@@ -1,0 +1,381 @@
+"""Async rounds (`ignis.runtime.async_rounds`): the engine with `async_rounds=True` gives the ordinary
+engine's results, token for token, over many seeds, lane counts, max_tokens, EOS-terminated lanes,
+stop strings, lanes joining and aborted mid-flight, and prompt checkpoints (the reply checkpoint a
+finished lane leaves equals the ordinary path's, bit for bit).
+
+Executors: the tiny hybrid's (qwen3_5) static and eager executors, the tiny llama's static and eager
+executors, float32 on the CPU (greedy margins wide: hf_tiny*.py redraw the weights).
+
+GPU tests (`gpu` mark, skipped without CUDA): async and ordinary rounds give equal tokens on CUDA with
+the tiny hybrid's static executor, and no host sync happens between issuing round N+1 and reading
+round N (torch.cuda's sync debug mode).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import hf_tiny
+import pytest
+import torch
+from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
+
+from ignis.runtime.async_rounds import lane_argmax
+from ignis.runtime.engine import LaneResult, SpeculativeEngine
+from ignis.runtime.prefix_cache import PrefixCache
+from ignis.runtime.round_batch import InRangeColumns
+from ignis.runtime.sampling import SamplingParams
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+KINDS = ("static_hybrid", "eager_hybrid", "static_llama", "eager_llama")
+BIG = 1 << 30
+
+_MODELS: dict[str, object] = {}
+
+
+def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    if kind.endswith("hybrid"):
+        from hf_tiny_hybrid import make_tiny_hybrid
+
+        from ignis.runtime.families.hybrid_executor import HybridExecutor
+        from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+
+        if "hybrid" not in _MODELS:
+            tiny = make_tiny_hybrid("qwen3_5", Path(tempfile.mkdtemp()) / "m")
+            _MODELS["hybrid"] = (tiny.config, tiny.tensors)
+        config, tensors = _MODELS["hybrid"]  # type: ignore[misc]
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        if kind == "eager_hybrid":
+            return HybridExecutor(config, tensors, device=device, dtype=dtype)
+        return StaticHybridExecutor(
+            config, tensors, device=device, dtype=dtype, max_lanes=8, max_columns=8, max_context=256
+        )
+    from ignis.compiler.importers import load_checkpoint
+    from ignis.runtime.families.llama import LlamaExecutor
+    from ignis.runtime.families.llama_graphs import StaticLlamaExecutor
+
+    if "llama" not in _MODELS:
+        folder = hf_tiny.save_tiny(hf_tiny.tiny_model("llama", seed=0), Path(tempfile.mkdtemp()) / "ckpt")
+        ckpt = load_checkpoint(folder)
+        _MODELS["llama"] = (ckpt.config, ckpt.tensors.load_all())
+    config, weights = _MODELS["llama"]  # type: ignore[misc]
+    if kind == "eager_llama":
+        return LlamaExecutor(config, weights)
+    return StaticLlamaExecutor(config, weights, max_lanes=8, max_context=200, kv_bucket=16)
+
+
+def _text(ids) -> str:  # type: ignore[no-untyped-def]
+    return "".join(chr(97 + t % 26) for t in ids)
+
+
+def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None):  # type: ignore[no-untyped-def]
+    """Drive an engine through `plan`: {step index: [("add", key, prompt, params) | ("abort", key)]}.
+    Returns (results by key, tokens from the updates by key, the engine)."""
+    eng = SpeculativeEngine(
+        ex,
+        None,
+        eos_token_ids=eos,
+        detokenize=_text,
+        async_rounds=async_rounds,
+        prefix_cache=cache,
+        max_lanes=max_lanes,
+    )
+    ids: dict[str, int] = {}
+    streamed: dict[str, list[int]] = {}
+    results: dict[str, LaneResult] = {}
+    step = 0
+    last = max(plan) if plan else 0
+    while step <= last or eng.has_unfinished:
+        for op in plan.get(step, []):
+            if op[0] == "add":
+                ids[op[1]] = eng.add_lane(op[2], op[3])
+                streamed[op[1]] = []
+            else:
+                eng.abort(ids[op[1]])
+        by_id = {v: k for k, v in ids.items()}
+        for u in eng.step():
+            key = by_id[u.lane_id]
+            assert key not in results, f"lane {key}: an update after its last one"
+            streamed[key].extend(u.new_token_ids)
+            if u.is_finished:
+                results[key] = eng.result(u.lane_id)  # type: ignore[assignment]
+        for key, i in ids.items():  # aborted lanes: their result is there at once
+            r = eng.result(i)
+            if r is not None and key not in results and r.finish_reason == "abort":
+                results[key] = r
+        step += 1
+        assert step < 500
+    assert not eng.has_unfinished
+    return results, streamed, eng
+
+
+def _random_plan(rng: random.Random, vocab: int, num_lanes: int, stop: str | None = None):  # type: ignore[no-untyped-def]
+    plan: dict[int, list] = {}
+    for j in range(num_lanes):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))]
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 14), stop=[stop] if stop else ())
+        plan.setdefault(rng.choice([0, 0, 1, 3, 5]), []).append(("add", f"l{j}", prompt, params))
+    return plan
+
+
+def _same(a: dict[str, LaneResult], b: dict[str, LaneResult]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        assert (x.output_token_ids, x.finish_reason, x.stop_reason, x.text, x.num_rounds) == (
+            y.output_token_ids,
+            y.finish_reason,
+            y.stop_reason,
+            y.text,
+            y.num_rounds,
+        ), key
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_async_rounds_equal_ordinary_rounds(kind: str) -> None:
+    """Many seeds: lanes of random prompts and max_tokens joining at different steps, one of the
+    ordinary run's mid-output tokens made an EOS so that lanes stop on it; results and streamed tokens
+    equal."""
+    ex = _executor(kind)
+    vocab = ex.config.vocab_size
+    num_eos = 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        plan = _random_plan(rng, vocab, rng.randint(1, 5))
+        base, _, _ = _run(ex, plan, async_rounds=False)
+        outs = [t for r in base.values() for t in r.output_token_ids[1:-1]]
+        eos = (rng.choice(outs),) if outs else ()
+        want, want_streamed, _ = _run(ex, plan, async_rounds=False, eos=eos)
+        got, got_streamed, eng = _run(ex, plan, async_rounds=True, eos=eos)
+        _same(want, got)
+        assert got_streamed == want_streamed == {k: list(r.output_token_ids) for k, r in got.items()}
+        num_eos += sum(r.finish_reason == "stop" for r in got.values())
+        free = getattr(eng.executor, "num_free_lanes", None)
+        if free is not None:
+            assert free == eng.executor.max_lanes  # every slot back
+    assert num_eos >= 4  # lanes stopped by the EOS (riding one more forward with async rounds)
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama"])
+def test_async_rounds_stop_strings_and_context_end(kind: str) -> None:
+    """Stop strings (the text cut before them) and lanes ending at max_tokens past the context."""
+    ex = _executor(kind)
+    rng = random.Random(7)
+    plan = _random_plan(rng, ex.config.vocab_size, 4)
+    base, _, _ = _run(ex, plan, async_rounds=False)
+    text = _text(max(base.values(), key=lambda r: len(r.output_token_ids)).output_token_ids)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    plan = _random_plan(random.Random(7), ex.config.vocab_size, 4, stop=stop)
+    want, _, _ = _run(ex, plan, async_rounds=False)
+    got, streamed, _ = _run(ex, plan, async_rounds=True)
+    _same(want, got)
+    assert any(r.stop_reason == stop for r in got.values())
+    assert streamed == {k: list(r.output_token_ids) for k, r in got.items()}
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "eager_hybrid"])
+def test_async_rounds_abort_mid_flight(kind: str) -> None:
+    """A lane aborted while its column is in flight: its result holds the tokens streamed so far (a
+    prefix of its unaborted output), its slot comes back, and the other lanes are unaffected."""
+    ex = _executor(kind)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plan = {0: [("add", "a", [5, 6, 7], params), ("add", "b", [9, 10], params)], 4: [("abort", "a")]}
+    full, _, _ = _run(ex, {0: plan[0]}, async_rounds=False)
+    got, streamed, eng = _run(ex, plan, async_rounds=True)
+    assert got["a"].finish_reason == "abort"
+    assert list(got["a"].output_token_ids) == streamed["a"]
+    n = len(got["a"].output_token_ids)
+    assert 0 < n < 12 and got["a"].output_token_ids == full["a"].output_token_ids[:n]
+    assert got["b"].output_token_ids == full["b"].output_token_ids
+    # every lane of the round in flight aborted: settled at once
+    solo, _, eng = _run(ex, {0: [("add", "a", [5, 6, 7], params)], 3: [("abort", "a")]}, async_rounds=True)
+    assert solo["a"].finish_reason == "abort"
+    if hasattr(eng.executor, "num_free_lanes"):
+        assert eng.executor.num_free_lanes == eng.executor.max_lanes
+
+
+def _replies(cache: PrefixCache) -> dict[tuple[int, ...], dict[str, torch.Tensor]]:
+    return {c.token_ids: c.model for c in cache.entries("card") if c.kind == "reply"}
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "eager_hybrid", "eager_llama"])
+@pytest.mark.parametrize("case", ["one_lane_eos", "lanes_by_length"])
+def test_async_rounds_reply_checkpoints_bit_equal(kind: str, case: str) -> None:
+    """The state a finished lane leaves in the prompt checkpoint pool equals the ordinary path's bit for
+    bit (forwards of the same shapes: one lane stopped by EOS; lanes ending by max_tokens, which async
+    rounds leave out of the next round as the ordinary path does), and follow-up turns served from it
+    give equal tokens."""
+    ex = _executor(kind)
+    if case == "one_lane_eos":
+        p = SamplingParams(temperature=0, max_tokens=16)
+        base, _, _ = _run(ex, {0: [("add", "a", [4, 8, 15, 16], p)]}, async_rounds=False)
+        eos = (base["a"].output_token_ids[6],)
+        plan = {0: [("add", "a", [4, 8, 15, 16], p)]}
+    else:
+        eos = ()
+        plan = {
+            0: [
+                ("add", "a", [4, 8, 15, 16], SamplingParams(temperature=0, max_tokens=6)),
+                ("add", "b", [23, 42], SamplingParams(temperature=0, max_tokens=9)),
+            ]
+        }
+    caches, results = [], []
+    for flag in (False, True):
+        cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+        res, _, _ = _run(ex, plan, async_rounds=flag, eos=eos, cache=cache)
+        caches.append(cache)
+        results.append(res)
+    _same(results[0], results[1])
+    want, got = _replies(caches[0]), _replies(caches[1])
+    assert want and want.keys() == got.keys()
+    for tokens in want:
+        assert want[tokens].keys() == got[tokens].keys()
+        for name in want[tokens]:
+            assert torch.equal(want[tokens][name], got[tokens][name]), (tokens, name)
+    # a follow-up turn restores the reply checkpoint on both engines
+    r = results[0]["a"]
+    follow = [*r.prompt_token_ids, *r.output_token_ids, 7, 9]
+    outs = []
+    for flag, cache in zip((False, True), caches, strict=True):
+        p = SamplingParams(temperature=0, max_tokens=5)
+        res, _, _ = _run(ex, {0: [("add", "f", follow, p)]}, async_rounds=flag, eos=eos, cache=cache)
+        assert res["f"].num_cached_tokens > len(r.prompt_token_ids)
+        outs.append(res["f"].output_token_ids)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_async_rounds_reply_checkpoints_after_an_eos_beside_another_lane(kind: str) -> None:
+    """Two lanes, one stopped by EOS while the other goes on: the stopped lane's reply checkpoint is
+    bit-equal to the ordinary path's; the other lane ran one round beside the stopped lane's keep-0
+    column (2 lanes where the ordinary path ran 1: a differently shaped batch, module docstring of
+    `ignis.runtime.async_rounds`), so its state equals the ordinary one up to float32 rounding, and its
+    tokens exactly."""
+    ex = _executor(kind)
+    p = SamplingParams(temperature=0, max_tokens=14)
+    plan = {0: [("add", "a", [4, 8, 15, 16], p), ("add", "b", [23, 42, 7], p)]}
+    base, _, _ = _run(ex, plan, async_rounds=False)
+    eos = (base["a"].output_token_ids[4],)
+    caches, results = [], []
+    for flag in (False, True):
+        cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+        res, _, _ = _run(ex, plan, async_rounds=flag, eos=eos, cache=cache)
+        caches.append(cache)
+        results.append(res)
+    _same(results[0], results[1])
+    assert results[1]["a"].finish_reason == "stop" and results[1]["b"].finish_reason == "length"
+    want, got = _replies(caches[0]), _replies(caches[1])
+    assert want.keys() == got.keys() and len(want) == 2
+    a_tokens = (*results[0]["a"].prompt_token_ids, *results[0]["a"].output_token_ids[:-1])
+    for tokens in want:
+        for name in want[tokens]:
+            if tokens == a_tokens:
+                assert torch.equal(want[tokens][name], got[tokens][name]), name
+            else:
+                torch.testing.assert_close(got[tokens][name], want[tokens][name], rtol=1e-4, atol=1e-4)
+
+
+def test_out_of_scope_lanes_run_the_ordinary_round() -> None:
+    """A sampled lane or one with penalties beside greedy lanes: the round in flight is drained and the
+    step runs the ordinary round (seeded sampling reproduces; the greedy lane's tokens unchanged)."""
+    ex = _executor("static_hybrid")
+    g = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    s = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+    pen = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+    plan = {0: [("add", "g", [3, 4, 5], g)], 3: [("add", "s", [6, 7], s)], 5: [("add", "p", [8, 9], pen)]}
+    want, _, _ = _run(ex, plan, async_rounds=False)
+    got, _, _ = _run(ex, plan, async_rounds=True)
+    _same(want, got)
+
+
+def test_max_lanes_and_waiting_lanes() -> None:
+    """With max_lanes 2 and five lanes, lanes wait for finishing ones; async rounds drain before each
+    admission (slots freed first) and the results equal the ordinary path's."""
+    ex = _executor("static_hybrid")
+    rng = random.Random(11)
+    vocab = ex.config.vocab_size
+    lanes = [
+        ("add", f"l{j}", [rng.randrange(3, vocab) for _ in range(4)], SamplingParams(0, max_tokens=j + 2))
+        for j in range(5)
+    ]
+    plan = {0: lanes}
+    want, _, _ = _run(ex, plan, async_rounds=False, max_lanes=2)
+    got, _, _ = _run(ex, plan, async_rounds=True, max_lanes=2)
+    _same(want, got)
+
+
+def test_lane_argmax_one_buffer_equals_per_lane() -> None:
+    buf = torch.randn(4, 3, 50)
+    lanes = [buf[i, :1] for i in range(4)]  # the static executors' per-lane views of one buffer
+    got = lane_argmax(lanes)
+    assert got.tolist() == [int(t[-1].argmax()) for t in lanes] and got.dtype == torch.int64
+    loose = [torch.randn(2, 50), torch.randn(1, 50)]
+    assert lane_argmax(loose).tolist() == [int(t[-1].argmax()) for t in loose]
+
+
+def test_static_hybrid_keeps_the_columns_marker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`StaticHybridExecutor.forward` hands the checks the engine's column list as it is (a copy into a
+    plain list would drop `InRangeColumns` / `HostKnownColumns` and read the device)."""
+    import ignis.runtime.families.hybrid_graphs as hg
+
+    seen = []
+    real = hg.host_columns
+    monkeypatch.setattr(hg, "host_columns", lambda cols: seen.append(type(cols)) or real(cols))
+    ex = _executor("static_hybrid")
+    st = ex.new_lane()
+    ex.forward([st], InRangeColumns([torch.tensor([3])]), logits="all", record=False)
+    ex.commit([st], [1])
+    assert seen == [InRangeColumns]
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_async_rounds_equal_ordinary_rounds_on_cuda() -> None:
+    ex = _executor("static_hybrid", "cuda")
+    for seed in range(3):
+        rng = random.Random(seed)
+        plan = _random_plan(rng, ex.config.vocab_size, rng.randint(1, 5))
+        base, _, _ = _run(ex, plan, async_rounds=False)
+        outs = [t for r in base.values() for t in r.output_token_ids[1:-1]]
+        eos = (rng.choice(outs),) if outs else ()
+        want, _, _ = _run(ex, plan, async_rounds=False, eos=eos)
+        got, _, _ = _run(ex, plan, async_rounds=True, eos=eos)
+        _same(want, got)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_async_rounds_no_host_sync_between_issue_and_read() -> None:
+    """From the start of a pipelined step to the wait on round N's event, nothing syncs the host: the
+    commit of N, the launch of N+1 from N's device argmax, its argmax and copy."""
+    import ignis.runtime.async_rounds as ar
+
+    ex = _executor("static_hybrid", "cuda")
+    eng = SpeculativeEngine(ex, None, async_rounds=True)
+    real_read = ar._InFlight.read
+    reads = []
+
+    def read(self):  # type: ignore[no-untyped-def]
+        torch.cuda.set_sync_debug_mode("default")
+        reads.append(1)
+        return real_read(self)
+
+    eng.add_lane([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    eng.add_lane([5, 6], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    ar._InFlight.read = read  # type: ignore[method-assign]
+    try:
+        eng.step()  # prefill (syncs for the first tokens) and the first round issued
+        while eng.has_unfinished:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            eng.step()
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        ar._InFlight.read = real_read  # type: ignore[method-assign]
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(reads) >= 10
