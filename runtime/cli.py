@@ -34,6 +34,7 @@ _DEFAULTS: dict[str, Any] = {
     "max_prefill_tokens": DEFAULT_MAX_PREFILL_TOKENS,
     "expert_cache_pin": "auto",
     "expert_cache_lookahead": False,
+    "async_rounds": False,
 }
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -242,6 +243,7 @@ def run_command(opts: dict[str, Any]) -> None:
         expert_cache=pick("expert_cache_bytes"),
         expert_cache_pin=pick("expert_cache_pin"),
         expert_cache_lookahead=bool(pick("expert_cache_lookahead")),
+        async_rounds=bool(pick("async_rounds")),
     )
     engine = None
     if _engine_process(pick("engine_process"), source, settings):
@@ -497,6 +499,14 @@ def run_command(opts: dict[str, Any]) -> None:
     "next MoE layer's router on its input and copies the predicted experts into that layer's slots "
     "while it computes; verify rounds on CUDA graphs in pieces). Off until measured on a trained "
     "router (tools/bench/expert_cache.py --lookahead reports its recall and hit rate). [default: off]",
+)
+@click.option(
+    "--async-rounds/--no-async-rounds",
+    default=None,
+    help="With speculation off: issue each decode round from the device's argmax of the previous one "
+    "before the host reads it, so the host's work between rounds (stop checks, commit, the next "
+    "launch) runs while the GPU computes (runtime/async_rounds.py, ADR 0015). Greedy lanes without "
+    "penalties, logprobs or grammars only; other steps run as usual. Same tokens. [default: off]",
 )
 @click.option(
     "--log-level",

@@ -78,6 +78,7 @@ SERVER_KEYS: dict[str, type] = {
     "expert_cache_bytes": str,  # a size ("24GiB"), a byte count, "auto" or "off"
     "expert_cache_pin": str,  # "auto", "on" or "off"
     "expert_cache_lookahead": bool,
+    "async_rounds": bool,
 }
 
 # ignis-run's --spec-* options at the top level of a file: the same knobs as the `spec` section's.

@@ -373,6 +373,7 @@ class ArtifactSource:
                 device=device,
                 metrics=metrics,
                 prefix_cache=cache,
+                async_rounds=settings.async_rounds,
             )
             if device.type == "cuda":  # a first request as fast as the tenth (runtime/server/warmup.py)
                 warm_up_engine(engine)

@@ -115,6 +115,8 @@ class ModelSettings:
             cache misses are DMAs (`ignis.runtime.host_pin`); auto falls back to the staging ring.
         expert_cache_lookahead: router lookahead prefetch into the expert cache
             (`ignis.runtime.expert_cache.ExpertCache`'s lookahead).
+        async_rounds: the engine's `async_rounds` (`ignis.runtime.async_rounds`): decode rounds
+            issued from the device's argmax of the previous round before the host reads it.
 
     Raises:
         ConfigError: max_prefill_tokens is not an integer >= 0, a bad expert cache size, an
@@ -133,6 +135,7 @@ class ModelSettings:
     expert_cache_pin: str = "auto"
     expert_cache_lookahead: bool = False
     graph_warmup_context: int | None = None
+    async_rounds: bool = False
 
     def __post_init__(self) -> None:
         check_max_prefill_tokens(self.max_prefill_tokens)  # refused before a long load

@@ -379,3 +379,32 @@ def test_async_rounds_no_host_sync_between_issue_and_read() -> None:
         ar._InFlight.read = real_read  # type: ignore[method-assign]
         torch.cuda.set_sync_debug_mode("default")
     assert len(reads) >= 10
+
+
+def test_engine_step_bench_runs_async_rounds() -> None:
+    """`tools/bench/engine_step.py --backends off-async`: the synthetic model's greedy outputs equal
+    backend off's (the bench raises otherwise) and the figures are reported."""
+    from ignis.tools.bench.engine_step import measure
+
+    args = {
+        "lanes": [1, 3],
+        "backends": ["off", "off-async"],
+        "round_ms": 0.0,
+        "vocab": 64,
+        "prompt_len": 8,
+        "max_tokens": 16,
+        "draft_tokens": 3,
+        "accept": 0.9,
+        "repeat": 1,
+        "temperature": 0.0,
+        "layout": "shared",
+        "profile": 0,
+    }
+    rows = measure(args)
+    assert [(r["backend"], r["lanes"]) for r in rows] == [
+        ("off", 1),
+        ("off", 3),
+        ("off-async", 1),
+        ("off-async", 3),
+    ]
+    assert all(r["engine_us_per_token"] > 0 for r in rows)

@@ -41,7 +41,9 @@ def test_synthetic_tokenizer_round_trips_text() -> None:
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
-@pytest.mark.parametrize("order", ["--interleave", "--no-interleave", "--in-process-thread"])
+@pytest.mark.parametrize(
+    "order", ["--interleave", "--no-interleave", "--in-process-thread", "--async-rounds"]
+)
 def test_bench_runs_in_process_and_served(tmp_path: Path, order: str) -> None:
     out = tmp_path / "ovh.json"
     cmd = [sys.executable, "-m", "ignis.tools.bench.serve_overhead", "--synthetic", "--round-ms", "0.5"]
@@ -64,6 +66,7 @@ def test_bench_runs_in_process_and_served(tmp_path: Path, order: str) -> None:
     assert [r["lanes"] for r in doc["rows"]] == [1, 3] and doc["server_lanes"] == 3
     assert doc["interleaved"] == (order != "--no-interleave")
     assert doc["in_process_thread"] == (order == "--in-process-thread")
+    assert doc["async_rounds"] == (order == "--async-rounds")  # the served ids equal in-process ones
     for row in doc["rows"]:
         assert row["in_process_tok_s"] > 0 and row["served_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["served_tok_s"] / row["in_process_tok_s"])

@@ -3,6 +3,7 @@ the model (issue 25, "small models are host-bound").
 
     python -m ignis.tools.bench.engine_step --lanes 1,8 --backends off,ngram,replay --repeat 5
     python -m ignis.tools.bench.engine_step --lanes 8 --backends replay --profile 25
+    python -m ignis.tools.bench.engine_step --lanes 1,8 --backends off,off-async --repeat 5
 
 The model is `serve_overhead`'s synthetic executor (a fixed-logit model whose forward sleeps
 `--round-ms` with the GIL released, as a thread waiting on a GPU round). For each backend and lane
@@ -19,7 +20,10 @@ The vocabulary is small by default (`--vocab 256`): on this CPU an argmax over 4
 ~30 us of arithmetic, which a GPU does on the device while the host only launches it; a small
 vocabulary leaves the engine's own cost (Python, tensor dispatch, copies) in the figure.
 
-Backends: `off` (no drafter), `ngram` (prompt lookup, `--draft-tokens` drafts; the synthetic model's
+Backends: `off` (no drafter), `off-async` (no drafter, the engine's `async_rounds`: round N+1 issued
+from round N's argmax before the host reads N, `ignis.runtime.async_rounds`; here the forward sleeps in
+the stepping thread, so nothing overlaps: the figure is the engine's host cost a token with the async
+bookkeeping, not a speed-up), `ngram` (prompt lookup, `--draft-tokens` drafts; the synthetic model's
 outputs rarely repeat, so most of its rounds are plain decode rows), `replay` (the benchmarking drafter
 replaying the model's own greedy outputs, each draft right with probability `--accept`: the verify
 round at a fixed acceptance, recorded first with backend off).
@@ -115,20 +119,21 @@ def _engine(
     config: SyntheticConfig, backend: str, refs: dict[tuple[int, ...], list[int]], args: dict[str, Any]
 ):
     ex = TimedExecutor(config, shared_rows=args["layout"] == "shared")
-    if backend == "off":
+    if backend in ("off", "off-async"):
         drafter = None
     elif backend == "ngram":
         drafter = NgramDrafter(prompt_lookup_min=1, prompt_lookup_max=4)
     elif backend == "replay":
         drafter = ReplayDrafter(refs, vocab_size=config.vocab_size, accept=args["accept"], seed=0)
     else:
-        raise click.BadParameter(f"unknown backend {backend!r} (off, ngram, replay)")
+        raise click.BadParameter(f"unknown backend {backend!r} (off, off-async, ngram, replay)")
     eng = SpeculativeEngine(
         ex,
         drafter,
         draft_tokens=None if drafter is None else args["draft_tokens"],
         eos_token_ids=(EOS_ID,),
         max_lanes=max(args["lanes"]),
+        async_rounds=backend == "off-async",
     )
     return eng, ex
 
@@ -214,7 +219,9 @@ def _ints(value: str) -> list[int]:
 
 @click.command()
 @click.option("--lanes", default="1,8", show_default=True, help="Lane counts, comma-separated.")
-@click.option("--backends", default="off,ngram,replay", show_default=True, help="off, ngram, replay.")
+@click.option(
+    "--backends", default="off,ngram,replay", show_default=True, help="off, off-async, ngram, replay."
+)
 @click.option("--round-ms", type=float, default=0.05, show_default=True, help="Forward sleep (ms).")
 @click.option(
     "--vocab",

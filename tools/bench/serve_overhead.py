@@ -248,6 +248,7 @@ class SyntheticSource:
                 max_lanes=max_lanes,
                 max_prefill_tokens=settings.max_prefill_tokens,
                 metrics=metrics,
+                async_rounds=settings.async_rounds,
             )
 
         return ServedModel(name=self.name, tokenizer=tokenizer, make_engine=make_engine, spec=settings.spec)
@@ -660,6 +661,12 @@ def format_table(rows: list[Figures], title: str) -> str:
     help="Prefill budget of both sides [default: the card profile's].",
 )
 @click.option(
+    "--async-rounds/--no-async-rounds",
+    default=False,
+    show_default=True,
+    help="Both sides: the engine's async rounds (ignis-run --async-rounds; runtime/async_rounds.py).",
+)
+@click.option(
     "--interleave/--no-interleave",
     default=None,
     help="Alternate in-process and served runs with the model loaded on both sides at once (fair on a "
@@ -722,6 +729,7 @@ def _bench(
     spec_draft_model: str | None,
     cuda_graphs: bool,
     max_prefill_tokens: int | None,
+    async_rounds: bool,
     interleave: bool | None,
     in_process_thread: bool,
     engine_process: str,
@@ -769,7 +777,11 @@ def _bench(
     )
     max_lanes = max(lanes)
     settings = ModelSettings(
-        spec=spec, device=device, cuda_graphs=cuda_graphs, max_prefill_tokens=budget
+        spec=spec,
+        device=device,
+        cuda_graphs=cuda_graphs,
+        max_prefill_tokens=budget,
+        async_rounds=async_rounds,
     )  # prompt checkpoints off (budgets 0)
 
     args = [
@@ -779,6 +791,7 @@ def _bench(
         "--checkpoint-card-memory", "0",
         "--checkpoint-host-memory", "0",
         "--log-level", "warning",
+        "--async-rounds" if async_rounds else "--no-async-rounds",
     ]  # fmt: skip
     if interleave is None:
         interleave = synthetic
@@ -859,6 +872,7 @@ def _bench(
             "in_process_thread": in_process_thread,
             "server_lanes": max_lanes,
             "max_prefill_tokens": budget,
+            "async_rounds": async_rounds,
             "python": sys.version.split()[0],
             "cpu_count": os.cpu_count(),
             "rows": [asdict(f) for f in rows],

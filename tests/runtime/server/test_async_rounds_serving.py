@@ -1,0 +1,129 @@
+"""`ignis-run --async-rounds` (config `async_rounds`) reaches ModelSettings and the engine the artifact
+source builds; served over HTTP, greedy completions (concurrent, streamed, with a stop sequence) equal
+the ordinary rounds' (`ignis.runtime.async_rounds`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import toy_model
+from click.testing import CliRunner
+from server_helpers import build_tiny_hybrid_artifact, serve, short_tmpdir
+
+from ignis.runtime import cli
+from ignis.runtime.config_file import load_config_file
+from ignis.runtime.profiles import SpecDefaults
+
+pytest.importorskip("ignis.compiler.build")
+pytest.importorskip("transformers")
+
+PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 7, 200, 11], [300, 1, 2, 3, 4, 5, 6, 7, 8], [9]]
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    settings: list[object] = []
+    load = toy_model.ToySource.load
+
+    def spy(self, s):  # type: ignore[no-untyped-def]
+        settings.append(s)
+        return load(self, s)
+
+    monkeypatch.setattr(toy_model.ToySource, "load", spy)
+    return settings
+
+
+def test_flag_and_config_key_reach_the_model_settings(captured, seen, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    sock = short_tmpdir() / "s.sock"
+    cfg = tmp_path / "ignis.yaml"
+    cfg.write_text(f"socket: {sock}\nasync_rounds: true\n")
+    assert load_config_file(cfg).server["async_rounds"] is True
+    for args, want in (
+        (["--socket", str(sock)], False),
+        (["--socket", str(sock), "--async-rounds"], True),
+        (["--config", str(cfg)], True),
+        (["--config", str(cfg), "--no-async-rounds"], False),
+    ):
+        result = CliRunner().invoke(
+            cli.main, ["--model-factory", "toy_model:from_env", *args], catch_exceptions=False
+        )
+        assert result.exit_code == 0, result.output
+        assert seen[-1].async_rounds is want, args
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_hybrid_artifact(tmp_path_factory.mktemp("art"))
+
+
+class _AsyncSource:
+    """The artifact source, loaded with `async_rounds` set (what `ignis-run --async-rounds` passes)."""
+
+    def __init__(self, artifact: Path, on: bool) -> None:
+        from ignis.runtime.server.artifact_source import ArtifactSource
+
+        self._inner = ArtifactSource(artifact)
+        self._on = on
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+    def load(self, settings):  # type: ignore[no-untyped-def]
+        return self._inner.load(dataclasses.replace(settings, async_rounds=self._on))
+
+
+def test_the_artifact_engine_takes_the_option(artifact: Path) -> None:
+    from ignis.runtime.metrics import SpeculativeMetrics
+    from ignis.runtime.server.artifact_source import ArtifactSource
+    from ignis.runtime.server.model import ModelSettings
+
+    for on in (False, True):
+        model = ArtifactSource(artifact).load(
+            ModelSettings(SpecDefaults("off"), device="cpu", async_rounds=on)
+        )
+        try:
+            engine = model.make_engine(2, SpeculativeMetrics())
+            assert (engine._async is not None) is on
+        finally:
+            model.close()
+
+
+def _complete(running, prompt: list[int], stop: list[str] | None = None, stream: bool = False):  # type: ignore[no-untyped-def]
+    body = {
+        "prompt": prompt,
+        "max_tokens": 20,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if stop:
+        body["stop"] = stop
+    with running.client() as c:
+        if stream:
+            r = c.post("/v1/completions", json={**body, "stream": True})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            return r.text.count("data: {")
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["token_ids"], choice["text"], choice["finish_reason"]
+
+
+def test_async_rounds_over_http_equal_the_ordinary_rounds(artifact: Path) -> None:
+    outs = []
+    for on in (False, True):
+        with serve(_AsyncSource(artifact, on), SpecDefaults("off"), lanes=4) as running:  # type: ignore[arg-type]
+            with ThreadPoolExecutor(4) as pool:  # lanes joining while others decode
+                got = list(pool.map(lambda p, r=running: _complete(r, p), PROMPTS))
+            text = got[0][1]
+            assert len(text) > 6, text
+            stop = [text[len(text) // 2 : len(text) // 2 + 3]]
+            stopped = _complete(running, PROMPTS[0], stop)
+            chunks = _complete(running, PROMPTS[1], stream=True)
+            outs.append((got, stopped, chunks))
+    assert outs[0] == outs[1]
+    (full, _, _), (ids, text, reason) = outs[1][0][0], outs[1][1]
+    assert reason == "stop" and len(ids) < len(full) and ids == full[: len(ids)]
