@@ -159,6 +159,51 @@ def test_async_rounds_equal_ordinary_rounds(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama"])
+def test_async_rounds_with_aborts_and_prompt_checkpoints(kind: str) -> None:
+    """Many seeds with prompt checkpoints on and one lane aborted a few steps after it joined: every
+    other lane's result equals the ordinary engine's, the same reply checkpoints are recorded (the
+    same token sequences), and the aborted lane's result holds exactly the tokens streamed to it, a
+    prefix of what it would have produced."""
+    ex = _executor(kind)
+    vocab = ex.config.vocab_size
+    num_aborted = 0
+    for seed in range(8):
+        rng = random.Random(100 + seed)
+        plan = _random_plan(rng, vocab, rng.randint(2, 5))
+        full, _, _ = _run(ex, plan, async_rounds=False)
+        outs = [t for r in full.values() for t in r.output_token_ids[1:-1]]
+        eos = (rng.choice(outs),) if outs else ()
+        full, _, _ = _run(ex, plan, async_rounds=False, eos=eos)
+        joins = {op[1]: step for step, ops in plan.items() for op in ops}
+        victim = rng.choice(sorted(joins))
+        with_abort = {k: list(v) for k, v in plan.items()}
+        with_abort.setdefault(joins[victim] + rng.randint(1, 3), []).append(("abort", victim))
+        caches = [PrefixCache(card_bytes=BIG, host_bytes=BIG) for _ in range(2)]
+        want, _, _ = _run(ex, with_abort, async_rounds=False, eos=eos, cache=caches[0])
+        got, streamed, eng = _run(ex, with_abort, async_rounds=True, eos=eos, cache=caches[1])
+        others = [k for k in full if k != victim]
+        _same({k: want[k] for k in others}, {k: got[k] for k in others})
+        _same({k: full[k] for k in others}, {k: got[k] for k in others})
+        r = got[victim]
+        assert list(r.output_token_ids) == streamed[victim]
+        assert r.output_token_ids == full[victim].output_token_ids[: len(r.output_token_ids)]
+        if r.finish_reason == "abort":
+            num_aborted += 1
+        else:
+            _same({victim: full[victim]}, {victim: r})
+        # the victim may finish before its abort in one run and not in the other (updates a step later)
+        vp = tuple(next(op[2] for ops in plan.values() for op in ops if op[1] == victim))
+        kept = [
+            {c.token_ids for c in cache.entries("card") if c.kind != "reply" or c.token_ids[: len(vp)] != vp}
+            for cache in caches
+        ]
+        assert kept[0] == kept[1] and kept[0]
+        if hasattr(eng.executor, "num_free_lanes"):
+            assert eng.executor.num_free_lanes == eng.executor.max_lanes
+    assert num_aborted >= 3
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama"])
 def test_async_rounds_stop_strings_and_context_end(kind: str) -> None:
     """Stop strings (the text cut before them) and lanes ending at max_tokens past the context."""
     ex = _executor(kind)
