@@ -412,15 +412,19 @@ class StaticLlamaExecutor(LlamaExecutor):
             StateError: as `LlamaExecutor.forward`; also a released lane or a lane past max_context.
             ValueError: logits not "all" / "last".
         """
-        states, columns = list(states), list(columns)
+        # a list subclass stays as it is: `HostKnownColumns` / `InRangeColumns` tell the checks what
+        # they need not read from the device
+        states, columns = list(states), columns if isinstance(columns, list) else list(columns)
         host, flat = self._check_forward(states, columns, logits, tap_layers)
         lens = [int(c.numel()) for c in host]
         taps = tuple(int(t) for t in tap_layers)
         n = max(lens)
+        if flat is None and n > self.max_columns:  # `InRangeColumns` past a static round: host paths
+            host, flat = _host_ids(list(host))
         if self.max_columns < n <= self.chunked_prefill:
             return self._chunked_forward(states, host, lens, record, logits, output_hidden_states, taps)
         if n <= self.max_columns:
-            out = self._static_forward(states, flat, lens, output_hidden_states, taps)
+            out = self._static_forward(states, flat, lens, output_hidden_states, taps, device_ids=host)
         else:
             out = self._eager_forward(states, host, lens, logits, output_hidden_states, taps)
         for s, n_i in zip(states, lens, strict=True):
@@ -433,11 +437,14 @@ class StaticLlamaExecutor(LlamaExecutor):
         columns: list[torch.Tensor],
         logits: str,
         tap_layers: Sequence[int],
-    ) -> tuple[list[torch.Tensor], list[int]]:
+    ) -> tuple[list[torch.Tensor], list[int] | None]:
         """`LlamaExecutor.forward`'s checks (same errors) plus released lanes and max_context, on one
         host copy of the columns. Returns the columns on the host (int64 views of one CPU tensor, lane
         by lane) and every lane's ids in one flat list (lane after lane). The torch calls do not
-        grow with the lanes: one concatenation, one copy to the host, one split (`_host_ids`)."""
+        grow with the lanes: one concatenation, one copy to the host, one split (`_host_ids`).
+        Columns in range by construction (`ignis.runtime.round_batch.InRangeColumns`, the argmax rows
+        of this executor's logits) are neither copied nor range-checked: returned as they are (int64
+        on the executor's device), with None for the flat list."""
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         if len(states) != len(columns) or not states:
@@ -471,6 +478,8 @@ class StaticLlamaExecutor(LlamaExecutor):
                     f"lane {i}: {s.num_tokens} + {n} tokens would pass this executor's max_context "
                     f"{self.max_context}"
                 )
+        if getattr(columns, "in_range", False):
+            return [c.to(device=self.device, dtype=torch.int64) for c in columns], None
         host, flat = _host_ids(columns)
         if min(flat) < 0 or max(flat) >= cfg.vocab_size:  # name the first lane holding a bad id
             at = 0
@@ -505,17 +514,24 @@ class StaticLlamaExecutor(LlamaExecutor):
     def _static_forward(
         self,
         states: list[StaticLlamaLaneState],
-        flat: list[int],
+        flat: list[int] | None,
         lens: list[int],
         want_hidden: bool,
         taps: tuple[int, ...],
+        device_ids: list[torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """A static round: its inputs (token ids [L' * n'] with dummy columns 0, positions [L', n']:
         past + column, a padding lane's 0..n'-1, slots [L']: the padding lanes' the scratch slot)
         laid out in one host list and copied into the static input buffer at once
-        (`_copy_inputs`), the round run, the real lanes' rows copied out: [lanes, n', ...]."""
+        (`_copy_inputs`), the round run, the real lanes' rows copied out: [lanes, n', ...]. With
+        `flat` None the ids are `device_ids` (per lane int64 [n_i] on the device, `InRangeColumns`),
+        copied into the input buffer on the device after the host inputs: no host read."""
         lanes = len(states)
         lp, n = self._round_shape(lanes, max(lens))
+        if flat is None:
+            flat = [0] * sum(lens)  # placeholders, overwritten on the device below
+        else:
+            device_ids = None
         ids: list[int] = []
         pos: list[int] = []
         at = 0
@@ -533,6 +549,13 @@ class StaticLlamaExecutor(LlamaExecutor):
         slots = [s.slot for s in states] + [self._scratch] * pad
         bucket = kv_bucket(max(s.num_tokens for s in states) + n, self.kv_bucket, self.capacity)
         self._copy_inputs(ids + pos + slots)
+        if device_ids is not None:  # device to device, ordered after the host copy on the stream
+            d_ids = self._inputs[: lp * n].view(lp, n)
+            if all(n_i == n for n_i in lens):
+                d_ids[:lanes].copy_(torch.cat([c.reshape(-1) for c in device_ids]).view(lanes, n))
+            else:
+                for i, c in enumerate(device_ids):
+                    d_ids[i, : lens[i]].copy_(c)
         out = self._run_round(lp, n, bucket, want_hidden, taps)
         # the real lanes' rows, copied out of the round's (static) buffers: [lanes, n', ...]
         return {k: v.view(lp, n, -1)[:lanes].clone() for k, v in out.items()}

@@ -61,9 +61,12 @@ def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
         ckpt = load_checkpoint(folder)
         _MODELS["llama"] = (ckpt.config, ckpt.tensors.load_all())
     config, weights = _MODELS["llama"]  # type: ignore[misc]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if kind == "eager_llama":
-        return LlamaExecutor(config, weights)
-    return StaticLlamaExecutor(config, weights, max_lanes=8, max_context=200, kv_bucket=16)
+        return LlamaExecutor(config, weights, device=device, dtype=dtype)
+    return StaticLlamaExecutor(
+        config, weights, device=device, dtype=dtype, max_lanes=8, max_context=200, kv_bucket=16
+    )
 
 
 def _text(ids) -> str:  # type: ignore[no-untyped-def]
@@ -360,19 +363,29 @@ def test_lane_argmax_one_buffer_equals_per_lane() -> None:
     assert lane_argmax(loose).tolist() == [int(t[-1].argmax()) for t in loose]
 
 
-def test_static_hybrid_keeps_the_columns_marker(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`StaticHybridExecutor.forward` hands the checks the engine's column list as it is (a copy into a
-    plain list would drop `InRangeColumns` / `HostKnownColumns` and read the device)."""
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama"])
+def test_static_executors_keep_the_columns_marker(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static executors' `forward` hands the checks the engine's column list as it is (a copy into
+    a plain list would drop `InRangeColumns` / `HostKnownColumns` and read the device), and the
+    llama's checks return in-range columns as they are (no host copy)."""
     import ignis.runtime.families.hybrid_graphs as hg
+    import ignis.runtime.families.llama_graphs as lg
 
+    mod = hg if kind == "static_hybrid" else lg
     seen = []
-    real = hg.host_columns
-    monkeypatch.setattr(hg, "host_columns", lambda cols: seen.append(type(cols)) or real(cols))
-    ex = _executor("static_hybrid")
+    real = mod.host_columns
+    monkeypatch.setattr(mod, "host_columns", lambda cols: seen.append(type(cols)) or real(cols))
+    ex = _executor(kind)
     st = ex.new_lane()
-    ex.forward([st], InRangeColumns([torch.tensor([3])]), logits="all", record=False)
+    col = torch.tensor([3])
+    ex.forward([st], InRangeColumns([col]), logits="all", record=False)
     ex.commit([st], [1])
     assert seen == [InRangeColumns]
+    if kind == "static_llama":
+        st2 = ex.new_lane()
+        got = ex._check_forward([st2], InRangeColumns([col]), "all", ())
+        assert got[0] is col  # no copy: a CUDA column would stay on the device
+        ex.release_lane(st2)
 
 
 # ---------------------------------------------------------------- GPU
@@ -380,8 +393,9 @@ def test_static_hybrid_keeps_the_columns_marker(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.gpu
 @needs_cuda
-def test_async_rounds_equal_ordinary_rounds_on_cuda() -> None:
-    ex = _executor("static_hybrid", "cuda")
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama"])
+def test_async_rounds_equal_ordinary_rounds_on_cuda(kind: str) -> None:
+    ex = _executor(kind, "cuda")
     for seed in range(3):
         rng = random.Random(seed)
         plan = _random_plan(rng, ex.config.vocab_size, rng.randint(1, 5))
@@ -395,12 +409,13 @@ def test_async_rounds_equal_ordinary_rounds_on_cuda() -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_async_rounds_no_host_sync_between_issue_and_read() -> None:
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama"])
+def test_async_rounds_no_host_sync_between_issue_and_read(kind: str) -> None:
     """From the start of a pipelined step to the wait on round N's event, nothing syncs the host: the
     commit of N, the launch of N+1 from N's device argmax, its argmax and copy."""
     import ignis.runtime.async_rounds as ar
 
-    ex = _executor("static_hybrid", "cuda")
+    ex = _executor(kind, "cuda")
     eng = SpeculativeEngine(ex, None, async_rounds=True)
     real_read = ar._InFlight.read
     reads = []
