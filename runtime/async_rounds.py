@@ -45,6 +45,7 @@ point is the GPU (docs/perf/log/2026-12-01-session-15-async-rounds.md).
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,9 @@ from ignis.runtime.round_batch import InRangeColumns, device_ids
 if TYPE_CHECKING:
     from ignis.runtime.engine import SpeculativeEngine, _Lane
 
-__all__ = ["AsyncRounds"]
+__all__ = ["AsyncRounds", "make_async_rounds"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -109,12 +112,33 @@ def lane_argmax(logits: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.argmax(dim=-1) for t in last]).to(torch.int64)
 
 
+def make_async_rounds(engine: SpeculativeEngine, requested: bool) -> AsyncRounds | None:
+    """The engine's `AsyncRounds` when asked for and possible (no drafter: speculation's drafts depend on
+    the host's acceptance of the previous round); None otherwise, with a warning when asked for."""
+    if not requested:
+        return None
+    if engine.drafter is not None:
+        log.warning(
+            "async rounds are off: they run with speculation off only (drafter %r)", engine.drafter.name
+        )
+        return None
+    return AsyncRounds(engine)
+
+
 class AsyncRounds:
-    """The engine's round in flight (module docstring). Made by the engine with `async_rounds=True`."""
+    """The engine's round in flight (module docstring). Made by the engine with `async_rounds=True`.
+
+    Attributes:
+        num_issued: rounds issued ahead of the host's read (a lane's tokens overlap the next round).
+        num_drained: rounds in flight settled by a step that needed the ordinary path (prefill work, a
+            lane outside the scope), which then ran the ordinary round.
+    """
 
     def __init__(self, engine: SpeculativeEngine) -> None:
         self._engine = engine
         self._flight: _InFlight | None = None
+        self.num_issued = 0
+        self.num_drained = 0
 
     @property
     def is_busy(self) -> bool:
@@ -166,6 +190,7 @@ class AsyncRounds:
         if f is None:
             return []
         self._flight = None
+        self.num_drained += 1
         tokens = f.read()
         self._commit(f)
         live = [(i, lane) for i, lane in enumerate(f.lanes) if f.is_live(lane)]
@@ -236,6 +261,7 @@ class AsyncRounds:
         eng = self._engine
         states = [lane.state for lane in lanes]
         out = eng.executor.forward(states, columns, logits="all", record=False, **eng._fwd_kwargs)
+        self.num_issued += 1
         am = lane_argmax(out.logits)
         if am.device.type == "cuda":
             host = torch.empty(am.shape, dtype=torch.int64, pin_memory=True)

@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from ignis.runtime.acceptance import PendingAcceptance, greedy_accept_ids, rejection_sample_on_device
-from ignis.runtime.async_rounds import AsyncRounds
+from ignis.runtime.async_rounds import make_async_rounds
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.engine_checkpoints import EngineCheckpoints
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
@@ -274,7 +274,7 @@ class SpeculativeEngine:
             }
         self._no_drafts = DraftProposal(torch.empty(0, dtype=torch.int64, device=self.device))
         self._step_logprobs: dict[int, list[TokenLogprob]] = {}  # lane -> this step's logprobs
-        self._async = AsyncRounds(self) if async_rounds and drafter is None else None
+        self._async = make_async_rounds(self, async_rounds)  # None: off, or a drafter (warned)
 
     # ------------------------------------------------------------------ lanes
 

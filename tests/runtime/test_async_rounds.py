@@ -143,7 +143,7 @@ def test_async_rounds_equal_ordinary_rounds(kind: str) -> None:
     equal."""
     ex = _executor(kind)
     vocab = ex.config.vocab_size
-    num_eos = 0
+    num_eos = num_issued = num_drained = 0
     for seed in range(6):
         rng = random.Random(seed)
         plan = _random_plan(rng, vocab, rng.randint(1, 5))
@@ -155,10 +155,38 @@ def test_async_rounds_equal_ordinary_rounds(kind: str) -> None:
         _same(want, got)
         assert got_streamed == want_streamed == {k: list(r.output_token_ids) for k, r in got.items()}
         num_eos += sum(r.finish_reason == "stop" for r in got.values())
+        num_issued += eng._async.num_issued
+        num_drained += eng._async.num_drained
         free = getattr(eng.executor, "num_free_lanes", None)
         if free is not None:
             assert free == eng.executor.max_lanes  # every slot back
     assert num_eos >= 4  # lanes stopped by the EOS (riding one more forward with async rounds)
+    assert num_issued > 3 * num_drained  # most rounds ran ahead of the host's read
+
+
+def test_one_lane_runs_every_round_ahead() -> None:
+    """One lane, speculation off: after the prefill step every round is issued before the previous
+    one is read (none drained), updates come one step later, the result is the ordinary one."""
+    ex = _executor("static_hybrid")
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want, _, _ = _run(ex, {0: [("add", "a", [3, 1, 4, 1, 5], p)]}, async_rounds=False)
+    eng = SpeculativeEngine(ex, None, async_rounds=True)
+    lane = eng.add_lane([3, 1, 4, 1, 5], p)
+    per_step = [[u.new_token_ids for u in eng.step()] for _ in range(3)]
+    out = want["a"].output_token_ids
+    assert per_step == [[out[:1]], [out[1:2]], [out[2:3]]]  # the prefill's token, then one a step
+    while eng.has_unfinished:
+        eng.step()
+    assert eng.result(lane).output_token_ids == want["a"].output_token_ids  # type: ignore[union-attr]
+    assert eng._async.num_issued == 9 and eng._async.num_drained == 0  # 10 tokens: 1 prefill + 9 rounds
+
+
+def test_async_rounds_with_a_drafter_are_off_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from ignis.runtime.drafters.ngram import NgramDrafter
+
+    with caplog.at_level("WARNING", logger="ignis.runtime.async_rounds"):
+        eng = SpeculativeEngine(_executor("eager_llama"), NgramDrafter(), draft_tokens=3, async_rounds=True)
+    assert eng._async is None and "speculation off only" in caplog.text
 
 
 @pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama"])
