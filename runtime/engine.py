@@ -434,7 +434,7 @@ class SpeculativeEngine:
         if a is not None and (a.is_busy or self._active) and a.takes_round():
             finished += a.round(emitted)
         elif a is not None and a.is_busy:
-            finished += a.drain(emitted)  # every lane of the round in flight finished or aborted
+            finished += a.drain(emitted)  # defensive: before_step drains a round the step cannot run
         elif self._active:
             finished += self._round(emitted)
         updates = []
