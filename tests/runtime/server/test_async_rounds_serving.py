@@ -123,6 +123,8 @@ def test_async_rounds_over_http_equal_the_ordinary_rounds(artifact: Path) -> Non
             stop = [text[len(text) // 2 : len(text) // 2 + 3]]
             stopped = _complete(running, PROMPTS[0], stop)
             chunks = _complete(running, PROMPTS[1], stream=True)
+            rounds = running.server.lanes._engine._async  # the engine's own: the rounds ran ahead
+            assert (rounds is not None and rounds.num_issued > rounds.num_drained) is on
             outs.append((got, stopped, chunks))
     assert outs[0] == outs[1]
     (full, _, _), (ids, text, reason) = outs[1][0][0], outs[1][1]
