@@ -189,7 +189,7 @@ def test_async_rounds_with_a_drafter_are_off_with_a_warning(caplog: pytest.LogCa
     assert eng._async is None and "speculation off only" in caplog.text
 
 
-@pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_async_rounds_with_aborts_and_prompt_checkpoints(kind: str) -> None:
     """Many seeds with prompt checkpoints on and one lane aborted a few steps after it joined: every
     other lane's result equals the ordinary engine's, the same reply checkpoints are recorded (the
@@ -234,7 +234,7 @@ def test_async_rounds_with_aborts_and_prompt_checkpoints(kind: str) -> None:
     assert num_aborted >= 3
 
 
-@pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_async_rounds_stop_strings_and_context_end(kind: str) -> None:
     """Stop strings (the text cut before them) and lanes ending at max_tokens past the context."""
     ex = _executor(kind)
@@ -251,7 +251,7 @@ def test_async_rounds_stop_strings_and_context_end(kind: str) -> None:
     assert streamed == {k: list(r.output_token_ids) for k, r in got.items()}
 
 
-@pytest.mark.parametrize("kind", ["static_hybrid", "eager_hybrid"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_async_rounds_abort_mid_flight(kind: str) -> None:
     """A lane aborted while its column is in flight: its result holds the tokens streamed so far (a
     prefix of its unaborted output), its slot comes back, and the other lanes are unaffected."""
@@ -276,7 +276,7 @@ def _replies(cache: PrefixCache) -> dict[tuple[int, ...], dict[str, torch.Tensor
     return {c.token_ids: c.model for c in cache.entries("card") if c.kind == "reply"}
 
 
-@pytest.mark.parametrize("kind", ["static_hybrid", "eager_hybrid", "eager_llama"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", ["one_lane_eos", "lanes_by_length"])
 def test_async_rounds_reply_checkpoints_bit_equal(kind: str, case: str) -> None:
     """The state a finished lane leaves in the prompt checkpoint pool equals the ordinary path's bit for
