@@ -25,7 +25,7 @@ from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thr
 from ignis.runtime.async_rounds import lane_argmax
 from ignis.runtime.engine import LaneResult, SpeculativeEngine
 from ignis.runtime.prefix_cache import PrefixCache
-from ignis.runtime.round_batch import InRangeColumns
+from ignis.runtime.round_batch import HostKnownColumns, InRangeColumns
 from ignis.runtime.sampling import SamplingParams
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -394,25 +394,31 @@ def test_lane_argmax_one_buffer_equals_per_lane() -> None:
 @pytest.mark.parametrize("kind", ["static_hybrid", "static_llama"])
 def test_static_executors_keep_the_columns_marker(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The static executors' `forward` hands the checks the engine's column list as it is (a copy into
-    a plain list would drop `InRangeColumns` / `HostKnownColumns` and read the device), and the
-    llama's checks return in-range columns as they are (no host copy)."""
+    a plain list would drop `InRangeColumns` / `HostKnownColumns` and read the device): the hybrid's
+    `host_columns` sees the marker; the llama's checks return in-range columns as they are (no host
+    copy: `_host_ids` is not called) and read `HostKnownColumns`' carried values."""
     import ignis.runtime.families.hybrid_graphs as hg
     import ignis.runtime.families.llama_graphs as lg
 
+    name = "host_columns" if kind == "static_hybrid" else "_host_ids"
     mod = hg if kind == "static_hybrid" else lg
     seen = []
-    real = mod.host_columns
-    monkeypatch.setattr(mod, "host_columns", lambda cols: seen.append(type(cols)) or real(cols))
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda cols: seen.append(type(cols)) or real(cols))
     ex = _executor(kind)
     st = ex.new_lane()
     col = torch.tensor([3])
     ex.forward([st], InRangeColumns([col]), logits="all", record=False)
     ex.commit([st], [1])
-    assert seen == [InRangeColumns]
-    if kind == "static_llama":
+    ex.forward([st], HostKnownColumns([torch.tensor([9])], [[4]]), logits="all", record=False)
+    ex.commit([st], [1])
+    if kind == "static_hybrid":
+        assert seen == [InRangeColumns, HostKnownColumns]
+    else:
+        assert seen == [HostKnownColumns]  # in-range columns: no host copy at all
         st2 = ex.new_lane()
-        got = ex._check_forward([st2], InRangeColumns([col]), "all", ())
-        assert got[0] is col  # no copy: a CUDA column would stay on the device
+        host, flat = ex._check_forward([st2], InRangeColumns([col]), "all", ())
+        assert host[0] is col and flat is None  # a CUDA column would stay on the device
         ex.release_lane(st2)
 
 
