@@ -73,7 +73,7 @@ def _text(ids) -> str:  # type: ignore[no-untyped-def]
     return "".join(chr(97 + t % 26) for t in ids)
 
 
-def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None):  # type: ignore[no-untyped-def]
+def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None, max_context=None):  # type: ignore[no-untyped-def]
     """Drive an engine through `plan`: {step index: [("add", key, prompt, params) | ("abort", key)]}.
     Returns (results by key, tokens from the updates by key, the engine)."""
     eng = SpeculativeEngine(
@@ -84,6 +84,7 @@ def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None):  
         async_rounds=async_rounds,
         prefix_cache=cache,
         max_lanes=max_lanes,
+        max_context=max_context,
     )
     ids: dict[str, int] = {}
     streamed: dict[str, list[int]] = {}
@@ -351,6 +352,23 @@ def test_async_rounds_reply_checkpoints_after_an_eos_beside_another_lane(kind: s
                 assert torch.equal(want[tokens][name], got[tokens][name]), name
             else:
                 torch.testing.assert_close(got[tokens][name], want[tokens][name], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_async_rounds_at_the_context_end(kind: str) -> None:
+    """Lanes without max_tokens end at the context limit ("length"), staggered by prompt length: each
+    is left out of the round after its last token, as the ordinary path leaves it; no forward passes
+    the limit."""
+    ex = _executor(kind)
+    p = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    plan = {0: [("add", f"l{j}", list(range(5, 5 + 3 + 2 * j)), p) for j in range(3)]}
+    want, _, _ = _run(ex, plan, async_rounds=False, max_context=20)
+    got, _, _ = _run(ex, plan, async_rounds=True, max_context=20)
+    _same(want, got)
+    assert all(
+        r.finish_reason == "length" and len(r.prompt_token_ids) + len(r.output_token_ids) == 20
+        for r in got.values()
+    )
 
 
 def test_out_of_scope_lanes_run_the_ordinary_round() -> None:
