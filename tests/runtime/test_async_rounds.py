@@ -273,6 +273,19 @@ def test_async_rounds_abort_mid_flight(kind: str) -> None:
         assert eng.executor.num_free_lanes == eng.executor.max_lanes
 
 
+def _ordinary_and_async_with_caches(ex, plan, eos):  # type: ignore[no-untyped-def]
+    """`plan` run ordinary then async, each with a prompt-checkpoint cache of its own: (the two caches,
+    the two result dicts), the results checked equal (`_same`)."""
+    caches, results = [], []
+    for flag in (False, True):
+        cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+        res, _, _ = _run(ex, plan, async_rounds=flag, eos=eos, cache=cache)
+        caches.append(cache)
+        results.append(res)
+    _same(results[0], results[1])
+    return caches, results
+
+
 def _replies(cache: PrefixCache) -> dict[tuple[int, ...], dict[str, torch.Tensor]]:
     return {c.token_ids: c.model for c in cache.entries("card") if c.kind == "reply"}
 
@@ -298,13 +311,7 @@ def test_async_rounds_reply_checkpoints_bit_equal(kind: str, case: str) -> None:
                 ("add", "b", [23, 42], SamplingParams(temperature=0, max_tokens=9)),
             ]
         }
-    caches, results = [], []
-    for flag in (False, True):
-        cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
-        res, _, _ = _run(ex, plan, async_rounds=flag, eos=eos, cache=cache)
-        caches.append(cache)
-        results.append(res)
-    _same(results[0], results[1])
+    caches, results = _ordinary_and_async_with_caches(ex, plan, eos)
     want, got = _replies(caches[0]), _replies(caches[1])
     assert want and want.keys() == got.keys()
     for tokens in want:
@@ -335,13 +342,7 @@ def test_async_rounds_reply_checkpoints_after_an_eos_beside_another_lane(kind: s
     plan = {0: [("add", "a", [4, 8, 15, 16], p), ("add", "b", [23, 42, 7], p)]}
     base, _, _ = _run(ex, plan, async_rounds=False)
     eos = (base["a"].output_token_ids[4],)
-    caches, results = [], []
-    for flag in (False, True):
-        cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
-        res, _, _ = _run(ex, plan, async_rounds=flag, eos=eos, cache=cache)
-        caches.append(cache)
-        results.append(res)
-    _same(results[0], results[1])
+    caches, results = _ordinary_and_async_with_caches(ex, plan, eos)
     assert results[1]["a"].finish_reason == "stop" and results[1]["b"].finish_reason == "length"
     want, got = _replies(caches[0]), _replies(caches[1])
     assert want.keys() == got.keys() and len(want) == 2
