@@ -122,6 +122,7 @@ def make_async_rounds(engine: SpeculativeEngine, requested: bool) -> AsyncRounds
             "async rounds are off: they run with speculation off only (drafter %r)", engine.drafter.name
         )
         return None
+    log.info("async rounds on: decode rounds issued from the previous round's device argmax (ADR 0015)")
     return AsyncRounds(engine)
 
 

@@ -503,10 +503,14 @@ def run_command(opts: dict[str, Any]) -> None:
 @click.option(
     "--async-rounds/--no-async-rounds",
     default=None,
-    help="With speculation off: issue each decode round from the device's argmax of the previous one "
-    "before the host reads it, so the host's work between rounds (stop checks, commit, the next "
-    "launch) runs while the GPU computes (runtime/async_rounds.py, ADR 0015). Greedy lanes without "
-    "penalties, logprobs or grammars only; other steps run as usual. Same tokens. [default: off]",
+    help="With speculation off (--spec-backend off; beside a drafter it stays off, with a warning): "
+    "issue each decode round from the device's argmax of the previous one before the host reads it, "
+    "so the host's work between rounds (stop checks, commit, the next launch) runs while the GPU "
+    "computes (runtime/async_rounds.py, ADR 0015). Only while every decoding lane is greedy without "
+    "penalties, min_tokens, logprobs or a grammar and no prompt is being prefilled; any other step "
+    "first drains the round in flight and runs the ordinary round. Same tokens (up to float rounding "
+    "in a round where a lane stops beside others); nothing to gain on the CPU. Counted in /metrics "
+    "(ignis_async_rounds_issued_total, ignis_async_rounds_drained_total). [default: off]",
 )
 @click.option(
     "--log-level",

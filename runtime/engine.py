@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from ignis.runtime.acceptance import PendingAcceptance, greedy_accept_ids, rejection_sample_on_device
-from ignis.runtime.async_rounds import make_async_rounds
+from ignis.runtime.async_rounds import AsyncRounds, make_async_rounds
 from ignis.runtime.drafters.base import CommittedSpan, Drafter, DrafterError, DraftProposal, DraftRequest
 from ignis.runtime.engine_checkpoints import EngineCheckpoints
 from ignis.runtime.errors import ConfigError, IgnisRuntimeError
@@ -370,6 +370,11 @@ class SpeculativeEngine:
     def max_prefill_tokens(self) -> int:
         """The prefill budget: prompt tokens prefilled per step across all lanes (0: no limit)."""
         return self.scheduler.max_prefill_tokens
+
+    @property
+    def async_rounds(self) -> AsyncRounds | None:
+        """The round in flight and its counters (`ignis.runtime.async_rounds`); None when off."""
+        return self._async
 
     @property
     def has_unfinished(self) -> bool:

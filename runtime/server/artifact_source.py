@@ -43,6 +43,7 @@ from ignis.runtime.families.static_rounds import warm_up_static
 from ignis.runtime.linear import Q4Weight
 from ignis.runtime.metrics import SpeculativeMetrics
 from ignis.runtime.profiles import CardProfile
+from ignis.runtime.server.async_rounds_metrics import AsyncRoundsCollector
 from ignis.runtime.server.checkpoints import build_checkpoint_pool
 from ignis.runtime.server.model import ModelSettings, ServedModel
 from ignis.runtime.server.warmup import warm_up_engine
@@ -322,6 +323,8 @@ class ArtifactSource:
         cache_stats = ExpertCacheStats()
         expert_caches: weakref.WeakSet[ExpertCache] = weakref.WeakSet()  # closed with the model
 
+        rounds_metrics = AsyncRoundsCollector() if settings.async_rounds else None
+
         def make_engine(max_lanes: int, metrics: SpeculativeMetrics) -> SpeculativeEngine:
             expert_cache = self._expert_cache(settings, device, dtype, linear, max_lanes, cache_stats)
             if expert_cache is not None:
@@ -377,6 +380,8 @@ class ArtifactSource:
             )
             if device.type == "cuda":  # a first request as fast as the tenth (runtime/server/warmup.py)
                 warm_up_engine(engine)
+            if rounds_metrics is not None:
+                rounds_metrics.track(engine.async_rounds)
             return engine
 
         log.info(
@@ -397,7 +402,10 @@ class ArtifactSource:
             close=lambda: _close_all(expert_caches, art),
             prefix_cache=cache,
             save_checkpoints=save_checkpoints,
-            collectors=(prometheus_collector(cache_stats),) if self._serves_experts(settings, device) else (),
+            collectors=(
+                *((prometheus_collector(cache_stats),) if self._serves_experts(settings, device) else ()),
+                *((rounds_metrics,) if rounds_metrics is not None else ()),
+            ),
         )
 
     def _serves_experts(self, settings: ModelSettings, device: torch.device) -> bool:
