@@ -174,3 +174,40 @@ def test_the_counters_keep_a_replaced_engines_rounds() -> None:
     collector.track(None)
     got = {m.name: m.samples[0].value for m in collector.collect()}
     assert got == {"ignis_async_rounds_issued": 10, "ignis_async_rounds_drained": 3}
+
+
+def _tokens(running, prompt: list[int], max_tokens: int, **extra):  # type: ignore[no-untyped-def]
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    with running.client() as c:
+        r = c.post("/v1/completions", json={**body, "return_token_ids": True, **extra})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    return j["choices"][0]["token_ids"], j["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_a_follow_up_turn_restores_the_reply_checkpoint(artifact: Path, engine_process: bool) -> None:
+    """Over HTTP with prompt checkpoints: a reply stopped by a stop token while another request decodes
+    (with async rounds its lane rides one more round, committed with keep 0), then the follow-up turn
+    (prompt = the first prompt + the reply + more): the same tokens and the same restored prefix as
+    without async rounds, the reply's checkpoint used."""
+    from test_server_checkpoints import WithCheckpoints
+
+    first, other = PROMPTS[2], PROMPTS[0]
+    outs = []
+    for on in (False, True):
+        source = WithCheckpoints(artifact, async_rounds=on, checkpoint_host_bytes=1 << 30)
+        with serve(source, SpecDefaults("off"), lanes=4, engine_process=engine_process and on) as running:  # type: ignore[arg-type]
+            if not outs:
+                full, _ = _tokens(running, first, 12)
+                stop = full[5]
+            with ThreadPoolExecutor(2) as pool:
+                long = pool.submit(_tokens, running, other, 24)
+                reply, _ = _tokens(running, first, 12, stop_token_ids=[stop])
+                long.result()
+            follow = [*first, *reply, 7, 8]
+            outs.append((reply, _tokens(running, follow, 8)))
+    assert outs[0] == outs[1]
+    reply, (_, cached) = outs[1]
+    assert reply[-1] == stop and len(reply) < 12
+    assert cached >= len(first) + len(reply) - 1  # from the reply's checkpoint, not the prompt's
