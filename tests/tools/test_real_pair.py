@@ -173,15 +173,15 @@ def test_recipes_of_the_pair():
 
 
 def test_h200_recipes_and_folders_of_the_pair():
-    """`--card h200`: the target's own recipe (every width of the card: 8 lanes x ngram k = 5 verify
-    48 rows a round), the draft model's shared recipe, and folders apart from the cpu artifacts."""
+    """`--card h200`: the target's own recipe (every width of the card: 8 lanes x ngram's default k = 4
+    verify 40 rows a round), the draft model's shared recipe, and folders apart from the cpu artifacts."""
     from ignis.compiler.build.recipe import load_recipe
     from ignis.runtime.profiles import get_profile
 
     target = real_pair.recipe_path(TARGET, "h200")
     assert target.name == "qwen2.5-coder-1.5b-instruct-h200.toml"
     rec = load_recipe(target)
-    assert rec.name == TARGET.name and rec.widths is None and 48 in get_profile("h200").widths
+    assert rec.name == TARGET.name and rec.widths is None and 40 in get_profile("h200").widths
     assert rec.shortlist_size >= TARGET.vocab_size and not rec.corpus and rec.counts is None
     assert real_pair.recipe_path(DRAFT, "h200") == real_pair.recipe_path(DRAFT)
     for model in (TARGET, DRAFT):
