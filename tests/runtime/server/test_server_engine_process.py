@@ -324,35 +324,6 @@ def test_sigterm_finishes_the_stream_and_stops_both_processes() -> None:
     assert not os.path.lexists(sock)
 
 
-def test_a_second_sigint_cuts_the_stream_and_exits_1() -> None:
-    """The second SIGINT cancels the request in flight in the engine process (abort_all across the
-    boundary): the stream ends with finish_reason "abort" and [DONE], the cut is counted (status 1)."""
-    from test_server_cli import _stream_in_thread
-
-    sock = short_tmpdir() / "ignis.sock"
-    proc = _start(sock, "--shutdown-timeout", "60", delay=0.08)
-    try:
-        kids = _descendants(proc.pid)
-        lines: list[str] = []
-        first = threading.Event()
-        t = _stream_in_thread(sock, {"prompt": [1, 2], "max_tokens": 250, "ignore_eos": True}, lines, first)
-        assert first.wait(20)
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        assert proc.poll() is None  # still finishing the request
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        t.join(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, err
-    assert "Traceback" not in err and "1 request(s) were cut" in err
-    chunks = [json.loads(x[len("data: ") :]) for x in lines[:-1]]
-    assert lines[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "abort"
-    assert _wait(lambda: not any(_alive(k) for k in kids), 10), [_cmdline(k) for k in kids if _alive(k)]
-
-
 def test_the_cli_flag_and_its_default(captured, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """--engine-process serves through a ProcessLaneLoop (config key engine_process too); on a CPU
     the default keeps the engine in a thread."""

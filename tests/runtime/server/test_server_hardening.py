@@ -287,14 +287,20 @@ def test_a_long_prompt_is_tokenized_without_stalling_the_other_clients() -> None
 # ---------------------------------------------------------------- repeated signals
 
 
-def test_a_second_sigint_cuts_streams_cleanly_and_exits_non_zero() -> None:
-    """The first SIGINT starts the graceful shutdown, the second cancels the stream in flight: it ends
-    with finish_reason "abort", usage and [DONE]; no traceback is logged; the exit status is 1."""
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_a_second_sigint_cuts_streams_cleanly_and_exits_non_zero(engine_process: bool) -> None:
+    """The first SIGINT starts the graceful shutdown, the second cancels the stream in flight (with
+    --engine-process: abort_all across the process boundary): it ends with finish_reason "abort",
+    usage and [DONE]; no traceback is logged; the exit status is 1; no engine process is left."""
     from test_server_cli import _start, _stream_in_thread
+    from test_server_engine_process import _alive, _cmdline, _descendants, _wait
 
     sock = short_tmpdir() / "ignis.sock"
-    proc = _start(sock, "--shutdown-timeout", "60", delay=0.08)
+    mode = ["--engine-process"] if engine_process else []
+    proc = _start(sock, *mode, "--shutdown-timeout", "60", delay=0.08)
     try:
+        kids = _descendants(proc.pid)
+        assert bool(kids) == engine_process
         lines: list[str] = []
         first = threading.Event()
         t = _stream_in_thread(sock, {"prompt": [1, 2], "max_tokens": 250, "ignore_eos": True}, lines, first)
@@ -303,7 +309,7 @@ def test_a_second_sigint_cuts_streams_cleanly_and_exits_non_zero() -> None:
         time.sleep(0.5)
         assert proc.poll() is None  # still finishing the request
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
         t.join(10)
     finally:
         if proc.poll() is None:
@@ -316,6 +322,7 @@ def test_a_second_sigint_cuts_streams_cleanly_and_exits_non_zero() -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
     assert chunks[-1]["usage"]["completion_tokens"] == len(chunks) - 1 < 250
     assert not os.path.lexists(sock)
+    assert _wait(lambda: not any(_alive(k) for k in kids), 10), [_cmdline(k) for k in kids if _alive(k)]
 
 
 # ---------------------------------------------------------------- special tokens typed in chat content
