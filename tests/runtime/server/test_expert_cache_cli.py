@@ -77,17 +77,12 @@ class _CachedSource:
         return self.inner.load(dataclasses.replace(settings, expert_cache=self.budget, device="cpu"))
 
 
-@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
-def test_metrics_report_the_expert_cache(tmp_path: Path, engine_process: bool) -> None:
-    """A served MoE artifact with a small expert cache: its greedy output equals the resident one's
-    and /metrics carries the cache's series (misses counted)."""
+def _tiny_moe_artifact(tmp_path: Path) -> Path:
+    """A cpu-card artifact of a tiny random qwen3_5_moe (no compiled modules) with a 320-token tokenizer."""
     import hf_tiny
     from hf_tiny_hybrid import make_tiny_hybrid
-    from server_helpers import serve
 
     from ignis.compiler.build import build_artifact
-    from ignis.runtime.profiles import SpecDefaults
-    from ignis.runtime.server.artifact_source import ArtifactSource
 
     make_tiny_hybrid("qwen3_5_moe", tmp_path / "ckpt")
     hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(tmp_path / "ckpt")
@@ -96,11 +91,25 @@ def test_metrics_report_the_expert_cache(tmp_path: Path, engine_process: bool) -
         card="cpu", model=tmp_path / "ckpt", recipe=tmp_path / "r.toml", out=tmp_path / "art", progress=False,
         echo=lambda _l: None,
     )  # fmt: skip
+    assert res.out is not None
+    return Path(res.out)
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_metrics_report_the_expert_cache(tmp_path: Path, engine_process: bool) -> None:
+    """A served MoE artifact with a small expert cache: its greedy output equals the resident one's
+    and /metrics carries the cache's series (misses counted)."""
+    from server_helpers import serve
+
+    from ignis.runtime.profiles import SpecDefaults
+    from ignis.runtime.server.artifact_source import ArtifactSource
+
+    art = _tiny_moe_artifact(tmp_path)
     off = SpecDefaults(backend="off")
     body = {"prompt": [5, 9, 200, 31, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     body["return_token_ids"] = True
     outs, texts = [], []
-    for source in (ArtifactSource(res.out), _CachedSource(ArtifactSource(res.out), "100KiB")):
+    for source in (ArtifactSource(art), _CachedSource(ArtifactSource(art), "100KiB")):
         with serve(source, off, engine_process=engine_process) as running, running.client() as c:
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
@@ -154,23 +163,13 @@ def test_lookahead_where_the_rounds_run_eagerly_says_it_does_nothing(tmp_path: P
     instead of ignoring the flag silently."""
     import logging
 
-    import hf_tiny
-    from hf_tiny_hybrid import make_tiny_hybrid
-
-    from ignis.compiler.build import build_artifact
     from ignis.runtime.metrics import SpeculativeMetrics
     from ignis.runtime.profiles import SpecDefaults
     from ignis.runtime.server.artifact_source import ArtifactSource
     from ignis.runtime.server.model import ModelSettings
 
-    make_tiny_hybrid("qwen3_5_moe", tmp_path / "ckpt")
-    hf_tiny.tiny_tokenizer(vocab_size=320).save_pretrained(tmp_path / "ckpt")
-    (tmp_path / "r.toml").write_text('name = "tiny-moe"\n[modules]\nwidths = []\n')
-    res = build_artifact(
-        card="cpu", model=tmp_path / "ckpt", recipe=tmp_path / "r.toml", out=tmp_path / "art", progress=False,
-        echo=lambda _l: None,
-    )  # fmt: skip
-    source = ArtifactSource(res.out)
+    art = _tiny_moe_artifact(tmp_path)
+    source = ArtifactSource(art)
     for lookahead in (False, True):
         caplog.clear()
         settings = ModelSettings(
