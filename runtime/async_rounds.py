@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ignis.runtime.round_batch import InRangeColumns, device_ids
+from ignis.runtime.round_batch import InRangeColumns, RoundColumns, device_ids, shared_row_span
 
 if TYPE_CHECKING:
     from ignis.runtime.engine import SpeculativeEngine, _Lane
@@ -88,27 +88,16 @@ class _InFlight:
 def lane_argmax(logits: Sequence[torch.Tensor]) -> torch.Tensor:
     """The argmax of each lane's last row, int64 [lanes] on the logits' device, with no host sync.
 
-    `logits`: per lane float [n_i, vocab]. When the rows are blocks of one row-major buffer at a fixed
-    row stride (the static executors' round buffer) it is one argmax over the rows they span, sliced;
-    otherwise one argmax per lane, concatenated."""
+    `logits`: per lane float [n_i, vocab]. When the last rows are rows of one row-major buffer at a
+    fixed, increasing row step (the static executors' round buffer; `round_batch.shared_row_span`) it
+    is one argmax over the rows they span, sliced; otherwise one argmax per lane, concatenated."""
     last = [t[-1:] for t in logits]
-    t0 = last[0]
-    if len(last) > 1 and all(t.dim() == 2 and t.stride() == t0.stride() for t in last):
-        v = int(t0.shape[1])
-        ptr = t0.untyped_storage().data_ptr()
-        offs = [t.storage_offset() for t in last]
-        same = all(t.untyped_storage().data_ptr() == ptr and t.dtype == t0.dtype for t in last)
-        step = offs[1] - offs[0]
-        if (
-            same
-            and t0.stride() == (v, 1)
-            and step > 0
-            and step % v == 0
-            and all(b - a == step for a, b in itertools.pairwise(offs))
-        ):
-            rows = (offs[-1] - offs[0]) // v + 1
-            view = t0.as_strided((rows, v), (v, 1), offs[0])
-            return view.argmax(dim=-1)[:: step // v].to(torch.int64)
+    span = shared_row_span(last) if len(last) > 1 else None
+    if span is not None:
+        view, starts = span
+        step = starts[1] - starts[0]
+        if step > 0 and all(b - a == step for a, b in itertools.pairwise(starts)):
+            return view.argmax(dim=-1)[::step].to(torch.int64)  # starts[0] == 0: the lowest row
     return torch.cat([t.argmax(dim=-1) for t in last]).to(torch.int64)
 
 
@@ -250,12 +239,17 @@ class AsyncRounds:
     # ---- internals ----
 
     def _host_anchor_columns(self, lanes: list[_Lane]) -> list[torch.Tensor]:
-        from ignis.runtime.round_batch import HostKnownColumns
-
-        anchors = [lane.output[-1] for lane in lanes]
-        t = device_ids(anchors, self._engine.device)
-        cols = [t] if len(anchors) == 1 else list(t.split(1))
-        return HostKnownColumns(cols, [[a] for a in anchors])
+        """The lanes' anchors as one column each, laid out as the ordinary round lays out a round with
+        no drafts (`RoundColumns.build`: one copy, their host values carried)."""
+        eng = self._engine
+        return RoundColumns.build(
+            [lane.output[-1] for lane in lanes],
+            [eng._no_drafts] * len(lanes),
+            eng.device,
+            eng.vocab_size,
+            lane_ids=[lane.lane_id for lane in lanes],
+            drafter_name="none",
+        ).columns
 
     def _issue(self, lanes: list[_Lane], columns: list[torch.Tensor]) -> _InFlight:
         """Forward one column per lane, argmax on the device, its async copy to the host (b, c)."""

@@ -205,7 +205,7 @@ class RoundColumns:
         return cls(columns, host, on_device)
 
 
-def _shared_row_span(logits: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+def shared_row_span(logits: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
     """When every tensor is a 2-D block of whole rows of one row-major buffer (the same storage, row
     stride = vocab, unit column stride): a 2-D view over the rows they span and each block's first row
     in it; otherwise None."""
@@ -246,7 +246,7 @@ def round_host_ids(
         (lane index -> argmax of each of its rows, each of `tensors` flattened, in order).
     """
     parts: list[torch.Tensor] = []
-    span = _shared_row_span([logits[i] for i in greedy]) if len(greedy) > 1 else None
+    span = shared_row_span([logits[i] for i in greedy]) if len(greedy) > 1 else None
     if span is not None:
         view, starts = span
         parts.append(view.argmax(dim=-1))
