@@ -9,6 +9,7 @@ companion container) exits with status 1 and one line that names the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import sys
@@ -34,7 +35,6 @@ _DEFAULTS: dict[str, Any] = {
     "max_prefill_tokens": DEFAULT_MAX_PREFILL_TOKENS,
     "expert_cache_pin": "auto",
     "expert_cache_lookahead": False,
-    "async_rounds": False,
 }
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -92,17 +92,38 @@ engine's own work is the host's and the 2-vCPU build box lost at 1 ms rounds (se
 core for each process."""
 
 
-def _engine_process(value: bool | None, source: Any, settings: Any) -> bool:
-    """`--engine-process` resolved: as given, else `ENGINE_PROCESS_ON_CUDA` when the model is served on
-    CUDA (an explicit CUDA `--device`, or a source that says it would load there), else off."""
-    if value is not None:
-        return bool(value)
-    if not ENGINE_PROCESS_ON_CUDA:
-        return False
+ASYNC_ROUNDS_ON_CUDA = True
+"""Whether `--async-rounds` is on by default for a model served on CUDA with speculation off. On since
+the H200 run of session 16 (the 27B-shaped qwen3_5 at the socket, speculation off: 148.9 / 914.3 tok/s
+at 1 / 8 clients against 127.4 / 842.3 without, and again 149.0 / 926.4 against 130.3 / 834.9; greedy
+outputs equal; docs/perf/README.md). Off on the CPU (the host is the device: nothing to overlap) and
+with a drafter (async rounds run with speculation off only; ADR 0015)."""
+
+
+def _serves_on_cuda(source: Any, settings: Any) -> bool:
+    """Whether the model will be served on CUDA: an explicit CUDA `--device`, or a source that says it
+    would load there (`serves_on_cuda`); a source that cannot say counts as not."""
     if settings.device is not None:
         return str(settings.device).startswith("cuda")
     on_cuda = getattr(source, "serves_on_cuda", None)
     return bool(on_cuda(settings)) if on_cuda is not None else False
+
+
+def _engine_process(value: bool | None, source: Any, settings: Any) -> bool:
+    """`--engine-process` resolved: as given, else `ENGINE_PROCESS_ON_CUDA` when the model is served on
+    CUDA (`_serves_on_cuda`), else off."""
+    if value is not None:
+        return bool(value)
+    return ENGINE_PROCESS_ON_CUDA and _serves_on_cuda(source, settings)
+
+
+def _async_rounds(value: bool | None, source: Any, settings: Any) -> bool:
+    """`--async-rounds` resolved: as given (asked for beside a drafter, the engine turns it off with a
+    warning), else `ASYNC_ROUNDS_ON_CUDA` when speculation is off (`settings.spec.backend == "off"`)
+    and the model is served on CUDA (`_serves_on_cuda`), else off."""
+    if value is not None:
+        return bool(value)
+    return ASYNC_ROUNDS_ON_CUDA and settings.spec.backend == "off" and _serves_on_cuda(source, settings)
 
 
 def run_command(opts: dict[str, Any]) -> None:
@@ -243,8 +264,9 @@ def run_command(opts: dict[str, Any]) -> None:
         expert_cache=pick("expert_cache_bytes"),
         expert_cache_pin=pick("expert_cache_pin"),
         expert_cache_lookahead=bool(pick("expert_cache_lookahead")),
-        async_rounds=bool(pick("async_rounds")),
     )
+    async_rounds = _async_rounds(pick("async_rounds"), source, settings)
+    settings = dataclasses.replace(settings, async_rounds=async_rounds)
     engine = None
     if _engine_process(pick("engine_process"), source, settings):
         from ignis.runtime.server.engine_process import EngineSpec, FactorySource, load_text_model
@@ -510,7 +532,8 @@ def run_command(opts: dict[str, Any]) -> None:
     "penalties, min_tokens, logprobs or a grammar and no prompt is being prefilled; any other step "
     "first drains the round in flight and runs the ordinary round. Same tokens (up to float rounding "
     "in a round where a lane stops beside others); nothing to gain on the CPU. Counted in /metrics "
-    "(ignis_async_rounds_issued_total, ignis_async_rounds_drained_total). [default: off]",
+    "(ignis_async_rounds_issued_total, ignis_async_rounds_drained_total). [default: on for a model "
+    "served on CUDA with --spec-backend off, off otherwise]",
 )
 @click.option(
     "--log-level",

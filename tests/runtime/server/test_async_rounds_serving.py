@@ -16,6 +16,7 @@ from server_helpers import build_tiny_hybrid_artifact, serve, short_tmpdir
 from ignis.runtime import cli
 from ignis.runtime.config_file import load_config_file
 from ignis.runtime.profiles import SpecDefaults
+from ignis.runtime.server.model import ModelSettings
 
 pytest.importorskip("ignis.compiler.build")
 pytest.importorskip("transformers")
@@ -54,6 +55,29 @@ def test_flag_and_config_key_reach_the_model_settings(captured, seen, tmp_path: 
         assert seen[-1].async_rounds is want, args
 
 
+def test_the_default_is_on_for_cuda_with_speculation_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ASYNC_ROUNDS_ON_CUDA` turns the default on for a model served on CUDA with speculation off only;
+    a drafter, the CPU or a source that cannot say leave it off; the flag wins either way."""
+
+    class OnCuda:
+        def serves_on_cuda(self, settings: object) -> bool:
+            return True
+
+    off = SpecDefaults("off")
+    dflash2 = SpecDefaults("dflash2", draft_tokens=7)
+    cuda, cpu, unset = (ModelSettings(spec=off, device=d) for d in ("cuda", "cpu", None))
+    assert cli.ASYNC_ROUNDS_ON_CUDA  # on by default since session 16's H200 run
+    assert cli._async_rounds(None, toy_model.ToySource(), cuda)
+    assert cli._async_rounds(None, OnCuda(), unset)
+    assert not cli._async_rounds(None, OnCuda(), cpu)
+    assert not cli._async_rounds(None, toy_model.ToySource(), unset)  # a source that cannot say: off
+    assert not cli._async_rounds(None, OnCuda(), ModelSettings(spec=dflash2, device="cuda"))
+    assert not cli._async_rounds(False, OnCuda(), cuda)
+    assert cli._async_rounds(True, toy_model.ToySource(), cpu)
+    monkeypatch.setattr(cli, "ASYNC_ROUNDS_ON_CUDA", False)
+    assert not cli._async_rounds(None, OnCuda(), cuda)
+
+
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_hybrid_artifact(tmp_path_factory.mktemp("art"))
@@ -78,7 +102,6 @@ class _AsyncSource:
 def test_the_artifact_engine_takes_the_option(artifact: Path) -> None:
     from ignis.runtime.metrics import SpeculativeMetrics
     from ignis.runtime.server.artifact_source import ArtifactSource
-    from ignis.runtime.server.model import ModelSettings
 
     for on in (False, True):
         model = ArtifactSource(artifact).load(
