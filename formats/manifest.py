@@ -114,6 +114,11 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   contiguous, K and the row strides of x and w multiples of 16 bytes: `y = round(x @ w^T)` (float32
   sums). Both: wrong shapes, alignments or devices raise ValueError, dtypes TypeError; they allocate
   nothing and run on the caller's CUDA stream.
+* `add_rms_norm_llama`, abi 1 (the same library as `add_rms_norm`; `ignis.compiler.kernels.fused_norms`;
+  target kind "cuda"): `name(h[rows, D], d[rows, D], w[D], h_out[rows, D], x_out[rows, D], eps: float)`,
+  all of one of `dtypes` (w the norm weight itself, contiguous), the last dim contiguous, any row
+  strides: `h_out = round(h + d)`, `x_out = round(w * round(h_out * rsqrt(mean(h_out^2) + eps)))`
+  (float32 math: HF LlamaRMSNorm's two roundings). Same errors, stream and allocation rules.
 * `gdn_conv_silu`, abi 1 (the GDN causal conv1d + SiLU of a verify round,
   `ignis.compiler.kernels.fused_mixers`; target kind "cuda"): `name(qkv[L * n, C], state[S, C, K -
   1], slots int64[L], weight[C, K], windows[>= L, C, >= K - 1 + n], out[L, n, C])`, qkv, state,
@@ -150,8 +155,8 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
 
 Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, `gdn_conv_silu`,
 `qk_norm_rope_kv`, `gated_attention`, `gdn_recurrent_stash`, `gdn_replay`, `silu_mul`,
-`narrow_linear`, after `topk`) are refused by a reader that predates them (a `ManifestError` naming
-`kernels[i].kind`).
+`narrow_linear`, `add_rms_norm_llama`, after `topk`) are refused by a reader that predates them (a
+`ManifestError` naming `kernels[i].kind`).
 
 Widths 33..64 (8 lanes x 8 columns in one call on the tiled route) were allowed within version 2
 (the h200 profile compiles every 8 rows to 64): a reader that predates it refuses such a manifest (a
@@ -233,6 +238,7 @@ KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
         "narrow_linear": 1,
         "moe_q4_gate_up": 1,
         "moe_q4_down": 1,
+        "add_rms_norm_llama": 1,
     }
 )
 KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
@@ -250,6 +256,7 @@ KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
         "narrow_linear": "cuda",
         "moe_q4_gate_up": "cuda",
         "moe_q4_down": "cuda",
+        "add_rms_norm_llama": "cuda",
     }
 )
 

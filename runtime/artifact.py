@@ -496,6 +496,7 @@ class Artifact:
                 linear=linear,
                 max_lanes=max_lanes or 8,
                 max_context=max_context,
+                **self._llama_kernels(dtype),
             )
         params = inspect.signature(self.family.make_executor).parameters
         accepts = "linear" in params
@@ -531,6 +532,20 @@ class Artifact:
         if any(self.manifest.kernel(kind, name) is None for kind in LIBRARIES["moe_experts"].required):
             return None
         return self.kernel_library("moe_experts")
+
+    def _llama_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
+        """`StaticLlamaExecutor` keyword arguments: ``norms_module`` when the manifest lists the fused
+        norms with ``add_rms_norm_llama`` for `dtype` and the library loads (artifacts built before
+        it: none, the torch norms)."""
+        name = str(dtype).removeprefix("torch.")
+        if self.manifest.kernel("add_rms_norm_llama", name) is None or any(
+            self.manifest.kernel(kind, name) is None for kind in LIBRARIES["fused_norms"].required
+        ):
+            return {}
+        module = self.kernel_library("fused_norms")
+        if module is None or not module.has_add_rms_norm_llama:
+            return {}
+        return {"norms_module": module}
 
     def _hybrid_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
         """`StaticHybridExecutor` keyword arguments for the fused kernels that take `dtype` (only the

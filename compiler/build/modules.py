@@ -47,8 +47,10 @@ Which functions, per card:
     qwen3_5_moe, qwen3_next) when the kernel takes the config's shapes (`gdn_kernel_fits`:
     linear_key_head_dim <= 256, value heads a multiple of key heads);
   - `modules/<card>/fused_norms.so` (`fused_norms.build_fused_norms`, kinds `add_rms_norm`,
-    `gated_rms_norm`, `silu_mul` and `narrow_linear`): the hybrid families' fused residual-add +
-    RMSNorm and gated RMSNorm, the dense MLP's SwiGLU activation and the GDN's b|a projection;
+    `gated_rms_norm`, `silu_mul`, `narrow_linear` and `add_rms_norm_llama`): the hybrid families'
+    fused residual-add + RMSNorm and gated RMSNorm, the dense MLP's SwiGLU activation and the GDN's
+    b|a projection; for llama and qwen2, the residual add + HF LlamaRMSNorm and the SwiGLU
+    activation of `StaticLlamaExecutor`;
   - `modules/<card>/fused_mixers.so` (`fused_mixers.build_fused_mixers`, kinds `gdn_conv_silu`,
     `qk_norm_rope_kv` and `gated_attention`): the hybrid families' GDN conv1d + SiLU, attention
     q/k norm + RoPE + KV write and the gated attention itself (bf16 / f16 only; head_dims it does not
@@ -201,16 +203,20 @@ def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, .
         dflash2: a DFlash2 drafter is grafted (its selector walk is the top-k's only caller).
 
     Returns:
-        "topk" with a DFlash2 drafter; for hybrid configs (qwen3_5, qwen3_5_moe, qwen3_next: the
-        `StaticHybridExecutor` families) "gdn_recurrent" when `gdn_kernel_fits`, "fused_norms",
-        "fused_mixers" when `mixers_kernel_fits`, and "moe_experts" when `moe_kernel_fits` (MoE
-        configs: the grouped routed-expert linears).
+        "topk" with a DFlash2 drafter; "fused_norms" for llama and qwen2 configs (the
+        `StaticLlamaExecutor`'s ``add_rms_norm_llama`` and ``silu_mul``); for hybrid configs
+        (qwen3_5, qwen3_5_moe, qwen3_next: the `StaticHybridExecutor` families) "gdn_recurrent" when
+        `gdn_kernel_fits`, "fused_norms", "fused_mixers" when `mixers_kernel_fits`, and
+        "moe_experts" when `moe_kernel_fits` (MoE configs: the grouped routed-expert linears).
     """
+    from ignis.runtime.families.llama import LlamaConfig, Qwen2Config
     from ignis.runtime.families.qwen3_5 import HybridConfig
 
     out: list[str] = []
     if dflash2:
         out.append("topk")
+    if isinstance(config, LlamaConfig | Qwen2Config):
+        out.append("fused_norms")  # add_rms_norm_llama and silu_mul (`StaticLlamaExecutor`)
     if isinstance(config, HybridConfig):
         if gdn_kernel_fits(config):
             out.append("gdn_recurrent")

@@ -58,9 +58,18 @@ as the protocol says (a commit of k keeps the first k columns: their keys were w
 same pooled buffers: attention batched over lanes over their exact longest length, only the real
 columns' keys written.
 
+Kernels of a layer (each a node of the graph a round replays): the input norm with the residual add
+before it (one ``add_rms_norm_llama`` launch with ``norms_module``, else an add and torch's norm: 2
+kernels in float32, 4 in 16-bit dtypes), the q|k|v linear, RoPE of q and k together written back into
+the linear's output (4 kernels, `rope_qk`), so that a position's keys and values, adjacent there, go
+into the pool in one write; one gather of the lanes' keys and values, SDPA, the o linear, the post-
+attention norm with its add, the gate|up linear, ``silu_mul`` (or torch's silu and product) and the
+down linear. `tests/runtime/test_llama_round_cost.py` counts them.
+
 Numerics follow `LlamaExecutor`'s (HF's casts: RMSNorm statistics in float32, RoPE tables in float32
 cast to the activation dtype, softmax in float32) with two differences of rounding only: RMSNorm
-uses torch's fused `F.rms_norm`, and attention is one masked SDPA over the bucket instead of one per
+uses torch's fused `F.rms_norm` (or, with ``norms_module``, the fused kernel: HF's rounding points,
+float32 sums in another order), and attention is one masked SDPA over the bucket instead of one per
 lane over its exact length. Float32 logits agree to ~1e-5 (tests: 1e-4).
 """
 
@@ -85,6 +94,7 @@ from ignis.runtime.families.static_rounds import (
     kv_bucket,
     run_chunks,
 )
+from ignis.runtime.kernels.fused_norms import SILU_MUL_MAX_ROWS, FusedNormsKernel
 from ignis.runtime.linear import LinearFn, Q4Weight
 
 __all__ = [
@@ -171,15 +181,20 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def rope_qk(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+def rope_qk(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """HF's rotary embedding (``x * cos + rotate_half(x) * sin``, `LlamaExecutor._apply_rope`) of
     x [R, heads, hd] (any heads: q and k of a round side by side), with cos [R, 1, hd] and
     ``signed_sin(sin)``. rotate_half's negation is carried by the sine table instead of the
     activations: (-a) * s and a * (-s) are the same float in IEEE arithmetic, so the result is
     bit-identical to `_apply_rope`, in 4 kernels where rotating q and k apart takes 10 (the
-    negation and the concatenation per tensor, then the two products and the sum per tensor)."""
+    negation and the concatenation per tensor, then the two products and the sum per tensor).
+    out: where the sum is written (x itself may be given: both products are computed before the
+    sum writes), or None (a new tensor)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
+    return torch.add(x * cos, rotated, out=out) if out is not None else x * cos + rotated
 
 
 def pick_sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> SDPBackend:
@@ -257,6 +272,10 @@ class StaticLlamaExecutor(LlamaExecutor):
             (module docstring); None: ``CHUNKED_PREFILL_ROUNDS x max_columns`` when cuda_graphs, else
             0 (off). Also settable later as the attribute.
         kv_bucket: the smallest KV length bucket (a power of two; buckets double up to the capacity).
+        norms_module: the fused residual add + RMSNorm (``add_rms_norm_llama``) and SwiGLU activation
+            (``silu_mul``) of a fused-norms library (`FusedNormsKernel`, a loaded module or a ``.so``
+            path; CUDA only), or None: the torch ops (module docstring, "Kernels of a layer"). Also
+            settable later as the attribute (captured graphs are dropped then).
 
     Memory (bytes): KV 2 x layers x (max_lanes + 1) x capacity x kv_heads x head_dim x dtype size;
     with CUDA graphs a static logits buffer of 4 x L' x max_columns x vocab_size (L' =
@@ -281,8 +300,11 @@ class StaticLlamaExecutor(LlamaExecutor):
         cuda_graphs: bool | None = None,
         chunked_prefill: int | None = None,
         kv_bucket: int = 256,
+        norms_module: Any = None,
     ) -> None:
         super().__init__(config, weights, device=device, dtype=dtype, linear=linear)  # type: ignore[arg-type]
+        self._norms_kernel: FusedNormsKernel | None = None
+        self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
         c = config
         if max_lanes < 1 or max_columns < 1:
             raise ValueError(f"max_lanes and max_columns must be >= 1, got {max_lanes}, {max_columns}")
@@ -310,11 +332,39 @@ class StaticLlamaExecutor(LlamaExecutor):
         self.sdpa_backend = pick_sdpa_backend(self.device, dtype, self._hd)
         self.column_widths = default_column_widths(max_columns)
         self._free: list[int] = list(range(max_lanes))
-        self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
         self._pool: Any = None
+        self.norms_module = norms_module
         self.num_captures = 0
         self.num_replays = 0
         self._allocate(max_lanes)
+
+    @property
+    def norms_module(self) -> FusedNormsKernel | None:
+        """The fused residual add + RMSNorm and SwiGLU activation (`FusedNormsKernel` with
+        ``add_rms_norm_llama``) the rounds run, or None (the torch ops)."""
+        return self._norms_kernel
+
+    @norms_module.setter
+    def norms_module(self, source: Any) -> None:
+        """Set from a loaded module, a ``.so`` path or a `FusedNormsKernel` (None: the torch ops);
+        captured graphs are dropped (recaptured on demand).
+
+        Raises:
+            ValueError: a module on a device other than CUDA, or one without ``add_rms_norm_llama``
+                (a library built before it).
+        """
+        if source is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"norms_module needs a CUDA device, got {self.device}")
+            source = FusedNormsKernel(source)
+            if not source.has_add_rms_norm_llama:
+                raise ValueError(
+                    "norms_module: the fused norms library has no add_rms_norm_llama (built before it)"
+                )
+        self._norms_kernel = source
+        if self._graphs:  # captured with the other norms: recaptured on demand, in a new pool
+            self._graphs.clear()
+            self._pool = None
 
     def _allocate(self, lanes: int, old: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Pools for `lanes` lane slots plus the scratch slot (the old pools' lanes copied over), the
@@ -684,6 +734,28 @@ class StaticLlamaExecutor(LlamaExecutor):
         """HF LlamaRMSNorm (float32 statistics, cast back before the weight multiply), torch's fused op."""
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps).to(x.dtype)
 
+    def _add_norm(
+        self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the RMSNorm after it: (x + d, `_norm`(x + d, weight)), [rows, H] each.
+        With `norms_module`: one ``add_rms_norm_llama`` launch (HF's two roundings, float32 math;
+        only the sum of squares' order differs from torch's), else the torch ops (an add, then the
+        norm's 2-4 kernels)."""
+        fused = self._norms_kernel
+        if fused is not None:
+            return fused.add_rms_norm_llama(x, d, weight, self.config.rms_norm_eps)
+        x = x + d
+        return x, self._norm(x, weight)
+
+    def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's ``silu(gate) * up`` of the fused gate|up output gu [rows, 2 I]: one ``silu_mul``
+        launch with `norms_module` (bit-identical to torch's two kernels), else torch."""
+        fused = self._norms_kernel
+        if fused is not None and fused.has_silu_mul and gu.shape[0] <= SILU_MUL_MAX_ROWS:
+            return fused.silu_mul(gu)
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def _body(
         self,
         ids: torch.Tensor,
@@ -717,31 +789,32 @@ class StaticLlamaExecutor(LlamaExecutor):
         else:
             key_rows = pos_rows
         tapped: dict[int, torch.Tensor] = {}
-        for li, layer in enumerate(self.layers):
-            h = self._norm(x, layer.norm_in)
+        layers = self.layers
+        # the first input norm alone; every later norm runs with the residual add before it
+        h = self._norm(x, layers[0].norm_in) if layers else self._norm(x, self.norm)
+        for li, layer in enumerate(layers):
             qkv = linear(h, layer.w_qkv, layer.b_qkv)  # [R, (nh + 2 nkv) hd]
-            # q and k rotated together: one set of kernels for both (`rope_qk`)
-            qk = rope_qk(qkv[:, : (nh + nkv) * hd].view(rows, nh + nkv, hd), cos, sin_signed)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, (nh + nkv) * hd :].view(rows, nkv, hd)
-            kc, vc = self._keys[li], self._values[li]  # [S, cap, nkv, hd], views of the pool
+            heads = qkv.view(rows, nh + 2 * nkv, hd)
+            # q and k rotated together, in place (`rope_qk`): qkv then holds [q | k | v] with k
+            # beside v, as a pool position holds them (keys then values)
+            rope_qk(heads[:, : nh + nkv], cos, sin_signed, out=heads[:, : nh + nkv])
+            q, kv_new = heads[:, :nh], heads[:, nh:]  # kv_new [R, 2 nkv, hd]
             if valid is not None:
-                k, v = k[valid], v[valid]
-            kc[slot_rows, key_rows] = k
-            vc[slot_rows, key_rows] = v
+                kv_new = kv_new[valid]
+            self._kv[li][slot_rows, key_rows] = kv_new  # keys and values: one write
             lanes_kv = self._kv[li, :, :bucket].index_select(0, slots)  # [L, T, 2 nkv, hd]: one gather
             keys = lanes_kv[:, :, :nkv].transpose(1, 2)  # [L, nkv, T, hd]
             values = lanes_kv[:, :, nkv:].transpose(1, 2)
             with sdpa_kernel([self.sdpa_backend]):
                 o = grouped_attention(q.view(lanes, n, nkv, rep, hd), keys, values, mask, self._scale)
-            x = x + linear(o, layer.w_o, layer.b_o)
-            h = self._norm(x, layer.norm_post)
-            gate, up = linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+            x, h = self._add_norm(x, linear(o, layer.w_o, layer.b_o), layer.norm_post)
+            act = self._silu_mul(linear(h, layer.w_gate_up, layer.b_gate_up))
+            after = layers[li + 1].norm_in if li + 1 < len(layers) else self.norm
+            x, h = self._add_norm(x, linear(act, layer.w_down, layer.b_down), after)
             if li in taps:
                 tapped[li] = x
-        head_in = x if logit_rows is None else x.index_select(0, logit_rows)
-        out = {"logits": linear(self._norm(head_in, self.norm), self.lm_head, None).float()}
+        head_in = h if logit_rows is None else h.index_select(0, logit_rows)  # the final norm's rows
+        out = {"logits": linear(head_in, self.lm_head, None).float()}
         if want_hidden:
             out["hidden"] = x
         if taps:

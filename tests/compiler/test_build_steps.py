@@ -406,10 +406,10 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
         dflash2=True,
     )
     # the top-k, the GDN recurrence (its round, the stash round and the replay), the fused norms
-    # (add_rms_norm + gated_rms_norm + silu_mul + narrow_linear) and the fused mixers (gdn_conv_silu +
-    # qk_norm_rope_kv + gated_attention)
+    # (add_rms_norm + gated_rms_norm + silu_mul + narrow_linear + add_rms_norm_llama) and the fused
+    # mixers (gdn_conv_silu + qk_norm_rope_kv + gated_attention)
     assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms", "fused_mixers")
-    assert hybrid.num_functions() == 11
+    assert hybrid.num_functions() == 12
     cpu = plan_modules(
         card="cpu",
         arch="llvm",
@@ -457,7 +457,7 @@ def test_select_kernels_by_drafter_family_and_gdn_shape() -> None:
     llama = LlamaConfig.from_hf(
         dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     )
-    assert select_kernels(config=llama, dflash2=True) == ("topk",)
+    assert select_kernels(config=llama, dflash2=True) == ("topk", "fused_norms")  # add_rms_norm_llama
     assert select_kernels(config=_hybrid_config()) == ("gdn_recurrent", "fused_norms", "fused_mixers")
     # the kernel's limits: k_dim <= MAX_KEY_DIM, value heads a multiple of key heads
     assert gdn_kernel_fits(_hybrid_config(linear_key_head_dim=MAX_KEY_DIM))
@@ -572,6 +572,9 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
         KernelEntry("gated_rms_norm", "gated_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("silu_mul", "silu_mul", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("narrow_linear", "narrow_linear", 1, "modules/h200/fused_norms.so", target, dtypes),
+        KernelEntry(
+            "add_rms_norm_llama", "add_rms_norm_llama", 1, "modules/h200/fused_norms.so", target, dtypes
+        ),
         KernelEntry("gdn_conv_silu", "gdn_conv_silu", 1, "modules/h200/fused_mixers.so", target, dtypes),
         KernelEntry("qk_norm_rope_kv", "qk_norm_rope_kv", 1, "modules/h200/fused_mixers.so", target, dtypes),
         KernelEntry(
@@ -599,7 +602,7 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
             "fused_norms",
             "fused_norms",
             "build_fused_norms",
-            ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear"),
+            ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear", "add_rms_norm_llama"),
         ),
         (
             "fused_mixers",
