@@ -57,6 +57,13 @@ f16[N, K/32], y[W, N])`, q4_g32_tiled `name(x[W, K], codes u32[T, K/128, 256], s
 the module's width (or any rows up to W when `dynamic_rows`), N = out_features, K = in_features.
 Kind `q4_g32_tiled` (route "cuda-tiled") was added within version 2: a reader that predates it
 refuses it as an unknown kind (`ManifestError` naming `modules[i].functions[j]`).
+A q4_g32_tiled function may serve a K that is a multiple of 32 but not of 128 (a build option,
+`q4_pad_k`): it then carries the key `padded_in_features` = K rounded up to a multiple of 128, the K
+it computes over; the runtime pads the tiled weight with zero columns (code 8, scale 0: they
+dequantize to exactly 0) and the activations with zero columns to it, so the product equals the
+unpadded one. The stored weight is not padded (the container still stores q4_g32 [N, K]). The key was
+added within version 2, only on such functions: a reader that predates it refuses the manifest (an
+unknown key of `modules[i].functions[j]`); manifests without padded functions are unchanged.
 
 A kernel (`KernelEntry`): one exported function of a `files` library (role "module"), independent of
 the row widths. `kind` names what it computes and `abi` the version of its calling convention; each
@@ -217,6 +224,15 @@ FILE_ROLES: Final[frozenset[str]] = frozenset({"weights", "mtp", "module"})
 
 #: Kinds of compiled linear functions (q4_g32_tiled: the q4_g32 weight in the runtime's tiled layout).
 FUNCTION_KINDS: Final[frozenset[str]] = frozenset({"dense", "q4_g32", "q4_g32_tiled"})
+
+#: The tiled q4 kernel's k-step: a q4_g32_tiled function's in_features not a multiple of it is padded
+#: to one (`ModuleFunction.padded_in_features`).
+Q4_PAD_STEP: Final[int] = 128
+
+
+def padded_k(in_features: int) -> int:
+    """in_features rounded up to a multiple of `Q4_PAD_STEP` (the tiled kernel's k-step)."""
+    return -(-in_features // Q4_PAD_STEP) * Q4_PAD_STEP
 
 #: Activation dtypes of compiled functions.
 ACTIVATION_DTYPES: Final[frozenset[str]] = frozenset({"float32", "float16", "bfloat16"})
@@ -428,8 +444,12 @@ class ModuleFunction:
         name: the exported symbol.
         kind: "dense", "q4_g32" or "q4_g32_tiled" (weight layout, `FUNCTION_KINDS`).
         out_features: N, rows of the weight.
-        in_features: K, the reduction length.
+        in_features: K, the reduction length (the model's: the stored weight's in_features).
         dtype: activation (and output) dtype: "float32", "float16" or "bfloat16".
+        padded_in_features: (q4_g32_tiled with K % 128 != 0 only) the K the function computes over:
+            K rounded up to a multiple of 128 (`padded_k`); the runtime pads the tiled weight with
+            zero columns (code 8, scale 0) and the activations with zeros to it. None: K itself
+            (the JSON key is then absent).
     """
 
     name: str
@@ -437,16 +457,20 @@ class ModuleFunction:
     out_features: int
     in_features: int
     dtype: str
+    padded_in_features: int | None = None
 
     def to_json(self) -> dict[str, JSONValue]:
-        """The JSON object of this function."""
-        return {
+        """The JSON object of this function (``padded_in_features`` only when set)."""
+        out: dict[str, JSONValue] = {
             "name": self.name,
             "kind": self.kind,
             "out_features": self.out_features,
             "in_features": self.in_features,
             "dtype": self.dtype,
         }
+        if self.padded_in_features is not None:
+            out["padded_in_features"] = self.padded_in_features
+        return out
 
 
 @dataclass(frozen=True)
@@ -789,7 +813,10 @@ def _parse_module(entry: object, i: int, path: Any) -> ModuleEntry:
     names: set[str] = set()
     for j, f in enumerate(_typed(e, "functions", list, where, path)):
         fw = f"{where}functions[{j}]."
-        fe = _keys(f, ("name", "kind", "out_features", "in_features", "dtype"), fw, path)
+        keys: tuple[str, ...] = ("name", "kind", "out_features", "in_features", "dtype")
+        if isinstance(f, dict) and "padded_in_features" in f:
+            keys = (*keys, "padded_in_features")
+        fe = _keys(f, keys, fw, path)
         name = _typed(fe, "name", str, fw, path)
         if not name.isidentifier() or name in names:
             raise _fail(path, f"{fw}name {name!r} is not a C identifier or is repeated")
@@ -802,13 +829,30 @@ def _parse_module(entry: object, i: int, path: Any) -> ModuleEntry:
                 f"{fw} kind {kind!r} / dtype {dtype!r} not in {sorted(FUNCTION_KINDS)} / "
                 f"{sorted(ACTIVATION_DTYPES)}",
             )
+        in_features = _int(fe, "in_features", fw, path, low=1)
+        padded = _int(fe, "padded_in_features", fw, path, low=1) if "padded_in_features" in fe else None
+        if kind == "q4_g32_tiled" and in_features % Q4_PAD_STEP:
+            if in_features % 32 or padded != padded_k(in_features):
+                raise _fail(
+                    path,
+                    f"{fw}padded_in_features: a q4_g32_tiled function of in_features {in_features} "
+                    f"(a multiple of 32, not of {Q4_PAD_STEP}) must give padded_in_features "
+                    f"{padded_k(in_features)}, got {padded}",
+                )
+        elif padded is not None:
+            raise _fail(
+                path,
+                f"{fw}padded_in_features is only allowed on q4_g32_tiled functions whose in_features "
+                f"is not a multiple of {Q4_PAD_STEP}",
+            )
         funcs.append(
             ModuleFunction(
                 name=name,
                 kind=kind,
                 out_features=_int(fe, "out_features", fw, path, low=1),
-                in_features=_int(fe, "in_features", fw, path, low=1),
+                in_features=in_features,
                 dtype=dtype,
+                padded_in_features=padded,
             )
         )
     return ModuleEntry(
@@ -1138,6 +1182,7 @@ __all__ = [
     "META_OTHER_DTYPE",
     "META_SHORTLIST",
     "META_TOKENIZER",
+    "Q4_PAD_STEP",
     "READABLE_MANIFEST_VERSIONS",
     "SHORTLIST_HEAD",
     "SHORTLIST_IDS",
@@ -1155,6 +1200,7 @@ __all__ = [
     "ModuleFunction",
     "file_entry",
     "hash_file",
+    "padded_k",
     "parse_manifest",
     "read_manifest",
     "verify_artifact",
