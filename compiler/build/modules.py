@@ -24,7 +24,12 @@ Which functions, per card:
   - "mma": the tensor-core mma kernel over the stored layout (`ignis.compiler.kernels.q4_linear`),
     `modules/<card>/q4_mma_nt{T}.so`, route "cuda-mma", functions `q4_n{N}_k{K}` of kind "q4_g32".
 
-  The rest go on the TensorIR route with dlight's schedules (`modules/<card>/q4_tir_w{W}.so`, fixed
+  With the build option `q4_pad_k` (a recipe's ``[modules] q4_pad_k = true``; off by default) the
+  q4 shapes whose K is a multiple of 32 but not of 128 take the tiled route too: their functions
+  (`q4t_n{N}_k{K}_pad{K'}`, the manifest's ``padded_in_features`` = K') compute over K padded with
+  zero columns to K' = the next multiple of 128; the runtime pads the tiled weight (code 8, scale 0:
+  exact zeros) when it places it and the activations (zeros), so the product equals the unpadded
+  one. The rest go on the TensorIR route with dlight's schedules (`modules/<card>/q4_tir_w{W}.so`, fixed
   rows, kind "q4_g32", builder `ignis.compiler.kernels.q4_linear`). Only that route (and the `cpu`
   card's) needs the TVM compiler package `tvm`; the nvcc-built libraries need tvm-ffi and nvcc alone,
   so a CUDA build whose every q4 linear has K % 128 == 0 runs where `tvm` is not installed
@@ -83,7 +88,7 @@ from ignis.compiler.build.convert import is_linear_weight
 from ignis.compiler.build.errors import ModuleBuildError
 from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module, llvm_target
 from ignis.compiler.kernels.q4_linear import MAX_ROWS as _MMA_MAX_ROWS
-from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction
+from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction, padded_k
 from ignis.runtime.families import FAMILIES
 from ignis.runtime.kernels.fused_mixers import MAX_CONV_KERNEL as _MIXERS_MAX_CONV_KERNEL
 from ignis.runtime.kernels.fused_mixers import MAX_HEAD_DIM as _MIXERS_MAX_HEAD_DIM
@@ -331,6 +336,10 @@ class ModulePlan:
         kernels: the non-linear kernel libraries to build (keys of `KERNELS`; CUDA cards only).
         q4_cuda_route: the CUDA route of the K % 128 == 0 q4 shapes, a key of `Q4_CUDA_ROUTES`
             ("tiled" or "mma"; `Q4_CUDA_ROUTE` when not given).
+        q4_pad_k: with the "tiled" route, the q4 shapes with K % 128 != 0 (K % 32 == 0) take it too:
+            their functions compute over K padded with zero columns to the next multiple of 128
+            (`padded_k`; the manifest's ``padded_in_features``, the runtime pads the weight when it
+            tiles it and the activations), instead of the TensorIR route. Off by default.
     """
 
     card: str
@@ -341,6 +350,7 @@ class ModulePlan:
     target: dict[str, Any]
     kernels: tuple[str, ...] = ()
     q4_cuda_route: str = ""
+    q4_pad_k: bool = False
 
     def __post_init__(self) -> None:
         if not self.q4_cuda_route:
@@ -367,7 +377,20 @@ class ModulePlan:
             return "llvm-te"
         if shape.in_features % MMA_STEP_K == 0:
             return Q4_CUDA_ROUTES[self.q4_cuda_route]
+        if self.pads(shape):
+            return "cuda-tiled"
         return "tir-dlight"
+
+    def pads(self, shape: LinearShape) -> bool:
+        """Whether the shape takes the tiled route over K padded to a multiple of 128 (`q4_pad_k`)."""
+        return (
+            self.is_cuda
+            and self.q4_pad_k
+            and self.q4_cuda_route == "tiled"
+            and shape.kind == "q4_g32"
+            and shape.in_features % MMA_STEP_K != 0
+            and shape.in_features % 32 == 0
+        )
 
     def tvm_shapes(self) -> tuple[LinearShape, ...]:
         """The linears whose route needs the TVM compiler (`llvm-te`, `tir-dlight`)."""
@@ -398,11 +421,13 @@ def plan_modules(
     config: Any = None,
     dflash2: bool = False,
     q4_cuda_route: str | None = None,
+    q4_pad_k: bool = False,
 ) -> ModulePlan:
     """Choose what to compile: on CUDA cards only the q4_g32 linears, and the `KERNELS` libraries
     `select_kernels(config=config, dflash2=dflash2)` picks (module docstring); CPU cards get no
     kernel library. `q4_cuda_route` ("tiled" or "mma"; None: `Q4_CUDA_ROUTE`) picks the CUDA route
-    of the K % 128 == 0 q4 shapes.
+    of the K % 128 == 0 q4 shapes; `q4_pad_k` puts the other q4 shapes (K % 32 == 0) on the tiled
+    route too, over K padded to a multiple of 128 (`ModulePlan.q4_pad_k`).
 
     Raises:
         ModuleBuildError: an unknown q4_cuda_route.
@@ -425,6 +450,7 @@ def plan_modules(
         target=target,
         kernels=kernels,
         q4_cuda_route=q4_cuda_route or Q4_CUDA_ROUTE,
+        q4_pad_k=q4_pad_k,
     )
 
 
@@ -433,8 +459,12 @@ TILED_KIND = "q4_g32_tiled"
 
 
 def tiled_function_name(shape: LinearShape) -> str:
-    """The tiled route's exported symbol: q4t_n{N}_k{K}."""
-    return f"q4t_n{shape.out_features}_k{shape.in_features}"
+    """The tiled route's exported symbol: q4t_n{N}_k{K}, or q4t_n{N}_k{K}_pad{K'} for a K padded to
+    K' = `padded_k(K)` (K % 128 != 0)."""
+    base = f"q4t_n{shape.out_features}_k{shape.in_features}"
+    if shape.in_features % MMA_STEP_K:
+        return f"{base}_pad{padded_k(shape.in_features)}"
+    return base
 
 
 def _functions(
@@ -447,6 +477,7 @@ def _functions(
             out_features=s.out_features,
             in_features=s.in_features,
             dtype=dtype,
+            padded_in_features=padded_k(s.in_features) if tiled and s.in_features % MMA_STEP_K else None,
         )
         for s in shapes
     )
@@ -704,7 +735,7 @@ def _build_tiled_linears(
             plan.arch,
             {
                 tiled_function_name(s): q4_tiled.tiled_config_for(
-                    8 * nt, s.out_features, s.in_features, plan.arch
+                    8 * nt, s.out_features, padded_k(s.in_features), plan.arch
                 )
                 for s in shapes
             },

@@ -779,3 +779,49 @@ def test_select_kernels_fused_mixers_only_where_their_limits_hold() -> None:
     assert not mixers_kernel_fits(SimpleNamespace(**{**vars(odd), "num_attention_heads": 65535}))
     assert not mixers_kernel_fits(SimpleNamespace(**{**vars(odd), "layer_types": ()}))
     assert not mixers_kernel_fits(object())
+
+
+def test_q4_pad_k_puts_every_q4_linear_on_the_tiled_route(tmp_path: Path) -> None:
+    """`q4_pad_k` (a recipe's [modules] q4_pad_k): the q4 shapes with K % 128 != 0 (K % 32 == 0) take
+    the tiled route with functions over K padded to the next multiple of 128 (named and recorded so:
+    `padded_in_features`), and need no TVM; off (the default) they stay on the TensorIR route."""
+    from ignis.compiler.build.modules import _functions, tiled_function_name
+
+    shapes = [
+        LinearShape("q4_g32", 1728, 576),
+        LinearShape("q4_g32", 576, 1536),
+        LinearShape("q4_g32", 8, 100),
+    ]
+    off = plan_modules(card="h200", arch="sm_90", widths=[1, 8], other_dtype="bf16", shapes=shapes)
+    assert [off.route(s) for s in shapes] == ["tir-dlight", "cuda-tiled", "tir-dlight"]
+    on = plan_modules(
+        card="h200", arch="sm_90", widths=[1, 8], other_dtype="bf16", shapes=shapes, q4_pad_k=True
+    )
+    # K = 100 is not whole q4 groups of 32 (no q4_g32 weight has it): never padded
+    assert [on.route(s) for s in shapes] == ["cuda-tiled", "cuda-tiled", "tir-dlight"]
+    assert on.tvm_shapes() == (shapes[2],) and off.tvm_shapes() == (shapes[0], shapes[2])
+    fns = _functions(shapes[:2], "bfloat16", tiled=True)
+    assert [(f.name, f.in_features, f.padded_in_features) for f in fns] == [
+        ("q4t_n1728_k576_pad640", 576, 640),
+        ("q4t_n576_k1536", 1536, None),
+    ]
+    assert tiled_function_name(shapes[0]) == "q4t_n1728_k576_pad640"
+    # the mma route never pads; the cpu card ignores the option
+    mma = plan_modules(
+        card="h200",
+        arch="sm_90",
+        widths=[8],
+        other_dtype="bf16",
+        shapes=shapes,
+        q4_pad_k=True,
+        q4_cuda_route="mma",
+    )
+    assert mma.route(shapes[0]) == "tir-dlight"
+    cpu = plan_modules(card="cpu", arch="llvm", widths=[8], other_dtype="f32", shapes=shapes, q4_pad_k=True)
+    assert cpu.route(shapes[0]) == "llvm-te"
+    # the recipe option
+    (tmp_path / "r.toml").write_text('name = "x"\n[modules]\nq4_pad_k = true\n')
+    assert load_recipe(tmp_path / "r.toml").q4_pad_k and load_recipe(None).q4_pad_k is False
+    (tmp_path / "bad.toml").write_text('name = "x"\n[modules]\nq4_pad_k = 1\n')
+    with pytest.raises(RecipeError, match="q4_pad_k must be true or false"):
+        load_recipe(tmp_path / "bad.toml")
