@@ -148,15 +148,28 @@ def round_mask(pos: torch.Tensor, bucket: int, rep: int) -> torch.Tensor:
 
 
 def grouped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GQA as one SDPA call: q [L, n, kv_heads, rep, hd] (query head h = kv head h // rep), keys and
     values [L, kv_heads, T, hd] (last dim contiguous), mask from `round_mask`. Returns [L * n,
-    kv_heads * rep * hd] in q's dtype. The backend is the caller's (`sdpa_kernel`)."""
+    kv_heads * rep * hd] in q's dtype. The backend is the caller's (`sdpa_kernel`). out: [L * n, >= D]
+    (D = kv_heads * rep * hd; the last dim contiguous) whose first D columns receive the result, which
+    is then `out` itself (e.g. a zero-padded activation buffer), or None (a new tensor, or a view of
+    SDPA's output when it is already in row order)."""
     lanes, n, nkv, rep, hd = q.shape
     qq = q.permute(0, 2, 3, 1, 4).reshape(lanes, nkv, rep * n, hd)  # the group's query heads as rows
     o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=scale)
-    return o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(lanes * n, nkv * rep * hd)
+    rows = o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4)
+    if out is None:
+        return rows.reshape(lanes * n, nkv * rep * hd)
+    out[:, : nkv * rep * hd].view(lanes, n, nkv, rep, hd).copy_(rows)
+    return out
 
 
 def _host_ids(columns: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
@@ -387,6 +400,19 @@ class StaticLlamaExecutor(LlamaExecutor):
             self._logits_out = (
                 torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=dev) if self.cuda_graphs else None
             )
+            # the static rounds' activations of linears whose tiled weight is padded to K' columns:
+            # one zero buffer [rows, K'] per (K, K'), its columns past K never written (zeros)
+            first = self.layers[:1]
+            padded = [w for layer in first for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
+            padded.append(self.lm_head)
+            self._pad_bufs = {
+                (w.in_features, w.padded_in_features): torch.zeros(
+                    rows, w.padded_in_features, dtype=self.dtype, device=dev
+                )
+                for w in padded
+                if isinstance(w, Q4Weight) and w.cols is not None
+            }
+            self._pad_rows = rows
         self._kv, self._keys, self._values = kv, keys, values
         self._scratch = lanes
         self._graphs.clear()
@@ -730,31 +756,60 @@ class StaticLlamaExecutor(LlamaExecutor):
             shaped["logits"] = out["logits"]  # [lanes, vocab]
         return shaped
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """HF LlamaRMSNorm (float32 statistics, cast back before the weight multiply), torch's fused op."""
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps).to(x.dtype)
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """HF LlamaRMSNorm (float32 statistics, cast back before the weight multiply), torch's fused op.
+        out: a zero-padded activation buffer [rows, K'] (`_padded_input`) whose first H columns
+        receive the result, which is then `out` itself; None: a new tensor [rows, H]."""
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps).to(x.dtype)
+        if out is None:
+            return weight * normed
+        torch.mul(weight, normed, out=out[:, : x.shape[-1]])
+        return out
 
     def _add_norm(
-        self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor
+        self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add and the RMSNorm after it: (x + d, `_norm`(x + d, weight)), [rows, H] each.
-        With `norms_module`: one ``add_rms_norm_llama`` launch (HF's two roundings, float32 math;
-        only the sum of squares' order differs from torch's), else the torch ops (an add, then the
-        norm's 2-4 kernels)."""
+        """The residual add and the RMSNorm after it: (x + d, `_norm`(x + d, weight)), [rows, H] each
+        (the norm written into `out` as `_norm` says when given). With `norms_module`: one
+        ``add_rms_norm_llama`` launch (HF's two roundings, float32 math; only the sum of squares'
+        order differs from torch's), else the torch ops (an add, then the norm's 2-4 kernels)."""
         fused = self._norms_kernel
         if fused is not None:
-            return fused.add_rms_norm_llama(x, d, weight, self.config.rms_norm_eps)
+            target = None if out is None else out[:, : x.shape[-1]]
+            x, h = fused.add_rms_norm_llama(x, d, weight, self.config.rms_norm_eps, x_out=target)
+            return x, h if out is None else out
         x = x + d
-        return x, self._norm(x, weight)
+        return x, self._norm(x, weight, out)
 
-    def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+    def _padded_input(self, weight: Any, rows: int, pad: bool) -> torch.Tensor | None:
+        """The zero-padded activation buffer [rows, K'] that a tiled q4 weight padded to K' input
+        columns (`Q4Weight.cols`: its K % 128 != 0) reads, when `pad` (a static round): the op
+        before the linear writes its [rows, K] result into the front columns, and the linear takes
+        the whole buffer with no padding copy (`LinearBackend`'s pre-padded activations). None for
+        any other weight, or outside static rounds (the linear then pads itself)."""
+        if not pad or not isinstance(weight, Q4Weight) or weight.cols is None:
+            return None
+        buf = self._pad_bufs.get((weight.in_features, weight.padded_in_features))
+        return None if buf is None else buf[:rows]
+
+    def _silu_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU's ``silu(gate) * up`` of the fused gate|up output gu [rows, 2 I]: one ``silu_mul``
-        launch with `norms_module` (bit-identical to torch's two kernels), else torch."""
+        launch with `norms_module` (bit-identical to torch's two kernels), else torch. out: a
+        zero-padded activation buffer [rows, K'] whose first I columns receive it (then returned),
+        or None (a new tensor)."""
         fused = self._norms_kernel
+        inter = gu.shape[-1] // 2
+        target = None if out is None else out[:, :inter]
         if fused is not None and fused.has_silu_mul and gu.shape[0] <= SILU_MUL_MAX_ROWS:
-            return fused.silu_mul(gu)
+            if target is None:
+                return fused.silu_mul(gu)
+            fused.silu_mul(gu, out=target)
+            return out  # type: ignore[return-value]
         gate, up = gu.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if target is None:
+            return F.silu(gate) * up
+        torch.mul(F.silu(gate), up, out=target)
+        return out  # type: ignore[return-value]
 
     def _body(
         self,
@@ -791,7 +846,13 @@ class StaticLlamaExecutor(LlamaExecutor):
         tapped: dict[int, torch.Tensor] = {}
         layers = self.layers
         # the first input norm alone; every later norm runs with the residual add before it
-        h = self._norm(x, layers[0].norm_in) if layers else self._norm(x, self.norm)
+        pad = valid is None and rows <= self._pad_rows  # a static round: the padded buffers serve
+        first = layers[0] if layers else None
+        h = self._norm(
+            x,
+            first.norm_in if first else self.norm,
+            out=self._padded_input(first.w_qkv if first else self.lm_head, rows, pad),
+        )
         for li, layer in enumerate(layers):
             qkv = linear(h, layer.w_qkv, layer.b_qkv)  # [R, (nh + 2 nkv) hd]
             heads = qkv.view(rows, nh + 2 * nkv, hd)
@@ -806,11 +867,24 @@ class StaticLlamaExecutor(LlamaExecutor):
             keys = lanes_kv[:, :, :nkv].transpose(1, 2)  # [L, nkv, T, hd]
             values = lanes_kv[:, :, nkv:].transpose(1, 2)
             with sdpa_kernel([self.sdpa_backend]):
-                o = grouped_attention(q.view(lanes, n, nkv, rep, hd), keys, values, mask, self._scale)
-            x, h = self._add_norm(x, linear(o, layer.w_o, layer.b_o), layer.norm_post)
-            act = self._silu_mul(linear(h, layer.w_gate_up, layer.b_gate_up))
-            after = layers[li + 1].norm_in if li + 1 < len(layers) else self.norm
-            x, h = self._add_norm(x, linear(act, layer.w_down, layer.b_down), after)
+                o = grouped_attention(
+                    q.view(lanes, n, nkv, rep, hd),
+                    keys,
+                    values,
+                    mask,
+                    self._scale,
+                    out=self._padded_input(layer.w_o, rows, pad),
+                )
+            post = self._padded_input(layer.w_gate_up, rows, pad)
+            x, h = self._add_norm(x, linear(o, layer.w_o, layer.b_o), layer.norm_post, out=post)
+            act = self._silu_mul(
+                linear(h, layer.w_gate_up, layer.b_gate_up), out=self._padded_input(layer.w_down, rows, pad)
+            )
+            nxt = layers[li + 1] if li + 1 < len(layers) else None
+            after = self._padded_input(nxt.w_qkv if nxt else self.lm_head, rows, pad)
+            x, h = self._add_norm(
+                x, linear(act, layer.w_down, layer.b_down), nxt.norm_in if nxt else self.norm, out=after
+            )
             if li in taps:
                 tapped[li] = x
         head_in = h if logit_rows is None else h.index_select(0, logit_rows)  # the final norm's rows

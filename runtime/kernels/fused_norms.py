@@ -110,11 +110,13 @@ class FusedNormsKernel(ModuleFunctions):
         self._call("add_rms_norm_llama", (h, d, w, h_out, x_out, eps), h.is_cuda)
         return h_out, x_out
 
-    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """``F.silu(gate) * up`` for ``gate, up = gu.chunk(2, -1)``: [rows, I] in gu's dtype (a new
-        tensor; bit-identical to torch's). gu [rows, 2 I], the last dim contiguous. Raises
-        ValueError / TypeError (from the module) as `add_rms_norm`."""
-        out = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+    def silu_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.silu(gate) * up`` for ``gate, up = gu.chunk(2, -1)``: [rows, I] in gu's dtype
+        (bit-identical to torch's), written into `out` ([rows, I], any row stride, the last dim
+        contiguous) or a new tensor. gu [rows, 2 I], the last dim contiguous. Raises ValueError /
+        TypeError (from the module) as `add_rms_norm`."""
+        if out is None:
+            out = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
         self._call("silu_mul", (gu, out), gu.is_cuda)
         return out
 

@@ -21,6 +21,7 @@ from ignis.runtime.families import llama_graphs
 from ignis.runtime.families.llama import LlamaExecutor
 from ignis.runtime.families.llama_graphs import StaticLlamaExecutor, rope_qk, signed_sin
 from ignis.runtime.kernels.fused_norms import FusedNormsKernel
+from ignis.runtime.linear import LinearBackend
 
 #: aten ops that launch nothing on a device (views, metadata, allocations).
 _NO_KERNEL = frozenset(
@@ -123,11 +124,17 @@ def emulated_norms(count: KernelCount | None = None) -> FusedNormsKernel:
 
 
 def _body_kernels(
-    ex: StaticLlamaExecutor, monkeypatch: pytest.MonkeyPatch, layers: int, *, fused: bool = False
+    ex: StaticLlamaExecutor,
+    monkeypatch: pytest.MonkeyPatch,
+    layers: int,
+    *,
+    fused: bool = False,
+    count: KernelCount | None = None,
 ) -> KernelCount:
     """Kernels of one static decode round of 2 lanes through the first `layers` decoder layers
-    (fused: with the emulated fused norms, `emulated_norms`)."""
-    count = KernelCount()
+    (fused: with the emulated fused norms, `emulated_norms`), counted into `count` (default: a new
+    one)."""
+    count = KernelCount() if count is None else count
 
     def one_kernel(fn):  # type: ignore[no-untyped-def]
         return _one_kernel(count, fn)
@@ -294,3 +301,113 @@ def test_norms_module_needs_cuda_and_the_llama_norm(tiny) -> None:  # type: igno
     old = {k: v for k, v in emulated_norms().funcs.items() if k != "add_rms_norm_llama"}
     with pytest.raises(ValueError, match="add_rms_norm_llama"):
         ex.norms_module = old
+
+
+# ---------------------------------------------------------------------------------------------
+# q4 weights padded to K % 128 == 0 (a build's q4_pad_k): the rounds' activations pre-padded
+
+
+def _q4_weights(weights: dict) -> dict:  # type: ignore[type-arg]
+    """The tiny model's linear weights as q4_g32 `Q4Weight`s (row-major), the rest as they are."""
+    from ignis.formats import quantize_q4_g32
+    from ignis.runtime.linear import Q4Weight
+
+    out = {}
+    for name, t in weights.items():
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
+            packed, scales = quantize_q4_g32(t.float().numpy())
+            out[name] = Q4Weight(torch.from_numpy(packed.view("int32")), torch.from_numpy(scales))
+        else:
+            out[name] = t
+    return out
+
+
+def _padded_backend(calls: list, count: KernelCount | None = None):  # type: ignore[no-untyped-def,type-arg]
+    """A `LinearBackend` whose stand-in "q4_g32_tiled" functions (the math in torch from the tiled
+    parts; each counted as one kernel by `count`) serve the tiny llama's fused shapes, every K padded
+    to 128 (as `padded_in_features` functions); `calls` gets (x's data_ptr, x's shape) per call."""
+    from ignis.runtime.kernels.q4_tiled import untile_q4
+    from ignis.runtime.linear import CompiledLinears, LinearBackend, Q4Weight, torch_linear
+
+    def call(x, codes, scales, y):  # type: ignore[no-untyped-def]
+        assert codes.shape[1] * 128 == x.shape[1] and x.is_contiguous()
+        calls.append((x.data_ptr(), tuple(x.shape)))
+        p, s = untile_q4(codes, scales, y.shape[1])
+        y.copy_(torch_linear(x, Q4Weight(p, s)))
+
+    fn = call if count is None else _one_kernel(count, call, "q4_tiled")
+    shapes = {(128, 64), (64, 64), (320, 64), (64, 160), (384, 64)}  # qkv, o, gate|up, down, head
+    fns = {(w, "q4_g32_tiled", n, k, "float32"): (fn, True, False, "m") for w in (8, 16) for n, k in shapes}
+    return LinearBackend(CompiledLinears(fns, (8, 16)))
+
+
+def test_padded_linears_read_the_rounds_padded_buffers(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Every q4 linear of the tiny llama has K % 128 != 0; with (stand-ins of) padded tiled functions
+    its weights are tiled with zero columns, and in static rounds each linear's activations are
+    written by the op before it (the norms, the attention output's copy, silu_mul) into a zero-padded
+    buffer of the executor, which the tiled function reads as it is (no padding copy). The logits
+    equal those of the same q4 weights on torch (the reference q4 matmul, unpadded) to float32
+    rounding, and greedy choices agree; long (eager) forwards let the backend pad."""
+    config, weights = tiny
+    q4 = _q4_weights(weights)
+    calls: list = []  # type: ignore[type-arg]
+    kw = {"max_lanes": 2, "max_context": 64, "kv_bucket": 16}
+    ex = StaticLlamaExecutor(config, q4, linear=_padded_backend(calls), chunked_prefill=0, **kw)
+    layer = ex.layers[0]
+    for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down, ex.lm_head):
+        assert w.is_tiled and w.cols is not None and w.padded_in_features % 128 == 0  # type: ignore[union-attr]
+    assert sorted(ex._pad_bufs) == [(64, 128), (160, 256)]
+    ref = StaticLlamaExecutor(config, q4, linear=LinearBackend(), chunked_prefill=0, **kw)
+    want = _rounds(ref)
+    calls.clear()
+    got = _rounds(ex)
+    bufs = {b.data_ptr(): b for b in ex._pad_bufs.values()}
+    assert calls and all(ptr in bufs for ptr, _shape in calls)  # every call read a padded buffer
+    assert {shape[1] for _ptr, shape in calls} == {128, 256}
+    for b in ex._pad_bufs.values():  # the padding columns stay zero
+        k = 64 if b.shape[1] == 128 else 160
+        assert not b[:, k:].any()
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    # a long forward (past max_columns, eager): the backend pads each call itself
+    calls.clear()
+    lane = ex.new_lane()
+    long = ex.forward([lane], [torch.arange(3, 23)], logits="last")
+    assert calls and not any(ptr in bufs for ptr, _shape in calls)
+    ref_lane = ref.new_lane()
+    torch.testing.assert_close(
+        long.logits[0],
+        ref.forward([ref_lane], [torch.arange(3, 23)], logits="last").logits[0],
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def test_padded_linears_add_no_kernels(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """With padded weights and the fused norms a layer adds no padding kernels: the norms and
+    silu_mul write into the padded buffers; the attention output is copied into its buffer (1
+    kernel: on CUDA it replaces the copy that reshape makes of the memory-efficient SDPA's output,
+    which is not in row order; the CPU's math SDPA at one column is, so here it shows as one more)."""
+    config, weights = tiny
+    count = KernelCount()
+    ex = StaticLlamaExecutor(
+        config,
+        _q4_weights(weights),
+        linear=_padded_backend([], count),
+        max_lanes=2,
+        max_context=64,
+        kv_bucket=16,
+    )
+
+    def per_layer() -> Counter[str]:
+        count.ops.clear()
+        one = _body_kernels(ex, monkeypatch, 1, fused=True, count=count)
+        one_ops = Counter(one.ops)
+        count.ops.clear()
+        two = _body_kernels(ex, monkeypatch, 2, fused=True, count=count)
+        return two.ops - one_ops
+
+    ops = per_layer()
+    assert sum(ops.values()) == 14 + 1, dict(ops)
+    assert ops["q4_tiled"] == 4 and ops["aten.copy_"] == 1 and ops["aten.new_zeros"] == 0
