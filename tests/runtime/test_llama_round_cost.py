@@ -9,6 +9,7 @@ On the CPU the body runs eagerly: the aten ops it dispatches are the kernels the
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import hf_tiny  # tests/ is on pytest's pythonpath
 import pytest
@@ -411,3 +412,165 @@ def test_padded_linears_add_no_kernels(tiny, monkeypatch: pytest.MonkeyPatch) ->
     ops = per_layer()
     assert sum(ops.values()) == 14 + 1, dict(ops)
     assert ops["q4_tiled"] == 4 and ops["aten.copy_"] == 1 and ops["aten.new_zeros"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (marker gpu): the compiled kernels and the padded tiled route
+
+
+def _norms_on_gpu() -> FusedNormsKernel:
+    """The compiled fused norms ($IGNIS_NORMS_MODULE, else built for this GPU with nvcc), or skip."""
+    from hybrid_graph_checks import module_path
+
+    path = module_path("IGNIS_NORMS_MODULE", "fused_norms", "build_fused_norms")
+    if path is None:
+        pytest.skip("no compiled norms module ($IGNIS_NORMS_MODULE) and no nvcc")
+    kernel = FusedNormsKernel(path)
+    if not kernel.has_add_rms_norm_llama:
+        pytest.skip("the norms module predates add_rms_norm_llama")
+    return kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_add_rms_norm_llama_on_the_gpu_is_its_cpu_model(dtype: torch.dtype) -> None:
+    """The compiled add_rms_norm_llama against its CPU model (the sum's order modelled: at most a
+    rounding step of the normed row apart), writing x_out into the front columns of a wider zero
+    buffer (the padded activations) without touching the rest; silu_mul into a strided out too."""
+    from ignis.compiler.kernels.fused_norms import add_rms_norm_llama_emulated, silu_mul_emulated
+
+    kernel = _norms_on_gpu()
+    gen = torch.Generator().manual_seed(1)
+    for rows, hidden in ((1, 576), (8, 576), (40, 1536), (3, 9000)):
+        h = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+        d = torch.randn(rows, hidden, generator=gen).to(dtype)
+        w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+        want_h, want_x = add_rms_norm_llama_emulated(h, d, w, 1e-5)
+        buf = torch.zeros(rows, hidden + 64, dtype=dtype, device="cuda")
+        got_h, got_x = kernel.add_rms_norm_llama(h.cuda(), d.cuda(), w.cuda(), 1e-5, x_out=buf[:, :hidden])
+        assert torch.equal(got_h.cpu(), want_h)
+        diff = (got_x.cpu().float() - want_x.float()).abs()
+        scale = want_x.float().abs().clamp_min(1e-30) * torch.finfo(dtype).eps
+        assert (diff <= 2 * scale + 1e-30).all(), (rows, hidden, float((diff / scale).max()))
+        assert not buf[:, hidden:].any()
+    gu = torch.randn(5, 2 * 1536, generator=gen).to(dtype)
+    out = torch.zeros(5, 1536 + 128, dtype=dtype, device="cuda")
+    kernel.silu_mul(gu.cuda(), out=out[:, :1536])
+    torch.testing.assert_close(out[:, :1536].cpu(), silu_mul_emulated(gu), atol=1e-6, rtol=1e-2)
+    assert not out[:, 1536:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_rounds_on_the_gpu_match_the_torch_norms(tiny, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """StaticLlamaExecutor on CUDA (graphs) with the compiled fused norms against the same executor
+    with torch's norms: logits to the tolerance of another summation order, greedy equal where the
+    margin is clear; a replayed graph gives the eager round's logits (to the same tolerance: cuBLAS
+    may pick another algorithm under capture)."""
+    config, weights = tiny
+    kernel = _norms_on_gpu()
+    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 2, "max_context": 64, "kv_bucket": 16}
+    plain = StaticLlamaExecutor(config, weights, **kw)
+    fused = StaticLlamaExecutor(config, weights, norms_module=kernel, **kw)
+    eager = StaticLlamaExecutor(config, weights, norms_module=kernel, cuda_graphs=False, **kw)
+    outs = []
+    for ex in (plain, fused, eager):
+        a, b = ex.new_lane(), ex.new_lane()
+        first = ex.forward([a, b], [torch.arange(1, 9, device="cuda"), torch.arange(20, 25, device="cuda")])
+        ex.commit([a, b], [8, 5])
+        second = ex.forward(
+            [a, b], [torch.tensor([7, 8, 9, 10], device="cuda"), torch.tensor([3], device="cuda")]
+        )
+        outs.append([t.float().cpu() for t in list(first.logits) + list(second.logits)])
+    assert fused.num_replays > 0
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    for p, f, e in zip(*outs, strict=True):
+        torch.testing.assert_close(f, p, **tol)
+        torch.testing.assert_close(f, e, **tol)
+
+
+def _build_padded_llama(card: str, tmp_path: Path) -> Path:
+    """A tiny llama whose q4 linears all have K % 128 != 0 (hidden 192, intermediate 320, head_dim
+    48), built for `card` with the recipe's q4_pad_k, in a subprocess. Returns the artifact."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    ckpt = hf_tiny.save_tiny(
+        hf_tiny.tiny_model(
+            "llama", hidden_size=192, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2
+        ),
+        tmp_path / "ckpt",
+        tokenizer=hf_tiny.tiny_tokenizer(),
+    )
+    (tmp_path / "r.toml").write_text('name = "tiny"\n[modules]\nwidths = [1, 4, 8, 16]\nq4_pad_k = true\n')
+    out = tmp_path / "tiny"
+    code = textwrap.dedent(
+        f"""
+        from ignis.compiler.build import build_artifact
+        build_artifact(card={card!r}, model={str(ckpt)!r}, recipe={str(tmp_path / "r.toml")!r},
+                       out={str(out)!r}, progress=False, echo=lambda _l: None)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=dict(os.environ)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_padded_tiled_modules_serve_like_torch(tmp_path: Path) -> None:
+    """A tiny llama whose every q4 linear has K % 128 != 0, built with q4_pad_k for this GPU's card:
+    `make_executor` on CUDA (the graphed static executor) places every q4 weight tiled and padded,
+    takes the fused norms, runs the padded tiled functions (no fallback to torch), and greedy
+    decoding gives the tokens of the same artifact on torch (near-ties reported, not hidden)."""
+    import os
+    import shutil
+
+    prebuilt = os.environ.get("IGNIS_PADDED_TILED_ARTIFACT")
+    if prebuilt:
+        out = Path(prebuilt)
+    else:
+        if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
+            pytest.skip("building the GPU artifact needs nvcc (or IGNIS_PADDED_TILED_ARTIFACT)")
+        major, minor = torch.cuda.get_device_capability()
+        card = {(9, 0): "h200", (12, 0): "rtx5090"}.get((major, minor))
+        if card is None:
+            pytest.skip(f"no card profile for sm_{major}{minor}")
+        out = _build_padded_llama(card, tmp_path)
+    from ignis.runtime.artifact import load_artifact
+
+    with load_artifact(out) as art:
+        assert any(f.padded_in_features for e in art.manifest.modules for f in e.functions)
+        backend = art.linear_backend()
+        ex = art.make_executor(device="cuda", dtype=torch.bfloat16, linear=backend)
+        assert isinstance(ex, StaticLlamaExecutor) and ex.norms_module is not None
+        layer = ex.layers[0]
+        for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down):
+            assert w.is_tiled and w.cols is not None  # type: ignore[union-attr]
+        ref = art.make_executor(device="cuda", dtype=torch.bfloat16, cuda_graphs=False)
+        prompt = torch.tensor([5, 17, 33, 2, 90, 41, 7], device="cuda")
+        results = []
+        for executor in (ex, ref):
+            lane = executor.new_lane()
+            o = executor.forward([lane], [prompt], record=False)
+            executor.commit([lane], [prompt.numel()])
+            toks, margins = [], []
+            row = o.logits[0][-1].float()
+            for _ in range(16):
+                top = row.topk(2)
+                toks.append(int(top.indices[0]))
+                margins.append(float(top.values[0] - top.values[1]))
+                o = executor.forward([lane], [torch.tensor([toks[-1]], device="cuda")])
+                executor.commit([lane], [1])
+                row = o.logits[0][-1].float()
+            results.append((toks, margins))
+        (got, _), (want, margins) = results
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        assert first is None or margins[first] < 0.1, (got, want, margins)
+        assert backend.counts["compiled"] > 0 and backend.counts["fallback"] == 0
