@@ -146,6 +146,11 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   raise ValueError, dtypes TypeError; they allocate nothing and run on the caller's CUDA stream
   (capturable in a CUDA graph).
 
+* `rope_kv`, abi 1 (the same library as `gdn_conv_silu`; `ignis.compiler.kernels.fused_mixers`; target
+  kind "cuda"): `name(q[rows, H, D], k[rows, Hkv, D], v[rows, Hkv, D], cos[rows, rot], sin[rows, rot],
+  pos int64[rows], slots int64[L], kc[S, cap, Hkv, D], vc[S, cap, Hkv, D], q_out[rows, H, D])`:
+  `qk_norm_rope_kv` without the norms (y = x), the same dtypes, strides, limits, writes and errors.
+
 * `gated_attention`, abi 1 (the same library as `gdn_conv_silu`; `ignis.compiler.kernels.fused_mixers`,
   `gated_attention.cuh`; target kind "cuda"; sm_80+): `name(q[rows, H, D], kc[S, cap, Hkv, D],
   vc[S, cap, Hkv, D], gate[rows, H, D], pos int64[rows], slots int64[L], out[rows, H * D],
@@ -162,7 +167,7 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
 
 Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, `gdn_conv_silu`,
 `qk_norm_rope_kv`, `gated_attention`, `gdn_recurrent_stash`, `gdn_replay`, `silu_mul`,
-`narrow_linear`, `add_rms_norm_llama`, after `topk`) are refused by a reader that predates them (a
+`narrow_linear`, `add_rms_norm_llama`, `rope_kv`, after `topk`) are refused by a reader that predates them (a
 `ManifestError` naming `kernels[i].kind`).
 
 Widths 33..64 (8 lanes x 8 columns in one call on the tiled route) were allowed within version 2
@@ -255,6 +260,7 @@ KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
         "moe_q4_gate_up": 1,
         "moe_q4_down": 1,
         "add_rms_norm_llama": 1,
+        "rope_kv": 1,
     }
 )
 KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
@@ -273,6 +279,7 @@ KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
         "moe_q4_gate_up": "cuda",
         "moe_q4_down": "cuda",
         "add_rms_norm_llama": "cuda",
+        "rope_kv": "cuda",
     }
 )
 

@@ -535,17 +535,23 @@ class Artifact:
 
     def _llama_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
         """`StaticLlamaExecutor` keyword arguments: ``norms_module`` when the manifest lists the fused
-        norms with ``add_rms_norm_llama`` for `dtype` and the library loads (artifacts built before
-        it: none, the torch norms)."""
+        norms with ``add_rms_norm_llama`` for `dtype` and the library loads, ``mixers_module`` the
+        same for the fused mixers with ``rope_kv`` (artifacts built before them: none, the torch
+        ops)."""
         name = str(dtype).removeprefix("torch.")
-        if self.manifest.kernel("add_rms_norm_llama", name) is None or any(
-            self.manifest.kernel(kind, name) is None for kind in LIBRARIES["fused_norms"].required
+        out: dict[str, Any] = {}
+        for arg, lib, kind, has in (
+            ("norms_module", "fused_norms", "add_rms_norm_llama", "has_add_rms_norm_llama"),
+            ("mixers_module", "fused_mixers", "rope_kv", "has_rope_kv"),
         ):
-            return {}
-        module = self.kernel_library("fused_norms")
-        if module is None or not module.has_add_rms_norm_llama:
-            return {}
-        return {"norms_module": module}
+            if self.manifest.kernel(kind, name) is None or any(
+                self.manifest.kernel(k, name) is None for k in LIBRARIES[lib].required
+            ):
+                continue
+            module = self.kernel_library(lib)
+            if module is not None and getattr(module, has):
+                out[arg] = module
+        return out
 
     def _hybrid_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
         """`StaticHybridExecutor` keyword arguments for the fused kernels that take `dtype` (only the

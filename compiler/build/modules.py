@@ -55,7 +55,7 @@ Which functions, per card:
     `gated_rms_norm`, `silu_mul`, `narrow_linear` and `add_rms_norm_llama`): the hybrid families'
     fused residual-add + RMSNorm and gated RMSNorm, the dense MLP's SwiGLU activation and the GDN's
     b|a projection; for llama and qwen2, the residual add + HF LlamaRMSNorm and the SwiGLU
-    activation of `StaticLlamaExecutor`;
+    activation of `StaticLlamaExecutor`, whose RoPE + KV write is `fused_mixers.so`'s `rope_kv`;
   - `modules/<card>/fused_mixers.so` (`fused_mixers.build_fused_mixers`, kinds `gdn_conv_silu`,
     `qk_norm_rope_kv` and `gated_attention`): the hybrid families' GDN conv1d + SiLU, attention
     q/k norm + RoPE + KV write and the gated attention itself (bf16 / f16 only; head_dims it does not
@@ -209,7 +209,8 @@ def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, .
 
     Returns:
         "topk" with a DFlash2 drafter; "fused_norms" for llama and qwen2 configs (the
-        `StaticLlamaExecutor`'s ``add_rms_norm_llama`` and ``silu_mul``); for hybrid configs
+        `StaticLlamaExecutor`'s ``add_rms_norm_llama`` and ``silu_mul``) and "fused_mixers" when
+        their head_dim is even and at most `MIXERS_MAX_HEAD_DIM` (its ``rope_kv``); for hybrid configs
         (qwen3_5, qwen3_5_moe, qwen3_next: the `StaticHybridExecutor` families) "gdn_recurrent" when
         `gdn_kernel_fits`, "fused_norms", "fused_mixers" when `mixers_kernel_fits`, and
         "moe_experts" when `moe_kernel_fits` (MoE configs: the grouped routed-expert linears).
@@ -222,6 +223,9 @@ def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, .
         out.append("topk")
     if isinstance(config, LlamaConfig | Qwen2Config):
         out.append("fused_norms")  # add_rms_norm_llama and silu_mul (`StaticLlamaExecutor`)
+        hd = config.head_dim or config.hidden_size // config.num_attention_heads
+        if 1 <= hd <= MIXERS_MAX_HEAD_DIM and hd % 2 == 0:
+            out.append("fused_mixers")  # rope_kv
     if isinstance(config, HybridConfig):
         if gdn_kernel_fits(config):
             out.append("gdn_recurrent")

@@ -23,6 +23,10 @@ three functions replace per-layer chains of them in ``StaticHybridExecutor``'s s
       o = round(round(y * cos) + round(rotate_half(y) * sin))  on e < rot, y elsewhere
       q_out[r] = o(q[r]);  kc[slots[r // n], pos[r]] = o(k[r]);  vc[slots[r // n], pos[r]] = v[r]
 
+* ``rope_kv(q, k, v, cos, sin, pos, slots, kc, vc, q_out)`` -- the same kernel without the norms,
+  once per layer of the llama / qwen2 rounds (``StaticLlamaExecutor``; torch: RoPE of q and k in 4
+  kernels and the pool write): ``o = round(round(x * cos) + round(rotate_half(x) * sin))``, bit for
+  bit torch's ``x * cos + rotate_half(x) * sin`` in the model dtype.
 * ``gated_attention(q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)`` --
   once per full-attention layer, after ``qk_norm_rope_kv``: grouped-query attention of the round's
   query rows over their lanes' caches, masked at each row's position, times the sigmoid output gate
@@ -83,8 +87,8 @@ __all__ = [
     "gdn_conv_silu_reference",
     "qk_norm_rope_kv_emulated",
     "qk_norm_rope_kv_reference",
+    "rope_kv_emulated",
 ]
-
 
 
 class FusedMixersError(ValueError):
@@ -220,6 +224,32 @@ def qk_norm_rope_kv_emulated(
     ok = (slot_rows >= 0) & (slot_rows < kc.shape[0]) & (pos >= 0) & (pos < kc.shape[1])
     q_out.copy_(_rope_emulated(_head_norm_emulated(q, wq, eps), cos, sin, dtype))
     keys = _rope_emulated(_head_norm_emulated(k, wk, eps), cos, sin, dtype)
+    kc[slot_rows[ok], pos[ok]] = keys[ok]
+    vc[slot_rows[ok], pos[ok]] = v[ok]
+
+
+def rope_kv_emulated(
+    q: Any,
+    k: Any,
+    v: Any,
+    cos: Any,
+    sin: Any,
+    pos: Any,
+    slots: Any,
+    kc: Any,
+    vc: Any,
+    q_out: Any,
+) -> None:
+    """CPU model of ``rope_kv`` (``qk_norm_rope_kv`` without the norms: llama / qwen2) with the
+    module's arguments: writes ``q_out`` = the rotated q and the rotated keys / the values into kc /
+    vc at ``[slots[r // n], pos[r]]`` (rows out of range write nothing). Its torch path is
+    `StaticLlamaExecutor`'s `rope_qk` and KV write (the same three roundings: bit-identical)."""
+    dtype = q.dtype
+    rows = q.shape[0]
+    slot_rows = slots.repeat_interleave(rows // slots.shape[0])
+    ok = (slot_rows >= 0) & (slot_rows < kc.shape[0]) & (pos >= 0) & (pos < kc.shape[1])
+    q_out.copy_(_rope_emulated(q.float(), cos, sin, dtype))
+    keys = _rope_emulated(k.float(), cos, sin, dtype)
     kc[slot_rows[ok], pos[ok]] = keys[ok]
     vc[slot_rows[ok], pos[ok]] = v[ok]
 

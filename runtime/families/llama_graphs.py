@@ -62,7 +62,8 @@ Kernels of a layer (each a node of the graph a round replays): the input norm wi
 before it (one ``add_rms_norm_llama`` launch with ``norms_module``, else an add and torch's norm: 2
 kernels in float32, 4 in 16-bit dtypes), the q|k|v linear, RoPE of q and k together written back into
 the linear's output (4 kernels, `rope_qk`), so that a position's keys and values, adjacent there, go
-into the pool in one write; one gather of the lanes' keys and values, SDPA, the o linear, the post-
+into the pool in one write (with ``mixers_module``: RoPE and the write in one ``rope_kv`` launch,
+bit-identical); one gather of the lanes' keys and values, SDPA, the o linear, the post-
 attention norm with its add, the gate|up linear, ``silu_mul`` (or torch's silu and product) and the
 down linear. `tests/runtime/test_llama_round_cost.py` counts them.
 
@@ -94,6 +95,7 @@ from ignis.runtime.families.static_rounds import (
     kv_bucket,
     run_chunks,
 )
+from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
 from ignis.runtime.kernels.fused_norms import SILU_MUL_MAX_ROWS, FusedNormsKernel
 from ignis.runtime.linear import LinearFn, Q4Weight
 
@@ -289,6 +291,9 @@ class StaticLlamaExecutor(LlamaExecutor):
             (``silu_mul``) of a fused-norms library (`FusedNormsKernel`, a loaded module or a ``.so``
             path; CUDA only), or None: the torch ops (module docstring, "Kernels of a layer"). Also
             settable later as the attribute (captured graphs are dropped then).
+        mixers_module: the fused RoPE + KV write (``rope_kv``) of a fused-mixers library
+            (`FusedMixersKernel`, a loaded module or a ``.so`` path; CUDA only), used by static
+            rounds, or None: `rope_qk` and the pool write in torch. Also settable later.
 
     Memory (bytes): KV 2 x layers x (max_lanes + 1) x capacity x kv_heads x head_dim x dtype size;
     with CUDA graphs a static logits buffer of 4 x L' x max_columns x vocab_size (L' =
@@ -314,9 +319,11 @@ class StaticLlamaExecutor(LlamaExecutor):
         chunked_prefill: int | None = None,
         kv_bucket: int = 256,
         norms_module: Any = None,
+        mixers_module: Any = None,
     ) -> None:
         super().__init__(config, weights, device=device, dtype=dtype, linear=linear)  # type: ignore[arg-type]
         self._norms_kernel: FusedNormsKernel | None = None
+        self._mixers_kernel: FusedMixersKernel | None = None
         self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
         c = config
         if max_lanes < 1 or max_columns < 1:
@@ -347,6 +354,7 @@ class StaticLlamaExecutor(LlamaExecutor):
         self._free: list[int] = list(range(max_lanes))
         self._pool: Any = None
         self.norms_module = norms_module
+        self.mixers_module = mixers_module
         self.num_captures = 0
         self.num_replays = 0
         self._allocate(max_lanes)
@@ -376,6 +384,31 @@ class StaticLlamaExecutor(LlamaExecutor):
                 )
         self._norms_kernel = source
         if self._graphs:  # captured with the other norms: recaptured on demand, in a new pool
+            self._graphs.clear()
+            self._pool = None
+
+    @property
+    def mixers_module(self) -> FusedMixersKernel | None:
+        """The fused RoPE + KV write (`FusedMixersKernel` with ``rope_kv``) static rounds run, or None
+        (torch's `rope_qk` and the pool write)."""
+        return self._mixers_kernel
+
+    @mixers_module.setter
+    def mixers_module(self, source: Any) -> None:
+        """Set from a loaded module, a ``.so`` path or a `FusedMixersKernel` (None: torch); captured
+        graphs are dropped.
+
+        Raises:
+            ValueError: a module on a device other than CUDA, or one without ``rope_kv``.
+        """
+        if source is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"mixers_module needs a CUDA device, got {self.device}")
+            source = FusedMixersKernel(source)
+            if not source.has_rope_kv:
+                raise ValueError("mixers_module: the fused mixers library has no rope_kv (built before it)")
+        self._mixers_kernel = source
+        if self._graphs:
             self._graphs.clear()
             self._pool = None
 
@@ -836,7 +869,8 @@ class StaticLlamaExecutor(LlamaExecutor):
         x = F.embedding(ids, self.embed)  # [R, H]
         pos_rows = pos.reshape(-1)
         cos, sin = self._rope(pos_rows)  # [R, 1, hd]
-        sin_signed = signed_sin(sin)
+        mixers = self._mixers_kernel if valid is None else None  # static rounds: one fused kernel
+        sin_signed = signed_sin(sin) if mixers is None else sin
         mask = round_mask(pos, bucket, rep)
         slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
         if valid is not None:
@@ -856,13 +890,26 @@ class StaticLlamaExecutor(LlamaExecutor):
         for li, layer in enumerate(layers):
             qkv = linear(h, layer.w_qkv, layer.b_qkv)  # [R, (nh + 2 nkv) hd]
             heads = qkv.view(rows, nh + 2 * nkv, hd)
-            # q and k rotated together, in place (`rope_qk`): qkv then holds [q | k | v] with k
-            # beside v, as a pool position holds them (keys then values)
-            rope_qk(heads[:, : nh + nkv], cos, sin_signed, out=heads[:, : nh + nkv])
-            q, kv_new = heads[:, :nh], heads[:, nh:]  # kv_new [R, 2 nkv, hd]
-            if valid is not None:
-                kv_new = kv_new[valid]
-            self._kv[li][slot_rows, key_rows] = kv_new  # keys and values: one write
+            if mixers is not None:  # RoPE of q and k and the keys' and values' write: one kernel
+                q = mixers.rope_kv(
+                    heads[:, :nh],
+                    heads[:, nh : nh + nkv],
+                    heads[:, nh + nkv :],
+                    cos.view(rows, hd),
+                    sin.view(rows, hd),
+                    pos_rows,
+                    slots,
+                    self._keys[li],
+                    self._values[li],
+                )
+            else:
+                # q and k rotated together, in place (`rope_qk`): qkv then holds [q | k | v] with k
+                # beside v, as a pool position holds them (keys then values)
+                rope_qk(heads[:, : nh + nkv], cos, sin_signed, out=heads[:, : nh + nkv])
+                q, kv_new = heads[:, :nh], heads[:, nh:]  # kv_new [R, 2 nkv, hd]
+                if valid is not None:
+                    kv_new = kv_new[valid]
+                self._kv[li][slot_rows, key_rows] = kv_new  # keys and values: one write
             lanes_kv = self._kv[li, :, :bucket].index_select(0, slots)  # [L, T, 2 nkv, hd]: one gather
             keys = lanes_kv[:, :, :nkv].transpose(1, 2)  # [L, nkv, T, hd]
             values = lanes_kv[:, :, nkv:].transpose(1, 2)

@@ -10,10 +10,12 @@ through `FusedMixersKernel`:
 * ``gdn_conv_silu``: the GDN conv state gather + causal conv1d + SiLU with the window write;
 * ``qk_norm_rope_kv``: attention's q/k (1 + w) RMSNorm + partial RoPE + KV scatter;
 * ``gated_attention``: gated GQA attention over the lanes' caches (split over keys when long:
-  `attention_split_keys`).
+  `attention_split_keys`);
+* ``rope_kv``: ``qk_norm_rope_kv`` without the norms, which `StaticLlamaExecutor` runs (llama / qwen2).
 
 Every library has the first two (`REQUIRED_FUNCTION_NAMES`); libraries built before
-``gated_attention`` lack it (`OPTIONAL_FUNCTION_NAMES`), which the binding then leaves to torch.
+``gated_attention`` or ``rope_kv`` lack them (`OPTIONAL_FUNCTION_NAMES`), which the binding then
+leaves to torch.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ __all__ = [
 
 REQUIRED_FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
 """The exports every fused-mixers library has (manifest kernel kinds of the same names)."""
-OPTIONAL_FUNCTION_NAMES = ("gated_attention",)
-"""The export libraries built before it lack (`FusedMixersKernel.has_gated_attention`)."""
+OPTIONAL_FUNCTION_NAMES = ("gated_attention", "rope_kv")
+"""The exports libraries built before them lack (`FusedMixersKernel.has_gated_attention`,
+`FusedMixersKernel.has_rope_kv`)."""
 FUNCTION_NAMES = REQUIRED_FUNCTION_NAMES + OPTIONAL_FUNCTION_NAMES
 """Every export of a library, in build order."""
 
@@ -186,6 +189,31 @@ class FusedMixersKernel(ModuleFunctions):
         out = qkv.new_empty(lanes, n, qkv.shape[-1])
         self._call("gdn_conv_silu", (qkv, state, slots, weight, windows, out), qkv.is_cuda)
         return out
+
+    @property
+    def has_rope_kv(self) -> bool:
+        """Whether the module exports ``rope_kv`` (libraries built before it do not)."""
+        return "rope_kv" in self.funcs
+
+    def rope_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+    ) -> torch.Tensor:
+        """`qk_norm_rope_kv` without the q/k norms (llama / qwen2): the rotated queries [rows, heads,
+        hd] in q's dtype (a new tensor); the rotated keys and the values written into kc / vc at
+        ``[slots[r // n], pos[r]]``. cos, sin [rows, rot] (sin as HF's, not negated). Same shapes and
+        errors as `qk_norm_rope_kv`."""
+        q_out = q.new_empty(q.shape)
+        self._call("rope_kv", (q, k, v, cos, sin, pos, slots, kc, vc, q_out), q.is_cuda)
+        return q_out
 
     def qk_norm_rope_kv(
         self,

@@ -70,6 +70,7 @@ _HYBRID = [
     ("gdn_conv_silu", "gdn_conv_silu", "fused_mixers.so"),
     ("qk_norm_rope_kv", "qk_norm_rope_kv", "fused_mixers.so"),
     ("gated_attention", "gated_attention", "fused_mixers.so"),
+    ("rope_kv", "rope_kv", "fused_mixers.so"),
 ]
 
 
@@ -203,7 +204,7 @@ def test_cross_compile_every_family_at_every_width(tmp_path: Path, card: str, ar
     wide = [16, 24, 32, 40, 48, 56, 64] if card == "h200" else [16, 32]
     assert list(m.widths) == [1, 2, 3, 4, 5, 6, 7, 8, *wide]
     assert {e.width for e in m.modules} == set(m.widths)
-    # llama: the fused norms (add_rms_norm_llama, silu_mul) of `StaticLlamaExecutor`
-    norms = [k for k in _HYBRID if k[2] == "fused_norms.so"]
+    # llama: the fused norms (add_rms_norm_llama, silu_mul) and mixers (rope_kv) of `StaticLlamaExecutor`
+    norms = [k for k in _HYBRID if k[2] in ("fused_norms.so", "fused_mixers.so")]
     _check_binaries(tmp_path / "tiny-gpu", card, arch, kernels=norms if drafter is None else _TOPK + _HYBRID)
     json.dumps(m.to_json())

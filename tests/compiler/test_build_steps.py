@@ -407,9 +407,9 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
     )
     # the top-k, the GDN recurrence (its round, the stash round and the replay), the fused norms
     # (add_rms_norm + gated_rms_norm + silu_mul + narrow_linear + add_rms_norm_llama) and the fused
-    # mixers (gdn_conv_silu + qk_norm_rope_kv + gated_attention)
+    # mixers (gdn_conv_silu + qk_norm_rope_kv + gated_attention + rope_kv)
     assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms", "fused_mixers")
-    assert hybrid.num_functions() == 12
+    assert hybrid.num_functions() == 13
     cpu = plan_modules(
         card="cpu",
         arch="llvm",
@@ -457,7 +457,8 @@ def test_select_kernels_by_drafter_family_and_gdn_shape() -> None:
     llama = LlamaConfig.from_hf(
         dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     )
-    assert select_kernels(config=llama, dflash2=True) == ("topk", "fused_norms")  # add_rms_norm_llama
+    # add_rms_norm_llama and silu_mul; rope_kv (head_dim 16)
+    assert select_kernels(config=llama, dflash2=True) == ("topk", "fused_norms", "fused_mixers")
     assert select_kernels(config=_hybrid_config()) == ("gdn_recurrent", "fused_norms", "fused_mixers")
     # the kernel's limits: k_dim <= MAX_KEY_DIM, value heads a multiple of key heads
     assert gdn_kernel_fits(_hybrid_config(linear_key_head_dim=MAX_KEY_DIM))
@@ -585,6 +586,7 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
             target,
             ("bfloat16", "float16"),
         ),
+        KernelEntry("rope_kv", "rope_kv", 1, "modules/h200/fused_mixers.so", target, dtypes),
     ]
 
 
@@ -608,7 +610,7 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
             "fused_mixers",
             "fused_mixers",
             "build_fused_mixers",
-            ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention"),
+            ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention", "rope_kv"),
         ),
     ],
 )

@@ -93,7 +93,7 @@ def test_a_plan_on_the_tensorir_route_is_refused_without_tvm(tmp_path: Path) -> 
 def test_with_q4_pad_k_the_same_plan_builds_without_tvm(tmp_path: Path) -> None:
     """The model above with the recipe's q4_pad_k: its K = 160 linears take the tiled route over K
     padded to 256 (functions q4t_n{N}_k160_pad256, padded_in_features 256), so the h200 build needs
-    no TVM; the fused norms of the llama rounds are built beside them."""
+    no TVM; the fused norms and RoPE + KV write of the llama rounds are built beside them."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(TESTS))
     import hf_tiny
@@ -114,7 +114,7 @@ def test_with_q4_pad_k_the_same_plan_builds_without_tvm(tmp_path: Path) -> None:
     down = fns["q4t_n128_k160_pad256"]
     assert (down.kind, down.in_features, down.padded_in_features) == ("q4_g32_tiled", 160, 256)
     assert all(f.padded_in_features is None for f in fns.values() if f.in_features % 128 == 0)
-    assert {k.kind for k in m.kernels} >= {"add_rms_norm_llama", "silu_mul"}
+    assert {k.kind for k in m.kernels} >= {"add_rms_norm_llama", "silu_mul", "rope_kv"}
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit (nvcc)")

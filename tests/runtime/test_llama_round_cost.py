@@ -21,6 +21,7 @@ from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thr
 from ignis.runtime.families import llama_graphs
 from ignis.runtime.families.llama import LlamaExecutor
 from ignis.runtime.families.llama_graphs import StaticLlamaExecutor, rope_qk, signed_sin
+from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
 from ignis.runtime.kernels.fused_norms import FusedNormsKernel
 from ignis.runtime.linear import LinearBackend
 
@@ -124,18 +125,33 @@ def emulated_norms(count: KernelCount | None = None) -> FusedNormsKernel:
     return FusedNormsKernel({"add_rms_norm": unused, "gated_rms_norm": unused, **funcs})
 
 
+def emulated_mixers(count: KernelCount | None = None) -> FusedMixersKernel:
+    """A `FusedMixersKernel` over the CPU model of ``rope_kv`` (counted by `count` as the one kernel
+    it launches on CUDA); the hybrid's mixers raise."""
+    from ignis.compiler.kernels.fused_mixers import rope_kv_emulated
+
+    def unused(*args):  # type: ignore[no-untyped-def]
+        raise AssertionError("the llama rounds do not run the hybrid's mixers")
+
+    fn = rope_kv_emulated if count is None else _one_kernel(count, rope_kv_emulated, "rope_kv")
+    return FusedMixersKernel({"gdn_conv_silu": unused, "qk_norm_rope_kv": unused, "rope_kv": fn})
+
+
 def _body_kernels(
     ex: StaticLlamaExecutor,
     monkeypatch: pytest.MonkeyPatch,
     layers: int,
     *,
     fused: bool = False,
+    mixers: bool = False,
     count: KernelCount | None = None,
 ) -> KernelCount:
     """Kernels of one static decode round of 2 lanes through the first `layers` decoder layers
-    (fused: with the emulated fused norms, `emulated_norms`), counted into `count` (default: a new
-    one)."""
+    (fused: with the emulated fused norms, `emulated_norms`; mixers: the emulated ``rope_kv``),
+    counted into `count` (default: a new one)."""
     count = KernelCount() if count is None else count
+    if mixers:
+        monkeypatch.setattr(ex, "_mixers_kernel", emulated_mixers(count))
 
     def one_kernel(fn):  # type: ignore[no-untyped-def]
         return _one_kernel(count, fn)
@@ -266,6 +282,40 @@ def test_host_work_of_a_round_does_not_grow_with_the_lanes(tiny, columns: int) -
     assert one <= two <= 13, (one, two)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoder_layer_with_the_fused_norms_and_rope_kv(  # type: ignore[no-untyped-def]
+    tiny, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """With ``rope_kv`` too (`mixers_module`, here its CPU model counted as one kernel): RoPE 4 and
+    the KV write 1 become 1, so a layer is 10 kernels: add + norm (x2), qkv, rope_kv, KV gather,
+    SDPA, o, gate|up, silu_mul, down."""
+    config, weights = tiny
+    ex = StaticLlamaExecutor(config, weights, dtype=dtype, max_lanes=2, max_context=64, kv_bucket=16)
+    one = _body_kernels(ex, monkeypatch, 1, fused=True, mixers=True)
+    two = _body_kernels(ex, monkeypatch, 2, fused=True, mixers=True)
+    per_layer = two.ops - one.ops
+    assert sum(per_layer.values()) == 10, dict(per_layer)
+    assert per_layer["rope_kv"] == 1 and per_layer["aten.index_put_"] == 0 and per_layer["aten.cat"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_kv_rounds_are_bit_identical_to_the_torch_rope(tiny, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """The fused RoPE + KV write (its CPU model, the kernel's roundings) gives the torch path's
+    logits and pool bit for bit (HF's three roundings either way); long forwards keep torch."""
+    config, weights = tiny
+    kw = {"dtype": dtype, "max_lanes": 2, "max_context": 64, "kv_bucket": 16, "chunked_prefill": 0}
+    plain = StaticLlamaExecutor(config, weights, **kw)
+    fused = StaticLlamaExecutor(config, weights, **kw)
+    fused._mixers_kernel = emulated_mixers()  # the setter wants CUDA
+    want, got = _rounds(plain), _rounds(fused)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert torch.equal(plain._kv, fused._kv)
+    lanes = [ex.new_lane() for ex in (plain, fused)]
+    pairs = zip((plain, fused), lanes, strict=True)
+    longs = [ex.forward([lane], [torch.arange(3, 23)]).logits[0] for ex, lane in pairs]
+    assert torch.equal(longs[0], longs[1])
+
+
 def _rounds(ex: StaticLlamaExecutor) -> list[torch.Tensor]:
     """Logits of a prompt chunk of two lanes, then a verify round of 4 / 1 columns."""
     a, b = ex.new_lane(), ex.new_lane()
@@ -302,6 +352,8 @@ def test_norms_module_needs_cuda_and_the_llama_norm(tiny) -> None:  # type: igno
     old = {k: v for k, v in emulated_norms().funcs.items() if k != "add_rms_norm_llama"}
     with pytest.raises(ValueError, match="add_rms_norm_llama"):
         ex.norms_module = old
+    with pytest.raises(ValueError, match="rope_kv"):
+        ex.mixers_module = {k: v for k, v in emulated_mixers().funcs.items() if k != "rope_kv"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,20 +513,59 @@ def test_add_rms_norm_llama_on_the_gpu_is_its_cpu_model(dtype: torch.dtype) -> N
     assert not out[:, 1536:].any()
 
 
+def _mixers_on_gpu() -> FusedMixersKernel:
+    """The compiled fused mixers ($IGNIS_MIXERS_MODULE, else built for this GPU with nvcc), or skip."""
+    from hybrid_graph_checks import module_path
+
+    path = module_path("IGNIS_MIXERS_MODULE", "fused_mixers", "build_fused_mixers")
+    if path is None:
+        pytest.skip("no compiled mixers module ($IGNIS_MIXERS_MODULE) and no nvcc")
+    kernel = FusedMixersKernel(path)
+    if not kernel.has_rope_kv:
+        pytest.skip("the mixers module predates rope_kv")
+    return kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_kv_on_the_gpu_is_the_torch_rope_bit_for_bit(tiny, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """StaticLlamaExecutor's static rounds on CUDA with the compiled rope_kv (graphs) give the logits
+    and the pool of the same executor with torch's RoPE and KV write, bit for bit."""
+    config, weights = tiny
+    kernel = _mixers_on_gpu()
+    kw = {"device": "cuda", "dtype": dtype, "max_lanes": 2, "max_context": 64, "kv_bucket": 16}
+    plain = StaticLlamaExecutor(config, weights, cuda_graphs=False, **kw)
+    fused = StaticLlamaExecutor(config, weights, cuda_graphs=False, mixers_module=kernel, **kw)
+    outs = []
+    for ex in (plain, fused):
+        a, b = ex.new_lane(), ex.new_lane()
+        first = ex.forward([a, b], [torch.arange(1, 9, device="cuda"), torch.arange(20, 25, device="cuda")])
+        ex.commit([a, b], [8, 5])
+        second = ex.forward(
+            [a, b], [torch.tensor([7, 8, 9, 10], device="cuda"), torch.tensor([3], device="cuda")]
+        )
+        outs.append([t.cpu() for t in list(first.logits) + list(second.logits)])
+    assert all(torch.equal(f, p) for f, p in zip(outs[1], outs[0], strict=True))
+    assert torch.equal(plain._kv, fused._kv)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_rounds_on_the_gpu_match_the_torch_norms(tiny, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
-    """StaticLlamaExecutor on CUDA (graphs) with the compiled fused norms against the same executor
-    with torch's norms: logits to the tolerance of another summation order, greedy equal where the
+    """StaticLlamaExecutor on CUDA (graphs) with the compiled fused norms and rope_kv against the same
+    executor with torch's ops: logits to the tolerance of another summation order, greedy equal where the
     margin is clear; a replayed graph gives the eager round's logits (to the same tolerance: cuBLAS
     may pick another algorithm under capture)."""
     config, weights = tiny
-    kernel = _norms_on_gpu()
+    kernel, mixers = _norms_on_gpu(), _mixers_on_gpu()
     kw = {"device": "cuda", "dtype": dtype, "max_lanes": 2, "max_context": 64, "kv_bucket": 16}
     plain = StaticLlamaExecutor(config, weights, **kw)
-    fused = StaticLlamaExecutor(config, weights, norms_module=kernel, **kw)
-    eager = StaticLlamaExecutor(config, weights, norms_module=kernel, cuda_graphs=False, **kw)
+    fused = StaticLlamaExecutor(config, weights, norms_module=kernel, mixers_module=mixers, **kw)
+    eager = StaticLlamaExecutor(
+        config, weights, norms_module=kernel, mixers_module=mixers, cuda_graphs=False, **kw
+    )
     outs = []
     for ex in (plain, fused, eager):
         a, b = ex.new_lane(), ex.new_lane()
@@ -550,6 +641,7 @@ def test_padded_tiled_modules_serve_like_torch(tmp_path: Path) -> None:
         backend = art.linear_backend()
         ex = art.make_executor(device="cuda", dtype=torch.bfloat16, linear=backend)
         assert isinstance(ex, StaticLlamaExecutor) and ex.norms_module is not None
+        assert ex.mixers_module is not None
         layer = ex.layers[0]
         for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down):
             assert w.is_tiled and w.cols is not None  # type: ignore[union-attr]
