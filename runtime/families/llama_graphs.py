@@ -67,6 +67,14 @@ bit-identical); one gather of the lanes' keys and values, SDPA, the o linear, th
 attention norm with its add, the gate|up linear, ``silu_mul`` (or torch's silu and product) and the
 down linear. `tests/runtime/test_llama_round_cost.py` counts them.
 
+Padded q4 linears: a tiled q4 weight whose K is not a multiple of 128 is padded with zero columns to
+K' (a build's ``q4_pad_k``; `Q4Weight.cols`), and its function takes activations of K' columns. For
+each such (K, K') the executor keeps one zero buffer [rows of the widest round, K'] (allocated with the
+pools); in static rounds the op before the linear (the first norm and the fused add + norms, the copy
+of the attention output into row order, ``silu_mul``) writes its [rows, K] result into the buffer's
+first K columns and the linear reads all K' columns, with no padding copy. Columns past K are never
+written, so they stay zero. Long (eager) forwards leave the padding to `LinearBackend`.
+
 Numerics follow `LlamaExecutor`'s (HF's casts: RMSNorm statistics in float32, RoPE tables in float32
 cast to the activation dtype, softmax in float32) with two differences of rounding only: RMSNorm
 uses torch's fused `F.rms_norm` (or, with ``norms_module``, the fused kernel: HF's rounding points,
