@@ -150,6 +150,11 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   kind "cuda"): `name(q[rows, H, D], k[rows, Hkv, D], v[rows, Hkv, D], cos[rows, rot], sin[rows, rot],
   pos int64[rows], slots int64[L], kc[S, cap, Hkv, D], vc[S, cap, Hkv, D], q_out[rows, H, D])`:
   `qk_norm_rope_kv` without the norms (y = x), the same dtypes, strides, limits, writes and errors.
+* `grouped_attention`, abi 1 (the same library as `gated_attention`; target kind "cuda"; sm_80+;
+  `dtypes` bfloat16 / float16): `name(q, kc, vc, pos, slots, out, ws_o, ws_ml, max_keys: int,
+  split_keys: int, scale: float)`: `gated_attention` without the gate, `out[r, h] = round(attention)`;
+  out [rows, H * D] may have any even row stride >= H * D (its last dim contiguous); otherwise the
+  same shapes, limits and errors.
 
 * `gated_attention`, abi 1 (the same library as `gdn_conv_silu`; `ignis.compiler.kernels.fused_mixers`,
   `gated_attention.cuh`; target kind "cuda"; sm_80+): `name(q[rows, H, D], kc[S, cap, Hkv, D],
@@ -167,8 +172,8 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
 
 Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, `gdn_conv_silu`,
 `qk_norm_rope_kv`, `gated_attention`, `gdn_recurrent_stash`, `gdn_replay`, `silu_mul`,
-`narrow_linear`, `add_rms_norm_llama`, `rope_kv`, after `topk`) are refused by a reader that predates them (a
-`ManifestError` naming `kernels[i].kind`).
+`narrow_linear`, `add_rms_norm_llama`, `rope_kv`, `grouped_attention`, after `topk`) are refused by a
+reader that predates them (a `ManifestError` naming `kernels[i].kind`).
 
 Widths 33..64 (8 lanes x 8 columns in one call on the tiled route) were allowed within version 2
 (the h200 profile compiles every 8 rows to 64): a reader that predates it refuses such a manifest (a
@@ -261,6 +266,7 @@ KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
         "moe_q4_down": 1,
         "add_rms_norm_llama": 1,
         "rope_kv": 1,
+        "grouped_attention": 1,
     }
 )
 KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
@@ -280,6 +286,7 @@ KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
         "moe_q4_down": "cuda",
         "add_rms_norm_llama": "cuda",
         "rope_kv": "cuda",
+        "grouped_attention": "cuda",
     }
 )
 

@@ -27,6 +27,9 @@ three functions replace per-layer chains of them in ``StaticHybridExecutor``'s s
   once per layer of the llama / qwen2 rounds (``StaticLlamaExecutor``; torch: RoPE of q and k in 4
   kernels and the pool write): ``o = round(round(x * cos) + round(rotate_half(x) * sin))``, bit for
   bit torch's ``x * cos + rotate_half(x) * sin`` in the model dtype.
+* ``grouped_attention(q, kc, vc, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)`` -- the
+  next kernel without its gate (``out = round(attention)``, out's rows any even stride), once per
+  layer of the llama / qwen2 rounds in place of the cache gather, SDPA and the heads' permute.
 * ``gated_attention(q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)`` --
   once per full-attention layer, after ``qk_norm_rope_kv``: grouped-query attention of the round's
   query rows over their lanes' caches, masked at each row's position, times the sigmoid output gate
@@ -85,6 +88,7 @@ __all__ = [
     "gated_attention_smem_bytes",
     "gdn_conv_silu_emulated",
     "gdn_conv_silu_reference",
+    "grouped_attention_reference",
     "qk_norm_rope_kv_emulated",
     "qk_norm_rope_kv_reference",
     "rope_kv_emulated",
@@ -283,6 +287,15 @@ def gated_attention_reference(q: Any, kc: Any, vc: Any, gate: Any, pos: Any, slo
             o = torch.einsum("ht,the->he", torch.softmax(scores, dim=-1), values).to(q.dtype)
             out[r] = o * torch.sigmoid(gate[r])
     return out.reshape(rows, heads * hd)
+
+
+def grouped_attention_reference(q: Any, kc: Any, vc: Any, pos: Any, slots: Any) -> Any:
+    """The oracle of ``grouped_attention`` (``gated_attention`` without the gate; llama / qwen2):
+    `gated_attention_reference` with a gate of +inf (sigmoid exactly 1): ``round(softmax(q K^T *
+    hd^-0.5, keys t <= pos) V)`` as [rows, heads * hd] in q's dtype."""
+    import torch
+
+    return gated_attention_reference(q, kc, vc, torch.full_like(q, float("inf")), pos, slots)
 
 
 # --------------------------------------------------------------------------------------------

@@ -63,9 +63,11 @@ before it (one ``add_rms_norm_llama`` launch with ``norms_module``, else an add 
 kernels in float32, 4 in 16-bit dtypes), the q|k|v linear, RoPE of q and k together written back into
 the linear's output (4 kernels, `rope_qk`), so that a position's keys and values, adjacent there, go
 into the pool in one write (with ``mixers_module``: RoPE and the write in one ``rope_kv`` launch,
-bit-identical); one gather of the lanes' keys and values, SDPA, the o linear, the post-
-attention norm with its add, the gate|up linear, ``silu_mul`` (or torch's silu and product) and the
-down linear. `tests/runtime/test_llama_round_cost.py` counts them.
+bit-identical; and, in bf16 / f16, the gather, SDPA and the heads' permute in one
+``grouped_attention`` launch reading the pool through the slots, FlashAttention-2's online softmax
+with P rounded to the dtype before P.V); else one gather of the lanes' keys and values and SDPA; the
+o linear, the post-attention norm with its add, the gate|up linear, ``silu_mul`` (or torch's silu and
+product) and the down linear. `tests/runtime/test_llama_round_cost.py` counts them.
 
 Padded q4 linears: a tiled q4 weight whose K is not a multiple of 128 is padded with zero columns to
 K' (a build's ``q4_pad_k``; `Q4Weight.cols`), and its function takes activations of K' columns. For
@@ -299,9 +301,11 @@ class StaticLlamaExecutor(LlamaExecutor):
             (``silu_mul``) of a fused-norms library (`FusedNormsKernel`, a loaded module or a ``.so``
             path; CUDA only), or None: the torch ops (module docstring, "Kernels of a layer"). Also
             settable later as the attribute (captured graphs are dropped then).
-        mixers_module: the fused RoPE + KV write (``rope_kv``) of a fused-mixers library
-            (`FusedMixersKernel`, a loaded module or a ``.so`` path; CUDA only), used by static
-            rounds, or None: `rope_qk` and the pool write in torch. Also settable later.
+        mixers_module: the fused RoPE + KV write (``rope_kv``) and, when the library has it and
+            takes the dtype and head_dim, the attention over the pool (``grouped_attention``) of a
+            fused-mixers library (`FusedMixersKernel`, a loaded module or a ``.so`` path; CUDA
+            only), used by static rounds, or None: `rope_qk`, the pool write, the gather and SDPA in
+            torch. Also settable later.
 
     Memory (bytes): KV 2 x layers x (max_lanes + 1) x capacity x kv_heads x head_dim x dtype size;
     with CUDA graphs a static logits buffer of 4 x L' x max_columns x vocab_size (L' =
@@ -879,7 +883,9 @@ class StaticLlamaExecutor(LlamaExecutor):
         cos, sin = self._rope(pos_rows)  # [R, 1, hd]
         mixers = self._mixers_kernel if valid is None else None  # static rounds: one fused kernel
         sin_signed = signed_sin(sin) if mixers is None else sin
-        mask = round_mask(pos, bucket, rep)
+        # attention straight from the pool (no gather, no mask): static rounds with rope_kv's q
+        attend = mixers is not None and mixers.grouped_attention_takes(self.dtype, hd, self.device)
+        mask = None if attend else round_mask(pos, bucket, rep)
         slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
         if valid is not None:
             slot_rows, key_rows = slot_rows[valid], pos_rows[valid]
@@ -918,18 +924,29 @@ class StaticLlamaExecutor(LlamaExecutor):
                 if valid is not None:
                     kv_new = kv_new[valid]
                 self._kv[li][slot_rows, key_rows] = kv_new  # keys and values: one write
-            lanes_kv = self._kv[li, :, :bucket].index_select(0, slots)  # [L, T, 2 nkv, hd]: one gather
-            keys = lanes_kv[:, :, :nkv].transpose(1, 2)  # [L, nkv, T, hd]
-            values = lanes_kv[:, :, nkv:].transpose(1, 2)
-            with sdpa_kernel([self.sdpa_backend]):
-                o = grouped_attention(
-                    q.view(lanes, n, nkv, rep, hd),
-                    keys,
-                    values,
-                    mask,
+            o_buf = self._padded_input(layer.w_o, rows, pad)
+            if attend:
+                assert mixers is not None
+                o = mixers.grouped_attention(
+                    q,
+                    self._keys[li],
+                    self._values[li],
+                    pos_rows,
+                    slots,
+                    bucket,
                     self._scale,
-                    out=self._padded_input(layer.w_o, rows, pad),
+                    out=None if o_buf is None else o_buf[:, : nh * hd],
                 )
+                o = o if o_buf is None else o_buf
+            else:
+                assert mask is not None
+                lanes_kv = self._kv[li, :, :bucket].index_select(0, slots)  # [L, T, 2 nkv, hd]: one gather
+                keys = lanes_kv[:, :, :nkv].transpose(1, 2)  # [L, nkv, T, hd]
+                values = lanes_kv[:, :, nkv:].transpose(1, 2)
+                with sdpa_kernel([self.sdpa_backend]):
+                    o = grouped_attention(
+                        q.view(lanes, n, nkv, rep, hd), keys, values, mask, self._scale, out=o_buf
+                    )
             post = self._padded_input(layer.w_gate_up, rows, pad)
             x, h = self._add_norm(x, linear(o, layer.w_o, layer.b_o), layer.norm_post, out=post)
             act = self._silu_mul(

@@ -125,16 +125,25 @@ def emulated_norms(count: KernelCount | None = None) -> FusedNormsKernel:
     return FusedNormsKernel({"add_rms_norm": unused, "gated_rms_norm": unused, **funcs})
 
 
-def emulated_mixers(count: KernelCount | None = None) -> FusedMixersKernel:
-    """A `FusedMixersKernel` over the CPU model of ``rope_kv`` (counted by `count` as the one kernel
-    it launches on CUDA); the hybrid's mixers raise."""
-    from ignis.compiler.kernels.fused_mixers import rope_kv_emulated
+def emulated_mixers(count: KernelCount | None = None, *, attention: bool = False) -> FusedMixersKernel:
+    """A `FusedMixersKernel` over the CPU model of ``rope_kv`` and (attention) the oracle of
+    ``grouped_attention`` (each counted by `count` as the one kernel it launches on CUDA); the
+    hybrid's mixers raise."""
+    from ignis.compiler.kernels.fused_mixers import grouped_attention_reference, rope_kv_emulated
 
     def unused(*args):  # type: ignore[no-untyped-def]
         raise AssertionError("the llama rounds do not run the hybrid's mixers")
 
-    fn = rope_kv_emulated if count is None else _one_kernel(count, rope_kv_emulated, "rope_kv")
-    return FusedMixersKernel({"gdn_conv_silu": unused, "qk_norm_rope_kv": unused, "rope_kv": fn})
+    def grouped_attention(q, kc, vc, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale):  # type: ignore[no-untyped-def]
+        assert scale == q.shape[-1] ** -0.5 and max_keys >= int(pos.max()) + 1
+        out.copy_(grouped_attention_reference(q, kc, vc, pos, slots))
+
+    funcs = {"gdn_conv_silu": unused, "qk_norm_rope_kv": unused, "rope_kv": rope_kv_emulated}
+    if attention:
+        funcs["grouped_attention"] = grouped_attention
+    if count is not None:
+        funcs |= {k: _one_kernel(count, f, k) for k, f in funcs.items() if f is not unused}
+    return FusedMixersKernel(funcs)
 
 
 def _body_kernels(
@@ -144,6 +153,7 @@ def _body_kernels(
     *,
     fused: bool = False,
     mixers: bool = False,
+    attention: bool = False,
     count: KernelCount | None = None,
 ) -> KernelCount:
     """Kernels of one static decode round of 2 lanes through the first `layers` decoder layers
@@ -151,7 +161,7 @@ def _body_kernels(
     counted into `count` (default: a new one)."""
     count = KernelCount() if count is None else count
     if mixers:
-        monkeypatch.setattr(ex, "_mixers_kernel", emulated_mixers(count))
+        monkeypatch.setattr(ex, "_mixers_kernel", emulated_mixers(count, attention=attention))
 
     def one_kernel(fn):  # type: ignore[no-untyped-def]
         return _one_kernel(count, fn)
@@ -318,6 +328,43 @@ def test_rope_kv_rounds_are_bit_identical_to_the_torch_rope(tiny, dtype: torch.d
     pairs = zip((plain, fused), lanes, strict=True)
     longs = [ex.forward([lane], [torch.arange(3, 23)]).logits[0] for ex, lane in pairs]
     assert torch.equal(longs[0], longs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_decoder_layer_with_every_fused_kernel(  # type: ignore[no-untyped-def]
+    tiny, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """With ``grouped_attention`` too (16-bit dtypes; head_dim 16 is not one it takes, so the test
+    patches the check): the gather and SDPA become one kernel reading the pool, and the mask is not
+    made: 9 kernels a layer (add + norm x2, qkv, rope_kv, attention, o, gate|up, silu_mul, down) and 14
+    outside the layers."""
+    config, weights = tiny
+    ex = StaticLlamaExecutor(config, weights, dtype=dtype, max_lanes=2, max_context=64, kv_bucket=16)
+    monkeypatch.setattr(FusedMixersKernel, "_attention_takes", lambda self, dt, hd, dev: dt == dtype)
+    kw = {"fused": True, "mixers": True, "attention": True}
+    one = _body_kernels(ex, monkeypatch, 1, **kw)
+    monkeypatch.setattr(FusedMixersKernel, "_attention_takes", lambda self, dt, hd, dev: dt == dtype)
+    two = _body_kernels(ex, monkeypatch, 2, **kw)
+    per_layer = two.ops - one.ops
+    assert sum(per_layer.values()) == 9, dict(per_layer)
+    assert per_layer["grouped_attention"] == 1 and per_layer["aten.index_select"] == 0
+    assert per_layer["scaled_dot_product_attention"] == 0
+    assert one.total - sum(per_layer.values()) == 14, dict(one.ops)
+
+
+def test_fused_attention_rounds_agree_with_sdpa(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Static rounds with rope_kv and grouped_attention (their CPU models; bf16) give the torch
+    path's logits to bf16 rounding, and the same pool (rope_kv is exact)."""
+    config, weights = tiny
+    kw = {"dtype": torch.bfloat16, "max_lanes": 2, "max_context": 64, "kv_bucket": 16}
+    plain = StaticLlamaExecutor(config, weights, **kw)
+    fused = StaticLlamaExecutor(config, weights, **kw)
+    fused._mixers_kernel = emulated_mixers(attention=True)
+    monkeypatch.setattr(FusedMixersKernel, "_attention_takes", lambda self, dt, hd, dev: True)
+    want, got = _rounds(plain), _rounds(fused)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=0.05, rtol=0.02)
+    assert torch.equal(plain._kv, fused._kv)
 
 
 def _rounds(ex: StaticLlamaExecutor) -> list[torch.Tensor]:
@@ -556,6 +603,34 @@ def test_rope_kv_on_the_gpu_is_the_torch_rope_bit_for_bit(tiny, dtype: torch.dty
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "max_keys"), [(1, 64), (5, 256), (8, 1024)])
+def test_grouped_attention_on_the_gpu_is_its_oracle(dtype: torch.dtype, n: int, max_keys: int) -> None:
+    """The compiled grouped_attention (gated_attention without the gate) against its oracle over a
+    pool laid out as the llama executor's (keys and values as halves of one [S, cap, 2 kv, hd]
+    pool), one and several key splits, into the front columns of a wider zero buffer."""
+    from ignis.compiler.kernels.fused_mixers import grouped_attention_reference
+
+    mixers = _mixers_on_gpu()
+    if not mixers.grouped_attention_takes(dtype, 64, torch.device("cuda")):
+        pytest.skip("grouped_attention not in this module")
+    gen = torch.Generator().manual_seed(n)
+    lanes, heads, kv, hd, cap = 3, 9, 3, 64, max_keys + 16
+    pool = torch.randn(lanes + 1, cap, 2 * kv, hd, generator=gen).to(dtype).cuda()
+    kc, vc = pool[:, :, :kv], pool[:, :, kv:]
+    q = torch.randn(lanes * n, heads, hd, generator=gen).to(dtype).cuda()
+    past = torch.tensor([0, max_keys // 2, max_keys - n])
+    pos = (past[:, None] + torch.arange(n)[None, :]).reshape(-1).cuda()
+    slots = torch.tensor([2, 0, 3]).cuda()
+    buf = torch.zeros(lanes * n, heads * hd + 64, dtype=dtype, device="cuda")
+    mixers.grouped_attention(q, kc, vc, pos, slots, max_keys, hd**-0.5, out=buf[:, : heads * hd])
+    want = grouped_attention_reference(q.cpu(), kc.cpu(), vc.cpu(), pos.cpu(), slots.cpu())
+    torch.testing.assert_close(buf[:, : heads * hd].cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert not buf[:, heads * hd :].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_rounds_on_the_gpu_match_the_torch_norms(tiny, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     """StaticLlamaExecutor on CUDA (graphs) with the compiled fused norms and rope_kv against the same
@@ -588,7 +663,8 @@ def test_fused_norm_rounds_on_the_gpu_match_the_torch_norms(tiny, dtype: torch.d
 
 def _build_padded_llama(card: str, tmp_path: Path) -> Path:
     """A tiny llama whose q4 linears all have K % 128 != 0 (hidden 192, intermediate 320, head_dim
-    48), built for `card` with the recipe's q4_pad_k, in a subprocess. Returns the artifact."""
+    64: grouped_attention takes it), built for `card` with the recipe's q4_pad_k, in a subprocess.
+    Returns the artifact."""
     import os
     import subprocess
     import sys
@@ -596,7 +672,7 @@ def _build_padded_llama(card: str, tmp_path: Path) -> Path:
 
     ckpt = hf_tiny.save_tiny(
         hf_tiny.tiny_model(
-            "llama", hidden_size=192, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2
+            "llama", hidden_size=192, intermediate_size=320, num_attention_heads=3, num_key_value_heads=1
         ),
         tmp_path / "ckpt",
         tokenizer=hf_tiny.tiny_tokenizer(),
