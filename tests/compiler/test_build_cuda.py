@@ -71,6 +71,7 @@ _HYBRID = [
     ("qk_norm_rope_kv", "qk_norm_rope_kv", "fused_mixers.so"),
     ("gated_attention", "gated_attention", "fused_mixers.so"),
     ("rope_kv", "rope_kv", "fused_mixers.so"),
+    ("grouped_attention", "grouped_attention", "fused_mixers.so"),
 ]
 
 
@@ -98,8 +99,9 @@ def _check_binaries(
     ]
     for k in m.kernels:
         assert k.abi == 1 and k.target == {"kind": "cuda", "arch": arch}
-        # the gated attention takes the mma's input types only, the replay float32 stash and state
-        want = {"gated_attention": ("bfloat16", "float16"), "gdn_replay": ("float32",)}.get(
+        # the (gated) attention takes the mma's input types only, the replay float32 stash and state
+        mma_only = ("bfloat16", "float16")
+        want = {"gated_attention": mma_only, "grouped_attention": mma_only, "gdn_replay": ("float32",)}.get(
             k.kind, ("bfloat16", "float16", "float32")
         )
         assert k.dtypes == want

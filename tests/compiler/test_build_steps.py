@@ -407,9 +407,9 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
     )
     # the top-k, the GDN recurrence (its round, the stash round and the replay), the fused norms
     # (add_rms_norm + gated_rms_norm + silu_mul + narrow_linear + add_rms_norm_llama) and the fused
-    # mixers (gdn_conv_silu + qk_norm_rope_kv + gated_attention + rope_kv)
+    # mixers (gdn_conv_silu + qk_norm_rope_kv + gated_attention + rope_kv + grouped_attention)
     assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms", "fused_mixers")
-    assert hybrid.num_functions() == 13
+    assert hybrid.num_functions() == 14
     cpu = plan_modules(
         card="cpu",
         arch="llvm",
@@ -587,6 +587,14 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
             ("bfloat16", "float16"),
         ),
         KernelEntry("rope_kv", "rope_kv", 1, "modules/h200/fused_mixers.so", target, dtypes),
+        KernelEntry(
+            "grouped_attention",
+            "grouped_attention",
+            1,
+            "modules/h200/fused_mixers.so",
+            target,
+            ("bfloat16", "float16"),
+        ),
     ]
 
 
@@ -610,7 +618,7 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
             "fused_mixers",
             "fused_mixers",
             "build_fused_mixers",
-            ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention", "rope_kv"),
+            ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention", "rope_kv", "grouped_attention"),
         ),
     ],
 )

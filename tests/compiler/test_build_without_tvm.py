@@ -114,7 +114,7 @@ def test_with_q4_pad_k_the_same_plan_builds_without_tvm(tmp_path: Path) -> None:
     down = fns["q4t_n128_k160_pad256"]
     assert (down.kind, down.in_features, down.padded_in_features) == ("q4_g32_tiled", 160, 256)
     assert all(f.padded_in_features is None for f in fns.values() if f.in_features % 128 == 0)
-    assert {k.kind for k in m.kernels} >= {"add_rms_norm_llama", "silu_mul", "rope_kv"}
+    assert {k.kind for k in m.kernels} >= {"add_rms_norm_llama", "silu_mul", "rope_kv", "grouped_attention"}
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit (nvcc)")
