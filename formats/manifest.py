@@ -57,6 +57,13 @@ f16[N, K/32], y[W, N])`, q4_g32_tiled `name(x[W, K], codes u32[T, K/128, 256], s
 the module's width (or any rows up to W when `dynamic_rows`), N = out_features, K = in_features.
 Kind `q4_g32_tiled` (route "cuda-tiled") was added within version 2: a reader that predates it
 refuses it as an unknown kind (`ManifestError` naming `modules[i].functions[j]`).
+A q4_g32_tiled function may serve a K that is a multiple of 32 but not of 128 (a build option,
+`q4_pad_k`): it then carries the key `padded_in_features` = K rounded up to a multiple of 128, the K
+it computes over; the runtime pads the tiled weight with zero columns (code 8, scale 0: they
+dequantize to exactly 0) and the activations with zero columns to it, so the product equals the
+unpadded one. The stored weight is not padded (the container still stores q4_g32 [N, K]). The key was
+added within version 2, only on such functions: a reader that predates it refuses the manifest (an
+unknown key of `modules[i].functions[j]`); manifests without padded functions are unchanged.
 
 A kernel (`KernelEntry`): one exported function of a `files` library (role "module"), independent of
 the row widths. `kind` names what it computes and `abi` the version of its calling convention; each
@@ -114,6 +121,11 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   contiguous, K and the row strides of x and w multiples of 16 bytes: `y = round(x @ w^T)` (float32
   sums). Both: wrong shapes, alignments or devices raise ValueError, dtypes TypeError; they allocate
   nothing and run on the caller's CUDA stream.
+* `add_rms_norm_llama`, abi 1 (the same library as `add_rms_norm`; `ignis.compiler.kernels.fused_norms`;
+  target kind "cuda"): `name(h[rows, D], d[rows, D], w[D], h_out[rows, D], x_out[rows, D], eps: float)`,
+  all of one of `dtypes` (w the norm weight itself, contiguous), the last dim contiguous, any row
+  strides: `h_out = round(h + d)`, `x_out = round(w * round(h_out * rsqrt(mean(h_out^2) + eps)))`
+  (float32 math: HF LlamaRMSNorm's two roundings). Same errors, stream and allocation rules.
 * `gdn_conv_silu`, abi 1 (the GDN causal conv1d + SiLU of a verify round,
   `ignis.compiler.kernels.fused_mixers`; target kind "cuda"): `name(qkv[L * n, C], state[S, C, K -
   1], slots int64[L], weight[C, K], windows[>= L, C, >= K - 1 + n], out[L, n, C])`, qkv, state,
@@ -134,6 +146,16 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
   raise ValueError, dtypes TypeError; they allocate nothing and run on the caller's CUDA stream
   (capturable in a CUDA graph).
 
+* `rope_kv`, abi 1 (the same library as `gdn_conv_silu`; `ignis.compiler.kernels.fused_mixers`; target
+  kind "cuda"): `name(q[rows, H, D], k[rows, Hkv, D], v[rows, Hkv, D], cos[rows, rot], sin[rows, rot],
+  pos int64[rows], slots int64[L], kc[S, cap, Hkv, D], vc[S, cap, Hkv, D], q_out[rows, H, D])`:
+  `qk_norm_rope_kv` without the norms (y = x), the same dtypes, strides, limits, writes and errors.
+* `grouped_attention`, abi 1 (the same library as `gated_attention`; target kind "cuda"; sm_80+;
+  `dtypes` bfloat16 / float16): `name(q, kc, vc, pos, slots, out, ws_o, ws_ml, max_keys: int,
+  split_keys: int, scale: float)`: `gated_attention` without the gate, `out[r, h] = round(attention)`;
+  out [rows, H * D] may have any even row stride >= H * D (its last dim contiguous); otherwise the
+  same shapes, limits and errors.
+
 * `gated_attention`, abi 1 (the same library as `gdn_conv_silu`; `ignis.compiler.kernels.fused_mixers`,
   `gated_attention.cuh`; target kind "cuda"; sm_80+): `name(q[rows, H, D], kc[S, cap, Hkv, D],
   vc[S, cap, Hkv, D], gate[rows, H, D], pos int64[rows], slots int64[L], out[rows, H * D],
@@ -150,8 +172,8 @@ dtypes the function takes (ascending, unique, from "bfloat16", "float16", "float
 
 Kinds added within version 2 (`gdn_recurrent`, `add_rms_norm`, `gated_rms_norm`, `gdn_conv_silu`,
 `qk_norm_rope_kv`, `gated_attention`, `gdn_recurrent_stash`, `gdn_replay`, `silu_mul`,
-`narrow_linear`, after `topk`) are refused by a reader that predates them (a `ManifestError` naming
-`kernels[i].kind`).
+`narrow_linear`, `add_rms_norm_llama`, `rope_kv`, `grouped_attention`, after `topk`) are refused by a
+reader that predates them (a `ManifestError` naming `kernels[i].kind`).
 
 Widths 33..64 (8 lanes x 8 columns in one call on the tiled route) were allowed within version 2
 (the h200 profile compiles every 8 rows to 64): a reader that predates it refuses such a manifest (a
@@ -213,6 +235,15 @@ FILE_ROLES: Final[frozenset[str]] = frozenset({"weights", "mtp", "module"})
 #: Kinds of compiled linear functions (q4_g32_tiled: the q4_g32 weight in the runtime's tiled layout).
 FUNCTION_KINDS: Final[frozenset[str]] = frozenset({"dense", "q4_g32", "q4_g32_tiled"})
 
+#: The tiled q4 kernel's k-step: a q4_g32_tiled function's in_features not a multiple of it is padded
+#: to one (`ModuleFunction.padded_in_features`).
+Q4_PAD_STEP: Final[int] = 128
+
+
+def padded_k(in_features: int) -> int:
+    """in_features rounded up to a multiple of `Q4_PAD_STEP` (the tiled kernel's k-step)."""
+    return -(-in_features // Q4_PAD_STEP) * Q4_PAD_STEP
+
 #: Activation dtypes of compiled functions.
 ACTIVATION_DTYPES: Final[frozenset[str]] = frozenset({"float32", "float16", "bfloat16"})
 
@@ -233,6 +264,9 @@ KERNEL_ABIS: Final[Mapping[str, int]] = MappingProxyType(
         "narrow_linear": 1,
         "moe_q4_gate_up": 1,
         "moe_q4_down": 1,
+        "add_rms_norm_llama": 1,
+        "rope_kv": 1,
+        "grouped_attention": 1,
     }
 )
 KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
@@ -250,6 +284,9 @@ KERNEL_TARGETS: Final[Mapping[str, str]] = MappingProxyType(
         "narrow_linear": "cuda",
         "moe_q4_gate_up": "cuda",
         "moe_q4_down": "cuda",
+        "add_rms_norm_llama": "cuda",
+        "rope_kv": "cuda",
+        "grouped_attention": "cuda",
     }
 )
 
@@ -421,8 +458,12 @@ class ModuleFunction:
         name: the exported symbol.
         kind: "dense", "q4_g32" or "q4_g32_tiled" (weight layout, `FUNCTION_KINDS`).
         out_features: N, rows of the weight.
-        in_features: K, the reduction length.
+        in_features: K, the reduction length (the model's: the stored weight's in_features).
         dtype: activation (and output) dtype: "float32", "float16" or "bfloat16".
+        padded_in_features: (q4_g32_tiled with K % 128 != 0 only) the K the function computes over:
+            K rounded up to a multiple of 128 (`padded_k`); the runtime pads the tiled weight with
+            zero columns (code 8, scale 0) and the activations with zeros to it. None: K itself
+            (the JSON key is then absent).
     """
 
     name: str
@@ -430,16 +471,20 @@ class ModuleFunction:
     out_features: int
     in_features: int
     dtype: str
+    padded_in_features: int | None = None
 
     def to_json(self) -> dict[str, JSONValue]:
-        """The JSON object of this function."""
-        return {
+        """The JSON object of this function (``padded_in_features`` only when set)."""
+        out: dict[str, JSONValue] = {
             "name": self.name,
             "kind": self.kind,
             "out_features": self.out_features,
             "in_features": self.in_features,
             "dtype": self.dtype,
         }
+        if self.padded_in_features is not None:
+            out["padded_in_features"] = self.padded_in_features
+        return out
 
 
 @dataclass(frozen=True)
@@ -782,7 +827,10 @@ def _parse_module(entry: object, i: int, path: Any) -> ModuleEntry:
     names: set[str] = set()
     for j, f in enumerate(_typed(e, "functions", list, where, path)):
         fw = f"{where}functions[{j}]."
-        fe = _keys(f, ("name", "kind", "out_features", "in_features", "dtype"), fw, path)
+        keys: tuple[str, ...] = ("name", "kind", "out_features", "in_features", "dtype")
+        if isinstance(f, dict) and "padded_in_features" in f:
+            keys = (*keys, "padded_in_features")
+        fe = _keys(f, keys, fw, path)
         name = _typed(fe, "name", str, fw, path)
         if not name.isidentifier() or name in names:
             raise _fail(path, f"{fw}name {name!r} is not a C identifier or is repeated")
@@ -795,13 +843,30 @@ def _parse_module(entry: object, i: int, path: Any) -> ModuleEntry:
                 f"{fw} kind {kind!r} / dtype {dtype!r} not in {sorted(FUNCTION_KINDS)} / "
                 f"{sorted(ACTIVATION_DTYPES)}",
             )
+        in_features = _int(fe, "in_features", fw, path, low=1)
+        padded = _int(fe, "padded_in_features", fw, path, low=1) if "padded_in_features" in fe else None
+        if kind == "q4_g32_tiled" and in_features % Q4_PAD_STEP:
+            if in_features % 32 or padded != padded_k(in_features):
+                raise _fail(
+                    path,
+                    f"{fw}padded_in_features: a q4_g32_tiled function of in_features {in_features} "
+                    f"(a multiple of 32, not of {Q4_PAD_STEP}) must give padded_in_features "
+                    f"{padded_k(in_features)}, got {padded}",
+                )
+        elif padded is not None:
+            raise _fail(
+                path,
+                f"{fw}padded_in_features is only allowed on q4_g32_tiled functions whose in_features "
+                f"is not a multiple of {Q4_PAD_STEP}",
+            )
         funcs.append(
             ModuleFunction(
                 name=name,
                 kind=kind,
                 out_features=_int(fe, "out_features", fw, path, low=1),
-                in_features=_int(fe, "in_features", fw, path, low=1),
+                in_features=in_features,
                 dtype=dtype,
+                padded_in_features=padded,
             )
         )
     return ModuleEntry(
@@ -1131,6 +1196,7 @@ __all__ = [
     "META_OTHER_DTYPE",
     "META_SHORTLIST",
     "META_TOKENIZER",
+    "Q4_PAD_STEP",
     "READABLE_MANIFEST_VERSIONS",
     "SHORTLIST_HEAD",
     "SHORTLIST_IDS",
@@ -1148,6 +1214,7 @@ __all__ = [
     "ModuleFunction",
     "file_entry",
     "hash_file",
+    "padded_k",
     "parse_manifest",
     "read_manifest",
     "verify_artifact",

@@ -496,6 +496,7 @@ class Artifact:
                 linear=linear,
                 max_lanes=max_lanes or 8,
                 max_context=max_context,
+                **self._llama_kernels(dtype),
             )
         params = inspect.signature(self.family.make_executor).parameters
         accepts = "linear" in params
@@ -531,6 +532,26 @@ class Artifact:
         if any(self.manifest.kernel(kind, name) is None for kind in LIBRARIES["moe_experts"].required):
             return None
         return self.kernel_library("moe_experts")
+
+    def _llama_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
+        """`StaticLlamaExecutor` keyword arguments: ``norms_module`` when the manifest lists the fused
+        norms with ``add_rms_norm_llama`` for `dtype` and the library loads, ``mixers_module`` the
+        same for the fused mixers with ``rope_kv`` (artifacts built before them: none, the torch
+        ops)."""
+        name = str(dtype).removeprefix("torch.")
+        out: dict[str, Any] = {}
+        for arg, lib, kind, has in (
+            ("norms_module", "fused_norms", "add_rms_norm_llama", "has_add_rms_norm_llama"),
+            ("mixers_module", "fused_mixers", "rope_kv", "has_rope_kv"),
+        ):
+            if self.manifest.kernel(kind, name) is None or any(
+                self.manifest.kernel(k, name) is None for k in LIBRARIES[lib].required
+            ):
+                continue
+            module = self.kernel_library(lib)
+            if module is not None and getattr(module, has):
+                out[arg] = module
+        return out
 
     def _hybrid_kernels(self, dtype: torch.dtype) -> dict[str, Any]:
         """`StaticHybridExecutor` keyword arguments for the fused kernels that take `dtype` (only the

@@ -58,9 +58,11 @@ import torch
 import torch.nn.functional as F
 
 from ignis.runtime.kernels.q4_tiled import (
+    GROUP,
     STEP_K,
     TILE_ROWS,
     Q4TiledLayoutError,
+    pad_q4_columns,
     q4_codes,
     tile_q4,
     tiled_shapes,
@@ -145,33 +147,42 @@ class Q4Weight:
       [*lead, N, K/8], scales float16 [*lead, N, K/32].
     * "tiled" (what the CUDA tiled kernel streams, `ignis.runtime.kernels.q4_tiled`): packed
       [*lead, T, S, 256] (uint32 or int32), scales float16 [*lead, T, S, 64], T = ceil(N / 16),
-      S = K / 128; N is kept in `rows` (the last tile's padding rows dequantize to 0). Made by
-      `to_tiled()`, undone by `to_row_major()`.
+      S = ceil(K / 128); N is kept in `rows` (the last tile's padding rows dequantize to 0), and a K
+      that is not a multiple of 128 in `cols` (the last k-step's columns past K: code 8, scale 0,
+      dequantizing to exactly 0; the tiled functions then take activations padded with zero columns
+      to S * 128, `padded_in_features`). Made by `to_tiled()`, undone by `to_row_major()`.
 
     Attributes:
         packed: the codes, as above.
         scales: the group scales, as above.
         layout: "row_major" or "tiled".
         rows: N for a tiled weight; None for a row-major one (N is then the parts' shape).
+        cols: K for a tiled weight whose last k-step is padded; None otherwise (K is then S * 128,
+            or the row-major parts' shape).
 
     Raises (at construction):
         ValueError: the parts do not match each other or their layout, wrong dtypes, an unknown
             layout, `rows` given for a row-major weight or outside ((T - 1) * 16, T * 16] for a tiled
-            one. (`Q4TiledLayoutError`, a ValueError, for tiled parts.)
+            one, `cols` given for a row-major weight or, for a tiled one, not a multiple of 32 in
+            ((S - 1) * 128, S * 128). (`Q4TiledLayoutError`, a ValueError, for tiled parts.)
     """
 
     packed: torch.Tensor
     scales: torch.Tensor
     layout: str = ROW_MAJOR
     rows: int | None = None
+    cols: int | None = None
 
     def __post_init__(self) -> None:
         p, s = self.packed, self.scales
         if s.dtype != torch.float16 or p.dtype not in (torch.uint32, torch.int32):
             raise ValueError(f"Q4Weight needs u32/i32 packed and f16 scales, got {p.dtype}, {s.dtype}")
         if self.layout == ROW_MAJOR:
-            if self.rows is not None:
-                raise ValueError(f"a row-major Q4Weight takes no rows (got {self.rows}): N is its shape's")
+            if self.rows is not None or self.cols is not None:
+                raise ValueError(
+                    f"a row-major Q4Weight takes no rows / cols (got {self.rows} / {self.cols}): N and K "
+                    f"are its shape's"
+                )
             if p.dim() < 2 or p.shape[:-1] != s.shape[:-1] or p.shape[-1] * 8 != s.shape[-1] * 32:
                 raise ValueError(
                     f"Q4Weight parts do not match: packed {tuple(p.shape)}, scales {tuple(s.shape)}"
@@ -189,6 +200,14 @@ class Q4Weight:
                     f"a tiled Q4Weight of {t} tiles holds {(t - 1) * 16 + 1}..{t * 16} rows, "
                     f"got rows={self.rows!r}"
                 )
+            if self.cols is not None:
+                steps = int(p.shape[-2])
+                cols_ok = isinstance(self.cols, int) and not isinstance(self.cols, bool)
+                if not cols_ok or self.cols % GROUP or not (steps - 1) * STEP_K < self.cols < steps * STEP_K:
+                    raise Q4TiledLayoutError(
+                        f"a padded tiled Q4Weight of {steps} k-steps holds a multiple of {GROUP} in "
+                        f"({(steps - 1) * STEP_K}, {steps * STEP_K}) input columns, got cols={self.cols!r}"
+                    )
         else:
             raise ValueError(f"Q4Weight layout must be {ROW_MAJOR!r} or {TILED!r}, got {self.layout!r}")
 
@@ -217,10 +236,18 @@ class Q4Weight:
 
     @property
     def in_features(self) -> int:
-        """K."""
+        """K (the model's; a padded tiled weight's `cols`)."""
+        if self.is_tiled:
+            return self.cols if self.cols is not None else int(self.scales.shape[-2]) * STEP_K
+        return int(self.scales.shape[-1]) * 32
+
+    @property
+    def padded_in_features(self) -> int:
+        """The K the parts hold: S * 128 for a tiled weight (K, or K padded with zero columns), K
+        for a row-major one. Activations of a tiled function have this many columns."""
         if self.is_tiled:
             return int(self.scales.shape[-2]) * STEP_K
-        return int(self.scales.shape[-1]) * 32
+        return self.in_features
 
     @property
     def device(self) -> torch.device:
@@ -272,7 +299,7 @@ class Q4Weight:
             tiles = slice(start // TILE_ROWS, -(-stop // TILE_ROWS))
             items = (*items[:-1], tiles)
             rows = stop - start
-        return Q4Weight(self.packed[items], self.scales[items], TILED, rows)
+        return Q4Weight(self.packed[items], self.scales[items], TILED, rows, self.cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a dense tensor [*lead, N, K] of `dtype` (exact in float32; a tiled weight is
@@ -282,15 +309,15 @@ class Q4Weight:
 
     def to(self, device: torch.device | str) -> Q4Weight:
         """The same weight (same layout) on `device`."""
-        return Q4Weight(self.packed.to(device), self.scales.to(device), self.layout, self.rows)
+        return Q4Weight(self.packed.to(device), self.scales.to(device), self.layout, self.rows, self.cols)
 
     def contiguous(self) -> Q4Weight:
         """Both parts contiguous (no copy when they already are)."""
         if self.packed.is_contiguous() and self.scales.is_contiguous():
             return self
-        return Q4Weight(self.packed.contiguous(), self.scales.contiguous(), self.layout, self.rows)
+        return Q4Weight(self.packed.contiguous(), self.scales.contiguous(), self.layout, self.rows, self.cols)
 
-    def to_tiled(self, *, chunk_bytes: int = TILE_CHUNK_BYTES) -> Q4Weight:
+    def to_tiled(self, *, chunk_bytes: int = TILE_CHUNK_BYTES, pad_k: bool = False) -> Q4Weight:
         """The tiled form (`ignis.runtime.kernels.q4_tiled.tile_q4`), computed on the weight's device; itself
         when already tiled.
 
@@ -298,13 +325,18 @@ class Q4Weight:
         transform's temporaries stay ~16 x chunk_bytes whatever the weight's size; the result is the
         same as one `tile_q4` call.
 
+        Args:
+            pad_k: a K that is not a multiple of 128 is padded with zero columns (code 8, scale 0)
+                to the next one (`pad_q4_columns`; the result's `cols` is K).
+
         Raises:
-            Q4TiledLayoutError: K is not a multiple of 128.
+            Q4TiledLayoutError: K is not a multiple of 128 (and pad_k is off).
         """
         if self.is_tiled:
             return self
         n, k = self.out_features, self.in_features
-        (t, s, _), _ = tiled_shapes(n, k)
+        kp = -(-k // STEP_K) * STEP_K if pad_k else k
+        (t, s, _), _ = tiled_shapes(n, kp)
         lead = self.lead
         packed = self.packed.reshape(-1, n, k // 8)
         scales = self.scales.reshape(-1, n, k // 32)
@@ -316,12 +348,13 @@ class Q4Weight:
         for m in range(packed.shape[0]):
             for r0 in range(0, n, step):
                 r1 = min(n, r0 + step)
-                c, sc = tile_q4(packed[m, r0:r1], scales[m, r0:r1])
+                c, sc = tile_q4(*pad_q4_columns(packed[m, r0:r1], scales[m, r0:r1], kp))
                 tiles = slice(r0 // TILE_ROWS, r0 // TILE_ROWS + c.shape[0])
                 codes[m, tiles] = c.view(torch.int32) if c.dtype == torch.uint32 else c
                 tsc[m, tiles] = sc
         out = codes.view(torch.uint32) if packed.dtype == torch.uint32 else codes
-        return Q4Weight(out.reshape(*lead, t, s, 256), tsc.reshape(*lead, t, s, 64), TILED, n)
+        cols = k if kp != k else None
+        return Q4Weight(out.reshape(*lead, t, s, 256), tsc.reshape(*lead, t, s, 64), TILED, n, cols)
 
     def to_row_major(self) -> Q4Weight:
         """The stored row-major form (`ignis.runtime.kernels.q4_tiled.untile_q4`, exact); itself when already
@@ -330,6 +363,8 @@ class Q4Weight:
             return self
         assert self.rows is not None
         p, s = untile_q4(self.packed, self.scales, self.rows)
+        if self.cols is not None:  # drop the padding columns
+            p, s = p[..., : self.cols // 8].contiguous(), s[..., : self.cols // GROUP].contiguous()
         return Q4Weight(p, s)
 
     @staticmethod
@@ -346,6 +381,9 @@ class Q4Weight:
         layouts = {w.layout for w in weights}
         if layouts == {TILED}:
             bad = [w.out_features for w in weights if w.out_features % TILE_ROWS]
+            if len({w.cols for w in weights}) > 1:
+                ks = [w.in_features for w in weights]
+                raise Q4TiledLayoutError(f"cat_rows of tiled Q4Weights needs one in_features, got {ks}")
             if bad:
                 raise Q4TiledLayoutError(
                     f"cat_rows of tiled Q4Weights needs every part's out_features to be a multiple of "
@@ -357,6 +395,7 @@ class Q4Weight:
                 torch.cat([w.scales for w in weights], dim=-3),
                 TILED,
                 sum(w.out_features for w in weights),
+                weights[0].cols,
             )
         if len(layouts) > 1:
             raise Q4TiledLayoutError(
@@ -403,11 +442,12 @@ def row_splits_of(name: str) -> int:
 def tile_decision(shape: Sequence[int], served: Collection[tuple[int, int]], *, row_splits: int = 1) -> bool:
     """Whether a row-major q4 weight of logical `shape` [*lead, N, K] goes to the tiled layout.
 
-    Yes when K % 128 == 0, N splits into `row_splits` equal blocks of R rows that a tiled function
-    serves ((R, K) in `served`) and, when the weight is sliced (`row_splits` > 1), R % 16 == 0 (the
-    slices must fall on tile boundaries; a stack that cannot be sliced so stays row-major and its
-    linears run wherever a row-major function or torch serves them). Lead dims (expert stacks) are
-    indexed whole-row and do not matter.
+    Yes when K % 32 == 0, N splits into `row_splits` equal blocks of R rows that a tiled function
+    serves ((R, K) in `served`; for K % 128 != 0 only a function built with ``padded_in_features``
+    serves it, and the weight is then tiled with `Q4Weight.to_tiled(pad_k=True)`) and, when the
+    weight is sliced (`row_splits` > 1), R % 16 == 0 (the slices must fall on tile boundaries; a stack
+    that cannot be sliced so stays row-major and its linears run wherever a row-major function or
+    torch serves them). Lead dims (expert stacks) are indexed whole-row and do not matter.
 
     Args:
         shape: [*lead, N, K].
@@ -422,7 +462,7 @@ def tile_decision(shape: Sequence[int], served: Collection[tuple[int, int]], *, 
             f"tile_decision: need a shape [*lead, N, K] and row_splits >= 1, got {shape}, {row_splits}"
         )
     n, k = int(shape[-2]), int(shape[-1])
-    if k <= 0 or k % STEP_K or n % row_splits:
+    if k <= 0 or k % GROUP or n % row_splits:
         return False
     part = n // row_splits
     if row_splits > 1 and part % TILE_ROWS:
@@ -492,9 +532,13 @@ class WeightLoader:
 def torch_linear(
     x: torch.Tensor, weight: torch.Tensor | Q4Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The torch route: `F.linear`, dequantizing a `Q4Weight` to x's dtype first."""
-    w = weight.dequantize(x.dtype) if isinstance(weight, Q4Weight) else weight
-    return _F_LINEAR(x, w, bias)
+    """The torch route: `F.linear`, dequantizing a `Q4Weight` to x's dtype first (x [..., K], or
+    [..., K'] pre-padded for a padded tiled weight: its first K columns are used)."""
+    if isinstance(weight, Q4Weight):
+        if x.shape[-1] != weight.in_features:
+            x = x[..., : weight.in_features]
+        return _F_LINEAR(x, weight.dequantize(x.dtype), bias)
+    return _F_LINEAR(x, weight, bias)
 
 
 DEQUANT_FUNCTION_NAME = "q4_g32_tiled_dequant"
@@ -665,7 +709,7 @@ class LinearBackend:
         served = self.compiled.tiled_shapes(cuda=weight.device.type == "cuda")
         if not served or not tile_decision(weight.shape, served, row_splits=row_splits):
             return weight
-        tiled = weight.to_tiled()
+        tiled = weight.to_tiled(pad_k=True)  # K % 128 != 0: served only by a padded function
         self._reserve(tiled, row_splits)
         return tiled
 
@@ -687,6 +731,7 @@ class LinearBackend:
         if row_splits > 1:
             sub = sub[: sub.out_features // row_splits]
         n, k = sub.out_features, sub.in_features
+        kp = sub.padded_in_features  # the activations' columns (K padded for a padded function)
         sub = sub.contiguous()
         widths = self.compiled.widths
         for key, fn in self.compiled.functions_for(Q4_KINDS[TILED], n, k):
@@ -699,7 +744,7 @@ class LinearBackend:
             width = key[0]
             fewest = 1 + max((w for w in widths if w < width), default=0)
             for rows in sorted({fewest, width}):
-                x = torch.zeros((rows, k), dtype=dtype, device=sub.packed.device)
+                x = torch.zeros((rows, kp), dtype=dtype, device=sub.packed.device)
                 y = x.new_empty((rows, n))
                 with torch_stream():
                     fn.call(x, sub.packed, sub.scales, y)
@@ -710,9 +755,11 @@ class LinearBackend:
         """y = x @ weight^T + bias.
 
         Args:
-            x: [..., K], float32 / bfloat16 / float16.
+            x: [..., K], float32 / bfloat16 / float16; for a tiled weight padded to K' =
+                `padded_in_features` columns also [..., K'] with zeros past K (the executor's
+                pre-padded activations: no padding copy); a [..., K] x is padded here.
             weight: dense [N, K] (x's dtype) or `Q4Weight` [N, K] (row-major: "q4_g32" functions;
-                tiled: "q4_g32_tiled" functions, parts [T, K/128, 256] / [T, K/128, 64]).
+                tiled: "q4_g32_tiled" functions, parts [T, K'/128, 256] / [T, K'/128, 64]).
             bias: [N] or None.
 
         Returns:
@@ -737,7 +784,7 @@ class LinearBackend:
             # A prefill chunk: one GEMM on the weight dequantized once, instead of streaming the codes
             # once per widest-width chunk of rows.
             self.counts["dequant"] += 1
-            y = _F_LINEAR(x2, self.dequantize(weight, x2.dtype), bias)
+            y = _F_LINEAR(x2[:, : weight.in_features], self.dequantize(weight, x2.dtype), bias)
             return y.reshape(*lead, weight.out_features)
         if rows > compiled.widths[-1] and isinstance(weight, Q4Weight):
             # A q4 weight wider than every compiled width (e.g. 64 rows where a profile stops at 32): run the
@@ -758,7 +805,8 @@ class LinearBackend:
     def dequantize(self, weight: Q4Weight, dtype: torch.dtype) -> torch.Tensor:
         """A tiled `Q4Weight` [*lead, N, K] (on CUDA) as a row-major [*lead, N, K] tensor of `dtype`
         (bfloat16 / float16) by the compiled ``q4_g32_tiled_dequant``: the values of `dequantize_q4`,
-        (code - 8) * scale rounded once to `dtype`.
+        (code - 8) * scale rounded once to `dtype`. A padded weight (`Q4Weight.cols`) is dequantized
+        whole and its first K columns returned (a view, rows `padded_in_features` apart).
 
         Raises:
             ValueError: the backend has no dequantization function or the weight is not tiled.
@@ -768,15 +816,15 @@ class LinearBackend:
             raise ValueError("dequantize needs a tiled q4 weight and a module with q4_g32_tiled_dequant")
         lead = tuple(weight.packed.shape[:-3])
         t, s = int(weight.packed.shape[-3]), int(weight.packed.shape[-2])
-        n, k = weight.out_features, weight.in_features
-        out = torch.empty((*lead, n, k), dtype=dtype, device=weight.packed.device)
+        n, k, kp = weight.out_features, weight.in_features, weight.padded_in_features
+        out = torch.empty((*lead, n, kp), dtype=dtype, device=weight.packed.device)
         codes = weight.packed.contiguous().reshape(-1, t, s, 256)
         scales = weight.scales.contiguous().reshape(-1, t, s, 64)
         from ignis.runtime.kernels.tvm_runtime import torch_stream
 
         with torch_stream():
-            compiled.dequant(codes, scales, out.view(-1, n, k))
-        return out
+            compiled.dequant(codes, scales, out.view(-1, n, kp))
+        return out if kp == k else out[..., :k]  # a padded weight: its zero columns left out
 
     def _linear_2d(
         self,
@@ -796,7 +844,8 @@ class LinearBackend:
             return torch_linear(x2, weight, bias)
         is_q4 = isinstance(weight, Q4Weight)
         n = weight.out_features if isinstance(weight, Q4Weight) else int(weight.shape[0])
-        k = int(x2.shape[1])
+        kx = int(x2.shape[1])  # K, or a padded tiled weight's padded K (pre-padded activations)
+        k = weight.in_features if isinstance(weight, Q4Weight) else kx
         dtype = _DTYPE_NAMES.get(x2.dtype, str(x2.dtype))
         kind = Q4_KINDS[weight.layout] if isinstance(weight, Q4Weight) else "dense"
         if kind not in compiled.kinds and not (is_q4 and compiled.kinds & _Q4_KIND_SET):
@@ -821,11 +870,12 @@ class LinearBackend:
                     )
             self.counts["fallback"] += 1
             return torch_linear(x2, weight, bias)
-        if fn.dynamic_rows or rows == width:
+        kp = weight.padded_in_features if isinstance(weight, Q4Weight) else kx
+        if (fn.dynamic_rows or rows == width) and kx == kp:
             xp = x2.contiguous()
-        else:
-            xp = x2.new_zeros((width, k))
-            xp[:rows] = x2
+        else:  # padding rows up to the width, or zero columns up to a padded weight's K
+            xp = x2.new_zeros((rows if fn.dynamic_rows else width, kp))
+            xp[:rows, :kx] = x2
         direct = out is not None and out.is_contiguous() and xp.shape[0] == rows and bias is None
         y = out if direct else x2.new_empty((xp.shape[0], n))
         if isinstance(weight, Q4Weight):

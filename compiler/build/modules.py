@@ -24,7 +24,12 @@ Which functions, per card:
   - "mma": the tensor-core mma kernel over the stored layout (`ignis.compiler.kernels.q4_linear`),
     `modules/<card>/q4_mma_nt{T}.so`, route "cuda-mma", functions `q4_n{N}_k{K}` of kind "q4_g32".
 
-  The rest go on the TensorIR route with dlight's schedules (`modules/<card>/q4_tir_w{W}.so`, fixed
+  With the build option `q4_pad_k` (a recipe's ``[modules] q4_pad_k = true``; off by default) the
+  q4 shapes whose K is a multiple of 32 but not of 128 take the tiled route too: their functions
+  (`q4t_n{N}_k{K}_pad{K'}`, the manifest's ``padded_in_features`` = K') compute over K padded with
+  zero columns to K' = the next multiple of 128; the runtime pads the tiled weight (code 8, scale 0:
+  exact zeros) when it places it and the activations (zeros), so the product equals the unpadded
+  one. The rest go on the TensorIR route with dlight's schedules (`modules/<card>/q4_tir_w{W}.so`, fixed
   rows, kind "q4_g32", builder `ignis.compiler.kernels.q4_linear`). Only that route (and the `cpu`
   card's) needs the TVM compiler package `tvm`; the nvcc-built libraries need tvm-ffi and nvcc alone,
   so a CUDA build whose every q4 linear has K % 128 == 0 runs where `tvm` is not installed
@@ -47,8 +52,10 @@ Which functions, per card:
     qwen3_5_moe, qwen3_next) when the kernel takes the config's shapes (`gdn_kernel_fits`:
     linear_key_head_dim <= 256, value heads a multiple of key heads);
   - `modules/<card>/fused_norms.so` (`fused_norms.build_fused_norms`, kinds `add_rms_norm`,
-    `gated_rms_norm`, `silu_mul` and `narrow_linear`): the hybrid families' fused residual-add +
-    RMSNorm and gated RMSNorm, the dense MLP's SwiGLU activation and the GDN's b|a projection;
+    `gated_rms_norm`, `silu_mul`, `narrow_linear` and `add_rms_norm_llama`): the hybrid families'
+    fused residual-add + RMSNorm and gated RMSNorm, the dense MLP's SwiGLU activation and the GDN's
+    b|a projection; for llama and qwen2, the residual add + HF LlamaRMSNorm and the SwiGLU
+    activation of `StaticLlamaExecutor`, whose RoPE + KV write is `fused_mixers.so`'s `rope_kv`;
   - `modules/<card>/fused_mixers.so` (`fused_mixers.build_fused_mixers`, kinds `gdn_conv_silu`,
     `qk_norm_rope_kv` and `gated_attention`): the hybrid families' GDN conv1d + SiLU, attention
     q/k norm + RoPE + KV write and the gated attention itself (bf16 / f16 only; head_dims it does not
@@ -81,7 +88,7 @@ from ignis.compiler.build.convert import is_linear_weight
 from ignis.compiler.build.errors import ModuleBuildError
 from ignis.compiler.build.llvm_linear import LinearSpec, build_llvm_module, llvm_target
 from ignis.compiler.kernels.q4_linear import MAX_ROWS as _MMA_MAX_ROWS
-from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction
+from ignis.formats.manifest import KERNEL_ABIS, KernelEntry, ModuleEntry, ModuleFunction, padded_k
 from ignis.runtime.families import FAMILIES
 from ignis.runtime.kernels.fused_mixers import MAX_CONV_KERNEL as _MIXERS_MAX_CONV_KERNEL
 from ignis.runtime.kernels.fused_mixers import MAX_HEAD_DIM as _MIXERS_MAX_HEAD_DIM
@@ -201,16 +208,24 @@ def select_kernels(*, config: Any = None, dflash2: bool = False) -> tuple[str, .
         dflash2: a DFlash2 drafter is grafted (its selector walk is the top-k's only caller).
 
     Returns:
-        "topk" with a DFlash2 drafter; for hybrid configs (qwen3_5, qwen3_5_moe, qwen3_next: the
-        `StaticHybridExecutor` families) "gdn_recurrent" when `gdn_kernel_fits`, "fused_norms",
-        "fused_mixers" when `mixers_kernel_fits`, and "moe_experts" when `moe_kernel_fits` (MoE
-        configs: the grouped routed-expert linears).
+        "topk" with a DFlash2 drafter; "fused_norms" for llama and qwen2 configs (the
+        `StaticLlamaExecutor`'s ``add_rms_norm_llama`` and ``silu_mul``) and "fused_mixers" when
+        their head_dim is even and at most `MIXERS_MAX_HEAD_DIM` (its ``rope_kv``); for hybrid configs
+        (qwen3_5, qwen3_5_moe, qwen3_next: the `StaticHybridExecutor` families) "gdn_recurrent" when
+        `gdn_kernel_fits`, "fused_norms", "fused_mixers" when `mixers_kernel_fits`, and
+        "moe_experts" when `moe_kernel_fits` (MoE configs: the grouped routed-expert linears).
     """
+    from ignis.runtime.families.llama import LlamaConfig, Qwen2Config
     from ignis.runtime.families.qwen3_5 import HybridConfig
 
     out: list[str] = []
     if dflash2:
         out.append("topk")
+    if isinstance(config, LlamaConfig | Qwen2Config):
+        out.append("fused_norms")  # add_rms_norm_llama and silu_mul (`StaticLlamaExecutor`)
+        hd = config.head_dim or config.hidden_size // config.num_attention_heads
+        if 1 <= hd <= MIXERS_MAX_HEAD_DIM and hd % 2 == 0:
+            out.append("fused_mixers")  # rope_kv
     if isinstance(config, HybridConfig):
         if gdn_kernel_fits(config):
             out.append("gdn_recurrent")
@@ -325,6 +340,10 @@ class ModulePlan:
         kernels: the non-linear kernel libraries to build (keys of `KERNELS`; CUDA cards only).
         q4_cuda_route: the CUDA route of the K % 128 == 0 q4 shapes, a key of `Q4_CUDA_ROUTES`
             ("tiled" or "mma"; `Q4_CUDA_ROUTE` when not given).
+        q4_pad_k: with the "tiled" route, the q4 shapes with K % 128 != 0 (K % 32 == 0) take it too:
+            their functions compute over K padded with zero columns to the next multiple of 128
+            (`padded_k`; the manifest's ``padded_in_features``, the runtime pads the weight when it
+            tiles it and the activations), instead of the TensorIR route. Off by default.
     """
 
     card: str
@@ -335,6 +354,7 @@ class ModulePlan:
     target: dict[str, Any]
     kernels: tuple[str, ...] = ()
     q4_cuda_route: str = ""
+    q4_pad_k: bool = False
 
     def __post_init__(self) -> None:
         if not self.q4_cuda_route:
@@ -361,7 +381,20 @@ class ModulePlan:
             return "llvm-te"
         if shape.in_features % MMA_STEP_K == 0:
             return Q4_CUDA_ROUTES[self.q4_cuda_route]
+        if self.pads(shape):
+            return "cuda-tiled"
         return "tir-dlight"
+
+    def pads(self, shape: LinearShape) -> bool:
+        """Whether the shape takes the tiled route over K padded to a multiple of 128 (`q4_pad_k`)."""
+        return (
+            self.is_cuda
+            and self.q4_pad_k
+            and self.q4_cuda_route == "tiled"
+            and shape.kind == "q4_g32"
+            and shape.in_features % MMA_STEP_K != 0
+            and shape.in_features % 32 == 0
+        )
 
     def tvm_shapes(self) -> tuple[LinearShape, ...]:
         """The linears whose route needs the TVM compiler (`llvm-te`, `tir-dlight`)."""
@@ -392,11 +425,13 @@ def plan_modules(
     config: Any = None,
     dflash2: bool = False,
     q4_cuda_route: str | None = None,
+    q4_pad_k: bool = False,
 ) -> ModulePlan:
     """Choose what to compile: on CUDA cards only the q4_g32 linears, and the `KERNELS` libraries
     `select_kernels(config=config, dflash2=dflash2)` picks (module docstring); CPU cards get no
     kernel library. `q4_cuda_route` ("tiled" or "mma"; None: `Q4_CUDA_ROUTE`) picks the CUDA route
-    of the K % 128 == 0 q4 shapes.
+    of the K % 128 == 0 q4 shapes; `q4_pad_k` puts the other q4 shapes (K % 32 == 0) on the tiled
+    route too, over K padded to a multiple of 128 (`ModulePlan.q4_pad_k`).
 
     Raises:
         ModuleBuildError: an unknown q4_cuda_route.
@@ -419,6 +454,7 @@ def plan_modules(
         target=target,
         kernels=kernels,
         q4_cuda_route=q4_cuda_route or Q4_CUDA_ROUTE,
+        q4_pad_k=q4_pad_k,
     )
 
 
@@ -427,8 +463,12 @@ TILED_KIND = "q4_g32_tiled"
 
 
 def tiled_function_name(shape: LinearShape) -> str:
-    """The tiled route's exported symbol: q4t_n{N}_k{K}."""
-    return f"q4t_n{shape.out_features}_k{shape.in_features}"
+    """The tiled route's exported symbol: q4t_n{N}_k{K}, or q4t_n{N}_k{K}_pad{K'} for a K padded to
+    K' = `padded_k(K)` (K % 128 != 0)."""
+    base = f"q4t_n{shape.out_features}_k{shape.in_features}"
+    if shape.in_features % MMA_STEP_K:
+        return f"{base}_pad{padded_k(shape.in_features)}"
+    return base
 
 
 def _functions(
@@ -441,6 +481,7 @@ def _functions(
             out_features=s.out_features,
             in_features=s.in_features,
             dtype=dtype,
+            padded_in_features=padded_k(s.in_features) if tiled and s.in_features % MMA_STEP_K else None,
         )
         for s in shapes
     )
@@ -698,7 +739,7 @@ def _build_tiled_linears(
             plan.arch,
             {
                 tiled_function_name(s): q4_tiled.tiled_config_for(
-                    8 * nt, s.out_features, s.in_features, plan.arch
+                    8 * nt, s.out_features, padded_k(s.in_features), plan.arch
                 )
                 for s in shapes
             },

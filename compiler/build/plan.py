@@ -537,6 +537,7 @@ def make_plan(
         llvm_mcpu=rec.llvm_mcpu,
         config=config,
         dflash2=dr is not None and dr.kind == "dflash2",
+        q4_pad_k=rec.q4_pad_k,
     )
     return BuildPlan(
         card=card,

@@ -13,6 +13,9 @@
                                       # [] on the cpu card only: no modules, the runtime runs torch linears)
     llvm_mcpu = "x86-64-v3"           # cpu card only: LLVM CPU model (default: generic x86-64); checked
                                       # against the CPU names of TVM's LLVM
+    q4_pad_k = true                   # CUDA cards: q4 linears whose in_features is a multiple of 32 but
+                                      # not of 128 take the tiled route too, padded with zero columns to
+                                      # the next multiple of 128 (default false: the TensorIR route)
 
     [drafter]
     prefix = "dflash2."               # name prefix of the grafted drafter's tensors
@@ -41,7 +44,7 @@ DRAFTER_PREFIX = "dflash2."
 
 _TOP = {"name", "description", "shortlist", "modules", "drafter"}
 _SHORTLIST = {"size", "corpus", "counts"}
-_MODULES = {"widths", "llvm_mcpu"}
+_MODULES = {"widths", "llvm_mcpu", "q4_pad_k"}
 _DRAFTER = {"prefix"}
 
 
@@ -58,6 +61,8 @@ class Recipe:
         counts: a counts file, or None.
         widths: widths to compile, or None for every width of the card profile.
         llvm_mcpu: LLVM CPU model for the cpu card's modules, or None for the generic target.
+        q4_pad_k: CUDA cards: q4 linears with K % 128 != 0 (K % 32 == 0) on the tiled route, K padded
+            with zero columns to a multiple of 128 (`ignis.compiler.build.modules.ModulePlan.q4_pad_k`).
         drafter_prefix: name prefix of the grafted drafter's tensors (ends with ".").
         sha256: hex sha256 of the recipe file's bytes ("" for the defaults).
     """
@@ -70,6 +75,7 @@ class Recipe:
     counts: Path | None = None
     widths: tuple[int, ...] | None = None
     llvm_mcpu: str | None = None
+    q4_pad_k: bool = False
     drafter_prefix: str = DRAFTER_PREFIX
     sha256: str = ""
     raw: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +91,7 @@ class Recipe:
             "counts": None if self.counts is None else self.counts.name,
             "widths": None if self.widths is None else list(self.widths),
             "llvm_mcpu": self.llvm_mcpu,
+            "q4_pad_k": self.q4_pad_k,
             "drafter_prefix": self.drafter_prefix,
         }
 
@@ -198,6 +205,10 @@ def load_recipe(path: str | os.PathLike[str] | None) -> Recipe:
             f"{p}: modules.llvm_mcpu must be an LLVM CPU name such as 'x86-64-v3', got {mcpu!r}"
         )
 
+    pad_k = mods.get("q4_pad_k", False)
+    if not isinstance(pad_k, bool):
+        raise RecipeError(f"{p}: modules.q4_pad_k must be true or false, got {pad_k!r}")
+
     dr = _table(raw, "drafter", _DRAFTER, p)
     prefix = dr.get("prefix", DRAFTER_PREFIX)
     if not isinstance(prefix, str) or not prefix.endswith(".") or len(prefix) < 2:
@@ -212,6 +223,7 @@ def load_recipe(path: str | os.PathLike[str] | None) -> Recipe:
         counts=counts_path,
         widths=None if widths is None else tuple(sorted(set(widths))),
         llvm_mcpu=mcpu,
+        q4_pad_k=pad_k,
         drafter_prefix=prefix,
         sha256=hashlib.sha256(data).hexdigest(),
         raw=raw,

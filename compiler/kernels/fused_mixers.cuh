@@ -25,8 +25,12 @@
 // chain and an xor-shuffle tree; the normed head goes through shared memory for the rotation.
 // Products and sums are separately rounded (__fmul_rn / __fadd_rn: no contraction, as torch's).
 //
-// CPU models (same order of operations): ignis.compiler.kernels.fused_mixers.gdn_conv_silu_emulated
-// and qk_norm_rope_kv_emulated.
+// rope_kv (llama / qwen2 attention: no q/k norm) is the same kernel with NORM false: y[e] = x[e]
+// (already in the model dtype), then the same RoPE and KV write -- HF's apply_rotary_pos_emb with its
+// three roundings, bit for bit what torch's `x * cos + rotate_half(x) * sin` computes.
+//
+// CPU models (same order of operations): ignis.compiler.kernels.fused_mixers.gdn_conv_silu_emulated,
+// qk_norm_rope_kv_emulated and rope_kv_emulated.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -123,7 +127,7 @@ struct NormRopeParams {
   float eps;
 };
 
-template <typename T>
+template <typename T, bool NORM = true>
 __global__ void __launch_bounds__(kNormWarps * 32) qk_norm_rope_kv_kernel(NormRopeParams p) {
   extern __shared__ float smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -146,17 +150,21 @@ __global__ void __launch_bounds__(kNormWarps * 32) qk_norm_rope_kv_kernel(NormRo
     el = p.k_el;
     w1p = p.wk;
   }
-  float acc = 0.f;
-  for (int e = lane; e < p.hd; e += 32) {
-    const float x = to_f(src[e * el]);
-    acc = fmaf(x, x, acc);
-  }
-#pragma unroll
-  for (int width = 16; width; width >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, width);
-  const float r = rsqrtf(acc / static_cast<float>(p.hd) + p.eps);
   float* y = smem + warp * p.hd;
-  for (int e = lane; e < p.hd; e += 32) {
-    y[e] = round_to<T>(__fmul_rn(__fmul_rn(to_f(src[e * el]), r), w1p[e]));
+  if constexpr (NORM) {
+    float acc = 0.f;
+    for (int e = lane; e < p.hd; e += 32) {
+      const float x = to_f(src[e * el]);
+      acc = fmaf(x, x, acc);
+    }
+#pragma unroll
+    for (int width = 16; width; width >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, width);
+    const float r = rsqrtf(acc / static_cast<float>(p.hd) + p.eps);
+    for (int e = lane; e < p.hd; e += 32) {
+      y[e] = round_to<T>(__fmul_rn(__fmul_rn(to_f(src[e * el]), r), w1p[e]));
+    }
+  } else {
+    for (int e = lane; e < p.hd; e += 32) y[e] = to_f(src[e * el]);
   }
   __syncwarp();
   const T* cs = static_cast<const T*>(p.cos) + row * p.cs_row;

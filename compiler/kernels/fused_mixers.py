@@ -23,6 +23,13 @@ three functions replace per-layer chains of them in ``StaticHybridExecutor``'s s
       o = round(round(y * cos) + round(rotate_half(y) * sin))  on e < rot, y elsewhere
       q_out[r] = o(q[r]);  kc[slots[r // n], pos[r]] = o(k[r]);  vc[slots[r // n], pos[r]] = v[r]
 
+* ``rope_kv(q, k, v, cos, sin, pos, slots, kc, vc, q_out)`` -- the same kernel without the norms,
+  once per layer of the llama / qwen2 rounds (``StaticLlamaExecutor``; torch: RoPE of q and k in 4
+  kernels and the pool write): ``o = round(round(x * cos) + round(rotate_half(x) * sin))``, bit for
+  bit torch's ``x * cos + rotate_half(x) * sin`` in the model dtype.
+* ``grouped_attention(q, kc, vc, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)`` -- the
+  next kernel without its gate (``out = round(attention)``, out's rows any even stride), once per
+  layer of the llama / qwen2 rounds in place of the cache gather, SDPA and the heads' permute.
 * ``gated_attention(q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)`` --
   once per full-attention layer, after ``qk_norm_rope_kv``: grouped-query attention of the round's
   query rows over their lanes' caches, masked at each row's position, times the sigmoid output gate
@@ -81,10 +88,11 @@ __all__ = [
     "gated_attention_smem_bytes",
     "gdn_conv_silu_emulated",
     "gdn_conv_silu_reference",
+    "grouped_attention_reference",
     "qk_norm_rope_kv_emulated",
     "qk_norm_rope_kv_reference",
+    "rope_kv_emulated",
 ]
-
 
 
 class FusedMixersError(ValueError):
@@ -224,6 +232,32 @@ def qk_norm_rope_kv_emulated(
     vc[slot_rows[ok], pos[ok]] = v[ok]
 
 
+def rope_kv_emulated(
+    q: Any,
+    k: Any,
+    v: Any,
+    cos: Any,
+    sin: Any,
+    pos: Any,
+    slots: Any,
+    kc: Any,
+    vc: Any,
+    q_out: Any,
+) -> None:
+    """CPU model of ``rope_kv`` (``qk_norm_rope_kv`` without the norms: llama / qwen2) with the
+    module's arguments: writes ``q_out`` = the rotated q and the rotated keys / the values into kc /
+    vc at ``[slots[r // n], pos[r]]`` (rows out of range write nothing). Its torch path is
+    `StaticLlamaExecutor`'s `rope_qk` and KV write (the same three roundings: bit-identical)."""
+    dtype = q.dtype
+    rows = q.shape[0]
+    slot_rows = slots.repeat_interleave(rows // slots.shape[0])
+    ok = (slot_rows >= 0) & (slot_rows < kc.shape[0]) & (pos >= 0) & (pos < kc.shape[1])
+    q_out.copy_(_rope_emulated(q.float(), cos, sin, dtype))
+    keys = _rope_emulated(k.float(), cos, sin, dtype)
+    kc[slot_rows[ok], pos[ok]] = keys[ok]
+    vc[slot_rows[ok], pos[ok]] = v[ok]
+
+
 def gated_attention_reference(q: Any, kc: Any, vc: Any, gate: Any, pos: Any, slots: Any) -> Any:
     """The torch path of ``StaticHybridExecutor._static_attention`` after the q / k norms (the oracle of
     ``gated_attention``): q [rows, heads, hd], gate [rows, heads, hd] (any strides), kc / vc
@@ -253,6 +287,15 @@ def gated_attention_reference(q: Any, kc: Any, vc: Any, gate: Any, pos: Any, slo
             o = torch.einsum("ht,the->he", torch.softmax(scores, dim=-1), values).to(q.dtype)
             out[r] = o * torch.sigmoid(gate[r])
     return out.reshape(rows, heads * hd)
+
+
+def grouped_attention_reference(q: Any, kc: Any, vc: Any, pos: Any, slots: Any) -> Any:
+    """The oracle of ``grouped_attention`` (``gated_attention`` without the gate; llama / qwen2):
+    `gated_attention_reference` with a gate of +inf (sigmoid exactly 1): ``round(softmax(q K^T *
+    hd^-0.5, keys t <= pos) V)`` as [rows, heads * hd] in q's dtype."""
+    import torch
+
+    return gated_attention_reference(q, kc, vc, torch.full_like(q, float("inf")), pos, slots)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // Host side of the fused mixer pieces (fused_mixers.cuh): the tvm-ffi exported functions with their
 // argument checks. A module built by ignis.compiler.kernels.fused_mixers includes this header and
-// IGNIS_FUSED_MIXERS_EXPORT(), which exports both:
+// IGNIS_FUSED_MIXERS_EXPORT(), which exports the three below:
 //
 //   gdn_conv_silu(qkv [L * n, C] (any strides), state [S, C, K - 1] (any strides), slots [L] int64,
 //                 weight [C, K] (any strides), windows [>= L, C, >= K - 1 + n] (any strides),
@@ -13,6 +13,8 @@
 //                   vc [S, cap, kv_heads, hd] (any strides), q_out [rows, heads, hd] contiguous, eps)
 //       one dtype for q, k, v, cos, sin, kc, vc and q_out; rot even, rot <= hd <= 1024. A row whose
 //       slot or position is out of range writes no key / value (torch's indexing would fault).
+//   rope_kv(q, k, v, cos, sin, pos, slots, kc, vc, q_out)
+//       qk_norm_rope_kv without the q/k norm (llama / qwen2): the same shapes, checks and writes.
 //
 // Launch on the stream tvm-ffi reports for the tensors' device (torch's current stream under
 // tvm_ffi.use_torch_stream(), so CUDA-graph capture works); no allocation, no attribute change.
@@ -110,11 +112,14 @@ inline void gdn_conv_silu_launch(const char* name, TensorView qkv, TensorView st
   check_launch(name);
 }
 
+// qk_norm_rope_kv (norm true) and rope_kv (norm false: wq and wk are not read; the caller passes q for
+// both).
 inline void qk_norm_rope_kv_launch(const char* name, TensorView q, TensorView k, TensorView v, TensorView wq,
                                    TensorView wk, TensorView cos, TensorView sin, TensorView pos, TensorView slots,
-                                   TensorView kc, TensorView vc, TensorView q_out, double eps) {
+                                   TensorView kc, TensorView vc, TensorView q_out, double eps, bool norm = true) {
   TVM_FFI_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3 && q_out.ndim() == 3 && cos.ndim() == 2 &&
-                    sin.ndim() == 2 && kc.ndim() == 4 && vc.ndim() == 4 && wq.ndim() == 1 && wk.ndim() == 1,
+                    sin.ndim() == 2 && kc.ndim() == 4 && vc.ndim() == 4 &&
+                    (!norm || (wq.ndim() == 1 && wk.ndim() == 1)),
                 ValueError)
       << name << ": q, q_out [rows, heads, hd], k, v [rows, kv_heads, hd], cos, sin [rows, rot], kc, vc "
       << "[S, cap, kv_heads, hd], wq, wk [hd]";
@@ -142,6 +147,7 @@ inline void qk_norm_rope_kv_launch(const char* name, TensorView q, TensorView k,
         << name << ": kc and vc must be [S, cap, " << kv_heads << ", " << hd << "]";
   }
   for (const TensorView* t : {&wq, &wk}) {
+    if (!norm) break;
     TVM_FFI_CHECK(t->size(0) == hd && (hd == 1 || t->stride(0) == 1), ValueError)
         << name << ": wq and wk must be contiguous [" << hd << "]";
     TVM_FFI_CHECK(dtype_is(*t, kDLFloat, 32), TypeError) << name << ": wq and wk must be float32";
@@ -165,8 +171,8 @@ inline void qk_norm_rope_kv_launch(const char* name, TensorView q, TensorView k,
   p.v_row = v.stride(0);
   p.v_head = v.stride(1);
   p.v_el = v.stride(2);
-  p.wq = static_cast<const float*>(ptr(wq));
-  p.wk = static_cast<const float*>(ptr(wk));
+  p.wq = norm ? static_cast<const float*>(ptr(wq)) : nullptr;
+  p.wk = norm ? static_cast<const float*>(ptr(wk)) : nullptr;
   p.cos = ptr(cos);
   p.sin = ptr(sin);
   p.cs_row = cos.stride(0);
@@ -202,7 +208,11 @@ inline void qk_norm_rope_kv_launch(const char* name, TensorView q, TensorView k,
   const size_t smem = static_cast<size_t>(kNormWarps) * static_cast<size_t>(hd) * sizeof(float);
   dispatch_float(name, "q", q, [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    qk_norm_rope_kv_kernel<T><<<grid, block, smem, stream>>>(p);
+    if (norm) {
+      qk_norm_rope_kv_kernel<T, true><<<grid, block, smem, stream>>>(p);
+    } else {
+      qk_norm_rope_kv_kernel<T, false><<<grid, block, smem, stream>>>(p);
+    }
   });
   check_launch(name);
 }
@@ -210,7 +220,8 @@ inline void qk_norm_rope_kv_launch(const char* name, TensorView q, TensorView k,
 }  // namespace ignis_mixers
 
 // Export gdn_conv_silu(qkv, state, slots, weight, windows, out) and
-// qk_norm_rope_kv(q, k, v, wq, wk, cos, sin, pos, slots, kc, vc, q_out, eps).
+// qk_norm_rope_kv(q, k, v, wq, wk, cos, sin, pos, slots, kc, vc, q_out, eps) and
+// rope_kv(q, k, v, cos, sin, pos, slots, kc, vc, q_out).
 #define IGNIS_FUSED_MIXERS_EXPORT()                                                                            \
   static void ignis_gdn_conv_silu(tvm::ffi::TensorView qkv, tvm::ffi::TensorView state, tvm::ffi::TensorView slots, \
                                   tvm::ffi::TensorView weight, tvm::ffi::TensorView windows,                    \
@@ -225,5 +236,13 @@ inline void qk_norm_rope_kv_launch(const char* name, TensorView q, TensorView k,
     ::ignis_mixers::qk_norm_rope_kv_launch("qk_norm_rope_kv", q, k, v, wq, wk, cos, sin, pos, slots, kc, vc,    \
                                            q_out, eps);                                                         \
   }                                                                                                            \
+  static void ignis_rope_kv(tvm::ffi::TensorView q, tvm::ffi::TensorView k, tvm::ffi::TensorView v,             \
+                            tvm::ffi::TensorView cos, tvm::ffi::TensorView sin, tvm::ffi::TensorView pos,       \
+                            tvm::ffi::TensorView slots, tvm::ffi::TensorView kc, tvm::ffi::TensorView vc,       \
+                            tvm::ffi::TensorView q_out) {                                                       \
+    ::ignis_mixers::qk_norm_rope_kv_launch("rope_kv", q, k, v, q, q, cos, sin, pos, slots, kc, vc, q_out, 0.0,  \
+                                           false);                                                              \
+  }                                                                                                            \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(gdn_conv_silu, ignis_gdn_conv_silu)                                            \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(qk_norm_rope_kv, ignis_qk_norm_rope_kv)
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(qk_norm_rope_kv, ignis_qk_norm_rope_kv)                                        \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(rope_kv, ignis_rope_kv)

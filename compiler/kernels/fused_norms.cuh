@@ -17,6 +17,15 @@
 // x_out (rows wider than kAddThreads * kAddKeep recompute the sum from reloaded inputs); the
 // outputs must not overlap the inputs (restrict pointers).
 //
+// add_rms_norm_llama (the residual add + HF LlamaRMSNorm, twice per llama / qwen2 decoder layer):
+//
+//     h_out = round(h + d)
+//     x_out = round(float(w) * float(round(float(h_out) * rsqrt(mean(float(h_out)^2) + eps))))
+//
+// w [hidden] in the model dtype (HF multiplies the weight after casting the normed row back: two
+// roundings, as `weight * norm(x.float()).to(dtype)`); the same kernel as add_rms_norm otherwise
+// (template flag kWeightAfterRound: w is read as T, the normed value rounded before the product).
+//
 // gated_rms_norm (the GDN output norm, HF Qwen3_5RMSNormGated):
 //
 //     y   = round(float(x) * rsqrt(mean(float(x)^2) + eps))     over the last dim (head_dim)
@@ -59,7 +68,8 @@ struct AddParams {
   int64_t h_row;
   const void* d;
   int64_t d_row;
-  const float* w1p;  // [hidden] float32, 1 + weight
+  const float* w1p;  // [hidden] float32, 1 + weight (add_rms_norm)
+  const void* w;     // [hidden] in T, the weight itself (add_rms_norm_llama)
   void* h_out;
   int64_t ho_row;
   void* x_out;
@@ -75,7 +85,27 @@ struct AddParams {
 // stores. Wider rows take the reloading loop. The order of the arithmetic is the same either way.
 constexpr int kAddKeep = 16;
 
-template <typename T>
+// The weight of element i as a float: w1p[i] (add_rms_norm) or the T weight w[i] (llama).
+template <typename T, bool kWeightAfterRound>
+__device__ __forceinline__ float add_weight(const AddParams& p, int i) {
+  if constexpr (kWeightAfterRound) {
+    return to_f(static_cast<const T*>(p.w)[i]);
+  } else {
+    return p.w1p[i];
+  }
+}
+
+// x_out's element from the added value v (already rounded to T), the row's r and the weight wt.
+template <typename T, bool kWeightAfterRound>
+__device__ __forceinline__ T add_norm_out(float v, float r, float wt) {
+  if constexpr (kWeightAfterRound) {
+    return from_f<T>(wt * round_to<T>(v * r));
+  } else {
+    return from_f<T>((v * r) * wt);
+  }
+}
+
+template <typename T, bool kWeightAfterRound = false>
 __global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) {
   pdl_grid_wait();
   const int row = blockIdx.x;
@@ -95,7 +125,7 @@ __global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) 
       const int i = min(static_cast<int>(threadIdx.x) + j * kAddThreads, p.hidden - 1);
       hv[j] = h[i];
       dv[j] = d[i];
-      w[j] = p.w1p[i];
+      w[j] = add_weight<T, kWeightAfterRound>(p, i);
     }
     pdl_grid_trigger();
 #pragma unroll
@@ -126,7 +156,7 @@ __global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) 
       if (i < p.hidden) {
         const T s = from_f<T>(v[j]);  // v[j] is already rounded to T: exact
         ho[i] = s;
-        xo[i] = from_f<T>((v[j] * r) * w[j]);
+        xo[i] = add_norm_out<T, kWeightAfterRound>(v[j], r, w[j]);
       }
     }
   } else {
@@ -134,7 +164,7 @@ __global__ void __launch_bounds__(kAddThreads) add_rms_norm_kernel(AddParams p) 
     for (int i = threadIdx.x; i < p.hidden; i += kAddThreads) {
       const T s = from_f<T>(to_f(h[i]) + to_f(d[i]));
       ho[i] = s;
-      xo[i] = from_f<T>((to_f(s) * r) * p.w1p[i]);
+      xo[i] = add_norm_out<T, kWeightAfterRound>(to_f(s), r, add_weight<T, kWeightAfterRound>(p, i));
     }
   }
 }

@@ -2,7 +2,7 @@
 RMSNorm), the SwiGLU activation and a narrow dense linear, CUDA kernels exported through tvm-ffi,
 for CUDA-graphed verify rounds.
 
-Outside its linears a graphed round is bound by its graph nodes, one per small torch kernel. These four
+Outside its linears a graphed round is bound by its graph nodes, one per small torch kernel. These five
 functions replace the most frequent chains:
 
 * ``add_rms_norm(h, d, w1p, h_out, x_out, eps)`` -- twice per decoder layer (after the mixer and
@@ -19,6 +19,12 @@ functions replace the most frequent chains:
 
   over the last dim of x, z [rows, heads, dim] (``gated_rms_norm`` in hybrid_executor.py: 6-7
   kernels).
+* ``add_rms_norm_llama(h, d, w, h_out, x_out, eps)`` -- the same add and norm with HF
+  LlamaRMSNorm's roundings, twice per llama / qwen2 decoder layer (``StaticLlamaExecutor``)::
+
+      h_out = round(h + d);  x_out = round(w * round(h_out * rsqrt(mean(h_out^2) + eps)))
+
+  (w in the model dtype; the torch path: an add, a cast, ``F.rms_norm``, a cast and a multiply).
 * ``silu_mul(gu, out)`` -- once per dense MLP (HF ``act_fn(gate_proj(x)) * up_proj(x)`` on the
   stacked gate|up GEMM's output ``gu = [gate | up]``, [rows, 2 I])::
 
@@ -37,7 +43,7 @@ sums differs (the norms' sum of squares, the linear's dot products). Shapes, dty
 torch paths (the oracles), the ``*_emulated`` ones CPU models of the kernels (same reduction order),
 tested against them.
 
-One module holds the four functions (:data:`FUNCTION_NAMES`): one build, one file to carry and load,
+One module holds the five functions (:data:`FUNCTION_NAMES`): one build, one file to carry and load,
 one argument-checking header; all are small per-row pieces of the same rounds. Older modules without
 ``silu_mul`` and ``narrow_linear`` export only the norms; the runtime takes those two as optional
 (``ignis.runtime.kernels.fused_norms.OPTIONAL_FUNCTION_NAMES``). :func:`build_fused_norms` returns
@@ -60,6 +66,8 @@ __all__ = [
     "FUNCTION_NAMES",
     "FusedNormsError",
     "add_rms_norm_emulated",
+    "add_rms_norm_llama_emulated",
+    "add_rms_norm_llama_reference",
     "add_rms_norm_reference",
     "build_fused_norms",
     "gated_rms_norm_emulated",
@@ -91,6 +99,16 @@ def add_rms_norm_reference(h: Any, d: Any, w1p: Any, eps: float) -> tuple[Any, A
     h_out = h + d
     y = F.rms_norm(h_out.float(), (h_out.shape[-1],), eps=eps)
     return h_out, (y * w1p).to(h.dtype)
+
+
+def add_rms_norm_llama_reference(h: Any, d: Any, w: Any, eps: float) -> tuple[Any, Any]:
+    """The torch path of `StaticLlamaExecutor` (HF LlamaRMSNorm after the residual add): ``h_out = h +
+    d`` (model dtype), ``x_out = w * F.rms_norm(h_out.float()).to(dtype)``. h, d [rows, hidden] (one
+    dtype), w [hidden] in h's dtype. Returns (h_out, x_out), both [rows, hidden] in h's dtype."""
+    import torch.nn.functional as F
+
+    h_out = h + d
+    return h_out, w * F.rms_norm(h_out.float(), (h_out.shape[-1],), eps=eps).to(h.dtype)
 
 
 def gated_rms_norm_reference(x: Any, z: Any, w: Any, eps: float) -> Any:
@@ -155,6 +173,23 @@ def add_rms_norm_emulated(h: Any, d: Any, w1p: Any, eps: float) -> tuple[Any, An
         total = total + warps[:, w]
     r = torch.rsqrt(total / v.shape[-1] + torch.tensor(eps, dtype=torch.float32))
     return h_out, ((v * r[:, None]) * w1p.float()).to(dtype)
+
+
+def add_rms_norm_llama_emulated(h: Any, d: Any, w: Any, eps: float) -> tuple[Any, Any]:
+    """CPU model of ``add_rms_norm_llama``: the sum of squares as :func:`add_rms_norm_emulated`
+    (the same kernel), then ``x = round(w * round(h_out * rsqrt(sum / hidden + eps)))``. Same
+    arguments and returns as :func:`add_rms_norm_llama_reference`."""
+    import torch
+
+    dtype = h.dtype
+    h_out = (h.float() + d.float()).to(dtype)
+    v = h_out.float()
+    warps = _warp_tree(_strided_sum_sq(v, ADD_THREADS))
+    total = torch.zeros(v.shape[0], dtype=torch.float32)
+    for q in range(warps.shape[-1]):
+        total = total + warps[:, q]
+    r = torch.rsqrt(total / v.shape[-1] + torch.tensor(eps, dtype=torch.float32))
+    return h_out, (w.float() * _round(v * r[:, None], dtype)).to(dtype)
 
 
 def gated_rms_norm_emulated(x: Any, z: Any, w: Any, eps: float) -> Any:

@@ -1,11 +1,13 @@
 // Host side of the fused row norms (fused_norms.cuh): the tvm-ffi exported functions with their
 // argument checks. A module built by ignis.compiler.kernels.fused_norms includes this header and
-// IGNIS_FUSED_NORMS_EXPORT(), which exports all four:
+// IGNIS_FUSED_NORMS_EXPORT(), which exports all five:
 //
 //   add_rms_norm(h [rows, hidden], d [rows, hidden], w1p [hidden] f32, h_out [rows, hidden],
 //                x_out [rows, hidden], eps: float)
 //       h, d, h_out, x_out: one dtype (f32 | bf16 | f16), any row stride, the hidden dim contiguous;
 //       h_out and x_out must not overlap each other, h or d (not checked).
+//   add_rms_norm_llama(h, d, w [hidden] h's dtype, h_out, x_out, eps)
+//       as add_rms_norm with HF LlamaRMSNorm's roundings: x_out = round(w * round(normed h_out)).
 //   gated_rms_norm(x [rows, heads, dim] f32 or z's dtype (any strides), z [rows, heads, dim] (any
 //                  strides), w [dim] z's dtype, out [rows, heads * dim] z's dtype contiguous, eps)
 //       out must not overlap x, z or w (not checked).
@@ -34,8 +36,10 @@ namespace ignis_norms {
 using tvm::ffi::TensorView;
 using namespace ignis_ffi;  // the shared argument checks (ffi_checks.cuh)
 
+// add_rms_norm (llama false: w1p float32, 1 + weight) and add_rms_norm_llama (llama true: w the weight
+// in h's dtype, applied after the normed value is rounded).
 inline void add_rms_norm_launch(const char* name, TensorView h, TensorView d, TensorView w1p, TensorView h_out,
-                                TensorView x_out, double eps) {
+                                TensorView x_out, double eps, bool llama = false) {
   TVM_FFI_CHECK(h.ndim() == 2 && d.ndim() == 2 && h_out.ndim() == 2 && x_out.ndim() == 2 && w1p.ndim() == 1,
                 ValueError)
       << name << ": h, d, h_out, x_out must be [rows, hidden] and w1p [hidden]";
@@ -50,16 +54,22 @@ inline void add_rms_norm_launch(const char* name, TensorView h, TensorView d, Te
   for (const TensorView* t : {&h, &d, &h_out, &x_out}) {
     TVM_FFI_CHECK(t->size(1) == 1 || t->stride(1) == 1, ValueError) << name << ": the hidden dim must be contiguous";
   }
+  const char* wname = llama ? "w" : "w1p";
   TVM_FFI_CHECK(w1p.size(0) == hidden && w1p.stride(0) == 1, ValueError)
-      << name << ": w1p must be contiguous [" << hidden << "]";
-  TVM_FFI_CHECK(dtype_is(w1p, kDLFloat, 32), TypeError) << name << ": w1p must be float32";
+      << name << ": " << wname << " must be contiguous [" << hidden << "]";
+  if (llama) {
+    TVM_FFI_CHECK(same_dtype(w1p, h), TypeError) << name << ": w must have h's dtype";
+  } else {
+    TVM_FFI_CHECK(dtype_is(w1p, kDLFloat, 32), TypeError) << name << ": w1p must be float32";
+  }
   check_cuda(name, {&h, &d, &w1p, &h_out, &x_out});
   AddParams p;
   p.h = ptr(h);
   p.h_row = h.stride(0);
   p.d = ptr(d);
   p.d_row = d.stride(0);
-  p.w1p = static_cast<const float*>(ptr(w1p));
+  p.w1p = llama ? nullptr : static_cast<const float*>(ptr(w1p));
+  p.w = llama ? ptr(w1p) : nullptr;
   p.h_out = ptr(h_out);
   p.ho_row = h_out.stride(0);
   p.x_out = ptr(x_out);
@@ -71,7 +81,11 @@ inline void add_rms_norm_launch(const char* name, TensorView h, TensorView d, Te
   const dim3 grid(static_cast<unsigned>(rows)), block(kAddThreads);
   dispatch_float(name, "h", h, [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    launch_maybe_pdl(add_rms_norm_kernel<T>, grid, block, 0, stream, p);
+    if (llama) {
+      launch_maybe_pdl(add_rms_norm_kernel<T, true>, grid, block, 0, stream, p);
+    } else {
+      launch_maybe_pdl(add_rms_norm_kernel<T, false>, grid, block, 0, stream, p);
+    }
   });
   check_launch(name);
 }
@@ -217,12 +231,16 @@ inline void narrow_linear_launch(const char* name, TensorView x, TensorView w, T
 
 }  // namespace ignis_norms
 
-// Export add_rms_norm(h, d, w1p, h_out, x_out, eps), gated_rms_norm(x, z, w, out, eps), silu_mul(gu, out)
+// Export add_rms_norm(h, d, w1p, h_out, x_out, eps), add_rms_norm_llama(h, d, w, h_out, x_out, eps), gated_rms_norm(x, z, w, out, eps), silu_mul(gu, out)
 // and narrow_linear(x, w, y).
 #define IGNIS_FUSED_NORMS_EXPORT()                                                                           \
   static void ignis_add_rms_norm(tvm::ffi::TensorView h, tvm::ffi::TensorView d, tvm::ffi::TensorView w1p,  \
                                  tvm::ffi::TensorView h_out, tvm::ffi::TensorView x_out, double eps) {      \
     ::ignis_norms::add_rms_norm_launch("add_rms_norm", h, d, w1p, h_out, x_out, eps);                        \
+  }                                                                                                          \
+  static void ignis_add_rms_norm_llama(tvm::ffi::TensorView h, tvm::ffi::TensorView d, tvm::ffi::TensorView w, \
+                                       tvm::ffi::TensorView h_out, tvm::ffi::TensorView x_out, double eps) {  \
+    ::ignis_norms::add_rms_norm_launch("add_rms_norm_llama", h, d, w, h_out, x_out, eps, true);             \
   }                                                                                                          \
   static void ignis_gated_rms_norm(tvm::ffi::TensorView x, tvm::ffi::TensorView z, tvm::ffi::TensorView w,  \
                                    tvm::ffi::TensorView out, double eps) {                                  \
@@ -237,4 +255,5 @@ inline void narrow_linear_launch(const char* name, TensorView x, TensorView w, T
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_rms_norm, ignis_add_rms_norm)                                            \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(gated_rms_norm, ignis_gated_rms_norm)                                        \
   TVM_FFI_DLL_EXPORT_TYPED_FUNC(silu_mul, ignis_silu_mul)                                                    \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(narrow_linear, ignis_narrow_linear)
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(narrow_linear, ignis_narrow_linear)                                          \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(add_rms_norm_llama, ignis_add_rms_norm_llama)

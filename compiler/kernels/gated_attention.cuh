@@ -25,6 +25,9 @@
 // block writes `out`; else each split parks its unnormalized o and (running max, sum) in the
 // workspace and `gated_attention_combine_kernel` merges the splits in split order (deterministic).
 //
+// Ungated (GATE false: the `grouped_attention` export, llama / qwen2 attention): out = round(o), written
+// with a row stride of the caller's (e.g. the front columns of a zero-padded activation buffer).
+//
 // Fixed: head_dim HD in {32, 64, 128, 256} (multiple of 16, the register budget of o: HD / 2 floats a
 // thread), T = bf16 or f16 (mma operands).
 #pragma once
@@ -45,8 +48,9 @@ struct Params {
   const void* q;      // [rows, heads, hd] contiguous
   const void* kc;     // [S, cap, kv_heads, hd], hd contiguous
   const void* vc;     // [S, cap, kv_heads, hd], hd contiguous
-  const void* gate;   // element (r, hq, e) at r * g_row + hq * g_head + e
-  void* out;          // [rows, heads * hd] contiguous
+  const void* gate;   // element (r, hq, e) at r * g_row + hq * g_head + e (GATE only)
+  void* out;          // [rows, heads * hd], rows out_row elements apart
+  int64_t out_row;
   float* ws_o;        // [L, kv_heads, splits, r_pad, hd] (splits > 1)
   float2* ws_ml;      // [L, kv_heads, splits, r_pad]: (running max in log2 units, sum) (splits > 1)
   const int64_t* pos;    // [rows]
@@ -134,7 +138,17 @@ __host__ __device__ constexpr size_t gated_attention_smem_bytes() {
   return static_cast<size_t>(kRowsPerBlock + 4 * kChunk) * (HD + kPad) * sizeof(T);
 }
 
-template <typename T, int HD>
+// out's element: gated (the gate g) or the attention output rounded once (GATE false).
+template <typename T, bool GATE>
+__device__ __forceinline__ float attn_out(float o, float g) {
+  if constexpr (GATE) {
+    return gated<T>(o, g);
+  } else {
+    return o;  // rounded to T by the store
+  }
+}
+
+template <typename T, int HD, bool GATE = true>
 __global__ void __launch_bounds__(kWarps * 32) gated_attention_kernel(Params p) {
   static_assert(HD % 16 == 0 && HD >= 32 && HD <= 256, "head_dim: 32..256, a multiple of 16");
   using Tr = AttnTraits<T>;
@@ -303,24 +317,26 @@ __global__ void __launch_bounds__(kWarps * 32) gated_attention_kernel(Params p) 
       const int64_t r = r_lane + rr / p.rep;
       const int hq = h * p.rep + rr % p.rep;
       const float inv = l_run[i] > 0.f ? __frcp_rn(l_run[i]) : 0.f;  // one reciprocal a row
-      const T* __restrict__ gr = gate + r * p.g_row + hq * p.g_head;
-      T* __restrict__ orow = out + (r * p.heads + hq) * HD;
+      const T* __restrict__ gr = GATE ? gate + r * p.g_row + hq * p.g_head : nullptr;
+      T* __restrict__ orow = out + r * p.out_row + hq * HD;
       // 8 n-tiles at a time: their gate loads all issued before any store (one memory round trip a
       // group, not one an element)
 #pragma unroll
       for (int j0 = 0; j0 < NT; j0 += 8) {
         constexpr int G = NT < 8 ? NT : 8;
         T g0[G], g1[G];
+        if constexpr (GATE) {
 #pragma unroll
-        for (int j = 0; j < G; ++j) {
-          g0[j] = __ldg(gr + 8 * (j0 + j) + 2 * t);
-          g1[j] = __ldg(gr + 8 * (j0 + j) + 2 * t + 1);
+          for (int j = 0; j < G; ++j) {
+            g0[j] = __ldg(gr + 8 * (j0 + j) + 2 * t);
+            g1[j] = __ldg(gr + 8 * (j0 + j) + 2 * t + 1);
+          }
         }
 #pragma unroll
         for (int j = 0; j < G; ++j) {
           const int e = 8 * (j0 + j) + 2 * t;
-          const float y0 = gated<T>(o[j0 + j][2 * i] * inv, Tr::to_f(g0[j]));
-          const float y1 = gated<T>(o[j0 + j][2 * i + 1] * inv, Tr::to_f(g1[j]));
+          const float y0 = attn_out<T, GATE>(o[j0 + j][2 * i] * inv, GATE ? Tr::to_f(g0[j]) : 0.f);
+          const float y1 = attn_out<T, GATE>(o[j0 + j][2 * i + 1] * inv, GATE ? Tr::to_f(g1[j]) : 0.f);
           *reinterpret_cast<uint32_t*>(orow + e) = Tr::pack(y0, y1);
         }
       }
@@ -343,7 +359,7 @@ __global__ void __launch_bounds__(kWarps * 32) gated_attention_kernel(Params p) 
 
 // The splits of (lane, query row, head) merged in split order, normalized, gated and written: one
 // block per query row r and head hq, HD threads (one element each).
-template <typename T, int HD>
+template <typename T, int HD, bool GATE = true>
 __global__ void __launch_bounds__(HD) gated_attention_combine_kernel(Params p) {
   using Tr = AttnTraits<T>;
   const int64_t r = blockIdx.x;  // query row l * n + c
@@ -366,7 +382,8 @@ __global__ void __launch_bounds__(HD) gated_attention_combine_kernel(Params p) {
   const float v = sum > 0.f ? acc / sum : 0.f;
   const T* __restrict__ gate = static_cast<const T*>(p.gate);
   T* out = static_cast<T*>(p.out);
-  out[(r * p.heads + hq) * HD + e] = Tr::from_f(gated<T>(v, Tr::to_f(gate[r * p.g_row + hq * p.g_head + e])));
+  const float g = GATE ? Tr::to_f(gate[r * p.g_row + hq * p.g_head + e]) : 0.f;
+  out[r * p.out_row + hq * HD + e] = Tr::from_f(attn_out<T, GATE>(v, g));
 }
 
 }  // namespace ignis_attn

@@ -33,40 +33,43 @@ namespace ignis_attn {
 using tvm::ffi::TensorView;
 using namespace ignis_ffi;
 
-template <typename T, int HD>
+template <typename T, int HD, bool GATE>
 void gated_attention_run(const char* name, const Params& p, int lanes, int64_t rows, cudaStream_t stream) {
   const size_t smem = gated_attention_smem_bytes<T, HD>();
   static size_t raised[64] = {};  // this instantiation's shared-memory limit, per device
   int device = 0;
   TVM_FFI_CHECK(cudaGetDevice(&device) == cudaSuccess && device >= 0 && device < 64, RuntimeError)
       << name << ": no current CUDA device (or more than 64)";
-  raise_smem_limit(name, gated_attention_kernel<T, HD>, smem, raised[device]);
+  raise_smem_limit(name, gated_attention_kernel<T, HD, GATE>, smem, raised[device]);
   const int m_groups = p.r_pad / kRowsPerBlock;
   const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.kv_heads * m_groups),
                   static_cast<unsigned>(lanes));
-  gated_attention_kernel<T, HD><<<grid, kWarps * 32, smem, stream>>>(p);
+  gated_attention_kernel<T, HD, GATE><<<grid, kWarps * 32, smem, stream>>>(p);
   check_launch(name);
   if (p.splits > 1) {
     const dim3 cgrid(static_cast<unsigned>(rows), static_cast<unsigned>(p.heads));
-    gated_attention_combine_kernel<T, HD><<<cgrid, HD, 0, stream>>>(p);
+    gated_attention_combine_kernel<T, HD, GATE><<<cgrid, HD, 0, stream>>>(p);
     check_launch(name);
   }
 }
 
-template <typename T>
+template <typename T, bool GATE>
 void gated_attention_dispatch(const char* name, const Params& p, int hd, int lanes, int64_t rows,
                               cudaStream_t stream) {
   switch (hd) {
-    case 32: gated_attention_run<T, 32>(name, p, lanes, rows, stream); break;
-    case 64: gated_attention_run<T, 64>(name, p, lanes, rows, stream); break;
-    case 128: gated_attention_run<T, 128>(name, p, lanes, rows, stream); break;
-    default: gated_attention_run<T, 256>(name, p, lanes, rows, stream); break;
+    case 32: gated_attention_run<T, 32, GATE>(name, p, lanes, rows, stream); break;
+    case 64: gated_attention_run<T, 64, GATE>(name, p, lanes, rows, stream); break;
+    case 128: gated_attention_run<T, 128, GATE>(name, p, lanes, rows, stream); break;
+    default: gated_attention_run<T, 256, GATE>(name, p, lanes, rows, stream); break;
   }
 }
 
-inline void gated_attention_launch(const char* name, TensorView q, TensorView kc, TensorView vc, TensorView gate,
+// gated_attention (gate given) and grouped_attention (gate null: no gate, out's rows any stride).
+inline void gated_attention_launch(const char* name, TensorView q, TensorView kc, TensorView vc, const TensorView* gate_p,
                                    TensorView pos, TensorView slots, TensorView out, TensorView ws_o,
                                    TensorView ws_ml, int64_t max_keys, int64_t split_keys, double scale) {
+  const bool gated = gate_p != nullptr;
+  TensorView gate = gated ? *gate_p : q;  // q stands in for the absent gate in the checks
   TVM_FFI_CHECK(q.ndim() == 3 && kc.ndim() == 4 && vc.ndim() == 4 && gate.ndim() == 3 && out.ndim() == 2 &&
                     pos.ndim() == 1 && slots.ndim() == 1,
                 ValueError)
@@ -90,8 +93,16 @@ inline void gated_attention_launch(const char* name, TensorView q, TensorView kc
   }
   TVM_FFI_CHECK(gate.size(0) == rows && gate.size(1) == heads && gate.size(2) == hd && gate.stride(2) == 1, ValueError)
       << name << ": gate must be [" << rows << ", " << heads << ", " << hd << "] with head_dim contiguous";
-  TVM_FFI_CHECK(out.size(0) == rows && out.size(1) == heads * hd && is_contiguous_2d(out), ValueError)
-      << name << ": out must be contiguous [" << rows << ", " << heads * hd << "]";
+  if (gated) {
+    TVM_FFI_CHECK(out.size(0) == rows && out.size(1) == heads * hd && is_contiguous_2d(out), ValueError)
+        << name << ": out must be contiguous [" << rows << ", " << heads * hd << "]";
+  } else {
+    TVM_FFI_CHECK(out.size(0) == rows && out.size(1) == heads * hd && out.stride(1) == 1 &&
+                      (rows == 1 || (out.stride(0) >= heads * hd && out.stride(0) % 2 == 0)),
+                  ValueError)
+        << name << ": out must be [" << rows << ", " << heads * hd << "] with the last dim contiguous and an even "
+        << "row stride of at least " << heads * hd;
+  }
   TVM_FFI_CHECK(pos.size(0) == rows && (rows == 1 || pos.stride(0) == 1) && dtype_is(pos, kDLInt, 64), ValueError)
       << name << ": pos must be contiguous int64 [" << rows << "]";
   TVM_FFI_CHECK((lanes == 1 || slots.stride(0) == 1) && dtype_is(slots, kDLInt, 64), ValueError)
@@ -128,6 +139,7 @@ inline void gated_attention_launch(const char* name, TensorView q, TensorView kc
   p.vc = ptr(vc);
   p.gate = ptr(gate);
   p.out = ptr(out);
+  p.out_row = rows == 1 ? heads * hd : out.stride(0);
   p.ws_o = splits > 1 ? static_cast<float*>(ptr(ws_o)) : nullptr;
   p.ws_ml = splits > 1 ? static_cast<float2*>(ptr(ws_ml)) : nullptr;
   p.pos = static_cast<const int64_t*>(ptr(pos));
@@ -164,9 +176,17 @@ inline void gated_attention_launch(const char* name, TensorView q, TensorView kc
   cudaStream_t stream = stream_of(q);
   const int h = static_cast<int>(hd), L = static_cast<int>(lanes);
   if (dtype_is(q, kDLBfloat, 16)) {
-    gated_attention_dispatch<__nv_bfloat16>(name, p, h, L, rows, stream);
+    if (gated) {
+      gated_attention_dispatch<__nv_bfloat16, true>(name, p, h, L, rows, stream);
+    } else {
+      gated_attention_dispatch<__nv_bfloat16, false>(name, p, h, L, rows, stream);
+    }
   } else if (dtype_is(q, kDLFloat, 16)) {
-    gated_attention_dispatch<__half>(name, p, h, L, rows, stream);
+    if (gated) {
+      gated_attention_dispatch<__half, true>(name, p, h, L, rows, stream);
+    } else {
+      gated_attention_dispatch<__half, false>(name, p, h, L, rows, stream);
+    }
   } else {
     TVM_FFI_THROW(TypeError) << name << ": q must be bfloat16 or float16";
   }
@@ -174,14 +194,25 @@ inline void gated_attention_launch(const char* name, TensorView q, TensorView kc
 
 }  // namespace ignis_attn
 
-// Export gated_attention(q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale).
+// Export gated_attention(q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale) and
+// grouped_attention(q, kc, vc, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale) (no gate: out =
+// round(attention); out's rows any even stride >= heads * hd, e.g. a zero-padded activation buffer).
 #define IGNIS_GATED_ATTENTION_EXPORT()                                                                           \
   static void ignis_gated_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView kc, tvm::ffi::TensorView vc,    \
                                     tvm::ffi::TensorView gate, tvm::ffi::TensorView pos,                         \
                                     tvm::ffi::TensorView slots, tvm::ffi::TensorView out,                        \
                                     tvm::ffi::TensorView ws_o, tvm::ffi::TensorView ws_ml, int64_t max_keys,     \
                                     int64_t split_keys, double scale) {                                          \
-    ::ignis_attn::gated_attention_launch("gated_attention", q, kc, vc, gate, pos, slots, out, ws_o, ws_ml,       \
+    ::ignis_attn::gated_attention_launch("gated_attention", q, kc, vc, &gate, pos, slots, out, ws_o, ws_ml,      \
                                          max_keys, split_keys, scale);                                           \
   }                                                                                                              \
-  TVM_FFI_DLL_EXPORT_TYPED_FUNC(gated_attention, ignis_gated_attention)
+  static void ignis_grouped_attention(tvm::ffi::TensorView q, tvm::ffi::TensorView kc, tvm::ffi::TensorView vc,  \
+                                      tvm::ffi::TensorView pos, tvm::ffi::TensorView slots,                      \
+                                      tvm::ffi::TensorView out, tvm::ffi::TensorView ws_o,                       \
+                                      tvm::ffi::TensorView ws_ml, int64_t max_keys, int64_t split_keys,          \
+                                      double scale) {                                                            \
+    ::ignis_attn::gated_attention_launch("grouped_attention", q, kc, vc, nullptr, pos, slots, out, ws_o, ws_ml,  \
+                                         max_keys, split_keys, scale);                                           \
+  }                                                                                                              \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(gated_attention, ignis_gated_attention)                                          \
+  TVM_FFI_DLL_EXPORT_TYPED_FUNC(grouped_attention, ignis_grouped_attention)

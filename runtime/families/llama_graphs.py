@@ -58,9 +58,29 @@ as the protocol says (a commit of k keeps the first k columns: their keys were w
 same pooled buffers: attention batched over lanes over their exact longest length, only the real
 columns' keys written.
 
+Kernels of a layer (each a node of the graph a round replays): the input norm with the residual add
+before it (one ``add_rms_norm_llama`` launch with ``norms_module``, else an add and torch's norm: 2
+kernels in float32, 4 in 16-bit dtypes), the q|k|v linear, RoPE of q and k together written back into
+the linear's output (4 kernels, `rope_qk`), so that a position's keys and values, adjacent there, go
+into the pool in one write (with ``mixers_module``: RoPE and the write in one ``rope_kv`` launch,
+bit-identical; and, in bf16 / f16, the gather, SDPA and the heads' permute in one
+``grouped_attention`` launch reading the pool through the slots, FlashAttention-2's online softmax
+with P rounded to the dtype before P.V); else one gather of the lanes' keys and values and SDPA; the
+o linear, the post-attention norm with its add, the gate|up linear, ``silu_mul`` (or torch's silu and
+product) and the down linear. `tests/runtime/test_llama_round_cost.py` counts them.
+
+Padded q4 linears: a tiled q4 weight whose K is not a multiple of 128 is padded with zero columns to
+K' (a build's ``q4_pad_k``; `Q4Weight.cols`), and its function takes activations of K' columns. For
+each such (K, K') the executor keeps one zero buffer [rows of the widest round, K'] (allocated with the
+pools); in static rounds the op before the linear (the first norm and the fused add + norms, the copy
+of the attention output into row order, ``silu_mul``) writes its [rows, K] result into the buffer's
+first K columns and the linear reads all K' columns, with no padding copy. Columns past K are never
+written, so they stay zero. Long (eager) forwards leave the padding to `LinearBackend`.
+
 Numerics follow `LlamaExecutor`'s (HF's casts: RMSNorm statistics in float32, RoPE tables in float32
 cast to the activation dtype, softmax in float32) with two differences of rounding only: RMSNorm
-uses torch's fused `F.rms_norm`, and attention is one masked SDPA over the bucket instead of one per
+uses torch's fused `F.rms_norm` (or, with ``norms_module``, the fused kernel: HF's rounding points,
+float32 sums in another order), and attention is one masked SDPA over the bucket instead of one per
 lane over its exact length. Float32 logits agree to ~1e-5 (tests: 1e-4).
 """
 
@@ -85,6 +105,8 @@ from ignis.runtime.families.static_rounds import (
     kv_bucket,
     run_chunks,
 )
+from ignis.runtime.kernels.fused_mixers import FusedMixersKernel
+from ignis.runtime.kernels.fused_norms import SILU_MUL_MAX_ROWS, FusedNormsKernel
 from ignis.runtime.linear import LinearFn, Q4Weight
 
 __all__ = [
@@ -138,15 +160,28 @@ def round_mask(pos: torch.Tensor, bucket: int, rep: int) -> torch.Tensor:
 
 
 def grouped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GQA as one SDPA call: q [L, n, kv_heads, rep, hd] (query head h = kv head h // rep), keys and
     values [L, kv_heads, T, hd] (last dim contiguous), mask from `round_mask`. Returns [L * n,
-    kv_heads * rep * hd] in q's dtype. The backend is the caller's (`sdpa_kernel`)."""
+    kv_heads * rep * hd] in q's dtype. The backend is the caller's (`sdpa_kernel`). out: [L * n, >= D]
+    (D = kv_heads * rep * hd; the last dim contiguous) whose first D columns receive the result, which
+    is then `out` itself (e.g. a zero-padded activation buffer), or None (a new tensor, or a view of
+    SDPA's output when it is already in row order)."""
     lanes, n, nkv, rep, hd = q.shape
     qq = q.permute(0, 2, 3, 1, 4).reshape(lanes, nkv, rep * n, hd)  # the group's query heads as rows
     o = F.scaled_dot_product_attention(qq, keys, values, attn_mask=mask, scale=scale)
-    return o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4).reshape(lanes * n, nkv * rep * hd)
+    rows = o.view(lanes, nkv, rep, n, hd).permute(0, 3, 1, 2, 4)
+    if out is None:
+        return rows.reshape(lanes * n, nkv * rep * hd)
+    out[:, : nkv * rep * hd].view(lanes, n, nkv, rep, hd).copy_(rows)
+    return out
 
 
 def _host_ids(columns: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
@@ -171,15 +206,20 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def rope_qk(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+def rope_qk(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """HF's rotary embedding (``x * cos + rotate_half(x) * sin``, `LlamaExecutor._apply_rope`) of
     x [R, heads, hd] (any heads: q and k of a round side by side), with cos [R, 1, hd] and
     ``signed_sin(sin)``. rotate_half's negation is carried by the sine table instead of the
     activations: (-a) * s and a * (-s) are the same float in IEEE arithmetic, so the result is
     bit-identical to `_apply_rope`, in 4 kernels where rotating q and k apart takes 10 (the
-    negation and the concatenation per tensor, then the two products and the sum per tensor)."""
+    negation and the concatenation per tensor, then the two products and the sum per tensor).
+    out: where the sum is written (x itself may be given: both products are computed before the
+    sum writes), or None (a new tensor)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
+    return torch.add(x * cos, rotated, out=out) if out is not None else x * cos + rotated
 
 
 def pick_sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> SDPBackend:
@@ -257,6 +297,15 @@ class StaticLlamaExecutor(LlamaExecutor):
             (module docstring); None: ``CHUNKED_PREFILL_ROUNDS x max_columns`` when cuda_graphs, else
             0 (off). Also settable later as the attribute.
         kv_bucket: the smallest KV length bucket (a power of two; buckets double up to the capacity).
+        norms_module: the fused residual add + RMSNorm (``add_rms_norm_llama``) and SwiGLU activation
+            (``silu_mul``) of a fused-norms library (`FusedNormsKernel`, a loaded module or a ``.so``
+            path; CUDA only), or None: the torch ops (module docstring, "Kernels of a layer"). Also
+            settable later as the attribute (captured graphs are dropped then).
+        mixers_module: the fused RoPE + KV write (``rope_kv``) and, when the library has it and
+            takes the dtype and head_dim, the attention over the pool (``grouped_attention``) of a
+            fused-mixers library (`FusedMixersKernel`, a loaded module or a ``.so`` path; CUDA
+            only), used by static rounds, or None: `rope_qk`, the pool write, the gather and SDPA in
+            torch. Also settable later.
 
     Memory (bytes): KV 2 x layers x (max_lanes + 1) x capacity x kv_heads x head_dim x dtype size;
     with CUDA graphs a static logits buffer of 4 x L' x max_columns x vocab_size (L' =
@@ -281,8 +330,13 @@ class StaticLlamaExecutor(LlamaExecutor):
         cuda_graphs: bool | None = None,
         chunked_prefill: int | None = None,
         kv_bucket: int = 256,
+        norms_module: Any = None,
+        mixers_module: Any = None,
     ) -> None:
         super().__init__(config, weights, device=device, dtype=dtype, linear=linear)  # type: ignore[arg-type]
+        self._norms_kernel: FusedNormsKernel | None = None
+        self._mixers_kernel: FusedMixersKernel | None = None
+        self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
         c = config
         if max_lanes < 1 or max_columns < 1:
             raise ValueError(f"max_lanes and max_columns must be >= 1, got {max_lanes}, {max_columns}")
@@ -310,11 +364,65 @@ class StaticLlamaExecutor(LlamaExecutor):
         self.sdpa_backend = pick_sdpa_backend(self.device, dtype, self._hd)
         self.column_widths = default_column_widths(max_columns)
         self._free: list[int] = list(range(max_lanes))
-        self._graphs: dict[tuple[Any, ...], CapturedRound] = {}
         self._pool: Any = None
+        self.norms_module = norms_module
+        self.mixers_module = mixers_module
         self.num_captures = 0
         self.num_replays = 0
         self._allocate(max_lanes)
+
+    @property
+    def norms_module(self) -> FusedNormsKernel | None:
+        """The fused residual add + RMSNorm and SwiGLU activation (`FusedNormsKernel` with
+        ``add_rms_norm_llama``) the rounds run, or None (the torch ops)."""
+        return self._norms_kernel
+
+    @norms_module.setter
+    def norms_module(self, source: Any) -> None:
+        """Set from a loaded module, a ``.so`` path or a `FusedNormsKernel` (None: the torch ops);
+        captured graphs are dropped (recaptured on demand).
+
+        Raises:
+            ValueError: a module on a device other than CUDA, or one without ``add_rms_norm_llama``
+                (a library built before it).
+        """
+        if source is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"norms_module needs a CUDA device, got {self.device}")
+            source = FusedNormsKernel(source)
+            if not source.has_add_rms_norm_llama:
+                raise ValueError(
+                    "norms_module: the fused norms library has no add_rms_norm_llama (built before it)"
+                )
+        self._norms_kernel = source
+        if self._graphs:  # captured with the other norms: recaptured on demand, in a new pool
+            self._graphs.clear()
+            self._pool = None
+
+    @property
+    def mixers_module(self) -> FusedMixersKernel | None:
+        """The fused RoPE + KV write (`FusedMixersKernel` with ``rope_kv``) static rounds run, or None
+        (torch's `rope_qk` and the pool write)."""
+        return self._mixers_kernel
+
+    @mixers_module.setter
+    def mixers_module(self, source: Any) -> None:
+        """Set from a loaded module, a ``.so`` path or a `FusedMixersKernel` (None: torch); captured
+        graphs are dropped.
+
+        Raises:
+            ValueError: a module on a device other than CUDA, or one without ``rope_kv``.
+        """
+        if source is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"mixers_module needs a CUDA device, got {self.device}")
+            source = FusedMixersKernel(source)
+            if not source.has_rope_kv:
+                raise ValueError("mixers_module: the fused mixers library has no rope_kv (built before it)")
+        self._mixers_kernel = source
+        if self._graphs:
+            self._graphs.clear()
+            self._pool = None
 
     def _allocate(self, lanes: int, old: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Pools for `lanes` lane slots plus the scratch slot (the old pools' lanes copied over), the
@@ -337,6 +445,19 @@ class StaticLlamaExecutor(LlamaExecutor):
             self._logits_out = (
                 torch.zeros(rows, c.vocab_size, dtype=torch.float32, device=dev) if self.cuda_graphs else None
             )
+            # the static rounds' activations of linears whose tiled weight is padded to K' columns:
+            # one zero buffer [rows, K'] per (K, K'), its columns past K never written (zeros)
+            first = self.layers[:1]
+            padded = [w for layer in first for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
+            padded.append(self.lm_head)
+            self._pad_bufs = {
+                (w.in_features, w.padded_in_features): torch.zeros(
+                    rows, w.padded_in_features, dtype=self.dtype, device=dev
+                )
+                for w in padded
+                if isinstance(w, Q4Weight) and w.cols is not None
+            }
+            self._pad_rows = rows
         self._kv, self._keys, self._values = kv, keys, values
         self._scratch = lanes
         self._graphs.clear()
@@ -680,9 +801,60 @@ class StaticLlamaExecutor(LlamaExecutor):
             shaped["logits"] = out["logits"]  # [lanes, vocab]
         return shaped
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """HF LlamaRMSNorm (float32 statistics, cast back before the weight multiply), torch's fused op."""
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps).to(x.dtype)
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """HF LlamaRMSNorm (float32 statistics, cast back before the weight multiply), torch's fused op.
+        out: a zero-padded activation buffer [rows, K'] (`_padded_input`) whose first H columns
+        receive the result, which is then `out` itself; None: a new tensor [rows, H]."""
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps).to(x.dtype)
+        if out is None:
+            return weight * normed
+        torch.mul(weight, normed, out=out[:, : x.shape[-1]])
+        return out
+
+    def _add_norm(
+        self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the RMSNorm after it: (x + d, `_norm`(x + d, weight)), [rows, H] each
+        (the norm written into `out` as `_norm` says when given). With `norms_module`: one
+        ``add_rms_norm_llama`` launch (HF's two roundings, float32 math; only the sum of squares'
+        order differs from torch's), else the torch ops (an add, then the norm's 2-4 kernels)."""
+        fused = self._norms_kernel
+        if fused is not None:
+            target = None if out is None else out[:, : x.shape[-1]]
+            x, h = fused.add_rms_norm_llama(x, d, weight, self.config.rms_norm_eps, x_out=target)
+            return x, h if out is None else out
+        x = x + d
+        return x, self._norm(x, weight, out)
+
+    def _padded_input(self, weight: Any, rows: int, pad: bool) -> torch.Tensor | None:
+        """The zero-padded activation buffer [rows, K'] that a tiled q4 weight padded to K' input
+        columns (`Q4Weight.cols`: its K % 128 != 0) reads, when `pad` (a static round): the op
+        before the linear writes its [rows, K] result into the front columns, and the linear takes
+        the whole buffer with no padding copy (`LinearBackend`'s pre-padded activations). None for
+        any other weight, or outside static rounds (the linear then pads itself)."""
+        if not pad or not isinstance(weight, Q4Weight) or weight.cols is None:
+            return None
+        buf = self._pad_bufs.get((weight.in_features, weight.padded_in_features))
+        return None if buf is None else buf[:rows]
+
+    def _silu_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU's ``silu(gate) * up`` of the fused gate|up output gu [rows, 2 I]: one ``silu_mul``
+        launch with `norms_module` (bit-identical to torch's two kernels), else torch. out: a
+        zero-padded activation buffer [rows, K'] whose first I columns receive it (then returned),
+        or None (a new tensor)."""
+        fused = self._norms_kernel
+        inter = gu.shape[-1] // 2
+        target = None if out is None else out[:, :inter]
+        if fused is not None and fused.has_silu_mul and gu.shape[0] <= SILU_MUL_MAX_ROWS:
+            if target is None:
+                return fused.silu_mul(gu)
+            fused.silu_mul(gu, out=target)
+            return out  # type: ignore[return-value]
+        gate, up = gu.chunk(2, dim=-1)
+        if target is None:
+            return F.silu(gate) * up
+        torch.mul(F.silu(gate), up, out=target)
+        return out  # type: ignore[return-value]
 
     def _body(
         self,
@@ -709,39 +881,86 @@ class StaticLlamaExecutor(LlamaExecutor):
         x = F.embedding(ids, self.embed)  # [R, H]
         pos_rows = pos.reshape(-1)
         cos, sin = self._rope(pos_rows)  # [R, 1, hd]
-        sin_signed = signed_sin(sin)
-        mask = round_mask(pos, bucket, rep)
+        mixers = self._mixers_kernel if valid is None else None  # static rounds: one fused kernel
+        sin_signed = signed_sin(sin) if mixers is None else sin
+        # attention straight from the pool (no gather, no mask): static rounds with rope_kv's q
+        attend = mixers is not None and mixers.grouped_attention_takes(self.dtype, hd, self.device)
+        mask = None if attend else round_mask(pos, bucket, rep)
         slot_rows = slots[:, None].expand(lanes, n).reshape(-1)
         if valid is not None:
             slot_rows, key_rows = slot_rows[valid], pos_rows[valid]
         else:
             key_rows = pos_rows
         tapped: dict[int, torch.Tensor] = {}
-        for li, layer in enumerate(self.layers):
-            h = self._norm(x, layer.norm_in)
+        layers = self.layers
+        # the first input norm alone; every later norm runs with the residual add before it
+        pad = valid is None and rows <= self._pad_rows  # a static round: the padded buffers serve
+        first = layers[0] if layers else None
+        h = self._norm(
+            x,
+            first.norm_in if first else self.norm,
+            out=self._padded_input(first.w_qkv if first else self.lm_head, rows, pad),
+        )
+        for li, layer in enumerate(layers):
             qkv = linear(h, layer.w_qkv, layer.b_qkv)  # [R, (nh + 2 nkv) hd]
-            # q and k rotated together: one set of kernels for both (`rope_qk`)
-            qk = rope_qk(qkv[:, : (nh + nkv) * hd].view(rows, nh + nkv, hd), cos, sin_signed)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, (nh + nkv) * hd :].view(rows, nkv, hd)
-            kc, vc = self._keys[li], self._values[li]  # [S, cap, nkv, hd], views of the pool
-            if valid is not None:
-                k, v = k[valid], v[valid]
-            kc[slot_rows, key_rows] = k
-            vc[slot_rows, key_rows] = v
-            lanes_kv = self._kv[li, :, :bucket].index_select(0, slots)  # [L, T, 2 nkv, hd]: one gather
-            keys = lanes_kv[:, :, :nkv].transpose(1, 2)  # [L, nkv, T, hd]
-            values = lanes_kv[:, :, nkv:].transpose(1, 2)
-            with sdpa_kernel([self.sdpa_backend]):
-                o = grouped_attention(q.view(lanes, n, nkv, rep, hd), keys, values, mask, self._scale)
-            x = x + linear(o, layer.w_o, layer.b_o)
-            h = self._norm(x, layer.norm_post)
-            gate, up = linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+            heads = qkv.view(rows, nh + 2 * nkv, hd)
+            if mixers is not None:  # RoPE of q and k and the keys' and values' write: one kernel
+                q = mixers.rope_kv(
+                    heads[:, :nh],
+                    heads[:, nh : nh + nkv],
+                    heads[:, nh + nkv :],
+                    cos.view(rows, hd),
+                    sin.view(rows, hd),
+                    pos_rows,
+                    slots,
+                    self._keys[li],
+                    self._values[li],
+                )
+            else:
+                # q and k rotated together, in place (`rope_qk`): qkv then holds [q | k | v] with k
+                # beside v, as a pool position holds them (keys then values)
+                rope_qk(heads[:, : nh + nkv], cos, sin_signed, out=heads[:, : nh + nkv])
+                q, kv_new = heads[:, :nh], heads[:, nh:]  # kv_new [R, 2 nkv, hd]
+                if valid is not None:
+                    kv_new = kv_new[valid]
+                self._kv[li][slot_rows, key_rows] = kv_new  # keys and values: one write
+            o_buf = self._padded_input(layer.w_o, rows, pad)
+            if attend:
+                assert mixers is not None
+                o = mixers.grouped_attention(
+                    q,
+                    self._keys[li],
+                    self._values[li],
+                    pos_rows,
+                    slots,
+                    bucket,
+                    self._scale,
+                    out=None if o_buf is None else o_buf[:, : nh * hd],
+                )
+                o = o if o_buf is None else o_buf
+            else:
+                assert mask is not None
+                lanes_kv = self._kv[li, :, :bucket].index_select(0, slots)  # [L, T, 2 nkv, hd]: one gather
+                keys = lanes_kv[:, :, :nkv].transpose(1, 2)  # [L, nkv, T, hd]
+                values = lanes_kv[:, :, nkv:].transpose(1, 2)
+                with sdpa_kernel([self.sdpa_backend]):
+                    o = grouped_attention(
+                        q.view(lanes, n, nkv, rep, hd), keys, values, mask, self._scale, out=o_buf
+                    )
+            post = self._padded_input(layer.w_gate_up, rows, pad)
+            x, h = self._add_norm(x, linear(o, layer.w_o, layer.b_o), layer.norm_post, out=post)
+            act = self._silu_mul(
+                linear(h, layer.w_gate_up, layer.b_gate_up), out=self._padded_input(layer.w_down, rows, pad)
+            )
+            nxt = layers[li + 1] if li + 1 < len(layers) else None
+            after = self._padded_input(nxt.w_qkv if nxt else self.lm_head, rows, pad)
+            x, h = self._add_norm(
+                x, linear(act, layer.w_down, layer.b_down), nxt.norm_in if nxt else self.norm, out=after
+            )
             if li in taps:
                 tapped[li] = x
-        head_in = x if logit_rows is None else x.index_select(0, logit_rows)
-        out = {"logits": linear(self._norm(head_in, self.norm), self.lm_head, None).float()}
+        head_in = h if logit_rows is None else h.index_select(0, logit_rows)  # the final norm's rows
+        out = {"logits": linear(head_in, self.lm_head, None).float()}
         if want_hidden:
             out["hidden"] = x
         if taps:

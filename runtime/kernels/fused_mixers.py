@@ -10,10 +10,13 @@ through `FusedMixersKernel`:
 * ``gdn_conv_silu``: the GDN conv state gather + causal conv1d + SiLU with the window write;
 * ``qk_norm_rope_kv``: attention's q/k (1 + w) RMSNorm + partial RoPE + KV scatter;
 * ``gated_attention``: gated GQA attention over the lanes' caches (split over keys when long:
-  `attention_split_keys`).
+  `attention_split_keys`);
+* ``rope_kv``: ``qk_norm_rope_kv`` without the norms, and ``grouped_attention``: ``gated_attention``
+  without the gate, which `StaticLlamaExecutor` runs (llama / qwen2).
 
 Every library has the first two (`REQUIRED_FUNCTION_NAMES`); libraries built before
-``gated_attention`` lack it (`OPTIONAL_FUNCTION_NAMES`), which the binding then leaves to torch.
+``gated_attention`` or ``rope_kv`` lack them (`OPTIONAL_FUNCTION_NAMES`), which the binding then
+leaves to torch.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ __all__ = [
 
 REQUIRED_FUNCTION_NAMES = ("gdn_conv_silu", "qk_norm_rope_kv")
 """The exports every fused-mixers library has (manifest kernel kinds of the same names)."""
-OPTIONAL_FUNCTION_NAMES = ("gated_attention",)
-"""The export libraries built before it lack (`FusedMixersKernel.has_gated_attention`)."""
+OPTIONAL_FUNCTION_NAMES = ("gated_attention", "rope_kv", "grouped_attention")
+"""The exports libraries built before them lack (`FusedMixersKernel.has_gated_attention`,
+`FusedMixersKernel.has_rope_kv`, `FusedMixersKernel.has_grouped_attention`)."""
 FUNCTION_NAMES = REQUIRED_FUNCTION_NAMES + OPTIONAL_FUNCTION_NAMES
 """Every export of a library, in build order."""
 
@@ -125,15 +129,68 @@ class FusedMixersKernel(ModuleFunctions):
         """Whether `gated_attention` serves a layer of this dtype and head_dim (bf16 / f16; head_dim
         32, 64, 128 or 256) in this module, on `device` (a CUDA device whose blocks may hold its
         shared memory: `gated_attention_smem_bytes`; not checked for other devices)."""
-        if not (
-            self.has_gated_attention
-            and dtype in (torch.bfloat16, torch.float16)
-            and head_dim in GATED_ATTENTION_HEAD_DIMS
-        ):
+        return self.has_gated_attention and self._attention_takes(dtype, head_dim, device)
+
+    @property
+    def has_grouped_attention(self) -> bool:
+        """Whether the module exports ``grouped_attention`` (libraries built before it do not)."""
+        return "grouped_attention" in self.funcs
+
+    def grouped_attention_takes(
+        self, dtype: torch.dtype, head_dim: int, device: torch.device | None = None
+    ) -> bool:
+        """Whether `grouped_attention` serves a layer of this dtype and head_dim (the limits of
+        `gated_attention_takes`: the same kernel)."""
+        return self.has_grouped_attention and self._attention_takes(dtype, head_dim, device)
+
+    def grouped_attention(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        max_keys: int,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """GQA attention over the lanes' caches without a gate (llama / qwen2; the ``gated_attention``
+        kernel, "grouped_attention"): ``round(attn(q, K, V))`` as [rows, heads * hd] in q's dtype,
+        written into `out` ([rows, heads * hd] with the last dim contiguous and an even row stride,
+        e.g. the front columns of a zero-padded activation buffer) or a new tensor. Otherwise as
+        `gated_attention`."""
+        rows, heads, hd = q.shape
+        if out is None:
+            out = q.new_empty(rows, heads * hd)
+        ws_o, ws_ml, split_keys = self._attention_workspace(q, kc, slots, max_keys)
+        args = (q, kc, vc, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)
+        self._call("grouped_attention", args, q.is_cuda)
+        return out
+
+    def _attention_takes(self, dtype: torch.dtype, head_dim: int, device: torch.device | None) -> bool:
+        if dtype not in (torch.bfloat16, torch.float16) or head_dim not in GATED_ATTENTION_HEAD_DIMS:
             return False
         if device is not None and device.type == "cuda":
             return gated_attention_smem_bytes(head_dim) <= _smem_per_block_optin(device)
         return True
+
+    @staticmethod
+    def _attention_workspace(
+        q: torch.Tensor, kc: torch.Tensor, slots: torch.Tensor, max_keys: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(ws_o, ws_ml, split_keys) of an attention call (`attention_split_keys`; empty workspace
+        tensors for one split), allocated with torch."""
+        rows, heads, hd = q.shape
+        lanes, kv_heads = slots.shape[0], kc.shape[2]
+        split_keys = attention_split_keys(max_keys)
+        splits = -(-max_keys // split_keys)
+        r_pad = -(-(heads // kv_heads) * (rows // lanes) // 64) * 64
+        if splits > 1:
+            ws_o = torch.empty(lanes, kv_heads, splits, r_pad, hd, dtype=torch.float32, device=q.device)
+            ws_ml = torch.empty(lanes, kv_heads, splits, r_pad, 2, dtype=torch.float32, device=q.device)
+        else:
+            ws_o = ws_ml = torch.empty(0, dtype=torch.float32, device=q.device)
+        return ws_o, ws_ml, split_keys
 
     def gated_attention(
         self,
@@ -154,16 +211,8 @@ class FusedMixersKernel(ModuleFunctions):
         Allocates the split workspace (`attention_split_keys`) with torch. Raises ValueError /
         TypeError (from the module) on shapes, dtypes or devices it does not take."""
         rows, heads, hd = q.shape
-        lanes, kv_heads = slots.shape[0], kc.shape[2]
-        split_keys = attention_split_keys(max_keys)
-        splits = -(-max_keys // split_keys)
-        r_pad = -(-(heads // kv_heads) * (rows // lanes) // 64) * 64
         out = q.new_empty(rows, heads * hd)
-        if splits > 1:
-            ws_o = torch.empty(lanes, kv_heads, splits, r_pad, hd, dtype=torch.float32, device=q.device)
-            ws_ml = torch.empty(lanes, kv_heads, splits, r_pad, 2, dtype=torch.float32, device=q.device)
-        else:
-            ws_o = ws_ml = torch.empty(0, dtype=torch.float32, device=q.device)
+        ws_o, ws_ml, split_keys = self._attention_workspace(q, kc, slots, max_keys)
         args = (q, kc, vc, gate, pos, slots, out, ws_o, ws_ml, max_keys, split_keys, scale)
         self._call("gated_attention", args, q.is_cuda)
         return out
@@ -186,6 +235,31 @@ class FusedMixersKernel(ModuleFunctions):
         out = qkv.new_empty(lanes, n, qkv.shape[-1])
         self._call("gdn_conv_silu", (qkv, state, slots, weight, windows, out), qkv.is_cuda)
         return out
+
+    @property
+    def has_rope_kv(self) -> bool:
+        """Whether the module exports ``rope_kv`` (libraries built before it do not)."""
+        return "rope_kv" in self.funcs
+
+    def rope_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+    ) -> torch.Tensor:
+        """`qk_norm_rope_kv` without the q/k norms (llama / qwen2): the rotated queries [rows, heads,
+        hd] in q's dtype (a new tensor); the rotated keys and the values written into kc / vc at
+        ``[slots[r // n], pos[r]]``. cos, sin [rows, rot] (sin as HF's, not negated). Same shapes and
+        errors as `qk_norm_rope_kv`."""
+        q_out = q.new_empty(q.shape)
+        self._call("rope_kv", (q, k, v, cos, sin, pos, slots, kc, vc, q_out), q.is_cuda)
+        return q_out
 
     def qk_norm_rope_kv(
         self,

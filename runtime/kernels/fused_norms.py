@@ -8,9 +8,11 @@ the math, its source and the CPU models are in ``ignis.compiler.kernels.fused_no
 * ``add_rms_norm``: a residual add with the (1 + w) RMSNorm after it;
 * ``gated_rms_norm``: the Gated DeltaNet's gated RMSNorm;
 * ``silu_mul``: SwiGLU's ``silu(gate) * up``;
-* ``narrow_linear``: ``x @ W^T`` for few rows and at most `NARROW_LINEAR_MAX_N` output features.
+* ``narrow_linear``: ``x @ W^T`` for few rows and at most `NARROW_LINEAR_MAX_N` output features;
+* ``add_rms_norm_llama``: a residual add with HF's LlamaRMSNorm after it (the weight in the model
+  dtype, multiplied after the normed row is rounded), which `StaticLlamaExecutor` runs.
 
-Every library has the first two (`REQUIRED_FUNCTION_NAMES`); libraries built before the last two
+Every library has the first two (`REQUIRED_FUNCTION_NAMES`); libraries built before the others
 lack them (`OPTIONAL_FUNCTION_NAMES`), which the binding then leaves to torch.
 """
 
@@ -34,9 +36,9 @@ __all__ = [
 
 REQUIRED_FUNCTION_NAMES = ("add_rms_norm", "gated_rms_norm")
 """The exports every fused-norms library has (manifest kernel kinds of the same names)."""
-OPTIONAL_FUNCTION_NAMES = ("silu_mul", "narrow_linear")
+OPTIONAL_FUNCTION_NAMES = ("silu_mul", "narrow_linear", "add_rms_norm_llama")
 """The exports libraries built before them lack (`FusedNormsKernel.has_silu_mul`,
-`FusedNormsKernel.has_narrow_linear`)."""
+`FusedNormsKernel.has_narrow_linear`, `FusedNormsKernel.has_add_rms_norm_llama`)."""
 FUNCTION_NAMES = REQUIRED_FUNCTION_NAMES + OPTIONAL_FUNCTION_NAMES
 """Every export of a library, in build order."""
 
@@ -82,11 +84,39 @@ class FusedNormsKernel(ModuleFunctions):
         """Whether the module exports ``narrow_linear`` (libraries built before it do not)."""
         return "narrow_linear" in self.funcs
 
-    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """``F.silu(gate) * up`` for ``gate, up = gu.chunk(2, -1)``: [rows, I] in gu's dtype (a new
-        tensor; bit-identical to torch's). gu [rows, 2 I], the last dim contiguous. Raises
-        ValueError / TypeError (from the module) as `add_rms_norm`."""
-        out = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+    @property
+    def has_add_rms_norm_llama(self) -> bool:
+        """Whether the module exports ``add_rms_norm_llama`` (libraries built before it do not)."""
+        return "add_rms_norm_llama" in self.funcs
+
+    def add_rms_norm_llama(
+        self,
+        h: torch.Tensor,
+        d: torch.Tensor,
+        w: torch.Tensor,
+        eps: float,
+        x_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + d, w * RMSNorm(h + d)) with HF LlamaRMSNorm's roundings: ``h_out = round(h + d)``,
+        ``x_out = round(w * round(h_out * rsqrt(mean(h_out^2) + eps)))``, float32 math. h, d [rows,
+        hidden] one dtype, the hidden dim contiguous; w [hidden] in h's dtype, contiguous. x_out: where
+        to write the normed rows ([rows, hidden] in h's dtype, any row stride, the hidden dim
+        contiguous: e.g. the front columns of a wider zero-padded buffer), or None (a new tensor).
+        Returns (h_out, x_out), h_out a new tensor. Raises ValueError / TypeError (from the module) on
+        shapes, dtypes or devices it does not take."""
+        h_out = torch.empty_like(h)
+        if x_out is None:
+            x_out = torch.empty_like(h)
+        self._call("add_rms_norm_llama", (h, d, w, h_out, x_out, eps), h.is_cuda)
+        return h_out, x_out
+
+    def silu_mul(self, gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.silu(gate) * up`` for ``gate, up = gu.chunk(2, -1)``: [rows, I] in gu's dtype
+        (bit-identical to torch's), written into `out` ([rows, I], any row stride, the last dim
+        contiguous) or a new tensor. gu [rows, 2 I], the last dim contiguous. Raises ValueError /
+        TypeError (from the module) as `add_rms_norm`."""
+        if out is None:
+            out = gu.new_empty(gu.shape[0], gu.shape[1] // 2)
         self._call("silu_mul", (gu, out), gu.is_cuda)
         return out
 

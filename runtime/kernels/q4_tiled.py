@@ -20,7 +20,9 @@ bytes each lane of a warp consumes, in lane order, so one warp-wide 16-byte load
 
 The transform is a pure permutation of nibbles (plus the padding), done once when an artifact's
 weights are placed on a CUDA device for the tiled kernels; `untile_q4` inverts it exactly.
-Requires K % 128 == 0.
+Requires K % 128 == 0; a weight whose K is a multiple of 32 only is first padded with zero columns
+to the next multiple of 128 (`pad_q4_columns`: code 8, scale 0, each dequantizing to exactly 0), so
+that its product with activations padded by zero columns equals the unpadded product.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "STEP_K",
     "TILE_ROWS",
     "Q4TiledLayoutError",
+    "pad_q4_columns",
     "q4_codes",
     "tile_q4",
     "tiled_shapes",
@@ -63,6 +66,34 @@ def tiled_shapes(out_features: int, in_features: int) -> tuple[tuple[int, int, i
     t = -(-out_features // TILE_ROWS)
     s = in_features // STEP_K
     return (t, s, 256), (t, s, 64)
+
+
+#: A packed word of eight code-8 nibbles (each dequantizes to (8 - 8) * scale = 0), as int32 bits.
+_ZERO_WORD = int(torch.tensor(0x88888888, dtype=torch.int64).to(torch.int32))
+
+
+def pad_q4_columns(
+    packed: torch.Tensor, scales: torch.Tensor, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major q4_g32 parts [*lead, N, K/8] / [*lead, N, K/32] widened to `in_features` input
+    columns: the new columns hold code 8 with scale 0 (they dequantize to exactly +0), on the parts'
+    device, the parts' dtypes. `in_features` == K returns the parts as they are.
+
+    Raises:
+        Q4TiledLayoutError: in_features is below K or not a multiple of 32.
+    """
+    k = int(packed.shape[-1]) * 8
+    if in_features < k or in_features % GROUP:
+        raise Q4TiledLayoutError(f"cannot pad a q4_g32 weight of in_features {k} to {in_features}")
+    if in_features == k:
+        return packed, scales
+    extra = (in_features - k) // 8
+    words = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
+    pad = words.new_full((*words.shape[:-1], extra), _ZERO_WORD)
+    out = torch.cat([words, pad], dim=-1)
+    out = out.view(torch.uint32) if packed.dtype == torch.uint32 else out
+    sc = torch.cat([scales, scales.new_zeros((*scales.shape[:-1], (in_features - k) // GROUP))], dim=-1)
+    return out, sc
 
 
 def q4_codes(packed: torch.Tensor) -> torch.Tensor:

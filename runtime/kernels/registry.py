@@ -122,7 +122,10 @@ LIBRARIES: dict[str, KernelLibrary] = {
         what="mixer pieces",
         fallback="rounds run the torch mixer ops",
         bind=lambda funcs, _entries: fused_mixers.FusedMixersKernel(dict(funcs)),
-        export_dtypes=(("gated_attention", ("bfloat16", "float16")),),
+        export_dtypes=(
+            ("gated_attention", ("bfloat16", "float16")),
+            ("grouped_attention", ("bfloat16", "float16")),
+        ),
     ),
     "moe_experts": KernelLibrary(
         name="moe_experts",

@@ -66,9 +66,12 @@ _HYBRID = [
     ("gated_rms_norm", "gated_rms_norm", "fused_norms.so"),
     ("silu_mul", "silu_mul", "fused_norms.so"),
     ("narrow_linear", "narrow_linear", "fused_norms.so"),
+    ("add_rms_norm_llama", "add_rms_norm_llama", "fused_norms.so"),
     ("gdn_conv_silu", "gdn_conv_silu", "fused_mixers.so"),
     ("qk_norm_rope_kv", "qk_norm_rope_kv", "fused_mixers.so"),
     ("gated_attention", "gated_attention", "fused_mixers.so"),
+    ("rope_kv", "rope_kv", "fused_mixers.so"),
+    ("grouped_attention", "grouped_attention", "fused_mixers.so"),
 ]
 
 
@@ -96,8 +99,9 @@ def _check_binaries(
     ]
     for k in m.kernels:
         assert k.abi == 1 and k.target == {"kind": "cuda", "arch": arch}
-        # the gated attention takes the mma's input types only, the replay float32 stash and state
-        want = {"gated_attention": ("bfloat16", "float16"), "gdn_replay": ("float32",)}.get(
+        # the (gated) attention takes the mma's input types only, the replay float32 stash and state
+        mma_only = ("bfloat16", "float16")
+        want = {"gated_attention": mma_only, "grouped_attention": mma_only, "gdn_replay": ("float32",)}.get(
             k.kind, ("bfloat16", "float16", "float32")
         )
         assert k.dtypes == want
@@ -202,5 +206,7 @@ def test_cross_compile_every_family_at_every_width(tmp_path: Path, card: str, ar
     wide = [16, 24, 32, 40, 48, 56, 64] if card == "h200" else [16, 32]
     assert list(m.widths) == [1, 2, 3, 4, 5, 6, 7, 8, *wide]
     assert {e.width for e in m.modules} == set(m.widths)
-    _check_binaries(tmp_path / "tiny-gpu", card, arch, kernels=[] if drafter is None else _TOPK + _HYBRID)
+    # llama: the fused norms (add_rms_norm_llama, silu_mul) and mixers (rope_kv) of `StaticLlamaExecutor`
+    norms = [k for k in _HYBRID if k[2] in ("fused_norms.so", "fused_mixers.so")]
+    _check_binaries(tmp_path / "tiny-gpu", card, arch, kernels=norms if drafter is None else _TOPK + _HYBRID)
     json.dumps(m.to_json())

@@ -406,10 +406,10 @@ def test_linear_shapes_llama_fusions_and_tied_head() -> None:
         dflash2=True,
     )
     # the top-k, the GDN recurrence (its round, the stash round and the replay), the fused norms
-    # (add_rms_norm + gated_rms_norm + silu_mul + narrow_linear) and the fused mixers (gdn_conv_silu +
-    # qk_norm_rope_kv + gated_attention)
+    # (add_rms_norm + gated_rms_norm + silu_mul + narrow_linear + add_rms_norm_llama) and the fused
+    # mixers (gdn_conv_silu + qk_norm_rope_kv + gated_attention + rope_kv + grouped_attention)
     assert hybrid.kernels == ("topk", "gdn_recurrent", "fused_norms", "fused_mixers")
-    assert hybrid.num_functions() == 11
+    assert hybrid.num_functions() == 14
     cpu = plan_modules(
         card="cpu",
         arch="llvm",
@@ -457,7 +457,8 @@ def test_select_kernels_by_drafter_family_and_gdn_shape() -> None:
     llama = LlamaConfig.from_hf(
         dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     )
-    assert select_kernels(config=llama, dflash2=True) == ("topk",)
+    # add_rms_norm_llama and silu_mul; rope_kv (head_dim 16)
+    assert select_kernels(config=llama, dflash2=True) == ("topk", "fused_norms", "fused_mixers")
     assert select_kernels(config=_hybrid_config()) == ("gdn_recurrent", "fused_norms", "fused_mixers")
     # the kernel's limits: k_dim <= MAX_KEY_DIM, value heads a multiple of key heads
     assert gdn_kernel_fits(_hybrid_config(linear_key_head_dim=MAX_KEY_DIM))
@@ -572,11 +573,23 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
         KernelEntry("gated_rms_norm", "gated_rms_norm", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("silu_mul", "silu_mul", 1, "modules/h200/fused_norms.so", target, dtypes),
         KernelEntry("narrow_linear", "narrow_linear", 1, "modules/h200/fused_norms.so", target, dtypes),
+        KernelEntry(
+            "add_rms_norm_llama", "add_rms_norm_llama", 1, "modules/h200/fused_norms.so", target, dtypes
+        ),
         KernelEntry("gdn_conv_silu", "gdn_conv_silu", 1, "modules/h200/fused_mixers.so", target, dtypes),
         KernelEntry("qk_norm_rope_kv", "qk_norm_rope_kv", 1, "modules/h200/fused_mixers.so", target, dtypes),
         KernelEntry(
             "gated_attention",
             "gated_attention",
+            1,
+            "modules/h200/fused_mixers.so",
+            target,
+            ("bfloat16", "float16"),
+        ),
+        KernelEntry("rope_kv", "rope_kv", 1, "modules/h200/fused_mixers.so", target, dtypes),
+        KernelEntry(
+            "grouped_attention",
+            "grouped_attention",
             1,
             "modules/h200/fused_mixers.so",
             target,
@@ -599,13 +612,13 @@ def test_build_modules_records_the_hybrid_kernels(tmp_path: Path, monkeypatch: p
             "fused_norms",
             "fused_norms",
             "build_fused_norms",
-            ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear"),
+            ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear", "add_rms_norm_llama"),
         ),
         (
             "fused_mixers",
             "fused_mixers",
             "build_fused_mixers",
-            ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention"),
+            ("gdn_conv_silu", "qk_norm_rope_kv", "gated_attention", "rope_kv", "grouped_attention"),
         ),
     ],
 )
@@ -776,3 +789,49 @@ def test_select_kernels_fused_mixers_only_where_their_limits_hold() -> None:
     assert not mixers_kernel_fits(SimpleNamespace(**{**vars(odd), "num_attention_heads": 65535}))
     assert not mixers_kernel_fits(SimpleNamespace(**{**vars(odd), "layer_types": ()}))
     assert not mixers_kernel_fits(object())
+
+
+def test_q4_pad_k_puts_every_q4_linear_on_the_tiled_route(tmp_path: Path) -> None:
+    """`q4_pad_k` (a recipe's [modules] q4_pad_k): the q4 shapes with K % 128 != 0 (K % 32 == 0) take
+    the tiled route with functions over K padded to the next multiple of 128 (named and recorded so:
+    `padded_in_features`), and need no TVM; off (the default) they stay on the TensorIR route."""
+    from ignis.compiler.build.modules import _functions, tiled_function_name
+
+    shapes = [
+        LinearShape("q4_g32", 1728, 576),
+        LinearShape("q4_g32", 576, 1536),
+        LinearShape("q4_g32", 8, 100),
+    ]
+    off = plan_modules(card="h200", arch="sm_90", widths=[1, 8], other_dtype="bf16", shapes=shapes)
+    assert [off.route(s) for s in shapes] == ["tir-dlight", "cuda-tiled", "tir-dlight"]
+    on = plan_modules(
+        card="h200", arch="sm_90", widths=[1, 8], other_dtype="bf16", shapes=shapes, q4_pad_k=True
+    )
+    # K = 100 is not whole q4 groups of 32 (no q4_g32 weight has it): never padded
+    assert [on.route(s) for s in shapes] == ["cuda-tiled", "cuda-tiled", "tir-dlight"]
+    assert on.tvm_shapes() == (shapes[2],) and off.tvm_shapes() == (shapes[0], shapes[2])
+    fns = _functions(shapes[:2], "bfloat16", tiled=True)
+    assert [(f.name, f.in_features, f.padded_in_features) for f in fns] == [
+        ("q4t_n1728_k576_pad640", 576, 640),
+        ("q4t_n576_k1536", 1536, None),
+    ]
+    assert tiled_function_name(shapes[0]) == "q4t_n1728_k576_pad640"
+    # the mma route never pads; the cpu card ignores the option
+    mma = plan_modules(
+        card="h200",
+        arch="sm_90",
+        widths=[8],
+        other_dtype="bf16",
+        shapes=shapes,
+        q4_pad_k=True,
+        q4_cuda_route="mma",
+    )
+    assert mma.route(shapes[0]) == "tir-dlight"
+    cpu = plan_modules(card="cpu", arch="llvm", widths=[8], other_dtype="f32", shapes=shapes, q4_pad_k=True)
+    assert cpu.route(shapes[0]) == "llvm-te"
+    # the recipe option
+    (tmp_path / "r.toml").write_text('name = "x"\n[modules]\nq4_pad_k = true\n')
+    assert load_recipe(tmp_path / "r.toml").q4_pad_k and load_recipe(None).q4_pad_k is False
+    (tmp_path / "bad.toml").write_text('name = "x"\n[modules]\nq4_pad_k = 1\n')
+    with pytest.raises(RecipeError, match="q4_pad_k must be true or false"):
+        load_recipe(tmp_path / "bad.toml")

@@ -90,6 +90,34 @@ def test_a_plan_on_the_tensorir_route_is_refused_without_tvm(tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit (nvcc)")
+def test_with_q4_pad_k_the_same_plan_builds_without_tvm(tmp_path: Path) -> None:
+    """The model above with the recipe's q4_pad_k: its K = 160 linears take the tiled route over K
+    padded to 256 (functions q4t_n{N}_k160_pad256, padded_in_features 256), so the h200 build needs
+    no TVM; the fused norms and RoPE + KV write of the llama rounds are built beside them."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(TESTS))
+    import hf_tiny
+
+    from ignis.formats import read_manifest
+
+    model = hf_tiny.tiny_model(
+        "llama", hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2
+    )
+    ckpt = hf_tiny.save_tiny(model, tmp_path / "ckpt", tokenizer=hf_tiny.tiny_tokenizer())
+    (tmp_path / "r.toml").write_text('name = "tiny"\n[modules]\nwidths = [8]\nq4_pad_k = true\n')
+    out = tmp_path / "out" / "tiny"
+    seen = _blocked_build(ckpt, None, tmp_path / "r.toml", out)
+    assert seen["error"] is None and seen["tvm"] == []
+    m = read_manifest(out)
+    assert {e.route for e in m.modules} == {"cuda-tiled"}
+    fns = {f.name: f for e in m.modules for f in e.functions}
+    down = fns["q4t_n128_k160_pad256"]
+    assert (down.kind, down.in_features, down.padded_in_features) == ("q4_g32_tiled", 160, 256)
+    assert all(f.padded_in_features is None for f in fns.values() if f.in_features % 128 == 0)
+    assert {k.kind for k in m.kernels} >= {"add_rms_norm_llama", "silu_mul", "rope_kv", "grouped_attention"}
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="needs the CUDA toolkit (nvcc)")
 def test_an_all_nvcc_qwen3_5_builds_for_h200_without_tvm(tmp_path: Path) -> None:
     """The tiny qwen3_5 of tools/random_checkpoint.py (every linear's K a multiple of 128) with its
     DFlash2 drafter, built for h200 where tvm cannot be imported: tiled q4 libraries and the kernel

@@ -15,6 +15,8 @@ from ignis.compiler.kernels.fused_norms import (
     FUNCTION_NAMES,
     FusedNormsError,
     add_rms_norm_emulated,
+    add_rms_norm_llama_emulated,
+    add_rms_norm_llama_reference,
     add_rms_norm_reference,
     build_fused_norms,
     gated_rms_norm_emulated,
@@ -69,6 +71,49 @@ def test_add_rms_norm_model_is_not_the_plain_norm() -> None:
     _, x_no_res = add_rms_norm_emulated(h, torch.zeros_like(d), w1p, 1e-6)
     _, x_no_w = add_rms_norm_emulated(h, d, torch.ones(64), 1e-6)
     assert not torch.allclose(x, x_no_res) and not torch.allclose(x, x_no_w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 1), (1, 576), (3, 300), (8, 1536), (64, 64)])
+def test_add_rms_norm_llama_model_matches_the_llama_norm(dtype: torch.dtype, rows: int, hidden: int) -> None:
+    """The llama kernel's model against HF LlamaRMSNorm after the residual add (`LlamaExecutor._norm`,
+    two roundings: the normed row cast to the dtype, then the weight product): only the sum of
+    squares' order differs."""
+    from ignis.runtime.families.llama import LlamaExecutor
+
+    g = torch.Generator().manual_seed(rows * 1000 + hidden + 7)
+    h = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    d = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = (1.0 + torch.randn(hidden, generator=g) * 0.1).to(dtype)
+    eps = 1e-5
+    h_ref, x_ref = add_rms_norm_llama_reference(h, d, w, eps)
+    h_em, x_em = add_rms_norm_llama_emulated(h, d, w, eps)
+    assert h_em.dtype == x_em.dtype == dtype
+    assert torch.equal(h_em, h_ref)
+    ex = LlamaExecutor.__new__(LlamaExecutor)  # only _rms_norm's config is read
+    ex.config = type("C", (), {"rms_norm_eps": eps})()
+    hf = ex._rms_norm(h_ref, w)  # HF's LlamaRMSNorm
+    torch.testing.assert_close(x_ref, hf, atol=1e-6 if dtype == torch.float32 else 0, rtol=1e-2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(x_em, x_ref, atol=1e-6, rtol=2e-6)
+    else:  # the normed row may round to the neighbouring value; the weight product then rounds again
+        close = _ulps(x_em, x_ref) <= 2.0
+        assert close.all(), (x_em[~close], x_ref[~close])
+        assert (x_em == x_ref).float().mean() > 0.97
+
+
+def test_add_rms_norm_llama_model_rounds_twice() -> None:
+    """The llama kernel rounds the normed row before the weight product (HF LlamaRMSNorm), unlike
+    add_rms_norm's one rounding of the scaled row: on bf16 rows they differ somewhere."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(8, 576, generator=g).to(torch.bfloat16)
+    d = torch.randn(8, 576, generator=g).to(torch.bfloat16)
+    w = (1.0 + torch.randn(576, generator=g) * 0.3).to(torch.bfloat16)
+    _, x_llama = add_rms_norm_llama_emulated(h, d, w, 1e-5)
+    _, x_once = add_rms_norm_emulated(h, d, w.float(), 1e-5)
+    assert not torch.equal(x_llama, x_once)
+    _, x_ref = add_rms_norm_llama_reference(h, d, w, 1e-5)
+    assert (x_llama == x_ref).float().mean() > (x_once == x_ref).float().mean()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -226,6 +226,40 @@ def test_tiled_q4_functions_are_a_module_function_kind(tmp_path: Path) -> None:
         )
 
 
+def test_padded_tiled_q4_functions(tmp_path: Path) -> None:
+    """A q4_g32_tiled function of K = 576 (not a multiple of 128) names the K it computes over,
+    padded_in_features = 640, and round-trips with it; the key is absent on every other function;
+    a wrong or missing padded K, or one on another kind, is refused naming the field."""
+    m = _artifact(tmp_path)
+
+    def padded(value: object = 640, kind: str = "q4_g32_tiled", k: int = 576):  # type: ignore[no-untyped-def]
+        def change(o):  # type: ignore[no-untyped-def]
+            o["modules"][0]["route"] = "cuda-tiled"
+            fn = o["modules"][0]["functions"][0]
+            fn.update(kind=kind, name="q4t_n8_k576_pad640", in_features=k)
+            if value is not None:
+                fn["padded_in_features"] = value
+
+        return change
+
+    back = parse_manifest(_mutated(m, padded()), path="manifest.json")
+    fn = back.modules[0].functions[0]
+    assert (fn.in_features, fn.padded_in_features) == (576, 640)
+    assert fn.to_json()["padded_in_features"] == 640
+    assert "padded_in_features" not in m.modules[0].functions[0].to_json()  # absent when unset
+    assert parse_manifest(back.to_bytes(), path="manifest.json") == back
+    for change, message in (
+        (padded(None), r"functions\[0\]\.padded_in_features: .* in_features 576 .* must give .* 640"),
+        (padded(768), r"must give padded_in_features 640, got 768"),
+        (padded(640, k=580), r"in_features 580"),
+        (padded(128, k=128), r"only allowed on q4_g32_tiled functions whose in_features is not a multiple"),
+        (padded(640, kind="q4_g32"), r"only allowed on q4_g32_tiled"),
+        (padded("640"), r"padded_in_features"),
+    ):
+        with pytest.raises(ManifestError, match=message):
+            parse_manifest(_mutated(m, change), path="manifest.json")
+
+
 def test_versions_and_json_errors(tmp_path: Path) -> None:
     m = _artifact(tmp_path)
     with pytest.raises(ManifestVersionError) as info:

@@ -533,6 +533,9 @@ def _fake_tvm(monkeypatch: pytest.MonkeyPatch, loaded: list[Path], *, fail: bool
             "gdn_conv_silu",
             "qk_norm_rope_kv",
             "gated_attention",
+            "add_rms_norm_llama",
+            "rope_kv",
+            "grouped_attention",
         )
     }
 
@@ -613,6 +616,34 @@ def test_norms_module_takes_silu_mul_and_narrow_linear_when_listed(
         norms = art.norms_module()
         assert isinstance(norms, FusedNormsKernel)
         assert not norms.has_silu_mul and not norms.has_narrow_linear
+
+
+def test_llama_kernels_are_passed_when_the_llama_exports_are_listed(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`StaticLlamaExecutor` gets the fused norms when the manifest lists ``add_rms_norm_llama`` and
+    the fused mixers when it lists ``rope_kv`` (with grouped_attention for bf16 / f16); an artifact
+    built before them (the hybrid exports only) gets neither: the torch ops."""
+    norms = ("add_rms_norm", "gated_rms_norm", "silu_mul", "narrow_linear", "add_rms_norm_llama")
+    hybrid_mixers = (("gdn_conv_silu", "fused_mixers.so", _ALL), ("qk_norm_rope_kv", "fused_mixers.so", _ALL))
+    mixers = (
+        *hybrid_mixers,
+        ("rope_kv", "fused_mixers.so", _ALL),
+        ("grouped_attention", "fused_mixers.so", ("bfloat16", "float16")),
+    )
+    a = _with_hybrid_entries(artifact, tmp_path / "a", norms=norms, mixers=mixers)
+    loaded: list[Path] = []
+    _fake_tvm(monkeypatch, loaded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with load_artifact(a) as art:
+        kw = art._llama_kernels(torch.bfloat16)
+        assert set(kw) == {"norms_module", "mixers_module"}
+        assert kw["norms_module"].has_add_rms_norm_llama and kw["norms_module"].has_silu_mul
+        assert kw["mixers_module"].has_rope_kv and kw["mixers_module"].has_grouped_attention
+        assert set(art._llama_kernels(torch.float32)) == {"norms_module", "mixers_module"}
+    old = _with_hybrid_entries(artifact, tmp_path / "old", norms=norms[:4], mixers=hybrid_mixers)
+    with load_artifact(old) as art:
+        assert art._llama_kernels(torch.bfloat16) == {}
 
 
 @pytest.mark.parametrize(

@@ -169,7 +169,10 @@ def test_tile_decision() -> None:
     assert tile_decision((8, 64, 128), served)  # a stack indexed whole-row
     assert tile_decision((40, 128), served)  # any N (the last tile padded)
     assert not tile_decision((64, 256), served)  # not served
-    assert not tile_decision((64, 96), {(64, 96)})  # K % 128 != 0
+    # K % 128 != 0 is served only by a function built with padded_in_features (the weight is then
+    # padded with zero columns when tiled); K must be whole q4 groups of 32
+    assert tile_decision((64, 96), {(64, 96)}) and not tile_decision((64, 96), served)
+    assert not tile_decision((64, 100), {(64, 100)})
     assert tile_decision((4, 64, 256), served, row_splits=2)  # gate_up [E, 2 I, K], I = 32
     assert not tile_decision((4, 80, 128), served, row_splits=2)  # I = 40: slices off tile boundaries
     assert not tile_decision((4, 64, 128), served, row_splits=2)  # (32, 128) not served
@@ -695,3 +698,82 @@ def test_tiled_weight_refuses_bool_rows_and_indices() -> None:
         Q4Weight(w.packed, w.scales, "tiled", True)
     with pytest.raises(Q4TiledLayoutError, match="int and slice"):
         w[True]
+
+
+# ---------------------------------------------------------------------------------------------
+# K % 128 != 0: the tiled layout padded with zero columns (a build's q4_pad_k)
+
+
+def _exact_q4(n: int, k: int, seed: int) -> Q4Weight:
+    """A row-major q4 weight whose products with small-integer activations are exact in float32
+    (scales powers of two), so any summation order gives the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    choices = torch.tensor([0.25, 0.5, 1.0, 2.0, -0.5, -1.0], dtype=torch.float16)
+    scales = choices[torch.randint(0, len(choices), (n, k // 32), generator=g)]
+    return Q4Weight(packed, scales)
+
+
+def test_a_padded_tiled_weight_keeps_its_values() -> None:
+    w = _q4(40, 576, seed=21)
+    with pytest.raises(Q4TiledLayoutError):
+        w.to_tiled()  # K % 128 != 0 without padding
+    t = w.to_tiled(pad_k=True)
+    assert t.is_tiled and t.cols == 576 and t.in_features == 576 and t.padded_in_features == 640
+    assert t.shape == (40, 576) and t.packed.shape == (3, 5, 256) and t.scales.shape == (3, 5, 64)
+    back = t.to_row_major()
+    assert torch.equal(back.packed, w.packed) and torch.equal(back.scales, w.scales)
+    assert torch.equal(t.dequantize(), w.dequantize())
+    # the padding columns: code 8 and scale 0, dequantizing to exactly +0
+    p, s = untile_q4(t.packed, t.scales, 40)
+    full = Q4Weight(p, s).dequantize()
+    assert full.shape == (40, 640) and torch.equal(full[:, :576], w.dequantize())
+    assert torch.equal(full[:, 576:], torch.zeros(40, 64)) and not torch.signbit(full[:, 576:]).any()
+    # row slices on tile boundaries, moves and fusions keep the padding
+    assert t[16:].cols == 576 and torch.equal(t[16:].dequantize(), w[16:].dequantize())
+    assert t.to("cpu").cols == 576 and t.contiguous().cols == 576
+    two = Q4Weight.cat_rows(
+        [_q4(16, 576, seed=1).to_tiled(pad_k=True), _q4(32, 576, seed=2).to_tiled(pad_k=True)]
+    )
+    assert two.cols == 576 and two.out_features == 48
+    with pytest.raises(Q4TiledLayoutError, match="one in_features"):
+        Q4Weight.cat_rows([t[:16], _q4(16, 640, seed=3).to_tiled()])
+    # a stack pads every member
+    stack = _q4(2, 16, 96, seed=4)
+    ts = stack.to_tiled(pad_k=True)
+    assert ts.cols == 96 and torch.equal(ts[1].dequantize(), stack[1].dequantize())
+    for bad in (600, 512, 640, 577):  # not in (512, 640) or not whole groups
+        with pytest.raises(Q4TiledLayoutError):
+            Q4Weight(t.packed, t.scales, "tiled", 40, bad)
+    with pytest.raises(ValueError, match="row-major"):
+        Q4Weight(w.packed, w.scales, cols=576)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 13])
+def test_padded_product_equals_the_unpadded_reference(rows: int) -> None:
+    """y = x @ W^T over the weight padded to K = 640 with zero columns and x padded with zeros (by the
+    backend, or pre-padded by the caller) equals the reference dequantized q4 matmul at K = 576,
+    bit for bit (exact arithmetic: any order gives the same floats)."""
+    from ignis.runtime.linear import dequantize_q4
+
+    w = _exact_q4(40, 576, seed=rows)
+    x = torch.randint(-3, 4, (rows, 576), generator=torch.Generator().manual_seed(7)).float()
+    want = x @ dequantize_q4(w.packed, w.scales).T  # the reference q4 product, K = 576
+    calls: list[Any] = []
+    backend = LinearBackend(_fake_compiled({(40, 576)}, calls=calls))  # a padded function (K 640)
+    t = backend.place(w)
+    assert isinstance(t, Q4Weight) and t.is_tiled and t.cols == 576
+    got = backend(x, t)
+    assert calls[-1][1] == (rows, 640) and calls[-1][2] == (3, 5, 256)  # the function saw K = 640
+    assert torch.equal(got, want)
+    pre = torch.zeros(rows, 640)
+    pre[:, :576] = x
+    assert torch.equal(backend(pre, t), want)  # pre-padded activations: no copy of x
+    assert calls[-1][1] == (rows, 640) and backend.counts["compiled"] == 2
+    # the torch route over a padded weight (no modules; or the pre-padded x) computes the same
+    assert torch.equal(LinearBackend()(x, t), want) and torch.equal(torch_linear(pre, t), want)
+    # a fixed-rows function pads rows and columns
+    fixed = _fake_compiled({(40, 576)}, calls=calls)
+    fixed._fns = {key: type(fn)(fn.call, False, fn.cuda, fn.module) for key, fn in fixed._fns.items()}
+    assert torch.equal(LinearBackend(fixed)(x, t), want)
+    assert calls[-1][1] == (8 if rows <= 8 else 16, 640)

@@ -2,6 +2,7 @@
 (issue 25, item 5: SmolLM2-135M served at 3.6 ms a token on the H200).
 
     python -m ignis.tools.bench.llama_round ARTIFACT [--lanes 1,8] [--tokens 128] [--routes q4,dense]
+                                                     [--norms artifact,torch]
     python -m ignis.tools.bench.llama_round ARTIFACT --device cpu --tokens 16     # plumbing check
 
 For each route and lane count, the engine in this process (`SpeculativeEngine` over the executor the
@@ -22,7 +23,10 @@ Reported per round (one token a lane):
 Routes: ``q4`` (the artifact's compiled q4 linears, as `ignis-run` serves it) and ``dense`` (the
 weights dequantized to the executor's dtype at load, every linear a torch `F.linear`: cuBLAS on
 CUDA), so that a linear route that scales badly with the rows of a round shows as the difference
-between the two at 8 lanes. Prints one line a (route, lanes) and a table last; writes
+between the two at 8 lanes. Norms (``--norms``): ``artifact`` (the fused residual add + RMSNorm
+and SwiGLU activation of the artifact's fused_norms library when it has ``add_rms_norm_llama``, as
+`ignis-run` serves it) and ``torch`` (the executor's torch norms), so that the fused kernels' effect
+shows on one artifact. Prints one line a (route, norms, lanes) and a table last; writes
 ``llama_round.json`` into ``--out`` (default $OUT or .).
 """
 
@@ -124,10 +128,14 @@ def measure(
     return row
 
 
-def _engine(artifact: Any, route: str, device: str, max_lanes: int, context: int) -> SpeculativeEngine:
+def _engine(
+    artifact: Any, route: str, device: str, max_lanes: int, context: int, norms: str = "artifact"
+) -> SpeculativeEngine:
     dtype = artifact.default_dtype() if torch.device(device).type != "cpu" else torch.float32
     linear = artifact.linear_backend() if route == "q4" else None
     executor = artifact.make_executor(device=device, dtype=dtype, linear=linear, max_lanes=max_lanes)
+    if norms == "torch" and getattr(executor, "norms_module", None) is not None:
+        executor.norms_module = None  # type: ignore[attr-defined]
     warm_up_static(executor, context=context)  # every round shape up to `context` tokens
     tok = artifact.tokenizer()
     eos = tuple(tok.eos_token_ids) if tok is not None else ()
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lanes", default="1,8")
     ap.add_argument("--tokens", type=int, default=128, help="output tokens a lane")
     ap.add_argument("--routes", default="q4,dense", help="q4 (compiled linears), dense (torch F.linear)")
+    ap.add_argument("--norms", default="artifact", help="artifact (its fused norms, if any), torch")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--profile", action="store_true", help="count the kernels of one replay (CUPTI)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
@@ -150,11 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     art = load_artifact(a.artifact)
     lane_counts = [int(x) for x in a.lanes.split(",") if x]
     rows: list[dict[str, Any]] = []
-    for route in [r for r in a.routes.split(",") if r]:
-        engine = _engine(art, route, a.device, max(lane_counts), 20 + a.tokens + 8)
+    combos = [(r, n) for r in a.routes.split(",") if r for n in a.norms.split(",") if n]
+    for route, norms in combos:
+        engine = _engine(art, route, a.device, max(lane_counts), 20 + a.tokens + 8, norms)
+        fused = getattr(engine.executor, "norms_module", None) is not None
         for lanes in lane_counts:
             row = {
                 "route": route,
+                "norms": "fused" if fused else "torch",
                 **measure(engine, lanes=lanes, tokens=a.tokens, replays=a.replays, profile=a.profile),
             }
             rows.append(row)
@@ -164,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "llama_round.json").write_text(json.dumps({"artifact": str(a.artifact), "rows": rows}, indent=1))
-    print("route | lanes | step ms | tok/s | replay ms | host ms | kernels | kernel ms")
+    print("route | norms | lanes | step ms | tok/s | replay ms | host ms | kernels | kernel ms")
     for r in rows:
         cells = [r["step_ms"], r["tok_s"], r["replay_ms"], r["host_ms"], r.get("kernels"), r.get("kernel_ms")]
-        print(r["route"], "|", r["lanes"], "|", " | ".join("-" if c is None else str(c) for c in cells))
+        head = f"{r['route']} | {r['norms']} | {r['lanes']} |"
+        print(head, " | ".join("-" if c is None else str(c) for c in cells))
     return 0
 
 
