@@ -20,6 +20,7 @@ from pathlib import Path
 import hf_tiny
 import pytest
 import torch
+from test_moe_grouped import cuda_kernel  # noqa: F401 (the compiled grouped MoE kernels: a fixture)
 from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
 
 from ignis.runtime.async_rounds import lane_argmax
@@ -29,13 +30,44 @@ from ignis.runtime.round_batch import HostKnownColumns, InRangeColumns
 from ignis.runtime.sampling import SamplingParams
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-KINDS = ("static_hybrid", "eager_hybrid", "static_llama", "eager_llama")
+# the tiny qwen3_5_moe (4 experts, top 2) with every expert resident, behind an expert cache of 1 slot
+# a layer (every round misses: 2 experts routed a row, 1 slot), and of 2 slots with router lookahead
+MOE_KINDS = ("static_moe", "eager_moe", "static_moe_cache", "eager_moe_cache", "static_moe_lookahead")
+KINDS = ("static_hybrid", "eager_hybrid", "static_llama", "eager_llama", *MOE_KINDS)
 BIG = 1 << 30
 
 _MODELS: dict[str, object] = {}
 
 
+def _moe_executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    """A tiny qwen3_5_moe executor (`MOE_KINDS`): static (`StaticHybridExecutor`: with a cache, rounds
+    split at the MoE layers' host parts, `moe_piecewise`) or eager (`HybridExecutor`); resident experts,
+    an expert cache of 1 slot a layer, or 2 slots with router lookahead. Each call makes a new cache."""
+    from hf_tiny_hybrid import make_tiny_hybrid
+
+    from ignis.runtime.expert_cache import ExpertCache
+    from ignis.runtime.families.hybrid_executor import HybridExecutor
+    from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+
+    if "moe" not in _MODELS:
+        tiny = make_tiny_hybrid("qwen3_5_moe", Path(tempfile.mkdtemp()) / "m")
+        _MODELS["moe"] = (tiny.config, tiny.canonical_tensors())
+    config, tensors = _MODELS["moe"]  # type: ignore[misc]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kw: dict = {"device": device, "dtype": dtype}
+    if kind.endswith("_cache"):
+        kw["expert_cache"] = ExpertCache(1, device=device)
+    elif kind.endswith("_lookahead"):
+        copies = "memmove" if device == "cpu" else "auto"
+        kw["expert_cache"] = ExpertCache(2, device=device, copies=copies, lookahead=True)
+    if kind.startswith("eager"):
+        return HybridExecutor(config, tensors, **kw)
+    return StaticHybridExecutor(config, tensors, max_lanes=8, max_columns=8, max_context=256, **kw)
+
+
 def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    if kind in MOE_KINDS:
+        return _moe_executor(kind, device)
     if kind.endswith("hybrid"):
         from hf_tiny_hybrid import make_tiny_hybrid
 
@@ -372,6 +404,73 @@ def test_async_rounds_at_the_context_end(kind: str) -> None:
     )
 
 
+CACHED_MOE_KINDS = ("static_moe_cache", "eager_moe_cache", "static_moe_lookahead")
+
+
+def _cache_run(make, plan, eos=()):  # type: ignore[no-untyped-def]
+    """`plan` run ordinary then async, each on a new executor from `make()` (a new expert cache, its
+    routing trace recorded): [(results, (trace, prefetch trace), counters, the cache)] for the two runs."""
+    runs = []
+    for flag in (False, True):
+        ex = make()
+        st = ex.expert_cache.stats
+        st.trace = []
+        res, streamed, eng = _run(ex, plan, async_rounds=flag, eos=eos)
+        assert streamed == {k: list(r.output_token_ids) for k, r in res.items()}
+        if hasattr(ex, "num_free_lanes"):
+            assert ex.num_free_lanes == ex.max_lanes
+        if flag:
+            assert eng._async.num_issued > eng._async.num_drained
+        counts = (st.hits, st.misses, st.bytes_copied, st.forwards, st.rows, st.prefetches,
+                  st.lookahead_right, st.lookahead_needed)  # fmt: skip
+        runs.append((res, (list(st.trace), list(st.prefetch_trace)), counts, ex.expert_cache))
+    return runs
+
+
+@pytest.mark.parametrize("kind", CACHED_MOE_KINDS)
+def test_async_rounds_route_the_same_experts_through_the_cache(kind: str) -> None:
+    """An expert cache smaller than the experts (misses every round; with router lookahead, prefetches):
+    async rounds look up the same experts in the same order as the ordinary rounds (the cache's routing
+    trace, prefetch trace, hits, misses, bytes and rows equal) when their forwards have the same shapes
+    (lanes ending by length, joining at different steps); the tokens equal the resident experts'
+    ordinary rounds. A lane stopped by EOS rides one more forward (keep 0): the ordinary trace is then a
+    prefix of the async one, one forward of one row shorter."""
+    resident = _executor(kind.rsplit("_", 1)[0])  # every expert on the device
+    rng = random.Random(5)
+    vocab = resident.config.vocab_size
+    plan: dict[int, list] = {}
+    for j, step in enumerate((0, 0, 2, 5)):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 10))]
+        params = SamplingParams(temperature=0, max_tokens=4 + 3 * j, ignore_eos=True)
+        plan.setdefault(step, []).append(("add", f"l{j}", prompt, params))
+    want, _, _ = _run(resident, plan, async_rounds=False)
+    (ordinary, otrace, ocounts, _), (got, gtrace, gcounts, cache) = _cache_run(lambda: _executor(kind), plan)
+    _same(want, ordinary)
+    _same(want, got)
+    assert gtrace == otrace and gcounts == ocounts
+    num_moe = len(cache.layers)
+    assert cache.stats.misses > 3 * num_moe * resident.config.num_experts  # evictions and refills
+    assert (cache.stats.prefetches > 0) == kind.endswith("lookahead")
+    # one lane stopped by EOS: the async run's last forward is its keep-0 ride
+    p = SamplingParams(temperature=0, max_tokens=16)
+    solo = {0: [("add", "a", [4, 8, 15, 16, 23], p)]}
+    base, _, _ = _run(resident, solo, async_rounds=False)
+    eos = (base["a"].output_token_ids[6],)
+    want, _, _ = _run(resident, solo, async_rounds=False, eos=eos)
+    (ordinary, otrace, ocounts, _), (got, gtrace, gcounts, _) = _cache_run(lambda: _executor(kind), solo, eos)
+    _same(want, ordinary)
+    _same(want, got)
+    assert got["a"].finish_reason == "stop"
+    (ot, op), (gt, gp) = otrace, gtrace
+    assert (
+        gt[: len(ot)] == ot
+        and len(gt) > len(ot)
+        and {layer for layer, _ in gt[len(ot) :]} == set(range(num_moe))
+    )
+    assert gp[: len(op)] == op
+    assert gcounts[3:5] == (ocounts[3] + 1, ocounts[4] + 1)  # forwards, rows: one forward of one row more
+
+
 def test_out_of_scope_lanes_run_the_ordinary_round() -> None:
     """A sampled lane or one with penalties beside greedy lanes: the round in flight is drained and the
     step runs the ordinary round (seeded sampling reproduces; the greedy lane's tokens unchanged)."""
@@ -446,8 +545,10 @@ def test_static_executors_keep_the_columns_marker(kind: str, monkeypatch: pytest
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama"])
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama", *MOE_KINDS])
 def test_async_rounds_equal_ordinary_rounds_on_cuda(kind: str) -> None:
+    """bf16 on CUDA; the MoE kinds here run dense experts without the compiled kernels (the reference
+    expert loop, syncing the host per MoE layer; the cache's per-expert slots)."""
     ex = _executor(kind, "cuda")
     for seed in range(3):
         rng = random.Random(seed)
@@ -466,9 +567,12 @@ def test_async_rounds_equal_ordinary_rounds_on_cuda(kind: str) -> None:
 def test_async_rounds_no_host_sync_between_issue_and_read(kind: str) -> None:
     """From the start of a pipelined step to the wait on round N's event, nothing syncs the host: the
     commit of N, the launch of N+1 from N's device argmax, its argmax and copy."""
+    _assert_no_sync_between_issue_and_read(_executor(kind, "cuda"))
+
+
+def _assert_no_sync_between_issue_and_read(ex) -> None:  # type: ignore[no-untyped-def]
     import ignis.runtime.async_rounds as ar
 
-    ex = _executor(kind, "cuda")
     ex.warm_up(context=64)  # every round shape captured first, as at a server's load (a capture syncs)
     eng = SpeculativeEngine(ex, None, async_rounds=True)
     real_read = ar._InFlight.read
@@ -493,6 +597,90 @@ def test_async_rounds_no_host_sync_between_issue_and_read(kind: str) -> None:
         ar._InFlight.read = real_read  # type: ignore[method-assign]
         torch.cuda.set_sync_debug_mode("default")
     assert len(reads) >= 10
+
+
+FLASH_NEXT_KINDS = ("resident", "cache", "lookahead", "eager_cache")
+
+
+def _flash_next_executor(kernel, kind: str):  # type: ignore[no-untyped-def]
+    """The served MoE route on CUDA (what `ignis-run` builds for a `qwen3_5_moe` artifact): q4_g32
+    routed experts run by the compiled grouped kernels, bf16. "resident": every expert on the device,
+    rounds replayed from whole-round CUDA graphs; "cache": an expert cache of 1 slot a layer (misses
+    every round, batched driver copies from page-locked memory), rounds replayed in pieces between the
+    MoE layers' host parts; "lookahead": 2 slots with router lookahead (prefetches on the copy stream);
+    "eager_cache": 1 slot with CUDA graphs off (the pieces run eagerly)."""
+    from test_moe_grouped import _q4_experts
+
+    from ignis.runtime.expert_cache import ExpertCache
+    from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+    from ignis.runtime.linear import torch_linear
+
+    if "moe_q4" not in _MODELS:
+        _moe_executor("eager_moe")  # the tiny checkpoint
+        config, tensors = _MODELS["moe"]  # type: ignore[misc]
+        _MODELS["moe_q4"] = (config, _q4_experts(tensors))
+    config, tensors = _MODELS["moe_q4"]  # type: ignore[misc]
+    kw: dict = dict(device=torch.device("cuda"), dtype=torch.bfloat16, linear=torch_linear, max_lanes=8,
+                    max_columns=8, max_context=256, chunked_prefill=32, moe_module=kernel)  # fmt: skip
+    if kind != "resident":
+        slots = 2 if kind == "lookahead" else 1
+        kw["expert_cache"] = ExpertCache(slots, device="cuda", lookahead=kind == "lookahead")
+    if kind == "eager_cache":
+        kw["cuda_graphs"] = False
+    ex = StaticHybridExecutor(config, tensors, **kw)
+    assert ex.cuda_graphs == (kind == "resident") and ex.piecewise_graphs == kind in ("cache", "lookahead")
+    return ex
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", FLASH_NEXT_KINDS)
+def test_async_rounds_on_the_served_moe_route(cuda_kernel, kind: str) -> None:  # type: ignore[no-untyped-def] # noqa: F811
+    """The served MoE route on CUDA (`_flash_next_executor`): async rounds give the ordinary rounds'
+    results over seeds with an EOS hit mid-output, equal to the resident experts' ordinary tokens; with
+    an expert cache the async run looks up the same experts in the same order (routing and prefetch
+    traces, hits, misses, bytes) when the forwards have the same shapes (lanes ending by length), and
+    misses happen every round."""
+    resident = _flash_next_executor(cuda_kernel, "resident")
+    ex = _flash_next_executor(cuda_kernel, kind)
+    for seed in range(3):
+        rng = random.Random(seed)
+        plan = _random_plan(rng, ex.config.vocab_size, rng.randint(1, 5))
+        base, _, _ = _run(resident, plan, async_rounds=False)
+        outs = [t for r in base.values() for t in r.output_token_ids[1:-1]]
+        eos = (rng.choice(outs),) if outs else ()
+        want, _, _ = _run(resident, plan, async_rounds=False, eos=eos)
+        _same(want, _run(ex, plan, async_rounds=False, eos=eos)[0])
+        got, _, eng = _run(ex, plan, async_rounds=True, eos=eos)
+        _same(want, got)
+        assert eng._async.num_issued > eng._async.num_drained
+    if kind == "resident":
+        return
+    rng = random.Random(5)
+    plan: dict[int, list] = {}
+    for j, step in enumerate((0, 0, 2, 5)):
+        prompt = [rng.randrange(3, ex.config.vocab_size) for _ in range(rng.randint(2, 40))]
+        params = SamplingParams(temperature=0, max_tokens=4 + 3 * j, ignore_eos=True)
+        plan.setdefault(step, []).append(("add", f"l{j}", prompt, params))
+    want, _, _ = _run(resident, plan, async_rounds=False)
+    (ordinary, otrace, ocounts, _), (got, gtrace, gcounts, cache) = _cache_run(
+        lambda: _flash_next_executor(cuda_kernel, kind), plan
+    )
+    _same(want, ordinary)
+    _same(want, got)
+    assert gtrace == otrace and gcounts == ocounts
+    st = cache.stats
+    assert st.misses > 3 * len(cache.layers) * ex.config.num_experts
+    assert st.direct_copies == st.misses + st.prefetches and st.staged_copies == 0
+    assert (st.prefetches > 0) == (kind == "lookahead")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_async_rounds_no_host_sync_on_the_resident_moe_route(cuda_kernel) -> None:  # type: ignore[no-untyped-def] # noqa: F811
+    """Every expert resident with the grouped kernels (whole-round graphs): async rounds issue and
+    commit with no host sync before the read, as on the dense hybrid."""
+    _assert_no_sync_between_issue_and_read(_flash_next_executor(cuda_kernel, "resident"))
 
 
 def test_engine_step_bench_runs_async_rounds() -> None:
