@@ -105,9 +105,10 @@ def _text(ids) -> str:  # type: ignore[no-untyped-def]
     return "".join(chr(97 + t % 26) for t in ids)
 
 
-def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None, max_context=None):  # type: ignore[no-untyped-def]
-    """Drive an engine through `plan`: {step index: [("add", key, prompt, params) | ("abort", key)]}.
-    Returns (results by key, tokens from the updates by key, the engine)."""
+def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None, max_context=None, **engine):  # type: ignore[no-untyped-def]
+    """Drive an engine through `plan`: {step index: [("add", key, prompt, params[, checkpoint_at]) |
+    ("abort", key)]}; `engine`: more `SpeculativeEngine` options. Returns (results by key, tokens from
+    the updates by key, the engine)."""
     eng = SpeculativeEngine(
         ex,
         None,
@@ -117,6 +118,7 @@ def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None, ma
         prefix_cache=cache,
         max_lanes=max_lanes,
         max_context=max_context,
+        **engine,
     )
     ids: dict[str, int] = {}
     streamed: dict[str, list[int]] = {}
@@ -126,7 +128,7 @@ def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None, ma
     while step <= last or eng.has_unfinished:
         for op in plan.get(step, []):
             if op[0] == "add":
-                ids[op[1]] = eng.add_lane(op[2], op[3])
+                ids[op[1]] = eng.add_lane(op[2], op[3], checkpoint_at=op[4] if len(op) > 4 else ())
                 streamed[op[1]] = []
             else:
                 eng.abort(ids[op[1]])
@@ -498,6 +500,166 @@ def test_max_lanes_and_waiting_lanes() -> None:
     want, _, _ = _run(ex, plan, async_rounds=False, max_lanes=2)
     got, _, _ = _run(ex, plan, async_rounds=True, max_lanes=2)
     _same(want, got)
+
+
+# ---------------------------------------------------------------- what ignis-run turns on beside them
+
+
+def _drained_and_ahead(eng) -> None:  # type: ignore[no-untyped-def]
+    """The async run both drained rounds (steps with prefill or out-of-scope work) and ran ahead."""
+    assert eng._async.num_drained > 0 and eng._async.num_issued > eng._async.num_drained
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama", "static_moe_cache"])
+@pytest.mark.parametrize("budget", [5, 16])
+def test_async_rounds_beside_long_prompts_prefilled_in_chunks(kind: str, budget: int) -> None:
+    """`max_prefill_tokens` (`ignis-run --max-prefill-tokens`) well under the prompts: long prompts
+    joining while other lanes decode are prefilled chunk after chunk over several steps (each such step
+    drains the round in flight and runs the ordinary round beside the chunk), then every lane runs
+    ahead again; an EOS hit mid-output. Results and streamed tokens equal the ordinary path's with the
+    same budget."""
+    ex = _executor(kind)
+    rng = random.Random(21)
+    vocab = ex.config.vocab_size
+    plan: dict[int, list] = {}
+    for j, (step, length) in enumerate(((0, 3), (0, 9), (2, 40), (3, 70), (6, 5), (7, 33))):
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(8, 16))
+        plan.setdefault(step, []).append(("add", f"l{j}", prompt, params))
+    base, _, _ = _run(ex, plan, async_rounds=False, max_prefill_tokens=budget)
+    eos = (base["l0"].output_token_ids[5],)
+    want, want_streamed, _ = _run(ex, plan, async_rounds=False, eos=eos, max_prefill_tokens=budget)
+    got, streamed, eng = _run(ex, plan, async_rounds=True, eos=eos, max_prefill_tokens=budget)
+    _same(want, got)
+    assert streamed == want_streamed
+    assert any(r.finish_reason == "stop" for r in got.values())
+    _drained_and_ahead(eng)
+    if hasattr(ex, "num_free_lanes"):
+        assert ex.num_free_lanes == ex.max_lanes
+
+
+def _pool_view(cache: PrefixCache):  # type: ignore[no-untyped-def]
+    """What a pool holds and did: per tier the (kind, token ids) of its entries; the counters."""
+    m = cache.metrics
+    held = {tier: sorted((c.kind, c.token_ids) for c in cache.entries(tier)) for tier in ("card", "host")}
+    counters = (
+        m.lookups_total,
+        dict(m.hits_total),
+        m.reused_tokens_total,
+        dict(m.recorded_total),
+        dict(m.evictions_total),
+        dict(m.copied_bytes_total),
+    )
+    return held, counters
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama", "static_moe_cache"])
+def test_async_rounds_with_openers_and_the_host_tier(kind: str) -> None:
+    """The prompt-checkpoint pool as `ignis-run` runs it (a card tier and a host tier): conversations
+    sharing a system prompt (`checkpoint_at` its end: the opener recorded once while the lanes arriving
+    meanwhile wait for it, the hybrids' conv and Gated DeltaNet state snapshots with it), a card tier
+    holding about one checkpoint so the others move to the host tier, then follow-up turns restored
+    from the host tier (reply checkpoints, one a lane stopped by EOS beside others) while other lanes
+    decode. Results, restored prefix lengths, the entries of each tier and the pool's counters equal
+    the ordinary path's."""
+    ex = _executor(kind)
+    rng = random.Random(31)
+    vocab = ex.config.vocab_size
+    opener = [rng.randrange(3, vocab) for _ in range(24)]
+    at = (len(opener),)
+    p = SamplingParams(temperature=0, max_tokens=9)
+    first: dict[int, list] = {}
+    for j, step in enumerate((0, 0, 1, 3)):
+        prompt = [*opener, *(rng.randrange(3, vocab) for _ in range(rng.randint(2, 6)))]
+        first.setdefault(step, []).append(("add", f"c{j}", prompt, p, at))
+    pilot = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    base, _, _ = _run(ex, first, async_rounds=False, cache=pilot)
+    eos = (base["c1"].output_token_ids[3],)
+    card = int(1.5 * max(c.nbytes for c in pilot.entries("card")))
+    views, outs = [], []
+    for flag in (False, True):
+        cache = PrefixCache(card_bytes=card, host_bytes=BIG)
+        res, _, eng = _run(ex, first, async_rounds=flag, eos=eos, cache=cache)
+        follow: dict[int, list] = {}
+        for j, (key, step) in enumerate((("c0", 0), ("c1", 0), ("c2", 2), ("c3", 3))):
+            r = res[key]
+            prompt = [*r.prompt_token_ids, *r.output_token_ids, 7 + j, 9]
+            follow.setdefault(step, []).append(("add", f"f{j}", prompt, p, at))
+        more, _, eng2 = _run(ex, follow, async_rounds=flag, eos=eos, cache=cache)
+        outs.append((res, more))
+        views.append(_pool_view(cache))
+        if flag:
+            _drained_and_ahead(eng)
+            _drained_and_ahead(eng2)
+    _same(outs[0][0], outs[1][0])
+    _same(outs[0][1], outs[1][1])
+    assert [r.num_cached_tokens for r in outs[0][1].values()] == [
+        r.num_cached_tokens for r in outs[1][1].values()
+    ]
+    assert views[0] == views[1]
+    held, counters = views[1]
+    assert held["host"] and counters[1].get("host", 0) > 0  # follow-ups restored from the host tier
+    assert any(r.finish_reason == "stop" for r in outs[1][0].values())
+    # the opener was recorded once and shared: lanes 1-3 restored it instead of prefilling it
+    assert all(r.num_cached_tokens >= len(opener) for k, r in outs[1][0].items() if k != "c0")
+
+
+def _tiny_grammar():  # type: ignore[no-untyped-def]
+    """A regex grammar over the tiny tokenizer of the hybrids' vocabulary (EOS 2)."""
+    pytest.importorskip("llguidance")
+    from hf_tiny import tiny_tokenizer
+
+    from ignis.runtime.grammar import Grammar, GrammarTokenizer
+
+    tok = tiny_tokenizer(320)
+    return Grammar.regex(GrammarTokenizer(tok.backend_tokenizer.to_str(), 320, [2]), "[a-z]{2,6}")
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_moe_cache"])
+def test_lanes_with_logits_work_drain_the_round_in_flight(kind: str) -> None:
+    """Lanes the host must see each round's logits for, joining and leaving greedy lanes that run ahead:
+    structured output (a grammar), logprobs, min_tokens with stop_token_ids. The round in flight is
+    drained while they decode and the greedy lanes run ahead again once they are gone; every result,
+    and every logprob, equals the ordinary path's."""
+    grammar = _tiny_grammar()
+    ex = _executor(kind)
+    g = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plan = {
+        0: [("add", "g", [3, 4, 5], g), ("add", "h", [7, 8, 9, 10], g)],
+        2: [("add", "grammar", [6, 7], SamplingParams(temperature=0, max_tokens=8, grammar=grammar))],
+        4: [("add", "logprobs", [8, 9], SamplingParams(temperature=0, max_tokens=4, logprobs=2))],
+        14: [("add", "min", [11, 12], SamplingParams(temperature=0, max_tokens=5, min_tokens=3))],
+    }
+    base, _, _ = _run(ex, plan, async_rounds=False, eos=(2,))
+    stop = base["min"].output_token_ids[1]  # masked by min_tokens at first, a stop after
+    plan[14] = [
+        ("add", "min", [11, 12], SamplingParams(0, max_tokens=5, min_tokens=3, stop_token_ids=(stop,)))
+    ]
+    want, _, _ = _run(ex, plan, async_rounds=False, eos=(2,))
+    got, streamed, eng = _run(ex, plan, async_rounds=True, eos=(2,))
+    _same(want, got)
+    assert streamed == {k: list(r.output_token_ids) for k, r in got.items()}
+    assert got["logprobs"].logprobs == want["logprobs"].logprobs and len(got["logprobs"].logprobs) == 4
+    assert grammar.matcher().consume(list(got["grammar"].output_token_ids))  # within the grammar
+    _drained_and_ahead(eng)
+
+
+def test_warm_up_at_load_leaves_no_round_in_flight() -> None:
+    """`warm_up_engine` (the server's load on CUDA) through an engine with async rounds: it returns with
+    nothing in flight, the counters and the pool as they were, and the first request equals the
+    ordinary engine's."""
+    from ignis.runtime.server.warmup import warm_up_engine
+
+    ex = _executor("static_moe_cache")
+    cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    eng = SpeculativeEngine(ex, None, async_rounds=True, prefix_cache=cache)
+    warm_up_engine(eng)
+    assert not eng.has_unfinished and eng.async_rounds.num_issued > 0
+    assert eng.metrics.rounds_total == 0 and cache.num_entries("card") == 0
+    p = SamplingParams(temperature=0, max_tokens=8)
+    want = SpeculativeEngine(ex, None).generate([[5, 6, 7]], p)
+    assert [r.output_token_ids for r in eng.generate([[5, 6, 7]], p)] == [r.output_token_ids for r in want]
+    assert ex.num_free_lanes == ex.max_lanes
 
 
 def test_lane_argmax_one_buffer_equals_per_lane() -> None:
