@@ -4,11 +4,24 @@ stop strings, lanes joining and aborted mid-flight, and prompt checkpoints (the 
 finished lane leaves equals the ordinary path's, bit for bit).
 
 Executors: the tiny hybrid's (qwen3_5) static and eager executors, the tiny llama's static and eager
-executors, float32 on the CPU (greedy margins wide: hf_tiny*.py redraw the weights).
+executors, and the tiny qwen3_5_moe's static and eager executors with every expert resident, behind an
+expert cache of 1 slot a layer (misses every round) and, static, of 2 slots with router lookahead;
+float32 on the CPU (greedy margins wide: hf_tiny*.py redraw the weights). With an expert cache the
+async rounds also look up the same experts in the same order as the ordinary rounds (the cache's
+routing and prefetch traces and counters equal) whenever their forwards have the same shapes.
+
+Beside them, what `ignis-run` turns on: long prompts prefilled in chunks (`max_prefill_tokens`) while
+lanes decode, chat openers shared in flight and a checkpoint pool whose card tier spills to the host
+tier with follow-up turns restored from it, lanes with grammars, logprobs or min_tokens (drained), a
+lane aborted while another rides its keep-0 column, the warm-up request at load.
 
 GPU tests (`gpu` mark, skipped without CUDA): async and ordinary rounds give equal tokens on CUDA with
-the tiny hybrid's static executor, and no host sync happens between issuing round N+1 and reading
-round N (torch.cuda's sync debug mode).
+the tiny hybrid's and llama's static executors and the MoE kinds above (dense experts, no compiled
+kernels); on the served MoE route (q4 experts, the grouped kernels: resident with whole-round graphs,
+an expert cache with rounds in pieces, with router lookahead, eager) equal to the resident experts'
+ordinary tokens, with equal routing traces; no host sync happens between issuing round N+1 and
+reading round N (torch.cuda's sync debug mode) on the dense static executors and the resident MoE
+route.
 """
 
 from __future__ import annotations
@@ -660,6 +673,41 @@ def test_warm_up_at_load_leaves_no_round_in_flight() -> None:
     want = SpeculativeEngine(ex, None).generate([[5, 6, 7]], p)
     assert [r.output_token_ids for r in eng.generate([[5, 6, 7]], p)] == [r.output_token_ids for r in want]
     assert ex.num_free_lanes == ex.max_lanes
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama", "static_moe_cache"])
+def test_the_last_lane_aborted_beside_a_lane_riding_its_keep_0_column(kind: str) -> None:
+    """A lane stopped by EOS rides the round in flight (keep 0) beside a lane still decoding, and that
+    lane is aborted before the next step (a client gone; every request cut at a server's shutdown):
+    the round is settled at once, the stopped lane's reply checkpoint is recorded (its prompt and
+    output but the last token: what the ordinary path records), every slot comes back, nothing is
+    left in flight."""
+    ex = _executor(kind)
+    p = SamplingParams(temperature=0, max_tokens=14)
+    lanes = [("a", [4, 8, 15, 16]), ("b", [23, 42, 7])]
+    base, _, _ = _run(ex, {0: [("add", k, q, p) for k, q in lanes]}, async_rounds=False)
+    eos = (base["a"].output_token_ids[4],)
+    cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    eng = SpeculativeEngine(ex, None, eos_token_ids=eos, async_rounds=True, prefix_cache=cache)
+    ids = {k: eng.add_lane(q, p) for k, q in lanes}
+    done: dict[int, object] = {}
+    while ids["a"] not in done:
+        for u in eng.step():
+            if u.is_finished:
+                done[u.lane_id] = u
+    assert ids["b"] not in done and eng.async_rounds.is_busy and eng.async_rounds.holds(eng._active[0])
+    eng.abort(ids["b"])
+    assert not eng.has_unfinished and not eng.async_rounds.is_busy
+    a, b = eng.result(ids["a"]), eng.result(ids["b"])
+    assert a.output_token_ids == base["a"].output_token_ids[:5] and a.finish_reason == "stop"
+    assert (
+        b.finish_reason == "abort"
+        and b.output_token_ids == base["b"].output_token_ids[: len(b.output_token_ids)]
+    )
+    replies = {c.token_ids for c in cache.entries("card") if c.kind == "reply"}
+    assert replies == {(*a.prompt_token_ids, *a.output_token_ids[:-1])}
+    if hasattr(ex, "num_free_lanes"):
+        assert ex.num_free_lanes == ex.max_lanes
 
 
 def test_lane_argmax_one_buffer_equals_per_lane() -> None:

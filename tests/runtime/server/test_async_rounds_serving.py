@@ -93,6 +93,8 @@ class _AsyncSource:
         self._on = on
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name == "_inner":  # not set yet (unpickled in an engine process)
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def load(self, settings):  # type: ignore[no-untyped-def]
@@ -246,17 +248,21 @@ class _MoeSource(_AsyncSource):
         )
 
 
-def test_a_served_moe_with_an_expert_cache_equals_the_ordinary_rounds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_a_served_moe_with_an_expert_cache_equals_the_ordinary_rounds(
+    tmp_path: Path, engine_process: bool
+) -> None:
     """A served qwen3_5_moe artifact with an expert cache (misses every round) and async rounds, as
-    `ignis-run` serves a MoE model on CUDA with speculation off: concurrent, stopped and streamed greedy
-    completions equal the ordinary rounds'; /metrics carries the cache's misses and the rounds issued
-    ahead."""
+    `ignis-run` serves a MoE model on CUDA with speculation off (there in an engine process by default):
+    concurrent, stopped and streamed greedy completions equal the ordinary rounds' (served in a thread);
+    /metrics carries the cache's misses and the rounds issued ahead."""
     from test_expert_cache_cli import _tiny_moe_artifact
 
     art = _tiny_moe_artifact(tmp_path)
     outs = []
     for on in (False, True):
-        with serve(_MoeSource(art, on), SpecDefaults("off"), lanes=4) as running:  # type: ignore[arg-type]
+        process = engine_process and on
+        with serve(_MoeSource(art, on), SpecDefaults("off"), lanes=4, engine_process=process) as running:  # type: ignore[arg-type]
             with ThreadPoolExecutor(4) as pool:
                 got = list(pool.map(lambda p, r=running: _complete(r, p), PROMPTS))
             text = got[0][1]
