@@ -499,10 +499,11 @@ def test_out_of_scope_lanes_run_the_ordinary_round() -> None:
     _same(want, got)
 
 
-def test_max_lanes_and_waiting_lanes() -> None:
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_moe_cache"])
+def test_max_lanes_and_waiting_lanes(kind: str) -> None:
     """With max_lanes 2 and five lanes, lanes wait for finishing ones; async rounds drain before each
     admission (slots freed first) and the results equal the ordinary path's."""
-    ex = _executor("static_hybrid")
+    ex = _executor(kind)
     rng = random.Random(11)
     vocab = ex.config.vocab_size
     lanes = [
