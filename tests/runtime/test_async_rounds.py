@@ -860,11 +860,14 @@ def test_async_rounds_on_the_served_moe_route(cuda_kernel, kind: str) -> None:  
         base, _, _ = _run(resident, plan, async_rounds=False)
         outs = [t for r in base.values() for t in r.output_token_ids[1:-1]]
         eos = (rng.choice(outs),) if outs else ()
-        want, _, _ = _run(resident, plan, async_rounds=False, eos=eos)
-        _same(want, _run(ex, plan, async_rounds=False, eos=eos)[0])
+        ordinary, _, _ = _run(ex, plan, async_rounds=False, eos=eos)
         got, _, eng = _run(ex, plan, async_rounds=True, eos=eos)
-        _same(want, got)
+        _same(ordinary, got)  # async rounds against the ordinary rounds of the same route
         assert eng._async.num_issued > eng._async.num_drained
+        # the route's ordinary rounds against the resident experts' (ADR 0012/0013: bit for bit; a
+        # difference here is the cache's or the pieces', not the async rounds')
+        want, _, _ = _run(resident, plan, async_rounds=False, eos=eos)
+        _same(want, ordinary)
     if kind == "resident":
         return
     rng = random.Random(5)
@@ -873,15 +876,15 @@ def test_async_rounds_on_the_served_moe_route(cuda_kernel, kind: str) -> None:  
         prompt = [rng.randrange(3, ex.config.vocab_size) for _ in range(rng.randint(2, 40))]
         params = SamplingParams(temperature=0, max_tokens=4 + 3 * j, ignore_eos=True)
         plan.setdefault(step, []).append(("add", f"l{j}", prompt, params))
-    want, _, _ = _run(resident, plan, async_rounds=False)
     (ordinary, otrace, ocounts, _), (got, gtrace, gcounts, cache) = _cache_run(
         lambda: _flash_next_executor(cuda_kernel, kind), plan
     )
-    _same(want, ordinary)
-    _same(want, got)
+    _same(ordinary, got)
     assert gtrace == otrace and gcounts == ocounts
+    want, _, _ = _run(resident, plan, async_rounds=False)
+    _same(want, ordinary)
     st = cache.stats
-    assert st.misses > 3 * len(cache.layers) * ex.config.num_experts
+    assert st.misses + st.prefetches > 3 * len(cache.layers) * ex.config.num_experts
     assert st.direct_copies == st.misses + st.prefetches and st.staged_copies == 0
     assert (st.prefetches > 0) == (kind == "lookahead")
 
