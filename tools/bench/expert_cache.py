@@ -816,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
     cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "tok_s_steady", "projected_tok_s")
-    cols += ("round_ms", "host_ms", "drafter_ms", "propose_ms", "commit_ms", "mtp_graphs")
+    cols += ("round_ms", "host_ms", "async_issued", "drafter_ms", "propose_ms", "commit_ms", "mtp_graphs")
     cols += ("sync_wait_ms", "hit_rate", "prefetches", "lookahead_recall", "hit_rate_lru_lookahead")
     cols += ("lookahead_hit_gain", "copies")
     cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")
