@@ -5,7 +5,8 @@ finished lane leaves equals the ordinary path's, bit for bit).
 
 Executors: the tiny hybrid's (qwen3_5) static and eager executors, the tiny llama's static and eager
 executors, and the tiny qwen3_5_moe's static and eager executors with every expert resident, behind an
-expert cache of 1 slot a layer (misses every round) and, static, of 2 slots with router lookahead;
+expert cache of 1 slot a layer (misses every round) and, static, of 2 slots with router lookahead (and
+the tiny qwen3_next's static executor behind a 1-slot cache);
 float32 on the CPU (greedy margins wide: hf_tiny*.py redraw the weights). With an expert cache the
 async rounds also look up the same experts in the same order as the ordinary rounds (the cache's
 routing and prefetch traces and counters equal) whenever their forwards have the same shapes.
@@ -45,7 +46,9 @@ from ignis.runtime.sampling import SamplingParams
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # the tiny qwen3_5_moe (4 experts, top 2) with every expert resident, behind an expert cache of 1 slot
 # a layer (every round misses: 2 experts routed a row, 1 slot), and of 2 slots with router lookahead
+# (and the tiny qwen3_next, static, behind a 1-slot cache)
 MOE_KINDS = ("static_moe", "eager_moe", "static_moe_cache", "eager_moe_cache", "static_moe_lookahead")
+MOE_KINDS += ("static_next_cache",)
 KINDS = ("static_hybrid", "eager_hybrid", "static_llama", "eager_llama", *MOE_KINDS)
 BIG = 1 << 30
 
@@ -53,19 +56,21 @@ _MODELS: dict[str, object] = {}
 
 
 def _moe_executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
-    """A tiny qwen3_5_moe executor (`MOE_KINDS`): static (`StaticHybridExecutor`: with a cache, rounds
-    split at the MoE layers' host parts, `moe_piecewise`) or eager (`HybridExecutor`); resident experts,
-    an expert cache of 1 slot a layer, or 2 slots with router lookahead. Each call makes a new cache."""
+    """A tiny qwen3_5_moe executor (qwen3_next for the "_next" kinds; `MOE_KINDS`): static
+    (`StaticHybridExecutor`: with a cache, rounds split at the MoE layers' host parts, `moe_piecewise`)
+    or eager (`HybridExecutor`); resident experts, an expert cache of 1 slot a layer, or 2 slots with
+    router lookahead. Each call makes a new cache."""
     from hf_tiny_hybrid import make_tiny_hybrid
 
     from ignis.runtime.expert_cache import ExpertCache
     from ignis.runtime.families.hybrid_executor import HybridExecutor
     from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
 
-    if "moe" not in _MODELS:
-        tiny = make_tiny_hybrid("qwen3_5_moe", Path(tempfile.mkdtemp()) / "m")
-        _MODELS["moe"] = (tiny.config, tiny.canonical_tensors())
-    config, tensors = _MODELS["moe"]  # type: ignore[misc]
+    family = "qwen3_next" if "_next" in kind else "qwen3_5_moe"
+    if family not in _MODELS:
+        tiny = make_tiny_hybrid(family, Path(tempfile.mkdtemp()) / "m")
+        _MODELS[family] = (tiny.config, tiny.canonical_tensors())
+    config, tensors = _MODELS[family]  # type: ignore[misc]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     kw: dict = {"device": device, "dtype": dtype}
     if kind.endswith("_cache"):
@@ -79,7 +84,7 @@ def _moe_executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-de
 
 
 def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
-    if kind in MOE_KINDS:
+    if "_moe" in kind or "_next" in kind:
         return _moe_executor(kind, device)
     if kind.endswith("hybrid"):
         from hf_tiny_hybrid import make_tiny_hybrid
@@ -419,7 +424,7 @@ def test_async_rounds_at_the_context_end(kind: str) -> None:
     )
 
 
-CACHED_MOE_KINDS = ("static_moe_cache", "eager_moe_cache", "static_moe_lookahead")
+CACHED_MOE_KINDS = ("static_moe_cache", "eager_moe_cache", "static_moe_lookahead", "static_next_cache")
 
 
 def _cache_run(make, plan, eos=()):  # type: ignore[no-untyped-def]
@@ -828,7 +833,7 @@ def _flash_next_executor(kernel, kind: str):  # type: ignore[no-untyped-def]
 
     if "moe_q4" not in _MODELS:
         _moe_executor("eager_moe")  # the tiny checkpoint
-        config, tensors = _MODELS["moe"]  # type: ignore[misc]
+        config, tensors = _MODELS["qwen3_5_moe"]  # type: ignore[misc]
         _MODELS["moe_q4"] = (config, _q4_experts(tensors))
     config, tensors = _MODELS["moe_q4"]  # type: ignore[misc]
     kw: dict = dict(device=torch.device("cuda"), dtype=torch.bfloat16, linear=torch_linear, max_lanes=8,
