@@ -55,11 +55,11 @@ BIG = 1 << 30
 _MODELS: dict[str, object] = {}
 
 
-def _moe_executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
+def _moe_executor(kind: str, device: str = "cpu", **static):  # type: ignore[no-untyped-def]
     """A tiny qwen3_5_moe executor (qwen3_next for the "_next" kinds; `MOE_KINDS`): static
     (`StaticHybridExecutor`: with a cache, rounds split at the MoE layers' host parts, `moe_piecewise`)
     or eager (`HybridExecutor`); resident experts, an expert cache of 1 slot a layer, or 2 slots with
-    router lookahead. Each call makes a new cache."""
+    router lookahead. Each call makes a new cache. `static`: more options of the static executor."""
     from hf_tiny_hybrid import make_tiny_hybrid
 
     from ignis.runtime.expert_cache import ExpertCache
@@ -80,12 +80,13 @@ def _moe_executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-de
         kw["expert_cache"] = ExpertCache(2, device=device, copies=copies, lookahead=True)
     if kind.startswith("eager"):
         return HybridExecutor(config, tensors, **kw)
-    return StaticHybridExecutor(config, tensors, max_lanes=8, max_columns=8, max_context=256, **kw)
+    return StaticHybridExecutor(config, tensors, max_lanes=8, max_columns=8, max_context=256, **kw, **static)
 
 
-def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
+def _executor(kind: str, device: str = "cpu", **static):  # type: ignore[no-untyped-def]
+    """An executor of `kind` (`KINDS`) on `device`; `static`: more options of a static executor."""
     if "_moe" in kind or "_next" in kind:
-        return _moe_executor(kind, device)
+        return _moe_executor(kind, device, **static)
     if kind.endswith("hybrid"):
         from hf_tiny_hybrid import make_tiny_hybrid
 
@@ -100,7 +101,7 @@ def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
         if kind == "eager_hybrid":
             return HybridExecutor(config, tensors, device=device, dtype=dtype)
         return StaticHybridExecutor(
-            config, tensors, device=device, dtype=dtype, max_lanes=8, max_columns=8, max_context=256
+            config, tensors, device=device, dtype=dtype, max_lanes=8, max_columns=8, max_context=256, **static
         )
     from ignis.compiler.importers import load_checkpoint
     from ignis.runtime.families.llama import LlamaExecutor
@@ -115,7 +116,7 @@ def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
     if kind == "eager_llama":
         return LlamaExecutor(config, weights, device=device, dtype=dtype)
     return StaticLlamaExecutor(
-        config, weights, device=device, dtype=dtype, max_lanes=8, max_context=200, kv_bucket=16
+        config, weights, device=device, dtype=dtype, max_lanes=8, max_context=200, kv_bucket=16, **static
     )
 
 
@@ -529,15 +530,16 @@ def _drained_and_ahead(eng) -> None:  # type: ignore[no-untyped-def]
     assert eng._async.num_drained > 0 and eng._async.num_issued > eng._async.num_drained
 
 
-@pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama", "static_moe_cache"])
-@pytest.mark.parametrize("budget", [5, 16])
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama", "eager_llama", "static_moe_cache"])
+@pytest.mark.parametrize("budget", [5, 16, 0])
 def test_async_rounds_beside_long_prompts_prefilled_in_chunks(kind: str, budget: int) -> None:
     """`max_prefill_tokens` (`ignis-run --max-prefill-tokens`) well under the prompts: long prompts
     joining while other lanes decode are prefilled chunk after chunk over several steps (each such step
     drains the round in flight and runs the ordinary round beside the chunk), then every lane runs
-    ahead again; an EOS hit mid-output. Results and streamed tokens equal the ordinary path's with the
-    same budget."""
-    ex = _executor(kind)
+    ahead again; an EOS hit mid-output. The static executors prefill in static rounds of 8 columns
+    (`chunked_prefill`, on by default on CUDA); budget 0: every prompt whole in one step. Results and
+    streamed tokens equal the ordinary path's with the same budget."""
+    ex = _executor(kind, chunked_prefill=48) if kind.startswith("static") else _executor(kind)
     rng = random.Random(21)
     vocab = ex.config.vocab_size
     plan: dict[int, list] = {}
