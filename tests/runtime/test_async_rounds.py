@@ -4,11 +4,25 @@ stop strings, lanes joining and aborted mid-flight, and prompt checkpoints (the 
 finished lane leaves equals the ordinary path's, bit for bit).
 
 Executors: the tiny hybrid's (qwen3_5) static and eager executors, the tiny llama's static and eager
-executors, float32 on the CPU (greedy margins wide: hf_tiny*.py redraw the weights).
+executors, and the tiny qwen3_5_moe's static and eager executors with every expert resident, behind an
+expert cache of 1 slot a layer (misses every round) and, static, of 2 slots with router lookahead (and
+the tiny qwen3_next's static executor behind a 1-slot cache);
+float32 on the CPU (greedy margins wide: hf_tiny*.py redraw the weights). With an expert cache the
+async rounds also look up the same experts in the same order as the ordinary rounds (the cache's
+routing and prefetch traces and counters equal) whenever their forwards have the same shapes.
+
+Beside them, what `ignis-run` turns on: long prompts prefilled in chunks (`max_prefill_tokens`) while
+lanes decode, chat openers shared in flight and a checkpoint pool whose card tier spills to the host
+tier with follow-up turns restored from it, lanes with grammars, logprobs or min_tokens (drained), a
+lane aborted while another rides its keep-0 column, the warm-up request at load.
 
 GPU tests (`gpu` mark, skipped without CUDA): async and ordinary rounds give equal tokens on CUDA with
-the tiny hybrid's static executor, and no host sync happens between issuing round N+1 and reading
-round N (torch.cuda's sync debug mode).
+the tiny hybrid's and llama's static executors and the MoE kinds above (dense experts, no compiled
+kernels); on the served MoE route (q4 experts, the grouped kernels: resident with whole-round graphs,
+an expert cache with rounds in pieces, with router lookahead, eager) equal to the resident experts'
+ordinary tokens, with equal routing traces; no host sync happens between issuing round N+1 and
+reading round N (torch.cuda's sync debug mode) on the dense static executors and the resident MoE
+route.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ from pathlib import Path
 import hf_tiny
 import pytest
 import torch
+from test_moe_grouped import cuda_kernel  # noqa: F401 (the compiled grouped MoE kernels: a fixture)
 from torch_threads import one_torch_thread  # noqa: F401 (autouse: one torch thread a module)
 
 from ignis.runtime.async_rounds import lane_argmax
@@ -29,13 +44,49 @@ from ignis.runtime.round_batch import HostKnownColumns, InRangeColumns
 from ignis.runtime.sampling import SamplingParams
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-KINDS = ("static_hybrid", "eager_hybrid", "static_llama", "eager_llama")
+# the tiny qwen3_5_moe (4 experts, top 2) with every expert resident, behind an expert cache of 1 slot
+# a layer (every round misses: 2 experts routed a row, 1 slot), and of 2 slots with router lookahead
+# (and the tiny qwen3_next, static, behind a 1-slot cache)
+MOE_KINDS = ("static_moe", "eager_moe", "static_moe_cache", "eager_moe_cache", "static_moe_lookahead")
+MOE_KINDS += ("static_next_cache",)
+KINDS = ("static_hybrid", "eager_hybrid", "static_llama", "eager_llama", *MOE_KINDS)
 BIG = 1 << 30
 
 _MODELS: dict[str, object] = {}
 
 
-def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
+def _moe_executor(kind: str, device: str = "cpu", **static):  # type: ignore[no-untyped-def]
+    """A tiny qwen3_5_moe executor (qwen3_next for the "_next" kinds; `MOE_KINDS`): static
+    (`StaticHybridExecutor`: with a cache, rounds split at the MoE layers' host parts, `moe_piecewise`)
+    or eager (`HybridExecutor`); resident experts, an expert cache of 1 slot a layer, or 2 slots with
+    router lookahead. Each call makes a new cache. `static`: more options of the static executor."""
+    from hf_tiny_hybrid import make_tiny_hybrid
+
+    from ignis.runtime.expert_cache import ExpertCache
+    from ignis.runtime.families.hybrid_executor import HybridExecutor
+    from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+
+    family = "qwen3_next" if "_next" in kind else "qwen3_5_moe"
+    if family not in _MODELS:
+        tiny = make_tiny_hybrid(family, Path(tempfile.mkdtemp()) / "m")
+        _MODELS[family] = (tiny.config, tiny.canonical_tensors())
+    config, tensors = _MODELS[family]  # type: ignore[misc]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kw: dict = {"device": device, "dtype": dtype}
+    if kind.endswith("_cache"):
+        kw["expert_cache"] = ExpertCache(1, device=device)
+    elif kind.endswith("_lookahead"):
+        copies = "memmove" if device == "cpu" else "auto"
+        kw["expert_cache"] = ExpertCache(2, device=device, copies=copies, lookahead=True)
+    if kind.startswith("eager"):
+        return HybridExecutor(config, tensors, **kw)
+    return StaticHybridExecutor(config, tensors, max_lanes=8, max_columns=8, max_context=256, **kw, **static)
+
+
+def _executor(kind: str, device: str = "cpu", **static):  # type: ignore[no-untyped-def]
+    """An executor of `kind` (`KINDS`) on `device`; `static`: more options of a static executor."""
+    if "_moe" in kind or "_next" in kind:
+        return _moe_executor(kind, device, **static)
     if kind.endswith("hybrid"):
         from hf_tiny_hybrid import make_tiny_hybrid
 
@@ -50,7 +101,7 @@ def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
         if kind == "eager_hybrid":
             return HybridExecutor(config, tensors, device=device, dtype=dtype)
         return StaticHybridExecutor(
-            config, tensors, device=device, dtype=dtype, max_lanes=8, max_columns=8, max_context=256
+            config, tensors, device=device, dtype=dtype, max_lanes=8, max_columns=8, max_context=256, **static
         )
     from ignis.compiler.importers import load_checkpoint
     from ignis.runtime.families.llama import LlamaExecutor
@@ -65,7 +116,7 @@ def _executor(kind: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
     if kind == "eager_llama":
         return LlamaExecutor(config, weights, device=device, dtype=dtype)
     return StaticLlamaExecutor(
-        config, weights, device=device, dtype=dtype, max_lanes=8, max_context=200, kv_bucket=16
+        config, weights, device=device, dtype=dtype, max_lanes=8, max_context=200, kv_bucket=16, **static
     )
 
 
@@ -73,9 +124,10 @@ def _text(ids) -> str:  # type: ignore[no-untyped-def]
     return "".join(chr(97 + t % 26) for t in ids)
 
 
-def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None, max_context=None):  # type: ignore[no-untyped-def]
-    """Drive an engine through `plan`: {step index: [("add", key, prompt, params) | ("abort", key)]}.
-    Returns (results by key, tokens from the updates by key, the engine)."""
+def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None, max_context=None, **engine):  # type: ignore[no-untyped-def]
+    """Drive an engine through `plan`: {step index: [("add", key, prompt, params[, checkpoint_at]) |
+    ("abort", key)]}; `engine`: more `SpeculativeEngine` options. Returns (results by key, tokens from
+    the updates by key, the engine)."""
     eng = SpeculativeEngine(
         ex,
         None,
@@ -85,6 +137,7 @@ def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None, ma
         prefix_cache=cache,
         max_lanes=max_lanes,
         max_context=max_context,
+        **engine,
     )
     ids: dict[str, int] = {}
     streamed: dict[str, list[int]] = {}
@@ -94,7 +147,7 @@ def _run(ex, plan, *, async_rounds: bool, eos=(), cache=None, max_lanes=None, ma
     while step <= last or eng.has_unfinished:
         for op in plan.get(step, []):
             if op[0] == "add":
-                ids[op[1]] = eng.add_lane(op[2], op[3])
+                ids[op[1]] = eng.add_lane(op[2], op[3], checkpoint_at=op[4] if len(op) > 4 else ())
                 streamed[op[1]] = []
             else:
                 eng.abort(ids[op[1]])
@@ -372,6 +425,73 @@ def test_async_rounds_at_the_context_end(kind: str) -> None:
     )
 
 
+CACHED_MOE_KINDS = ("static_moe_cache", "eager_moe_cache", "static_moe_lookahead", "static_next_cache")
+
+
+def _cache_run(make, plan, eos=()):  # type: ignore[no-untyped-def]
+    """`plan` run ordinary then async, each on a new executor from `make()` (a new expert cache, its
+    routing trace recorded): [(results, (trace, prefetch trace), counters, the cache)] for the two runs."""
+    runs = []
+    for flag in (False, True):
+        ex = make()
+        st = ex.expert_cache.stats
+        st.trace = []
+        res, streamed, eng = _run(ex, plan, async_rounds=flag, eos=eos)
+        assert streamed == {k: list(r.output_token_ids) for k, r in res.items()}
+        if hasattr(ex, "num_free_lanes"):
+            assert ex.num_free_lanes == ex.max_lanes
+        if flag:
+            assert eng._async.num_issued > eng._async.num_drained
+        counts = (st.hits, st.misses, st.bytes_copied, st.forwards, st.rows, st.prefetches,
+                  st.lookahead_right, st.lookahead_needed)  # fmt: skip
+        runs.append((res, (list(st.trace), list(st.prefetch_trace)), counts, ex.expert_cache))
+    return runs
+
+
+@pytest.mark.parametrize("kind", CACHED_MOE_KINDS)
+def test_async_rounds_route_the_same_experts_through_the_cache(kind: str) -> None:
+    """An expert cache smaller than the experts (misses every round; with router lookahead, prefetches):
+    async rounds look up the same experts in the same order as the ordinary rounds (the cache's routing
+    trace, prefetch trace, hits, misses, bytes and rows equal) when their forwards have the same shapes
+    (lanes ending by length, joining at different steps); the tokens equal the resident experts'
+    ordinary rounds. A lane stopped by EOS rides one more forward (keep 0): the ordinary trace is then a
+    prefix of the async one, one forward of one row shorter."""
+    resident = _executor(kind.rsplit("_", 1)[0])  # every expert on the device
+    rng = random.Random(5)
+    vocab = resident.config.vocab_size
+    plan: dict[int, list] = {}
+    for j, step in enumerate((0, 0, 2, 5)):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 10))]
+        params = SamplingParams(temperature=0, max_tokens=4 + 3 * j, ignore_eos=True)
+        plan.setdefault(step, []).append(("add", f"l{j}", prompt, params))
+    want, _, _ = _run(resident, plan, async_rounds=False)
+    (ordinary, otrace, ocounts, _), (got, gtrace, gcounts, cache) = _cache_run(lambda: _executor(kind), plan)
+    _same(want, ordinary)
+    _same(want, got)
+    assert gtrace == otrace and gcounts == ocounts
+    num_moe = len(cache.layers)
+    assert cache.stats.misses > 3 * num_moe * resident.config.num_experts  # evictions and refills
+    assert (cache.stats.prefetches > 0) == kind.endswith("lookahead")
+    # one lane stopped by EOS: the async run's last forward is its keep-0 ride
+    p = SamplingParams(temperature=0, max_tokens=16)
+    solo = {0: [("add", "a", [4, 8, 15, 16, 23], p)]}
+    base, _, _ = _run(resident, solo, async_rounds=False)
+    eos = (base["a"].output_token_ids[6],)
+    want, _, _ = _run(resident, solo, async_rounds=False, eos=eos)
+    (ordinary, otrace, ocounts, _), (got, gtrace, gcounts, _) = _cache_run(lambda: _executor(kind), solo, eos)
+    _same(want, ordinary)
+    _same(want, got)
+    assert got["a"].finish_reason == "stop"
+    (ot, op), (gt, gp) = otrace, gtrace
+    assert (
+        gt[: len(ot)] == ot
+        and len(gt) > len(ot)
+        and {layer for layer, _ in gt[len(ot) :]} == set(range(num_moe))
+    )
+    assert gp[: len(op)] == op
+    assert gcounts[3:5] == (ocounts[3] + 1, ocounts[4] + 1)  # forwards, rows: one forward of one row more
+
+
 def test_out_of_scope_lanes_run_the_ordinary_round() -> None:
     """A sampled lane or one with penalties beside greedy lanes: the round in flight is drained and the
     step runs the ordinary round (seeded sampling reproduces; the greedy lane's tokens unchanged)."""
@@ -385,10 +505,11 @@ def test_out_of_scope_lanes_run_the_ordinary_round() -> None:
     _same(want, got)
 
 
-def test_max_lanes_and_waiting_lanes() -> None:
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_moe_cache"])
+def test_max_lanes_and_waiting_lanes(kind: str) -> None:
     """With max_lanes 2 and five lanes, lanes wait for finishing ones; async rounds drain before each
     admission (slots freed first) and the results equal the ordinary path's."""
-    ex = _executor("static_hybrid")
+    ex = _executor(kind)
     rng = random.Random(11)
     vocab = ex.config.vocab_size
     lanes = [
@@ -399,6 +520,202 @@ def test_max_lanes_and_waiting_lanes() -> None:
     want, _, _ = _run(ex, plan, async_rounds=False, max_lanes=2)
     got, _, _ = _run(ex, plan, async_rounds=True, max_lanes=2)
     _same(want, got)
+
+
+# ---------------------------------------------------------------- what ignis-run turns on beside them
+
+
+def _drained_and_ahead(eng) -> None:  # type: ignore[no-untyped-def]
+    """The async run both drained rounds (steps with prefill or out-of-scope work) and ran ahead."""
+    assert eng._async.num_drained > 0 and eng._async.num_issued > eng._async.num_drained
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama", "eager_llama", "static_moe_cache"])
+@pytest.mark.parametrize("budget", [5, 16, 0])
+def test_async_rounds_beside_long_prompts_prefilled_in_chunks(kind: str, budget: int) -> None:
+    """`max_prefill_tokens` (`ignis-run --max-prefill-tokens`) well under the prompts: long prompts
+    joining while other lanes decode are prefilled chunk after chunk over several steps (each such step
+    drains the round in flight and runs the ordinary round beside the chunk), then every lane runs
+    ahead again; an EOS hit mid-output. The static executors prefill in static rounds of 8 columns
+    (`chunked_prefill`, on by default on CUDA); budget 0: every prompt whole in one step. Results and
+    streamed tokens equal the ordinary path's with the same budget."""
+    ex = _executor(kind, chunked_prefill=48) if kind.startswith("static") else _executor(kind)
+    rng = random.Random(21)
+    vocab = ex.config.vocab_size
+    plan: dict[int, list] = {}
+    for j, (step, length) in enumerate(((0, 3), (0, 9), (2, 40), (3, 70), (6, 5), (7, 33))):
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(8, 16))
+        plan.setdefault(step, []).append(("add", f"l{j}", prompt, params))
+    base, _, _ = _run(ex, plan, async_rounds=False, max_prefill_tokens=budget)
+    eos = (base["l0"].output_token_ids[5],)
+    want, want_streamed, _ = _run(ex, plan, async_rounds=False, eos=eos, max_prefill_tokens=budget)
+    got, streamed, eng = _run(ex, plan, async_rounds=True, eos=eos, max_prefill_tokens=budget)
+    _same(want, got)
+    assert streamed == want_streamed
+    assert any(r.finish_reason == "stop" for r in got.values())
+    _drained_and_ahead(eng)
+    if hasattr(ex, "num_free_lanes"):
+        assert ex.num_free_lanes == ex.max_lanes
+
+
+def _pool_view(cache: PrefixCache):  # type: ignore[no-untyped-def]
+    """What a pool holds and did: per tier the (kind, token ids) of its entries; the counters."""
+    m = cache.metrics
+    held = {tier: sorted((c.kind, c.token_ids) for c in cache.entries(tier)) for tier in ("card", "host")}
+    counters = (
+        m.lookups_total,
+        dict(m.hits_total),
+        m.reused_tokens_total,
+        dict(m.recorded_total),
+        dict(m.evictions_total),
+        dict(m.copied_bytes_total),
+    )
+    return held, counters
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama", "static_moe_cache"])
+def test_async_rounds_with_openers_and_the_host_tier(kind: str) -> None:
+    """The prompt-checkpoint pool as `ignis-run` runs it (a card tier and a host tier): conversations
+    sharing a system prompt (`checkpoint_at` its end: the opener recorded once while the lanes arriving
+    meanwhile wait for it, the hybrids' conv and Gated DeltaNet state snapshots with it), a card tier
+    holding about one checkpoint so the others move to the host tier, then follow-up turns restored
+    from the host tier (reply checkpoints, one a lane stopped by EOS beside others) while other lanes
+    decode. Results, restored prefix lengths, the entries of each tier and the pool's counters equal
+    the ordinary path's."""
+    ex = _executor(kind)
+    rng = random.Random(31)
+    vocab = ex.config.vocab_size
+    opener = [rng.randrange(3, vocab) for _ in range(24)]
+    at = (len(opener),)
+    p = SamplingParams(temperature=0, max_tokens=9)
+    first: dict[int, list] = {}
+    for j, step in enumerate((0, 0, 1, 3)):
+        prompt = [*opener, *(rng.randrange(3, vocab) for _ in range(rng.randint(2, 6)))]
+        first.setdefault(step, []).append(("add", f"c{j}", prompt, p, at))
+    pilot = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    base, _, _ = _run(ex, first, async_rounds=False, cache=pilot)
+    eos = (base["c1"].output_token_ids[3],)
+    card = int(1.5 * max(c.nbytes for c in pilot.entries("card")))
+    views, outs = [], []
+    for flag in (False, True):
+        cache = PrefixCache(card_bytes=card, host_bytes=BIG)
+        res, _, eng = _run(ex, first, async_rounds=flag, eos=eos, cache=cache)
+        follow: dict[int, list] = {}
+        for j, (key, step) in enumerate((("c0", 0), ("c1", 0), ("c2", 2), ("c3", 3))):
+            r = res[key]
+            prompt = [*r.prompt_token_ids, *r.output_token_ids, 7 + j, 9]
+            follow.setdefault(step, []).append(("add", f"f{j}", prompt, p, at))
+        more, _, eng2 = _run(ex, follow, async_rounds=flag, eos=eos, cache=cache)
+        outs.append((res, more))
+        views.append(_pool_view(cache))
+        if flag:
+            _drained_and_ahead(eng)
+            _drained_and_ahead(eng2)
+    _same(outs[0][0], outs[1][0])
+    _same(outs[0][1], outs[1][1])
+    assert [r.num_cached_tokens for r in outs[0][1].values()] == [
+        r.num_cached_tokens for r in outs[1][1].values()
+    ]
+    assert views[0] == views[1]
+    held, counters = views[1]
+    assert held["host"] and counters[1].get("host", 0) > 0  # follow-ups restored from the host tier
+    assert any(r.finish_reason == "stop" for r in outs[1][0].values())
+    # the opener was recorded once and shared: lanes 1-3 restored it instead of prefilling it
+    assert all(r.num_cached_tokens >= len(opener) for k, r in outs[1][0].items() if k != "c0")
+
+
+def _tiny_grammar():  # type: ignore[no-untyped-def]
+    """A regex grammar over the tiny tokenizer of the hybrids' vocabulary (EOS 2)."""
+    pytest.importorskip("llguidance")
+    from hf_tiny import tiny_tokenizer
+
+    from ignis.runtime.grammar import Grammar, GrammarTokenizer
+
+    tok = tiny_tokenizer(320)
+    return Grammar.regex(GrammarTokenizer(tok.backend_tokenizer.to_str(), 320, [2]), "[a-z]{2,6}")
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_moe_cache"])
+def test_lanes_with_logits_work_drain_the_round_in_flight(kind: str) -> None:
+    """Lanes the host must see each round's logits for, joining and leaving greedy lanes that run ahead:
+    structured output (a grammar), logprobs, min_tokens with stop_token_ids. The round in flight is
+    drained while they decode and the greedy lanes run ahead again once they are gone; every result,
+    and every logprob, equals the ordinary path's."""
+    grammar = _tiny_grammar()
+    ex = _executor(kind)
+    g = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plan = {
+        0: [("add", "g", [3, 4, 5], g), ("add", "h", [7, 8, 9, 10], g)],
+        2: [("add", "grammar", [6, 7], SamplingParams(temperature=0, max_tokens=8, grammar=grammar))],
+        4: [("add", "logprobs", [8, 9], SamplingParams(temperature=0, max_tokens=4, logprobs=2))],
+        14: [("add", "min", [11, 12], SamplingParams(temperature=0, max_tokens=5, min_tokens=3))],
+    }
+    base, _, _ = _run(ex, plan, async_rounds=False, eos=(2,))
+    stop = base["min"].output_token_ids[1]  # masked by min_tokens at first, a stop after
+    plan[14] = [
+        ("add", "min", [11, 12], SamplingParams(0, max_tokens=5, min_tokens=3, stop_token_ids=(stop,)))
+    ]
+    want, _, _ = _run(ex, plan, async_rounds=False, eos=(2,))
+    got, streamed, eng = _run(ex, plan, async_rounds=True, eos=(2,))
+    _same(want, got)
+    assert streamed == {k: list(r.output_token_ids) for k, r in got.items()}
+    assert got["logprobs"].logprobs == want["logprobs"].logprobs and len(got["logprobs"].logprobs) == 4
+    assert grammar.matcher().consume(list(got["grammar"].output_token_ids))  # within the grammar
+    _drained_and_ahead(eng)
+
+
+def test_warm_up_at_load_leaves_no_round_in_flight() -> None:
+    """`warm_up_engine` (the server's load on CUDA) through an engine with async rounds: it returns with
+    nothing in flight, the counters and the pool as they were, and the first request equals the
+    ordinary engine's."""
+    from ignis.runtime.server.warmup import warm_up_engine
+
+    ex = _executor("static_moe_cache")
+    cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    eng = SpeculativeEngine(ex, None, async_rounds=True, prefix_cache=cache)
+    warm_up_engine(eng)
+    assert not eng.has_unfinished and eng.async_rounds.num_issued > 0
+    assert eng.metrics.rounds_total == 0 and cache.num_entries("card") == 0
+    p = SamplingParams(temperature=0, max_tokens=8)
+    want = SpeculativeEngine(ex, None).generate([[5, 6, 7]], p)
+    assert [r.output_token_ids for r in eng.generate([[5, 6, 7]], p)] == [r.output_token_ids for r in want]
+    assert ex.num_free_lanes == ex.max_lanes
+
+
+@pytest.mark.parametrize("kind", ["static_hybrid", "eager_llama", "static_moe_cache"])
+def test_the_last_lane_aborted_beside_a_lane_riding_its_keep_0_column(kind: str) -> None:
+    """A lane stopped by EOS rides the round in flight (keep 0) beside a lane still decoding, and that
+    lane is aborted before the next step (a client gone; every request cut at a server's shutdown):
+    the round is settled at once, the stopped lane's reply checkpoint is recorded (its prompt and
+    output but the last token: what the ordinary path records), every slot comes back, nothing is
+    left in flight."""
+    ex = _executor(kind)
+    p = SamplingParams(temperature=0, max_tokens=14)
+    lanes = [("a", [4, 8, 15, 16]), ("b", [23, 42, 7])]
+    base, _, _ = _run(ex, {0: [("add", k, q, p) for k, q in lanes]}, async_rounds=False)
+    eos = (base["a"].output_token_ids[4],)
+    cache = PrefixCache(card_bytes=BIG, host_bytes=BIG)
+    eng = SpeculativeEngine(ex, None, eos_token_ids=eos, async_rounds=True, prefix_cache=cache)
+    ids = {k: eng.add_lane(q, p) for k, q in lanes}
+    done: dict[int, object] = {}
+    while ids["a"] not in done:
+        for u in eng.step():
+            if u.is_finished:
+                done[u.lane_id] = u
+    assert ids["b"] not in done and eng.async_rounds.is_busy and eng.async_rounds.holds(eng._active[0])
+    eng.abort(ids["b"])
+    assert not eng.has_unfinished and not eng.async_rounds.is_busy
+    a, b = eng.result(ids["a"]), eng.result(ids["b"])
+    assert a.output_token_ids == base["a"].output_token_ids[:5] and a.finish_reason == "stop"
+    assert (
+        b.finish_reason == "abort"
+        and b.output_token_ids == base["b"].output_token_ids[: len(b.output_token_ids)]
+    )
+    replies = {c.token_ids for c in cache.entries("card") if c.kind == "reply"}
+    assert replies == {(*a.prompt_token_ids, *a.output_token_ids[:-1])}
+    if hasattr(ex, "num_free_lanes"):
+        assert ex.num_free_lanes == ex.max_lanes
 
 
 def test_lane_argmax_one_buffer_equals_per_lane() -> None:
@@ -446,8 +763,10 @@ def test_static_executors_keep_the_columns_marker(kind: str, monkeypatch: pytest
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama"])
+@pytest.mark.parametrize("kind", ["static_hybrid", "static_llama", *MOE_KINDS])
 def test_async_rounds_equal_ordinary_rounds_on_cuda(kind: str) -> None:
+    """bf16 on CUDA; the MoE kinds here run dense experts without the compiled kernels (the reference
+    expert loop, syncing the host per MoE layer; the cache's per-expert slots)."""
     ex = _executor(kind, "cuda")
     for seed in range(3):
         rng = random.Random(seed)
@@ -466,9 +785,12 @@ def test_async_rounds_equal_ordinary_rounds_on_cuda(kind: str) -> None:
 def test_async_rounds_no_host_sync_between_issue_and_read(kind: str) -> None:
     """From the start of a pipelined step to the wait on round N's event, nothing syncs the host: the
     commit of N, the launch of N+1 from N's device argmax, its argmax and copy."""
+    _assert_no_sync_between_issue_and_read(_executor(kind, "cuda"))
+
+
+def _assert_no_sync_between_issue_and_read(ex) -> None:  # type: ignore[no-untyped-def]
     import ignis.runtime.async_rounds as ar
 
-    ex = _executor(kind, "cuda")
     ex.warm_up(context=64)  # every round shape captured first, as at a server's load (a capture syncs)
     eng = SpeculativeEngine(ex, None, async_rounds=True)
     real_read = ar._InFlight.read
@@ -493,6 +815,93 @@ def test_async_rounds_no_host_sync_between_issue_and_read(kind: str) -> None:
         ar._InFlight.read = real_read  # type: ignore[method-assign]
         torch.cuda.set_sync_debug_mode("default")
     assert len(reads) >= 10
+
+
+FLASH_NEXT_KINDS = ("resident", "cache", "lookahead", "eager_cache")
+
+
+def _flash_next_executor(kernel, kind: str):  # type: ignore[no-untyped-def]
+    """The served MoE route on CUDA (what `ignis-run` builds for a `qwen3_5_moe` artifact): q4_g32
+    routed experts run by the compiled grouped kernels, bf16. "resident": every expert on the device,
+    rounds replayed from whole-round CUDA graphs; "cache": an expert cache of 1 slot a layer (misses
+    every round, batched driver copies from page-locked memory), rounds replayed in pieces between the
+    MoE layers' host parts; "lookahead": 2 slots with router lookahead (prefetches on the copy stream);
+    "eager_cache": 1 slot with CUDA graphs off (the pieces run eagerly)."""
+    from test_moe_grouped import _q4_experts
+
+    from ignis.runtime.expert_cache import ExpertCache
+    from ignis.runtime.families.hybrid_graphs import StaticHybridExecutor
+    from ignis.runtime.linear import torch_linear
+
+    if "moe_q4" not in _MODELS:
+        _moe_executor("eager_moe")  # the tiny checkpoint
+        config, tensors = _MODELS["qwen3_5_moe"]  # type: ignore[misc]
+        _MODELS["moe_q4"] = (config, _q4_experts(tensors))
+    config, tensors = _MODELS["moe_q4"]  # type: ignore[misc]
+    kw: dict = dict(device=torch.device("cuda"), dtype=torch.bfloat16, linear=torch_linear, max_lanes=8,
+                    max_columns=8, max_context=256, chunked_prefill=32, moe_module=kernel)  # fmt: skip
+    if kind != "resident":
+        slots = 2 if kind == "lookahead" else 1
+        kw["expert_cache"] = ExpertCache(slots, device="cuda", lookahead=kind == "lookahead")
+    if kind == "eager_cache":
+        kw["cuda_graphs"] = False
+    ex = StaticHybridExecutor(config, tensors, **kw)
+    assert ex.cuda_graphs == (kind == "resident") and ex.piecewise_graphs == kind in ("cache", "lookahead")
+    return ex
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", FLASH_NEXT_KINDS)
+def test_async_rounds_on_the_served_moe_route(cuda_kernel, kind: str) -> None:  # type: ignore[no-untyped-def] # noqa: F811
+    """The served MoE route on CUDA (`_flash_next_executor`): async rounds give the ordinary rounds'
+    results over seeds with an EOS hit mid-output, equal to the resident experts' ordinary tokens; with
+    an expert cache the async run looks up the same experts in the same order (routing and prefetch
+    traces, hits, misses, bytes) when the forwards have the same shapes (lanes ending by length), and
+    misses happen every round."""
+    resident = _flash_next_executor(cuda_kernel, "resident")
+    ex = _flash_next_executor(cuda_kernel, kind)
+    for seed in range(3):
+        rng = random.Random(seed)
+        plan = _random_plan(rng, ex.config.vocab_size, rng.randint(1, 5))
+        base, _, _ = _run(resident, plan, async_rounds=False)
+        outs = [t for r in base.values() for t in r.output_token_ids[1:-1]]
+        eos = (rng.choice(outs),) if outs else ()
+        ordinary, _, _ = _run(ex, plan, async_rounds=False, eos=eos)
+        got, _, eng = _run(ex, plan, async_rounds=True, eos=eos)
+        _same(ordinary, got)  # async rounds against the ordinary rounds of the same route
+        assert eng._async.num_issued > eng._async.num_drained
+        # the route's ordinary rounds against the resident experts' (ADR 0012/0013: bit for bit; a
+        # difference here is the cache's or the pieces', not the async rounds')
+        want, _, _ = _run(resident, plan, async_rounds=False, eos=eos)
+        _same(want, ordinary)
+    if kind == "resident":
+        return
+    rng = random.Random(5)
+    plan: dict[int, list] = {}
+    for j, step in enumerate((0, 0, 2, 5)):
+        prompt = [rng.randrange(3, ex.config.vocab_size) for _ in range(rng.randint(2, 40))]
+        params = SamplingParams(temperature=0, max_tokens=4 + 3 * j, ignore_eos=True)
+        plan.setdefault(step, []).append(("add", f"l{j}", prompt, params))
+    (ordinary, otrace, ocounts, _), (got, gtrace, gcounts, cache) = _cache_run(
+        lambda: _flash_next_executor(cuda_kernel, kind), plan
+    )
+    _same(ordinary, got)
+    assert gtrace == otrace and gcounts == ocounts
+    want, _, _ = _run(resident, plan, async_rounds=False)
+    _same(want, ordinary)
+    st = cache.stats
+    assert st.misses + st.prefetches > 3 * len(cache.layers) * ex.config.num_experts
+    assert st.direct_copies == st.misses + st.prefetches and st.staged_copies == 0
+    assert (st.prefetches > 0) == (kind == "lookahead")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_async_rounds_no_host_sync_on_the_resident_moe_route(cuda_kernel) -> None:  # type: ignore[no-untyped-def] # noqa: F811
+    """Every expert resident with the grouped kernels (whole-round graphs): async rounds issue and
+    commit with no host sync before the read, as on the dense hybrid."""
+    _assert_no_sync_between_issue_and_read(_flash_next_executor(cuda_kernel, "resident"))
 
 
 def test_engine_step_bench_runs_async_rounds() -> None:

@@ -35,6 +35,30 @@ def test_tiny_run_writes_cases(tmp_path: Path, capsys) -> None:
     assert "card | mode | lanes" in capsys.readouterr().out
 
 
+def test_tiny_off_async_routes_as_off(tmp_path: Path) -> None:
+    """Mode off-async (async rounds, what ignis-run serves with speculation off on CUDA): the same
+    tokens, hit rate and bytes a token as mode off (the same routing through a cache of the same
+    state), its rounds issued ahead reported."""
+    argv = ["--tiny", "--lanes", "1,2", "--modes", "off,off-async", "--tokens", "6", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "bench_expert_cache.json").read_text())
+    cases = {(c["card"], c["mode"], c["lanes"]): c for c in res["cases"]}
+    for card in ("1slots", "4slots"):
+        for lanes in (1, 2):
+            off, ahead = cases[(card, "off", lanes)], cases[(card, "off-async", lanes)]
+            keys = (
+                "tokens",
+                "rounds",
+                "hit_rate",
+                "MB_per_token",
+                "MB_per_round",
+                "prefetches",
+                "experts_per_forward",
+            )
+            assert {k: off[k] for k in keys} == {k: ahead[k] for k in keys}
+            assert "async_issued" not in off and ahead["async_issued"] >= 4
+
+
 def test_projection_rules() -> None:
     assert expected_tokens(0, 0.8) == 1 and abs(expected_tokens(3, 0.5) - 1.875) < 1e-12
     # the default row budget of 8: 3 drafts at 1-2 lanes, 1 at 3-4, none from 5 on; budget 3: 1 lane only

@@ -29,7 +29,11 @@ Per emulated card (`--cards`, GiB: the budget is what `plan_expert_cache` leaves
 the resident weights, 8 lanes' KV at `--context`, the round workspace and the headroom; with MTP on,
 the head's reserve comes out of the cache) and per mode:
 
-* off: speculation off; mtp: the MTP head, 3 drafts, row budget 8; mtp-rows3: 3 drafts, row budget 3;
+* off: speculation off; off-async: speculation off with async rounds (`ignis.runtime.async_rounds`:
+  what `ignis-run` serves on CUDA with speculation off; each round issued from the previous one's
+  device argmax before the host reads it, so the host's work on round N overlaps round N+1's pieces
+  after its last MoE layer's sync; rounds issued ahead reported as `async_issued`); mtp: the MTP
+  head, 3 drafts, row budget 8; mtp-rows3: 3 drafts, row budget 3;
 
 and per lane count: `--tokens` greedy tokens per lane through `SpeculativeEngine` (random prompts of
 32 tokens, prefill excluded from the timing): measured tok/s (wall time over every round), the median
@@ -387,11 +391,19 @@ def run_case(
     cache: ExpertCache | None,
     flush: bool,
     seed: int,
+    async_rounds: bool = False,
 ) -> dict[str, Any]:
-    """Greedy decode of `lanes` random prompts; step times after the prefill; cache counters."""
+    """Greedy decode of `lanes` random prompts; step times after the prefill; cache counters.
+    `async_rounds`: the engine's async rounds (speculation off only)."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(lanes)]
-    engine = SpeculativeEngine(ex, drafter, draft_tokens=k if drafter is not None else None, draft_rows=rows)
+    engine = SpeculativeEngine(
+        ex,
+        drafter,
+        draft_tokens=k if drafter is not None else None,
+        draft_rows=rows,
+        async_rounds=async_rounds,
+    )
     params = SamplingParams(temperature=0, max_tokens=tokens)
     for p in prompts:
         engine.add_lane(p, params)
@@ -399,7 +411,11 @@ def run_case(
     spent = {"propose": 0.0, "commit": 0.0}
     if drafter is not None:  # the drafter's time a round: its propose and commit calls, synced
         _time_drafter(drafter, spent, sync)
-    engine.step()  # the prefill (and first tokens)
+    engine.step()  # the prefill and the first round (with async rounds: issued, read at the next step)
+    # async rounds: the first timed step reads the round the prefill step issued (untimed): its tokens
+    # are left out, so that tokens, bytes and routing cover the same rounds as without
+    skip_first = engine.async_rounds is not None
+    issued0 = engine.async_rounds.num_issued if engine.async_rounds is not None else 0
     if flush and cache is not None:
         cache.flush()
     # the routing trace runs from the cache's creation (main), so a policy replayed below starts the
@@ -434,19 +450,24 @@ def run_case(
             drafter_parts[part].append(spent[part])
         cpu.append(c1 - c0)
         captured.append(getattr(ex, "num_captures", 0) != graphs)
-        emitted += (got := sum(len(u.new_token_ids) for u in updates))
+        got = 0 if skip_first else sum(len(u.new_token_ids) for u in updates)
+        skip_first = False
+        emitted += got
         steady_tokens += 0 if captured[-1] else got
         if flush and cache is not None:
             cache.flush()
     wall = sum(times)
     res: dict[str, Any] = {
         "lanes": lanes,
-        "rounds": len(times),
+        # forwards timed (with async rounds the last step only reads the last round)
+        "rounds": engine.async_rounds.num_issued - issued0 if engine.async_rounds is not None else len(times),
         "tokens": emitted,
         "tok_s": round(emitted / wall, 2) if wall else 0.0,
         "round_ms": round(statistics.median(times) * 1e3, 2) if times else 0.0,
         "host_ms": round(statistics.median(cpu) * 1e3, 2) if cpu else 0.0,
     }
+    if engine.async_rounds is not None:  # rounds issued before the host read the previous one
+        res["async_issued"] = engine.async_rounds.num_issued - issued0
     if drafter is not None and times:
         per_round = [p + c for p, c in zip(drafter_parts["propose"], drafter_parts["commit"], strict=True)]
         res |= {
@@ -486,7 +507,7 @@ def run_case(
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
             "prefetches": after["prefetches"] - before["prefetches"],
             "MB_per_token": round(copied / max(emitted, 1) / 1e6, 2),
-            "MB_per_round": round(copied / max(len(times), 1) / 1e6, 2),
+            "MB_per_round": round(copied / max(res["rounds"], 1) / 1e6, 2),
             "slots_in_use": after["slots_in_use"],
         }
         if cache.stats.trace is not None:
@@ -518,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cards", default="32,96", help="emulated card memory, GiB, comma-separated")
     ap.add_argument("--lanes", default="1,2,3,4,8")
-    ap.add_argument("--modes", default="off,mtp,mtp-rows3")
+    ap.add_argument("--modes", default="off,mtp,mtp-rows3", help="of off, off-async, mtp, mtp-rows3")
     ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per lane")
     ap.add_argument("--layers", type=int, default=None, help="layers (default 48; --tiny: 4)")
     ap.add_argument("--context", type=int, default=8192, help="context per lane the KV is planned for")
@@ -662,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({k: results[k] for k in ("config", "device", "experts", "bytes", "bandwidth")}), flush=True
     )
 
-    modes = {"off": (0, 0), "mtp": (3, 8), "mtp-rows3": (3, 3)}
+    modes = {"off": (0, 0), "off-async": (0, 0), "mtp": (3, 8), "mtp-rows3": (3, 3)}
     wanted = [m for m in args.modes.split(",") if m]
     cases: list[tuple[str, int | None]] = [
         (f"{c}GiB", int(float(c) * GIB)) for c in args.cards.split(",") if c
@@ -756,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
             for lanes in lanes_list:
                 res = run_case(
                     ex, drafter, lanes=lanes, k=k, rows=rows, tokens=args.tokens, vocab=cfg.vocab_size,
-                    cache=cache, flush=card == -1, seed=lanes,
+                    cache=cache, flush=card == -1, seed=lanes, async_rounds=mode == "off-async",
                 )  # fmt: skip
                 res |= {
                     "card": label,
@@ -795,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_expert_cache.json").write_text(json.dumps(results, indent=1))
     cols = ("card", "mode", "lanes", "slots_per_layer", "tok_s", "tok_s_steady", "projected_tok_s")
-    cols += ("round_ms", "host_ms", "drafter_ms", "propose_ms", "commit_ms", "mtp_graphs")
+    cols += ("round_ms", "host_ms", "async_issued", "drafter_ms", "propose_ms", "commit_ms", "mtp_graphs")
     cols += ("sync_wait_ms", "hit_rate", "prefetches", "lookahead_recall", "hit_rate_lru_lookahead")
     cols += ("lookahead_hit_gain", "copies")
     cols += ("hit_rate_lru", "hit_rate_lfu", "hit_rate_belady", "MB_per_token", "MB_per_round")

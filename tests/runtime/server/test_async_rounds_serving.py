@@ -93,6 +93,8 @@ class _AsyncSource:
         self._on = on
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name == "_inner":  # not set yet (unpickled in an engine process)
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def load(self, settings):  # type: ignore[no-untyped-def]
@@ -234,3 +236,49 @@ def test_a_follow_up_turn_restores_the_reply_checkpoint(artifact: Path, engine_p
     reply, (_, cached) = outs[1]
     assert reply[-1] == stop and len(reply) < 12
     assert cached >= len(first) + len(reply) - 1  # from the reply's checkpoint, not the prompt's
+
+
+class _MoeSource(_AsyncSource):
+    """The tiny MoE artifact loaded on the CPU with an expert cache smaller than its experts (what
+    `--expert-cache-bytes 100KiB` passes) and `async_rounds` set."""
+
+    def load(self, settings):  # type: ignore[no-untyped-def]
+        return self._inner.load(
+            dataclasses.replace(settings, async_rounds=self._on, expert_cache="100KiB", device="cpu")
+        )
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_a_served_moe_with_an_expert_cache_equals_the_ordinary_rounds(
+    tmp_path: Path, engine_process: bool
+) -> None:
+    """A served qwen3_5_moe artifact with an expert cache (misses every round) and async rounds, as
+    `ignis-run` serves a MoE model on CUDA with speculation off (there in an engine process by default):
+    concurrent, stopped and streamed greedy completions equal the ordinary rounds' (served in a thread);
+    /metrics carries the cache's misses and the rounds issued ahead."""
+    from test_expert_cache_cli import _tiny_moe_artifact
+
+    art = _tiny_moe_artifact(tmp_path)
+    outs = []
+    for on in (False, True):
+        process = engine_process and on
+        with serve(_MoeSource(art, on), SpecDefaults("off"), lanes=4, engine_process=process) as running:  # type: ignore[arg-type]
+            with ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda p, r=running: _complete(r, p), PROMPTS))
+            text = got[0][1]
+            stop = [text[len(text) // 2 : len(text) // 2 + 3]]
+            stopped = _complete(running, PROMPTS[0], stop)
+            chunks = _complete(running, PROMPTS[1], stream=True)
+            with running.client() as c:
+                metrics = c.get("/metrics").text
+            misses = _counter(metrics, "ignis_expert_cache_misses_total")
+            assert misses is not None and misses > 0
+            issued = _counter(metrics, "ignis_async_rounds_issued_total")
+            drained = _counter(metrics, "ignis_async_rounds_drained_total")
+            if on:
+                assert issued is not None and drained is not None and issued > drained
+            else:
+                assert issued is None
+            outs.append((got, stopped, chunks))
+    assert outs[0] == outs[1]
+    assert outs[1][1][2] == "stop"
