@@ -846,7 +846,8 @@ def _flash_next_executor(kernel, kind: str):  # type: ignore[no-untyped-def]
     if kind == "eager_cache":
         kw["cuda_graphs"] = False
     ex = StaticHybridExecutor(config, tensors, **kw)
-    assert ex.cuda_graphs == (kind == "resident") and ex.piecewise_graphs == kind in ("cache", "lookahead")
+    assert ex.cuda_graphs == (kind == "resident")
+    assert ex.piecewise_graphs == (kind in ("cache", "lookahead"))
     return ex
 
 
