@@ -1,6 +1,8 @@
 """Shared checks of tests/runtime/test_hybrid_graphs.py: the token helper, feeding tokens alone, the
 module paths the GPU tests read ($IGNIS_GDN_MODULE, $IGNIS_NORMS_MODULE, $IGNIS_MIXERS_MODULE), and
-the rounds / state comparisons the GPU tests for the GDN, norms and mixers modules share."""
+the rounds / state comparisons the GPU tests for the GDN, norms and mixers modules share; the greedy
+decode with margins the GPU tests of compiled llama artifacts share (test_linear_tiled.py,
+test_llama_round_cost.py)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,47 @@ def module_path(env: str, kernels_module: str, build: str) -> str | None:
     builder = getattr(importlib.import_module(f"ignis.compiler.kernels.{kernels_module}"), build)
     major, minor = torch.cuda.get_device_capability()
     return str(builder(f"sm_{major}{minor}"))
+
+
+def compiled_kernel_or_skip(env: str, kernels_module: str, build: str, cls, export: str):  # type: ignore[no-untyped-def]
+    """`cls` (a runtime kernel wrapper) over the module `module_path(env, kernels_module, build)`
+    finds; skips when there is none, or when it lacks `export` (its `has_<export>` is false: a module
+    built before that export)."""
+    path = module_path(env, kernels_module, build)
+    if path is None:
+        pytest.skip(f"no compiled {kernels_module} module (${env}) and no nvcc")
+    kernel = cls(path)
+    if not getattr(kernel, f"has_{export}"):
+        pytest.skip(f"the {kernels_module} module predates {export}")
+    return kernel
+
+
+def greedy_with_margins(executor, prompt: torch.Tensor, steps: int = 16) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
+    """Prefill `prompt` (int64 [n] on the executor's device) on a new lane of `executor`, then decode
+    `steps` tokens greedily one round at a time. Returns (tokens, top-1 minus top-2 logit at each)."""
+    lane = executor.new_lane()
+    o = executor.forward([lane], [prompt], record=False)
+    executor.commit([lane], [prompt.numel()])
+    toks: list[int] = []
+    margins: list[float] = []
+    row = o.logits[0][-1].float()
+    for _ in range(steps):
+        top = row.topk(2)
+        toks.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        o = executor.forward([lane], [torch.tensor([toks[-1]], device=prompt.device)])
+        executor.commit([lane], [1])
+        row = o.logits[0][-1].float()
+    return toks, margins
+
+
+def assert_greedy_equal_up_to_a_near_tie(
+    got: Sequence[int], want: Sequence[int], margins: Sequence[float]
+) -> None:
+    """`got` equals `want` (`greedy_with_margins` of a reference, with its `margins`), or first differs
+    where the reference's top-2 logit margin is below 0.1 (a near-tie)."""
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+    assert first is None or margins[first] < 0.1, (got, want, margins)
 
 
 def cuda_kw(dtype: torch.dtype) -> dict:
