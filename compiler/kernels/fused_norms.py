@@ -162,34 +162,31 @@ def add_rms_norm_emulated(h: Any, d: Any, w1p: Any, eps: float) -> tuple[Any, An
     rounded to h's dtype; per row ADD_THREADS strided FMA chains of squares, warp xor trees, the warp
     sums added in warp order; ``x = round((h_out * rsqrt(sum / hidden + eps)) * w1p)``. Same
     arguments and returns as :func:`add_rms_norm_reference`."""
+    h_out, v, r = _add_and_rsqrt_emulated(h, d, eps)
+    return h_out, ((v * r[:, None]) * w1p.float()).to(h.dtype)
+
+
+def _add_and_rsqrt_emulated(h: Any, d: Any, eps: float) -> tuple[Any, Any, Any]:
+    """The add and the row's 1/rms of the add_rms_norm kernel, in its order of operations: h_out =
+    round(h + d) in h's dtype, v = float32(h_out) [rows, hidden], r = rsqrt(sum of squares / hidden +
+    eps) [rows] float32 (ADD_THREADS strided FMA chains, warp xor trees, warp sums in warp order)."""
     import torch
 
-    dtype = h.dtype
-    h_out = (h.float() + d.float()).to(dtype)
+    h_out = (h.float() + d.float()).to(h.dtype)
     v = h_out.float()
     warps = _warp_tree(_strided_sum_sq(v, ADD_THREADS))
     total = torch.zeros(v.shape[0], dtype=torch.float32)
     for w in range(warps.shape[-1]):
         total = total + warps[:, w]
-    r = torch.rsqrt(total / v.shape[-1] + torch.tensor(eps, dtype=torch.float32))
-    return h_out, ((v * r[:, None]) * w1p.float()).to(dtype)
+    return h_out, v, torch.rsqrt(total / v.shape[-1] + torch.tensor(eps, dtype=torch.float32))
 
 
 def add_rms_norm_llama_emulated(h: Any, d: Any, w: Any, eps: float) -> tuple[Any, Any]:
     """CPU model of ``add_rms_norm_llama``: the sum of squares as :func:`add_rms_norm_emulated`
     (the same kernel), then ``x = round(w * round(h_out * rsqrt(sum / hidden + eps)))``. Same
     arguments and returns as :func:`add_rms_norm_llama_reference`."""
-    import torch
-
-    dtype = h.dtype
-    h_out = (h.float() + d.float()).to(dtype)
-    v = h_out.float()
-    warps = _warp_tree(_strided_sum_sq(v, ADD_THREADS))
-    total = torch.zeros(v.shape[0], dtype=torch.float32)
-    for q in range(warps.shape[-1]):
-        total = total + warps[:, q]
-    r = torch.rsqrt(total / v.shape[-1] + torch.tensor(eps, dtype=torch.float32))
-    return h_out, (w.float() * _round(v * r[:, None], dtype)).to(dtype)
+    h_out, v, r = _add_and_rsqrt_emulated(h, d, eps)
+    return h_out, (w.float() * _round(v * r[:, None], h.dtype)).to(h.dtype)
 
 
 def gated_rms_norm_emulated(x: Any, z: Any, w: Any, eps: float) -> Any:

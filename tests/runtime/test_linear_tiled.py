@@ -540,24 +540,37 @@ def test_artifact_places_served_q4_weights_tiled(tmp_path: Path, monkeypatch: py
 
 
 def _build_tiny_tiled_llama(
-    card: str, tmp_path: Path, out: Path, widths: tuple[int, ...] | None = (1, 4, 8, 16)
+    card: str,
+    tmp_path: Path,
+    out: Path,
+    widths: tuple[int, ...] | None = (1, 4, 8, 16),
+    *,
+    shape: tuple[int, int, int, int] = (256, 512, 4, 2),
+    q4_pad_k: bool = False,
 ) -> None:
-    """A tiny llama (K % 128 == 0, so its q4 linears take the tiled route) built for `card` into
-    `out`, in a subprocess (the build imports TVM); `widths` None: the card profile's widths."""
+    """A tiny llama built for `card` into `out`, in a subprocess (the build imports TVM). `shape`:
+    (hidden, intermediate, query heads, KV heads); the default has K % 128 == 0, so its q4 linears take
+    the tiled route. `widths` None: the card profile's widths. `q4_pad_k`: the recipe's option (q4
+    linears with K % 128 != 0 tiled over a padded K)."""
     import subprocess
     import textwrap
 
+    hidden, intermediate, heads, kv_heads = shape
     ckpt = hf_tiny.save_tiny(
         hf_tiny.tiny_model(
-            "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+            "llama",
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
         ),
         tmp_path / "ckpt",
         tokenizer=hf_tiny.tiny_tokenizer(),
     )
-    recipe = 'name = "tiny"\n'
-    if widths is not None:
-        recipe += f"[modules]\nwidths = {list(widths)}\n"
-    (tmp_path / "r.toml").write_text(recipe)
+    modules = (f"widths = {list(widths)}\n" if widths is not None else "") + (
+        "q4_pad_k = true\n" if q4_pad_k else ""
+    )
+    (tmp_path / "r.toml").write_text('name = "tiny"\n' + (f"[modules]\n{modules}" if modules else ""))
     code = textwrap.dedent(
         f"""
         from ignis.compiler.build import build_artifact

@@ -663,31 +663,10 @@ def _build_padded_llama(card: str, tmp_path: Path) -> Path:
     """A tiny llama whose q4 linears all have K % 128 != 0 (hidden 192, intermediate 320, head_dim
     64: grouped_attention takes it), built for `card` with the recipe's q4_pad_k, in a subprocess.
     Returns the artifact."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
+    from test_linear_tiled import _build_tiny_tiled_llama
 
-    ckpt = hf_tiny.save_tiny(
-        hf_tiny.tiny_model(
-            "llama", hidden_size=192, intermediate_size=320, num_attention_heads=3, num_key_value_heads=1
-        ),
-        tmp_path / "ckpt",
-        tokenizer=hf_tiny.tiny_tokenizer(),
-    )
-    (tmp_path / "r.toml").write_text('name = "tiny"\n[modules]\nwidths = [1, 4, 8, 16]\nq4_pad_k = true\n')
     out = tmp_path / "tiny"
-    code = textwrap.dedent(
-        f"""
-        from ignis.compiler.build import build_artifact
-        build_artifact(card={card!r}, model={str(ckpt)!r}, recipe={str(tmp_path / "r.toml")!r},
-                       out={str(out)!r}, progress=False, echo=lambda _l: None)
-        """
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=dict(os.environ)
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _build_tiny_tiled_llama(card, tmp_path, out, shape=(192, 320, 3, 1), q4_pad_k=True)
     return out
 
 
