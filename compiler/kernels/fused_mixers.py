@@ -222,14 +222,8 @@ def qk_norm_rope_kv_emulated(
     ``q_out`` [rows, heads, hd] and the keys / values into kc / vc at ``[slots[r // n], pos[r]]``
     (rows whose slot or position is out of range write nothing), in the kernel's order of
     operations."""
-    dtype = q.dtype
-    rows = q.shape[0]
-    slot_rows = slots.repeat_interleave(rows // slots.shape[0])
-    ok = (slot_rows >= 0) & (slot_rows < kc.shape[0]) & (pos >= 0) & (pos < kc.shape[1])
-    q_out.copy_(_rope_emulated(_head_norm_emulated(q, wq, eps), cos, sin, dtype))
-    keys = _rope_emulated(_head_norm_emulated(k, wk, eps), cos, sin, dtype)
-    kc[slot_rows[ok], pos[ok]] = keys[ok]
-    vc[slot_rows[ok], pos[ok]] = v[ok]
+    qn, kn = _head_norm_emulated(q, wq, eps), _head_norm_emulated(k, wk, eps)
+    _rope_kv_write_emulated(qn, kn, v, cos, sin, pos, slots, kc, vc, q_out, q.dtype)
 
 
 def rope_kv_emulated(
@@ -248,12 +242,19 @@ def rope_kv_emulated(
     module's arguments: writes ``q_out`` = the rotated q and the rotated keys / the values into kc /
     vc at ``[slots[r // n], pos[r]]`` (rows out of range write nothing). Its torch path is
     `StaticLlamaExecutor`'s `rope_qk` and KV write (the same three roundings: bit-identical)."""
-    dtype = q.dtype
-    rows = q.shape[0]
-    slot_rows = slots.repeat_interleave(rows // slots.shape[0])
+    _rope_kv_write_emulated(q.float(), k.float(), v, cos, sin, pos, slots, kc, vc, q_out, q.dtype)
+
+
+def _rope_kv_write_emulated(
+    q: Any, k: Any, v: Any, cos: Any, sin: Any, pos: Any, slots: Any, kc: Any, vc: Any, q_out: Any, dtype: Any
+) -> None:
+    """The rotation and the KV write of ``qk_norm_rope_kv`` / ``rope_kv`` from float32 q and k (normed or
+    not) [rows, heads, hd]: q_out = round(rope(q)) in `dtype`, kc / vc at ``[slots[r // n], pos[r]]`` =
+    round(rope(k)) / v (rows whose slot or position is out of range write nothing)."""
+    slot_rows = slots.repeat_interleave(q.shape[0] // slots.shape[0])
     ok = (slot_rows >= 0) & (slot_rows < kc.shape[0]) & (pos >= 0) & (pos < kc.shape[1])
-    q_out.copy_(_rope_emulated(q.float(), cos, sin, dtype))
-    keys = _rope_emulated(k.float(), cos, sin, dtype)
+    q_out.copy_(_rope_emulated(q, cos, sin, dtype))
+    keys = _rope_emulated(k, cos, sin, dtype)
     kc[slot_rows[ok], pos[ok]] = keys[ok]
     vc[slot_rows[ok], pos[ok]] = v[ok]
 
