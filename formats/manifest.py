@@ -845,8 +845,14 @@ def _parse_module(entry: object, i: int, path: Any) -> ModuleEntry:
             )
         in_features = _int(fe, "in_features", fw, path, low=1)
         padded = _int(fe, "padded_in_features", fw, path, low=1) if "padded_in_features" in fe else None
+        if kind == "q4_g32_tiled" and in_features % 32:
+            raise _fail(
+                path,
+                f"{fw}in_features: a q4_g32_tiled function computes over whole q4 groups of 32, "
+                f"got in_features {in_features} (not a multiple of 32)",
+            )
         if kind == "q4_g32_tiled" and in_features % Q4_PAD_STEP:
-            if in_features % 32 or padded != padded_k(in_features):
+            if padded != padded_k(in_features):
                 raise _fail(
                     path,
                     f"{fw}padded_in_features: a q4_g32_tiled function of in_features {in_features} "

@@ -533,7 +533,7 @@ def run_command(opts: dict[str, Any]) -> None:
     "first drains the round in flight and runs the ordinary round. Same tokens (up to float rounding "
     "in a round where a lane stops beside others); nothing to gain on the CPU. Counted in /metrics "
     "(ignis_async_rounds_issued_total, ignis_async_rounds_drained_total). [default: on for a model "
-    "served on CUDA with --spec-backend off, off otherwise]",
+    "served on CUDA with speculation off (--spec-backend off, or no drafter), off otherwise]",
 )
 @click.option(
     "--log-level",

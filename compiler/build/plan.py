@@ -390,7 +390,8 @@ def make_plan(
 
     Raises:
         UnknownCardError: the card has no profile.
-        RecipeError: the recipe is invalid, or asks for widths the card does not have.
+        RecipeError: the recipe is invalid, asks for widths the card does not have, or for q4_pad_k on
+            the cpu card.
         OutputExistsError, OutputNotWritableError: an unusable `out` (see `check_out`), checked first.
         CheckpointError, UnsupportedArchitectureError, ConfigError, UnknownModelTypeError: from import.
         TensorSetError: missing or unexpected target tensors (all listed). TensorShapeError: a shape.
@@ -427,6 +428,11 @@ def make_plan(
         raise RecipeError(
             f"{rec.path}: modules.widths = [] builds no modules; that is allowed only on the cpu card "
             f"(torch linears), card {card} needs its compiled linears"
+        )
+    if rec.q4_pad_k and profile.arch == "llvm":
+        raise RecipeError(
+            f"{rec.path}: modules.q4_pad_k pads q4 linears for the CUDA cards' tiled route; card {card} "
+            "compiles its linears with LLVM and has no such route (leave q4_pad_k out of a cpu recipe)"
         )
     if rec.llvm_mcpu is not None and profile.arch == "llvm":
         _check_mcpu(rec.llvm_mcpu, rec.path)
@@ -539,6 +545,11 @@ def make_plan(
         dflash2=dr is not None and dr.kind == "dflash2",
         q4_pad_k=rec.q4_pad_k,
     )
+    if rec.q4_pad_k and not any(modules.pads(s) for s in modules.shapes):
+        notes.append(
+            "modules.q4_pad_k: no q4 linear has an in_features that is a multiple of 32 but not of 128; "
+            "nothing is padded"
+        )
     return BuildPlan(
         card=card,
         profile=profile,

@@ -15,7 +15,8 @@
                                       # against the CPU names of TVM's LLVM
     q4_pad_k = true                   # CUDA cards: q4 linears whose in_features is a multiple of 32 but
                                       # not of 128 take the tiled route too, padded with zero columns to
-                                      # the next multiple of 128 (default false: the TensorIR route)
+                                      # the next multiple of 128 (default false: the TensorIR route;
+                                      # refused on the cpu card)
 
     [drafter]
     prefix = "dflash2."               # name prefix of the grafted drafter's tensors

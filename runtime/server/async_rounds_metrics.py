@@ -63,6 +63,6 @@ class AsyncRoundsCollector(Collector):
         yield CounterMetricFamily(
             "ignis_async_rounds_drained",
             "Async rounds in flight settled first because a step needed the ordinary round "
-            "(prefill work, or a lane with sampling, penalties, logprobs or a grammar).",
+            "(prefill work, or a lane with sampling, penalties, min_tokens, logprobs or a grammar).",
             value=drained,
         )

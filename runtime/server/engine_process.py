@@ -26,10 +26,11 @@ waiting, no thread hop; a thread reads instead where no loop runs), updates the 
 both processes read the same `CLOCK_MONOTONIC`), then queues the events for their requests: one
 wake-up a step, fewer when the loop falls behind.
 
-The engine's other Prometheus series (the prompt checkpoint pool's, the expert cache's) are collected
-in the child and shipped with a step message that finishes or admits a request, or every
-`EXTRAS_INTERVAL_S` seconds of steps otherwise; `/metrics` renders the latest with their names, help
-and types unchanged. `/status`'s `gpu` is the child's device memory, shipped with them.
+The engine's other Prometheus series (the prompt checkpoint pool's, the expert cache's, the async
+rounds') are collected in the child and shipped with its ready message (their values at load), then
+with a step message that finishes or admits a request, or every `EXTRAS_INTERVAL_S` seconds of steps
+otherwise; `/metrics` renders the latest with their names, help and types unchanged. `/status`'s
+`gpu` is the child's device memory, shipped with them.
 
 **Failures.** A bad request is refused in the server process before it crosses (validation stays
 there); a request the engine refuses (`LaneRequestError`) comes back as a typed error event (400). An
@@ -272,6 +273,15 @@ class _EngineSide(LaneLoop):
         self._on_cuda = torch is not None and bool(torch.cuda.is_initialized())
         self._packer = msgpack.Packer(use_bin_type=True)  # one for every step (lane thread only)
 
+    def start_extras(self) -> Any:
+        """The engine's other series and the device memory as loaded (the ready message ships them, so
+        `/metrics` lists them, at their start values, before the first step), or None when there are
+        none. Called on the child's main thread before its lane loop runs."""
+        if not (self._collectors or self._on_cuda):
+            return None
+        self._extras_at = time.monotonic()
+        return [_collect(self._collectors), _gpu_memory()]
+
     # -- the command reader thread
 
     def take(
@@ -455,6 +465,7 @@ def _child_main(
         "vocab_size": side.vocab_size,
         "max_prefill_tokens": side.max_prefill_tokens,
         "pid": os.getpid(),
+        "extras": side.start_extras(),
     }
     send(_pack([_READY, info]))
     holder.append(side)
@@ -658,6 +669,8 @@ class ProcessLaneLoop:
         self.vocab_size: int | None = info["vocab_size"]
         self._max_prefill_tokens: int | None = info["max_prefill_tokens"]
         self._child_restarts = self._child_cut = 0
+        if info.get("extras") is not None:  # the child's series at load: listed before the first step
+            self._extras, self._gpu = info["extras"]
         logger.info("engine process %d ready (%d lanes)", self.child_pid, self.max_lanes)
 
     # ------------------------------------------------------------------ any thread

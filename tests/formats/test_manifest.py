@@ -510,3 +510,21 @@ def test_fuzz_mutated_manifests_raise_only_manifest_errors(tmp_path: Path, data:
         assert isinstance(exc, ManifestError)
         return
     assert isinstance(m, Manifest)
+
+
+def test_a_tiled_q4_function_off_the_q4_groups_is_refused_for_what_it_is(tmp_path: Path) -> None:
+    """A q4_g32_tiled function whose in_features is not whole q4 groups of 32 (K = 580) is refused
+    naming in_features and saying it is not a multiple of 32 (not that its padded K is wrong, which
+    the right padded K 640 would contradict)."""
+    m = _artifact(tmp_path)
+
+    def change(o):  # type: ignore[no-untyped-def]
+        o["modules"][0]["route"] = "cuda-tiled"
+        fn = o["modules"][0]["functions"][0]
+        fn.update(kind="q4_g32_tiled", name="q4t_n8_k580_pad640", in_features=580, padded_in_features=640)
+
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(_mutated(m, change), path="manifest.json")
+    message = str(info.value)
+    assert "functions[0].in_features" in message and "580 (not a multiple of 32)" in message, message
+    assert "a multiple of 32, not of" not in message, message
