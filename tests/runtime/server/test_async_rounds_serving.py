@@ -48,11 +48,53 @@ def test_flag_and_config_key_reach_the_model_settings(captured, seen, tmp_path: 
         (["--config", str(cfg)], True),
         (["--config", str(cfg), "--no-async-rounds"], False),
     ):
-        result = CliRunner().invoke(
-            cli.main, ["--model-factory", "toy_model:from_env", *args], catch_exceptions=False
-        )
-        assert result.exit_code == 0, result.output
-        assert seen[-1].async_rounds is want, args
+        assert _async_rounds(args, seen) is want, args
+
+
+def _async_rounds(args: list[str], seen: list[object]) -> bool:
+    """`ignis-run --model-factory toy_model:from_env ARGS` (it returns once the test's `captured`
+    fixture has the server): the `async_rounds` of the ModelSettings its load got."""
+    result = CliRunner().invoke(
+        cli.main, ["--model-factory", "toy_model:from_env", *args], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    value = seen[-1].async_rounds  # type: ignore[attr-defined]
+    assert isinstance(value, bool)
+    return value
+
+
+@pytest.fixture
+def on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy source says it serves on CUDA (it runs on the CPU), the engine stays in the server's
+    thread, and its config knows an ngram drafter."""
+    monkeypatch.setattr(toy_model.ToySource, "serves_on_cuda", lambda self, s: True, raising=False)
+    monkeypatch.setattr(cli, "ENGINE_PROCESS_ON_CUDA", False)
+    monkeypatch.setenv("IGNIS_TOY_KINDS", "ngram")
+
+
+def test_the_config_file_turns_the_cuda_default_off(captured, seen, on_cuda, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """For a model served on CUDA the default (on with speculation off) yields to `async_rounds: false`
+    in the config file (YAML and TOML), the command line wins over the file, and a drafter chosen in the
+    file (its `spec` section or the model's own section) leaves the default off."""
+    sock = short_tmpdir() / "s.sock"
+    yaml_off = tmp_path / "off.yaml"
+    yaml_off.write_text(f"socket: {sock}\nasync_rounds: false\n")
+    toml_off = tmp_path / "off.toml"
+    toml_off.write_text(f'socket = "{sock}"\nasync_rounds = false\n')
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(f"socket: {sock}\n")
+    ngram = tmp_path / "ngram.yaml"
+    ngram.write_text(f"socket: {sock}\nspec:\n  backend: ngram\n")
+    own = tmp_path / "own.yaml"
+    own.write_text(f"socket: {sock}\nspec:\n  toy:\n    backend: ngram\n")
+    assert _async_rounds(["--socket", str(sock)], seen)  # the CUDA default, speculation off
+    assert _async_rounds(["--config", str(plain)], seen)
+    assert not _async_rounds(["--config", str(yaml_off)], seen)
+    assert not _async_rounds(["--config", str(toml_off)], seen)
+    assert _async_rounds(["--config", str(yaml_off), "--async-rounds"], seen)  # the command line wins
+    assert not _async_rounds(["--config", str(ngram)], seen)  # a drafter from the file: off
+    assert not _async_rounds(["--config", str(own)], seen)  # the model's own spec section too
+    assert _async_rounds(["--config", str(ngram), "--spec-backend", "off"], seen)
 
 
 def test_the_default_is_on_for_cuda_with_speculation_off(monkeypatch: pytest.MonkeyPatch) -> None:
