@@ -120,6 +120,14 @@ def _executor(kind: str, device: str = "cpu", **static):  # type: ignore[no-unty
     )
 
 
+def _mid_output_eos(ex, plan, rng: random.Random) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+    """An EOS for `plan` on `ex` that makes lanes stop mid-output: one of the tokens (neither the first
+    nor the last of a lane) the ordinary engine outputs, drawn with `rng`; () when there is none."""
+    base, _, _ = _run(ex, plan, async_rounds=False)
+    outs = [t for r in base.values() for t in r.output_token_ids[1:-1]]
+    return (rng.choice(outs),) if outs else ()
+
+
 def _text(ids) -> str:  # type: ignore[no-untyped-def]
     return "".join(chr(97 + t % 26) for t in ids)
 
@@ -201,9 +209,7 @@ def test_async_rounds_equal_ordinary_rounds(kind: str) -> None:
     for seed in range(6):
         rng = random.Random(seed)
         plan = _random_plan(rng, vocab, rng.randint(1, 5))
-        base, _, _ = _run(ex, plan, async_rounds=False)
-        outs = [t for r in base.values() for t in r.output_token_ids[1:-1]]
-        eos = (rng.choice(outs),) if outs else ()
+        eos = _mid_output_eos(ex, plan, rng)
         want, want_streamed, _ = _run(ex, plan, async_rounds=False, eos=eos)
         got, got_streamed, eng = _run(ex, plan, async_rounds=True, eos=eos)
         _same(want, got)
@@ -255,9 +261,7 @@ def test_async_rounds_with_aborts_and_prompt_checkpoints(kind: str) -> None:
     for seed in range(8):
         rng = random.Random(100 + seed)
         plan = _random_plan(rng, vocab, rng.randint(2, 5))
-        full, _, _ = _run(ex, plan, async_rounds=False)
-        outs = [t for r in full.values() for t in r.output_token_ids[1:-1]]
-        eos = (rng.choice(outs),) if outs else ()
+        eos = _mid_output_eos(ex, plan, rng)
         full, _, _ = _run(ex, plan, async_rounds=False, eos=eos)
         joins = {op[1]: step for step, ops in plan.items() for op in ops}
         victim = rng.choice(sorted(joins))
@@ -771,9 +775,7 @@ def test_async_rounds_equal_ordinary_rounds_on_cuda(kind: str) -> None:
     for seed in range(3):
         rng = random.Random(seed)
         plan = _random_plan(rng, ex.config.vocab_size, rng.randint(1, 5))
-        base, _, _ = _run(ex, plan, async_rounds=False)
-        outs = [t for r in base.values() for t in r.output_token_ids[1:-1]]
-        eos = (rng.choice(outs),) if outs else ()
+        eos = _mid_output_eos(ex, plan, rng)
         want, _, _ = _run(ex, plan, async_rounds=False, eos=eos)
         got, _, _ = _run(ex, plan, async_rounds=True, eos=eos)
         _same(want, got)
@@ -865,9 +867,7 @@ def test_async_rounds_on_the_served_moe_route(cuda_kernel, kind: str) -> None:  
     for seed in range(3):
         rng = random.Random(seed)
         plan = _random_plan(rng, ex.config.vocab_size, rng.randint(1, 5))
-        base, _, _ = _run(resident, plan, async_rounds=False)
-        outs = [t for r in base.values() for t in r.output_token_ids[1:-1]]
-        eos = (rng.choice(outs),) if outs else ()
+        eos = _mid_output_eos(resident, plan, rng)
         ordinary, _, _ = _run(ex, plan, async_rounds=False, eos=eos)
         got, _, eng = _run(ex, plan, async_rounds=True, eos=eos)
         _same(ordinary, got)  # async rounds against the ordinary rounds of the same route
