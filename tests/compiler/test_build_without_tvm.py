@@ -70,8 +70,9 @@ def _blocked_build(model: Path, drafter: Path | None, recipe: Path, out: Path) -
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_plan_on_the_tensorir_route_is_refused_without_tvm(tmp_path: Path) -> None:
-    """down_proj's in_features 160 is not a multiple of 128: the TensorIR route, which needs tvm."""
+def _tiny_llama_k160(tmp_path: Path, *, q4_pad_k: bool) -> tuple[Path, Path]:
+    """A tiny llama checkpoint (hidden 128, intermediate 160: down_proj's K is not a multiple of 128)
+    and a recipe of width 8, with or without q4_pad_k, in `tmp_path`. Returns (checkpoint, recipe)."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(TESTS))
     import hf_tiny
@@ -80,8 +81,15 @@ def test_a_plan_on_the_tensorir_route_is_refused_without_tvm(tmp_path: Path) -> 
         "llama", hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2
     )
     ckpt = hf_tiny.save_tiny(model, tmp_path / "ckpt", tokenizer=hf_tiny.tiny_tokenizer())
-    (tmp_path / "r.toml").write_text('name = "tiny"\n[modules]\nwidths = [8]\n')
-    seen = _blocked_build(ckpt, None, tmp_path / "r.toml", tmp_path / "out" / "tiny")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "tiny"\n[modules]\nwidths = [8]\n' + ("q4_pad_k = true\n" if q4_pad_k else ""))
+    return ckpt, recipe
+
+
+def test_a_plan_on_the_tensorir_route_is_refused_without_tvm(tmp_path: Path) -> None:
+    """down_proj's in_features 160 is not a multiple of 128: the TensorIR route, which needs tvm."""
+    ckpt, recipe = _tiny_llama_k160(tmp_path, q4_pad_k=False)
+    seen = _blocked_build(ckpt, None, recipe, tmp_path / "out" / "tiny")
     error = str(seen["error"])
     assert "need the TVM compiler" in error and "[128, 160] (tir-dlight)" in error, error
     assert "[384, 128]" not in error  # the K % 128 == 0 shapes build with nvcc alone
@@ -94,19 +102,11 @@ def test_with_q4_pad_k_the_same_plan_builds_without_tvm(tmp_path: Path) -> None:
     """The model above with the recipe's q4_pad_k: its K = 160 linears take the tiled route over K
     padded to 256 (functions q4t_n{N}_k160_pad256, padded_in_features 256), so the h200 build needs
     no TVM; the fused norms and RoPE + KV write of the llama rounds are built beside them."""
-    pytest.importorskip("transformers")
-    sys.path.insert(0, str(TESTS))
-    import hf_tiny
-
     from ignis.formats import read_manifest
 
-    model = hf_tiny.tiny_model(
-        "llama", hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2
-    )
-    ckpt = hf_tiny.save_tiny(model, tmp_path / "ckpt", tokenizer=hf_tiny.tiny_tokenizer())
-    (tmp_path / "r.toml").write_text('name = "tiny"\n[modules]\nwidths = [8]\nq4_pad_k = true\n')
+    ckpt, recipe = _tiny_llama_k160(tmp_path, q4_pad_k=True)
     out = tmp_path / "out" / "tiny"
-    seen = _blocked_build(ckpt, None, tmp_path / "r.toml", out)
+    seen = _blocked_build(ckpt, None, recipe, out)
     assert seen["error"] is None and seen["tvm"] == []
     m = read_manifest(out)
     assert {e.route for e in m.modules} == {"cuda-tiled"}
